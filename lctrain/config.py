@@ -1,0 +1,323 @@
+"""The typed configuration tree: YAML load, `base:` inheritance, `--set a.b=c` overrides, validation, fingerprints.
+
+Every stage takes a `Config`. A config file may name a `base:` config (a bundled name or a path, relative to the
+file) whose values it overrides key by key; that keeps the Table 1 configs short and their differences visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lctrain.errors import UserError
+
+DEFAULT_CONFIG = "tiny_anchor"
+DOMAINS = ("CommonCrawl", "C4", "GitHub", "ArXiv", "Book", "Wikipedia", "StackExchange", "other")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class SyntheticConfig(_Section):
+    """A seeded generator of SlimPajama-like documents (7 domains, long-tailed lengths)."""
+
+    num_docs: int = Field(2000, ge=1)
+    median_words: int = Field(300, ge=1)
+    max_words: int = Field(200_000, ge=1)
+    long_doc_fraction: float = Field(0.01, ge=0.0, le=1.0)
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic", "hub", "local"] = "synthetic"
+    path: Optional[str] = None
+    hub_name: str = "cerebras/SlimPajama-627B"
+    hub_split: str = "train"
+    tokenizer: str = "builtin:mistral-7b-v0.1"
+    seq_len: int = Field(1024, ge=8)
+    token_budget: int = Field(2_000_000, ge=1)
+    mixture: Literal["slimpajama", "upsampled"] = "slimpajama"
+    short_doc_tokens: int = Field(4096, ge=1)
+    down_sample_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    domain_tags: bool = False
+    interleave_chunks: bool = False
+    min_doc_tokens: int = Field(1, ge=1)
+    seed: int = 0
+    num_workers: int = Field(0, ge=0, description="tokenizer processes; 0 = all cores")
+    output_dir: Optional[str] = None
+    strict: bool = False
+    synthetic: SyntheticConfig = SyntheticConfig()
+
+    @model_validator(mode="after")
+    def _source_needs_path(self):
+        if self.source == "local" and not self.path:
+            raise ValueError("data.path is required when data.source is 'local'")
+        return self
+
+
+class ModelConfig(_Section):
+    name_or_path: Optional[str] = None
+    arch: Optional[dict[str, Any]] = None
+    rope_theta: Optional[float] = Field(None, gt=0)
+    rope_scaling: Optional[dict[str, Any]] = None
+    max_position_embeddings: Optional[int] = Field(None, ge=1)
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    gradient_checkpointing: bool = False
+    rope_fp32: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.name_or_path is None) == (self.arch is None):
+            raise ValueError("set exactly one of model.name_or_path (hub name or directory) and model.arch")
+        return self
+
+
+class AttentionConfig(_Section):
+    mode: Literal["full", "intra_doc", "intra_doc_reset", "anchor"] = "anchor"
+    engine: Literal["auto", "sdpa", "flex", "varlen", "reference"] = "auto"
+
+
+class TrainConfig(_Section):
+    steps: int = Field(2000, ge=1)
+    global_batch: int = Field(8, ge=1)
+    micro_batch: int = Field(1, ge=1)
+    lr: float = Field(2e-5, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    grad_clip: float = Field(1.0, ge=0)
+    run_dir: Optional[str] = None
+
+
+class ParallelConfig(_Section):
+    nproc_per_node: int = Field(1, ge=1)
+    num_nodes: int = Field(1, ge=1)
+    hostfile: Optional[str] = None
+    sequence_parallel: int = Field(1, ge=1)
+    zero_stage: int = Field(2, ge=0, le=3)
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(100, ge=1)
+    keep: int = Field(2, ge=1)
+    hf_every: int = Field(10, ge=1)
+    hf_last: int = Field(50, ge=0)
+
+
+class LoggingConfig(_Section):
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
+    wandb_project: str = "lctrain"
+    log_every: int = Field(1, ge=1)
+
+
+class EvalConfig(_Section):
+    lengths: list[int] = [4096, 8192, 16384, 32768, 65536, 131072]
+    tasks: Optional[list[str]] = None
+    exclude: list[str] = []
+    samples_per_task: int = Field(25, ge=1)
+    qa_path: Optional[str] = None
+    seed: int = 0
+
+
+class Config(_Section):
+    name: str = "run"
+    description: str = ""
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig(arch={"model_type": "llama"})
+    attention: AttentionConfig = AttentionConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
+    source_file: Optional[str] = Field(None, description="where this config was loaded from (set by the loader)")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def bundled_config_dir() -> Path:
+    return Path(str(resources.files("lctrain") / "configs"))
+
+
+def bundled_config_names() -> list[str]:
+    return sorted(p.stem for p in bundled_config_dir().glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def _locate(name_or_path: str, relative_to: Optional[Path] = None) -> Path:
+    candidates = []
+    if relative_to is not None:
+        candidates.append(relative_to / name_or_path)
+    candidates.append(Path(name_or_path))
+    stem = name_or_path[:-5] if name_or_path.endswith(".yaml") else name_or_path
+    candidates.append(bundled_config_dir() / f"{stem}.yaml")
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise UserError(
+        f"config '{name_or_path}' not found (neither a file nor a bundled config); "
+        f"run 'lctrain configs' to list the bundled ones"
+    )
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a config must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("arch", "rope_scaling"):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    if path.resolve() in seen:
+        raise UserError(f"{path}: 'base:' chain loops back to itself")
+    raw = _read_yaml(path)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    base_path = _locate(str(base), relative_to=path.parent)
+    return _deep_merge(_load_raw(base_path, seen + (path.resolve(),)), raw)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item or not item.split("=", 1)[0].strip():
+        raise UserError(f"--set '{item}': expected KEY=VALUE, e.g. --set data.seq_len=4096")
+    key, value = item.split("=", 1)
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip().split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    raw = json.loads(json.dumps(raw))
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = raw
+        for k in keys[:-1]:
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            if not isinstance(nxt, dict):
+                raise UserError(f"--set '{item}': '{k}' is a value, not a section")
+            node = nxt
+        node[keys[-1]] = value
+    return raw
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    e = err.errors()[0]
+    loc = tuple(p for p in e["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    if e["type"] == "extra_forbidden":
+        allowed = ", ".join(k for k in _allowed_keys(Config, loc) if k != "source_file")
+        return f"{source}: unknown key '{key}'; allowed keys here: {allowed}"
+    if e["type"] == "literal_error":
+        return f"{source}: {key} = {e.get('input')!r} is not allowed; expected {e['ctx']['expected']}"
+    msg = e["msg"].removeprefix("Value error, ")
+    if isinstance(e.get("input"), dict):
+        return f"{source}: {key}: {msg}"
+    if loc:
+        return f"{source}: {key} = {e.get('input')!r}: {msg}"
+    return f"{source}: {msg}"
+
+
+def validate(raw: dict, source: str = "<config>") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(_format_validation_error(err, source)) from None
+
+
+def load_config(name_or_path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a config by path or bundled name (default: the embedded tiny CPU config), apply overrides, validate."""
+    path = _locate(name_or_path or DEFAULT_CONFIG)
+    raw = apply_overrides(_load_raw(path), overrides)
+    raw.pop("source_file", None)
+    cfg = validate(raw, source=str(path))
+    cfg.source_file = str(path)
+    return cfg
+
+
+# ---------------------------------------------------------------- fingerprints and resolved output
+
+# Fields that change how a stage runs but not what it produces.
+_DATA_FIELDS_NOT_IN_FINGERPRINT = ("num_workers", "output_dir", "strict")
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def config_fingerprint(cfg: Config) -> str:
+    return _digest(cfg.model_dump(mode="json", exclude={"source_file"}))
+
+
+def data_fingerprint(data: DataConfig) -> str:
+    return _digest(data.model_dump(mode="json", exclude=set(_DATA_FIELDS_NOT_IN_FINGERPRINT)))
+
+
+def data_dir(cfg: Config) -> Path:
+    """Where the prepared dataset of this config lives: `data.output_dir`, else one directory per data fingerprint,
+    so configs that differ only in training settings share one prepared dataset."""
+    if cfg.data.output_dir:
+        return Path(cfg.data.output_dir)
+    return Path("prepared") / data_fingerprint(cfg.data)[:12]
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.train.run_dir) if cfg.train.run_dir else Path("runs") / cfg.name
+
+
+def to_yaml(cfg: Config) -> str:
+    body = yaml.safe_dump(cfg.model_dump(mode="json", exclude={"source_file"}), sort_keys=False)
+    return f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n{body}"
+
+
+def write_resolved(cfg: Config, directory: Path, filename: str = "config.yaml") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / filename
+    out.write_text(to_yaml(cfg))
+    return out

@@ -1,0 +1,96 @@
+"""Tokenizer loading (hub name, local directory, SentencePiece file, or a built-in one) and the anchor token.
+
+Built-in tokenizers are the real SentencePiece models that the `mistral-common` package ships, so tests and the demo
+use a real 32K-vocabulary tokenizer without touching a hub. The converted fast tokenizer is cached on disk because
+converting SentencePiece to `tokenizers` takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from lctrain.errors import UserError
+
+BUILTIN_PREFIX = "builtin:"
+# name -> file in mistral_common/data. v1 is the Mistral-7B-v0.1 (Llama-2-style) 32000-token model, v3 the
+# Mistral-7B-v0.3 32768-token one.
+BUILTIN_TOKENIZERS = {
+    "mistral-7b-v0.1": "tokenizer.model.v1",
+    "mistral-7b-v0.3": "mistral_instruct_tokenizer_240323.model.v3",
+}
+
+
+def _builtin_model_file(name: str) -> Path:
+    if name not in BUILTIN_TOKENIZERS:
+        allowed = ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS)
+        raise UserError(f"tokenizer '{BUILTIN_PREFIX}{name}' is unknown; built-in tokenizers: {allowed}")
+    try:
+        import mistral_common
+    except ImportError:
+        raise UserError("built-in tokenizers need the 'mistral-common' package: pip install mistral-common") from None
+    path = Path(mistral_common.__file__).parent / "data" / BUILTIN_TOKENIZERS[name]
+    if not path.is_file():
+        raise UserError(f"{path}: built-in tokenizer file missing; reinstall mistral-common")
+    return path
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LCTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lctrain")
+    return Path(root) / "tokenizers"
+
+
+def _from_sentencepiece(model_file: Path, cache_key: str):
+    from transformers import AutoTokenizer, LlamaTokenizerFast
+
+    cached = _cache_dir() / cache_key
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(model_file, Path(tmp) / "tokenizer.model")
+        tok = LlamaTokenizerFast.from_pretrained(tmp)
+    try:
+        staging = Path(tempfile.mkdtemp(dir=cached.parent if cached.parent.exists() else None))
+        tok.save_pretrained(str(staging))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, cached)
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tok
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(spec: str):
+    """Load a tokenizer from `builtin:NAME`, a directory, a SentencePiece `.model` file, or a hub name."""
+    if spec.startswith(BUILTIN_PREFIX):
+        name = spec[len(BUILTIN_PREFIX):]
+        return _from_sentencepiece(_builtin_model_file(name), f"builtin-{name}")
+    path = Path(spec)
+    if path.is_file():
+        import hashlib
+
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        return _from_sentencepiece(path, f"spm-{digest}")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec)
+    except Exception as e:  # transformers raises OSError/ValueError/HF hub errors depending on the cause
+        where = "directory" if path.is_dir() else "hub name or path"
+        raise UserError(
+            f"tokenizer '{spec}' could not be loaded as a {where} ({type(e).__name__}); set data.tokenizer to a "
+            f"local tokenizer directory, a SentencePiece .model file, or one of "
+            f"{', '.join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS)}"
+        ) from None
+
+
+def anchor_token_id(tokenizer) -> int:
+    """The anchor that starts every segment: BOS, or EOS for tokenizers without BOS (Qwen)."""
+    if tokenizer.bos_token_id is not None:
+        return int(tokenizer.bos_token_id)
+    if tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    raise UserError(f"tokenizer '{tokenizer.name_or_path}' has neither a BOS nor an EOS token to use as the anchor")
