@@ -1,0 +1,109 @@
+"""`make_batch`: packed rows (DESIGN §2) -> model kwargs (input ids, positions, pre-shifted labels, segments)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from lctrain.attention.modes import MODES, build_layout, position_ids, shifted_labels
+from lctrain.attention.segments import SEGMENTS_KEY, Segments
+from lctrain.errors import UserError
+
+# The keys sequence parallelism shards along the sequence; every other key is replicated unchanged.
+PER_TOKEN_KEYS = ("input_ids", "position_ids", "labels", "shift_labels")
+
+Ragged = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
+
+
+def _rows(value: Ragged, batch: int, name: str) -> list[torch.Tensor]:
+    """A ragged list of B 1-D sequences or a zero-padded `[B, n]` array -> list of B 1-D long tensors (unpadded
+    later, against seg_lens)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 2:
+        rows = [torch.as_tensor(np.asarray(r) if isinstance(r, np.ndarray) else r) for r in value]
+    elif isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim != 2:
+        raise UserError(f"make_batch: {name} must be a list of {batch} sequences or a [B, n] array, "
+                        f"got shape {tuple(value.shape)}")
+    else:
+        rows = [torch.as_tensor(np.asarray(r, dtype=np.int64)) for r in value]
+    if len(rows) != batch:
+        raise UserError(f"make_batch: {name} has {len(rows)} rows but input_ids has {batch}")
+    return [r.long().reshape(-1) for r in rows]
+
+
+def make_batch(
+    input_ids,
+    seg_lens: Ragged,
+    mode: str,
+    seg_doc: Optional[Ragged] = None,
+    tag_lens: Optional[Ragged] = None,
+    *,
+    anchor_id: Optional[int] = None,
+) -> dict:
+    """Model kwargs for packed windows: `input_ids`, `position_ids`, `labels` (pre-shifted, -100 at each row's last
+    token and before tag tokens), `shift_labels` (the same tensor, so HF's loss does not shift again), all `[B, L]`,
+    and the segment metadata under `lctrain_segments`. With `anchor_id`, checks that every segment starts with it."""
+    if mode not in MODES:
+        raise UserError(f"attention mode '{mode}' is unknown; expected one of {', '.join(MODES)}")
+    ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids)
+    if ids.ndim != 2 or ids.shape[1] < 1:
+        raise UserError(f"make_batch: input_ids must be [batch, seq_len], got shape {tuple(ids.shape)}")
+    ids = ids.long()
+    B, L = ids.shape
+
+    lens_rows = _rows(seg_lens, B, "seg_lens")
+    doc_rows = _rows(seg_doc, B, "seg_doc") if seg_doc is not None else None
+    tag_rows = _rows(tag_lens, B, "tag_lens") if tag_lens is not None else None
+
+    seg_len, seg_row, seg_docs, seg_tags = [], [], [], []
+    for b, lens in enumerate(lens_rows):
+        padded = isinstance(seg_lens, (torch.Tensor, np.ndarray))
+        n = int((lens > 0).sum()) if padded else lens.numel()
+        if padded and bool((lens[:n] <= 0).any()):
+            raise UserError(f"make_batch: row {b}: seg_lens has zero padding before its last segment: {lens.tolist()}")
+        lens = lens[:n]
+        if n == 0 or bool((lens <= 0).any()):
+            raise UserError(f"make_batch: row {b}: every segment needs at least one token (its anchor); "
+                            f"seg_lens = {lens.tolist()}")
+        if int(lens.sum()) != L:
+            raise UserError(f"make_batch: row {b}: seg_lens sum to {int(lens.sum())} but the row has {L} tokens")
+        docs = _segment_values(doc_rows, b, n, "seg_doc", default=torch.arange(n))
+        tags = _segment_values(tag_rows, b, n, "tag_lens", default=torch.zeros(n, dtype=torch.long))
+        if bool((docs < 0).any()):
+            raise UserError(f"make_batch: row {b}: seg_doc must be >= 0, got {docs.tolist()}")
+        if bool((tags < 0).any()) or bool((tags >= lens).any()):
+            raise UserError(f"make_batch: row {b}: tag_lens must be in [0, segment length - 1] (the anchor comes "
+                            f"first); tag_lens = {tags.tolist()}, seg_lens = {lens.tolist()}")
+        seg_len.append(lens)
+        seg_row.append(torch.full((n,), b, dtype=torch.long))
+        seg_docs.append(docs)
+        seg_tags.append(tags)
+
+    layout = build_layout(B, L, torch.cat(seg_len), torch.cat(seg_row), torch.cat(seg_docs), torch.cat(seg_tags))
+    if anchor_id is not None:
+        starts = ids.view(-1)[layout.seg_start]
+        bad = torch.nonzero(starts != anchor_id)
+        if bad.numel():
+            s = int(bad[0])
+            row, col = int(layout.seg_row[s]), int(layout.seg_start[s]) - int(layout.seg_row[s]) * L
+            raise UserError(f"make_batch: row {row}: the segment at token {col} starts with token id "
+                            f"{int(starts[s])}, not the anchor id {anchor_id}; re-run `lctrain prepare` with the "
+                            f"tokenizer the model uses")
+    labels = shifted_labels(ids, layout)
+    return {
+        "input_ids": ids,
+        "position_ids": position_ids(layout, mode),
+        "labels": labels,
+        "shift_labels": labels,
+        SEGMENTS_KEY: Segments(layout, mode),
+    }
+
+
+def _segment_values(rows, b: int, n: int, name: str, default: torch.Tensor) -> torch.Tensor:
+    if rows is None:
+        return default
+    row = rows[b]
+    if row.numel() < n or bool((row[n:] != 0).any()):
+        raise UserError(f"make_batch: row {b}: {name} has {row.numel()} entries for {n} segments")
+    return row[:n]

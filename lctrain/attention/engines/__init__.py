@@ -1,0 +1,1 @@
+"""Attention engines: one function per engine, all computing the same masks (lctrain.attention.modes)."""

@@ -1,0 +1,64 @@
+"""`flex`: FlexAttention with a block mask built from per-token document, segment and anchor ids (GPU).
+
+The block mask is built once per batch and device and cached on the `Segments` object; every layer (and every
+gradient-checkpoint recomputation) reuses it. On CUDA both the mask construction and the kernel are compiled, which
+is what makes FlexAttention sparse and fused; on CPU it runs eagerly, forward only (no CPU backward in PyTorch).
+Interleaved chunks are just another mask here, so this is the GPU engine for them.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from lctrain.attention.engines.common import check_dropout, plain_causal, segments_of, unify_dtypes
+from lctrain.attention.modes import Layout
+
+
+@lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+def mask_mod_for(layout: Layout, mode: str, device):
+    """The mode's visibility rule as a FlexAttention `mask_mod(b, h, q, k)` over `[B, L]` id tensors."""
+    B, L = layout.batch, layout.length
+    doc = layout.tok_doc.view(B, L).to(device)
+    seg = layout.tok_seg.view(B, L).to(device)
+    anc = layout.tok_anchor.view(B, L).to(device)
+
+    if mode == "full":
+        def mask_mod(b, h, q, k):
+            return q >= k
+    elif mode in ("intra_doc", "intra_doc_reset"):
+        def mask_mod(b, h, q, k):
+            return (q >= k) & (doc[b, q] == doc[b, k])
+    elif mode == "anchor":
+        def mask_mod(b, h, q, k):
+            own_anchor = anc[b, k] & (seg[b, q] == seg[b, k])
+            body = ~anc[b, k] & ~anc[b, q] & (doc[b, q] == doc[b, k])
+            return (q >= k) & (own_anchor | body)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    return mask_mod
+
+
+def build_block_mask(layout: Layout, mode: str, device):
+    device = torch.device(device)
+    make = _compiled(create_block_mask) if device.type == "cuda" else create_block_mask
+    return make(mask_mod_for(layout, mode, device), layout.batch, None, layout.length, layout.length, device=device)
+
+
+def flex_engine(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    check_dropout(dropout)
+    query, key, value = unify_dtypes(query, key, value)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    seg = segments_of(kwargs, query)
+    if seg is None:
+        return plain_causal(query, key, value, scaling), None
+    block_mask = seg.cached(("flex", query.device), lambda: build_block_mask(seg.layout, seg.mode, query.device))
+    attend = _compiled(flex_attention) if query.is_cuda else flex_attention
+    out = attend(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,81 @@
+"""`varlen`: variable-length FlashAttention over the documents of the flattened batch (GPU only).
+
+flash-attn's `flash_attn_varlen_func` when installed, else PyTorch's `torch.nn.attention.varlen.varlen_attn`. Each
+document must be one contiguous run of tokens, so interleaved chunks are refused (use `flex` or `sdpa`). In `anchor`
+mode a one-segment document's mask is the intra-document one (its own anchor leads it), so the same call serves all
+three document modes; `full` uses one sequence per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lctrain.attention.engines.common import check_dropout, plain_causal, segments_of, unify_dtypes
+from lctrain.attention.modes import Layout
+from lctrain.errors import UserError
+
+
+@dataclass
+class VarlenPlan:
+    cu_seqlens: torch.Tensor  # int32 [N + 1]
+    max_seqlen: int  # a Python int: no device sync per layer
+
+
+def build_varlen_plan(layout: Layout, mode: str, device) -> VarlenPlan:
+    if mode == "full":
+        lens = torch.full((layout.batch,), layout.length, dtype=torch.long)
+    else:
+        if layout.multi_segment_docs:
+            raise UserError(f"attention engine 'varlen' cannot mask documents split into several chunks "
+                            f"(mode '{mode}'); set attention.engine to 'flex' or 'sdpa'")
+        lens = layout.seg_len
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    return VarlenPlan(cu.to(device), int(lens.max()))
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def torch_varlen_available() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def varlen_engine(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    check_dropout(dropout)
+    query, key, value = unify_dtypes(query, key, value)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    seg = segments_of(kwargs, query)
+    if seg is None:
+        return plain_causal(query, key, value, scaling), None
+    if not query.is_cuda:
+        raise UserError("attention engine 'varlen' needs a CUDA GPU; set attention.engine to 'sdpa' on CPU")
+    if value.dtype not in (torch.bfloat16, torch.float16):
+        raise UserError(f"attention engine 'varlen' (FlashAttention) runs in bfloat16 or float16, not {value.dtype}; "
+                        f"set model.dtype to bfloat16 or attention.engine to 'flex' or 'sdpa'")
+    plan = seg.cached(("varlen", query.device), lambda: build_varlen_plan(seg.layout, seg.mode, query.device))
+    B, H, L, D = query.shape
+    q = query.transpose(1, 2).reshape(B * L, H, D)
+    k = key.transpose(1, 2).reshape(B * L, key.shape[1], D)
+    v = value.transpose(1, 2).reshape(B * L, value.shape[1], D)
+    cu, n = plan.cu_seqlens, plan.max_seqlen
+    if flash_attn_available():
+        from flash_attn import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(q, k, v, cu, cu, n, n, dropout_p=0.0, softmax_scale=scaling, causal=True)
+    else:
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(-1, 0), enable_gqa=key.shape[1] != H)
+    return out.view(B, L, H, D), None

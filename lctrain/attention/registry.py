@@ -1,0 +1,84 @@
+"""Registration of the engines as Hugging Face attention implementations, and engine selection.
+
+Registering a name with `transformers.AttentionInterface` is the library's public extension point: a model switched
+to `lctrain_<engine>` calls our function in every attention layer, with the forward kwargs (our `lctrain_segments`)
+passed through. No mask interface is registered, so Hugging Face builds no dense mask for these names.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from lctrain.attention.engines.flex import flex_engine
+from lctrain.attention.engines.reference import reference_attention
+from lctrain.attention.engines.sdpa import sdpa_attention
+from lctrain.attention.engines.varlen import flash_attn_available, torch_varlen_available, varlen_engine
+from lctrain.errors import UserError
+
+ENGINES: dict[str, Callable] = {
+    "reference": reference_attention,
+    "sdpa": sdpa_attention,
+    "flex": flex_engine,
+    "varlen": varlen_engine,
+}
+HF_PREFIX = "lctrain_"
+
+
+def hf_name(engine: str) -> str:
+    return HF_PREFIX + engine
+
+
+def register_all() -> None:
+    """Idempotent: registering a name again replaces it with the same function."""
+    from transformers import AttentionInterface
+
+    for name, fn in ENGINES.items():
+        AttentionInterface.register(hf_name(name), fn)
+
+
+def engine_fn(name: str) -> Callable:
+    """The engine as a plain function with the HF attention signature (for wrappers such as Ulysses)."""
+    name = name.removeprefix(HF_PREFIX)
+    if name not in ENGINES:
+        raise UserError(f"attention engine '{name}' is unknown; expected one of {', '.join(ENGINES)}")
+    return ENGINES[name]
+
+
+def resolve_engine(engine: str, mode: str, device, interleaved: bool = False, dtype=None) -> str:
+    """`auto` -> the fastest engine for this mode and device; a named engine is checked to be able to run it.
+
+    `interleaved`: the data has documents split into several chunks per window (data.interleave_chunks).
+    `dtype`: the model's dtype (a name such as "float32" or a torch dtype); None means bfloat16."""
+    device_type = torch.device(device).type
+    gpu = device_type == "cuda"
+    needs_chunk_mask = interleaved and mode != "full"
+    half = dtype is None or str(dtype).removeprefix("torch.") in ("bfloat16", "float16")
+    if engine == "auto":
+        if not gpu:
+            return "sdpa"
+        if mode == "full":
+            return "sdpa"
+        if not needs_chunk_mask and half and (flash_attn_available() or torch_varlen_available()):
+            return "varlen"
+        return "flex"
+    if engine not in ENGINES:
+        raise UserError(f"attention.engine = '{engine}' is unknown; expected auto or one of {', '.join(ENGINES)}")
+    if engine == "varlen":
+        if not gpu:
+            raise UserError(f"attention.engine = 'varlen' needs a CUDA GPU (device is {device_type}); "
+                            f"use 'sdpa' or 'auto'")
+        if needs_chunk_mask:
+            raise UserError(f"attention.engine = 'varlen' cannot mask interleaved chunks of one document "
+                            f"(data.interleave_chunks with mode '{mode}'); use 'flex' or 'sdpa'")
+        if not half:
+            raise UserError(f"attention.engine = 'varlen' (FlashAttention) runs in bfloat16 or float16, not {dtype}; "
+                            f"set model.dtype or use 'flex' or 'sdpa'")
+        if not (flash_attn_available() or torch_varlen_available()):
+            raise UserError("attention.engine = 'varlen' needs flash-attn (pip install flash-attn) or a PyTorch "
+                            "with torch.nn.attention.varlen; use 'flex' or 'sdpa'")
+    if engine == "flex" and not gpu:
+        raise UserError(f"attention.engine = 'flex' cannot train on {device_type}: FlexAttention has no CPU "
+                        f"backward; use 'sdpa' or 'auto'")
+    return engine

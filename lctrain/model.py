@@ -1,0 +1,189 @@
+"""Build the model a config asks for: a hub name or local directory, or a random init from an architecture dict.
+
+Sets what long-context continual pretraining changes (DESIGN §1): RoPE base (`rope_theta`, Table 1 defaults by
+`data.seq_len`), RoPE scaling (YaRN, dynamic NTK, linear: Table 2), `max_position_embeddings`, dtype, gradient
+checkpointing, fp32 rotary rotation, and the attention engine (`lctrain_<engine>`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from lctrain.config import Config
+from lctrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# Paper Table 1: RoPE base per training length.
+_ROPE_THETA_BY_LENGTH = ((32_768, 1e6), (65_536, 5e6), (131_072, 1e7))
+_ROPE_THETA_LONGEST = 5e7
+# Scaled RoPE types that need the pretraining context length.
+_ROPE_TYPES_WITH_ORIGINAL_LENGTH = ("yarn", "llama3", "longrope")
+
+
+def default_rope_theta(seq_len: int) -> float:
+    """1e6 up to 32K, 5e6 at 64K, 1e7 at 128K, 5e7 beyond (the paper's Table 1)."""
+    for limit, theta in _ROPE_THETA_BY_LENGTH:
+        if seq_len <= limit:
+            return theta
+    return _ROPE_THETA_LONGEST
+
+
+def attn_implementation(cfg: Config, device="cpu") -> str:
+    """The Hugging Face attention implementation name for this config on this device."""
+    from lctrain.attention import hf_name, resolve_engine
+
+    engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, interleaved=cfg.data.interleave_chunks,
+                            dtype=cfg.model.dtype)
+    return hf_name(engine)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+
+
+def _load_config(cfg: Config):
+    from transformers import AutoConfig
+
+    if cfg.model.arch is not None:
+        arch = dict(cfg.model.arch)
+        model_type = arch.pop("model_type", None)
+        if not model_type:
+            raise UserError("model.arch needs a model_type (e.g. llama, mistral, qwen2)")
+        try:
+            return AutoConfig.for_model(model_type, **arch)
+        except (ValueError, TypeError) as e:
+            raise UserError(f"model.arch: cannot build a '{model_type}' config ({e})") from None
+    try:
+        return AutoConfig.from_pretrained(cfg.model.name_or_path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}' cannot be loaded as a Hugging Face model "
+                        f"directory or hub name ({type(e).__name__}); download it first or point to a local "
+                        f"directory") from None
+
+
+def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
+    """The `rope_parameters` dict (transformers 5) for this config: theta, and the scaling passed through."""
+    theta = cfg.model.rope_theta if cfg.model.rope_theta is not None else default_rope_theta(cfg.data.seq_len)
+    current = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if cfg.model.rope_scaling is None:
+        params = {**current, "rope_theta": theta}
+        params.setdefault("rope_type", "default")
+        return params
+    scaling = dict(cfg.model.rope_scaling)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = ["default", *ROPE_INIT_FUNCTIONS]
+    if rope_type not in known:
+        raise UserError(f"model.rope_scaling.rope_type = {rope_type!r} is unknown; expected one of {', '.join(known)}")
+    params = {"rope_type": rope_type, **scaling, "rope_theta": theta}
+    if rope_type in _ROPE_TYPES_WITH_ORIGINAL_LENGTH:
+        # The model's own context length before we raise max_position_embeddings to the training length.
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    return params
+
+
+def _configure(hf_config, cfg: Config, vocab_size: Optional[int], impl: str):
+    if getattr(hf_config, "rope_parameters", None) is None:
+        raise UserError(f"model type '{hf_config.model_type}' has no rotary position embedding; lctrain trains "
+                        f"RoPE models (Llama, Mistral, Qwen2, ...)")
+    nested = hf_config.nested_rope_parameter_keys(hf_config.rope_parameters)
+    if nested:
+        raise UserError(f"model type '{hf_config.model_type}' uses per-layer RoPE parameters ({', '.join(nested)}), "
+                        f"which lctrain does not set")
+    hf_config.rope_parameters = rope_parameters(hf_config, cfg)
+    hf_config.max_position_embeddings = cfg.model.max_position_embeddings or cfg.data.seq_len
+    hf_config.standardize_rope_params()
+    try:
+        hf_config.validate_rope()
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"model.rope_scaling = {cfg.model.rope_scaling}: {e}") from None
+    if vocab_size is not None and cfg.model.arch is not None:
+        hf_config.vocab_size = vocab_size
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and window < cfg.data.seq_len:
+        # The lctrain engines compute full-window attention masks; long-context continual pretraining of Mistral-style
+        # models trains without the sliding window (Mistral-7B-v0.2/0.3 ship without one).
+        log.warning("model sliding_window=%s < data.seq_len=%s: training without a sliding window", window,
+                    cfg.data.seq_len)
+        hf_config.sliding_window = None
+    if getattr(hf_config, "attention_dropout", 0.0):
+        raise UserError(f"model attention_dropout = {hf_config.attention_dropout}: the lctrain engines do not "
+                        f"implement attention dropout; set attention_dropout: 0.0 in model.arch")
+    hf_config.use_cache = False
+    hf_config._attn_implementation = impl
+    return hf_config
+
+
+def _check_anchor(cfg: Config, vocab: int) -> None:
+    from lctrain.tokenizer import anchor_token_id, load_tokenizer
+
+    anchor = anchor_token_id(load_tokenizer(cfg.data.tokenizer))
+    if not 0 <= anchor < vocab:
+        raise UserError(f"the anchor token id {anchor} of data.tokenizer '{cfg.data.tokenizer}' is outside the "
+                        f"model's vocabulary of {vocab}; use the tokenizer that belongs to the model")
+
+
+def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | torch.device = "cpu"):
+    """Random init from `cfg.model.arch` (vocabulary `vocab_size`, normally the tokenizer's) or
+    `from_pretrained(cfg.model.name_or_path)`, configured for long-context training with the resolved engine."""
+    from transformers import AutoModelForCausalLM
+
+    impl = attn_implementation(cfg, device)
+    hf_config = _configure(_load_config(cfg), cfg, vocab_size, impl)
+    dtype = _dtype(cfg.model.dtype)
+    if cfg.model.arch is not None:
+        if vocab_size is None and "vocab_size" not in cfg.model.arch:
+            from lctrain.tokenizer import load_tokenizer
+
+            hf_config.vocab_size = len(load_tokenizer(cfg.data.tokenizer))
+        # A seeded init that leaves the caller's RNG streams untouched: every rank builds the same weights.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=dtype,
+                                                     attn_implementation=impl)
+    if cfg.attention.mode == "anchor":
+        _check_anchor(cfg, model.get_input_embeddings().num_embeddings)
+    if cfg.model.gradient_checkpointing:
+        # transformers >= 5.x renamed gradient checkpointing to activation checkpointing
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.model.rope_fp32:
+        rotary_in_fp32(model)
+    # Under ZeRO-3 (`HfDeepSpeedConfig`) the weights are already partitioned onto the device: leave them there.
+    if any(p.device != torch.device(device) for p in model.parameters()):
+        model = model.to(device)
+    return model
+
+
+def _fp32_rotary_inputs(module, args, kwargs):
+    # The rotary module reads only the device and dtype of its first input; a 0-element fp32 tensor makes it return
+    # fp32 cos/sin without copying the hidden states.
+    x = args[0] if args else kwargs["x"]
+    probe = torch.empty(0, dtype=torch.float32, device=x.device)
+    if args:
+        return (probe, *args[1:]), kwargs
+    return args, {**kwargs, "x": probe}
+
+
+def rotary_in_fp32(model) -> int:
+    """Make every rotary-embedding module of `model` return fp32 cos/sin, so `q*cos + rotate_half(q)*sin` runs in
+    fp32 (the paper's diagnosis: bf16 RoPE breaks relative positions); the lctrain engines cast q/k back to the value
+    dtype after the rotation. Uses forward pre-hooks on the model's own modules. Returns the number hooked."""
+    hooked = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and not getattr(module, "_lctrain_rope_fp32", False):
+            module.register_forward_pre_hook(_fp32_rotary_inputs, with_kwargs=True)
+            module._lctrain_rope_fp32 = True
+            hooked += 1
+    if not hooked:
+        raise UserError(f"model.rope_fp32: no rotary-embedding module found in {type(model).__name__}")
+    return hooked

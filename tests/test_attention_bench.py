@@ -1,0 +1,55 @@
+"""scripts/bench_attention.py runs end to end on a tiny size and reports the FLOP-ideal speedups correctly."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_layouts_fill_windows_and_ideal_speedup(bench):
+    windows = bench.slimpajama_like_windows(4096, 3, seed=0)
+    assert all(sum(w) == 4096 and min(w) >= 1 for w in windows)
+    assert bench.slimpajama_like_windows(4096, 3, seed=0) == windows  # seeded
+    assert bench.visible_pairs([4, 4], "full") == 36 and bench.visible_pairs([4, 4], "anchor") == 20
+    assert bench.visible_pairs([4, 2, 2], "intra_doc", [0, 1, 0]) == 21 + 3
+
+
+def test_interleaved_layout_keeps_chunk_order_and_window_length(bench):
+    import numpy as np
+
+    lens, docs = bench.interleave([20, 1, 30, 13], np.random.default_rng(0))
+    assert sum(lens) == 64 and min(lens) >= 1 and len(docs) > 4  # cut back to the window after the extra anchors
+    assert all(1 <= docs.count(d) <= 3 for d in set(docs))
+    assert docs.count(1) <= 1  # a one-token document is never split
+
+
+def test_interleaved_run(bench, tmp_path):
+    out = tmp_path / "bench.json"
+    bench.main(["--device", "cpu", "--lengths", "256", "--reps", "1", "--engines", "sdpa", "--modes", "full", "anchor",
+                "--interleave", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in rows] == ["full", "anchor"]
+    assert rows[1]["segments"] > 1 and rows[1]["ideal_speedup"] >= 1
+
+
+def test_runs_and_writes_json(bench, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench.main(["--device", "cpu", "--lengths", "256", "--reps", "1", "--dtype", "float32", "--out", str(out)])
+    data = json.loads(out.read_text())
+    rows = {(r["engine"], r["mode"]): r for r in data["results"]}
+    assert set(rows) == {(e, m) for e in ("sdpa", "reference")
+                         for m in ("full", "intra_doc", "intra_doc_reset", "anchor")}
+    assert rows[("sdpa", "full")]["speedup"] == 1.0
+    assert all(r["seconds"] > 0 and r["ideal_speedup"] >= 1 for r in data["results"])
+    assert "speedup vs full" in capsys.readouterr().out

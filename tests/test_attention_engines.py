@@ -1,0 +1,202 @@
+"""Every engine against an independent dense-mask attention built directly from the DESIGN §3 table.
+
+The reference here is written from the table with plain Python loops over segment lists (not from make_batch's
+metadata) and computed in float64; engines run in fp32 (tight tolerance) and bf16 (loose), forward and backward.
+"""
+
+import random
+
+import pytest
+import torch
+
+from lctrain.attention import MODES, SEGMENTS_KEY, engine_fn, make_batch
+
+
+def table_mask(seg_lens, seg_doc, mode):
+    """visible[q][k] for one row, straight from the table: causal, plus the mode's document rule."""
+    seg_of, doc_of, anchor = [], [], []
+    for s, (n, d) in enumerate(zip(seg_lens, seg_doc)):
+        for i in range(n):
+            seg_of.append(s)
+            doc_of.append(d)
+            anchor.append(i == 0)
+    L = len(seg_of)
+    mask = torch.zeros(L, L, dtype=torch.bool)
+    for q in range(L):
+        for k in range(q + 1):
+            if mode == "full":
+                ok = True
+            elif mode in ("intra_doc", "intra_doc_reset"):
+                ok = doc_of[q] == doc_of[k]
+            else:  # anchor: an anchor copy sees itself; others see their own segment's anchor + their document
+                ok = (anchor[k] and seg_of[k] == seg_of[q]) or (
+                    not anchor[k] and not anchor[q] and doc_of[k] == doc_of[q])
+            mask[q, k] = ok
+    return mask
+
+
+def dense_attention(q, k, v, masks, scale):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~masks[:, None], float("-inf"))
+    return (s.softmax(-1) @ v).transpose(1, 2)
+
+
+def test_table_mask_hand_example():
+    # [A x] [A y y] [A z] with the third segment a second chunk of document 0
+    m = table_mask([2, 3, 2], [0, 1, 0], "anchor").int().tolist()
+    assert m[6] == [0, 1, 0, 0, 0, 1, 1]  # z sees doc 0's body token x and its own anchor, not the first anchor
+    assert m[5] == [0, 0, 0, 0, 0, 1, 0]  # a later anchor copy sees only itself
+    assert m[4] == [0, 0, 1, 1, 1, 0, 0]
+    assert table_mask([2, 3, 2], [0, 1, 0], "intra_doc")[6].int().tolist() == [1, 1, 0, 0, 0, 1, 1]
+
+
+def random_layout(L, rng, kind):
+    if kind == "single":
+        return [L], [0], [rng.randint(0, 3)]
+    if kind == "one_token_docs":
+        lens = [1] * (L - 5) + [5]
+    elif kind == "tiny":
+        lens = []
+        while sum(lens) < L:
+            lens.append(min(rng.randint(1, 4), L - sum(lens)))
+    else:  # long-tailed lengths, with tags and interleaved chunks of documents
+        lens = []
+        while sum(lens) < L:
+            lens.append(min(int(rng.paretovariate(1.2) * 3), L - sum(lens)))
+    n = len(lens)
+    if kind == "interleaved":
+        docs = [rng.randrange(max(1, n // 2)) for _ in range(n)]
+    else:
+        docs = list(range(n))
+    tags = [rng.randint(0, min(2, n_ - 1)) for n_ in lens]
+    return lens, docs, tags
+
+
+LAYOUT_KINDS = ("single", "one_token_docs", "tiny", "long_tail", "interleaved")
+
+
+def make_case(mode, dtype, heads=(4, 2), L=48, seed=0, kinds=LAYOUT_KINDS):
+    rng = random.Random(seed)
+    rows = [random_layout(L, rng, kind) for kind in kinds]
+    B = len(rows)
+    ids = torch.randint(3, 500, (B, L))
+    batch = make_batch(ids, [r[0] for r in rows], mode, seg_doc=[r[1] for r in rows], tag_lens=[r[2] for r in rows])
+    masks = torch.stack([table_mask(r[0], r[1], mode) for r in rows])
+    gen = torch.Generator().manual_seed(seed)
+    H, Hkv = heads
+    q, k, v = (torch.randn(B, h, L, 16, generator=gen, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    w = torch.randn(B, L, H, 16, generator=gen, dtype=torch.float64)
+    return batch, masks, (q, k, v), w
+
+
+def run_engine(name, batch, qkv, w, dtype, backward=True):
+    leaves = [t.to(dtype).requires_grad_(backward) for t in qkv]
+    out, weights = engine_fn(name)(None, *leaves, None, scaling=0.25, **batch)
+    assert weights is None
+    grads = torch.autograd.grad((out.double() * w).sum(), leaves) if backward else None
+    return out.double(), grads
+
+
+def reference(masks, qkv, w):
+    leaves = [t.clone().requires_grad_(True) for t in qkv]
+    out = dense_attention(*leaves, masks, 0.25)
+    return out, torch.autograd.grad((out * w).sum(), leaves)
+
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=5e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("engine", ["sdpa", "reference"])
+def test_engine_matches_table_forward_backward(engine, mode, dtype):
+    batch, masks, qkv, w = make_case(mode, dtype)
+    want, want_grads = reference(masks, qkv, w)
+    got, grads = run_engine(engine, batch, qkv, w, dtype)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    for g, wg, name in zip(grads, want_grads, "qkv"):
+        scale = 4 if dtype == torch.bfloat16 else 1  # bf16 gradients accumulate more rounding
+        torch.testing.assert_close(g.double(), wg, atol=TOL[dtype]["atol"] * scale, rtol=TOL[dtype]["rtol"] * scale,
+                                   msg=lambda m: f"grad {name}: {m}")
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (2, 1)], ids=["mha", "gqa3", "mqa"])
+def test_sdpa_head_layouts(heads):
+    batch, masks, qkv, w = make_case("anchor", torch.float32, heads=heads, seed=3)
+    want, _ = reference(masks, qkv, w)
+    got, _ = run_engine("sdpa", batch, qkv, w, torch.float32, backward=False)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_sdpa_plan_covers_every_token_once_and_is_built_once_per_batch():
+    from lctrain.attention.engines.sdpa import build_sdpa_plan
+
+    batch, _, qkv, w = make_case("anchor", torch.float32, seed=5)
+    seg = batch[SEGMENTS_KEY]
+    assert seg.multi_segment_docs  # the interleaved row exercises the chunk jobs
+    plan = build_sdpa_plan(seg.layout, "anchor")
+    assert sorted(plan.order.tolist()) == list(range(seg.batch * seg.length))
+    assert plan.copies and plan.lower_right
+    # equal-length documents share one kernel call: fewer calls than documents
+    assert len(plan.causal) + len(plan.lower_right) < seg.layout.num_docs
+
+    run_engine("sdpa", batch, qkv, w, torch.float32, backward=False)
+    key = ("sdpa", torch.device("cpu"))
+    cached = seg.cached(key, lambda: pytest.fail("plan rebuilt"))
+    run_engine("sdpa", batch, qkv, w, torch.float32, backward=False)  # a second layer
+    assert seg.cached(key, lambda: pytest.fail("plan rebuilt")) is cached
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("mode", MODES)
+def test_flex_forward_on_cpu(mode):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    batch, masks, qkv, w = make_case(mode, torch.float32, L=40, seed=1)
+    want, _ = reference(masks, qkv, w)
+    got, _ = run_engine("flex", batch, qkv, w, torch.float32, backward=False)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_no_segments_is_causal_attention_including_cached_decoding():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 9, 8, generator=gen) for h in (4, 2, 2))
+    causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(2, 9, 9)
+    want = dense_attention(q.double(), k.double(), v.double(), causal, 0.5)
+    for name in ("sdpa", "reference", "flex"):
+        out, _ = engine_fn(name)(None, q, k, v, None, scaling=0.5)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        last, _ = engine_fn(name)(None, q[:, :, -3:], k, v, None, scaling=0.5)  # prefill continuation
+        torch.testing.assert_close(last.double(), want[:, -3:], atol=1e-5, rtol=1e-5)
+
+
+def test_mismatched_segments_are_rejected():
+    batch, _, qkv, w = make_case("anchor", torch.float32)
+    with pytest.raises(ValueError, match="describes a"):
+        engine_fn("sdpa")(None, *(t[:, :, :10].float() for t in qkv), None, **batch)
+
+
+def test_fp32_rotated_qk_are_cast_to_value_dtype():
+    batch, masks, (q, k, v), w = make_case("intra_doc", torch.bfloat16)
+    out, _ = engine_fn("sdpa")(None, q.float(), k.float(), v.bfloat16(), None, scaling=0.25, **batch)
+    assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("engine", ["flex", "varlen", "sdpa"])
+def test_gpu_engines_match_table(engine, mode):
+    # varlen refuses interleaved chunks (checked in test_attention_batch); it gets the other layouts
+    kinds = LAYOUT_KINDS[:-1] if engine == "varlen" else LAYOUT_KINDS
+    for seed in range(2):
+        batch, masks, qkv, w = make_case(mode, torch.bfloat16, L=256, seed=seed, heads=(8, 2), kinds=kinds)
+        want, want_grads = reference(masks, qkv, w)
+        leaves = [t.to("cuda", torch.bfloat16).requires_grad_(True) for t in qkv]
+        out, _ = engine_fn(engine)(None, *leaves, None, scaling=0.25, **batch)
+        grads = torch.autograd.grad((out.double() * w.cuda()).sum(), leaves)
+        torch.testing.assert_close(out.double().cpu(), want, atol=5e-2, rtol=5e-2)
+        for g, wg in zip(grads, want_grads):
+            torch.testing.assert_close(g.double().cpu(), wg, atol=2e-1, rtol=2e-1)

@@ -1,0 +1,171 @@
+"""build_model: RoPE base and scaling, context length, dtype, checkpointing, fp32 rotary, engine, user errors."""
+
+import copy
+
+import pytest
+import torch
+
+from lctrain.attention import make_batch
+from lctrain.config import load_config
+from lctrain.errors import UserError
+from lctrain.model import attn_implementation, build_model, default_rope_theta, rotary_in_fp32
+
+ARCH = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2}
+
+
+def config(*overrides, arch=ARCH):
+    cfg = load_config(None, ["data.seq_len=64", "model.dtype=float32", *overrides])
+    if arch is not None:
+        cfg.model.arch = dict(arch)
+    return cfg
+
+
+def rotary(model):
+    return model.model.rotary_emb
+
+
+@pytest.mark.parametrize("seq_len,theta", [(1024, 1e6), (16384, 1e6), (32768, 1e6), (65536, 5e6), (131072, 1e7),
+                                           (262144, 5e7)])
+def test_default_rope_theta_follows_table_1(seq_len, theta):
+    assert default_rope_theta(seq_len) == theta
+
+
+def test_rope_theta_and_context_length_defaults_and_overrides():
+    model = build_model(config("data.seq_len=131072"), vocab_size=100)
+    assert model.config.rope_parameters["rope_theta"] == 1e7
+    assert model.config.max_position_embeddings == 131072
+    head_dim = 64 // 4
+    want = 1.0 / (1e7 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    torch.testing.assert_close(rotary(model).inv_freq.double(), want, rtol=1e-6, atol=0)
+
+    model = build_model(config("model.rope_theta=12345", "model.max_position_embeddings=4096"), vocab_size=100)
+    assert model.config.rope_parameters["rope_theta"] == 12345
+    assert model.config.max_position_embeddings == 4096
+
+
+def test_rope_scaling_passes_through():
+    plain = build_model(config(), vocab_size=100)
+    linear = build_model(config("model.rope_scaling={rope_type: linear, factor: 4.0}"), vocab_size=100)
+    assert linear.config.rope_parameters["rope_type"] == "linear"
+    torch.testing.assert_close(rotary(linear).inv_freq, rotary(plain).inv_freq / 4)
+
+    arch = {**ARCH, "max_position_embeddings": 32}
+    yarn = build_model(config("model.rope_scaling={rope_type: yarn, factor: 2.0}", arch=arch), vocab_size=100)
+    params = yarn.config.rope_parameters
+    assert params["rope_type"] == "yarn" and params["factor"] == 2.0
+    assert params["original_max_position_embeddings"] == 32  # the model's own length, not the training length
+    assert rotary(yarn).rope_type == "yarn"
+
+    dynamic = build_model(config("model.rope_scaling={type: dynamic, factor: 2.0}"), vocab_size=100)
+    assert dynamic.config.rope_parameters["rope_type"] == "dynamic"
+    with pytest.raises(UserError, match="rope_scaling.rope_type = 'ntk-magic' is unknown"):
+        build_model(config("model.rope_scaling={rope_type: ntk-magic, factor: 2.0}"), vocab_size=100)
+
+
+def test_dtype_engine_and_seeded_init():
+    model = build_model(config("model.dtype=bfloat16"), vocab_size=100)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config._attn_implementation == "lctrain_sdpa"
+    assert attn_implementation(config("attention.engine=auto"), "cpu") == "lctrain_sdpa"
+    again = build_model(config("model.dtype=bfloat16"), vocab_size=100)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    other = build_model(config("model.dtype=bfloat16", "seed=1"), vocab_size=100)
+    assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(3, 100, (2, 64))
+    ids[:, [0, 17, 40]] = 1
+    batch = make_batch(ids, [[17, 23, 24], [17, 23, 24]], "anchor", seg_doc=[[0, 1, 2], [0, 1, 0]])
+    grads = []
+    for ckpt in (False, True):
+        model = build_model(config(f"model.gradient_checkpointing={ckpt}"), vocab_size=100).train()
+        enabled = [m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        assert any(enabled) == ckpt
+        model(**batch, use_cache=False).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def _rotate(q, cos, sin):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, q, cos, sin)[0]
+
+
+def test_rope_fp32_rotation_matches_fp32_computation():
+    model = build_model(config("model.dtype=bfloat16"), vocab_size=100)
+    fp32_rope = copy.deepcopy(model)
+    assert rotary_in_fp32(fp32_rope) == 1
+    positions = torch.arange(100_000, 100_064)[None]
+    x = torch.zeros(1, 64, 64, dtype=torch.bfloat16)
+    q = torch.randn(1, 4, 64, 16).bfloat16()
+    # the fp32 computation: the same bf16 inputs rotated in fp32, straight from the RoPE formula
+    inv = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    angles = positions[0, :, None].float() * inv
+    emb = torch.cat([angles, angles], -1)
+    exact = _rotate(q.float(), emb.cos()[None], emb.sin()[None]).double()
+
+    cos, sin = rotary(model)(x, positions)
+    assert cos.dtype == torch.bfloat16
+    plain_err = (_rotate(q, cos, sin).double() - exact).abs().mean()
+    cos, sin = rotary(fp32_rope)(x, positions)
+    assert cos.dtype == torch.float32
+    rotated = _rotate(q, cos, sin)
+    assert rotated.dtype == torch.float32
+    # the rotation itself is the fp32 one; what is left after the engines' cast to bf16 is one rounding
+    torch.testing.assert_close(rotated.double(), exact, atol=1e-6, rtol=0)
+    fp32_err = (rotated.bfloat16().double() - exact).abs().mean()
+    assert fp32_err < 0.8 * plain_err, (fp32_err, plain_err)
+
+
+def test_rope_fp32_model_is_closer_to_fp32_than_plain_bf16():
+    model = build_model(config("attention.mode=full"), vocab_size=1000).eval()
+    plain = copy.deepcopy(model).to(torch.bfloat16)
+    fp32_rope = copy.deepcopy(model).to(torch.bfloat16)
+    rotary_in_fp32(fp32_rope)
+    ids = torch.randint(3, 1000, (1, 64), generator=torch.Generator().manual_seed(0))
+    errs = {"plain": 0.0, "rope_fp32": 0.0}
+    with torch.no_grad():
+        for offset in (30_000, 100_000):
+            pos = torch.arange(offset, offset + 64)[None]
+            want = model(input_ids=ids, position_ids=pos).logits
+            for name, m in (("plain", plain), ("rope_fp32", fp32_rope)):
+                got = m(input_ids=ids, position_ids=pos).logits
+                assert got.dtype == torch.bfloat16
+                errs[name] += (got.float() - want).abs().mean().item()
+    assert errs["rope_fp32"] < errs["plain"], errs
+
+
+@pytest.mark.parametrize("overrides,arch,match", [
+    (["attention.engine=varlen"], ARCH, "needs a CUDA GPU"),
+    ([], {k: v for k, v in ARCH.items() if k != "model_type"}, "needs a model_type"),
+    ([], {**ARCH, "attention_dropout": 0.1}, "attention dropout"),
+    ([], {**ARCH, "model_type": "no-such-model"}, "cannot build"),
+])
+def test_user_errors(overrides, arch, match):
+    with pytest.raises(UserError, match=match):
+        build_model(config(*overrides, arch=arch), vocab_size=100)
+
+
+def test_anchor_outside_vocabulary_is_a_user_error():
+    # the built-in tokenizer's anchor (BOS) is id 1; a 1-token vocabulary cannot hold it
+    with pytest.raises(UserError, match="anchor token id 1"):
+        build_model(config(), vocab_size=1)
+    build_model(config("attention.mode=intra_doc"), vocab_size=1)
+
+
+def test_from_pretrained_directory(tmp_path):
+    saved = build_model(config(), vocab_size=100)
+    saved.save_pretrained(tmp_path)
+    loaded = build_model(config("data.seq_len=65536", "model.arch=null", f"model.name_or_path={tmp_path}", arch=None))
+    assert loaded.config.rope_parameters["rope_theta"] == 5e6
+    assert loaded.config.max_position_embeddings == 65536
+    assert loaded.config._attn_implementation == "lctrain_sdpa"
+    assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), loaded.parameters()))
+
+    missing = config("model.arch=null", f"model.name_or_path={tmp_path / 'absent'}", arch=None)
+    with pytest.raises(UserError, match="cannot be loaded"):
+        build_model(missing)
