@@ -1,0 +1,169 @@
+"""Where documents come from, as a stream of raw record batches (parsing and tokenization happen in the workers).
+
+- `synthetic`: document indices of the seeded generator;
+- `local`: a file, a glob, or a directory of `.jsonl`, `.jsonl.zst`, `.json`, `.json.zst` or `.parquet` files
+  (a SlimPajama download `train/chunk*/*.jsonl.zst` included: a directory with a `<split>/` folder reads that folder);
+- `hub`: a Hugging Face dataset streamed with `datasets` (SlimPajama-627B by default).
+
+File order is shuffled with the data seed; documents are shuffled further by the token buffer in `prepare`.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from lctrain.errors import UserError
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.zst", ".json.zst")
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED = JSONL_SUFFIXES + PARQUET_SUFFIXES
+BATCH_RECORDS = 256
+BATCH_BYTES = 4 << 20
+
+
+@dataclass
+class RawBatch:
+    """Records for one worker call. `kind`: 'jsonl' (bytes lines), 'rows' (dicts) or 'synthetic' (document
+    indices). `first` is the line (or row) number of the first record, 1-based, for messages."""
+
+    kind: str
+    source: str
+    first: int
+    items: list
+    params: dict = field(default_factory=dict)
+
+
+def _supported(p: Path) -> bool:
+    return p.name.endswith(SUPPORTED)
+
+
+def resolve_local_files(path: str, split: str, seed: int) -> list[Path]:
+    """The input files of `data.path`, in a seeded shuffled order."""
+    if any(ch in path for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(path, recursive=True) if _supported(Path(p)))
+        if not files:
+            raise UserError(f"data.path = '{path}': the pattern matches no {'/'.join(SUPPORTED)} file")
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise UserError(f"data.path = '{path}': no such file or directory")
+        if p.is_file():
+            if not _supported(p):
+                raise UserError(f"data.path = '{path}': unsupported file type; use one of {', '.join(SUPPORTED)}")
+            files = [p]
+        else:
+            root = p / split if (p / split).is_dir() else p
+            files = sorted(f for f in root.rglob("*") if f.is_file() and _supported(f))
+            if not files:
+                raise UserError(f"data.path = '{path}': no {', '.join(SUPPORTED)} files under {root}")
+    order = np.random.default_rng(seed).permutation(len(files))
+    return [files[i] for i in order]
+
+
+def _open_binary(path: Path):
+    try:
+        raw = open(path, "rb")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror}); check data.path and permissions") from None
+    if path.name.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20)
+    return raw
+
+
+def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
+    src = str(path)
+    with _open_binary(path) as f:
+        lines, size, first, lineno = [], 0, 1, 0
+        try:
+            for lineno, line in enumerate(f, start=1):
+                if not lines:
+                    first = lineno
+                lines.append(line)
+                size += len(line)
+                if len(lines) >= BATCH_RECORDS or size >= BATCH_BYTES:
+                    yield RawBatch("jsonl", src, first, lines)
+                    lines, size = [], 0
+        except Exception as e:  # zstandard raises ZstdError, plain files OSError
+            raise UserError(f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e}); "
+                            f"re-download or remove the file") from None
+        if lines:
+            yield RawBatch("jsonl", src, first, lines)
+
+
+def _parquet_batches(path: Path) -> Iterator[RawBatch]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = 1
+    try:
+        pf = pq.ParquetFile(path)
+        names = set(pf.schema_arrow.names)
+        columns = [c for c in ("text", "meta") if c in names]
+        for batch in pf.iter_batches(batch_size=BATCH_RECORDS, columns=columns or None):
+            records = batch.to_pylist()
+            yield RawBatch("rows", str(path), row, records)
+            row += len(records)
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"{path}: unreadable as parquet at row {row} ({type(e).__name__}: {e}); re-download or "
+                        f"remove the file") from None
+
+
+def local_batches(files: list[Path]) -> Iterator[RawBatch]:
+    for f in files:
+        yield from (_parquet_batches(f) if f.name.endswith(PARQUET_SUFFIXES) else _jsonl_batches(f))
+
+
+def hub_batches(name: str, split: str, seed: int) -> Iterator[RawBatch]:
+    """Stream a hub dataset (rows with `text` and optional `meta`) without downloading it whole."""
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(name, split=split, streaming=True)
+    except Exception as e:  # the hub client raises many types (connection, not found, gated)
+        raise UserError(f"data.hub_name = '{name}' (split '{split}'): cannot stream it ({type(e).__name__}); "
+                        f"check the name and network, or download it and use data.source=local") from None
+    ds = ds.shuffle(seed=seed, buffer_size=1000)
+    rows, row, size = [], 1, 0
+    stream = iter(ds)
+    while True:
+        try:
+            record = next(stream)
+        except StopIteration:
+            break
+        except Exception as e:  # a dropped connection mid-stream surfaces as whatever the transport raises
+            raise UserError(f"data.hub_name = '{name}': streaming failed after {row + len(rows) - 1} rows "
+                            f"({type(e).__name__}: {e}); rerun, or download it and use data.source=local") from None
+        rows.append(record)
+        text = record.get("text") if isinstance(record, dict) else None
+        size += len(text) if isinstance(text, str) else 0
+        if len(rows) >= BATCH_RECORDS or size >= BATCH_BYTES:
+            yield RawBatch("rows", name, row, rows)
+            row += len(rows)
+            rows, size = [], 0
+    if rows:
+        yield RawBatch("rows", name, row, rows)
+
+
+def synthetic_batches(num_docs: int, params: dict, batch_docs: int = 64) -> Iterator[RawBatch]:
+    for start in range(0, num_docs, batch_docs):
+        yield RawBatch("synthetic", "synthetic", start + 1, list(range(start, min(num_docs, start + batch_docs))),
+                       params)
+
+
+def describe_source(data) -> dict:
+    """What the data came from, for the manifest: enough to tell two sources apart."""
+    if data.source == "synthetic":
+        return {"kind": "synthetic", **data.synthetic.model_dump()}
+    if data.source == "hub":
+        return {"kind": "hub", "name": data.hub_name, "split": data.hub_split}
+    files = resolve_local_files(data.path, data.hub_split, data.seed)
+    total = sum(f.stat().st_size for f in files)
+    return {"kind": "local", "path": data.path, "files": len(files), "bytes": total}

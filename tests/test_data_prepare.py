@@ -1,0 +1,429 @@
+"""`prepare` end to end with the real 32K SentencePiece tokenizer, checked against plain tokenizations of the input
+documents (round trip, no token lost or duplicated), the layout rules of DESIGN §2 and the bad-input contract."""
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import DOMAINS, load_config
+from lctrain.data import prepare as prepare_mod
+from lctrain.data.mixture import SLIMPAJAMA_TOKEN_SHARES
+from lctrain.data.prepare import prepare
+from lctrain.data.store import ShardWriter, open_packed
+from lctrain.errors import UserError
+from lctrain.tokenizer import load_tokenizer
+
+TOKENIZER = "builtin:mistral-7b-v0.1"
+# SlimPajama's spelling, in the order of DOMAINS
+SET_NAMES = ["RedPajamaCommonCrawl", "RedPajamaC4", "RedPajamaGithub", "RedPajamaArXiv", "RedPajamaBook",
+             "RedPajamaWikipedia", "RedPajamaStackExchange"]
+SET_DOMAIN = dict(zip(SET_NAMES, DOMAINS[:7]))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def words(tok):
+    """Words that are single tokens of the real tokenizer: documents start with a word of their own, so any piece of
+    a document can be traced back to it without ambiguity."""
+    pieces = [p[1:] for p in tok.get_vocab() if p.startswith("\u2581") and p[1:].isalpha() and len(p) > 4]
+    return sorted(w for w in pieces if len(tok(w, add_special_tokens=False)["input_ids"]) == 1)[:3000]
+
+
+def make_docs(words, n, seed=0, lengths=(3, 400), domains=SET_NAMES):
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        k = rng.randint(*lengths) if rng.random() > 0.05 else rng.randint(800, 1500)
+        text = words[i] + " " + " ".join(rng.choice(words) for _ in range(k)) + "."
+        docs.append({"text": text, "meta": {"redpajama_set_name": domains[i % len(domains)]}})
+    return docs
+
+
+def write_jsonl(path: Path, records, zst=False):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records).encode()
+    path.write_bytes(zstandard.ZstdCompressor().compress(body) if zst else body)
+    return path
+
+
+def cfg_for(out, *overrides, source=None):
+    base = [f"data.output_dir={out}", "data.seq_len=128", "data.token_budget=12800", f"data.tokenizer={TOKENIZER}"]
+    if source is not None:
+        base += ["data.source=local", f"data.path={source}"]
+    return load_config(None, base + list(overrides))
+
+
+def segments(row):
+    starts = np.concatenate([[0], np.cumsum(row["seg_lens"])[:-1]])
+    for s, n, t, dom, doc in zip(starts, row["seg_lens"], row["tag_lens"], row["seg_domain"], row["seg_doc"]):
+        yield row["input_ids"][s:s + n], int(t), int(dom), int(doc)
+
+
+def check_layout(data, tok, tags=None):
+    """Every row exactly seq_len, segments sum to it, start with the anchor, carry the right tag."""
+    L = data.manifest["seq_len"]
+    anchor = tok.bos_token_id
+    assert data.manifest["tokenizer"]["anchor_id"] == anchor == 1
+    for i in range(len(data)):
+        row = data[i]
+        assert row["input_ids"].shape == (L,) and row["input_ids"].dtype == np.int32
+        assert row["seg_lens"].sum() == L and (row["seg_lens"] > 0).all()
+        assert len(row["seg_lens"]) == len(row["seg_doc"]) == len(row["seg_domain"]) == len(row["tag_lens"])
+        for seg, tag_len, dom, _ in segments(row):
+            assert seg[0] == anchor
+            expected_tag = tags[dom] if tags else []
+            if len(seg) > len(expected_tag) + 1:
+                assert tag_len == len(expected_tag)
+            assert seg[1:1 + tag_len].tolist() == expected_tag[:tag_len]
+
+
+def reconstruct(data, reference, interleaved=False):
+    """Match every segment body to the plain tokenization of a source document: a new document must start with
+    it, a started one must continue exactly where it stopped. Returns {doc index: tokens seen} and the order in
+    which documents started."""
+    by_prefix = {}
+    for i, (ids, _) in enumerate(reference):
+        by_prefix.setdefault(ids[0], []).append(i)
+    pos, started = {}, []
+    for w in range(len(data)):
+        row = data[w]
+        owner = {}
+        for s, (seg, tag_len, dom, doc) in enumerate(segments(row)):
+            body = seg[1 + tag_len:].tolist()
+            if not body:
+                continue
+            unfinished = [k for k, p in pos.items() if p < len(reference[k][0])]
+            live = [k for k in unfinished if reference[k][0][pos[k]:pos[k] + len(body)] == body]
+            if not interleaved:  # one document at a time: nothing starts before the previous one is complete
+                assert live == unfinished and len(live) <= 1, f"window {w} segment {s}: a document was cut short"
+            if live:
+                k = owner[doc] if owner.get(doc) in live else live[0]
+                if not interleaved:
+                    assert s == 0, "only a window's first segment may continue a document"
+            else:
+                cands = [k for k in by_prefix.get(body[0], []) if k not in pos
+                         and reference[k][0][:len(body)] == body]
+                assert cands, f"window {w} segment {s}: not a piece of any source document"
+                k = cands[0]
+                pos[k] = 0
+                started.append(k)
+            assert DOMAINS[dom] == reference[k][1]
+            assert owner.setdefault(doc, k) == k, "one seg_doc value, two documents"
+            pos[k] += len(body)
+    return pos, started
+
+
+def reference_tokens(tok, docs):
+    return [(tok(d["text"], add_special_tokens=False)["input_ids"], SET_DOMAIN[d["meta"]["redpajama_set_name"]])
+            for d in docs]
+
+
+def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words):
+    docs = make_docs(words, 120)
+    src = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    data = open_packed(prepare(cfg_for(tmp_path / "out", source=src)))
+    m = data.manifest
+    assert len(data) == m["num_windows"] == 100 and m["num_tokens"] == 12800
+    check_layout(data, tok)
+    ref = reference_tokens(tok, docs)
+    pos, started = reconstruct(data, ref)
+    # every document that started is complete, except the one the budget cut
+    incomplete = [k for k, p in pos.items() if p != len(ref[k][0])]
+    assert incomplete in ([], [started[-1]])
+    body_tokens = sum(len(seg) - 1 for w in range(len(data)) for seg, _, _, _ in segments(data[w]))
+    assert body_tokens == sum(pos.values())
+    assert m["stats"]["documents"] == len(started)
+    assert sum(e["tokens"] for e in m["stats"]["domains"].values()) == 12800
+    assert started != sorted(started)  # documents were shuffled
+
+
+def test_source_shorter_than_budget_finishes_with_what_there_is(tmp_path, tok, words):
+    docs = make_docs(words, 30, seed=1)
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    data = open_packed(prepare(cfg_for(tmp_path / "out", "data.token_budget=1000000", source=src)))
+    m = data.manifest
+    ref = reference_tokens(tok, docs)
+    total = sum(len(ids) + 1 for ids, _ in ref)  # anchors included
+    assert m["source_exhausted"] is True
+    assert m["num_windows"] == len(data) > 0
+    # everything went into full windows but the unfinished last one (a window's worth of anchors at most extra)
+    assert m["num_tokens"] + m["dropped_tail_tokens"] >= total
+    assert m["dropped_tail_tokens"] < 128
+    pos, started = reconstruct(data, ref)
+    assert len(started) >= len(docs) - 2
+
+
+def test_real_tokenizer_and_synthetic_default(tmp_path, tok):
+    cfg = load_config(None, [f"data.output_dir={tmp_path / 'syn'}", "data.seq_len=256", "data.token_budget=20000"])
+    data = open_packed(prepare(cfg))
+    m = data.manifest
+    assert m["tokenizer"]["vocab_size"] == 32000 and m["tokenizer"]["bos_id"] == 1 and m["tokenizer"]["eos_id"] == 2
+    assert m["domains"] == list(DOMAINS) and m["seq_len"] == 256 and len(data) == 78
+    check_layout(data, tok)
+    text = tok.decode(data[0]["input_ids"][1:60].tolist())
+    assert len(text.split()) > 20  # words, not noise
+    assert (Path(cfg.data.output_dir) / "config.yaml").is_file()
+    assert load_config(str(Path(cfg.data.output_dir) / "config.yaml")).data == cfg.data
+
+
+def test_tokenizer_without_bos_anchors_on_eos(tmp_path, tok, words):
+    # a Qwen-like tokenizer (no BOS) saved to a directory, loaded from there as data.tokenizer
+    from transformers import AutoTokenizer
+
+    no_bos = AutoTokenizer.from_pretrained(tok.name_or_path, bos_token=None, add_bos_token=False)
+    no_bos.save_pretrained(str(tmp_path / "tok"))
+    docs = make_docs(words, 40, seed=10)
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    cfg = cfg_for(tmp_path / "out", f"data.tokenizer={tmp_path / 'tok'}", source=src)
+    data = open_packed(prepare(cfg))
+    info = data.manifest["tokenizer"]
+    assert info["bos_id"] is None and info["anchor_id"] == info["eos_id"] == 2
+    for w in range(len(data)):
+        assert all(seg[0] == 2 for seg, _, _, _ in segments(data[w]))
+    _, started = reconstruct(data, reference_tokens(tok, docs))
+    assert len(started) > 10
+
+
+def test_same_config_same_bytes_with_one_or_two_workers(tmp_path):
+    over = ["data.seq_len=256", "data.token_budget=30000", "data.synthetic.num_docs=300", "data.seed=7"]
+    outs = []
+    for name, workers in (("a", 1), ("b", 1), ("c", 2)):
+        out = prepare(load_config(None, over + [f"data.output_dir={tmp_path / name}", f"data.num_workers={workers}"]))
+        outs.append(out)
+    files = sorted(p.relative_to(outs[0]) for p in (outs[0] / "data").iterdir())
+    assert files
+    for other in outs[1:]:
+        for f in files:
+            assert (outs[0] / f).read_bytes() == (other / f).read_bytes()
+        m0, m1 = (json.loads((o / "manifest.json").read_text()) for o in (outs[0], other))
+        for m in (m0, m1):
+            del m["build"], m["config_fingerprint"]  # the config differs in num_workers
+        assert m0 == m1
+    different_seed = prepare(load_config(None, over[:-1] + ["data.seed=8", f"data.output_dir={tmp_path / 'd'}"]))
+    assert (different_seed / files[0]).read_bytes() != (outs[0] / files[0]).read_bytes()
+
+
+def test_zst_parquet_and_slimpajama_layout(tmp_path, tok, words):
+    docs = make_docs(words, 90, seed=2)
+    root = tmp_path / "SlimPajama-627B"
+    write_jsonl(root / "train" / "chunk1" / "example_train_0.jsonl.zst", docs[:30], zst=True)
+    write_jsonl(root / "train" / "chunk2" / "example_train_1.jsonl.zst", docs[30:60], zst=True)
+    write_jsonl(root / "validation" / "chunk1" / "example_val_0.jsonl.zst", make_docs(words, 5, seed=99), zst=True)
+    (root / "train" / "chunk3").mkdir()
+    pq.write_table(pa.Table.from_pylist(docs[60:]), root / "train" / "chunk3" / "part.parquet")
+    data = open_packed(prepare(cfg_for(tmp_path / "out", "data.token_budget=1000000", source=root)))
+    assert data.manifest["source"]["files"] == 3  # validation/ is not read
+    ref = reference_tokens(tok, docs)
+    pos, started = reconstruct(data, ref)
+    assert len(started) >= 88
+    counts = {d: e["documents"] for d, e in data.manifest["stats"]["domains"].items()}
+    assert counts["other"] == 0 and counts["C4"] > 0
+
+
+def test_hub_streaming_path_on_a_local_dataset_directory(tmp_path, tok, words):
+    docs = make_docs(words, 50, seed=8)
+    root = tmp_path / "hub_copy"
+    write_jsonl(root / "train" / "chunk1" / "example_train_0.jsonl.zst", docs, zst=True)
+    cfg = cfg_for(tmp_path / "out", "data.source=hub", f"data.hub_name={root}", "data.token_budget=1000000")
+    data = open_packed(prepare(cfg))
+    assert data.manifest["source"]["kind"] == "hub" and data.manifest["source"]["records_read"] == 50
+    pos, started = reconstruct(data, reference_tokens(tok, docs))
+    assert len(started) >= 48
+
+
+def test_statistics_match_the_rows(tmp_path, tok, words):
+    docs = make_docs(words, 150, seed=9)
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    data = open_packed(prepare(cfg_for(tmp_path / "out", "data.token_budget=1000000", source=src)))
+    st = data.manifest["stats"]
+    tokens = np.zeros(len(DOMAINS), dtype=np.int64)
+    for w in range(len(data)):
+        np.add.at(tokens, data[w]["seg_domain"].astype(int), data[w]["seg_lens"])
+    assert [st["domains"][d]["tokens"] for d in DOMAINS] == tokens.tolist()
+    assert abs(sum(e["documents_share"] for e in st["domains"].values()) - 1) < 1e-9
+    assert abs(sum(e["tokens_share"] for e in st["domains"].values()) - 1) < 1e-9
+    ref = reference_tokens(tok, docs)
+    _, started = reconstruct(data, ref)
+    lengths = np.array([len(ref[k][0]) for k in started])
+    expected = [int(((lengths >= lo) & (lengths < hi)).sum())
+                for lo, hi in zip([0, 1024, 2048, 4096], [1024, 2048, 4096, 8192])]
+    hist = st["length_histogram"]
+    assert hist["labels"][:4] == ["<1K", "1K-2K", "2K-4K", "4K-8K"]
+    assert hist["counts"][:4] == expected and sum(hist["counts"]) == st["documents"] == len(started)
+    assert expected[1] > 0  # the corpus has a few documents over 1K tokens
+
+
+def test_upsampled_mixture_hits_domain_shares(tmp_path, tok, words):
+    # per domain: many short documents and enough long ones to fill any domain's share
+    rng = random.Random(3)
+    docs = []
+    for i in range(2800):
+        dom = SET_NAMES[i % 7]
+        k = rng.randint(5, 20) if i % 2 else rng.randint(80, 160)
+        text = words[i] + " " + " ".join(rng.choice(words) for _ in range(k))
+        docs.append({"text": text, "meta": {"redpajama_set_name": dom}})
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    cfg = cfg_for(tmp_path / "up", "data.mixture=upsampled", "data.short_doc_tokens=64", "data.seq_len=256",
+                  "data.token_budget=40960", source=src)
+    data = open_packed(prepare(cfg))
+    assert len(data) == 160
+    tokens = np.zeros(len(DOMAINS))
+    short = long_ = 0
+    for w in range(len(data)):
+        row = data[w]
+        np.add.at(tokens, row["seg_domain"].astype(int), row["seg_lens"])
+    shares = tokens / tokens.sum()
+    for i, name in enumerate(DOMAINS):
+        assert abs(shares[i] - SLIMPAJAMA_TOKEN_SHARES[name]) < 0.03, (name, shares[i])
+    ref = reference_tokens(tok, docs)
+    pos, started = reconstruct(data, ref)
+    for k in started:
+        if len(ref[k][0]) < 64:
+            short += 1
+        else:
+            long_ += 1
+    # the source alternates short and long documents; kept short ones are about 10% of the long ones
+    assert 0.04 < short / long_ < 0.2
+    assert data.manifest["mixture_dropped"]["short_doc_downsampled"] > 0
+
+
+def test_domain_tags(tmp_path, tok, words):
+    docs = make_docs(words, 60, seed=4)
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    data = open_packed(prepare(cfg_for(tmp_path / "t", "data.domain_tags=true", source=src)))
+    tags = {i: tok(name, add_special_tokens=False)["input_ids"] for i, name in enumerate(DOMAINS)}
+    assert data.manifest["tags"]["Wikipedia"] == tags[DOMAINS.index("Wikipedia")]
+    check_layout(data, tok, tags)
+    assert any(row_tag > 0 for w in range(len(data)) for row_tag in data[w]["tag_lens"])
+    pos, started = reconstruct(data, reference_tokens(tok, docs))
+    assert len(started) > 10
+
+
+def test_interleaved_chunks_keep_order_and_share_seg_doc(tmp_path, tok, words):
+    docs = make_docs(words, 80, seed=5, lengths=(3, 60))
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    data = open_packed(prepare(cfg_for(tmp_path / "i", "data.interleave_chunks=true", source=src)))
+    check_layout(data, tok)
+    ref = reference_tokens(tok, docs)
+    pos, started = reconstruct(data, ref, interleaved=True)  # asserts in-order chunks and seg_doc consistency
+    assert sum(1 for k, p in pos.items() if p == len(ref[k][0])) >= len(started) - 3
+    shared = sum(len(set(data[w]["seg_doc"].tolist())) < len(data[w]["seg_doc"]) for w in range(len(data)))
+    assert shared > len(data) // 4
+
+
+def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):
+    good = make_docs(words, 40, seed=6)
+    lines = [json.dumps(d) for d in good[:20]] + [
+        "{not json", json.dumps({"meta": {}}), json.dumps({"text": "   "}), json.dumps({"text": 5}),
+        json.dumps({"text": "unknown domain doc", "meta": {"redpajama_set_name": "RedPajamaNews"}}),
+    ] + [json.dumps(d) for d in good[20:]]
+    src = tmp_path / "c.jsonl"
+    src.write_bytes("\n".join(lines).encode() + b"\n\xff\xfe broken utf8\n")
+    data = open_packed(prepare(cfg_for(tmp_path / "out", "data.token_budget=100000", source=src)))
+    sk = data.manifest["skipped"]
+    assert sk["counts"] == {"malformed_json": 1, "no_text": 2, "empty_text": 1, "undecodable": 1}
+    assert sk["examples"][0] == {"reason": "malformed_json", "source": str(src), "line": 21}
+    assert data.manifest["stats"]["domains"]["other"]["documents"] == 1
+
+    r = CliRunner().invoke(app, ["prepare", "--strict", "--set", f"data.output_dir={tmp_path / 's'}", "--set",
+                                 "data.source=local", "--set", f"data.path={src}", "--set", "data.seq_len=128"])
+    assert r.exit_code == 2
+    assert r.stderr.strip().count("\n") == 0 and f"{src}:21" in r.stderr and "not a JSON object" in r.stderr
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["data.source=local", "data.path=/nonexistent/corpus.jsonl"], "no such file"),
+    (["data.source=local", "data.path={tmp}/empty"], "no .jsonl"),
+    (["data.source=local", "data.path={tmp}/corrupt.jsonl.zst"], "corrupt.jsonl.zst: unreadable"),
+    (["data.source=local", "data.path={tmp}/corrupt.parquet"], "corrupt.parquet: unreadable as parquet"),
+    (["data.tokenizer=/nonexistent/tokenizer_dir"], "tokenizer '/nonexistent/tokenizer_dir' could not be loaded"),
+    (["data.token_budget=100"], "smaller than one window"),
+    (["data.synthetic.num_docs=1", "data.synthetic.max_words=20"], "not enough for one 128-token window"),
+    (["data.output_dir={tmp}/a_file/out"], "cannot write the dataset to"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, needle):
+    (tmp_path / "in" / "empty").mkdir(parents=True)
+    (tmp_path / "in" / "corrupt.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage garbage")
+    (tmp_path / "in" / "a_file").write_text("not a directory")
+    (tmp_path / "in" / "corrupt.parquet").write_bytes(b"PAR1 not really parquet")
+    args = ["prepare", "--set", f"data.output_dir={tmp_path / 'out'}", "--set", "data.seq_len=128"]
+    for o in overrides:
+        args += ["--set", o.replace("{tmp}", str(tmp_path / "in"))]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    line = r.stderr.strip()
+    assert line.startswith("error: ") and "\n" not in line and needle in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_rerun_is_a_noop_and_other_fingerprint_needs_force(tmp_path):
+    out = tmp_path / "out"
+    over = ["data.seq_len=128", "data.token_budget=2560", f"data.output_dir={out}"]
+    prepare(load_config(None, over))
+    manifest = (out / "manifest.json").stat().st_mtime_ns
+    r = CliRunner().invoke(app, ["prepare"] + [x for o in over for x in ("--set", o)])
+    assert r.exit_code == 0 and "already prepared" in r.output
+    assert (out / "manifest.json").stat().st_mtime_ns == manifest
+    with pytest.raises(UserError, match="another data fingerprint.*--force"):
+        prepare(load_config(None, over + ["data.seed=1"]))
+    prepare(load_config(None, over + ["data.seed=1"]), force=True)
+    assert open_packed(out).manifest["seed"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_interrupted_run_leaves_nothing_complete(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    over = ["data.seq_len=128", "data.token_budget=6400", f"data.output_dir={out}"]
+    original = ShardWriter.add
+
+    def failing_add(self, window):
+        if self.num_windows == 20:
+            raise RuntimeError("injected failure")
+        original(self, window)
+
+    monkeypatch.setattr(ShardWriter, "add", failing_add)
+    monkeypatch.setattr(prepare_mod, "SHARD_TOKENS", 128 * 8)  # several shards already written when it fails
+    with pytest.raises(RuntimeError, match="injected"):
+        prepare(load_config(None, over))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(UserError, match="run 'lctrain prepare"):
+        open_packed(out)
+    # a killed run (no cleanup at all) leaves only a hidden partial directory, removed by the next run
+    dead = tmp_path / ".out.partial-999999999"
+    (dead / "data").mkdir(parents=True)
+    monkeypatch.setattr(ShardWriter, "add", original)
+    data = open_packed(prepare(load_config(None, over)))
+    assert len(data) == 50 and len(data.manifest["shards"]) == 7
+    assert not dead.exists()
+
+
+def test_open_packed_rejects_incomplete_directories(tmp_path):
+    with pytest.raises(UserError, match="run 'lctrain prepare"):
+        open_packed(tmp_path / "missing")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "manifest.json").write_text(json.dumps({"complete": False}))
+    with pytest.raises(UserError, match="incomplete"):
+        open_packed(tmp_path / "half")
+
+
+def test_domains_from_slimpajama_meta():
+    from lctrain.data.encode import domain_of
+
+    for set_name, domain in SET_DOMAIN.items():
+        assert DOMAINS[domain_of({"redpajama_set_name": set_name})] == domain
+        assert DOMAINS[domain_of(json.dumps({"redpajama_set_name": set_name}))] == domain  # meta stored as a string
+    for meta in (None, {}, {"redpajama_set_name": "RedPajamaNews"}, "not json", 3):
+        assert DOMAINS[domain_of(meta)] == "other"
