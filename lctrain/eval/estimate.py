@@ -1,0 +1,186 @@
+"""`lctrain estimate`: predicted training hours per 1B tokens for each attention mode (the paper's Figure 6).
+
+FLOPs per window = linear layers + attention. Linear: 2 FLOPs per weight per token forward (q, k, v, o, the gated
+MLP, the LM head), x3 for forward + backward, +1 forward with gradient checkpointing. Attention: 4·H·head_dim FLOPs
+per causally visible (query, key) pair per layer forward (QK^T and AV), x3.5 for training (FlashAttention's backward
+recomputes the scores: 2.5x forward), +1 forward with gradient checkpointing. The visible pairs per mode come from
+the actual segment layout of the prepared dataset (`lctrain.eval.inspect_data.window_pairs`); without one, from a
+synthetic packing of log-normal document lengths, flagged as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lctrain.config import Config, data_dir, load_config
+from lctrain.errors import UserError
+from lctrain.eval.inspect_data import MODES, window_pairs
+
+# Synthetic fallback: SlimPajama-like document lengths (median 500 tokens, long right tail).
+SYNTHETIC_MEDIAN_TOKENS = 500
+SYNTHETIC_SIGMA = 1.5
+SYNTHETIC_WINDOWS = 64
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    def linear_params(self) -> int:
+        attn = self.hidden * self.heads * self.head_dim * 2 + 2 * self.hidden * self.kv_heads * self.head_dim
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp) + self.hidden * self.vocab
+
+
+def model_shape(cfg: Config) -> ModelShape:
+    from transformers import AutoConfig
+
+    if cfg.model.arch is not None:
+        arch = dict(cfg.model.arch)
+        try:
+            hf = AutoConfig.for_model(arch.pop("model_type"), **arch)
+        except (KeyError, ValueError, TypeError) as e:
+            raise UserError(f"model.arch: cannot build a config ({e})") from None
+        if "vocab_size" not in cfg.model.arch:
+            from lctrain.tokenizer import load_tokenizer
+
+            hf.vocab_size = len(load_tokenizer(cfg.data.tokenizer))
+    else:
+        try:
+            hf = AutoConfig.from_pretrained(cfg.model.name_or_path)
+        except (OSError, ValueError) as e:
+            raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}': cannot read its config "
+                            f"({type(e).__name__}); point it to a local model directory") from None
+    heads = hf.num_attention_heads
+    return ModelShape(hf.num_hidden_layers, hf.hidden_size, heads, getattr(hf, "num_key_value_heads", None) or heads,
+                      getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size)
+
+
+def synthetic_windows(seq_len: int, windows: int = SYNTHETIC_WINDOWS, seed: int = 0) -> list[list[int]]:
+    """Segment lengths of concatenate-and-cut windows over log-normal document lengths."""
+    rng = np.random.default_rng(seed)
+    out, current, room = [], [], seq_len
+    while len(out) < windows:
+        doc = max(1, int(rng.lognormal(np.log(SYNTHETIC_MEDIAN_TOKENS), SYNTHETIC_SIGMA)))
+        while doc > 0:
+            take = min(doc, room)
+            current.append(take)
+            doc, room = doc - take, room - take
+            if room == 0:
+                out.append(current)
+                current, room = [], seq_len
+    return out[:windows]
+
+
+def mean_pairs(cfg: Config) -> tuple[dict[str, float], str]:
+    """Mean visible pairs per window for each mode, and where the segment layout came from."""
+    from lctrain.data.store import open_packed
+
+    path = data_dir(cfg)
+    L = cfg.data.seq_len
+    if (path / "manifest.json").is_file():
+        from lctrain.eval.inspect_data import dataset_stats
+
+        stats = dataset_stats(open_packed(path))
+        if stats["seq_len"] == L and stats["windows"]:
+            return {m: v / stats["windows"] for m, v in stats["attention_pairs"].items()}, f"prepared dataset {path}"
+    wins = synthetic_windows(L, seed=cfg.data.seed)
+    totals = dict.fromkeys(MODES, 0)
+    for w in wins:
+        for k, v in window_pairs(L, w, list(range(len(w)))).items():
+            totals[k] += v
+    source = (f"SYNTHETIC: no prepared dataset at {path} (run `lctrain prepare` for the real layout); log-normal "
+              f"document lengths, median {SYNTHETIC_MEDIAN_TOKENS} tokens")
+    return {m: v / len(wins) for m, v in totals.items()}, source
+
+
+def read_bench(path: str | Path) -> dict[str, float]:
+    """Achieved TFLOP/s per GPU from a benchmark JSON: either {"tflops_per_gpu": x} or per mode, as
+    {"results": [{"mode": m, "tflops_per_gpu": x}, ...]} or {"tflops_per_gpu": {mode: x}}. Returns {mode or "*": x}."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text())
+    except OSError as e:
+        raise UserError(f"--from-bench {p}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--from-bench {p}:{e.lineno}: not valid JSON ({e.msg})") from None
+    found: dict[str, float] = {}
+    value = raw.get("tflops_per_gpu") if isinstance(raw, dict) else None
+    if isinstance(value, (int, float)):
+        found["*"] = float(value)
+    elif isinstance(value, dict):
+        found.update({str(k): float(v) for k, v in value.items() if isinstance(v, (int, float))})
+    for r in raw.get("results", []) if isinstance(raw, dict) else []:
+        if isinstance(r, dict) and isinstance(r.get("tflops_per_gpu"), (int, float)) and r.get("mode") in MODES:
+            found[r["mode"]] = float(r["tflops_per_gpu"])
+    if not found or any(v <= 0 for v in found.values()):
+        raise UserError(f"--from-bench {p}: no positive 'tflops_per_gpu' found (top level, per mode, or in "
+                        f"'results' entries with a 'mode'); pass --tflops instead")
+    return found
+
+
+def estimate(config: str | None = None, overrides: list[str] | tuple = (), *, tflops: float | None = None,
+             from_bench: str | None = None, gpus: int | None = None, out: str | None = None) -> dict:
+    """Hours per 1B training tokens per attention mode; prints a table, writes JSON when `out` is given."""
+    if (tflops is None) == (from_bench is None):
+        raise UserError("give exactly one of --tflops (achieved TFLOP/s per GPU) and --from-bench FILE")
+    if tflops is not None and tflops <= 0:
+        raise UserError(f"--tflops {tflops}: must be positive")
+    cfg = load_config(config, overrides)
+    rate = {"*": float(tflops)} if tflops is not None else read_bench(from_bench)
+    n_gpus = gpus or cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
+    if n_gpus < 1:
+        raise UserError(f"--gpus {gpus}: must be at least 1")
+    shape = model_shape(cfg)
+    L = cfg.data.seq_len
+    pairs, source = mean_pairs(cfg)
+    recompute = 1 if cfg.model.gradient_checkpointing else 0
+    linear = 2 * shape.linear_params() * L * (3 + recompute)
+    per_pair = 4 * shape.heads * shape.head_dim * shape.layers * (3.5 + recompute)
+    windows_per_b = 1e9 / L
+    rows = {}
+    for mode in MODES:
+        r = rate.get(mode, rate.get("*"))
+        if r is None:
+            raise UserError(f"--from-bench {from_bench}: no throughput for mode '{mode}' and no overall one")
+        flops = linear + per_pair * pairs[mode]
+        rows[mode] = {"flops_per_window": flops, "attention_share": per_pair * pairs[mode] / flops,
+                      "tflops_per_gpu": r, "hours_per_1b_tokens": windows_per_b * flops / (r * 1e12 * n_gpus) / 3600}
+    full = rows["full"]["hours_per_1b_tokens"]
+    for v in rows.values():
+        v["speedup_vs_full"] = full / v["hours_per_1b_tokens"]
+    result = {"config": cfg.name, "seq_len": L, "gpus": n_gpus, "segment_source": source,
+              "synthetic": source.startswith("SYNTHETIC"), "model": shape.__dict__, "modes": rows}
+    _print(result)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _print(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=f"{result['config']}: predicted hours per 1B tokens at {result['seq_len']} tokens on "
+                    f"{result['gpus']} GPU(s)")
+    t.add_column("mode")
+    for c in ("TFLOP/s/GPU", "attention FLOPs", "hours / 1B tok", "vs full"):
+        t.add_column(c, justify="right")
+    for mode, v in result["modes"].items():
+        t.add_row(mode, f"{v['tflops_per_gpu']:.1f}", f"{100 * v['attention_share']:.1f}%",
+                  f"{v['hours_per_1b_tokens']:.3g}", f"{v['speedup_vs_full']:.2f}x")
+    console.print(t)
+    style = "bold yellow" if result["synthetic"] else ""
+    console.print(f"segment layout: {result['segment_source']}", style=style)

@@ -1,0 +1,130 @@
+"""`lctrain inspect DATA_DIR`: a prepared dataset's composition (the paper's Table 9: per-domain share of documents
+and of tokens), its length histogram (Figure 8), and what each attention mode would compute on it.
+
+Attention cost is counted in causally visible (query, key) pairs, which is what the FLOPs of QK^T and AV scale with:
+full = L(L+1)/2 per window; intra_doc / intra_doc_reset = Σ_docs n(n+1)/2 over the window's documents (chunks of one
+document, `seg_doc`, see each other); anchor = intra_doc + one anchor column for every token outside the window's
+first document (the shared anchor the paper's kernel keeps visible to all documents).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from lctrain.config import DOMAINS
+
+MODES = ("full", "intra_doc", "intra_doc_reset", "anchor")
+
+
+def window_pairs(seq_len: int, seg_lens, seg_doc) -> dict[str, int]:
+    """Causally visible (query, key) pairs of one window under each attention mode."""
+    seg_lens = np.asarray(seg_lens, dtype=np.int64)
+    seg_doc = np.asarray(seg_doc, dtype=np.int64)
+    doc_tokens: dict[int, int] = {}
+    for n, d in zip(seg_lens, seg_doc):
+        doc_tokens[int(d)] = doc_tokens.get(int(d), 0) + int(n)
+    intra = sum(n * (n + 1) // 2 for n in doc_tokens.values())
+    outside_first = seq_len - doc_tokens[int(seg_doc[0])]
+    return {"full": seq_len * (seq_len + 1) // 2, "intra_doc": intra, "intra_doc_reset": intra,
+            "anchor": intra + outside_first}
+
+
+def _log2_edges(max_len: int) -> list[int]:
+    edges = [0, 64]
+    while edges[-1] < max_len:
+        edges.append(edges[-1] * 2)
+    return edges
+
+
+def dataset_stats(packed) -> dict:
+    """Per-domain counts and shares, segment-length histogram and attention pairs per mode over every window."""
+    seq_len = int(packed.manifest["seq_len"])
+    domains = list(packed.manifest.get("domains") or DOMAINS)
+    seg_count = np.zeros(len(domains), dtype=np.int64)
+    tok_count = np.zeros(len(domains), dtype=np.int64)
+    pairs = dict.fromkeys(MODES, 0)
+    lengths: list[np.ndarray] = []
+    per_window = []
+    cols = packed.rows.select_columns(["seg_lens", "seg_doc", "seg_domain"])
+    for batch in cols.iter(batch_size=1024):
+        for sl, sd, dom in zip(batch["seg_lens"], batch["seg_doc"], batch["seg_domain"]):
+            sl, dom = np.asarray(sl, dtype=np.int64), np.asarray(dom, dtype=np.int64)
+            np.add.at(seg_count, dom, 1)
+            np.add.at(tok_count, dom, sl)
+            for k, v in window_pairs(seq_len, sl, sd).items():
+                pairs[k] += v
+            lengths.append(sl)
+            per_window.append(len(sl))
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    edges = _log2_edges(max(seq_len, 64))
+    counts, _ = np.histogram(all_lengths, bins=edges)
+    total_seg, total_tok = int(seg_count.sum()), int(tok_count.sum())
+    domain_rows = {
+        d: {"segments": int(seg_count[i]), "segment_share": seg_count[i] / total_seg if total_seg else 0.0,
+            "tokens": int(tok_count[i]), "token_share": tok_count[i] / total_tok if total_tok else 0.0}
+        for i, d in enumerate(domains)
+    }
+    # Whole documents (also those spanning windows) are only known to prepare: take them from its manifest.
+    manifest_stats = packed.manifest.get("stats") or {}
+    doc_stats = manifest_stats.get("domains") or {}
+    for d, row in domain_rows.items():
+        row["documents"] = (doc_stats.get(d) or {}).get("documents")
+        row["doc_share"] = (doc_stats.get(d) or {}).get("documents_share")
+    hist = manifest_stats.get("length_histogram")
+    if not (hist and "counts" in hist and "edges" in hist):
+        hist = {"edges": edges, "counts": counts.tolist(), "unit": "tokens per segment (document piece in a window)"}
+    return {
+        "path": str(packed.path),
+        "seq_len": seq_len,
+        "windows": len(packed),
+        "tokens": total_tok,
+        "segments": total_seg,
+        "documents": manifest_stats.get("documents"),
+        "segments_per_window": {"mean": float(np.mean(per_window)) if per_window else 0.0,
+                                "max": int(max(per_window, default=0))},
+        "domains": domain_rows,
+        "length_histogram": hist,
+        "segment_length_histogram": {"edges": edges, "counts": counts.tolist()},
+        "attention_pairs": pairs,
+        "attention_saving": {k: 1.0 - v / pairs["full"] if pairs["full"] else 0.0 for k, v in pairs.items()},
+    }
+
+
+def inspect(data_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Print the tables and write dataset_stats.json and dataset.png (default DATA_DIR/inspect/)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lctrain.data.store import open_packed
+    from lctrain.eval.plots import plot_dataset
+
+    packed = open_packed(data_dir)
+    stats = dataset_stats(packed)
+    out_dir = Path(out) if out else Path(data_dir) / "inspect"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "dataset_stats.json").write_text(json.dumps(stats, indent=2))
+    plot_dataset(stats, out_dir / "dataset.png")
+    console = Console()
+    t = Table(title=f"{data_dir}: {stats['windows']} windows of {stats['seq_len']} tokens, {stats['segments']} segments "
+                    f"({stats['segments_per_window']['mean']:.1f} per window, max {stats['segments_per_window']['max']})")
+    t.add_column("domain")
+    for c in ("documents", "share of documents", "segments", "tokens", "share of tokens"):
+        t.add_column(c, justify="right")
+    for d, v in stats["domains"].items():
+        if v["segments"] or v["documents"]:
+            docs = "?" if v["documents"] is None else str(v["documents"])
+            share = "?" if v["doc_share"] is None else f"{100 * v['doc_share']:.1f}%"
+            t.add_row(d, docs, share, str(v["segments"]), str(v["tokens"]), f"{100 * v['token_share']:.1f}%")
+    console.print(t)
+    a = Table(title="attention work per mode (causally visible query-key pairs)")
+    a.add_column("mode")
+    a.add_column("pairs", justify="right")
+    a.add_column("saving vs full", justify="right")
+    for m in MODES:
+        a.add_row(m, f"{stats['attention_pairs'][m]:.3e}", f"{100 * stats['attention_saving'][m]:.1f}%")
+    console.print(a)
+    console.print(f"wrote {out_dir}/dataset_stats.json, dataset.png")
+    return out_dir

@@ -1,0 +1,111 @@
+"""Perplexity on prepared windows that training never saw, for comparison with the RULER scores (the paper shows
+that perplexity fails to track long-context ability).
+
+Training reads the windows in the order of `lctrain.train.data.stream_rows` (an epoch-wise seeded permutation), so
+the held-out windows are those outside the first `train.steps * train.global_batch` positions of that stream. A window
+is scored with plain causal attention over all of it, positions 0..L-1; targets that cannot be predicted from the
+text (each segment's anchor and its domain-tag tokens) are left out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lctrain.config import data_dir, data_fingerprint
+from lctrain.errors import UserError
+
+
+@dataclass
+class Heldout:
+    path: Path | None = None
+    rows: list[int] = field(default_factory=list)  # the windows to score
+    available: int = 0  # how many held-out windows exist
+    note: str = ""
+
+
+def heldout_rows(num_windows: int, consumed: int, seed: int, limit: int) -> tuple[list[int], int]:
+    """Up to `limit` rows (ascending) that the first `consumed` positions of the training stream do not cover,
+    and how many such rows exist."""
+    if consumed >= num_windows:
+        return [], 0
+    from lctrain.train.data import stream_rows
+
+    used = set(stream_rows(seed, num_windows, 0, consumed))
+    free = [r for r in range(num_windows) if r not in used]
+    return free[:limit], len(free)
+
+
+def select_heldout(tgt, ppl_data: str | None) -> Heldout:
+    """The windows to score for `tgt` (a runner Target): a given dataset dir (all of it unless it is the run's own
+    data), else the run's prepared data minus what training consumed; a note says why there are none."""
+    from lctrain.data.store import open_packed
+
+    cfg = tgt.cfg
+    limit = cfg.eval.ppl_windows
+    if limit == 0:
+        return Heldout(note="disabled (eval.ppl_windows = 0)")
+    if ppl_data:
+        path = Path(ppl_data)
+    elif tgt.kind == "run":
+        path = data_dir(cfg)
+        if not path.is_absolute() and not path.exists() and (tgt.path / path).exists():
+            path = tgt.path / path
+        if not (path / "manifest.json").is_file():
+            return Heldout(note=f"skipped: the run's prepared dataset {path} is not here; pass --ppl-data DIR")
+    else:
+        return Heldout(note="skipped: no dataset to score; pass --ppl-data DIR (a prepared dataset)")
+    packed = open_packed(path)
+    n = len(packed)
+    own = tgt.kind == "run" and packed.manifest.get("data_fingerprint") == data_fingerprint(cfg.data)
+    consumed = cfg.train.steps * cfg.train.global_batch if own else 0
+    rows, available = heldout_rows(n, consumed, cfg.seed, limit)
+    if not rows:
+        return Heldout(path, [], 0, f"none held out: training consumed {consumed} window reads of the {n} windows in "
+                                    f"{path}; prepare a larger token budget or pass --ppl-data DIR")
+    return Heldout(path, rows, available)
+
+
+def target_mask(seq_len: int, seg_lens: np.ndarray, tag_lens: np.ndarray) -> np.ndarray:
+    """mask[t] is True when input t+1 is a predictable target: not a segment's anchor or tag token, and t < L-1."""
+    keep = np.ones(seq_len, dtype=bool)
+    keep[-1] = False
+    starts = np.concatenate([[0], np.cumsum(seg_lens)[:-1]]).astype(np.int64)
+    for s, tags in zip(starts, tag_lens):
+        lo, hi = s - 1, s + int(tags)  # targets at inputs s (anchor) .. s+tags (tags) come from positions s-1 .. s+tags-1
+        keep[max(lo, 0):hi] = False
+    return keep
+
+
+def window_nll(model, window: dict, chunk: int = 4096) -> tuple[float, int]:
+    """Summed negative log-likelihood and target count of one window; the vocabulary projection runs in chunks so a
+    128K window does not materialize 128K x vocab logits at once."""
+    import torch
+
+    ids = torch.as_tensor(window["input_ids"], dtype=torch.long, device=model.device)[None]
+    L = ids.shape[1]
+    keep = torch.as_tensor(target_mask(L, window["seg_lens"], window["tag_lens"]), device=model.device)
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=ids, position_ids=torch.arange(L, device=model.device)[None],
+                                     use_cache=False).last_hidden_state[0]
+        head = model.get_output_embeddings()
+        total = 0.0
+        for lo in range(0, L - 1, chunk):
+            hi = min(lo + chunk, L - 1)
+            logits = head(hidden[lo:hi]).float()
+            nll = torch.nn.functional.cross_entropy(logits, ids[0, lo + 1:hi + 1], reduction="none")
+            total += float(nll[keep[lo:hi]].sum())
+    return total, int(keep.sum())
+
+
+def perplexity(model, packed, rows: list[int]) -> float:
+    if not rows:
+        raise UserError("no windows to compute perplexity on")
+    nll, count = 0.0, 0
+    for r in rows:
+        a, b = window_nll(model, packed[r])
+        nll, count = nll + a, count + b
+    return math.exp(nll / max(count, 1))

@@ -1,0 +1,121 @@
+"""PNG figures for the evaluation, the RoPE diagnostic and the dataset inspection (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+# the file-only backend must be chosen before pyplot is imported: evaluation runs on headless machines
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def length_label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_ruler(results: dict, path: Path) -> Path:
+    """Left: mean score over tasks against length, per checkpoint and averaged. Right: task x length heatmap of the
+    checkpoint average."""
+    lengths = results["lengths"]
+    x = range(len(lengths))
+    fig, (ax, hm) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.2]})
+    for ckpt, per_len in results["task_mean"].items():
+        ys = [per_len[str(L)] for L in lengths]
+        if ckpt == "average":
+            ax.plot(x, ys, "k-o", lw=2.5, label="average over checkpoints")
+        else:
+            ax.plot(x, ys, "-", marker=".", lw=1, alpha=0.7, label=ckpt)
+    ax.set_xticks(list(x), [length_label(L) for L in lengths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("RULER score (mean over tasks)")
+    ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    tasks = results["tasks"]
+    grid = [[results["average"][t][str(L)] for L in lengths] for t in tasks]
+    im = hm.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+    hm.set_xticks(list(x), [length_label(L) for L in lengths])
+    hm.set_yticks(range(len(tasks)), tasks)
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            hm.text(j, i, f"{v:.0f}", ha="center", va="center", color="w" if v < 60 else "k", fontsize=8)
+    fig.colorbar(im, ax=hm, label="score")
+    hm.set_title("average over checkpoints")
+    fig.suptitle(f"RULER-style evaluation: {results['target']}", fontsize=10)
+    return _save(fig, path)
+
+
+def _positive(values) -> list[float]:
+    """Values for a log axis: exact zeros (e.g. D at Δ1 = Δ2) are left out of the line rather than clipped."""
+    return [v if v > 0 else float("nan") for v in values]
+
+
+def plot_rope_drift(results: dict, path: Path) -> Path:
+    """The paper's Figure 1: D against the shift, per-token difference, and the first token's logit difference."""
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4.5))
+    variants = results["variants"]
+    for name, v in variants.items():
+        left.plot(range(len(results["shifts"])), _positive(v["D"]), "-o", ms=3, label=name)
+    left.set_xticks(range(len(results["shifts"])), [str(s) for s in results["shifts"]], rotation=60, fontsize=7)
+    left.set_xlabel(f"Δ1 (Δ2 = {results['delta2']})")
+    left.set_ylabel("attention difference D")
+    left.set_yscale("log")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    for name, v in variants.items():
+        label = f"{name}: first token {100 * v['first_token_share']:.0f}%, {v['first_token_vs_others']:.0f}x the others"
+        mid.plot(_positive(v["per_token"]), lw=1, label=label)
+    mid.set_xlabel("key token index")
+    mid.set_ylabel(f"per-token difference (Δ1=0, Δ2={results['delta2']})")
+    mid.set_xscale("symlog", linthresh=1)
+    mid.set_yscale("log")
+    mid.legend(fontsize=8)
+    mid.grid(alpha=0.3)
+    for name, v in variants.items():
+        right.plot(results["logit_lengths"], _positive(v["D_logit"]), "-o", ms=3, label=name)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("sequence length")
+    right.set_ylabel("first-token logit difference D_logit")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3)
+    fig.suptitle(f"RoPE drift under a positional shift: {results['model']}", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_dataset(stats: dict, path: Path) -> Path:
+    """Left: per-domain share of documents and of tokens (Table 9). Right: document-length histogram (Figure 8)."""
+    fig, (bars, hist) = plt.subplots(1, 2, figsize=(13, 4.5))
+    domains = [d for d, v in stats["domains"].items() if v["segments"] or v["documents"]]
+    x = range(len(domains))
+    w = 0.4
+    docs = [stats["domains"][d]["doc_share"] for d in domains]
+    if all(v is not None for v in docs):
+        bars.bar([i - w / 2 for i in x], [100 * v for v in docs], w, label="documents")
+    else:
+        bars.bar([i - w / 2 for i in x], [100 * stats["domains"][d]["segment_share"] for d in domains], w,
+                 label="segments")
+    bars.bar([i + w / 2 for i in x], [100 * stats["domains"][d]["token_share"] for d in domains], w, label="tokens")
+    bars.set_xticks(list(x), domains, rotation=30)
+    bars.set_ylabel("share (%)")
+    bars.legend()
+    h = stats["length_histogram"]
+    labels = h.get("labels") or [f"<{length_label(e)}" for e in h["edges"][1:]]
+    hist.bar(range(len(h["counts"])), h["counts"])
+    hist.set_xticks(range(len(h["counts"])), labels, rotation=45, fontsize=7)
+    hist.set_xlabel(h.get("unit", "tokens"))
+    hist.set_ylabel("count")
+    if any(h["counts"]):
+        hist.set_yscale("log")
+    fig.suptitle(f"prepared dataset: {stats['path']}", fontsize=10)
+    return _save(fig, path)

@@ -1,0 +1,47 @@
+"""`lctrain estimate`: the FLOP model against a hand computation, the synthetic fallback flagged, benchmark JSON
+input, and bad options."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.errors import UserError
+from lctrain.eval.estimate import estimate, read_bench
+
+ARCH = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
+        "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.arch.vocab_size=1000"]
+
+
+def test_hand_computed_full_attention_hours(tmp_path):
+    r = estimate(None, ARCH + ["data.seq_len=1024", f"data.output_dir={tmp_path / 'none'}"], tflops=50.0, gpus=2)
+    assert r["synthetic"] and "SYNTHETIC" in r["segment_source"]
+    L, d, layers, heads, hd, kv, ffn, vocab = 1024, 64, 2, 4, 16, 2, 128, 1000
+    params = layers * (2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ffn) + d * vocab
+    flops = 2 * params * L * 3 + 4 * heads * hd * layers * 3.5 * L * (L + 1) / 2
+    hours = (1e9 / L) * flops / (50e12 * 2) / 3600
+    assert r["modes"]["full"]["hours_per_1b_tokens"] == pytest.approx(hours)
+    assert r["modes"]["anchor"]["speedup_vs_full"] >= 1.0
+
+
+def test_from_bench_per_mode(tmp_path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"results": [{"mode": "full", "tflops_per_gpu": 100.0},
+                                             {"mode": "anchor", "tflops_per_gpu": 50.0}], "tflops_per_gpu": 80.0}))
+    assert read_bench(bench) == {"*": 80.0, "full": 100.0, "anchor": 50.0}
+    out = tmp_path / "est.json"
+    r = estimate(None, ARCH + [f"data.output_dir={tmp_path / 'none'}"], from_bench=str(bench), gpus=1, out=str(out))
+    assert r["modes"]["intra_doc"]["tflops_per_gpu"] == 80.0 and r["modes"]["anchor"]["tflops_per_gpu"] == 50.0
+    assert json.loads(out.read_text())["modes"]["full"]["tflops_per_gpu"] == 100.0
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(UserError, match="exactly one of --tflops"):
+        estimate(None, ARCH, gpus=1)
+    bad = tmp_path / "b.json"
+    bad.write_text(json.dumps({"nothing": 1}))
+    with pytest.raises(UserError, match="tflops_per_gpu"):
+        read_bench(bad)
+    r = CliRunner().invoke(app, ["estimate", "--tflops", "-3"])
+    assert r.exit_code == 2 and r.output.startswith("error: --tflops")

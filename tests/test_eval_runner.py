@@ -1,0 +1,156 @@
+"""`lctrain eval` end to end on a fake run directory (tiny random Llama checkpoints hf/step_N/ with the built-in
+tokenizer, config.yaml from write_resolved, a small prepared dataset): the report files, the checkpoint average
+recomputed by hand from predictions.jsonl, held-out perplexity against HF's own loss, and bad input."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import load_config, write_resolved
+from lctrain.errors import UserError
+from lctrain.eval.perplexity import heldout_rows, perplexity
+from lctrain.eval.runner import evaluate, load_model, parse_lengths, resolve_target
+from lctrain.tokenizer import load_tokenizer
+
+TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
+        "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2"]
+STEPS = (30, 40)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from lctrain.data.prepare import prepare
+    from lctrain.model import build_model
+
+    root = tmp_path_factory.mktemp("evalrun")
+    run = root / "run"
+    # 20 windows of 256 tokens; 2 steps x 4 windows leave 12 held out
+    cfg = load_config(None, TINY + ["data.seq_len=256", "data.token_budget=5120", f"data.output_dir={root / 'data'}",
+                                    f"train.run_dir={run}", "train.steps=2", "train.global_batch=4",
+                                    "eval.ppl_windows=2"])
+    prepare(cfg)
+    write_resolved(cfg, run)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    for step in STEPS:
+        cfg.seed = step  # distinct weights per checkpoint
+        model = build_model(cfg, vocab_size=len(tok))
+        model.save_pretrained(run / "hf" / f"step_{step}")
+        tok.save_pretrained(run / "hf" / f"step_{step}")
+    return run
+
+
+@pytest.fixture(scope="module")
+def evaluated(run_dir):
+    out = evaluate(run_dir, lengths="512", tasks="vt,fwe", samples=1)
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_report_files(evaluated, run_dir):
+    out, results = evaluated
+    assert out == run_dir / "eval"
+    assert results["checkpoints"] == [f"step_{s}" for s in STEPS]
+    assert results["tasks"] == ["vt", "fwe"] and results["lengths"] == [512]
+    # the checkpoints were built for 256-token windows: evaluating at 512 is extrapolation, and the report says so
+    assert set(results["notes"]) == {f"step_{s}: max_position_embeddings" for s in STEPS}
+    png = out / "ruler.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_average_matches_predictions_by_hand(evaluated):
+    out, results = evaluated
+    preds = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(preds) == len(STEPS) * 2
+    for p in preds:  # RULER's metric recomputed from the raw prediction
+        found = sum(a.lower() in p["prediction"].lower() for a in p["answers"]) / len(p["answers"])
+        assert p["score"] == found
+    for task in results["tasks"]:
+        per_ckpt = [100 * np.mean([p["score"] for p in preds if p["task"] == task and p["checkpoint"] == c])
+                    for c in results["checkpoints"]]
+        assert results["average"][task]["512"] == pytest.approx(np.mean(per_ckpt))
+        for c, v in zip(results["checkpoints"], per_ckpt):
+            assert results["scores"][c][task]["512"] == pytest.approx(v)
+
+
+def test_perplexity_on_heldout_windows(evaluated, run_dir):
+    from lctrain.data.store import open_packed
+    from lctrain.train.data import micro_batch_rows
+
+    _, results = evaluated
+    ppl = results["perplexity"]
+    cfg = load_config(str(run_dir / "config.yaml"))
+    packed = open_packed(cfg.data.output_dir)
+    trained = {r for s in range(cfg.train.steps) for r in micro_batch_rows(
+        s, 0, 0, dp=1, micro_batch=cfg.train.global_batch, global_batch=cfg.train.global_batch, seed=cfg.seed,
+        n=len(packed))}
+    rows, available = heldout_rows(len(packed), cfg.train.steps * cfg.train.global_batch, cfg.seed, 100)
+    assert set(rows).isdisjoint(trained) and available == len(packed) - len(trained) > 0
+    assert ppl["windows"] == 2 and set(ppl["per_checkpoint"]) == {f"step_{s}" for s in STEPS}
+
+    # independent reference: HF's own shifted loss with anchors and tags masked in the labels
+    model = load_model(run_dir / "hf" / f"step_{STEPS[0]}", "cpu")
+    nll, count = 0.0, 0
+    for r in rows[:2]:
+        w = packed[r]
+        ids = torch.as_tensor(w["input_ids"], dtype=torch.long)[None]
+        labels = ids.clone()
+        start = 0
+        for n, tags in zip(w["seg_lens"], w["tag_lens"]):
+            labels[0, start:start + 1 + tags] = -100
+            start += n
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=labels).loss
+        k = int((labels[0, 1:] != -100).sum())
+        nll, count = nll + float(loss) * k, count + k
+    assert ppl["per_checkpoint"][f"step_{STEPS[0]}"] == pytest.approx(math.exp(nll / count), rel=1e-4)
+    assert perplexity(model, packed, rows[:2]) == pytest.approx(math.exp(nll / count), rel=1e-4)
+
+
+def test_no_heldout_windows_says_so():
+    assert heldout_rows(10, 10, 0, 5) == ([], 0)
+    assert heldout_rows(10, 40, 0, 5) == ([], 0)
+
+
+def test_model_dir_and_out(run_dir, tmp_path):
+    out = evaluate(run_dir / "hf" / f"step_{STEPS[1]}", lengths="512", tasks="vt", samples=1, out=tmp_path / "o")
+    results = json.loads((out / "results.json").read_text())
+    assert results["kind"] == "model" and results["checkpoints"] == [f"step_{STEPS[1]}"]
+    assert results["perplexity"]["note"].startswith("skipped")
+
+
+def test_parse_lengths():
+    assert parse_lengths("4k,8K,4096,128k") == [4096, 8192, 131072]
+    with pytest.raises(UserError, match="not a length"):
+        parse_lengths("4k,abc")
+
+
+def test_bad_input_exits_2_with_one_line(run_dir, tmp_path):
+    runner = CliRunner()
+    empty = tmp_path / "emptyrun"
+    write_resolved(load_config(None), empty)
+    cases = [
+        ([str(tmp_path / "missing")], "no such run or model directory"),
+        ([str(empty)], "no evaluation checkpoints"),
+        ([str(run_dir), "--exclude", "niah_multikey_3,nope"], "unknown task(s) nope"),
+        ([str(run_dir), "--lengths", "4k,x"], "not a length"),
+        ([str(tmp_path)], "neither a run directory"),
+    ]
+    for args, message in cases:
+        r = runner.invoke(app, ["eval", *args])
+        assert r.exit_code == 2, (args, r.output)
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.output
+
+
+def test_resolve_target_orders_steps(tmp_path):
+    run = tmp_path / "r"
+    write_resolved(load_config(None), run)
+    for s in (100, 20, 3):
+        (run / "hf" / f"step_{s}").mkdir(parents=True)
+        (run / "hf" / f"step_{s}" / "config.json").write_text("{}")
+    (run / "hf" / "step_x").mkdir()
+    assert [c for c, _ in resolve_target(run).checkpoints] == ["step_3", "step_20", "step_100"]

@@ -1,0 +1,167 @@
+"""RULER-style task generators: deterministic, the answers really sit in the haystack at the stated depth, prompts
+fit the length with the real tokenizer; QA files in SQuAD and HotpotQA format; bad input is a UserError."""
+
+import json
+import re
+
+import pytest
+
+from lctrain.errors import UserError
+from lctrain.eval.tasks import ALL_TASKS, QA_TASK, fit_units, generate, load_qa, select_tasks, task_specs, zipf_counts
+from lctrain.tokenizer import load_tokenizer
+
+LENGTH = 768
+N = 3
+
+
+@pytest.fixture(scope="module")
+def count():
+    tok = load_tokenizer("builtin:mistral-7b-v0.1")
+    return lambda text: len(tok(text)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def samples(count):
+    return {name: generate(spec, LENGTH, N, 7, count) for name, spec in task_specs(7).items()}
+
+
+def test_deterministic_and_seed_dependent(samples, count):
+    again = generate(task_specs(7)["niah_single_2"], LENGTH, N, 7, count)
+    assert [s.prompt for s in again] == [s.prompt for s in samples["niah_single_2"]]
+    other = generate(task_specs(8)["niah_single_2"], LENGTH, N, 8, count)
+    assert [s.answers for s in other] != [s.answers for s in samples["niah_single_2"]]
+
+
+def test_prompts_fit_and_fill_the_length(samples, count):
+    for name, ss in samples.items():
+        for s in ss:
+            budget = LENGTH - s.max_new_tokens
+            assert count(s.prompt) == s.num_tokens <= budget, name
+            assert s.num_tokens > 0.85 * budget, f"{name}: haystack too short ({s.num_tokens} of {budget})"
+
+
+def test_needles_present_at_their_depth(samples):
+    for name in [t for t in samples if t.startswith("niah")] + ["vt"]:
+        for s in samples[name]:
+            # the haystack is what lies between the instruction and the question
+            body = s.prompt.split("\n\n")[1]
+            for needle, depth in s.needles:
+                assert body.count(needle) == 1, (name, needle)
+                # depth is relative to the haystack proper: the other needles are not part of it
+                alone = body
+                for other, _ in s.needles:
+                    if other != needle:
+                        alone = alone.replace(other, "")
+                where = alone.index(needle) / (len(alone) - len(needle))
+                units = len(re.findall(r"\.\s", alone)) + 1  # needles sit between sentences/lines
+                assert abs(where - depth) <= max(0.05, 1.5 / units), (name, where, depth)
+            for answer in s.answers:
+                assert answer in body, (name, answer)
+        first_depths = [s.needles[0][1] for s in samples[name]]
+        assert first_depths == pytest.approx([(i + 0.5) / N for i in range(N)])
+
+
+def test_single_needle_answer_is_the_queried_value(samples):
+    for s in samples["niah_single_1"]:
+        needle = s.needles[0][0]
+        key = re.search(r"for (\S+) is", needle).group(1)
+        assert s.answers == (needle.rsplit(" ", 1)[1].rstrip("."),)
+        assert s.prompt.rstrip().endswith(f"for {key} mentioned in the text above is")
+    for s in samples["niah_multiquery"]:
+        assert len(s.answers) == 4 and all(a in s.prompt for a in s.answers)
+    for s in samples["niah_multivalue"]:
+        assert len(set(s.answers)) == 4
+
+
+def test_variable_tracking_chain_resolves_to_answers(samples):
+    for s in samples["vt"]:
+        body = s.prompt.split("\n\n")[1]
+        value = re.search(r"assigned the value (\d+) in the text", s.prompt).group(1)
+        assigned = {a: b for a, b in re.findall(r"VAR (\w+) = ([\w ]+?)\.", body)}
+        resolved = set()
+        for var in assigned:
+            v = var
+            while assigned[v].startswith("VAR "):
+                v = assigned[v][4:]
+            if assigned[v] == value:
+                resolved.add(var)
+        assert resolved == set(s.answers)
+
+
+def test_word_extraction_answers_are_the_most_frequent(samples):
+    for s in samples["cwe"]:
+        words = re.findall(r"\d+\. (\w+)", s.prompt.split("\n\n")[1])
+        freq = {w: words.count(w) for w in set(words)}
+        top = sorted(freq, key=freq.get, reverse=True)[:10]
+        assert set(top) == set(s.answers) and min(freq[a] for a in s.answers) > max(
+            f for w, f in freq.items() if w not in s.answers)
+    for s in samples["fwe"]:
+        words = s.prompt.split("\n\n")[1].replace("....", " ").split()
+        freq = {w: words.count(w) for w in set(words)}
+        ranked = sorted(freq, key=freq.get, reverse=True)
+        assert tuple(ranked[:3]) == s.answers and freq[ranked[2]] > freq[ranked[3]]
+
+
+def test_zipf_counts_strictly_ranked():
+    c = zipf_counts(5000)
+    assert c[0] > c[1] > c[2] > c[3] and abs(sum(c) - 5000) < 0.05 * 5000
+
+
+def test_fit_units_against_linear_search():
+    cost = lambda n: 10 + 3 * n
+    for budget in (9, 10, 12, 13, 100, 1001):
+        expected = max([n for n in range(400) if cost(n) <= budget], default=-1)
+        assert fit_units(cost, budget) == expected
+    assert fit_units(cost, 1000, max_units=50) == 50
+
+
+def test_too_short_length_is_a_user_error(count):
+    with pytest.raises(UserError, match="too short for task niah_multikey_1"):
+        generate(task_specs(0)["niah_multikey_1"], 200, 1, 0, count)
+
+
+def test_select_tasks():
+    names, skipped = select_tasks(None, ["niah_multikey_3", "cwe"], None)
+    assert "cwe" not in names and "niah_multikey_3" not in names and QA_TASK in skipped
+    assert len(names) == len(ALL_TASKS) - 3
+    with pytest.raises(UserError, match="unknown task.*nope"):
+        select_tasks(None, ["nope"], None)
+    with pytest.raises(UserError, match="no task left"):
+        select_tasks(["vt"], ["vt"], None)
+
+
+def _squad(tmp_path):
+    data = {"data": [{"title": f"t{i}", "paragraphs": [{
+        "context": f"Paragraph {i}: the river town number {i} was founded by settler {i * 7}.",
+        "qas": [{"question": f"Who founded town {i}?", "answers": [{"text": f"settler {i * 7}"}]},
+                {"question": "unanswerable?", "answers": [], "is_impossible": True}]}]} for i in range(30)]}
+    p = tmp_path / "squad.json"
+    p.write_text(json.dumps(data))
+    return p
+
+
+def test_qa_squad_and_hotpot(tmp_path, count):
+    qa = load_qa(_squad(tmp_path))
+    assert qa.format == "squad" and len(qa.items) == 30 and len(qa.documents) == 30
+    spec = task_specs(0, qa)[QA_TASK]
+    for s in generate(spec, 512, 2, 0, count):
+        item = next(it for it in qa.items if f"Question: {it.question}" in s.prompt)
+        assert s.answers == item.answers and item.gold[0] in s.prompt and s.num_tokens <= 512 - 32
+    hotpot = [{"question": f"q{i}?", "answer": f"a{i}", "supporting_facts": [[f"T{i}", 0]],
+               "context": [[f"T{i}", [f"Fact {i} is a{i}."]], [f"U{i}", ["Noise."]]]} for i in range(5)]
+    p = tmp_path / "hotpot.json"
+    p.write_text(json.dumps(hotpot))
+    hq = load_qa(p)
+    assert hq.format == "hotpotqa" and hq.items[2].gold == ("Fact 2 is a2.",)
+
+
+def test_qa_bad_files(tmp_path):
+    with pytest.raises(UserError, match="cannot read"):
+        load_qa(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_qa(bad)
+    bad.write_text(json.dumps({"rows": []}))
+    with pytest.raises(UserError, match="neither SQuAD"):
+        load_qa(bad)
