@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -68,3 +70,21 @@ def plain_causal(query, key, value, scaling):
     else:
         out = sdpa_lower_right(query, key, value, scaling)
     return out.transpose(1, 2).contiguous()
+
+
+def hf_attention(kernel):
+    """Give a kernel `(query, key, value, seg, scaling) -> out [B, S, H, D]` Hugging Face's attention signature,
+    with what every engine shares: the dropout check, the rope_fp32 dtype cast, the default scale, and plain causal
+    attention when no segment metadata is passed (generation, evaluation)."""
+
+    @functools.wraps(kernel)
+    def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+        check_dropout(dropout)
+        query, key, value = unify_dtypes(query, key, value)
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        seg = segments_of(kwargs, query)
+        if seg is None:
+            return plain_causal(query, key, value, scaling), None
+        return kernel(query, key, value, seg, scaling), None
+
+    return attention

@@ -13,7 +13,7 @@ from functools import lru_cache
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from lctrain.attention.engines.common import check_dropout, plain_causal, segments_of, unify_dtypes
+from lctrain.attention.engines.common import hf_attention
 from lctrain.attention.modes import Layout
 
 
@@ -51,14 +51,9 @@ def build_block_mask(layout: Layout, mode: str, device):
     return make(mask_mod_for(layout, mode, device), layout.batch, None, layout.length, layout.length, device=device)
 
 
-def flex_engine(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    check_dropout(dropout)
-    query, key, value = unify_dtypes(query, key, value)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    seg = segments_of(kwargs, query)
-    if seg is None:
-        return plain_causal(query, key, value, scaling), None
+@hf_attention
+def flex_engine(query, key, value, seg, scaling):
     block_mask = seg.cached(("flex", query.device), lambda: build_block_mask(seg.layout, seg.mode, query.device))
     attend = _compiled(flex_attention) if query.is_cuda else flex_attention
     out = attend(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()

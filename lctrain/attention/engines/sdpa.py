@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lctrain.attention.engines.common import (check_dropout, expand_kv_heads, plain_causal, sdpa, sdpa_lower_right,
-                                              segments_of, unify_dtypes)
+from lctrain.attention.engines.common import (expand_kv_heads, hf_attention, plain_causal, sdpa,
+                                              sdpa_lower_right)
 from lctrain.attention.modes import Layout, earlier_tokens_of_same_doc
 
 
@@ -107,13 +107,10 @@ def _rank_within_doc(layout: Layout, order: torch.Tensor) -> torch.Tensor:
     return rank
 
 
-def sdpa_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    check_dropout(dropout)
-    query, key, value = unify_dtypes(query, key, value)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    seg = segments_of(kwargs, query)
-    if seg is None or seg.mode == "full":
-        return plain_causal(query, key, value, scaling), None
+@hf_attention
+def sdpa_attention(query, key, value, seg, scaling):
+    if seg.mode == "full":
+        return plain_causal(query, key, value, scaling)
     plan = seg.cached(("sdpa", query.device), lambda: build_sdpa_plan(seg.layout, seg.mode).to(query.device))
     B, H, L, D = query.shape
     k = key.transpose(1, 2).reshape(B * L, key.shape[1], D)
@@ -138,4 +135,4 @@ def sdpa_attention(module, query, key, value, attention_mask=None, scaling=None,
         outs.append(o.transpose(1, 2).reshape(G * nq, H, D))
     if plan.copies:
         outs.append(expand_kv_heads(vs[-1], H))
-    return torch.cat(outs)[plan.inverse].view(B, L, H, D), None
+    return torch.cat(outs)[plan.inverse].view(B, L, H, D)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lctrain.attention.engines.common import check_dropout, plain_causal, segments_of, unify_dtypes
+from lctrain.attention.engines.common import hf_attention
 from lctrain.attention.modes import Layout
 from lctrain.errors import UserError
 
@@ -52,13 +52,8 @@ def torch_varlen_available() -> bool:
     return True
 
 
-def varlen_engine(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-    check_dropout(dropout)
-    query, key, value = unify_dtypes(query, key, value)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    seg = segments_of(kwargs, query)
-    if seg is None:
-        return plain_causal(query, key, value, scaling), None
+@hf_attention
+def varlen_engine(query, key, value, seg, scaling):
     if not query.is_cuda:
         raise UserError("attention engine 'varlen' needs a CUDA GPU; set attention.engine to 'sdpa' on CPU")
     if value.dtype not in (torch.bfloat16, torch.float16):
@@ -78,4 +73,4 @@ def varlen_engine(module, query, key, value, attention_mask=None, scaling=None, 
         from torch.nn.attention.varlen import varlen_attn
 
         out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(-1, 0), enable_gqa=key.shape[1] != H)
-    return out.view(B, L, H, D), None
+    return out.view(B, L, H, D)
