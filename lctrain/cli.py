@@ -63,6 +63,29 @@ def prepare(
 
 @app.command()
 @user_errors
+def train(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    force: Annotated[bool, typer.Option(help="start over in a run directory that already has checkpoints")] = False,
+):
+    """Train with DeepSpeed (ZeRO, Ulysses sequence parallel); relaunches itself when the config asks for several
+    processes. Writes config.yaml, metrics.jsonl, checkpoints/ and hf/step_N/ into the run directory."""
+    from lctrain.train.trainer import train as run_train
+
+    run_train(load_config(config, list(set_ or [])), force=force)
+
+
+@app.command()
+@user_errors
+def resume(run_dir: Annotated[str, typer.Argument(help="run directory written by `lctrain train`")]):
+    """Continue a stopped or killed run from its last complete checkpoint; needs nothing but the run directory."""
+    from lctrain.train.trainer import resume as run_resume
+
+    run_resume(run_dir)
+
+
+@app.command()
+@user_errors
 def configs():
     """List the bundled configs (usable as `--config NAME`)."""
     for name in bundled_config_names():
@@ -75,6 +98,80 @@ def configs():
 def show_config(config: ConfigOpt = None, set_: SetOpt = None):
     """Print the resolved config (after `base:` inheritance and overrides) with its fingerprint."""
     typer.echo(to_yaml(load_config(config, list(set_ or []))), nl=False)
+
+
+@app.command("eval")
+@user_errors
+def eval_(
+    target: Annotated[str, typer.Argument(help="run directory (evaluates every hf/step_N/) or a Hugging Face model directory")],
+    lengths: Annotated[Optional[str], typer.Option(help="context lengths, e.g. 4k,8k,16k,32k,64k,128k; default eval.lengths")] = None,
+    tasks: Annotated[Optional[str], typer.Option(help="comma-separated tasks to run; default all")] = None,
+    exclude: Annotated[Optional[str], typer.Option(help="tasks to leave out, e.g. niah_multikey_3,cwe (the paper's Llama-2 setting)")] = None,
+    samples: Annotated[Optional[int], typer.Option(help="samples per task and length; default eval.samples_per_task")] = None,
+    qa: Annotated[Optional[str], typer.Option(help="local SQuAD or HotpotQA JSON file for the qa task")] = None,
+    out: Annotated[Optional[str], typer.Option(help="output directory; default TARGET/eval")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cuda, cpu or auto")] = None,
+    ppl_data: Annotated[Optional[str], typer.Option(help="prepared dataset to score perplexity on; default the run's held-out windows")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+):
+    """RULER-style long-context scores per checkpoint and averaged over checkpoints, plus held-out perplexity:
+    a table, results.json, predictions.jsonl and ruler.png."""
+    from lctrain.eval.runner import evaluate
+
+    evaluate(target, config=config, overrides=list(set_ or []), lengths=lengths, tasks=tasks, exclude=exclude,
+             samples=samples, qa=qa, out=out, device=device, ppl_data=ppl_data)
+
+
+diagnose = typer.Typer(help="Numerical diagnostics.", no_args_is_help=True)
+app.add_typer(diagnose, name="diagnose")
+
+
+@diagnose.command("rope")
+@user_errors
+def diagnose_rope(
+    model: Annotated[str, typer.Argument(help="hub name, model directory, or lctrain config (name or YAML; model.arch = a tiny random model)")],
+    seq_len: Annotated[int, typer.Option(help="tokens of the input X for D and the per-token difference")] = 1024,
+    max_len: Annotated[int, typer.Option(help="longest sequence for the first-token logit difference (64 .. 8192)")] = 8192,
+    device: Annotated[Optional[str], typer.Option(help="cuda, cpu or auto")] = None,
+    out: Annotated[Optional[str], typer.Option(help="output directory; default diagnose/<model name>")] = None,
+    set_: SetOpt = None,
+):
+    """The paper's Figure 1: attention difference under a positional shift in fp32, bf16 and bf16 with fp32 RoPE;
+    the first token's share of it; the first-token logit difference against length. Table, JSON and PNG."""
+    from lctrain.eval.rope_drift import diagnose_rope as run_diagnose
+
+    run_diagnose(model, overrides=list(set_ or []), seq_len=seq_len, max_len=max_len, device=device, out=out)
+
+
+@app.command("inspect")
+@user_errors
+def inspect_(
+    data_dir: Annotated[str, typer.Argument(help="prepared dataset directory (written by `lctrain prepare`)")],
+    out: Annotated[Optional[str], typer.Option(help="output directory; default DATA_DIR/inspect")] = None,
+):
+    """Per-domain shares of documents and tokens, the length histogram, segment counts and the attention work each
+    mode does on this dataset. Table, JSON and PNG."""
+    from lctrain.eval.inspect_data import inspect as run_inspect
+
+    run_inspect(data_dir, out=out)
+
+
+@app.command()
+@user_errors
+def estimate(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    tflops: Annotated[Optional[float], typer.Option(help="achieved TFLOP/s per GPU (model FLOPs)")] = None,
+    from_bench: Annotated[Optional[str], typer.Option(help="JSON from scripts/bench_train.py with tflops_per_gpu")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPU count; default parallel.nproc_per_node x parallel.num_nodes")] = None,
+    out: Annotated[Optional[str], typer.Option(help="also write the estimate to this JSON file")] = None,
+):
+    """Predicted hours per 1B tokens for each attention mode at the config's length and GPU count (Figure 6), from
+    the FLOPs of the prepared dataset's segment layout."""
+    from lctrain.eval.estimate import estimate as run_estimate
+
+    run_estimate(config, list(set_ or []), tflops=tflops, from_bench=from_bench, gpus=gpus, out=out)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -52,6 +52,8 @@ class DataConfig(_Section):
     num_workers: int = Field(0, ge=0, description="tokenizer processes; 0 = all cores")
     output_dir: Optional[str] = None
     strict: bool = False
+    shuffle_buffer_tokens: int = Field(
+        16_777_216, ge=0, description="documents are shuffled through a seeded buffer of this many tokens")
     synthetic: SyntheticConfig = SyntheticConfig()
 
     @model_validator(mode="after")
@@ -120,6 +122,7 @@ class LoggingConfig(_Section):
     wandb: Literal["disabled", "offline", "online"] = "disabled"
     wandb_project: str = "lctrain"
     log_every: int = Field(1, ge=1)
+    peak_tflops: Optional[float] = Field(None, gt=0, description="per-device peak for MFU; None: known GPU or measured CPU")
 
 
 class EvalConfig(_Section):
@@ -129,6 +132,7 @@ class EvalConfig(_Section):
     samples_per_task: int = Field(25, ge=1)
     qa_path: Optional[str] = None
     seed: int = 0
+    ppl_windows: int = Field(8, ge=0, description="held-out windows scored for perplexity; 0 = skip")
 
 
 class Config(_Section):

@@ -1,0 +1,70 @@
+"""Multi-process runs: `lctrain train` re-starts itself under DeepSpeed's or torch's launcher.
+
+The parent has already written the resolved `config.yaml` into the run directory; every worker reads it back from
+there (`python -m lctrain.parallel.launch RUN_DIR`), so workers on other nodes need nothing but a shared filesystem.
+Multi-node: DeepSpeed's launcher reads `parallel.hostfile` and starts the workers on every host over ssh/pdsh;
+with torchrun, run the same `lctrain train` on each node under `torchrun --nnodes ... --node_rank ...` yourself
+(then `lctrain train` sees the launcher's environment and does not relaunch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lctrain.config import Config, load_config
+from lctrain.errors import UserError
+from lctrain.parallel.groups import free_port, launcher_free_env
+
+
+def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
+    p = cfg.parallel
+    worker = ["lctrain.parallel.launch", str(run_dir)] + (["--resume"] if resume else [])
+    if p.launcher == "torchrun":
+        if p.num_nodes > 1:
+            raise UserError(f"{cfg.source_file or 'config'}: parallel.launcher = torchrun cannot start other nodes; "
+                            f"run 'torchrun --nnodes {p.num_nodes} ... -m lctrain.cli train' on every node, or set "
+                            f"parallel.launcher: deepspeed with parallel.hostfile")
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(p.nproc_per_node),
+                "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m"] + worker
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
+    if p.num_nodes > 1:
+        if not p.hostfile or not Path(p.hostfile).is_file():
+            raise UserError(f"{cfg.source_file or 'config'}: parallel.num_nodes = {p.num_nodes} needs "
+                            f"parallel.hostfile naming the hosts (DeepSpeed hostfile: 'host slots=8' per line)")
+        cmd += ["--hostfile", p.hostfile, "--num_nodes", str(p.num_nodes), "--num_gpus", str(p.nproc_per_node)]
+    else:
+        cmd += ["--num_gpus", str(p.nproc_per_node)]
+    return cmd + ["--module"] + worker
+
+
+def relaunch(cfg: Config, run_dir: Path, resume: bool) -> None:
+    """Run the workers and wait; their exit status becomes ours (a worker's UserError is already printed)."""
+    cmd = launcher_command(cfg, run_dir, resume)
+    rc = subprocess.call(cmd, env=launcher_free_env())
+    if rc:
+        raise SystemExit(rc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from lctrain.train.trainer import run
+
+    parser = argparse.ArgumentParser(prog="python -m lctrain.parallel.launch")
+    parser.add_argument("run_dir")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
+    args = parser.parse_args(argv)
+    try:
+        run_dir = Path(args.run_dir)
+        run(load_config(str(run_dir / "config.yaml")), run_dir, resuming=args.resume)
+    except UserError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(UserError.exit_code) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The training loss: token losses summed in chunks from the final hidden states, normalised over the whole step.
+
+At 128K tokens the fp32 logits alone are 128K x 32K x 4 B = 16 GB, so the loss never builds them: each chunk of
+hidden states goes through `lm_head` and cross-entropy inside an activation checkpoint, which keeps only that chunk's
+logits alive at a time (forward and backward).
+
+Normalisation: every rank returns the *sum* of its token losses; the trainer divides by the number of valid labels
+in the whole optimizer step (all micro-batches, all ranks), so sequence- and data-parallel runs compute the same loss
+and gradients as one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+# Tokens per logits chunk: 8K x 32K vocab x 4 B = 1 GB of fp32 logits at most.
+DEFAULT_CHUNK_TOKENS = 8192
+
+
+def _chunk_loss_sum(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = lm_head(hidden).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def chunked_loss_sum(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """Sum of cross-entropy over `labels != -100`; `hidden` [B, S, d], `labels` [B, S] already shifted."""
+    per_chunk = max(1, chunk_tokens // hidden.shape[0])
+    if hidden.shape[1] <= per_chunk:
+        # one chunk: its logits are the peak either way, so recomputing them would only cost time
+        return _chunk_loss_sum(lm_head, hidden, labels)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[1], per_chunk):
+        h = hidden[:, start:start + per_chunk]
+        y = labels[:, start:start + per_chunk]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss_sum, lm_head, h, y, use_reentrant=False)
+        else:
+            total = total + _chunk_loss_sum(lm_head, h, y)
+    return total
+
+
+def deepspeed_grad_divisor(zero_stage: int, dp: int, world: int) -> int:
+    """What DeepSpeed divides the summed gradients by (deepspeed 0.19): the data-parallel size for ZeRO 0-2, but
+    all ranks (data x sequence parallel) for ZeRO-3's reduce-scatter path, which ds_config always selects. The
+    trainer multiplies the loss by it so that the ranks' gradient contributions simply add up."""
+    return world if zero_stage == 3 else dp
+
+
+class CausalLMLossSum(torch.nn.Module):
+    """Wraps a Hugging Face causal LM so DeepSpeed sees one module whose forward returns the token-loss sum."""
+
+    def __init__(self, lm: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, input_ids, position_ids, labels, shift_labels=None, **segments):
+        body = self.lm.get_decoder()
+        hidden = body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **segments).last_hidden_state
+        return chunked_loss_sum(self.lm.get_output_embeddings(), hidden, labels, self.chunk_tokens)

@@ -1,0 +1,193 @@
+"""Resume checkpoints (DeepSpeed state + trainer state) and evaluation checkpoints (Hugging Face format).
+
+Crash safety: every checkpoint is written under a temporary name in the same directory and renamed once complete;
+`checkpoints/latest` names the newest complete one and is replaced (atomically) only after the rename; older ones
+are pruned only after that. A kill at any moment therefore leaves the previous complete checkpoint and a stale
+temporary directory, which the next save or resume removes.
+
+    run_dir/checkpoints/step_00000020/   DeepSpeed files, trainer_state.json, rng_rank<R>.pt
+    run_dir/checkpoints/latest           "step_00000020"
+    run_dir/hf/step_20/                  save_pretrained weights + tokenizer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from lctrain.errors import UserError
+
+TMP_PREFIX = ".tmp-"
+STATE_FILE = "trainer_state.json"
+LATEST = "latest"
+# Test hook: the process SIGKILLs itself after writing the DeepSpeed files of this step's checkpoint, before the
+# checkpoint is complete (the case "killed inside a checkpoint write").
+KILL_ENV = "LCTRAIN_TEST_KILL_IN_CHECKPOINT"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(TMP_PREFIX + path.name)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished directory into place; an older one with the same name (a re-run step) goes only after."""
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(TMP_PREFIX + "old-" + final.name)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_complete(path: Path) -> bool:
+    return path.is_dir() and not path.name.startswith(TMP_PREFIX) and (path / STATE_FILE).is_file()
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if _is_complete(p))
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The checkpoint `latest` names; if that file is missing or stale, the newest complete checkpoint."""
+    root = checkpoints_dir(run_dir)
+    marker = root / LATEST
+    if marker.is_file():
+        named = root / marker.read_text().strip()
+        if _is_complete(named):
+            return named
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def read_state(path: Path) -> dict:
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _barrier() -> None:
+    import deepspeed.comm as dist
+
+    dist.barrier()
+
+
+def save_resume(engine, run_dir: Path, step: int, state: dict, *, rank: int, keep: int) -> Path:
+    """Write the resume checkpoint of `step` (all ranks call this) and prune older ones."""
+    root = checkpoints_dir(run_dir)
+    name = step_name(step)
+    tmp = root / (TMP_PREFIX + name)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        if os.environ.get(KILL_ENV) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1))
+        final = root / name
+        _replace_dir(tmp, final)
+        write_atomic(root / LATEST, name + "\n")
+        prune(run_dir, keep)
+    _barrier()
+    return root / name
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Remove all but the `keep` newest complete checkpoints, and leftovers of interrupted writes."""
+    root = checkpoints_dir(run_dir)
+    for stale in root.glob(TMP_PREFIX + "*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+    done = complete_checkpoints(run_dir)
+    for old in done[:-keep] if keep else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_resume(engine, path: Path, *, rank: int) -> dict:
+    """Restore DeepSpeed state and this rank's RNG from a complete checkpoint; return the trainer state."""
+    loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
+    if loaded is None:
+        raise UserError(f"{path}: DeepSpeed could not load this checkpoint; it may be from a different parallel "
+                        f"layout or DeepSpeed version")
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return read_state(path)
+
+
+def hf_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "hf" / f"step_{step}"
+
+
+def save_hf(engine, lm, tokenizer, run_dir: Path, step: int, *, rank: int, zero_stage: int) -> Path:
+    """Export weights + tokenizer with `save_pretrained` (all ranks call: ZeRO-3 gathers the shards)."""
+    final = hf_dir(run_dir, step)
+    tmp = final.with_name(TMP_PREFIX + final.name)
+    if zero_stage == 3:
+        full = engine._zero3_consolidated_16bit_state_dict()
+        state_dict = {k.removeprefix("lm."): v for k, v in full.items()} if rank == 0 else None
+    else:
+        state_dict = None
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        lm.save_pretrained(str(tmp), state_dict=state_dict)
+        tokenizer.save_pretrained(str(tmp))
+        _replace_dir(tmp, final)
+    _barrier()
+    return final

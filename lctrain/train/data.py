@@ -1,0 +1,80 @@
+"""Which packed windows each rank trains on at each step.
+
+The order is a pure function of (seed, number of windows): an epoch-wise seeded permutation, consumed
+`global_batch` windows per step. Step s, micro-batch m, data-parallel rank r reads the windows at stream offsets
+`s*G + (m*dp + r)*mb ... + mb`. All sequence-parallel ranks of a group read the same windows and keep their slice.
+The data cursor of a checkpoint is therefore the number of steps taken; no loader state has to be restored.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from lctrain.config import DEFAULT_CONFIG, Config, bundled_config_dir, data_dir, data_fingerprint
+from lctrain.errors import UserError
+
+
+def prepare_hint(cfg: Config) -> str:
+    """The prepare command for this config: bare for the embedded default, by name for a bundled one."""
+    src = Path(cfg.source_file) if cfg.source_file else None
+    if src is None or src.resolve() == (bundled_config_dir() / f"{DEFAULT_CONFIG}.yaml").resolve():
+        arg = ""
+    elif src.resolve().parent == bundled_config_dir().resolve():
+        arg = f" --config {src.stem}"
+    else:
+        arg = f" --config {src}"
+    return f"run 'lctrain prepare{arg}' (with the same --set overrides) first"
+
+
+def open_checked(cfg: Config):
+    """The prepared dataset of `cfg`, refusing a missing one or one built from different data settings."""
+    from lctrain.data.store import open_packed
+
+    path = data_dir(cfg)
+    if not (path / "manifest.json").is_file():
+        raise UserError(f"{path}: no prepared dataset for this config; {prepare_hint(cfg)}")
+    packed = open_packed(path)
+    if packed.manifest.get("data_fingerprint") != data_fingerprint(cfg.data):
+        raise UserError(f"{path}/manifest.json: the dataset was prepared with different data settings "
+                        f"(data_fingerprint differs); {prepare_hint(cfg)} --force")
+    if int(packed.manifest.get("seq_len", -1)) != cfg.data.seq_len:
+        raise UserError(f"{path}/manifest.json: seq_len {packed.manifest.get('seq_len')} != data.seq_len "
+                        f"{cfg.data.seq_len}; {prepare_hint(cfg)}")
+    if len(packed) == 0:
+        raise UserError(f"{path}: the prepared dataset has no windows; raise data.token_budget and re-run prepare")
+    return packed
+
+
+@lru_cache(maxsize=4)
+def _epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def stream_rows(seed: int, n: int, start: int, count: int) -> list[int]:
+    """Rows at positions start..start+count-1 of the endless epoch-permuted stream over n windows."""
+    out = []
+    for pos in range(start, start + count):
+        epoch, i = divmod(pos, n)
+        out.append(int(_epoch_permutation(seed, epoch, n)[i]))
+    return out
+
+
+def micro_batch_rows(step_index: int, micro: int, dp_rank: int, *, dp: int, micro_batch: int, global_batch: int,
+                     seed: int, n: int) -> list[int]:
+    """Rows of micro-batch `micro` of update `step_index` (0-based) for data-parallel rank `dp_rank`."""
+    start = step_index * global_batch + (micro * dp + dp_rank) * micro_batch
+    return stream_rows(seed, n, start, micro_batch)
+
+
+def collate(packed, rows: list[int]) -> dict:
+    """Stack windows into `[B, L]` ids with ragged per-window segment lists (make_batch's input)."""
+    items = [packed[r] for r in rows]
+    return {
+        "input_ids": np.stack([np.asarray(it["input_ids"], dtype=np.int64) for it in items]),
+        "seg_lens": [np.asarray(it["seg_lens"], dtype=np.int64) for it in items],
+        "seg_doc": [np.asarray(it["seg_doc"], dtype=np.int64) for it in items],
+        "tag_lens": [np.asarray(it["tag_lens"], dtype=np.int64) for it in items],
+    }

@@ -1,0 +1,153 @@
+"""Step metrics: model FLOPs and MFU, memory, `metrics.jsonl`, the progress bar and Weights & Biases.
+
+Model FLOPs per step = 6 x (non-embedding parameters) x tokens + 12 x layers x hidden x (visible query-key pairs):
+the attention term counts only the pairs the mode's mask lets through (causal within the window for `full`,
+within each document otherwise), so MFU measures useful work and `anchor` is not credited with FLOPs it skips.
+Activation recomputation is not counted (the usual MFU convention).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
+GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+                 "A6000": 155e12, "4090": 165e12, "B200": 2250e12, "MI300X": 1307e12, "MI250X": 383e12}
+
+
+def count_params(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += int(getattr(p, "ds_numel", p.numel()))
+    return total
+
+
+def dense_params(lm) -> int:
+    """Parameters that do matmul work per token: all but the input embedding (which is a lookup). A tied output
+    head still multiplies, so its weight is counted once."""
+    total = count_params(lm)
+    emb = lm.get_input_embeddings().weight
+    out = lm.get_output_embeddings()
+    tied = out is not None and out.weight is emb
+    return total if tied else total - int(getattr(emb, "ds_numel", emb.numel()))
+
+
+def visible_pairs(seg_lens, seg_doc, mode: str, seq_len: int) -> int:
+    """Number of (query, key) pairs the mode's causal mask keeps in one window (DESIGN §3)."""
+    if mode == "full":
+        return seq_len * (seq_len + 1) // 2
+    tokens: dict[int, int] = {}
+    segments: dict[int, int] = {}
+    for n, d in zip(np.asarray(seg_lens).tolist(), np.asarray(seg_doc).tolist()):
+        tokens[d] = tokens.get(d, 0) + n
+        segments[d] = segments.get(d, 0) + 1
+    if mode != "anchor":
+        return sum(t * (t + 1) // 2 for t in tokens.values())
+    # anchor: each segment's anchor sees itself; each other token sees its anchor and the earlier non-anchor
+    # tokens of its document (chunks of an interleaved document included)
+    pairs = 0
+    for d, t in tokens.items():
+        body = t - segments[d]
+        pairs += segments[d] + body + body * (body + 1) // 2
+    return pairs
+
+
+def step_flops(n_dense: int, layers: int, hidden: int, tokens: int, pairs: int) -> float:
+    return 6.0 * n_dense * tokens + 12.0 * layers * hidden * pairs
+
+
+@lru_cache(maxsize=1)
+def _cpu_matmul_peak() -> float:
+    """Achievable fp32 FLOP/s of this CPU: the best of several 2048^3 matmuls (CPUs have no spec-sheet peak to
+    use; on a busy machine this under-estimates the peak, so CPU MFU is indicative only)."""
+    n = 2048
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(8):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def device_peak_flops(device: torch.device, override_tflops: Optional[float] = None) -> Optional[float]:
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_BF16.items():
+            if key in name:
+                return peak
+        return None
+    return _cpu_matmul_peak()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class StepLogger:
+    """Rank 0 only: appends one JSON line per step, drives the progress bar and Weights & Biases."""
+
+    def __init__(self, run_dir: Path, cfg, start_step: int, total_steps: int, wandb_id: str):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.every = cfg.logging.log_every
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[info]}"), transient=False)
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self.progress.start()
+        self.wandb = None
+        if cfg.logging.wandb != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.name, id=wandb_id, resume="allow",
+                                    mode=cfg.logging.wandb, dir=str(run_dir),
+                                    config=cfg.model_dump(mode="json", exclude={"source_file"}))
+
+    def log(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
+        info = (f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu}  "
+                f"mem {record['peak_mem_gb']:.1f} GB")
+        self.progress.update(self.task, completed=record["step"], info=info)
+        if self.wandb is not None and record["step"] % self.every == 0:
+            self.wandb.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """Drop lines of steps after `last_step` (written before a crash, redone after resume)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))

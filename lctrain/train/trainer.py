@@ -1,0 +1,249 @@
+"""`train(cfg)` and `resume(run_dir)`: the DeepSpeed training loop over the packed windows.
+
+One optimizer step = `global_batch` windows: each data-parallel group reads `gas` micro-batches (train/data.py),
+each sequence-parallel rank keeps its contiguous slice of the tokens, and the step's loss is the sum of token
+losses over all ranks divided by the number of valid labels in the step (parallel/loss.py), so any layout computes
+the same update as one process.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+import uuid
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lctrain.config import Config, config_fingerprint, load_config, run_dir as config_run_dir, write_resolved
+from lctrain.errors import UserError
+from lctrain.parallel import launch
+from lctrain.parallel.ds_config import check_precision
+from lctrain.parallel.groups import (check_layout, grad_accum_steps, init_topology, release_single_process,
+                                     requested_world, under_launcher)
+from lctrain.train import checkpoint as ckpt
+from lctrain.train.data import collate, micro_batch_rows, open_checked
+from lctrain.train.metrics import (StepLogger, dense_params, device_peak_flops, peak_memory_gb, reset_peak_memory,
+                                   step_flops, truncate_metrics, visible_pairs)
+from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
+
+
+def train(cfg: Config, force: bool = False) -> Path:
+    """Start a run in `run_dir(cfg)`; refuses a directory that already has checkpoints unless `force`."""
+    rd = config_run_dir(cfg)
+    if not under_launcher() or int(os.environ.get("RANK", "0")) == 0:
+        preflight(cfg)
+        if ckpt.complete_checkpoints(rd) and not force:
+            raise UserError(f"{rd}: this run already has checkpoints; continue it with 'lctrain resume {rd}', "
+                            f"or start over with 'lctrain train --force'")
+        if force:
+            shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+            shutil.rmtree(rd / "hf", ignore_errors=True)
+            (rd / "metrics.jsonl").unlink(missing_ok=True)
+        write_resolved(cfg, rd)
+    if requested_world(cfg) > 1 and not under_launcher():
+        launch.relaunch(cfg, rd, resume=False)
+        return rd
+    return run(cfg, rd, resuming=False)
+
+
+def resume(run_dir: str | Path) -> Path:
+    """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory."""
+    rd = Path(run_dir)
+    config_file = rd / "config.yaml"
+    if not config_file.is_file():
+        raise UserError(f"{rd}: not a run directory (no config.yaml); start a run with 'lctrain train'")
+    if ckpt.latest_checkpoint(rd) is None:
+        raise UserError(f"{rd}: no complete checkpoint to resume from; start the run again with "
+                        f"'lctrain train --config {config_file} --force'")
+    cfg = load_config(str(config_file))
+    preflight(cfg)
+    if requested_world(cfg) > 1 and not under_launcher():
+        launch.relaunch(cfg, rd, resume=True)
+        return rd
+    return run(cfg, rd, resuming=True)
+
+
+def preflight(cfg: Config) -> None:
+    """Everything that can be checked before any process starts, so the user gets one line and exit code 2."""
+    check_layout(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
+    check_precision(cfg)
+    open_checked(cfg)
+    arch = cfg.model.arch
+    if arch is not None and cfg.parallel.sequence_parallel > 1:
+        from transformers import AutoConfig
+
+        from lctrain.parallel.ulysses import kv_replication
+
+        mc = AutoConfig.for_model(**arch)
+        kv_replication(mc.num_attention_heads, getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
+                       cfg.parallel.sequence_parallel, cfg.source_file or "config")
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms and biases (1-D tensors), as in the usual LLM recipes."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def run(cfg: Config, rd: Path, resuming: bool) -> Path:
+    """The worker body: every rank runs this, under a launcher or as the only process."""
+    topo = init_topology(cfg)
+    try:
+        return _run(cfg, rd, resuming, topo)
+    finally:
+        release_single_process()
+
+
+def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from lctrain.attention import resolve_engine
+    from lctrain.model import build_model
+    from lctrain.parallel.ds_config import build_ds_config
+    from lctrain.parallel.loss import CausalLMLossSum, deepspeed_grad_divisor
+    from lctrain.parallel.ulysses import register_ulysses
+    from lctrain.tokenizer import load_tokenizer
+
+    _seed_everything(cfg.seed)
+    packed = open_checked(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    vocab_size = int(packed.manifest["tokenizer"]["vocab_size"])
+
+    use_torch_adam = topo.device.type == "cpu" or not cfg.parallel.offload_optimizer
+    ds_config = build_ds_config(cfg, topo.world, use_torch_adam=use_torch_adam)
+    hf_ds_config = None
+    if cfg.parallel.zero_stage == 3 and cfg.model.name_or_path:
+        # Keeps the reference alive while from_pretrained runs: transformers then loads the weights straight into
+        # ZeRO-3 shards instead of a full copy per process.
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(ds_config)
+    lm = build_model(cfg, vocab_size=vocab_size, device=topo.device)
+    engine_name = resolve_engine(cfg.attention.engine, cfg.attention.mode, topo.device,
+                                 interleaved=cfg.data.interleave_chunks)
+    if topo.sp > 1:
+        mc = lm.config
+        impl = register_ulysses(engine_name, topo.sp_group, mc.num_attention_heads,
+                                getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
+        lm.set_attn_implementation(impl)
+    model = CausalLMLossSum(lm)
+    n_dense, layers, hidden = dense_params(lm), lm.config.num_hidden_layers, lm.config.hidden_size
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=_param_groups(model, cfg.train.weight_decay), config=ds_config,
+        mpu=topo.mpu, lr_scheduler=partial(_lambda_lr, train_cfg=cfg.train))
+    del hf_ds_config
+
+    start_step, wandb_id = 0, uuid.uuid4().hex[:12]
+    if resuming:
+        path = ckpt.latest_checkpoint(rd)
+        state = ckpt.load_resume(engine, path, rank=topo.rank)
+        start_step, wandb_id = int(state["step"]), state.get("wandb_id", wandb_id)
+        if topo.is_main and state.get("config_fingerprint") != config_fingerprint(cfg):
+            print(f"warning: {rd}/config.yaml changed since checkpoint {path.name}; continuing with the new values",
+                  flush=True)
+        if topo.is_main:
+            truncate_metrics(rd, start_step)
+
+    total = cfg.train.steps
+    gas = grad_accum_steps(cfg, topo.world)
+    hf_steps = set(hf_checkpoint_steps(total, cfg.checkpoint))
+    peak = device_peak_flops(topo.device, cfg.logging.peak_tflops)
+    logger = StepLogger(rd, cfg, start_step, total, wandb_id) if topo.is_main else None
+    grad_divisor = deepspeed_grad_divisor(cfg.parallel.zero_stage, topo.dp, topo.world)
+    # DeepSpeed reports the gradient norm for ZeRO and mixed precision only; plain fp32 without ZeRO keeps the
+    # reduced gradients in .grad, where we can measure it before the step.
+    own_grad_norm = cfg.parallel.zero_stage == 0 and cfg.model.dtype == "float32"
+    try:
+        for step_index in range(start_step, total):
+            t0 = time.perf_counter()
+            reset_peak_memory(topo.device)
+            micro, pairs = _micro_batches(cfg, topo, packed, step_index, gas)
+            # one all-reduce: valid labels of the whole step (the loss denominator) and attention pairs (for MFU)
+            counts = torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in micro)), float(pairs)],
+                                  dtype=torch.float64)
+            dist.all_reduce(counts)
+            n_valid = max(counts[0].item(), 1.0)
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            grad_norm = None
+            for i, b in enumerate(micro):
+                token_loss_sum = engine(**b)
+                engine.backward(token_loss_sum * (grad_divisor / n_valid), scale_wrt_gas=False)
+                if i == gas - 1 and own_grad_norm:
+                    grad_norm = _grad_norm(engine.module)
+                engine.step()
+                loss_sum += token_loss_sum.detach().double().cpu()
+            dist.all_reduce(loss_sum)
+            step = step_index + 1
+            dt = time.perf_counter() - t0
+            if topo.is_main:
+                tokens = cfg.train.global_batch * cfg.data.seq_len
+                # visible pairs were summed on every SP rank of a group: count each window once
+                flops = step_flops(n_dense, layers, hidden, tokens, int(counts[1].item()) // topo.sp)
+                grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
+                logger.log({
+                    "step": step, "loss": loss_sum.item() / n_valid, "lr": cfg.train.lr * lr_factor(step_index,
+                                                                                                  cfg.train),
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": step * tokens,
+                    "valid_labels": int(n_valid), "step_time_s": dt, "tokens_per_s": tokens / dt,
+                    "mfu": flops / dt / (peak * topo.world) if peak else None,
+                    "peak_mem_gb": peak_memory_gb(topo.device),
+                })
+            if step in hf_steps:
+                ckpt.save_hf(engine, lm, tokenizer, rd, step, rank=topo.rank, zero_stage=cfg.parallel.zero_stage)
+            if resume_checkpoint_due(step, total, cfg.checkpoint):
+                state = {"step": step, "windows_consumed": step * cfg.train.global_batch,
+                         "config_fingerprint": config_fingerprint(cfg), "world_size": topo.world, "sp": topo.sp,
+                         "wandb_id": wandb_id, "time": time.time()}
+                ckpt.save_resume(engine, rd, step, state, rank=topo.rank, keep=cfg.checkpoint.keep)
+    finally:
+        if logger is not None:
+            logger.close()
+    return rd
+
+
+def _micro_batches(cfg: Config, topo, packed, step_index: int, gas: int) -> tuple[list[dict], int]:
+    """This rank's micro-batches of one step (its sequence slice, on its device) and their visible attention pairs."""
+    from lctrain.attention import PER_TOKEN_KEYS, make_batch
+    from lctrain.parallel.ulysses import shard_sequence
+
+    micro, pairs = [], 0
+    for m in range(gas):
+        rows = micro_batch_rows(step_index, m, topo.dp_rank, dp=topo.dp, micro_batch=cfg.train.micro_batch,
+                                global_batch=cfg.train.global_batch, seed=cfg.seed, n=len(packed))
+        raw = collate(packed, rows)
+        pairs += sum(visible_pairs(sl, sd, cfg.attention.mode, cfg.data.seq_len)
+                     for sl, sd in zip(raw["seg_lens"], raw["seg_doc"]))
+        batch = make_batch(raw["input_ids"], raw["seg_lens"], cfg.attention.mode, seg_doc=raw["seg_doc"],
+                           tag_lens=raw["tag_lens"])
+        micro.append(_to_device(shard_sequence(batch, PER_TOKEN_KEYS, topo.sp, topo.sp_rank), topo.device))
+    return micro, pairs
+
+
+def _grad_norm(module: torch.nn.Module) -> float:
+    """Norm of the reduced gradients (identical on every rank without ZeRO), before clipping."""
+    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0
+
+
+def _lambda_lr(optimizer, train_cfg):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, train=train_cfg))

@@ -1,0 +1,155 @@
+"""Training-step benchmark per attention mode: tokens/s, MFU and peak memory of the real training path
+(make_batch -> HF model with the lctrain engine -> chunked loss -> DeepSpeed step) on SlimPajama-like windows.
+
+    python scripts/bench_train.py                                   # CPU: tiny Llama, 1K windows
+    python scripts/bench_train.py --model llama-1b --seq-len 65536  # one GPU: Llama-shaped 1B at 64K, bf16
+
+Windows are packed from document lengths drawn from SlimPajama's per-domain mix (long-tailed: most documents are
+short, a few are book-length), so `anchor`/`intra_doc` skip the attention a real batch would let them skip.
+Prints a table and writes JSON (default bench_out/bench_train.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lctrain.config import load_config
+from lctrain.train.metrics import (dense_params, device_peak_flops, peak_memory_gb, reset_peak_memory, step_flops,
+                                   visible_pairs)
+
+MODELS = {
+    "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+    # Llama-3.2-1B shape with the 32K Mistral vocabulary of the built-in tokenizer
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, tie_word_embeddings=True),
+}
+# SlimPajama token shares (DESIGN §2) and a log-normal document length (median, sigma) per domain, in tokens.
+DOMAIN_LENGTHS = {"CommonCrawl": (0.522, 700, 1.2), "C4": (0.267, 400, 0.9), "GitHub": (0.052, 900, 1.4),
+                  "ArXiv": (0.046, 9000, 0.7), "Book": (0.042, 90000, 0.8), "Wikipedia": (0.038, 600, 1.2),
+                  "StackExchange": (0.033, 500, 1.0)}
+
+
+def slimpajama_like_windows(batch: int, seq_len: int, seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Concatenate-and-cut packing of sampled document lengths; returns token ids and per-window segment lengths."""
+    rng = np.random.default_rng(seed)
+    names = list(DOMAIN_LENGTHS)
+    token_share = np.array([DOMAIN_LENGTHS[n][0] for n in names])
+    mean_len = np.array([DOMAIN_LENGTHS[n][1] * np.exp(DOMAIN_LENGTHS[n][2] ** 2 / 2) for n in names])
+    doc_prob = token_share / mean_len
+    doc_prob /= doc_prob.sum()
+    seg_lens, carry = [], 0
+    for _ in range(batch):
+        lens, room = [], seq_len
+        while room:
+            if not carry:
+                d = rng.choice(len(names), p=doc_prob)
+                _, median, sigma = DOMAIN_LENGTHS[names[d]]
+                carry = max(2, int(rng.lognormal(np.log(median), sigma)))
+            take = min(carry + 1, room)  # +1: the anchor that starts every segment
+            lens.append(take)
+            room -= take
+            carry = max(0, carry - (take - 1))
+        seg_lens.append(np.array(lens))
+    ids = rng.integers(3, 32000, size=(batch, seq_len))
+    for b, lens in enumerate(seg_lens):
+        ids[b, np.concatenate([[0], np.cumsum(lens)[:-1]])] = 1
+    return ids, seg_lens
+
+
+def bench_mode(mode: str, args, device: torch.device) -> dict:
+    import deepspeed
+
+    from lctrain.attention import make_batch
+    from lctrain.model import build_model
+    from lctrain.parallel.ds_config import build_ds_config
+    from lctrain.parallel.loss import CausalLMLossSum, deepspeed_grad_divisor
+
+    gpu = device.type == "cuda"
+    zero_stage = 1 if gpu else 0  # bf16 needs ZeRO's fp32 master weights
+    arch = {"model_type": "llama", **MODELS[args.model]}
+    cfg = load_config(None, [f"data.seq_len={args.seq_len}", f"attention.mode={mode}", "attention.engine=auto",
+                             f"model.dtype={'bfloat16' if gpu else 'float32'}",
+                             f"model.gradient_checkpointing={str(gpu).lower()}", f"model.arch={json.dumps(arch)}",
+                             f"train.global_batch={args.batch}", f"train.micro_batch={args.batch}",
+                             f"parallel.zero_stage={zero_stage}"])
+    lm = build_model(cfg, vocab_size=32000, device=device)
+    engine, *_ = deepspeed.initialize(model=CausalLMLossSum(lm), model_parameters=lm.parameters(),
+                                      config=build_ds_config(cfg, 1, use_torch_adam=True))
+    ids, seg_lens = slimpajama_like_windows(args.batch, args.seq_len, args.seed)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+             for k, v in make_batch(ids, seg_lens, mode).items()}
+    n_valid = float((batch["labels"] != -100).sum())
+    divisor = deepspeed_grad_divisor(zero_stage, 1, 1)
+    times = []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            reset_peak_memory(device)
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine(**batch)
+        engine.backward(loss * (divisor / n_valid), scale_wrt_gas=False)
+        engine.step()
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step = float(np.median(times[args.warmup:]))
+    tokens = args.batch * args.seq_len
+    pairs = sum(visible_pairs(sl, np.arange(len(sl)), mode, args.seq_len) for sl in seg_lens)
+    flops = step_flops(dense_params(lm), lm.config.num_hidden_layers, lm.config.hidden_size, tokens, pairs)
+    peak = device_peak_flops(device, args.peak_tflops)
+    result = {"mode": mode, "engine": lm.config._attn_implementation.removeprefix("lctrain_"), "step_s": step,
+              "tokens_per_s": tokens / step, "mfu": flops / step / peak if peak else None,
+              "peak_mem_gb": peak_memory_gb(device), "docs_per_window": float(np.mean([len(s) for s in seg_lens]))}
+    del engine, lm
+    if gpu:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=1, help="windows per step")
+    parser.add_argument("--modes", default="full,intra_doc,intra_doc_reset,anchor")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPU "
+                        "table, or a measured fp32 matmul rate on CPU)")
+    parser.add_argument("--out", default="bench_out/bench_train.json")
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from lctrain.parallel.groups import init_topology
+
+    device = init_topology(load_config(None, [])).device
+    rows = [bench_mode(m, args, device) for m in args.modes.split(",")]
+    full = next((r for r in rows if r["mode"] == "full"), None)
+    table = Table(title=f"train step, {args.model}, {args.batch} x {args.seq_len} tokens, {device.type}")
+    for col in ("mode", "engine", "step s", "vs full", "tokens/s", "MFU", "peak mem GB"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        rel = f"{r['step_s'] / full['step_s']:.0%}" if full else "-"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        table.add_row(r["mode"], r["engine"], f"{r['step_s']:.3f}", rel, f"{r['tokens_per_s']:,.0f}", mfu,
+                      f"{r['peak_mem_gb']:.2f}")
+    Console().print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "device": str(device), "results": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

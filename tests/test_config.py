@@ -1,0 +1,133 @@
+"""The config tree: loading, `base:` inheritance, overrides, validation errors, fingerprints."""
+
+import pytest
+import yaml
+
+from lctrain.cli import main
+from lctrain.config import (
+    Config,
+    bundled_config_names,
+    config_fingerprint,
+    data_dir,
+    data_fingerprint,
+    load_config,
+    run_dir,
+    write_resolved,
+)
+from lctrain.errors import UserError
+
+
+def _write(path, obj):
+    path.write_text(yaml.safe_dump(obj))
+    return path
+
+
+def test_default_is_the_embedded_tiny_config():
+    cfg = load_config()
+    assert cfg.name == "tiny_anchor"
+    assert cfg.data.source == "synthetic" and cfg.model.arch is not None
+    assert cfg.source_file.endswith("tiny_anchor.yaml")
+
+
+def test_overrides_parse_yaml_values_and_create_nested_keys():
+    cfg = load_config(None, ["data.seq_len=2048", "train.betas=[0.8, 0.9]", "attention.mode=full",
+                             "model.rope_scaling={type: linear, factor: 2.0}"])
+    assert cfg.data.seq_len == 2048
+    assert cfg.train.betas == (0.8, 0.9)
+    assert cfg.attention.mode == "full"
+    assert cfg.model.rope_scaling == {"type": "linear", "factor": 2.0}
+
+
+def test_base_inheritance_merges_sections_key_by_key(tmp_path):
+    _write(tmp_path / "_base.yaml", {"name": "b", "data": {"seq_len": 4096, "mixture": "upsampled"},
+                                     "model": {"arch": {"model_type": "llama", "hidden_size": 64}}})
+    child = _write(tmp_path / "child.yaml", {"base": "_base.yaml", "name": "c", "data": {"seq_len": 8192},
+                                             "model": {"arch": {"model_type": "mistral"}}})
+    cfg = load_config(str(child))
+    assert cfg.name == "c"
+    assert cfg.data.seq_len == 8192 and cfg.data.mixture == "upsampled"
+    # an architecture dict is replaced whole, never merged field by field: a mix of two models is no model
+    assert cfg.model.arch == {"model_type": "mistral"}
+
+
+def test_base_loop_is_reported(tmp_path):
+    _write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    _write(tmp_path / "b.yaml", {"base": "a.yaml"})
+    with pytest.raises(UserError, match="loops"):
+        load_config(str(tmp_path / "a.yaml"))
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("attention.mode=anchr", r"attention.mode = 'anchr' is not allowed; expected 'full', 'intra_doc'"),
+        ("data.mixtur=natural", r"unknown key 'data.mixtur'; allowed keys here: source, path"),
+        ("train.lr=-1", r"train.lr = -1: Input should be greater than 0"),
+        ("data.source=local", r"data: data.path is required"),
+        ("model.name_or_path=x", r"model: set exactly one of model.name_or_path"),
+        ("bogus=1", r"unknown key 'bogus'"),
+    ],
+)
+def test_bad_values_name_file_key_and_allowed_values(override, expected):
+    with pytest.raises(UserError, match=expected) as err:
+        load_config(None, [override])
+    msg = str(err.value)
+    assert "tiny_anchor.yaml" in msg and "\n" not in msg
+
+
+def test_bad_override_syntax_and_missing_config():
+    with pytest.raises(UserError, match="expected KEY=VALUE"):
+        load_config(None, ["data.seq_len"])
+    with pytest.raises(UserError, match="not found"):
+        load_config("no_such_config")
+    with pytest.raises(UserError, match="is a value, not a section"):
+        load_config(None, ["seed.x=1"])
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ndata:\n  seq_len: [1, 2\n")
+    with pytest.raises(UserError, match=r"bad.yaml:\d+: invalid YAML"):
+        load_config(str(bad))
+
+
+def test_fingerprints_separate_data_from_training_settings():
+    a = load_config()
+    b = load_config(None, ["train.lr=0.5", "data.num_workers=3", "data.output_dir=/tmp/x"])
+    c = load_config(None, ["data.seq_len=2048"])
+    assert data_fingerprint(a.data) == data_fingerprint(b.data) != data_fingerprint(c.data)
+    assert config_fingerprint(a) != config_fingerprint(b)
+    assert data_dir(a) == data_dir(load_config(None, ["train.steps=3"]))
+    assert data_dir(b).as_posix() == "/tmp/x"
+    assert run_dir(a).name == "tiny_anchor"
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["data.seq_len=512", "attention.mode=intra_doc"])
+    path = write_resolved(cfg, tmp_path)
+    again = load_config(str(path))
+    assert config_fingerprint(again) == config_fingerprint(cfg)
+    assert path.read_text().startswith(f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}")
+
+
+def test_every_bundled_config_validates():
+    names = bundled_config_names()
+    assert "tiny_anchor" in names
+    for name in names:
+        assert isinstance(load_config(name), Config)
+
+
+def test_cli_bad_config_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["show-config", "--set", "attention.mode=nope"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "attention.mode" in err and len(err.splitlines()) == 1
+
+
+def test_cli_show_config_prints_resolved_yaml(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["show-config", "--set", "data.seq_len=4096"])
+    assert exc.value.code == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["data"]["seq_len"] == 4096

@@ -1,0 +1,63 @@
+"""The self-relaunch command lines (the 2-process runs in test_parallel_equivalence.py execute them)."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from lctrain.config import load_config
+from lctrain.errors import UserError
+from lctrain.parallel import groups
+from lctrain.parallel.launch import launcher_command
+
+
+def test_torchrun_command_runs_the_worker_module_on_every_process():
+    cfg = load_config("tiny_anchor_sp2")
+    cmd = launcher_command(cfg, Path("runs/x"), resume=True)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc_per_node") + 1] == "2"
+    assert cmd[-4:] == ["-m", "lctrain.parallel.launch", "runs/x", "--resume"]
+
+
+def test_deepspeed_command_uses_the_hostfile_for_several_nodes(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
+    cfg = load_config("llama2_128k_anchor", ["parallel.num_nodes=2", f"parallel.hostfile={hostfile}"])
+    cmd = launcher_command(cfg, Path("runs/y"), resume=False)
+    assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
+    assert cmd[cmd.index("--hostfile") + 1] == str(hostfile)
+    assert cmd[cmd.index("--num_nodes") + 1] == "2" and cmd[cmd.index("--num_gpus") + 1] == "8"
+    assert cmd[-3:] == ["--module", "lctrain.parallel.launch", "runs/y"]
+
+
+def test_several_nodes_without_a_hostfile_is_a_user_error():
+    cfg = load_config("llama2_128k_anchor", ["parallel.num_nodes=2"])
+    with pytest.raises(UserError, match="parallel.hostfile"):
+        launcher_command(cfg, Path("runs/z"), resume=False)
+    with pytest.raises(UserError, match="torchrun cannot start other nodes"):
+        launcher_command(load_config("llama2_128k_anchor", ["parallel.num_nodes=2", "parallel.launcher=torchrun"]),
+                         Path("runs/z"), resume=False)
+
+
+def test_variables_set_for_a_single_process_run_are_not_a_launcher():
+    keys = groups.LAUNCHER_ENV + ("LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    saved_self_set = set(groups._SELF_SET)
+    try:
+        groups._SELF_SET.clear()
+        assert not groups.under_launcher()
+        groups._single_process_env()
+        assert os.environ["WORLD_SIZE"] == "1" and not groups.under_launcher()
+        assert not set(keys) & set(groups.launcher_free_env())
+        for key in keys:
+            os.environ.pop(key, None)
+        groups._SELF_SET.clear()
+        os.environ.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+        assert groups.under_launcher()
+    finally:
+        for key in keys:
+            os.environ.pop(key, None)
+        os.environ.update(saved)
+        groups._SELF_SET.clear()
+        groups._SELF_SET.update(saved_self_set)

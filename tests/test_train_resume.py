@@ -1,0 +1,209 @@
+"""Single-process training end to end: run directory, checkpoints, exact resume after kills, and CLI errors.
+
+One uninterrupted reference run is shared by all tests; interrupted runs are separate processes killed with SIGKILL
+(at a random step, and inside a checkpoint write) and then resumed; they must end bit for bit where the reference
+ends (CPU, fp32).
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import load_config
+from lctrain.train import checkpoint as ckpt
+
+STEPS = 8
+TINY_ARCH = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+             "num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: true}")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def overrides(data_dir: Path, run_dir: Path) -> list[str]:
+    return ["data.seq_len=128", "data.token_budget=12000", f"data.output_dir={data_dir}", f"train.run_dir={run_dir}",
+            f"train.steps={STEPS}", "train.global_batch=2", "train.micro_batch=1", "train.warmup_steps=2",
+            "checkpoint.every_steps=2", "checkpoint.keep=2", "checkpoint.hf_every=2", "checkpoint.hf_last=4",
+            f"model.arch={TINY_ARCH}"]
+
+
+def set_args(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one thread per process avoids OpenMP oversubscription (10x slower),
+    and every process of a comparison computes with the same thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    from lctrain.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("train")
+    prepare(load_config(None, overrides(root / "data", root / "ref")))
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    from lctrain.train.trainer import train
+
+    return train(load_config(None, overrides(workdir / "data", workdir / "ref")))
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def final_state(run_dir: Path) -> dict:
+    path = ckpt.checkpoints_dir(run_dir) / ckpt.step_name(STEPS)
+    return torch.load(path / "mp_rank_00_model_states.pt", weights_only=False)
+
+
+def assert_same_end(run_dir: Path, ref_dir: Path) -> None:
+    assert losses(run_dir) == losses(ref_dir)  # bit for bit, every step once
+    got, want = final_state(run_dir), final_state(ref_dir)
+    assert got["module"].keys() == want["module"].keys()
+    for k in want["module"]:
+        assert torch.equal(got["module"][k], want["module"][k]), k
+    got_opt, want_opt = got["optimizer"]["state"], want["optimizer"]["state"]
+    for i in want_opt:
+        for k in want_opt[i]:
+            assert torch.equal(torch.as_tensor(got_opt[i][k]), torch.as_tensor(want_opt[i][k])), (i, k)
+    assert got["lr_scheduler"] == want["lr_scheduler"]
+    from safetensors.torch import load_file
+
+    for step in (6, 8):
+        a = load_file(run_dir / "hf" / f"step_{step}" / "model.safetensors")
+        b = load_file(ref_dir / "hf" / f"step_{step}" / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def start_cli_train(workdir: Path, run_dir: Path, **env) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "lctrain.cli", "train"] + set_args(overrides(workdir / "data", run_dir))
+    return subprocess.Popen(cmd, env=clean_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_run_directory_metrics_and_checkpoints(reference):
+    rd = reference
+    assert load_config(str(rd / "config.yaml")).train.steps == STEPS
+    records = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_mem_gb"):
+        assert all(r[key] is not None for r in records), key
+    assert records[0]["lr"] == pytest.approx(0.5e-3) and records[-1]["lr"] == pytest.approx(1e-3)
+    assert records[-1]["tokens"] == STEPS * 2 * 128
+    # keep=2: only the two newest resume checkpoints survive; `latest` names the last
+    names = sorted(p.name for p in ckpt.checkpoints_dir(rd).glob("step_*"))
+    assert names == [ckpt.step_name(6), ckpt.step_name(8)]
+    assert (ckpt.checkpoints_dir(rd) / "latest").read_text().strip() == ckpt.step_name(8)
+    state = ckpt.read_state(ckpt.latest_checkpoint(rd))
+    assert state["step"] == STEPS and state["windows_consumed"] == STEPS * 2
+    assert sorted(p.name for p in (rd / "hf").iterdir()) == ["step_6", "step_8"]
+
+
+def test_hf_checkpoint_loads_and_matches_the_training_loss(reference, workdir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lctrain.attention import make_batch
+    from lctrain.data.store import open_packed
+    from lctrain.parallel.loss import CausalLMLossSum
+
+    hf = reference / "hf" / f"step_{STEPS}"
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(hf)
+    assert tok.bos_token_id == 1 and model.config.vocab_size == 32000
+    trained = final_state(reference)["module"]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, trained["lm." + name], rtol=0, atol=0)
+    # Hugging Face's own loss on make_batch's labels equals our chunked token-sum / valid labels
+    window = open_packed(workdir / "data")[0]
+    batch = make_batch(window["input_ids"][None], [window["seg_lens"]], "full")
+    with torch.no_grad():
+        hf_loss = model(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["shift_labels"],
+                        use_cache=False).loss
+        ours = CausalLMLossSum(model, chunk_tokens=100)(**batch) / (batch["labels"] != -100).sum()
+    torch.testing.assert_close(ours, hf_loss)
+
+
+def test_sigkill_at_a_random_step_then_resume_matches(reference, workdir):
+    run_dir = workdir / "killed_random"
+    kill_after = random.Random().randint(3, 6)
+    proc = start_cli_train(workdir, run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    assert proc.wait() == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    result = CliRunner().invoke(app, ["resume", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert_same_end(run_dir, reference)
+
+
+def test_sigkill_inside_a_checkpoint_write_then_resume_matches(reference, workdir):
+    run_dir = workdir / "killed_in_checkpoint"
+    proc = start_cli_train(workdir, run_dir, **{ckpt.KILL_ENV: "4"})
+    assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    root = ckpt.checkpoints_dir(run_dir)
+    assert (root / ckpt.LATEST).read_text().strip() == ckpt.step_name(2)
+    assert (root / (ckpt.TMP_PREFIX + ckpt.step_name(4))).is_dir()  # the half-written one
+    assert ckpt.latest_checkpoint(run_dir).name == ckpt.step_name(2)
+    result = CliRunner().invoke(app, ["resume", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert not list(root.glob(ckpt.TMP_PREFIX + "*"))
+    assert_same_end(run_dir, reference)
+
+
+def _cli_error(args: list[str]) -> str:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def test_train_refuses_a_run_directory_with_checkpoints(reference, workdir):
+    msg = _cli_error(["train"] + set_args(overrides(workdir / "data", reference)))
+    assert "lctrain resume" in msg and "--force" in msg
+
+
+def test_resume_without_checkpoints_is_a_user_error(tmp_path):
+    assert "not a run directory" in _cli_error(["resume", str(tmp_path)])
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["train.global_batch=3", "train.micro_batch=2"], "train.global_batch = 3 is not divisible"),
+    (["parallel.nproc_per_node=8", "parallel.sequence_parallel=8", "data.seq_len=132"],
+     "data.seq_len = 132 is not divisible by parallel.sequence_parallel = 8"),
+    (["parallel.nproc_per_node=8", "parallel.sequence_parallel=8"],
+     "4 attention heads are not divisible by parallel.sequence_parallel = 8"),
+    (["data.seed=7"], "prepared with different data settings"),
+])
+def test_bad_configs_fail_before_training(workdir, tmp_path, extra, expected):
+    msg = _cli_error(["train"] + set_args(overrides(workdir / "data", tmp_path / "run") + extra))
+    assert expected in msg
+    assert not (tmp_path / "run" / "checkpoints").exists()

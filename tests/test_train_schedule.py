@@ -1,0 +1,136 @@
+"""Pure parts of training: schedules, the data order, sequence sharding, the DeepSpeed config, the chunked loss."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lctrain.attention import PER_TOKEN_KEYS, SEGMENTS_KEY, make_batch
+from lctrain.attention.modes import dense_mask
+from lctrain.config import CheckpointConfig, TrainConfig, load_config
+from lctrain.errors import UserError
+from lctrain.parallel.ds_config import build_ds_config
+from lctrain.parallel.groups import check_layout, grad_accum_steps
+from lctrain.parallel.loss import chunked_loss_sum
+from lctrain.parallel.ulysses import kv_replication, shard_sequence
+from lctrain.train.data import micro_batch_rows, stream_rows
+from lctrain.train.metrics import visible_pairs
+from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
+
+
+def test_hf_checkpoints_follow_the_paper_protocol():
+    ck = CheckpointConfig()
+    assert hf_checkpoint_steps(2000, ck) == [1960, 1970, 1980, 1990, 2000]
+    assert hf_checkpoint_steps(60, ck) == [20, 30, 40, 50, 60]
+    assert hf_checkpoint_steps(25, ck) == [5, 15, 25]  # a run shorter than the window: never step 0
+    assert hf_checkpoint_steps(6, CheckpointConfig(hf_every=2, hf_last=4)) == [4, 6]
+    assert hf_checkpoint_steps(100, CheckpointConfig(hf_last=0)) == []
+
+
+def test_resume_checkpoints_every_n_steps_and_at_the_end():
+    ck = CheckpointConfig(every_steps=20)
+    due = [s for s in range(1, 51) if resume_checkpoint_due(s, 50, ck)]
+    assert due == [20, 40, 50]
+
+
+def test_lr_warmup_then_schedule():
+    t = TrainConfig(steps=10, lr=1.0, warmup_steps=4, lr_schedule="constant")
+    assert [lr_factor(i, t) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    lin = TrainConfig(steps=10, warmup_steps=0, lr_schedule="linear")
+    assert lr_factor(0, lin) == 1.0 and lr_factor(5, lin) == pytest.approx(0.5)
+    cos = TrainConfig(steps=10, warmup_steps=0, lr_schedule="cosine")
+    assert lr_factor(5, cos) == pytest.approx(0.5) and lr_factor(10, cos) == pytest.approx(0.0)
+
+
+def test_each_step_reads_its_global_batch_once_split_over_ranks_and_micro_batches():
+    n, G, mb, dp = 10, 4, 1, 2
+    gas = G // (mb * dp)
+    for step in range(7):
+        got = sorted(r for m in range(gas) for rank in range(dp)
+                     for r in micro_batch_rows(step, m, rank, dp=dp, micro_batch=mb, global_batch=G, seed=3, n=n))
+        assert got == sorted(stream_rows(3, n, step * G, G))
+    # every epoch is a permutation of all windows, and epochs differ
+    e0, e1 = stream_rows(3, n, 0, n), stream_rows(3, n, n, n)
+    assert sorted(e0) == sorted(e1) == list(range(n)) and e0 != e1
+    # the same global batch whatever the layout: 1 rank x 4 micro-batches == 2 ranks x 2 micro-batches
+    one = [r for m in range(4) for r in micro_batch_rows(5, m, 0, dp=1, micro_batch=1, global_batch=4, seed=3, n=n)]
+    assert sorted(one) == sorted(stream_rows(3, n, 20, 4))
+
+
+def test_shards_are_contiguous_and_metadata_is_shared():
+    ids = torch.arange(2 * 12).view(2, 12)
+    batch = make_batch(ids, [[5, 7], [12]], "anchor")
+    shards = [shard_sequence(batch, PER_TOKEN_KEYS, 3, r) for r in range(3)]
+    for key in PER_TOKEN_KEYS:
+        assert torch.equal(torch.cat([s[key] for s in shards], 1), batch[key])
+    assert torch.equal(shards[1]["input_ids"], ids[:, 4:8])
+    for key in set(batch) - set(PER_TOKEN_KEYS):
+        assert all(s[key] is batch[key] for s in shards)
+    # labels were shifted before sharding: a shard's last label is the next shard's first token
+    assert torch.equal(shards[0]["labels"][:, -1], ids[:, 4])
+
+
+def test_kv_head_replication_for_ulysses():
+    assert kv_replication(32, 8, 8) == 1
+    assert kv_replication(32, 8, 4) == 1
+    assert kv_replication(4, 2, 4) == 2  # 2 KV heads over 4 ranks: each KV head twice
+    assert kv_replication(32, 1, 8) == 8
+    assert kv_replication(24, 4, 8) == 2
+    with pytest.raises(UserError, match="not divisible by parallel.sequence_parallel"):
+        kv_replication(12, 4, 8)
+
+
+def _tiny(**over):
+    return load_config(None, [f"{k}={v}" for k, v in over.items()])
+
+
+def test_layout_errors_name_the_keys():
+    with pytest.raises(UserError, match="train.global_batch = 6 is not divisible"):
+        check_layout(_tiny(**{"train.global_batch": 6, "train.micro_batch": 4}))
+    with pytest.raises(UserError, match="data.seq_len = 1000 is not divisible by parallel.sequence_parallel = 16"):
+        check_layout(_tiny(**{"data.seq_len": 1000, "parallel.nproc_per_node": 16,
+                              "parallel.sequence_parallel": 16, "train.global_batch": 2, "train.micro_batch": 2}))
+    with pytest.raises(UserError, match="world size 3"):
+        check_layout(_tiny(**{"parallel.nproc_per_node": 3, "parallel.sequence_parallel": 2}))
+
+
+def test_deepspeed_config_follows_the_yaml():
+    cfg = _tiny(**{"parallel.nproc_per_node": 8, "parallel.sequence_parallel": 4, "parallel.zero_stage": 3,
+                   "parallel.offload_optimizer": True, "model.dtype": "bfloat16", "train.global_batch": 8,
+                   "train.micro_batch": 1})
+    ds = build_ds_config(cfg, world=8, use_torch_adam=False)
+    assert grad_accum_steps(cfg, 8) == 4
+    assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
+    assert ds["train_micro_batch_size_per_gpu"] == 1
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    assert ds["optimizer"]["params"]["weight_decay"] == 0.1
+    assert ds["gradient_clipping"] == 1.0
+    fp32 = build_ds_config(_tiny(), world=1, use_torch_adam=True)
+    assert "bf16" not in fp32 and fp32["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_chunked_loss_equals_full_logits_cross_entropy():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(2, 37, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 37))
+    labels[0, -1] = labels[1, :5] = -100
+    ref = F.cross_entropy(head(hidden).reshape(-1, 50), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    ref_grads = torch.autograd.grad(ref, [hidden, head.weight])
+    for chunk_tokens in (10, 10_000):  # checkpointed chunks, and one chunk for the whole batch
+        got = chunked_loss_sum(head, hidden, labels, chunk_tokens=chunk_tokens)
+        got_grads = torch.autograd.grad(got, [hidden, head.weight])
+        torch.testing.assert_close(got, ref)
+        for g, r in zip(got_grads, ref_grads):
+            torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("mode", ["full", "intra_doc", "intra_doc_reset", "anchor"])
+def test_visible_pairs_count_the_dense_mask(mode):
+    seg_lens, seg_doc = np.array([3, 5, 4, 4]), np.array([0, 1, 2, 1])
+    batch = make_batch(torch.zeros(1, 16, dtype=torch.long), [seg_lens], mode, seg_doc=[seg_doc])
+    layout = batch[SEGMENTS_KEY].layout
+    assert visible_pairs(seg_lens, seg_doc, mode, 16) == int(dense_mask(layout, mode).sum())
