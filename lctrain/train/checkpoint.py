@@ -12,6 +12,8 @@ temporary directory, which the next save or resume removes.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import random
@@ -175,6 +177,19 @@ def hf_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "hf" / f"step_{step}"
 
 
+@contextlib.contextmanager
+def _quiet_hf_progress():
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def save_hf(engine, lm, tokenizer, run_dir: Path, step: int, *, rank: int, zero_stage: int) -> Path:
     """Export weights + tokenizer with `save_pretrained` (all ranks call: ZeRO-3 gathers the shards)."""
     final = hf_dir(run_dir, step)
@@ -186,7 +201,8 @@ def save_hf(engine, lm, tokenizer, run_dir: Path, step: int, *, rank: int, zero_
         state_dict = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        lm.save_pretrained(str(tmp), state_dict=state_dict)
+        with _quiet_hf_progress():  # its per-shard bar would tear through the training progress bar
+            lm.save_pretrained(str(tmp), state_dict=state_dict)
         tokenizer.save_pretrained(str(tmp))
         _replace_dir(tmp, final)
     _barrier()
