@@ -45,14 +45,7 @@ def clean_env(**extra) -> dict:
     return env
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one thread per process avoids OpenMP oversubscription (10x slower),
-    and every process of a comparison computes with the same thread count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
