@@ -7,6 +7,7 @@ converting SentencePiece to `tokenizers` takes seconds.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -52,13 +53,18 @@ def _from_sentencepiece(model_file: Path, cache_key: str):
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(model_file, Path(tmp) / "tokenizer.model")
         tok = LlamaTokenizerFast.from_pretrained(tmp)
+    # Staged beside the cache entry and renamed, so a concurrent or killed process never leaves a half-written one.
+    staging = None
     try:
-        staging = Path(tempfile.mkdtemp(dir=cached.parent if cached.parent.exists() else None))
-        tok.save_pretrained(str(staging))
         cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cache_key}-"))
+        tok.save_pretrained(str(staging))
         os.replace(staging, cached)
     except OSError:
-        pass  # a read-only home only costs the conversion next time
+        pass  # a read-only home, or another process that won the rename, only costs the conversion next time
+    finally:
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
     return tok
 
 
@@ -70,8 +76,6 @@ def load_tokenizer(spec: str):
         return _from_sentencepiece(_builtin_model_file(name), f"builtin-{name}")
     path = Path(spec)
     if path.is_file():
-        import hashlib
-
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         return _from_sentencepiece(path, f"spm-{digest}")
     from transformers import AutoTokenizer
