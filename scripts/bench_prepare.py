@@ -118,7 +118,7 @@ def main() -> None:
             read = manifest["source"]["tokens_read"]
             results.append({
                 "token_budget": budget, "seq_len": args.seq_len, "num_windows": manifest["num_windows"],
-                "tokens_read": manifest["source"]["tokens_read"], "documents_read": manifest["source"]["records_read"],
+                "tokens_read": read, "documents_read": manifest["source"]["documents_read"],
                 "prepare_seconds": b["seconds"], "prepare_wall_seconds_with_startup": round(wall, 2),
                 "prepare_tokenized_tokens_per_s": b["tokenized_tokens_per_s"],
                 "prepare_packed_tokens_per_s": b["packed_tokens_per_s"],

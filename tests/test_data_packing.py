@@ -137,6 +137,7 @@ def test_split_into_chunks():
         t = np.arange(n)
         parts = split_into_chunks(t, rng)
         assert np.array_equal(np.concatenate(parts), t) and all(len(p) for p in parts)
+        assert len(parts) == 1 if n == 1 else 2 <= len(parts) <= min(n, 3)
 
 
 def test_upsampled_mixture_keeps_long_documents_and_thins_short_ones():

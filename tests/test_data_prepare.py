@@ -352,6 +352,7 @@ def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):
     (["data.tokenizer=/nonexistent/tokenizer_dir"], "tokenizer '/nonexistent/tokenizer_dir' could not be loaded"),
     (["data.token_budget=100"], "smaller than one window"),
     (["data.synthetic.num_docs=1", "data.synthetic.max_words=20"], "not enough for one 128-token window"),
+    (["data.source=local", "data.path={tmp}/bad.jsonl"], "0 usable documents (skipped: 2 malformed_json, 1 no_text)"),
     (["data.output_dir={tmp}/a_file/out"], "cannot write the dataset to"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, needle):
@@ -359,6 +360,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, needle):
     (tmp_path / "in" / "corrupt.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage garbage")
     (tmp_path / "in" / "a_file").write_text("not a directory")
     (tmp_path / "in" / "corrupt.parquet").write_bytes(b"PAR1 not really parquet")
+    (tmp_path / "in" / "bad.jsonl").write_text('{not json\n[1]\n{"meta": {}}\n')
     args = ["prepare", "--set", f"data.output_dir={tmp_path / 'out'}", "--set", "data.seq_len=128"]
     for o in overrides:
         args += ["--set", o.replace("{tmp}", str(tmp_path / "in"))]

@@ -82,7 +82,8 @@ def _encoded(batches, payload, workers: int):
                 f.cancel()
 
 
-def _batches(data):
+def _batches(data, files: list[Path] | None):
+    """`files`: the resolved local files (resolved once, in `prepare`), None for the other sources."""
     if data.source == "synthetic":
         s = data.synthetic
         params = {"seed": data.seed, "median_words": s.median_words, "max_words": s.max_words,
@@ -90,7 +91,7 @@ def _batches(data):
         return synthetic_batches(s.num_docs, params)
     if data.source == "hub":
         return hub_batches(data.hub_name, data.hub_split, data.seed)
-    return local_batches(resolve_local_files(data.path, data.hub_split, data.seed))
+    return local_batches(files)
 
 
 class _Builder:
@@ -144,7 +145,7 @@ class _Builder:
     def _pack(self, pieces: list[Piece]) -> None:
         for piece in pieces:
             for pw in self.packer.add(piece):
-                if self.writer.num_windows >= self.num_windows:
+                if self.done:
                     return
                 self.stats.add(pw)
                 self.writer.add(pw.window)
@@ -237,7 +238,10 @@ def _write_error(out: Path, e: OSError) -> UserError:
 
 
 def _tokenizer_info(spec: str, tok, anchor_id: int) -> dict:
-    name = spec.removeprefix("builtin:") if spec.startswith("builtin:") else str(getattr(tok, "name_or_path", spec))
+    from lctrain.tokenizer import BUILTIN_PREFIX
+
+    builtin = spec.startswith(BUILTIN_PREFIX)
+    name = spec.removeprefix(BUILTIN_PREFIX) if builtin else str(getattr(tok, "name_or_path", spec))
     return {"spec": spec, "name": name, "vocab_size": len(tok),
             "anchor_id": anchor_id, "bos_id": tok.bos_token_id, "eos_id": tok.eos_token_id}
 
@@ -257,7 +261,9 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     if _existing_is_current(out, fingerprint, force):
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         return out
-    source = describe_source(d)  # validates local paths before the slow tokenizer load
+    # resolving validates local paths before the slow tokenizer load; done once, a SlimPajama tree is large
+    files = resolve_local_files(d.path, d.hub_split, d.seed) if d.source == "local" else None
+    source = describe_source(d, files)
     tok = load_tokenizer(d.tokenizer)
     anchor_id = anchor_token_id(tok)
     tags = None
@@ -283,12 +289,14 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     try:
         builder = _Builder(cfg, anchor_id, tags, tmp)
         t0 = time.perf_counter()
-        read = _read(d, builder, tok, workers, console)
+        read = _read(d, builder, _batches(d, files), tok, workers, console)
         elapsed = time.perf_counter() - t0
         if builder.writer.num_windows == 0:
+            # no manifest is written, so the skip table is never shown: say here why records were not usable
+            skipped = ", ".join(f"{n:,} {reason}" for reason, n in read["skipped"]["counts"].items())
             raise UserError(f"the {source['kind']} source yielded {read['tokens']:,} tokens in {read['documents']:,} "
-                            f"usable documents, not enough for one {d.seq_len:,}-token window; add data or lower "
-                            f"data.seq_len")
+                            f"usable documents{f' (skipped: {skipped})' if skipped else ''}, not enough for one "
+                            f"{d.seq_len:,}-token window; add data or lower data.seq_len")
         shards = builder.writer.close()
         stats = builder.stats.to_dict(builder.mixture.target_shares())
         packed = builder.writer.num_windows * d.seq_len
@@ -342,14 +350,14 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     return out
 
 
-def _read(d, builder: _Builder, tok, workers: int, console) -> dict:
+def _read(d, builder: _Builder, batches, tok, workers: int, console) -> dict:
     skips = _Skips(d.strict)
     records = documents = tokens = 0
     budget = builder.num_windows * d.seq_len
     t0 = time.perf_counter()
     with _progress(console) as bar:
         task = bar.add_task("prepare", total=budget, docs=0, docs_per_s=0.0)
-        encoded = _encoded(_batches(d), encode.tokenizer_payload(tok), workers)
+        encoded = _encoded(batches, encode.tokenizer_payload(tok), workers)
         for source, batch in encoded:
             for line, domain, ids, reason in batch:
                 records += 1

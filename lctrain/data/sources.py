@@ -158,12 +158,12 @@ def synthetic_batches(num_docs: int, params: dict, batch_docs: int = 64) -> Iter
                        params)
 
 
-def describe_source(data) -> dict:
-    """What the data came from, for the manifest: enough to tell two sources apart."""
+def describe_source(data, files: list[Path] | None) -> dict:
+    """What the data came from, for the manifest: enough to tell two sources apart. `files`: the local source's
+    files from `resolve_local_files`, None for the other sources."""
     if data.source == "synthetic":
         return {"kind": "synthetic", **data.synthetic.model_dump()}
     if data.source == "hub":
         return {"kind": "hub", "name": data.hub_name, "split": data.hub_split}
-    files = resolve_local_files(data.path, data.hub_split, data.seed)
     total = sum(f.stat().st_size for f in files)
     return {"kind": "local", "path": data.path, "files": len(files), "bytes": total}

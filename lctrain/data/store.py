@@ -20,21 +20,17 @@ from lctrain.errors import UserError
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DATA_SUBDIR = "data"
-COLUMNS = ("input_ids", "seg_lens", "seg_doc", "seg_domain", "tag_lens")
 _COLUMN_DTYPES = {"input_ids": np.int32, "seg_lens": np.int32, "seg_doc": np.int32, "seg_domain": np.int8,
                   "tag_lens": np.int32}
+COLUMNS = tuple(_COLUMN_DTYPES)
 
 
 def features(seq_len: int):
     from datasets import Features, List, Value
 
-    return Features({
-        "input_ids": List(Value("int32"), length=seq_len),
-        "seg_lens": List(Value("int32")),
-        "seg_doc": List(Value("int32")),
-        "seg_domain": List(Value("int8")),
-        "tag_lens": List(Value("int32")),
-    })
+    # input_ids is fixed-length (one window), the per-segment columns ragged
+    return Features({k: List(Value(np.dtype(t).name), length=seq_len if k == "input_ids" else -1)
+                     for k, t in _COLUMN_DTYPES.items()})
 
 
 @dataclass
@@ -100,13 +96,8 @@ class ShardWriter:
         ws = self._pending
         ids = np.concatenate([w.input_ids for w in ws]).astype(np.int32, copy=False)
         table = pa.Table.from_arrays(
-            [
-                pa.FixedSizeListArray.from_arrays(pa.array(ids), self.seq_len),
-                _ragged([w.seg_lens for w in ws], np.int32),
-                _ragged([w.seg_doc for w in ws], np.int32),
-                _ragged([w.seg_domain for w in ws], np.int8),
-                _ragged([w.tag_lens for w in ws], np.int32),
-            ],
+            [pa.FixedSizeListArray.from_arrays(pa.array(ids), self.seq_len)]
+            + [_ragged([getattr(w, k) for w in ws], _COLUMN_DTYPES[k]) for k in COLUMNS[1:]],
             schema=self.features.arrow_schema,
         )
         self._writer.write_table(table)

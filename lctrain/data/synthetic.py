@@ -169,7 +169,8 @@ def document_length_words(rng: np.random.Generator, domain: str, median_words: i
 
 
 def _shape(rng: np.random.Generator, median_words: int, max_words: int, long_doc_fraction: float) -> tuple[str, int]:
-    domain = SYNTHETIC_DOMAINS[min(int(np.searchsorted(_CUM_DOC_SHARES, rng.random(), side="right")), 6)]
+    i = int(np.searchsorted(_CUM_DOC_SHARES, rng.random(), side="right"))
+    domain = SYNTHETIC_DOMAINS[min(i, len(SYNTHETIC_DOMAINS) - 1)]  # rounding can leave the last sum below 1
     return domain, document_length_words(rng, domain, median_words, max_words, long_doc_fraction)
 
 
