@@ -6,21 +6,17 @@ sequence parallelism over 2 ranks also exercises the KV-head replication for gro
 """
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from lctrain.config import load_config
+from train_helpers import clean_env, cli_train_command, prepared_workdir, reference_run
 
 STEPS = 4
 ARCH = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 1, tie_word_embeddings: false}")
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:
@@ -36,27 +32,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    from lctrain.data.prepare import prepare
-
-    root = tmp_path_factory.mktemp("parallel")
-    prepare(load_config(None, overrides(root / "data", root / "ref")))
-    return root
+    return prepared_workdir(tmp_path_factory, "parallel", overrides)
 
 
 @pytest.fixture(scope="module")
 def reference(workdir):
-    from lctrain.train.trainer import train
-
-    return train(load_config(None, overrides(workdir / "data", workdir / "ref")))
+    return reference_run(workdir, overrides)
 
 
 def run_cli(workdir: Path, name: str, extra: list[str]) -> Path:
     run_dir = workdir / name
-    items = overrides(workdir / "data", run_dir) + extra
-    cmd = [sys.executable, "-m", "lctrain.cli", "train"] + [a for i in items for a in ("--set", i)]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cli_train_command(overrides, workdir, run_dir, extra), env=clean_env(), capture_output=True,
+                          text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 

@@ -6,16 +6,15 @@ ends (CPU, fp32).
 """
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import clean_env, cli_train_command, prepared_workdir, reference_run, set_args
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -25,7 +24,6 @@ from lctrain.train import checkpoint as ckpt
 STEPS = 8
 TINY_ARCH = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
              "num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: true}")
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:
@@ -35,33 +33,17 @@ def overrides(data_dir: Path, run_dir: Path) -> list[str]:
             f"model.arch={TINY_ARCH}"]
 
 
-def set_args(items: list[str]) -> list[str]:
-    return [a for item in items for a in ("--set", item)]
-
-
-def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)
-    return env
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    from lctrain.data.prepare import prepare
-
-    root = tmp_path_factory.mktemp("train")
-    prepare(load_config(None, overrides(root / "data", root / "ref")))
-    return root
+    return prepared_workdir(tmp_path_factory, "train", overrides)
 
 
 @pytest.fixture(scope="module")
 def reference(workdir):
-    from lctrain.train.trainer import train
-
-    return train(load_config(None, overrides(workdir / "data", workdir / "ref")))
+    return reference_run(workdir, overrides)
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -94,8 +76,8 @@ def assert_same_end(run_dir: Path, ref_dir: Path) -> None:
 
 
 def start_cli_train(workdir: Path, run_dir: Path, **env) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "lctrain.cli", "train"] + set_args(overrides(workdir / "data", run_dir))
-    return subprocess.Popen(cmd, env=clean_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(cli_train_command(overrides, workdir, run_dir), env=clean_env(**env),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def test_run_directory_metrics_and_checkpoints(reference):

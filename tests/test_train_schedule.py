@@ -1,5 +1,7 @@
 """Pure parts of training: schedules, the data order, sequence sharding, the DeepSpeed config, the chunked loss."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from lctrain.parallel.groups import check_layout, grad_accum_steps
 from lctrain.parallel.loss import chunked_loss_sum
 from lctrain.parallel.ulysses import kv_replication, shard_sequence
 from lctrain.train.data import micro_batch_rows, stream_rows
-from lctrain.train.metrics import visible_pairs
+from lctrain.train.metrics import truncate_metrics, visible_pairs
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
 
@@ -102,6 +104,8 @@ def test_deepspeed_config_follows_the_yaml():
     assert grad_accum_steps(cfg, 8) == 4
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
     assert ds["train_micro_batch_size_per_gpu"] == 1
+    # DeepSpeed's own consistency rule, with data-parallel size 8 / 4
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["bf16"] == {"enabled": True}
@@ -134,3 +138,11 @@ def test_visible_pairs_count_the_dense_mask(mode):
     batch = make_batch(torch.zeros(1, 16, dtype=torch.long), [seg_lens], mode, seg_doc=[seg_doc])
     layout = batch[SEGMENTS_KEY].layout
     assert visible_pairs(seg_lens, seg_doc, mode, 16) == int(dense_mask(layout, mode).sum())
+
+
+def test_truncate_metrics_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": 5, "lo')
+    truncate_metrics(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
+    truncate_metrics(tmp_path / "missing", 2)  # no metrics yet: nothing to do

@@ -21,7 +21,6 @@ def check_precision(cfg: Config) -> None:
 def build_ds_config(cfg: Config, world: int, use_torch_adam: bool) -> dict:
     """`use_torch_adam`: torch's AdamW instead of DeepSpeed's fused/CPU Adam (no op compilation; CPU runs)."""
     t, p = cfg.train, cfg.parallel
-    dp = world // p.sequence_parallel
     gas = grad_accum_steps(cfg, world)
     zero: dict = {"stage": p.zero_stage}
     if p.zero_stage >= 1:
@@ -34,7 +33,7 @@ def build_ds_config(cfg: Config, world: int, use_torch_adam: bool) -> dict:
     if p.zero_stage == 3:
         zero.update(stage3_gather_16bit_weights_on_model_save=True)
     ds: dict = {
-        "train_batch_size": t.micro_batch * gas * dp,
+        "train_batch_size": t.global_batch,  # = micro_batch x gas x data-parallel size (check_layout)
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": t.grad_clip,

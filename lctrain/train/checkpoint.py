@@ -13,7 +13,6 @@ temporary directory, which the next save or resume removes.
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import random

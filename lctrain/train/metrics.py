@@ -149,5 +149,11 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass  # blank, or the torn last line of a run killed while appending it
     path.write_text("".join(line + "\n" for line in kept))

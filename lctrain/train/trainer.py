@@ -178,12 +178,13 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
             t0 = time.perf_counter()
             reset_peak_memory(topo.device)
             micro, pairs = _micro_batches(cfg, topo, packed, step_index, gas)
-            # one all-reduce: valid labels of the whole step (the loss denominator) and attention pairs (for MFU)
+            # one all-reduce: valid labels of the whole step (the loss denominator) and attention pairs (for MFU).
+            # Reduced tensors live on the device: an nccl process group has no CPU backend.
             counts = torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in micro)), float(pairs)],
-                                  dtype=torch.float64)
+                                  dtype=torch.float64, device=topo.device)
             dist.all_reduce(counts)
             n_valid = max(counts[0].item(), 1.0)
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=topo.device)
             grad_norm = None
             for i, b in enumerate(micro):
                 token_loss_sum = engine(**b)
@@ -191,14 +192,13 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
                 if i == gas - 1 and own_grad_norm:
                     grad_norm = _grad_norm(engine.module)
                 engine.step()
-                loss_sum += token_loss_sum.detach().double().cpu()
+                loss_sum += token_loss_sum.detach().double()
             dist.all_reduce(loss_sum)
             step = step_index + 1
             dt = time.perf_counter() - t0
             if topo.is_main:
                 tokens = cfg.train.global_batch * cfg.data.seq_len
-                # visible pairs were summed on every SP rank of a group: count each window once
-                flops = step_flops(n_dense, layers, hidden, tokens, int(counts[1].item()) // topo.sp)
+                flops = step_flops(n_dense, layers, hidden, tokens, int(counts[1].item()))
                 grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
                 logger.log({
                     "step": step, "loss": loss_sum.item() / n_valid, "lr": cfg.train.lr * lr_factor(step_index,
@@ -222,7 +222,8 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
 
 
 def _micro_batches(cfg: Config, topo, packed, step_index: int, gas: int) -> tuple[list[dict], int]:
-    """This rank's micro-batches of one step (its sequence slice, on its device) and their visible attention pairs."""
+    """This rank's micro-batches of one step (its sequence slice, on its device) and their visible attention pairs
+    (0 on all but the first rank of a sequence-parallel group)."""
     from lctrain.attention import PER_TOKEN_KEYS, make_batch
     from lctrain.parallel.ulysses import shard_sequence
 
@@ -231,8 +232,9 @@ def _micro_batches(cfg: Config, topo, packed, step_index: int, gas: int) -> tupl
         rows = micro_batch_rows(step_index, m, topo.dp_rank, dp=topo.dp, micro_batch=cfg.train.micro_batch,
                                 global_batch=cfg.train.global_batch, seed=cfg.seed, n=len(packed))
         raw = collate(packed, rows)
-        pairs += sum(visible_pairs(sl, sd, cfg.attention.mode, cfg.data.seq_len)
-                     for sl, sd in zip(raw["seg_lens"], raw["seg_doc"]))
+        if topo.sp_rank == 0:  # the group's other ranks hold the same windows: count each window once
+            pairs += sum(visible_pairs(sl, sd, cfg.attention.mode, cfg.data.seq_len)
+                         for sl, sd in zip(raw["seg_lens"], raw["seg_doc"]))
         batch = make_batch(raw["input_ids"], raw["seg_lens"], cfg.attention.mode, seg_doc=raw["seg_doc"],
                            tag_lens=raw["tag_lens"])
         micro.append(_to_device(shard_sequence(batch, PER_TOKEN_KEYS, topo.sp, topo.sp_rank), topo.device))

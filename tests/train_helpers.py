@@ -1,0 +1,44 @@
+"""Shared by the end-to-end training tests: a prepared dataset, a 1-process reference run, and CLI subprocesses."""
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from lctrain.config import load_config
+
+# Variables a launcher sets; a child `lctrain train` must not inherit them from the test process.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+Overrides = Callable[[Path, Path], list[str]]  # (data_dir, run_dir) -> --set items
+
+
+def set_args(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def cli_train_command(overrides: Overrides, workdir: Path, run_dir: Path, extra: list[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "lctrain.cli", "train"] + set_args(overrides(workdir / "data", run_dir) + list(extra))
+
+
+def prepared_workdir(tmp_path_factory, name: str, overrides: Overrides) -> Path:
+    """A fresh directory whose `data/` holds the dataset the overrides describe."""
+    from lctrain.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp(name)
+    prepare(load_config(None, overrides(root / "data", root / "ref")))
+    return root
+
+
+def reference_run(workdir: Path, overrides: Overrides) -> Path:
+    """The uninterrupted 1-process run in this process, in `workdir/ref`."""
+    from lctrain.train.trainer import train
+
+    return train(load_config(None, overrides(workdir / "data", workdir / "ref")))
+
