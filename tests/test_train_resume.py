@@ -7,6 +7,7 @@ ends (CPU, fp32).
 
 import json
 import random
+import re
 import signal
 import subprocess
 import time
@@ -182,3 +183,18 @@ def test_bad_configs_fail_before_training(workdir, tmp_path, extra, expected):
     msg = _cli_error(["train"] + set_args(overrides(workdir / "data", tmp_path / "run") + extra))
     assert expected in msg
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+
+def test_unwritable_checkpoint_is_one_line(workdir, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    # a file where the evaluation checkpoints go: the write fails with an OSError, as on a full disk
+    (run_dir / "hf").write_text("not a directory")
+    result = CliRunner().invoke(app, ["train"] + set_args(overrides(workdir / "data", run_dir)))
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    msg = errors[0]
+    assert re.search(r"cannot write the step \d+ checkpoint \(Not a directory\)", msg), msg
+    assert f"lctrain resume {run_dir}" in msg

@@ -8,6 +8,7 @@ the same update as one process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -209,16 +210,29 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
                     "peak_mem_gb": peak_memory_gb(topo.device),
                 })
             if step in hf_steps:
-                ckpt.save_hf(engine, lm, tokenizer, rd, step, rank=topo.rank, zero_stage=cfg.parallel.zero_stage)
+                with _checkpoint_write(rd, step):
+                    ckpt.save_hf(engine, lm, tokenizer, rd, step, rank=topo.rank, zero_stage=cfg.parallel.zero_stage)
             if resume_checkpoint_due(step, total, cfg.checkpoint):
                 state = {"step": step, "windows_consumed": step * cfg.train.global_batch,
                          "config_fingerprint": config_fingerprint(cfg), "world_size": topo.world, "sp": topo.sp,
                          "wandb_id": wandb_id, "time": time.time()}
-                ckpt.save_resume(engine, rd, step, state, rank=topo.rank, keep=cfg.checkpoint.keep)
+                with _checkpoint_write(rd, step):
+                    ckpt.save_resume(engine, rd, step, state, rank=topo.rank, keep=cfg.checkpoint.keep)
     finally:
         if logger is not None:
             logger.close()
     return rd
+
+
+@contextlib.contextmanager
+def _checkpoint_write(rd: Path, step: int):
+    """A full disk or a lost permission while writing a checkpoint is the user's to fix, not a crash: the last
+    complete checkpoint is intact (checkpoints are renamed into place), so say so in one line."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"{rd}: cannot write the step {step} checkpoint ({e.strerror or e}); free disk space or fix "
+                        f"permissions, then 'lctrain resume {rd}' continues from the last complete checkpoint") from None
 
 
 def _micro_batches(cfg: Config, topo, packed, step_index: int, gas: int) -> tuple[list[dict], int]:
