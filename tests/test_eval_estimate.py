@@ -43,5 +43,21 @@ def test_bad_input(tmp_path):
     bad.write_text(json.dumps({"nothing": 1}))
     with pytest.raises(UserError, match="tflops_per_gpu"):
         read_bench(bad)
+    with pytest.raises(UserError, match="--gpus 0: must be at least 1"):
+        estimate(None, ARCH, tflops=10.0, gpus=0)
     r = CliRunner().invoke(app, ["estimate", "--tflops", "-3"])
     assert r.exit_code == 2 and r.output.startswith("error: --tflops")
+
+
+def test_prepared_dataset_layout(tmp_path):
+    from lctrain.config import load_config
+    from lctrain.data.prepare import prepare
+
+    data = tmp_path / "data"
+    prepare(load_config(None, ["data.seq_len=256", "data.token_budget=6000", f"data.output_dir={data}"]))
+    r = estimate(None, ARCH + ["data.seq_len=256", f"data.output_dir={data}"], tflops=50.0, gpus=1)
+    assert not r["synthetic"] and r["segment_source"] == f"prepared dataset {data}"
+    assert r["modes"]["full"]["speedup_vs_full"] == 1.0 <= r["modes"]["intra_doc"]["speedup_vs_full"]
+    # a dataset prepared for another length is not this config's layout: fall back, and say why
+    r = estimate(None, ARCH + ["data.seq_len=512", f"data.output_dir={data}"], tflops=50.0, gpus=1)
+    assert r["synthetic"] and "has seq_len 256, not 512" in r["segment_source"]

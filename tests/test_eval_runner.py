@@ -138,6 +138,7 @@ def test_bad_input_exits_2_with_one_line(run_dir, tmp_path):
         ([str(run_dir), "--exclude", "niah_multikey_3,nope"], "unknown task(s) nope"),
         ([str(run_dir), "--lengths", "4k,x"], "not a length"),
         ([str(tmp_path)], "neither a run directory"),
+        ([str(run_dir), "--device", "foo"], "--device foo: not a device"),
     ]
     for args, message in cases:
         r = runner.invoke(app, ["eval", *args])

@@ -162,6 +162,12 @@ def test_qa_bad_files(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         load_qa(bad)
+    bad.write_text(json.dumps([{"question": "q?", "context": [["T", ["Fact."]]]}]))  # a test split: no answer
+    with pytest.raises(UserError, match="malformed HotpotQA entry"):
+        load_qa(bad)
+    bad.write_text(json.dumps({"data": [{"paragraphs": [{"context": "c", "qas": [{"answers": [{"text": "a"}]}]}]}]}))
+    with pytest.raises(UserError, match="malformed SQuAD entry"):
+        load_qa(bad)
     bad.write_text(json.dumps({"rows": []}))
     with pytest.raises(UserError, match="neither SQuAD"):
         load_qa(bad)

@@ -18,7 +18,7 @@ import numpy as np
 
 from lctrain.config import Config, data_dir, load_config
 from lctrain.errors import UserError
-from lctrain.eval.inspect_data import MODES, window_pairs
+from lctrain.eval.inspect_data import MODES, dataset_stats, window_pairs
 
 # Synthetic fallback: SlimPajama-like document lengths (median 500 tokens, long right tail).
 SYNTHETIC_MEDIAN_TOKENS = 500
@@ -43,24 +43,13 @@ class ModelShape:
 
 
 def model_shape(cfg: Config) -> ModelShape:
-    from transformers import AutoConfig
+    from lctrain.model import _load_config
 
-    if cfg.model.arch is not None:
-        arch = dict(cfg.model.arch)
-        try:
-            hf = AutoConfig.for_model(arch.pop("model_type"), **arch)
-        except (KeyError, ValueError, TypeError) as e:
-            raise UserError(f"model.arch: cannot build a config ({e})") from None
-        if "vocab_size" not in cfg.model.arch:
-            from lctrain.tokenizer import load_tokenizer
+    hf = _load_config(cfg)
+    if cfg.model.arch is not None and "vocab_size" not in cfg.model.arch:
+        from lctrain.tokenizer import load_tokenizer
 
-            hf.vocab_size = len(load_tokenizer(cfg.data.tokenizer))
-    else:
-        try:
-            hf = AutoConfig.from_pretrained(cfg.model.name_or_path)
-        except (OSError, ValueError) as e:
-            raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}': cannot read its config "
-                            f"({type(e).__name__}); point it to a local model directory") from None
+        hf.vocab_size = len(load_tokenizer(cfg.data.tokenizer))  # as build_model sizes it
     heads = hf.num_attention_heads
     return ModelShape(hf.num_hidden_layers, hf.hidden_size, heads, getattr(hf, "num_key_value_heads", None) or heads,
                       getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size)
@@ -88,19 +77,20 @@ def mean_pairs(cfg: Config) -> tuple[dict[str, float], str]:
 
     path = data_dir(cfg)
     L = cfg.data.seq_len
+    why = f"no prepared dataset at {path}"
     if (path / "manifest.json").is_file():
-        from lctrain.eval.inspect_data import dataset_stats
-
-        stats = dataset_stats(open_packed(path))
-        if stats["seq_len"] == L and stats["windows"]:
+        packed = open_packed(path)  # refuses a dataset without windows
+        if int(packed.manifest["seq_len"]) == L:
+            stats = dataset_stats(packed)
             return {m: v / stats["windows"] for m, v in stats["attention_pairs"].items()}, f"prepared dataset {path}"
+        why = f"the prepared dataset at {path} has seq_len {packed.manifest['seq_len']}, not {L}"
     wins = synthetic_windows(L, seed=cfg.data.seed)
     totals = dict.fromkeys(MODES, 0)
     for w in wins:
         for k, v in window_pairs(L, w, list(range(len(w)))).items():
             totals[k] += v
-    source = (f"SYNTHETIC: no prepared dataset at {path} (run `lctrain prepare` for the real layout); log-normal "
-              f"document lengths, median {SYNTHETIC_MEDIAN_TOKENS} tokens")
+    source = (f"SYNTHETIC: {why} (run `lctrain prepare` for the real layout); log-normal document lengths, median "
+              f"{SYNTHETIC_MEDIAN_TOKENS} tokens")
     return {m: v / len(wins) for m, v in totals.items()}, source
 
 
@@ -138,7 +128,7 @@ def estimate(config: str | None = None, overrides: list[str] | tuple = (), *, tf
         raise UserError(f"--tflops {tflops}: must be positive")
     cfg = load_config(config, overrides)
     rate = {"*": float(tflops)} if tflops is not None else read_bench(from_bench)
-    n_gpus = gpus or cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
+    n_gpus = gpus if gpus is not None else cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
     if n_gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1")
     shape = model_shape(cfg)

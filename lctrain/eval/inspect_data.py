@@ -1,10 +1,9 @@
 """`lctrain inspect DATA_DIR`: a prepared dataset's composition (the paper's Table 9: per-domain share of documents
 and of tokens), its length histogram (Figure 8), and what each attention mode would compute on it.
 
-Attention cost is counted in causally visible (query, key) pairs, which is what the FLOPs of QK^T and AV scale with:
-full = L(L+1)/2 per window; intra_doc / intra_doc_reset = Σ_docs n(n+1)/2 over the window's documents (chunks of one
-document, `seg_doc`, see each other); anchor = intra_doc + one anchor column for every token outside the window's
-first document (the shared anchor the paper's kernel keeps visible to all documents).
+Attention cost is counted in causally visible (query, key) pairs, which is what the FLOPs of QK^T and AV scale with,
+under the masks the engines compute (DESIGN §3), counted by the training metrics' `visible_pairs` so that `inspect`,
+`estimate` and the MFU of `train` agree.
 """
 
 from __future__ import annotations
@@ -14,22 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
+from lctrain.attention.modes import MODES
 from lctrain.config import DOMAINS
-
-MODES = ("full", "intra_doc", "intra_doc_reset", "anchor")
+from lctrain.train.metrics import visible_pairs
 
 
 def window_pairs(seq_len: int, seg_lens, seg_doc) -> dict[str, int]:
     """Causally visible (query, key) pairs of one window under each attention mode."""
-    seg_lens = np.asarray(seg_lens, dtype=np.int64)
-    seg_doc = np.asarray(seg_doc, dtype=np.int64)
-    doc_tokens: dict[int, int] = {}
-    for n, d in zip(seg_lens, seg_doc):
-        doc_tokens[int(d)] = doc_tokens.get(int(d), 0) + int(n)
-    intra = sum(n * (n + 1) // 2 for n in doc_tokens.values())
-    outside_first = seq_len - doc_tokens[int(seg_doc[0])]
-    return {"full": seq_len * (seq_len + 1) // 2, "intra_doc": intra, "intra_doc_reset": intra,
-            "anchor": intra + outside_first}
+    return {m: visible_pairs(seg_lens, seg_doc, m, seq_len) for m in MODES}
 
 
 def _log2_edges(max_len: int) -> list[int]:
@@ -47,7 +38,6 @@ def dataset_stats(packed) -> dict:
     tok_count = np.zeros(len(domains), dtype=np.int64)
     pairs = dict.fromkeys(MODES, 0)
     lengths: list[np.ndarray] = []
-    per_window = []
     cols = packed.rows.select_columns(["seg_lens", "seg_doc", "seg_domain"])
     for batch in cols.iter(batch_size=1024):
         for sl, sd, dom in zip(batch["seg_lens"], batch["seg_doc"], batch["seg_domain"]):
@@ -57,7 +47,7 @@ def dataset_stats(packed) -> dict:
             for k, v in window_pairs(seq_len, sl, sd).items():
                 pairs[k] += v
             lengths.append(sl)
-            per_window.append(len(sl))
+    per_window = [len(sl) for sl in lengths]
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     edges = _log2_edges(max(seq_len, 64))
     counts, _ = np.histogram(all_lengths, bins=edges)

@@ -12,19 +12,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lctrain.config import data_dir, data_fingerprint
 from lctrain.errors import UserError
 
+if TYPE_CHECKING:
+    from lctrain.data.store import PackedData
+
 
 @dataclass
 class Heldout:
-    path: Path | None = None
+    packed: PackedData | None = None  # the dataset, opened once; None when there is none to score
     rows: list[int] = field(default_factory=list)  # the windows to score
     available: int = 0  # how many held-out windows exist
     note: str = ""
+
+    @property
+    def path(self) -> Path | None:
+        return self.packed.path if self.packed is not None else None
 
 
 def heldout_rows(num_windows: int, consumed: int, seed: int, limit: int) -> tuple[list[int], int]:
@@ -64,9 +72,9 @@ def select_heldout(tgt, ppl_data: str | None) -> Heldout:
     consumed = cfg.train.steps * cfg.train.global_batch if own else 0
     rows, available = heldout_rows(n, consumed, cfg.seed, limit)
     if not rows:
-        return Heldout(path, [], 0, f"none held out: training consumed {consumed} window reads of the {n} windows in "
+        return Heldout(packed, [], 0, f"none held out: training consumed {consumed} window reads of the {n} windows in "
                                     f"{path}; prepare a larger token budget or pass --ppl-data DIR")
-    return Heldout(path, rows, available)
+    return Heldout(packed, rows, available)
 
 
 def target_mask(seq_len: int, seg_lens: np.ndarray, tag_lens: np.ndarray) -> np.ndarray:

@@ -129,11 +129,14 @@ def measure(model, ids: torch.Tensor, long_ids: torch.Tensor, shifts=SHIFTS, del
                             f"attention interface, so the RoPE diagnostic cannot observe them")
         return probe
 
-    d_curve = []
+    d_curve, p0 = [], None
     for d1 in shifts:
         p = run("weights", ids, d1)
         d_curve.append(p.d_sum / p.layers)
-    p0 = run("weights", ids, 0)
+        if d1 == 0:
+            p0 = p
+    if p0 is None:  # the per-token split is taken at Δ1 = 0; one more pass when the shifts leave it out
+        p0 = run("weights", ids, 0)
     per_token = (p0.per_token / p0.layers).tolist()
     total = sum(per_token)
     logit_curve = []

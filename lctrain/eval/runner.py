@@ -101,6 +101,10 @@ def pick_device(device: str | None) -> str:
 
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device}: not a device; use cuda, cuda:N, cpu or auto") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     return device
@@ -184,8 +188,6 @@ def evaluate(
 ) -> Path:
     """Score every checkpoint of `target` on the RULER-style tasks; write results.json, predictions.jsonl and
     ruler.png to `out` (default RUN_DIR/eval or MODEL_DIR/eval) and print the tables. Returns the output directory."""
-    from lctrain.data.store import open_packed
-
     tgt = resolve_target(target, config, overrides)
     ev = tgt.cfg.eval
     lengths_ = parse_lengths(lengths) if lengths else sorted(set(ev.lengths))
@@ -200,7 +202,6 @@ def evaluate(
     tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
     all_samples = build_samples(names, lengths_, num_samples, ev.seed, tokenizer, qa_path)
     heldout = select_heldout(tgt, ppl_data)
-    packed = open_packed(heldout.path) if heldout.rows else None
     ppl: dict[str, float] = {}
     notes: dict[str, str] = {}
 
@@ -225,8 +226,8 @@ def evaluate(
                                             "index": s.index, "tokens": s.num_tokens, "answers": list(s.answers),
                                             "prediction": pred, "score": value}) + "\n")
                 bar.advance(job)
-            if packed is not None:
-                ppl[ckpt_name] = perplexity(model, packed, heldout.rows)
+            if heldout.rows:
+                ppl[ckpt_name] = perplexity(model, heldout.packed, heldout.rows)
             del model
 
     scores = {c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}

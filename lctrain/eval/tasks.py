@@ -244,6 +244,29 @@ class QAData:
     format: str = ""
 
 
+def _parse_squad(raw: dict) -> QAData:
+    data = QAData([], format="squad")
+    for article in raw["data"]:
+        for para in article.get("paragraphs", []):
+            ctx = para.get("context", "")
+            data.documents.append(ctx)
+            for qa in para.get("qas", []):
+                answers = tuple(dict.fromkeys(a["text"] for a in qa.get("answers", []) if a.get("text")))
+                if answers and not qa.get("is_impossible", False):
+                    data.items.append(QAItem(qa["question"], answers, (ctx,)))
+    return data
+
+
+def _parse_hotpot(raw: list) -> QAData:
+    data = QAData([], format="hotpotqa")
+    for ex in raw:
+        docs = {title: " ".join(sents) for title, sents in ex["context"]}
+        data.documents.extend(docs.values())
+        gold_titles = dict.fromkeys(t for t, _ in ex.get("supporting_facts", [])) or docs
+        data.items.append(QAItem(ex["question"], (str(ex["answer"]),), tuple(docs[t] for t in gold_titles if t in docs)))
+    return data
+
+
 def load_qa(path: str | Path) -> QAData:
     """Read a SQuAD (v1/v2 JSON: data/paragraphs/qas) or HotpotQA (JSON list with context/supporting_facts) file."""
     path = Path(path)
@@ -254,25 +277,17 @@ def load_qa(path: str | Path) -> QAData:
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); pass --qa a SQuAD or HotpotQA JSON file") from None
     if isinstance(raw, dict) and isinstance(raw.get("data"), list):
-        data = QAData([], format="squad")
-        for article in raw["data"]:
-            for para in article.get("paragraphs", []):
-                ctx = para.get("context", "")
-                data.documents.append(ctx)
-                for qa in para.get("qas", []):
-                    answers = tuple(dict.fromkeys(a["text"] for a in qa.get("answers", []) if a.get("text")))
-                    if answers and not qa.get("is_impossible", False):
-                        data.items.append(QAItem(qa["question"], answers, (ctx,)))
+        fmt, parse = "SQuAD", _parse_squad
     elif isinstance(raw, list) and raw and isinstance(raw[0], dict) and "context" in raw[0] and "question" in raw[0]:
-        data = QAData([], format="hotpotqa")
-        for ex in raw:
-            docs = {title: " ".join(sents) for title, sents in ex["context"]}
-            data.documents.extend(docs.values())
-            gold_titles = dict.fromkeys(t for t, _ in ex.get("supporting_facts", [])) or docs
-            data.items.append(QAItem(ex["question"], (str(ex["answer"]),), tuple(docs[t] for t in gold_titles if t in docs)))
+        fmt, parse = "HotpotQA", _parse_hotpot
     else:
         raise UserError(f"{path}: neither SQuAD ('data' -> 'paragraphs' -> 'qas') nor HotpotQA (a list of "
                         f"{{question, answer, context}}) format")
+    try:
+        data = parse(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        # only the first entry decides the format: a later malformed one must not end in a traceback
+        raise UserError(f"{path}: malformed {fmt} entry ({type(e).__name__}: {e})") from None
     data.documents = list(dict.fromkeys(data.documents))
     if not data.items:
         raise UserError(f"{path}: no answerable questions found")
