@@ -46,6 +46,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _load_config(cfg: Config):
+    from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates config fields with these
     from transformers import AutoConfig
 
     if cfg.model.arch is not None:
@@ -55,11 +56,11 @@ def _load_config(cfg: Config):
             raise UserError("model.arch needs a model_type (e.g. llama, mistral, qwen2)")
         try:
             return AutoConfig.for_model(model_type, **arch)
-        except (ValueError, TypeError) as e:
-            raise UserError(f"model.arch: cannot build a '{model_type}' config ({e})") from None
+        except (ValueError, TypeError, StrictDataclassError) as e:
+            raise UserError(f"model.arch: cannot build a '{model_type}' config ({' '.join(str(e).split())})") from None
     try:
         return AutoConfig.from_pretrained(cfg.model.name_or_path)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, StrictDataclassError) as e:
         raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}' cannot be loaded as a Hugging Face model "
                         f"directory or hub name ({type(e).__name__}); download it first or point to a local "
                         f"directory") from None
@@ -88,6 +89,8 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
 
 
 def _configure(hf_config, cfg: Config, vocab_size: Optional[int], impl: str):
+    from lctrain.attention.engines.common import check_dropout
+
     if getattr(hf_config, "rope_parameters", None) is None:
         raise UserError(f"model type '{hf_config.model_type}' has no rotary position embedding; lctrain trains "
                         f"RoPE models (Llama, Mistral, Qwen2, ...)")
@@ -111,9 +114,10 @@ def _configure(hf_config, cfg: Config, vocab_size: Optional[int], impl: str):
         log.warning("model sliding_window=%s < data.seq_len=%s: training without a sliding window", window,
                     cfg.data.seq_len)
         hf_config.sliding_window = None
-    if getattr(hf_config, "attention_dropout", 0.0):
-        raise UserError(f"model attention_dropout = {hf_config.attention_dropout}: the lctrain engines do not "
-                        f"implement attention dropout; set attention_dropout: 0.0 in model.arch")
+    heads, kv_heads = getattr(hf_config, "num_attention_heads", None), getattr(hf_config, "num_key_value_heads", None)
+    if heads and kv_heads and heads % kv_heads:  # transformers accepts it; the first attention call would fail
+        raise UserError(f"model num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}")
+    check_dropout(getattr(hf_config, "attention_dropout", 0.0))  # at build time, not at the first forward
     hf_config.use_cache = False
     hf_config._attn_implementation = impl
     return hf_config
@@ -146,8 +150,11 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
             torch.manual_seed(cfg.seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
     else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=dtype,
-                                                     attn_implementation=impl)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=dtype,
+                                                         attn_implementation=impl)
+        except OSError as e:  # a directory with a config.json but no (complete) weights
+            raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}': cannot load the weights ({e})") from None
     if cfg.attention.mode == "anchor":
         _check_anchor(cfg, model.get_input_embeddings().num_embeddings)
     if cfg.model.gradient_checkpointing:

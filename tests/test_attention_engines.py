@@ -168,8 +168,9 @@ def test_no_segments_is_causal_attention_including_cached_decoding():
     for name in ("sdpa", "reference", "flex"):
         out, _ = engine_fn(name)(None, q, k, v, None, scaling=0.5)
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-        last, _ = engine_fn(name)(None, q[:, :, -3:], k, v, None, scaling=0.5)  # prefill continuation
-        torch.testing.assert_close(last.double(), want[:, -3:], atol=1e-5, rtol=1e-5)
+        for n in (3, 1):  # prefill continuation, then one-token decoding (each its own path in common)
+            last, _ = engine_fn(name)(None, q[:, :, -n:], k, v, None, scaling=0.5)
+            torch.testing.assert_close(last.double(), want[:, -n:], atol=1e-5, rtol=1e-5)
 
 
 def test_mismatched_segments_are_rejected():

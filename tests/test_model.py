@@ -144,6 +144,9 @@ def test_rope_fp32_model_is_closer_to_fp32_than_plain_bf16():
     ([], {k: v for k, v in ARCH.items() if k != "model_type"}, "needs a model_type"),
     ([], {**ARCH, "attention_dropout": 0.1}, "attention dropout"),
     ([], {**ARCH, "model_type": "no-such-model"}, "cannot build"),
+    ([], {**ARCH, "num_attention_heads": 5, "num_key_value_heads": 5}, "not a multiple of the number of attention"),
+    ([], {**ARCH, "hidden_size": "abc"}, "cannot build a 'llama' config .*hidden_size"),
+    ([], {**ARCH, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads = 3"),
 ])
 def test_user_errors(overrides, arch, match):
     with pytest.raises(UserError, match=match):
@@ -169,3 +172,7 @@ def test_from_pretrained_directory(tmp_path):
     missing = config("model.arch=null", f"model.name_or_path={tmp_path / 'absent'}", arch=None)
     with pytest.raises(UserError, match="cannot be loaded"):
         build_model(missing)
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(UserError, match="cannot load the weights"):
+        build_model(config("model.arch=null", f"model.name_or_path={tmp_path}", arch=None))

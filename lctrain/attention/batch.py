@@ -20,11 +20,11 @@ Ragged = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
 def _rows(value: Ragged, batch: int, name: str) -> list[torch.Tensor]:
     """A ragged list of B 1-D sequences or a zero-padded `[B, n]` array -> list of B 1-D long tensors (unpadded
     later, against seg_lens)."""
-    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 2:
-        rows = [torch.as_tensor(np.asarray(r) if isinstance(r, np.ndarray) else r) for r in value]
-    elif isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim != 2:
-        raise UserError(f"make_batch: {name} must be a list of {batch} sequences or a [B, n] array, "
-                        f"got shape {tuple(value.shape)}")
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim != 2:
+            raise UserError(f"make_batch: {name} must be a list of {batch} sequences or a [B, n] array, "
+                            f"got shape {tuple(value.shape)}")
+        rows = list(torch.as_tensor(value))
     else:
         rows = [torch.as_tensor(np.asarray(r, dtype=np.int64)) for r in value]
     if len(rows) != batch:
@@ -56,9 +56,9 @@ def make_batch(
     doc_rows = _rows(seg_doc, B, "seg_doc") if seg_doc is not None else None
     tag_rows = _rows(tag_lens, B, "tag_lens") if tag_lens is not None else None
 
+    padded = isinstance(seg_lens, (torch.Tensor, np.ndarray))
     seg_len, seg_row, seg_docs, seg_tags = [], [], [], []
     for b, lens in enumerate(lens_rows):
-        padded = isinstance(seg_lens, (torch.Tensor, np.ndarray))
         n = int((lens > 0).sum()) if padded else lens.numel()
         if padded and bool((lens[:n] <= 0).any()):
             raise UserError(f"make_batch: row {b}: seg_lens has zero padding before its last segment: {lens.tolist()}")

@@ -81,10 +81,11 @@ def build_layout(batch: int, length: int, seg_len, seg_row, seg_doc, seg_tags) -
     )
 
 
-def earlier_tokens_of_same_doc(layout: Layout) -> torch.Tensor:
-    """Per segment: how many tokens of its document come before it in the window."""
+def earlier_tokens_of_same_doc(layout: Layout, seg_count: torch.Tensor | None = None) -> torch.Tensor:
+    """Per segment: how many tokens of its document come before it in the window, i.e. the sum of `seg_count`
+    (default `seg_len`) over the document's earlier segments."""
     order = torch.argsort(layout.seg_doc, stable=True)
-    lens = layout.seg_len[order]
+    lens = (layout.seg_len if seg_count is None else seg_count)[order]
     exclusive = torch.cumsum(lens, 0) - lens
     _, counts = torch.unique_consecutive(layout.seg_doc[order], return_counts=True)
     group_first = torch.cumsum(counts, 0) - counts
@@ -119,21 +120,33 @@ def shifted_labels(input_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
     return labels
 
 
-def dense_mask(layout: Layout, mode: str, device=None) -> torch.Tensor:
-    """Boolean visibility `[B, L(query), L(key)]` of a mode; O(L²) memory, for the reference engine and small L."""
+def mask_mod(layout: Layout, mode: str, device=None):
+    """The mode's visibility rule as `visible(b, h, q, k)` over `[B, L]` id tensors: FlexAttention's `mask_mod`, and
+    evaluated on broadcast index grids, the dense mask."""
     B, L = layout.batch, layout.length
     doc = layout.tok_doc.view(B, L).to(device)
     seg = layout.tok_seg.view(B, L).to(device)
     anc = layout.tok_anchor.view(B, L).to(device)
-    idx = torch.arange(L, device=device)
-    causal = (idx[None, :, None] >= idx[None, None, :]).expand(B, L, L)
+
     if mode == "full":
-        return causal
-    same_doc = doc[:, :, None] == doc[:, None, :]
-    if mode in ("intra_doc", "intra_doc_reset"):
-        return causal & same_doc
-    if mode == "anchor":
-        own_anchor = anc[:, None, :] & (seg[:, :, None] == seg[:, None, :])
-        doc_body = ~anc[:, None, :] & ~anc[:, :, None] & same_doc
-        return causal & (own_anchor | doc_body)
-    raise ValueError(f"unknown mode {mode!r}")
+        def visible(b, h, q, k):
+            return q >= k
+    elif mode in ("intra_doc", "intra_doc_reset"):
+        def visible(b, h, q, k):
+            return (q >= k) & (doc[b, q] == doc[b, k])
+    elif mode == "anchor":
+        def visible(b, h, q, k):
+            own_anchor = anc[b, k] & (seg[b, q] == seg[b, k])
+            body = ~anc[b, k] & ~anc[b, q] & (doc[b, q] == doc[b, k])
+            return (q >= k) & (own_anchor | body)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    return visible
+
+
+def dense_mask(layout: Layout, mode: str, device=None) -> torch.Tensor:
+    """Boolean visibility `[B, L(query), L(key)]` of a mode; O(L²) memory, for the reference engine and small L."""
+    B, L = layout.batch, layout.length
+    idx = torch.arange(L, device=device)
+    b = torch.arange(B, device=device)[:, None, None]
+    return mask_mod(layout, mode, device)(b, None, idx[None, :, None], idx[None, None, :]).expand(B, L, L)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
 from lctrain.attention.modes import Layout
 
 SEGMENTS_KEY = "lctrain_segments"

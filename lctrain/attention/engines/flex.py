@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from lctrain.attention.engines.common import hf_attention
-from lctrain.attention.modes import Layout
+from lctrain.attention.modes import Layout, mask_mod
 
 
 @lru_cache(maxsize=None)
@@ -22,33 +22,10 @@ def _compiled(fn):
     return torch.compile(fn)
 
 
-def mask_mod_for(layout: Layout, mode: str, device):
-    """The mode's visibility rule as a FlexAttention `mask_mod(b, h, q, k)` over `[B, L]` id tensors."""
-    B, L = layout.batch, layout.length
-    doc = layout.tok_doc.view(B, L).to(device)
-    seg = layout.tok_seg.view(B, L).to(device)
-    anc = layout.tok_anchor.view(B, L).to(device)
-
-    if mode == "full":
-        def mask_mod(b, h, q, k):
-            return q >= k
-    elif mode in ("intra_doc", "intra_doc_reset"):
-        def mask_mod(b, h, q, k):
-            return (q >= k) & (doc[b, q] == doc[b, k])
-    elif mode == "anchor":
-        def mask_mod(b, h, q, k):
-            own_anchor = anc[b, k] & (seg[b, q] == seg[b, k])
-            body = ~anc[b, k] & ~anc[b, q] & (doc[b, q] == doc[b, k])
-            return (q >= k) & (own_anchor | body)
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
-    return mask_mod
-
-
 def build_block_mask(layout: Layout, mode: str, device):
     device = torch.device(device)
     make = _compiled(create_block_mask) if device.type == "cuda" else create_block_mask
-    return make(mask_mod_for(layout, mode, device), layout.batch, None, layout.length, layout.length, device=device)
+    return make(mask_mod(layout, mode, device), layout.batch, None, layout.length, layout.length, device=device)
 
 
 @hf_attention

@@ -81,8 +81,7 @@ def _anchor_interleaved_jobs(layout: Layout):
     body_first = torch.cumsum(body_len, 0) - body_len
 
     later = torch.nonzero(~first).squeeze(1)
-    # Earlier non-anchor tokens of the document = earlier tokens minus one anchor per earlier chunk.
-    prev = (earlier_tokens_of_same_doc(layout) - _rank_within_doc(layout, order))[later]
+    prev = earlier_tokens_of_same_doc(layout, layout.seg_len - 1)[later]  # earlier non-anchor tokens of the doc
     q_len = layout.seg_len[later] - 1
     doc_body_first = body_first[layout.seg_doc[later]]
     anchors = layout.seg_start[later]
@@ -94,17 +93,6 @@ def _anchor_interleaved_jobs(layout: Layout):
         parts.append(keys_body[:, np_:].reshape(-1))
         lower_right.append((int(sel.sum()), nq, torch.cat([anchors[sel][:, None], keys_body], 1)))
     return parts, causal, lower_right, anchors
-
-
-def _rank_within_doc(layout: Layout, order: torch.Tensor) -> torch.Tensor:
-    """Per segment: how many earlier segments its document has in the window."""
-    docs = layout.seg_doc[order]
-    _, counts = torch.unique_consecutive(docs, return_counts=True)
-    group_first = torch.cumsum(counts, 0) - counts
-    rank_sorted = torch.arange(docs.numel()) - torch.repeat_interleave(group_first, counts)
-    rank = torch.empty_like(rank_sorted)
-    rank[order] = rank_sorted
-    return rank
 
 
 @hf_attention

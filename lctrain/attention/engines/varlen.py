@@ -8,6 +8,7 @@ three document modes; `full` uses one sequence per row.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ def build_varlen_plan(layout: Layout, mode: str, device) -> VarlenPlan:
     return VarlenPlan(cu.to(device), int(lens.max()))
 
 
+# Cached: a failed import is not memoised by Python and would search sys.path again in every layer's call.
+@functools.cache
 def flash_attn_available() -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -44,6 +47,7 @@ def flash_attn_available() -> bool:
     return True
 
 
+@functools.cache
 def torch_varlen_available() -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
