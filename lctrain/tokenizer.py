@@ -65,6 +65,10 @@ def _from_sentencepiece(model_file: Path, cache_key: str):
     finally:
         if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+    if (cached / "tokenizer.json").is_file():
+        # Loaded from the cache like every later call, so `name_or_path` names a directory that exists (the
+        # conversion's temporary directory is gone, and reloading by that name would go to the hub).
+        return AutoTokenizer.from_pretrained(str(cached))
     return tok
 
 

@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -6,6 +9,10 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A fresh tokenizer cache per test session: the suite must pass on a machine that never ran lctrain, so the first
+# conversion of the built-in tokenizers is part of every run rather than something a developer's ~/.cache hides.
+os.environ["LCTRAIN_CACHE"] = tempfile.mkdtemp(prefix="lctrain-test-cache-")
+atexit.register(shutil.rmtree, os.environ["LCTRAIN_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

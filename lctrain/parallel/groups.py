@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from lctrain.compat.deepspeed import disable_cpu_shm_comm_op
 from lctrain.config import Config
 from lctrain.errors import UserError
 
@@ -106,11 +107,7 @@ def init_topology(cfg: Config) -> Topology:
         device = torch.device("cpu")
     if not dist.is_initialized():
         if device.type == "cpu":
-            # DeepSpeed would JIT-compile its shared-memory all-reduce op (a minute of C++ build) for CPU runs; gloo
-            # does the job. DeepSpeed keeps this dict so that edits to it persist (deepspeed/ops/__init__.py).
-            import deepspeed.ops
-
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            disable_cpu_shm_comm_op()  # gloo does the job; no op probe, no C++ build
         deepspeed.init_distributed(dist_backend=pick_backend(cfg), auto_mpi_discovery=False)
     sp_group = mpu = None
     if sp > 1:
