@@ -1,7 +1,7 @@
 PY ?= python3
 PIP = $(PY) -m pip
 
-.PHONY: install test test-all demo bench
+.PHONY: install test test-all demo bench gpu-check
 
 # torch first, pinned: any other torch spec pulls the CUDA wheels; constraints.txt keeps it from being replaced.
 install:
@@ -16,3 +16,8 @@ test-all:
 
 demo:
 	lctrain prepare && lctrain train && lctrain eval runs/tiny_anchor
+
+# On one CUDA GPU: every GPU-side check and benchmark, one report in gpu_report/ (scripts/gpu_check.py --help).
+# STAGES="tests attention" runs some; WHEELS=DIR: the install stage takes what an offline machine lacks from there.
+gpu-check:
+	$(PY) scripts/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) $(or $(STAGES),all)

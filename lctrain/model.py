@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 
+from lctrain.compat.transformers import nested_rope_keys, set_attn_implementation
 from lctrain.config import Config
 from lctrain.errors import UserError
 
@@ -94,7 +95,7 @@ def _configure(hf_config, cfg: Config, vocab_size: Optional[int], impl: str):
     if getattr(hf_config, "rope_parameters", None) is None:
         raise UserError(f"model type '{hf_config.model_type}' has no rotary position embedding; lctrain trains "
                         f"RoPE models (Llama, Mistral, Qwen2, ...)")
-    nested = hf_config.nested_rope_parameter_keys(hf_config.rope_parameters)
+    nested = nested_rope_keys(hf_config)
     if nested:
         raise UserError(f"model type '{hf_config.model_type}' uses per-layer RoPE parameters ({', '.join(nested)}), "
                         f"which lctrain does not set")
@@ -119,7 +120,7 @@ def _configure(hf_config, cfg: Config, vocab_size: Optional[int], impl: str):
         raise UserError(f"model num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}")
     check_dropout(getattr(hf_config, "attention_dropout", 0.0))  # at build time, not at the first forward
     hf_config.use_cache = False
-    hf_config._attn_implementation = impl
+    set_attn_implementation(hf_config, impl)
     return hf_config
 
 

@@ -1,10 +1,11 @@
 """Attention benchmark: forward+backward time of each engine and mode on SlimPajama-like packed windows.
 
-Prints a table and writes JSON. Next to each measured speedup of a document mode over `full` (same engine) it prints
-the ideal one from attention FLOPs: visible (query, key) pairs of a causal window, L(L+1)/2, over the mode's visible
-pairs, sum of n(n+1)/2 over documents. Times are the best of --reps runs after a warm-up call (the median is in
-the JSON too): on a shared machine the minimum is the stable estimate of the intrinsic cost. Segment layouts are a fixed seeded sample of a long-tailed document-length
-distribution packed concatenate-and-cut, or windows of a prepared dataset (--data DIR).
+Prints a table and writes JSON. Next to each measured speedup of a document mode over `full` (same engine) it
+prints the ideal one from attention FLOPs: visible (query, key) pairs of the causal window over the mode's visible
+pairs, both counted by the training metrics' `visible_pairs` (the cost model that MFU uses), and the achieved
+TFLOP/s. Times are the best of --reps runs after a warm-up call (the median is in the JSON too): on a shared machine
+the minimum is the stable estimate of the intrinsic cost. Segment layouts are a fixed seeded sample of a long-tailed
+document-length distribution packed concatenate-and-cut, or windows of a prepared dataset (--data DIR).
 
     python scripts/bench_attention.py --device cpu --lengths 8192 32768 --engines sdpa --threads 1
     python scripts/bench_attention.py --device cpu --lengths 8192 --interleave
@@ -26,9 +27,10 @@ from rich.progress import track
 from rich.table import Table
 
 from lctrain.attention import MODES, engine_fn, make_batch
+from lctrain.train.metrics import attention_flops, visible_pairs
 
 CPU_ENGINES = ("sdpa", "reference")
-GPU_ENGINES = ("varlen", "flex", "sdpa")
+GPU_ENGINES = ("varlen", "sdpa", "flex")
 REFERENCE_MAX_LEN = 8192  # the dense mask and scores are O(L²)
 
 
@@ -82,18 +84,6 @@ def interleave(seg_lens: list[int], rng: np.random.Generator) -> tuple[list[int]
     return lens, docs
 
 
-def visible_pairs(seg_lens: list[int], mode: str, seg_doc: list[int] | None = None) -> int:
-    """Visible (query, key) pairs: the whole causal window for `full`, else per document (its chunks together)."""
-    if mode == "full":
-        L = sum(seg_lens)
-        return L * (L + 1) // 2
-    per_doc: dict[int, int] = {}
-    for i, n in enumerate(seg_lens):
-        d = seg_doc[i] if seg_doc is not None else i
-        per_doc[d] = per_doc.get(d, 0) + n
-    return sum(n * (n + 1) // 2 for n in per_doc.values())
-
-
 def time_engine(engine: str, batch: dict, heads: int, kv_heads: int, head_dim: int, dtype, device, reps: int):
     L = batch["input_ids"].shape[1]
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -121,6 +111,15 @@ def time_engine(engine: str, batch: dict, heads: int, kv_heads: int, head_dim: i
         sync()
         times.append(time.perf_counter() - t0)
     return min(times), statistics.median(times), first
+
+
+def add_speedups(results: list[dict]) -> None:
+    """Speedup of each row over `full` with the same engine, length and window, and its fraction of the ideal."""
+    full = {(r["length"], r["window"], r["engine"]): r["seconds"] for r in results if r["mode"] == "full"}
+    for r in results:
+        base = full.get((r["length"], r["window"], r["engine"]))
+        r["speedup"] = base / r["seconds"] if base else None
+        r["fraction_of_ideal"] = r["speedup"] / r["ideal_speedup"] if base else None
 
 
 def main(argv=None):
@@ -167,38 +166,44 @@ def main(argv=None):
                     continue  # cannot mask interleaved chunks
                 for mode in args.modes:
                     jobs.append((L, w, seg_lens, seg_doc, engine, mode))
+    # One engine at a time, in the order given: a run stopped at a time limit has the first engines complete (and
+    # FlexAttention, which compiles a kernel per mode and length, is listed last by default).
+    jobs.sort(key=lambda job: engines.index(job[4]))
 
+    meta = {"device": args.device, "dtype": args.dtype, "interleave": args.interleave, "heads": heads,
+            "kv_heads": kv_heads, "head_dim": head_dim, "reps": args.reps, "torch": torch.__version__,
+            "data": args.data, "seed": args.seed, "device_name": torch.cuda.get_device_name() if gpu else "cpu",
+            "threads": torch.get_num_threads()}
+    console = Console(width=140)
     results = []
-    for L, w, seg_lens, seg_doc, engine, mode in track(jobs, description="benchmarking"):
+    for L, w, seg_lens, seg_doc, engine, mode in track(jobs, description="benchmarking", console=console):
         ids = torch.randint(3, 32000, (1, L))
         batch = make_batch(ids, [seg_lens], mode, seg_doc=[seg_doc] if seg_doc else None)
         seconds, median, first = time_engine(engine, batch, heads, kv_heads, head_dim, dtype, args.device, args.reps)
+        docs = seg_doc if seg_doc else list(range(len(seg_lens)))
+        pairs = visible_pairs(seg_lens, docs, mode, L)
         results.append({"length": L, "window": w, "engine": engine, "mode": mode, "seconds": seconds,
                         "median_seconds": median, "first_call_seconds": first, "segments": len(seg_lens),
-                        "ideal_speedup": visible_pairs(seg_lens, "full") / visible_pairs(seg_lens, mode, seg_doc)})
+                        "pairs": pairs, "tflops": attention_flops(pairs, heads * head_dim) / seconds / 1e12,
+                        "ideal_speedup": visible_pairs(seg_lens, docs, "full", L) / pairs})
+        console.print(f"L={L} {engine} {mode}: {1000 * seconds:.1f} ms (first call {1000 * first:.0f} ms)")
+        add_speedups(results)
+        # written after every job, so a run stopped at a time limit keeps what it measured
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         if gpu:
             torch.cuda.empty_cache()
 
-    full = {(r["length"], r["window"], r["engine"]): r["seconds"] for r in results if r["mode"] == "full"}
-    for r in results:
-        base = full.get((r["length"], r["window"], r["engine"]))
-        r["speedup"] = base / r["seconds"] if base else None
-        r["fraction_of_ideal"] = r["speedup"] / r["ideal_speedup"] if base else None
-
     table = Table(title=f"attention fwd+bwd, {args.device}, {args.dtype}, heads {heads}/{kv_heads}, dim {head_dim}")
-    for col in ("L", "win", "segs", "engine", "mode", "best ms", "first ms", "speedup vs full", "ideal", "of ideal"):
+    for col in ("L", "win", "segs", "engine", "mode", "best ms", "first ms", "TFLOP/s", "speedup vs full", "ideal",
+                "of ideal"):
         table.add_column(col, justify="right")
     for r in results:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         frac = f"{100 * r['fraction_of_ideal']:.0f}%" if r["fraction_of_ideal"] else "-"
         table.add_row(str(r["length"]), str(r["window"]), str(r["segments"]), r["engine"], r["mode"],
-                      f"{1000 * r['seconds']:.1f}", f"{1000 * r['first_call_seconds']:.1f}", sp,
+                      f"{1000 * r['seconds']:.1f}", f"{1000 * r['first_call_seconds']:.1f}", f"{r['tflops']:.1f}", sp,
                       f"{r['ideal_speedup']:.2f}x", frac)
-    Console(width=140).print(table)
-    meta = {"device": args.device, "dtype": args.dtype, "interleave": args.interleave, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "reps": args.reps, "torch": torch.__version__, "data": args.data, "seed": args.seed,
-            "device_name": torch.cuda.get_device_name() if gpu else "cpu", "threads": torch.get_num_threads()}
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    console.print(table)
     print(f"wrote {args.out}")
 
 

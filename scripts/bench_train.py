@@ -67,6 +67,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     import deepspeed
 
     from lctrain.attention import make_batch
+    from lctrain.compat.transformers import attn_implementation
     from lctrain.model import build_model
     from lctrain.parallel.ds_config import build_ds_config
     from lctrain.parallel.loss import CausalLMLossSum, deepspeed_grad_divisor
@@ -105,7 +106,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     pairs = sum(visible_pairs(sl, np.arange(len(sl)), mode, args.seq_len) for sl in seg_lens)
     flops = step_flops(dense_params(lm), lm.config.num_hidden_layers, lm.config.hidden_size, tokens, pairs)
     peak = device_peak_flops(device, args.peak_tflops)
-    result = {"mode": mode, "engine": lm.config._attn_implementation.removeprefix("lctrain_"), "step_s": step,
+    result = {"mode": mode, "engine": attn_implementation(lm).removeprefix("lctrain_"), "step_s": step,
               "tokens_per_s": tokens / step, "mfu": flops / step / peak if peak else None,
               "peak_mem_gb": peak_memory_gb(device), "docs_per_window": float(np.mean([len(s) for s in seg_lens]))}
     del engine, lm
@@ -134,7 +135,16 @@ def main() -> None:
     from lctrain.parallel.groups import init_topology
 
     device = init_topology(load_config(None, [])).device
-    rows = [bench_mode(m, args, device) for m in args.modes.split(",")]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for mode in args.modes.split(","):
+        rows.append(bench_mode(mode, args, device))
+        r = rows[-1]
+        print(f"{mode}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_mem_gb']:.2f} GB",
+              flush=True)
+        # written after every mode, so a run stopped at a time limit keeps what it measured
+        out.write_text(json.dumps({"args": vars(args), "device": str(device), "results": rows}, indent=1))
     full = next((r for r in rows if r["mode"] == "full"), None)
     table = Table(title=f"train step, {args.model}, {args.batch} x {args.seq_len} tokens, {device.type}")
     for col in ("mode", "engine", "step s", "vs full", "tokens/s", "MFU", "peak mem GB"):
@@ -145,9 +155,6 @@ def main() -> None:
         table.add_row(r["mode"], r["engine"], f"{r['step_s']:.3f}", rel, f"{r['tokens_per_s']:,.0f}", mfu,
                       f"{r['peak_mem_gb']:.2f}")
     Console().print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "device": str(device), "results": rows}, indent=1))
     print(f"wrote {out}")
 
 

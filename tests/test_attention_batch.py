@@ -74,22 +74,22 @@ def test_bad_input(kwargs, match):
 
 
 def test_engine_resolution():
-    assert resolve_engine("auto", "anchor", "cpu") == "sdpa"
-    assert resolve_engine("auto", "anchor", "cuda") == "varlen"
-    assert resolve_engine("auto", "anchor", "cuda", interleaved=True) == "flex"
-    assert resolve_engine("varlen", "full", "cuda", interleaved=True) == "varlen"
-    assert resolve_engine("reference", "anchor", "cpu") == "reference"
+    assert resolve_engine("auto", "anchor", "cpu", dtype="float32") == "sdpa"
+    assert resolve_engine("auto", "anchor", "cuda", dtype="bfloat16") == "varlen"
+    assert resolve_engine("auto", "anchor", "cuda", dtype="bfloat16", interleaved=True) == "flex"
+    assert resolve_engine("varlen", "full", "cuda", dtype="bfloat16", interleaved=True) == "varlen"
+    assert resolve_engine("reference", "anchor", "cpu", dtype="float32") == "reference"
     assert resolve_engine("auto", "anchor", "cuda", dtype="float32") == "flex"
     with pytest.raises(UserError, match="bfloat16 or float16"):
         resolve_engine("varlen", "anchor", "cuda", dtype=torch.float32)
     with pytest.raises(UserError, match="interleaved"):
-        resolve_engine("varlen", "intra_doc", "cuda", interleaved=True)
+        resolve_engine("varlen", "intra_doc", "cuda", dtype="bfloat16", interleaved=True)
     with pytest.raises(UserError, match="needs a CUDA GPU"):
-        resolve_engine("varlen", "anchor", "cpu")
+        resolve_engine("varlen", "anchor", "cpu", dtype="bfloat16")
     with pytest.raises(UserError, match="no CPU backward"):
-        resolve_engine("flex", "anchor", "cpu")
+        resolve_engine("flex", "anchor", "cpu", dtype="float32")
     with pytest.raises(UserError, match="unknown"):
-        resolve_engine("xformers", "anchor", "cpu")
+        resolve_engine("xformers", "anchor", "cpu", dtype="float32")
 
 
 def test_varlen_refuses_interleaved_chunks_at_run_time():

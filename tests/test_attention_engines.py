@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lctrain.attention import MODES, SEGMENTS_KEY, engine_fn, make_batch
+from lctrain.errors import UserError
 
 
 def table_mask(seg_lens, seg_doc, mode):
@@ -185,19 +186,83 @@ def test_fp32_rotated_qk_are_cast_to_value_dtype():
     assert out.dtype == torch.bfloat16
 
 
+def per_sequence_causal(with_gqa: bool):
+    """A CPU stand-in for `torch.nn.attention.varlen.varlen_attn`: causal attention within each cu_seqlens range,
+    written as a plain loop. `with_gqa`: the newer signature with `enable_gqa` (PyTorch > 2.11), else the 2.11 one,
+    which needs as many K/V heads as query heads."""
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kw):
+        assert torch.equal(cu_q, cu_k) and window_size == (-1, 0)  # causal, queries are the keys
+        gqa = kw.pop("enable_gqa", False)
+        assert not kw and (with_gqa or not gqa) and (gqa or k.shape[1] == q.shape[1])
+        bounds = cu_q.tolist()
+        assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
+        out = torch.empty_like(q)
+        for a, b in zip(bounds, bounds[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                                 enable_gqa=gqa)
+            out[a:b] = o[0].transpose(0, 1)
+        return out
+
+    if with_gqa:
+        return attend
+
+    def attend_211(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    return attend_211
+
+
+@pytest.mark.parametrize("with_gqa", [True, False], ids=["torch-gqa", "torch-2.11"])
+@pytest.mark.parametrize("mode", MODES)
+def test_varlen_plan_on_cpu_matches_table(mode, with_gqa, monkeypatch):
+    """The varlen plan (cu_seqlens, max_seqlen) and the call around the kernel, checked on CPU: the same
+    per-sequence causal attention, run from the plan, equals the dense reference of the mode."""
+    from torch.nn.attention import varlen
+
+    from lctrain.attention.engines import varlen as engine
+
+    monkeypatch.setattr(varlen, "varlen_attn", per_sequence_causal(with_gqa))
+    monkeypatch.setattr(engine, "flash_attn_available", lambda: False)
+    engine.torch_varlen_takes_gqa.cache_clear()
+    try:
+        batch, masks, qkv, w = make_case(mode, torch.float32, heads=(6, 2), seed=7, kinds=LAYOUT_KINDS[:-1])
+        seg = batch[SEGMENTS_KEY]
+        plan = engine.build_varlen_plan(seg.layout, mode, "cpu")
+        want, _ = reference(masks, qkv, w)
+        got = engine.varlen_from_plan(*(t.float() for t in qkv), plan, 0.25)
+        torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
+    finally:
+        engine.torch_varlen_takes_gqa.cache_clear()
+
+
+GPU_TOL = {torch.bfloat16: dict(atol=5e-2, rtol=5e-2), torch.float32: dict(atol=2e-3, rtol=2e-3)}  # fp32: TF32 dots
+GPU_GRAD_SCALE = {torch.bfloat16: 4, torch.float32: 1}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("engine", ["flex", "varlen", "sdpa"])
-def test_gpu_engines_match_table(engine, mode):
+def test_gpu_engines_match_table(engine, mode, dtype):
+    if engine == "varlen" and dtype == torch.float32:
+        batch, _, qkv, _ = make_case(mode, dtype, L=64, kinds=LAYOUT_KINDS[:-1])
+        with pytest.raises(UserError, match="bfloat16 or float16"):
+            engine_fn(engine)(None, *(t.to("cuda", dtype) for t in qkv), None, scaling=0.25, **batch)
+        return
     # varlen refuses interleaved chunks (checked in test_attention_batch); it gets the other layouts
     kinds = LAYOUT_KINDS[:-1] if engine == "varlen" else LAYOUT_KINDS
-    for seed in range(2):
-        batch, masks, qkv, w = make_case(mode, torch.bfloat16, L=256, seed=seed, heads=(8, 2), kinds=kinds)
+    for seed, heads in ((0, (8, 2)), (1, (4, 4))):  # grouped-query and multi-head
+        batch, masks, qkv, w = make_case(mode, dtype, L=256, seed=seed, heads=heads, kinds=kinds)
         want, want_grads = reference(masks, qkv, w)
-        leaves = [t.to("cuda", torch.bfloat16).requires_grad_(True) for t in qkv]
+        leaves = [t.to("cuda", dtype).requires_grad_(True) for t in qkv]
         out, _ = engine_fn(engine)(None, *leaves, None, scaling=0.25, **batch)
         grads = torch.autograd.grad((out.double() * w.cuda()).sum(), leaves)
-        torch.testing.assert_close(out.double().cpu(), want, atol=5e-2, rtol=5e-2)
-        for g, wg in zip(grads, want_grads):
-            torch.testing.assert_close(g.double().cpu(), wg, atol=2e-1, rtol=2e-1)
+        tol = GPU_TOL[dtype]
+        torch.testing.assert_close(out.double().cpu(), want, **tol)
+        for g, wg, name in zip(grads, want_grads, "qkv"):
+            k = GPU_GRAD_SCALE[dtype]
+            torch.testing.assert_close(g.double().cpu(), wg, atol=tol["atol"] * k, rtol=tol["rtol"] * k,
+                                       msg=lambda m: f"grad {name}: {m}")

@@ -46,15 +46,16 @@ def engine_fn(name: str) -> Callable:
     return ENGINES[name]
 
 
-def resolve_engine(engine: str, mode: str, device, interleaved: bool = False, dtype=None) -> str:
-    """`auto` -> the fastest engine for this mode and device; a named engine is checked to be able to run it.
+def resolve_engine(engine: str, mode: str, device, *, dtype, interleaved: bool = False) -> str:
+    """`auto` -> the fastest engine for this mode, device and dtype; a named engine is checked to be able to run it.
+    Called once per model (`lctrain.model.attn_implementation`); everything else reads the engine off the model.
 
-    `interleaved`: the data has documents split into several chunks per window (data.interleave_chunks).
-    `dtype`: the model's dtype (a name such as "float32" or a torch dtype); None means bfloat16."""
+    `dtype`: the model's dtype (a name such as "float32" or a torch dtype): FlashAttention runs in 16 bits only.
+    `interleaved`: the data has documents split into several chunks per window (data.interleave_chunks)."""
     device_type = torch.device(device).type
     gpu = device_type == "cuda"
     needs_chunk_mask = interleaved and mode != "full"
-    half = dtype is None or str(dtype).removeprefix("torch.") in ("bfloat16", "float16")
+    half = str(dtype).removeprefix("torch.") in ("bfloat16", "float16")
     if engine == "auto":
         if not gpu:
             return "sdpa"

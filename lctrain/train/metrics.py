@@ -19,6 +19,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from lctrain.errors import UserError
+
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
 GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
                  "A6000": 155e12, "4090": 165e12, "B200": 2250e12, "MI300X": 1307e12, "MI250X": 383e12}
@@ -64,8 +66,15 @@ def visible_pairs(seg_lens, seg_doc, mode: str, seq_len: int) -> int:
     return pairs
 
 
+def attention_flops(pairs: int, width: int) -> float:
+    """Forward + backward FLOPs of attention over `pairs` visible (query, key) pairs with `width` = heads x head dim:
+    2 x width per pair for QK^T and 2 x width for PV forward, twice that backward (12 x width), as the 6N
+    convention for the dense layers; the kernels' own recomputation is not counted."""
+    return 12.0 * width * pairs
+
+
 def step_flops(n_dense: int, layers: int, hidden: int, tokens: int, pairs: int) -> float:
-    return 6.0 * n_dense * tokens + 12.0 * layers * hidden * pairs
+    return 6.0 * n_dense * tokens + layers * attention_flops(pairs, hidden)
 
 
 @lru_cache(maxsize=1)
@@ -108,6 +117,16 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def import_wandb(cfg):
+    """Weights & Biases is an optional extra: an offline cluster trains without it."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError(f"{cfg.source_file or 'config'}: logging.wandb = {cfg.logging.wandb} needs Weights & Biases "
+                        f"(pip install 'lctrain[wandb]'); or set logging.wandb: disabled") from None
+    return wandb
+
+
 class StepLogger:
     """Rank 0 only: appends one JSON line per step, drives the progress bar and Weights & Biases."""
 
@@ -122,7 +141,7 @@ class StepLogger:
         self.progress.start()
         self.wandb = None
         if cfg.logging.wandb != "disabled":
-            import wandb
+            wandb = import_wandb(cfg)
 
             self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.name, id=wandb_id, resume="allow",
                                     mode=cfg.logging.wandb, dir=str(run_dir),

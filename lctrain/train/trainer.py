@@ -28,8 +28,8 @@ from lctrain.parallel.groups import (check_layout, grad_accum_steps, init_topolo
                                      requested_world, under_launcher)
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import collate, micro_batch_rows, open_checked
-from lctrain.train.metrics import (StepLogger, dense_params, device_peak_flops, peak_memory_gb, reset_peak_memory,
-                                   step_flops, truncate_metrics, visible_pairs)
+from lctrain.train.metrics import (StepLogger, dense_params, device_peak_flops, import_wandb, peak_memory_gb,
+                                   reset_peak_memory, step_flops, truncate_metrics, visible_pairs)
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
 
@@ -74,6 +74,8 @@ def preflight(cfg: Config) -> None:
     check_layout(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
     check_precision(cfg)
     open_checked(cfg)
+    if cfg.logging.wandb != "disabled":
+        import_wandb(cfg)
     arch = cfg.model.arch
     if arch is not None and cfg.parallel.sequence_parallel > 1:
         from transformers import AutoConfig
@@ -117,7 +119,8 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
     import deepspeed
     import deepspeed.comm as dist
 
-    from lctrain.attention import resolve_engine
+    from lctrain.attention.registry import HF_PREFIX
+    from lctrain.compat.transformers import attn_implementation
     from lctrain.model import build_model
     from lctrain.parallel.ds_config import build_ds_config
     from lctrain.parallel.loss import CausalLMLossSum, deepspeed_grad_divisor
@@ -139,9 +142,9 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
 
         hf_ds_config = HfDeepSpeedConfig(ds_config)
     lm = build_model(cfg, vocab_size=vocab_size, device=topo.device)
-    engine_name = resolve_engine(cfg.attention.engine, cfg.attention.mode, topo.device,
-                                 interleaved=cfg.data.interleave_chunks)
     if topo.sp > 1:
+        # Ulysses wraps the engine the model was built with (resolved once, from the model's dtype and device)
+        engine_name = attn_implementation(lm).removeprefix(HF_PREFIX)
         mc = lm.config
         impl = register_ulysses(engine_name, topo.sp_group, mc.num_attention_heads,
                                 getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)

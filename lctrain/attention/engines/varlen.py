@@ -9,11 +9,12 @@ three document modes; `full` uses one sequence per row.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
 
-from lctrain.attention.engines.common import hf_attention
+from lctrain.attention.engines.common import expand_kv_heads, hf_attention
 from lctrain.attention.modes import Layout
 from lctrain.errors import UserError
 
@@ -56,6 +57,14 @@ def torch_varlen_available() -> bool:
     return True
 
 
+@functools.cache
+def torch_varlen_takes_gqa() -> bool:
+    """`varlen_attn` gained `enable_gqa` after PyTorch 2.11; before it, K/V must have as many heads as Q."""
+    from torch.nn.attention import varlen
+
+    return "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters
+
+
 @hf_attention
 def varlen_engine(query, key, value, seg, scaling):
     if not query.is_cuda:
@@ -64,6 +73,12 @@ def varlen_engine(query, key, value, seg, scaling):
         raise UserError(f"attention engine 'varlen' (FlashAttention) runs in bfloat16 or float16, not {value.dtype}; "
                         f"set model.dtype to bfloat16 or attention.engine to 'flex' or 'sdpa'")
     plan = seg.cached(("varlen", query.device), lambda: build_varlen_plan(seg.layout, seg.mode, query.device))
+    return varlen_from_plan(query, key, value, plan, scaling)
+
+
+def varlen_from_plan(query, key, value, plan: VarlenPlan, scaling: float) -> torch.Tensor:
+    """Causal attention within each sequence of the plan, over the batch flattened to one row of B*L tokens:
+    [B, H, L, D] inputs -> [B, L, H, D]. Device-agnostic, so the plan is tested on CPU with a stand-in kernel."""
     B, H, L, D = query.shape
     q = query.transpose(1, 2).reshape(B * L, H, D)
     k = key.transpose(1, 2).reshape(B * L, key.shape[1], D)
@@ -74,7 +89,13 @@ def varlen_engine(query, key, value, seg, scaling):
 
         out = flash_attn_varlen_func(q, k, v, cu, cu, n, n, dropout_p=0.0, softmax_scale=scaling, causal=True)
     else:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention import varlen
 
-        out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(-1, 0), enable_gqa=key.shape[1] != H)
+        gqa = {}
+        if k.shape[1] != H:
+            if torch_varlen_takes_gqa():
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = expand_kv_heads(k, H), expand_kv_heads(v, H)
+        out = varlen.varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(-1, 0), **gqa)
     return out.view(B, L, H, D)
