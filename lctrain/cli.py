@@ -10,6 +10,7 @@ import typer
 
 from lctrain.config import bundled_config_names, load_config, to_yaml
 from lctrain.errors import UserError
+from lctrain.lifetime import Terminated, terminate_as_interrupt
 
 app = typer.Typer(
     help="Long-context continual pretraining with AnchorAttention: prepare data, train, resume, evaluate.",
@@ -39,9 +40,9 @@ def user_errors(fn):
         except UserError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(UserError.exit_code) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (terminate_as_interrupt)
             typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
+            raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
 
     return wrapper
 
@@ -175,6 +176,7 @@ def estimate(
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    terminate_as_interrupt()
     app(args=argv if argv is not None else sys.argv[1:], prog_name="lctrain")
 
 

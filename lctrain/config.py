@@ -21,8 +21,21 @@ DEFAULT_CONFIG = "tiny_anchor"
 DOMAINS = ("CommonCrawl", "C4", "GitHub", "ArXiv", "Book", "Wikipedia", "StackExchange", "other")
 
 
+_NUMBER_TYPES = (int, float, Optional[int], Optional[float])
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_not_booleans(cls, data: Any) -> Any:
+        # pydantic's lax mode reads `true` as 1 for a number field; `--set train.steps=true` is a mistake, not 1 step
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                if isinstance(data.get(name), bool) and field.annotation in _NUMBER_TYPES:
+                    raise ValueError(f"{name} = {data[name]} is a boolean; expected a number")
+        return data
 
 
 class SyntheticConfig(_Section):
@@ -177,17 +190,34 @@ def _locate(name_or_path: str, relative_to: Optional[Path] = None) -> Path:
     )
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in keys:
+                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' appears twice in one mapping",
+                                                        key_node.start_mark)
+            keys.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict:
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(encoding="utf-8-sig"), Loader=_StrictLoader)  # a UTF-8 BOM is fine
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; a config is a YAML file (save it as UTF-8)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-    if raw is None:
-        return {}
+        raise UserError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
+    if raw is None:  # not the defaults: those are a 7B run at 1K, which nobody means by an empty file
+        raise UserError(f"{path}: the config is empty; give at least 'base: tiny_anchor' (or another bundled config "
+                        f"from 'lctrain configs') and the values to change")
     if not isinstance(raw, dict):
         raise UserError(f"{path}: a config must be a mapping of sections, got {type(raw).__name__}")
     return raw

@@ -46,18 +46,52 @@ def _dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
-def _load_config(cfg: Config):
+# Architecture sizes that must be positive integers; transformers accepts 0 or negatives and fails later.
+_POSITIVE_ARCH_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
+# Keys transformers 5 still accepts on input and moves elsewhere (into rope_parameters), so they are not in to_dict().
+_LEGACY_ARCH_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
+
+
+def check_arch(arch: dict[str, Any]) -> None:
+    """Refuse a `model.arch` that would build another model than asked (an unknown key is silently ignored by
+    transformers, so a typo trains the default size) or none at all; one line each."""
+    import difflib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = arch.get("model_type")
+    if not model_type:
+        raise UserError("model.arch needs a model_type (e.g. llama, mistral, qwen2)")
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+        raise UserError(f"model.arch.model_type = {model_type!r} is not a transformers model type"
+                        + (f"; did you mean {', '.join(close)}?" if close else "; e.g. llama, mistral, qwen2"))
+    known = set(CONFIG_MAPPING[model_type]().to_dict()) | set(_LEGACY_ARCH_KEYS)
+    for key in arch:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            raise UserError(f"model.arch.{key} is not a '{model_type}' configuration key"
+                            + (f"; did you mean {close[0]}?" if close else ""))
+    for key in _POSITIVE_ARCH_KEYS:
+        value = arch.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise UserError(f"model.arch.{key} = {value!r} must be a positive integer")
+
+
+def load_hf_config(cfg: Config):
+    """The Hugging Face config of the model a config asks for (`model.arch` checked first), before lctrain's
+    long-context settings are applied."""
     from huggingface_hub.errors import StrictDataclassError  # transformers 5 validates config fields with these
     from transformers import AutoConfig
 
     if cfg.model.arch is not None:
         arch = dict(cfg.model.arch)
-        model_type = arch.pop("model_type", None)
-        if not model_type:
-            raise UserError("model.arch needs a model_type (e.g. llama, mistral, qwen2)")
+        check_arch(arch)
+        model_type = arch.pop("model_type")
         try:
             return AutoConfig.for_model(model_type, **arch)
-        except (ValueError, TypeError, StrictDataclassError) as e:
+        except (ValueError, TypeError, ZeroDivisionError, StrictDataclassError) as e:
             raise UserError(f"model.arch: cannot build a '{model_type}' config ({' '.join(str(e).split())})") from None
     try:
         return AutoConfig.from_pretrained(cfg.model.name_or_path)
@@ -139,7 +173,7 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     from transformers import AutoModelForCausalLM
 
     impl = attn_implementation(cfg, device)
-    hf_config = _configure(_load_config(cfg), cfg, vocab_size, impl)
+    hf_config = _configure(load_hf_config(cfg), cfg, vocab_size, impl)
     dtype = _dtype(cfg.model.dtype)
     if cfg.model.arch is not None:
         if vocab_size is None and "vocab_size" not in cfg.model.arch:

@@ -49,7 +49,10 @@ def _from_sentencepiece(model_file: Path, cache_key: str):
 
     cached = _cache_dir() / cache_key
     if (cached / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception:  # a damaged entry (truncated by a full disk, edited by hand) is rebuilt, not fatal
+            shutil.rmtree(cached, ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(model_file, Path(tmp) / "tokenizer.model")
         tok = LlamaTokenizerFast.from_pretrained(tmp)

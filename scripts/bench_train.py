@@ -107,7 +107,8 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     flops = step_flops(dense_params(lm), lm.config.num_hidden_layers, lm.config.hidden_size, tokens, pairs)
     peak = device_peak_flops(device, args.peak_tflops)
     result = {"mode": mode, "engine": attn_implementation(lm).removeprefix("lctrain_"), "step_s": step,
-              "tokens_per_s": tokens / step, "mfu": flops / step / peak if peak else None,
+              "tokens_per_s": tokens / step, "tflops_per_gpu": flops / step / 1e12,
+              "mfu": flops / step / peak if peak else None,
               "peak_mem_gb": peak_memory_gb(device), "docs_per_window": float(np.mean([len(s) for s in seg_lens]))}
     del engine, lm
     if gpu:

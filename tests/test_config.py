@@ -66,6 +66,8 @@ def test_base_loop_is_reported(tmp_path):
         ("data.source=local", r"data: data.path is required"),
         ("model.name_or_path=x", r"model: set exactly one of model.name_or_path"),
         ("bogus=1", r"unknown key 'bogus'"),
+        ("train.steps=true", r"train: steps = True is a boolean; expected a number"),
+        ("logging.peak_tflops=false", r"logging: peak_tflops = False is a boolean; expected a number"),
     ],
 )
 def test_bad_values_name_file_key_and_allowed_values(override, expected):
@@ -89,6 +91,23 @@ def test_invalid_yaml_names_file_and_line(tmp_path):
     bad.write_text("name: x\ndata:\n  seq_len: [1, 2\n")
     with pytest.raises(UserError, match=r"bad.yaml:\d+: invalid YAML"):
         load_config(str(bad))
+
+
+def test_files_that_are_not_configs(tmp_path):
+    cases = {
+        "empty.yaml": (b"", r"empty.yaml: the config is empty; give at least 'base: tiny_anchor'"),
+        "dup.yaml": (b"base: tiny_anchor\ntrain:\n  steps: 5\n  steps: 6\n",
+                     r"dup.yaml:4: invalid YAML \(key 'steps' appears twice in one mapping\)"),
+        "bytes.yaml": (bytes(range(128, 256)), r"bytes.yaml: not UTF-8 text"),
+        "utf16.yaml": ("base: tiny_anchor\n".encode("utf-16"), r"utf16.yaml: not UTF-8 text"),
+    }
+    for name, (content, match) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError, match=match):
+            load_config(str(tmp_path / name))
+    bom = tmp_path / "bom.yaml"  # a UTF-8 byte-order mark (Windows editors) is not an error
+    bom.write_bytes("\ufeffbase: tiny_anchor\ntrain:\n  steps: 5\n".encode("utf-8"))
+    assert load_config(str(bom)).train.steps == 5
 
 
 def test_fingerprints_separate_data_from_training_settings():

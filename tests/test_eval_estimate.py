@@ -45,8 +45,12 @@ def test_bad_input(tmp_path):
         read_bench(bad)
     with pytest.raises(UserError, match="--gpus 0: must be at least 1"):
         estimate(None, ARCH, tflops=10.0, gpus=0)
-    r = CliRunner().invoke(app, ["estimate", "--tflops", "-3"])
-    assert r.exit_code == 2 and r.output.startswith("error: --tflops")
+    for value in ("-3", "nan", "inf"):
+        r = CliRunner().invoke(app, ["estimate", "--tflops", value])
+        assert r.exit_code == 2 and r.output.startswith(f"error: --tflops {float(value)}: must be a positive, finite")
+    bad.write_text('{"tflops_per_gpu": NaN}')
+    with pytest.raises(UserError, match="no positive 'tflops_per_gpu'"):
+        read_bench(bad)
 
 
 def test_prepared_dataset_layout(tmp_path):

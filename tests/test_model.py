@@ -143,9 +143,15 @@ def test_rope_fp32_model_is_closer_to_fp32_than_plain_bf16():
     (["attention.engine=varlen"], ARCH, "needs a CUDA GPU"),
     ([], {k: v for k, v in ARCH.items() if k != "model_type"}, "needs a model_type"),
     ([], {**ARCH, "attention_dropout": 0.1}, "attention dropout"),
-    ([], {**ARCH, "model_type": "no-such-model"}, "cannot build"),
+    ([], {**ARCH, "model_type": "no-such-model"}, "'no-such-model' is not a transformers model type"),
+    ([], {**ARCH, "model_type": "lama"}, "did you mean llama"),
+    ([], {**ARCH, "num_hidden_layer": 3}, "model.arch.num_hidden_layer is not a 'llama' configuration key; did you "
+                                          "mean num_hidden_layers"),
     ([], {**ARCH, "num_attention_heads": 5, "num_key_value_heads": 5}, "not a multiple of the number of attention"),
-    ([], {**ARCH, "hidden_size": "abc"}, "cannot build a 'llama' config .*hidden_size"),
+    ([], {**ARCH, "hidden_size": "abc"}, "hidden_size = 'abc' must be a positive integer"),
+    ([], {**ARCH, "hidden_size": -8}, "hidden_size = -8 must be a positive integer"),
+    ([], {**ARCH, "num_attention_heads": 0}, "num_attention_heads = 0 must be a positive integer"),
+    ([], {**ARCH, "num_hidden_layers": True}, "num_hidden_layers = True must be a positive integer"),
     ([], {**ARCH, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads = 3"),
 ])
 def test_user_errors(overrides, arch, match):

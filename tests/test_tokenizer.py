@@ -24,8 +24,9 @@ def private_cache(tmp_path, monkeypatch):
 
 def test_builtin_matches_sentencepiece_itself_and_survives_the_cache(private_cache):
     reference = spm.SentencePieceProcessor(model_file=str(_builtin_model_file("mistral-7b-v0.1")))
-    converted = load_tokenizer("builtin:mistral-7b-v0.1")
+    converted = load_tokenizer("builtin:mistral-7b-v0.1")  # the first load converts (a fresh machine's path)
     assert converted.encode(TEXT, add_special_tokens=False) == reference.encode(TEXT)
+    assert Path(converted.name_or_path).is_dir()
     assert len(converted) == reference.vocab_size() == 32000
     assert anchor_token_id(converted) == reference.bos_id() == 1
 
@@ -34,6 +35,14 @@ def test_builtin_matches_sentencepiece_itself_and_survives_the_cache(private_cac
     load_tokenizer.cache_clear()
     cached = load_tokenizer("builtin:mistral-7b-v0.1")
     assert cached.encode(TEXT, add_special_tokens=False) == reference.encode(TEXT)
+    assert Path(cached.name_or_path) == private_cache / "builtin-mistral-7b-v0.1"  # a directory that exists
+
+    entry = private_cache / "builtin-mistral-7b-v0.1" / "tokenizer.json"  # damaged (a full disk, a hand edit)
+    entry.write_bytes(entry.read_bytes()[:1000])
+    load_tokenizer.cache_clear()
+    rebuilt = load_tokenizer("builtin:mistral-7b-v0.1")
+    assert rebuilt.encode(TEXT, add_special_tokens=False) == reference.encode(TEXT)
+    assert len(entry.read_bytes()) > 1000
 
 
 @pytest.mark.xfail(strict=True, reason="transformers' converted fast tokenizer splits runs of spaces unlike "

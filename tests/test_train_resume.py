@@ -167,6 +167,17 @@ def test_train_refuses_a_run_directory_with_checkpoints(reference, workdir):
     assert "lctrain resume" in msg and "--force" in msg
 
 
+def test_resume_of_a_finished_run_says_it_is_complete(reference):
+    from typer.testing import CliRunner
+
+    from lctrain.cli import app
+
+    before = (reference / "metrics.jsonl").read_text()
+    result = CliRunner().invoke(app, ["resume", str(reference)])
+    assert result.exit_code == 0 and f"{reference} is complete: step {STEPS} of {STEPS}" in result.output
+    assert (reference / "metrics.jsonl").read_text() == before
+
+
 def test_resume_without_checkpoints_is_a_user_error(tmp_path):
     assert "not a run directory" in _cli_error(["resume", str(tmp_path)])
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 
 import numpy as np
 
 from lctrain.config import DOMAINS
 from lctrain.data.sources import RawBatch
 from lctrain.data.synthetic import generate
+from lctrain.lifetime import exit_with_parent
 
 OTHER = DOMAINS.index("other")
 # SlimPajama's `meta.redpajama_set_name` values; bare domain names are accepted too
@@ -43,8 +45,10 @@ def init_worker(payload: tuple[str, object], single_thread: bool = True) -> None
     """Build the tokenizer once per process. One tokenizer thread per worker process: the workers are the
     parallelism (in-process use leaves the tokenizer's own threading as the caller configured it)."""
     global _tokenizer
-    if single_thread:
+    if single_thread:  # a worker process of `prepare`
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it shuts the pool down)
+        exit_with_parent()  # and if the parent is killed, nobody is left to read our results
     kind, blob = payload
     if kind == "fast":
         from tokenizers import Tokenizer

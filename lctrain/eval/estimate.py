@@ -11,6 +11,7 @@ synthetic packing of log-normal document lengths, flagged as such. Time = FLOPs 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,9 +44,9 @@ class ModelShape:
 
 
 def model_shape(cfg: Config) -> ModelShape:
-    from lctrain.model import _load_config
+    from lctrain.model import load_hf_config
 
-    hf = _load_config(cfg)
+    hf = load_hf_config(cfg)
     if cfg.model.arch is not None and "vocab_size" not in cfg.model.arch:
         from lctrain.tokenizer import load_tokenizer
 
@@ -113,7 +114,7 @@ def read_bench(path: str | Path) -> dict[str, float]:
     for r in raw.get("results", []) if isinstance(raw, dict) else []:
         if isinstance(r, dict) and isinstance(r.get("tflops_per_gpu"), (int, float)) and r.get("mode") in MODES:
             found[r["mode"]] = float(r["tflops_per_gpu"])
-    if not found or any(v <= 0 for v in found.values()):
+    if not found or any(not (math.isfinite(v) and v > 0) for v in found.values()):
         raise UserError(f"--from-bench {p}: no positive 'tflops_per_gpu' found (top level, per mode, or in "
                         f"'results' entries with a 'mode'); pass --tflops instead")
     return found
@@ -124,8 +125,8 @@ def estimate(config: str | None = None, overrides: list[str] | tuple = (), *, tf
     """Hours per 1B training tokens per attention mode; prints a table, writes JSON when `out` is given."""
     if (tflops is None) == (from_bench is None):
         raise UserError("give exactly one of --tflops (achieved TFLOP/s per GPU) and --from-bench FILE")
-    if tflops is not None and tflops <= 0:
-        raise UserError(f"--tflops {tflops}: must be positive")
+    if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
+        raise UserError(f"--tflops {tflops}: must be a positive, finite number (achieved TFLOP/s per GPU)")
     cfg = load_config(config, overrides)
     rate = {"*": float(tflops)} if tflops is not None else read_bench(from_bench)
     n_gpus = gpus if gpus is not None else cfg.parallel.nproc_per_node * cfg.parallel.num_nodes

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from lctrain.config import Config, load_config
 from lctrain.errors import UserError
+from lctrain.lifetime import exit_with_supervisor, supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 
 
@@ -42,9 +42,10 @@ def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
 
 
 def relaunch(cfg: Config, run_dir: Path, resume: bool) -> None:
-    """Run the workers and wait; their exit status becomes ours (a worker's UserError is already printed)."""
+    """Run the workers and wait; their exit status becomes ours (a worker's UserError is already printed). Ctrl-C
+    or SIGTERM stops them all (lifetime.supervise); a kill of this process ends them too (exit_with_supervisor)."""
     cmd = launcher_command(cfg, run_dir, resume)
-    rc = subprocess.call(cmd, env=launcher_free_env())
+    rc = supervise(cmd, env=launcher_free_env())
     if rc:
         raise SystemExit(rc)
 
@@ -52,6 +53,7 @@ def relaunch(cfg: Config, run_dir: Path, resume: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     from lctrain.train.trainer import run
 
+    exit_with_supervisor()
     parser = argparse.ArgumentParser(prog="python -m lctrain.parallel.launch")
     parser.add_argument("run_dir")
     parser.add_argument("--resume", action="store_true")

@@ -22,6 +22,7 @@ import torch
 
 from lctrain.config import Config, config_fingerprint, load_config, run_dir as config_run_dir, write_resolved
 from lctrain.errors import UserError
+from lctrain.lifetime import RunLock
 from lctrain.parallel import launch
 from lctrain.parallel.ds_config import check_precision
 from lctrain.parallel.groups import (check_layout, grad_accum_steps, init_topology, release_single_process,
@@ -36,20 +37,24 @@ from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkp
 def train(cfg: Config, force: bool = False) -> Path:
     """Start a run in `run_dir(cfg)`; refuses a directory that already has checkpoints unless `force`."""
     rd = config_run_dir(cfg)
-    if not under_launcher() or int(os.environ.get("RANK", "0")) == 0:
+    leader = _leader()
+    if leader:
         preflight(cfg)
-        if ckpt.complete_checkpoints(rd) and not force:
-            raise UserError(f"{rd}: this run already has checkpoints; continue it with 'lctrain resume {rd}', "
-                            f"or start over with 'lctrain train --force'")
-        if force:
+    with _run_lock(rd, "lctrain train", leader):
+        if leader:
+            if ckpt.complete_checkpoints(rd) and not force:
+                raise UserError(f"{rd}: this run already has checkpoints; continue it with 'lctrain resume {rd}', "
+                                f"or start over with 'lctrain train --force'")
+            # A new run: what an earlier attempt left without a complete checkpoint to resume from (its metrics,
+            # evaluation exports, partial checkpoints) belongs to no run, and would mix into this one.
             shutil.rmtree(rd / "checkpoints", ignore_errors=True)
             shutil.rmtree(rd / "hf", ignore_errors=True)
             (rd / "metrics.jsonl").unlink(missing_ok=True)
-        write_resolved(cfg, rd)
-    if requested_world(cfg) > 1 and not under_launcher():
-        launch.relaunch(cfg, rd, resume=False)
-        return rd
-    return run(cfg, rd, resuming=False)
+            write_resolved(cfg, rd)
+        if requested_world(cfg) > 1 and not under_launcher():
+            launch.relaunch(cfg, rd, resume=False)
+            return rd
+        return run(cfg, rd, resuming=False)
 
 
 def resume(run_dir: str | Path) -> Path:
@@ -58,15 +63,34 @@ def resume(run_dir: str | Path) -> Path:
     config_file = rd / "config.yaml"
     if not config_file.is_file():
         raise UserError(f"{rd}: not a run directory (no config.yaml); start a run with 'lctrain train'")
-    if ckpt.latest_checkpoint(rd) is None:
-        raise UserError(f"{rd}: no complete checkpoint to resume from; start the run again with "
-                        f"'lctrain train --config {config_file} --force'")
-    cfg = load_config(str(config_file))
-    preflight(cfg)
-    if requested_world(cfg) > 1 and not under_launcher():
-        launch.relaunch(cfg, rd, resume=True)
-        return rd
-    return run(cfg, rd, resuming=True)
+    leader = _leader()
+    with _run_lock(rd, "lctrain resume", leader):
+        if ckpt.latest_checkpoint(rd) is None:
+            raise UserError(f"{rd}: no complete checkpoint to resume from; start the run again with "
+                            f"'lctrain train --config {config_file} --force'")
+        cfg = load_config(str(config_file))
+        done = int(ckpt.read_state(ckpt.latest_checkpoint(rd)).get("step", 0))
+        if done >= cfg.train.steps:
+            if leader:
+                print(f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (raise train.steps in "
+                      f"{config_file} to train further)", flush=True)
+            return rd
+        if leader:
+            preflight(cfg)
+        if requested_world(cfg) > 1 and not under_launcher():
+            launch.relaunch(cfg, rd, resume=True)
+            return rd
+        return run(cfg, rd, resuming=True)
+
+
+def _leader() -> bool:
+    """The process that checks, writes the run directory and holds its lock: the only one, or rank 0 of a
+    launcher the user started (the workers lctrain launches itself run `run`, under their parent's lock)."""
+    return not under_launcher() or int(os.environ.get("RANK", "0")) == 0
+
+
+def _run_lock(rd: Path, command: str, leader: bool):
+    return RunLock(rd, command) if leader else contextlib.nullcontext()
 
 
 def preflight(cfg: Config) -> None:
@@ -76,15 +100,14 @@ def preflight(cfg: Config) -> None:
     open_checked(cfg)
     if cfg.logging.wandb != "disabled":
         import_wandb(cfg)
-    arch = cfg.model.arch
-    if arch is not None and cfg.parallel.sequence_parallel > 1:
-        from transformers import AutoConfig
-
+    if cfg.model.arch is not None:
+        from lctrain.model import load_hf_config
         from lctrain.parallel.ulysses import kv_replication
 
-        mc = AutoConfig.for_model(**arch)
-        kv_replication(mc.num_attention_heads, getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
-                       cfg.parallel.sequence_parallel, cfg.source_file or "config")
+        mc = load_hf_config(cfg)  # a bad model.arch is refused here, before any process starts
+        if cfg.parallel.sequence_parallel > 1:
+            kv_replication(mc.num_attention_heads, getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
+                           cfg.parallel.sequence_parallel, cfg.source_file or "config")
 
 
 def _seed_everything(seed: int) -> None:

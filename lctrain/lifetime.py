@@ -1,0 +1,184 @@
+"""Process lifetime: one trainer per run directory, children that die with their parent, signals that end a run the
+way Ctrl-C does.
+
+- `RunLock`: an exclusive `flock` on `RUN_DIR/.lctrain.lock`, held for as long as anything trains the run directory.
+  The kernel drops it when its holder dies, however it dies; a second `train` or `resume` is refused in one line that
+  names the holder (pid, host, command, start time).
+- `supervise`: runs a launcher (torchrun, DeepSpeed's) in its own session, forwards SIGTERM and Ctrl-C to it and, on
+  either, stops every process under it quietly: the launchers are killed before they can print their own
+  tracebacks, the workers get SIGTERM. The caller prints "interrupted" once.
+- `exit_with(process)`: a daemon thread that ends this process when another one is gone: tokenizer workers when
+  `prepare` dies, training workers when the `lctrain train` that launched them dies (even by `kill -9`, which no
+  handler can see; the orphaned launcher then exits too, having no workers left).
+- `terminate_as_interrupt`: SIGTERM raises `Terminated` (a KeyboardInterrupt) in the main thread, so cleanup runs
+  exactly as for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import psutil
+
+from lctrain.errors import UserError
+
+LOCK_NAME = ".lctrain.lock"
+# Set by a supervising `lctrain train` for the workers it launches: "pid:create_time" of the supervisor.
+SUPERVISOR_ENV = "LCTRAIN_SUPERVISOR"
+POLL_S = 0.5
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C (exit code 143 instead of 130)."""
+
+
+def terminate_as_interrupt() -> None:
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_terminated)
+
+
+class RunLock:
+    """Exclusive lock on a run directory for the life of this object (use as a context manager)."""
+
+    def __init__(self, run_dir: str | Path, command: str):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.command = command
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "RunLock":
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"{self.path.parent}: cannot create the run directory's lock file ({e.strerror or e}); "
+                            f"check the path and its permissions") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise UserError(f"{self.path.parent} is being trained by {holder}; wait for it to finish or stop it "
+                            f"(kill {holder_pid(holder)}) before starting another run there") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock; the file stays (removing it would race with a new holder)
+            self.fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"pid {info['pid']} on {info['host']} ('{info['command']}', since {info['since']})"
+    except (ValueError, KeyError, OSError):
+        return "another process"
+
+
+def holder_pid(holder: str) -> str:
+    return holder.split()[1] if holder.startswith("pid ") else "it"
+
+
+def exit_with(process: psutil.Process, code: int = 1) -> None:
+    """End this process (`os._exit(code)`) once `process` is no longer running."""
+
+    def gone() -> bool:
+        try:  # a killed parent stays a zombie until its own parent reaps it: it is gone all the same
+            return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def watch():
+        while not gone():
+            time.sleep(POLL_S)
+        os._exit(code)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def exit_with_parent() -> None:
+    exit_with(psutil.Process(os.getppid()))
+
+
+def supervisor_token() -> str:
+    me = psutil.Process()
+    return f"{me.pid}:{me.create_time()}"
+
+
+def exit_with_supervisor() -> None:
+    """In a training worker: end with the `lctrain train` that launched it, if one did."""
+    token = os.environ.get(SUPERVISOR_ENV)
+    if not token:
+        return
+    pid, created = token.split(":", 1)
+    try:
+        supervisor = psutil.Process(int(pid))
+        if abs(supervisor.create_time() - float(created)) > 1e-3:
+            os._exit(1)  # the pid was reused: the supervisor is already gone
+    except psutil.NoSuchProcess:
+        os._exit(1)
+    exit_with(supervisor)
+
+
+def _stop_tree(root: psutil.Process, grace_s: float) -> None:
+    """Kill the launchers in the tree first (so they do not report their workers' deaths), then SIGTERM the
+    workers, whose default handler ends them without output; SIGKILL whatever remains after `grace_s`."""
+    try:
+        tree = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    leaves = [p for p in tree if _is_leaf(p)]
+    for p in tree:
+        if p not in leaves:
+            _signal(p, signal.SIGKILL)
+    for p in leaves:
+        _signal(p, signal.SIGTERM)
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    for p in alive:
+        _signal(p, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def _is_leaf(p: psutil.Process) -> bool:
+    try:
+        return not p.children()
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _signal(p: psutil.Process, sig: int) -> None:
+    try:
+        p.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def supervise(cmd: list[str], env: dict, grace_s: float = 10.0) -> int:
+    """Run `cmd` (a launcher) to completion and return its exit code. Ctrl-C or SIGTERM to this process stops the
+    whole tree under it and re-raises here as KeyboardInterrupt / Terminated."""
+    env = {**env, SUPERVISOR_ENV: supervisor_token()}
+    # Its own session: a terminal's Ctrl-C reaches only us, and we decide how the tree ends.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        _stop_tree(psutil.Process(proc.pid), grace_s)
+        proc.wait()
+        raise

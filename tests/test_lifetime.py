@@ -1,0 +1,141 @@
+"""Process lifetime, provoked as a hostile user would: kills of multi-process training and of `prepare`, two trainers
+on one run directory, SIGTERM, and a retry after a kill before the first checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from train_helpers import clean_env, set_args
+
+from lctrain.errors import UserError
+from lctrain.lifetime import RunLock
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LONG = ["train.steps=500", "checkpoint.every_steps=1000", "checkpoint.hf_last=0"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from lctrain.config import load_config
+    from lctrain.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("lifetime") / "data"
+    prepare(load_config(None, [f"data.output_dir={out}"]))
+    return out
+
+
+def lctrain(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lctrain.cli", *args]
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.3)
+    pytest.fail(f"no {n} steps in {timeout} s")
+
+
+def survivors(procs: list[psutil.Process], timeout: float = 30) -> list[psutil.Process]:
+    """The processes still running (not zombies) after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.3)
+
+
+def test_run_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
+    with RunLock(tmp_path / "run", "lctrain train"):
+        with pytest.raises(UserError, match=rf"is being trained by pid {os.getpid()} on .*'lctrain train'.*kill "
+                                            rf"{os.getpid()}"):
+            with RunLock(tmp_path / "run", "lctrain resume"):
+                pass
+    with RunLock(tmp_path / "run", "lctrain resume"):  # released when its holder is done
+        pass
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="cannot create the run directory's lock file"):
+        with RunLock(tmp_path / "file" / "run", "lctrain train"):
+            pass
+
+
+def test_multiprocess_run_is_locked_and_sigterm_stops_every_process_quietly(data_dir, tmp_path):
+    run_dir = tmp_path / "sp2"
+    args = set_args([f"data.output_dir={data_dir}", f"train.run_dir={run_dir}", *LONG])
+    proc = start(lctrain("train", "-c", "tiny_anchor_sp2", *args))
+    wait_for_steps(run_dir, 2, proc)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert len(tree) >= 3  # the launcher and two workers
+
+    for second in (lctrain("train", "-c", "tiny_anchor_sp2", *args), lctrain("resume", str(run_dir))):
+        other = subprocess.run(second, env=clean_env(), capture_output=True, text=True, timeout=120)
+        assert other.returncode == 2
+        assert other.stderr.strip().splitlines()[-1].startswith(f"error: {run_dir} is being trained by pid {proc.pid}")
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    err = proc.stderr.read()
+    assert err.count("interrupted") == 1 and "Traceback" not in err, err[-3000:]
+    assert not survivors(tree)
+
+
+def test_kill_9_of_the_launching_command_takes_its_workers_along(data_dir, tmp_path):
+    run_dir = tmp_path / "sp2"
+    args = set_args([f"data.output_dir={data_dir}", f"train.run_dir={run_dir}", *LONG])
+    proc = start(lctrain("train", "-c", "tiny_anchor_sp2", *args))
+    wait_for_steps(run_dir, 2, proc)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.wait()
+    assert not survivors(tree), [p.cmdline() for p in survivors(tree, 0)]
+    with RunLock(run_dir, "test"):  # and the run directory is free for a resume
+        pass
+
+
+def test_kill_9_of_prepare_takes_its_tokenizer_workers_along(tmp_path):
+    over = [f"data.output_dir={tmp_path / 'big'}", "data.num_workers=2", "data.token_budget=50000000",
+            "data.synthetic.num_docs=200000"]
+    proc = start(lctrain("prepare", *set_args(over)))
+    deadline = time.monotonic() + 120
+    while len(psutil.Process(proc.pid).children()) < 3:  # the two workers and multiprocessing's resource tracker
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    time.sleep(2)  # the workers are encoding
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.wait()
+    assert not survivors(tree), [p.cmdline() for p in survivors(tree, 0)]
+
+
+def test_retry_after_a_kill_before_the_first_checkpoint_starts_a_clean_run(data_dir, tmp_path):
+    run_dir = tmp_path / "one"
+    base = [f"data.output_dir={data_dir}", f"train.run_dir={run_dir}"]
+    proc = start(lctrain("train", *set_args(base + LONG)))
+    wait_for_steps(run_dir, 3, proc)
+    proc.kill()
+    proc.wait()
+    retry = subprocess.run(lctrain("train", *set_args(base + ["train.steps=2", "checkpoint.hf_last=0"])),
+                           env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert retry.returncode == 0, retry.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
