@@ -79,13 +79,19 @@ def test_run_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
             pass
 
 
-def test_multiprocess_run_is_locked_and_sigterm_stops_every_process_quietly(data_dir, tmp_path):
-    run_dir = tmp_path / "sp2"
+def start_sp2_run(data_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process], list[str]]:
+    """A 2-process `lctrain train` under torchrun, two steps in: (its process, every process under it, its args)."""
     args = set_args([f"data.output_dir={data_dir}", f"train.run_dir={run_dir}", *LONG])
     proc = start(lctrain("train", "-c", "tiny_anchor_sp2", *args))
     wait_for_steps(run_dir, 2, proc)
     tree = psutil.Process(proc.pid).children(recursive=True)
     assert len(tree) >= 3  # the launcher and two workers
+    return proc, tree, args
+
+
+def test_multiprocess_run_is_locked_and_sigterm_stops_every_process_quietly(data_dir, tmp_path):
+    run_dir = tmp_path / "sp2"
+    proc, tree, args = start_sp2_run(data_dir, run_dir)
 
     for second in (lctrain("train", "-c", "tiny_anchor_sp2", *args), lctrain("resume", str(run_dir))):
         other = subprocess.run(second, env=clean_env(), capture_output=True, text=True, timeout=120)
@@ -101,10 +107,7 @@ def test_multiprocess_run_is_locked_and_sigterm_stops_every_process_quietly(data
 
 def test_kill_9_of_the_launching_command_takes_its_workers_along(data_dir, tmp_path):
     run_dir = tmp_path / "sp2"
-    args = set_args([f"data.output_dir={data_dir}", f"train.run_dir={run_dir}", *LONG])
-    proc = start(lctrain("train", "-c", "tiny_anchor_sp2", *args))
-    wait_for_steps(run_dir, 2, proc)
-    tree = psutil.Process(proc.pid).children(recursive=True)
+    proc, tree, _ = start_sp2_run(data_dir, run_dir)
     proc.kill()
     proc.wait()
     assert not survivors(tree), [p.cmdline() for p in survivors(tree, 0)]
