@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from lctrain.config import bundled_config_names, load_config, to_yaml
-from lctrain.errors import UserError
+from lctrain.errors import UserError, environment_error_message
 from lctrain.lifetime import Terminated, terminate_as_interrupt
 
 app = typer.Typer(
@@ -31,7 +31,8 @@ SetOpt = Annotated[
 
 
 def user_errors(fn):
-    """Turn a UserError into one line on stderr and exit code 2; Ctrl-C into exit 130."""
+    """Turn a UserError or an environment failure (full disk, permissions) into one line on stderr and exit code 2;
+    Ctrl-C into "interrupted" and exit 130 (SIGTERM: 143)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -43,6 +44,12 @@ def user_errors(fn):
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (terminate_as_interrupt)
             typer.echo("interrupted", err=True)
             raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
+        except (OSError, RuntimeError) as e:
+            message = environment_error_message(e)
+            if message is None:
+                raise
+            typer.echo(f"error: {message}", err=True)
+            raise typer.Exit(UserError.exit_code) from None
 
     return wrapper
 

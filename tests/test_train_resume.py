@@ -154,6 +154,53 @@ def test_sigkill_inside_a_checkpoint_write_then_resume_matches(reference, workdi
     assert_same_end(run_dir, reference)
 
 
+def _empty_state(path: Path) -> None:
+    (path / ckpt.STATE_FILE).write_text("")
+
+
+def _truncated_model_states(path: Path) -> None:
+    f = path / "mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes()[:4096])
+
+
+@pytest.mark.parametrize("damage", [_empty_state, _truncated_model_states], ids=["empty-state", "truncated-states"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(reference, workdir, damage):
+    run_dir = workdir / f"damaged_{damage.__name__}"
+    proc = start_cli_train(workdir, run_dir, **{ckpt.KILL_ENV: "6"})  # dies writing step 6: step 2 and 4 complete
+    assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    latest = ckpt.latest_checkpoint(run_dir)
+    assert latest.name == ckpt.step_name(4)
+    damage(latest)
+    result = CliRunner().invoke(app, ["resume", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert f"checkpoint {ckpt.step_name(4)} is damaged" in result.output
+    assert_same_end(run_dir, reference)  # from step 2, exactly as if nothing had happened
+
+
+def test_resume_from_another_directory_and_refuses_incompatible_edits(reference, workdir, tmp_path, monkeypatch):
+    """The run directory is all `resume` needs (relative paths resolve where `train` ran), and a config edited
+    in a way the checkpoint cannot continue with is refused in one line naming the keys."""
+    monkeypatch.chdir(workdir)
+    rel = ["data.output_dir=data", "train.run_dir=relative_run"]
+    proc = subprocess.Popen(cli_train_command(lambda d, r: overrides(d, r) + rel, Path("."), Path("x")),
+                            env=clean_env(**{ckpt.KILL_ENV: "6"}), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    run_dir = workdir / "relative_run"
+    config = run_dir / "config.yaml"
+    original = config.read_text()
+    assert "output_dir: data\n" in original  # relative, as the user wrote it
+
+    monkeypatch.chdir(tmp_path)  # elsewhere
+    config.write_text(original.replace("hidden_size: 64", "hidden_size: 128").replace("zero_stage: 0",
+                                                                                      "zero_stage: 1"))
+    msg = _cli_error(["resume", str(run_dir)])
+    assert "model.arch.hidden_size 64 -> 128, parallel.zero_stage 0 -> 1 changed since checkpoint step_00000004" in msg
+    config.write_text(original.replace(f"steps: {STEPS}", f"steps: {STEPS}  # unchanged"))
+    result = CliRunner().invoke(app, ["resume", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert_same_end(run_dir, reference)
+
+
 def _cli_error(args: list[str]) -> str:
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output

@@ -12,7 +12,7 @@ place only when complete; an interrupted run leaves no directory that looks comp
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import multiprocessing
 import os
 import re
@@ -32,7 +32,7 @@ from lctrain.data.packing import Packer, Piece, ShuffleBuffer, interleave
 from lctrain.data.sources import describe_source, hub_batches, local_batches, resolve_local_files, synthetic_batches
 from lctrain.data.stats import DatasetStats, render
 from lctrain.data.store import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, write_manifest
-from lctrain.errors import UserError
+from lctrain.errors import UserError, is_environment_error
 
 SHARD_TOKENS = 1 << 28  # ~1 GiB of int32 tokens per Arrow shard
 SKIP_EXAMPLES = 5
@@ -229,12 +229,9 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM)
-
-
 def _write_error(out: Path, e: OSError) -> UserError:
-    return UserError(f"cannot write the dataset to {out} ({e.strerror}); check free space and permissions, or set "
-                     f"data.output_dir to a writable place")
+    return UserError(f"cannot write the dataset to {out} ({e.strerror or e}); check free space and permissions, or "
+                     f"set data.output_dir to a writable place")
 
 
 def _tokenizer_info(spec: str, tok, anchor_id: int) -> dict:
@@ -336,9 +333,10 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         _move_into_place(tmp, out)
     except BaseException as e:
         if builder is not None:
-            builder.writer.abort()
+            with contextlib.suppress(OSError):  # closing the shard flushes it, which fails again on a full disk
+                builder.writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+        if is_environment_error(e):
             raise _write_error(out, e) from None
         raise
     render(console, stats, read["skipped"])

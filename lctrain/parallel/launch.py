@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from lctrain.config import Config, load_config
-from lctrain.errors import UserError
+from lctrain.errors import UserError, environment_error_message
 from lctrain.lifetime import exit_with_supervisor, supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 
@@ -62,9 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_dir = Path(args.run_dir)
         run(load_config(str(run_dir / "config.yaml")), run_dir, resuming=args.resume)
-    except UserError as e:
+    except (UserError, OSError, RuntimeError) as e:
+        message = str(e) if isinstance(e, UserError) else environment_error_message(e)
+        if message is None:
+            raise
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(UserError.exit_code) from None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -83,6 +84,24 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob("step_*") if _is_complete(p))
+
+
+def resume_candidates(run_dir: Path) -> list[Path]:
+    """Complete checkpoints to resume from, best first: the one `latest` names, then the others newest first. A
+    checkpoint damaged after it was completed (a truncated file, an emptied state) is skipped for the next."""
+    latest = latest_checkpoint(run_dir)
+    rest = [p for p in reversed(complete_checkpoints(run_dir)) if p != latest]
+    return ([latest] if latest is not None else []) + rest
+
+
+def readable_state(path: Path) -> Optional[dict]:
+    """The trainer state of a checkpoint, or None if it cannot be read (empty, torn, edited)."""
+    try:
+        state = read_state(path)
+        int(state["step"])
+        return state
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
@@ -159,17 +178,28 @@ def prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_resume(engine, path: Path, *, rank: int) -> dict:
-    """Restore DeepSpeed state and this rank's RNG from a complete checkpoint; return the trainer state."""
-    loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                       load_lr_scheduler_states=True)
+# What loading a damaged checkpoint raises: torch.load on a truncated file (RuntimeError from the zip reader,
+# EOFError, UnpicklingError), a torn or empty JSON state (ValueError), a missing file (OSError).
+DAMAGED = (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError)
+
+
+def load_resume(engine, path: Path, *, rank: int) -> tuple[Optional[dict], str]:
+    """Restore DeepSpeed state and this rank's RNG from a complete checkpoint: (trainer state, "") or, if this
+    rank's part cannot be loaded, (None, why)."""
+    state = readable_state(path)
+    if state is None:
+        return None, f"{STATE_FILE} is unreadable"
+    try:
+        loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                           load_lr_scheduler_states=True)
+        rng_file = path / f"rng_rank{rank}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+    except DAMAGED as e:
+        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     if loaded is None:
-        raise UserError(f"{path}: DeepSpeed could not load this checkpoint; it may be from a different parallel "
-                        f"layout or DeepSpeed version")
-    rng_file = path / f"rng_rank{rank}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return read_state(path)
+        return None, "DeepSpeed found no loadable state (another parallel layout or DeepSpeed version?)"
+    return state, ""
 
 
 def hf_dir(run_dir: Path, step: int) -> Path:

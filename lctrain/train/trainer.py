@@ -9,6 +9,7 @@ the same update as one process.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -16,18 +17,20 @@ import time
 import uuid
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 
 from lctrain.config import Config, config_fingerprint, load_config, run_dir as config_run_dir, write_resolved
-from lctrain.errors import UserError
+from lctrain.errors import UserError, is_environment_error
 from lctrain.lifetime import RunLock
 from lctrain.parallel import launch
 from lctrain.parallel.ds_config import check_precision
 from lctrain.parallel.groups import (check_layout, grad_accum_steps, init_topology, release_single_process,
                                      requested_world, under_launcher)
 from lctrain.train import checkpoint as ckpt
+from lctrain.train.checkpoint import write_atomic
 from lctrain.train.data import collate, micro_batch_rows, open_checked
 from lctrain.train.metrics import (StepLogger, dense_params, device_peak_flops, import_wandb, peak_memory_gb,
                                    reset_peak_memory, step_flops, truncate_metrics, visible_pairs)
@@ -51,6 +54,7 @@ def train(cfg: Config, force: bool = False) -> Path:
             shutil.rmtree(rd / "hf", ignore_errors=True)
             (rd / "metrics.jsonl").unlink(missing_ok=True)
             write_resolved(cfg, rd)
+            write_atomic(rd / ORIGIN_FILE, json.dumps({"cwd": os.getcwd()}))
         if requested_world(cfg) > 1 and not under_launcher():
             launch.relaunch(cfg, rd, resume=False)
             return rd
@@ -58,29 +62,93 @@ def train(cfg: Config, force: bool = False) -> Path:
 
 
 def resume(run_dir: str | Path) -> Path:
-    """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory."""
-    rd = Path(run_dir)
+    """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory: relative
+    paths in its config (the prepared data, a local model or tokenizer) resolve against the directory `train`
+    was started from, whatever the current one."""
+    rd = Path(run_dir).absolute()
     config_file = rd / "config.yaml"
     if not config_file.is_file():
-        raise UserError(f"{rd}: not a run directory (no config.yaml); start a run with 'lctrain train'")
+        raise UserError(f"{run_dir}: not a run directory (no config.yaml); start a run with 'lctrain train'")
     leader = _leader()
-    with _run_lock(rd, "lctrain resume", leader):
+    with _run_lock(rd, "lctrain resume", leader), _working_directory(_origin(rd)):
         if ckpt.latest_checkpoint(rd) is None:
             raise UserError(f"{rd}: no complete checkpoint to resume from; start the run again with "
                             f"'lctrain train --config {config_file} --force'")
         cfg = load_config(str(config_file))
-        done = int(ckpt.read_state(ckpt.latest_checkpoint(rd)).get("step", 0))
+        states = [(p, ckpt.readable_state(p)) for p in ckpt.resume_candidates(rd)]
+        states = [(p, s) for p, s in states if s is not None]
+        done = max((int(s["step"]) for _, s in states), default=0)
         if done >= cfg.train.steps:
             if leader:
                 print(f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (raise train.steps in "
                       f"{config_file} to train further)", flush=True)
             return rd
-        if leader:
+        if leader and states:
+            check_resumable(cfg, states[0][1], f"{config_file}", states[0][0].name)
             preflight(cfg)
         if requested_world(cfg) > 1 and not under_launcher():
             launch.relaunch(cfg, rd, resume=True)
             return rd
         return run(cfg, rd, resuming=True)
+
+
+# Where `train` was started, so that `resume` resolves the run's relative paths as `train` did.
+ORIGIN_FILE = "origin.json"
+
+
+def _origin(rd: Path) -> Optional[Path]:
+    try:
+        cwd = Path(json.loads((rd / ORIGIN_FILE).read_text())["cwd"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a run started before this file existed: the current directory, as before
+    return cwd if cwd.is_dir() else None
+
+
+@contextlib.contextmanager
+def _working_directory(path: Optional[Path]):
+    if path is None:
+        yield
+        return
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+# Settings a checkpoint fixes: the model it holds, the data order it continues, and how DeepSpeed partitioned its
+# state. Anything else (steps, learning rate, logging, checkpoint and eval schedule, engine) may change on resume.
+_FIXED_BY_CHECKPOINT = ("seed", "model.", "data.", "attention.mode", "train.global_batch", "train.micro_batch",
+                        "parallel.zero_stage", "parallel.sequence_parallel", "parallel.nproc_per_node",
+                        "parallel.num_nodes", "parallel.offload_optimizer", "parallel.offload_params")
+_FREE_DATA_KEYS = ("data.num_workers", "data.strict", "data.output_dir")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> None:
+    """Refuse, in one line naming the keys, a config edited since the checkpoint in a way it cannot resume with."""
+    saved = state.get("config")
+    if saved is None:
+        return  # a checkpoint from before configs were stored: the fingerprint warning in `run` is all there is
+    before, now = _flatten(saved), _flatten(cfg.model_dump(mode="json", exclude={"source_file"}))
+    changed = [k for k in sorted(set(before) | set(now))
+               if before.get(k) != now.get(k) and k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_DATA_KEYS]
+    if changed:
+        shown = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise UserError(f"{source}: {shown}{more} changed since checkpoint {checkpoint}; a checkpoint resumes only "
+                        f"with the model, data, batch and parallel layout it was written with: restore them, or start "
+                        f"over with 'lctrain train --config {source} --force'")
 
 
 def _leader() -> bool:
@@ -182,8 +250,7 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
 
     start_step, wandb_id = 0, uuid.uuid4().hex[:12]
     if resuming:
-        path = ckpt.latest_checkpoint(rd)
-        state = ckpt.load_resume(engine, path, rank=topo.rank)
+        path, state = _load_first_good_checkpoint(engine, rd, topo)
         start_step, wandb_id = int(state["step"]), state.get("wandb_id", wandb_id)
         if topo.is_main and state.get("config_fingerprint") != config_fingerprint(cfg):
             print(f"warning: {rd}/config.yaml changed since checkpoint {path.name}; continuing with the new values",
@@ -241,7 +308,8 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
             if resume_checkpoint_due(step, total, cfg.checkpoint):
                 state = {"step": step, "windows_consumed": step * cfg.train.global_batch,
                          "config_fingerprint": config_fingerprint(cfg), "world_size": topo.world, "sp": topo.sp,
-                         "wandb_id": wandb_id, "time": time.time()}
+                         "wandb_id": wandb_id, "time": time.time(),
+                         "config": cfg.model_dump(mode="json", exclude={"source_file"})}
                 with _checkpoint_write(rd, step):
                     ckpt.save_resume(engine, rd, step, state, rank=topo.rank, keep=cfg.checkpoint.keep)
     finally:
@@ -250,14 +318,40 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
     return rd
 
 
+def _load_first_good_checkpoint(engine, rd: Path, topo) -> tuple[Path, dict]:
+    """The newest checkpoint every rank can load; a damaged one is reported and the one before it tried. The ranks
+    decide together (one all-reduce per try), so they never resume from different steps."""
+    import deepspeed.comm as dist
+
+    tried = []
+    for path in ckpt.resume_candidates(rd):
+        state, why = ckpt.load_resume(engine, path, rank=topo.rank)
+        failed = torch.tensor([0.0 if state is not None else 1.0], device=topo.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() == 0:
+            if tried and topo.is_main:
+                print(f"warning: resuming from {path.name}: the newer {', '.join(tried)} could not be loaded",
+                      flush=True)
+            return path, state
+        if topo.is_main:
+            print(f"warning: checkpoint {path.name} is damaged ({why or 'on another rank'}); trying the one before it",
+                  flush=True)
+        tried.append(path.name)
+    raise UserError(f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run again "
+                    f"with 'lctrain train --config {rd / 'config.yaml'} --force'")
+
+
 @contextlib.contextmanager
 def _checkpoint_write(rd: Path, step: int):
     """A full disk or a lost permission while writing a checkpoint is the user's to fix, not a crash: the last
     complete checkpoint is intact (checkpoints are renamed into place), so say so in one line."""
     try:
         yield
-    except OSError as e:
-        raise UserError(f"{rd}: cannot write the step {step} checkpoint ({e.strerror or e}); free disk space or fix "
+    except (OSError, RuntimeError) as e:
+        if not is_environment_error(e):
+            raise
+        why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed; is the disk full?"
+        raise UserError(f"{rd}: cannot write the step {step} checkpoint ({why}); free disk space or fix "
                         f"permissions, then 'lctrain resume {rd}' continues from the last complete checkpoint") from None
 
 
