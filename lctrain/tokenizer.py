@@ -84,7 +84,11 @@ def load_tokenizer(spec: str):
     path = Path(spec)
     if path.is_file():
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-        return _from_sentencepiece(path, f"spm-{digest}")
+        try:
+            return _from_sentencepiece(path, f"spm-{digest}")
+        except Exception as e:  # sentencepiece/protobuf/transformers each raise their own types for a foreign file
+            raise UserError(f"tokenizer '{spec}' is a file but not a SentencePiece model ({type(e).__name__}); set "
+                            f"data.tokenizer to a .model file, a tokenizer directory or a hub name") from None
     from transformers import AutoTokenizer
 
     try:

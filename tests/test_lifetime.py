@@ -89,7 +89,8 @@ def start_sp2_run(data_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, list
     return proc, tree, args
 
 
-def test_multiprocess_run_is_locked_and_sigterm_stops_every_process_quietly(data_dir, tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["kill", "ctrl-c"])
+def test_multiprocess_run_is_locked_and_a_signal_stops_every_process_quietly(data_dir, tmp_path, sig, code):
     run_dir = tmp_path / "sp2"
     proc, tree, args = start_sp2_run(data_dir, run_dir)
 
@@ -98,8 +99,8 @@ def test_multiprocess_run_is_locked_and_sigterm_stops_every_process_quietly(data
         assert other.returncode == 2
         assert other.stderr.strip().splitlines()[-1].startswith(f"error: {run_dir} is being trained by pid {proc.pid}")
 
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == code
     err = proc.stderr.read()
     assert err.count("interrupted") == 1 and "Traceback" not in err, err[-3000:]
     assert not survivors(tree)

@@ -26,3 +26,13 @@ def set_attn_implementation(hf_config, impl: str) -> None:
 def attn_implementation(model_or_config) -> str:
     config = getattr(model_or_config, "config", model_or_config)
     return config._attn_implementation
+
+
+def load_errors() -> tuple[type[BaseException], ...]:
+    """What `from_pretrained` raises for a damaged or foreign model directory (transformers 5.17-5.23): a missing
+    or unreadable file (OSError), a bad config value (ValueError, TypeError, or huggingface_hub's strict-dataclass
+    validation), a truncated weights file (SafetensorError)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+
+    return OSError, ValueError, TypeError, KeyError, StrictDataclassError, SafetensorError

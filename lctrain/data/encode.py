@@ -74,7 +74,7 @@ def domain_of(meta) -> int:
     if isinstance(meta, str):
         try:
             meta = json.loads(meta)
-        except ValueError:
+        except (ValueError, RecursionError):
             return _DOMAIN_IDS.get(meta, OTHER)
     if isinstance(meta, dict):
         name = meta.get("redpajama_set_name")
@@ -104,14 +104,14 @@ def _record(item) -> tuple[str | None, int, str | None]:
 
 def _parse_line(line: bytes) -> tuple[str | None, int, str | None]:
     try:
-        s = line.decode("utf-8")
+        s = line.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark opens files saved by some editors
     except UnicodeDecodeError:
         return None, OTHER, "undecodable"
     if not s.strip():
         return None, OTHER, "blank_line"
     try:
         obj = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack ('[' * 200000)
         return None, OTHER, "malformed_json"
     return _record(obj)
 

@@ -72,10 +72,56 @@ def _open_binary(path: Path):
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror}); check data.path and permissions") from None
     if path.name.endswith(".zst"):
+        return io.BufferedReader(_ZstdReader(raw), 1 << 20)
+    return raw
+
+
+class TruncatedSource(Exception):
+    pass
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompresses a .zst file frame by frame and, unlike zstandard's stream reader (which ends quietly at the end
+    of its input), raises TruncatedSource when the file ends inside a frame: a cut download is not a short corpus."""
+
+    def __init__(self, raw):
         import zstandard
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20)
-    return raw
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor()
+        self._frame = self._dctx.decompressobj()
+        self._fed = False  # the current frame has received input
+        self._out = bytearray()
+
+    def readable(self) -> bool:
+        return True
+
+    def _feed(self, data: bytes) -> None:
+        while data:
+            self._out += self._frame.decompress(data)
+            self._fed = True
+            if not self._frame.eof:
+                return
+            data = self._frame.unused_data  # the next frame of a multi-frame file
+            self._frame = self._dctx.decompressobj()
+            self._fed = False
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            data = self._raw.read(1 << 20)
+            if not data:
+                if self._fed:
+                    raise TruncatedSource("the file ends inside a zstd frame (truncated)")
+                return 0
+            self._feed(data)
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        del self._out[:n]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
@@ -91,6 +137,9 @@ def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
                 if len(lines) >= BATCH_RECORDS or size >= BATCH_BYTES:
                     yield RawBatch("jsonl", src, first, lines)
                     lines, size = [], 0
+        except TruncatedSource as e:
+            raise UserError(f"{path}: {e} after line {lineno}; re-download the file or remove it from "
+                            f"data.path") from None
         except Exception as e:  # zstandard raises ZstdError, plain files OSError
             raise UserError(f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e}); "
                             f"re-download or remove the file") from None

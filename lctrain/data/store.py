@@ -87,6 +87,8 @@ class ShardWriter:
         self._writer.finalize()
         self._writer.close()
         self._writer = None
+        shard = self.shards[-1]
+        shard["bytes"] = (self.dir.parent / shard["file"]).stat().st_size  # what read_manifest verifies
 
     def _flush(self):
         if not self._pending:
@@ -125,15 +127,30 @@ def write_manifest(directory: Path, manifest: dict) -> None:
     os.replace(tmp, directory / MANIFEST)
 
 
-def read_manifest(path: Path) -> dict | None:
-    """The manifest of a complete dataset at `path`, or None when there is none or it is incomplete."""
+def _complete_manifest(path: Path) -> dict | None:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict) or not manifest.get("complete"):
-        return None
-    if any(not (path / s["file"]).is_file() for s in manifest.get("shards", [])):
+    return manifest if isinstance(manifest, dict) and manifest.get("complete") else None
+
+
+def damaged_shards(path: Path, manifest: dict) -> list[str]:
+    """Shards that are missing or whose size differs from what prepare wrote (a truncated copy, a full disk)."""
+    bad = []
+    for s in manifest.get("shards", []):
+        f = path / s["file"]
+        if not f.is_file():
+            bad.append(f"{s['file']} is missing")
+        elif "bytes" in s and f.stat().st_size != s["bytes"]:
+            bad.append(f"{s['file']} is {f.stat().st_size:,} bytes, not the {s['bytes']:,} prepare wrote")
+    return bad
+
+
+def read_manifest(path: Path) -> dict | None:
+    """The manifest of a complete, undamaged dataset at `path`, or None (none, incomplete, or damaged)."""
+    manifest = _complete_manifest(path)
+    if manifest is None or damaged_shards(path, manifest):
         return None
     return manifest
 
@@ -170,10 +187,14 @@ def open_packed(path) -> PackedData:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path}: no prepared dataset here; run 'lctrain prepare' with the same config first")
-    manifest = read_manifest(path)
+    manifest = _complete_manifest(path)
     if manifest is None:
         raise UserError(f"{path}: incomplete or not a prepared dataset (no complete {MANIFEST}); "
                         f"run 'lctrain prepare --force' with the same config to rebuild it")
+    bad = damaged_shards(path, manifest)
+    if bad:
+        raise UserError(f"{path}: the prepared dataset is damaged ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); "
+                        f"run 'lctrain prepare' with the same config to rebuild it")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{path}: dataset format version {manifest.get('format_version')} is not "
                         f"{FORMAT_VERSION}; run 'lctrain prepare --force' to rebuild it")

@@ -174,11 +174,14 @@ class ModelSource:
         if self.cfg is None:
             from transformers import AutoModelForCausalLM
 
+            from lctrain.compat.transformers import load_errors
+
             try:
                 model = AutoModelForCausalLM.from_pretrained(self.spec, dtype=getattr(torch, dtype))
-            except (OSError, ValueError) as e:
-                raise UserError(f"'{self.spec}' cannot be loaded as a Hugging Face model ({type(e).__name__}); pass "
-                                f"a local model directory, a hub name that is cached, or an lctrain config") from None
+            except load_errors() as e:
+                raise UserError(f"'{self.spec}' cannot be loaded as a Hugging Face model ({type(e).__name__}: "
+                                f"{' '.join(str(e).split())[:160]}); pass a local model directory, a hub name that is "
+                                f"cached, or an lctrain config") from None
             return model.to(device).eval()
         from lctrain.model import build_model
 
@@ -209,6 +212,11 @@ def model_source(spec: str, overrides: list[str] | tuple = ()) -> ModelSource:
     return ModelSource(spec)
 
 
+# The attention-difference needs full seq_len x seq_len maps per head (4 bytes each, two shifts): 16K tokens is
+# 2 GiB per head map pair already; the paper's setting is 4096.
+MAX_SEQ_LEN = 16384
+
+
 def diagnose_rope(spec: str, *, overrides: list[str] | tuple = (), seq_len: int = 1024, max_len: int = 8192,
                   shifts=SHIFTS, delta2: int = DELTA2, device: str | None = None, out: str | None = None,
                   seed: int = 0) -> Path:
@@ -217,8 +225,9 @@ def diagnose_rope(spec: str, *, overrides: list[str] | tuple = (), seq_len: int 
     from lctrain.eval.runner import pick_device
     from lctrain.model import rotary_in_fp32
 
-    if seq_len < 2 or max_len < 64:
-        raise UserError(f"--seq-len {seq_len} / --max-len {max_len}: need seq_len >= 2 and max_len >= 64")
+    if not (2 <= seq_len <= MAX_SEQ_LEN) or max_len < 64:
+        raise UserError(f"--seq-len {seq_len} / --max-len {max_len}: need 2 <= seq_len <= {MAX_SEQ_LEN} (the "
+                        f"difference holds seq_len x seq_len attention maps; the paper uses 4096) and max_len >= 64")
     src = model_source(spec, overrides)
     dev = pick_device(device)
     model = src.load("float32", dev)  # first: a model that cannot be loaded is the likelier mistake

@@ -114,10 +114,12 @@ def load_model(model_dir: Path, device: str):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lctrain.compat.transformers import load_errors
+
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
-    except (OSError, ValueError) as e:
+    except load_errors() as e:
         raise UserError(f"{model_dir}: cannot load the model ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     return model.to(device).eval()
 
