@@ -332,7 +332,7 @@ def kill_after_step(run: Runner, cmd: list[str], run_dir: Path, step: int, cwd: 
             return True
         if run.remaining() < 0:
             os.killpg(proc.pid, signal.SIGKILL)
-            raise TimeoutError(self.timeout_note())
+            raise TimeoutError(run.timeout_note())
         time.sleep(0.5)
     return False
 

@@ -116,7 +116,8 @@ def test_kill_9_of_the_launching_command_takes_its_workers_along(data_dir, tmp_p
         pass
 
 
-def test_kill_9_of_prepare_takes_its_tokenizer_workers_along(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "kill"])
+def test_a_killed_prepare_takes_its_tokenizer_workers_along(tmp_path, sig):
     over = [f"data.output_dir={tmp_path / 'big'}", "data.num_workers=2", "data.token_budget=50000000",
             "data.synthetic.num_docs=200000"]
     proc = start(lctrain("prepare", *set_args(over)))
@@ -126,9 +127,13 @@ def test_kill_9_of_prepare_takes_its_tokenizer_workers_along(tmp_path):
         time.sleep(0.2)
     time.sleep(2)  # the workers are encoding
     tree = psutil.Process(proc.pid).children(recursive=True)
-    proc.kill()
-    proc.wait()
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=60)
     assert not survivors(tree), [p.cmdline() for p in survivors(tree, 0)]
+    if sig == signal.SIGTERM:  # cleaned up like Ctrl-C: one line, no partial output
+        err = proc.stderr.read()
+        assert rc == 143 and err.count("interrupted") == 1 and "Traceback" not in err, err[-3000:]
+        assert not list(tmp_path.glob(".big.partial-*")) and not (tmp_path / "big").exists()
 
 
 def test_retry_after_a_kill_before_the_first_checkpoint_starts_a_clean_run(data_dir, tmp_path):

@@ -25,7 +25,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lctrain.errors import UserError
 
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
