@@ -122,7 +122,8 @@ def _working_directory(path: Optional[Path]):
 _FIXED_BY_CHECKPOINT = ("seed", "model.", "data.", "attention.mode", "train.global_batch", "train.micro_batch",
                         "parallel.zero_stage", "parallel.sequence_parallel", "parallel.nproc_per_node",
                         "parallel.num_nodes", "parallel.offload_optimizer", "parallel.offload_params")
-_FREE_DATA_KEYS = ("data.num_workers", "data.strict", "data.output_dir")
+# ...except these, which change how the same computation runs (or where a dataset is found), not what it computes.
+_FREE_KEYS = ("data.num_workers", "data.strict", "data.output_dir", "model.gradient_checkpointing")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -142,7 +143,7 @@ def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> N
         return  # a checkpoint from before configs were stored: the fingerprint warning in `run` is all there is
     before, now = _flatten(saved), _flatten(cfg.model_dump(mode="json", exclude={"source_file"}))
     changed = [k for k in sorted(set(before) | set(now))
-               if before.get(k) != now.get(k) and k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_DATA_KEYS]
+               if before.get(k) != now.get(k) and k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_KEYS]
     if changed:
         shown = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
