@@ -67,14 +67,18 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            who, pid = _read_holder(fd)
             os.close(fd)
-            raise UserError(f"{self.path.parent} is being trained by {holder}; wait for it to finish or stop it "
-                            f"(kill {holder_pid(holder)}) before starting another run there") from None
+            raise UserError(f"{self.path.parent} is being trained by {who}; wait for it to finish or stop it "
+                            f"(kill {pid}) before starting another run there") from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except OSError:
+            os.close(fd)  # e.g. a full disk: do not keep the lock of a run that cannot start
+            raise
         self.fd = fd
         return self
 
@@ -84,16 +88,13 @@ class RunLock:
             self.fd = None
 
 
-def _read_holder(fd: int) -> str:
+def _read_holder(fd: int) -> tuple[str, str]:
+    """(a description of the lock's holder, its pid or "it") from what the holder wrote into the lock file."""
     try:
         info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"pid {info['pid']} on {info['host']} ('{info['command']}', since {info['since']})"
+        return f"pid {info['pid']} on {info['host']} ('{info['command']}', since {info['since']})", str(info["pid"])
     except (ValueError, KeyError, OSError):
-        return "another process"
-
-
-def holder_pid(holder: str) -> str:
-    return holder.split()[1] if holder.startswith("pid ") else "it"
+        return "another process", "it"
 
 
 def exit_with(process: psutil.Process, code: int = 1) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import zstandard
-from train_helpers import set_args
+from train_helpers import one_error_line, set_args
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -18,14 +18,6 @@ from lctrain.errors import UserError
 SMALL = ["data.seq_len=128", "data.token_budget=6000", "data.synthetic.num_docs=200"]
 ARCH = ("{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2, "
         "num_key_value_heads: 1, tie_word_embeddings: true}")
-
-
-def one_error_line(result) -> str:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.output  # progress bars may come before it
-    return errors[0]
 
 
 def local(path, *extra) -> list[str]:

@@ -5,7 +5,7 @@ import errno
 
 import pytest
 import torch
-from train_helpers import set_args
+from train_helpers import one_error_line, set_args
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -16,14 +16,6 @@ TINY = ["data.seq_len=128", "data.token_budget=6000", "train.steps=2", "train.gl
         "model.arch={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, "
         "num_attention_heads: 2, num_key_value_heads: 1, tie_word_embeddings: true}"]
 FULL = OSError(errno.ENOSPC, "No space left on device")
-
-
-def one_error_line(result) -> str:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output, result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.output
-    return errors[0]
 
 
 @pytest.fixture(scope="module")

@@ -42,3 +42,13 @@ def reference_run(workdir: Path, overrides: Overrides) -> Path:
 
     return train(load_config(None, overrides(workdir / "data", workdir / "ref")))
 
+
+
+def one_error_line(result) -> str:
+    """The single `error: ...` line of a CLI run (typer's CliRunner result) that must end with exit code 2 and no
+    traceback; progress bars may come before it."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.output
+    return errors[0]
