@@ -27,6 +27,7 @@ from rich.progress import track
 from rich.table import Table
 
 from lctrain.attention import MODES, engine_fn, make_batch
+from lctrain.data.packing import split_into_chunks
 from lctrain.train.metrics import attention_flops, visible_pairs
 
 CPU_ENGINES = ("sdpa", "reference")
@@ -62,25 +63,16 @@ def dataset_windows(path: str, length: int, rows: int) -> list[list[int]]:
 
 
 def interleave(seg_lens: list[int], rng: np.random.Generator) -> tuple[list[int], list[int]]:
-    """Paper Fig. 5 layout: each document of a window split into 2-3 chunks (each after a fresh anchor), chunks
-    shuffled with every document's chunk order kept; the window is cut back to its length."""
-    L = sum(seg_lens)
-    chunks = []  # per document, its chunk lengths in order
-    for n in seg_lens:
-        k = int(rng.integers(2, 4)) if n >= 8 else 1
-        cuts = np.sort(rng.choice(np.arange(1, n - 1), size=k - 1, replace=False)) if k > 1 else []
-        body = np.diff(np.concatenate([[0], cuts, [n - 1]])).tolist()
-        chunks.append([b + 1 for b in body])
+    """Paper Fig. 5 layout as `lctrain.data.packing` builds it: each document of a window split into 2-3 chunks (its
+    anchor in the first), chunks shuffled with every document's chunk order kept; the window keeps its length."""
+    chunks = [[len(c) for c in split_into_chunks(np.arange(n), rng)] for n in seg_lens]
     order = rng.permutation(np.concatenate([[d] * len(c) for d, c in enumerate(chunks)]))
     next_chunk = [0] * len(chunks)
-    lens, docs, used = [], [], 0
+    lens, docs = [], []
     for d in order.tolist():
-        n = min(chunks[d][next_chunk[d]], L - used)
+        lens.append(chunks[d][next_chunk[d]])
+        docs.append(d)
         next_chunk[d] += 1
-        if n:
-            lens.append(n)
-            docs.append(d)
-            used += n
     return lens, docs
 
 

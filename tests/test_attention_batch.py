@@ -7,11 +7,12 @@ import torch
 from lctrain.attention import PER_TOKEN_KEYS, SEGMENTS_KEY, make_batch, resolve_engine
 from lctrain.errors import UserError
 
-# One row of 10 tokens: segments of 3 (doc 0), 4 (doc 1), 3 (doc 0 again: an interleaved chunk); tags of 1, 0, 1.
+# One row of 10 tokens: segments of 3 (doc 0: anchor, tag, text), 4 (doc 1: anchor, text), 3 (doc 0 again: an
+# interleaved chunk, bare text).
 IDS = torch.arange(100, 110)[None]
 SEG = [[3, 4, 3]]
 DOC = [[0, 1, 0]]
-TAGS = [[1, 0, 1]]
+TAGS = [[1, 0, 0]]
 
 
 @pytest.mark.parametrize("mode,expected", [
@@ -19,7 +20,7 @@ TAGS = [[1, 0, 1]]
     ("intra_doc", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
     # positions continue across a document's chunks: the third segment is doc 0's 4th..6th tokens
     ("intra_doc_reset", [0, 1, 2, 0, 1, 2, 3, 3, 4, 5]),
-    ("anchor", [0, 1, 2, 0, 4, 5, 6, 0, 8, 9]),
+    ("anchor", [0, 1, 2, 0, 4, 5, 6, 7, 8, 9]),
 ])
 def test_positions_by_mode(mode, expected):
     batch = make_batch(IDS, SEG, mode, seg_doc=DOC, tag_lens=TAGS)
@@ -33,8 +34,9 @@ def test_intra_doc_reset_without_chunks_restarts_each_segment():
 
 def test_labels_shifted_with_tags_and_last_masked():
     batch = make_batch(IDS, SEG, "anchor", seg_doc=DOC, tag_lens=TAGS)
-    # tag tokens sit at 1 and 8; the targets at 0 (-> 1) and 7 (-> 8) are masked, and the last token
-    assert batch["labels"].tolist() == [[-100, 102, 103, 104, 105, 106, 107, -100, 109, -100]]
+    # masked: the target at 0 (the tag at 1), at 2 (doc 1's anchor while doc 0 goes on), at 6 (doc 0's chunk), and
+    # the last token
+    assert batch["labels"].tolist() == [[-100, 102, -100, 104, 105, 106, -100, 108, 109, -100]]
     assert batch["shift_labels"] is batch["labels"]
     assert batch["input_ids"].dtype == torch.long
 
@@ -56,6 +58,8 @@ def test_anchor_id_check():
     make_batch(ids, [[3, 2]], "anchor", anchor_id=1)
     with pytest.raises(UserError, match="token 3 starts with token id 9"):
         make_batch(torch.tensor([[1, 5, 6, 9, 7]]), [[3, 2]], "anchor", anchor_id=1)
+    # a document's later chunk has no anchor
+    make_batch(torch.tensor([[1, 5, 6, 9, 7]]), [[3, 2]], "anchor", seg_doc=[[0, 0]], anchor_id=1)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -66,6 +70,7 @@ def test_anchor_id_check():
     (dict(seg_lens=[[3, 7]], tag_lens=[[3, 0]]), "tag_lens must be in"),
     (dict(seg_lens=[[3, 7]], seg_doc=[[0]]), "seg_doc has 1 entries for 2 segments"),
     (dict(seg_lens=[[3, 7]], seg_doc=[[0, -1]]), "seg_doc must be >= 0"),
+    (dict(seg_lens=[[3, 4, 3]], seg_doc=[[0, 1, 0]], tag_lens=[[1, 0, 2]]), "token 7 continues a document"),
 ])
 def test_bad_input(kwargs, match):
     args = dict(mode="intra_doc") | kwargs
@@ -102,3 +107,83 @@ def test_varlen_refuses_interleaved_chunks_at_run_time():
     plain = make_batch(IDS, SEG, "anchor")[SEGMENTS_KEY]
     plan = build_varlen_plan(plain.layout, "anchor", "cpu")
     assert plan.cu_seqlens.tolist() == [0, 3, 7, 10] and plan.max_seqlen == 4
+
+
+# Paper Fig. 5, written document by document: two rows of 16 tokens. A document has a tag length and a text length
+# in the row; a row is its chunks in window order, (document, text tokens). A document's first chunk in the row is
+# its anchor A, its tag and text; later chunks are bare text. `open`: the document goes on in the next window (it
+# is the row's last chunk, as the packer guarantees). Row 1 is interleaved; row 2 has a chunk right after its own
+# document's first chunk and ends in an anchor and tag whose text starts in the next window.
+A, TAG = 1, 7
+FIG5 = [
+    dict(tags={0: 1, 1: 0, 2: 1}, open=2, chunks=[(0, 2), (1, 1), (0, 2), (2, 1), (1, 2), (0, 1), (2, 2)]),
+    dict(tags={0: 2, 1: 0, 2: 1}, open=2, chunks=[(0, 3), (0, 2), (1, 5), (2, 0)]),
+]
+
+
+def fig5_reference(row):
+    """Per token, from the description alone: input id, document, is-anchor, is-tag, index in its document, and
+    whether the document ends in this row."""
+    toks, seen, text_index = [], set(), {}
+    for d, n in row["chunks"]:
+        head = [] if d in seen else [(A, "anchor")] + [(TAG, "tag")] * row["tags"][d]
+        seen.add(d)
+        for tid, kind in head:
+            toks.append(dict(id=tid, doc=d, anchor=kind == "anchor", tag=kind == "tag"))
+        for _ in range(n):
+            j = text_index[d] = text_index.get(d, -1) + 1
+            toks.append(dict(id=100 * (d + 1) + j, doc=d, anchor=False, tag=False))
+    for i, t in enumerate(toks):
+        t["index"] = sum(u["doc"] == t["doc"] for u in toks[:i])
+        t["ends"] = t["doc"] != row["open"]
+    return toks
+
+
+def fig5_batch(mode):
+    rows = [fig5_reference(r) for r in FIG5]
+    ids = torch.tensor([[t["id"] for t in r] for r in rows])
+    seg_lens = [[(0 if d in [c for c, _ in r["chunks"][:i]] else 1 + r["tags"][d]) + n
+                 for i, (d, n) in enumerate(r["chunks"])] for r in FIG5]
+    seg_doc = [[d for d, _ in r["chunks"]] for r in FIG5]
+    tag_lens = [[0 if d in [c for c, _ in r["chunks"][:i]] else r["tags"][d] for i, (d, _) in enumerate(r["chunks"])]
+                for r in FIG5]
+    return rows, make_batch(ids, seg_lens, mode, seg_doc=seg_doc, tag_lens=tag_lens, anchor_id=A)
+
+
+@pytest.mark.parametrize("mode", ["full", "intra_doc", "intra_doc_reset", "anchor"])
+def test_interleaved_window_is_figure_5_in_every_mode(mode):
+    from lctrain.attention.modes import dense_mask
+
+    rows, batch = fig5_batch(mode)
+    assert all(len(r) == 16 for r in rows)
+    mask = dense_mask(batch[SEGMENTS_KEY].layout, mode)
+    for b, toks in enumerate(rows):
+        for q, tq in enumerate(toks):
+            seen = [tk for k, tk in enumerate(toks) if mask[b, q, k]]
+            if mode == "full":
+                assert seen == toks[:q + 1]
+            else:
+                # its document's tokens up to itself, earlier chunks included, and no other document's
+                assert seen == [tk for tk in toks[:q + 1] if tk["doc"] == tq["doc"]]
+                # one anchor, its document's own, the document's first token
+                anchors = [tk for tk in seen if tk["id"] == A]
+                assert len(anchors) == 1 and anchors[0]["index"] == 0
+            want_pos = {"full": q, "intra_doc": q, "intra_doc_reset": tq["index"],
+                        "anchor": 0 if tq["anchor"] else q}[mode]
+            assert batch["position_ids"][b, q] == want_pos, (b, q)
+            # the label: the document's next token; after a finished document, the next one's anchor; else none
+            nxt = toks[q + 1] if q + 1 < len(toks) else None
+            if nxt is None or nxt["tag"]:
+                want = -100
+            elif nxt["doc"] == tq["doc"]:
+                want = nxt["id"]
+                assert want == tq["id"] + 1 or tq["anchor"] or tq["tag"]  # the document's text in order
+            elif nxt["anchor"] and tq["ends"] and not any(tk["doc"] == tq["doc"] for tk in toks[q + 1:]):
+                want = A
+            else:
+                want = -100
+            assert batch["labels"][b, q] == want, (b, q)
+    # the anchor mode's positions: every anchor at 0, so each document sees its one anchor at position 0
+    if mode == "anchor":
+        is_anchor = torch.tensor([[t["anchor"] for t in r] for r in rows])
+        assert (batch["position_ids"][is_anchor] == 0).all() and int(is_anchor.sum()) == 6

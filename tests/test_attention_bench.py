@@ -27,7 +27,7 @@ def test_interleaved_layout_keeps_chunk_order_and_window_length(bench):
     import numpy as np
 
     lens, docs = bench.interleave([20, 1, 30, 13], np.random.default_rng(0))
-    assert sum(lens) == 64 and min(lens) >= 1 and len(docs) > 4  # cut back to the window after the extra anchors
+    assert sum(lens) == 64 and min(lens) >= 1 and len(docs) > 4  # chunks add no tokens: the window keeps its length
     assert all(1 <= docs.count(d) <= 3 for d in set(docs))
     assert docs.count(1) <= 1  # a one-token document is never split
 

@@ -14,25 +14,14 @@ from lctrain.errors import UserError
 
 
 def table_mask(seg_lens, seg_doc, mode):
-    """visible[q][k] for one row, straight from the table: causal, plus the mode's document rule."""
-    seg_of, doc_of, anchor = [], [], []
-    for s, (n, d) in enumerate(zip(seg_lens, seg_doc)):
-        for i in range(n):
-            seg_of.append(s)
-            doc_of.append(d)
-            anchor.append(i == 0)
-    L = len(seg_of)
+    """visible[q][k] for one row, straight from the table: causal, plus the mode's document rule. A document's later
+    chunks (paper Fig. 5) are bare text, so in `anchor` mode too a token sees its document and, in it, one anchor."""
+    doc_of = [d for n, d in zip(seg_lens, seg_doc) for _ in range(n)]
+    L = len(doc_of)
     mask = torch.zeros(L, L, dtype=torch.bool)
     for q in range(L):
         for k in range(q + 1):
-            if mode == "full":
-                ok = True
-            elif mode in ("intra_doc", "intra_doc_reset"):
-                ok = doc_of[q] == doc_of[k]
-            else:  # anchor: an anchor copy sees itself; others see their own segment's anchor + their document
-                ok = (anchor[k] and seg_of[k] == seg_of[q]) or (
-                    not anchor[k] and not anchor[q] and doc_of[k] == doc_of[q])
-            mask[q, k] = ok
+            mask[q, k] = mode == "full" or doc_of[q] == doc_of[k]
     return mask
 
 
@@ -45,12 +34,13 @@ def dense_attention(q, k, v, masks, scale):
 
 
 def test_table_mask_hand_example():
-    # [A x] [A y y] [A z] with the third segment a second chunk of document 0
+    # [A x] [A y y] [z z] with the third segment a second chunk of document 0 (no anchor of its own)
     m = table_mask([2, 3, 2], [0, 1, 0], "anchor").int().tolist()
-    assert m[6] == [0, 1, 0, 0, 0, 1, 1]  # z sees doc 0's body token x and its own anchor, not the first anchor
-    assert m[5] == [0, 0, 0, 0, 0, 1, 0]  # a later anchor copy sees only itself
+    assert m[6] == [1, 1, 0, 0, 0, 1, 1]  # z sees doc 0's anchor and x, and itself
+    assert m[2] == [0, 0, 1, 0, 0, 0, 0]  # an anchor sees only itself
     assert m[4] == [0, 0, 1, 1, 1, 0, 0]
-    assert table_mask([2, 3, 2], [0, 1, 0], "intra_doc")[6].int().tolist() == [1, 1, 0, 0, 0, 1, 1]
+    assert table_mask([2, 3, 2], [0, 1, 0], "intra_doc").int().tolist() == m
+    assert table_mask([2, 3, 2], [0, 1, 0], "full")[6].int().tolist() == [1] * 7
 
 
 def random_layout(L, rng, kind):
@@ -71,7 +61,8 @@ def random_layout(L, rng, kind):
         docs = [rng.randrange(max(1, n // 2)) for _ in range(n)]
     else:
         docs = list(range(n))
-    tags = [rng.randint(0, min(2, n_ - 1)) for n_ in lens]
+    # only a document's first segment carries an anchor and a tag
+    tags = [rng.randint(0, min(2, n_ - 1)) if d not in docs[:i] else 0 for i, (n_, d) in enumerate(zip(lens, docs))]
     return lens, docs, tags
 
 
@@ -136,12 +127,12 @@ def test_sdpa_plan_covers_every_token_once_and_is_built_once_per_batch():
 
     batch, _, qkv, w = make_case("anchor", torch.float32, seed=5)
     seg = batch[SEGMENTS_KEY]
-    assert seg.multi_segment_docs  # the interleaved row exercises the chunk jobs
-    plan = build_sdpa_plan(seg.layout, "anchor")
+    assert seg.multi_segment_docs  # the interleaved row: a document's chunks gathered into one job
+    plan = build_sdpa_plan(seg.layout)
     assert sorted(plan.order.tolist()) == list(range(seg.batch * seg.length))
-    assert plan.copies and plan.lower_right
+    assert sum(G * n for G, n in plan.causal) == seg.batch * seg.length
     # equal-length documents share one kernel call: fewer calls than documents
-    assert len(plan.causal) + len(plan.lower_right) < seg.layout.num_docs
+    assert len(plan.causal) < seg.layout.num_docs
 
     run_engine("sdpa", batch, qkv, w, torch.float32, backward=False)
     key = ("sdpa", torch.device("cpu"))

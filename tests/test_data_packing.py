@@ -5,7 +5,7 @@ import pytest
 
 from lctrain.config import DOMAINS
 from lctrain.data.mixture import SLIMPAJAMA_TOKEN_SHARES, Mixture
-from lctrain.data.packing import Packer, Piece, ShuffleBuffer, interleave, split_into_chunks
+from lctrain.data.packing import Packer, ShuffleBuffer, split_into_chunks
 
 ANCHOR = 1
 
@@ -15,11 +15,11 @@ def _docs(rng, n, lo=1, hi=300):
     return [rng.integers(10, 30000, size=int(rng.integers(lo, hi))).astype(np.int32) for _ in range(n)]
 
 
-def _pack(docs, seq_len, tags=None, domains=None):
-    packer = Packer(seq_len, ANCHOR, tags)
+def _pack(docs, seq_len, tags=None, domains=None, chunk_rng=None):
+    packer = Packer(seq_len, ANCHOR, tags, chunk_rng=chunk_rng)
     windows = []
     for k, t in enumerate(docs):
-        windows += packer.add(Piece(t, k, domains[k] if domains else 0, doc_len=len(t)))
+        windows += packer.add(t, domains[k] if domains else 0)
     return windows, packer
 
 
@@ -97,38 +97,49 @@ def test_shuffle_buffer_releases_every_item_once_in_a_seeded_order():
     assert sorted(a) == list(range(200)) and a == b and a != c and a != list(range(200))
 
 
-def test_interleaved_chunks_keep_each_documents_order():
-    rng = np.random.default_rng(3)
-    docs = [(t, i % 7, 100 + i) for i, t in enumerate(_docs(rng, 30, 1, 50))]
-    pieces = interleave(docs, np.random.default_rng(4))
-    by_doc = {}
-    for p in pieces:
-        by_doc.setdefault(p.doc_key, []).append(p)
-    assert set(by_doc) == {k for _, _, k in docs}
-    order = [p.doc_key for p in pieces]
-    assert order != sorted(order)  # chunks really are interleaved
-    for tokens, domain, key in docs:
-        chunks = by_doc[key]
-        assert np.array_equal(np.concatenate([c.tokens for c in chunks]), tokens)
-        assert [c.doc_start for c in chunks] == [True] + [False] * (len(chunks) - 1)
-        assert all(c.domain == domain for c in chunks)
-        assert 1 <= len(chunks) <= 3 and (len(chunks) >= 2 or len(tokens) == 1)
+def test_interleaved_windows_are_the_packed_windows_cut_into_chunks_and_shuffled():
+    # document k's text is 1000(k+1), 1000(k+1)+1, ...; tags are 2..3 and the anchor 1
+    rng = np.random.default_rng(7)
+    docs = [np.arange(1000 * (k + 1), 1000 * (k + 1) + int(rng.integers(1, 60)), dtype=np.int32) for k in range(80)]
+    domains = [k % 7 for k in range(80)]
+    tags = {d: np.arange(2, 2 + d % 3, dtype=np.int32) for d in range(7)}  # tags of 0, 1 and 2 tokens
+    plain, _ = _pack(docs, 64, tags, domains)
+    mixed, _ = _pack(docs, 64, tags, domains, chunk_rng=np.random.default_rng(8))
+    assert len(mixed) == len(plain) > 10
+    shuffled = open_ends = 0
+    for p, m in zip(plain, mixed):
+        pw, mw = p.window, m.window
+        assert m.doc_starts == p.doc_starts and mw.seg_lens.sum() == 64 and (mw.seg_lens > 0).all()
+        # reference: the packed window's segments, each one document's part of the window with its anchor and tag
+        want = sorted((int(dom), int(tl), tuple(seg.tolist()))
+                      for seg, dom, tl in zip(_segments(pw), pw.seg_domain, pw.tag_lens))
+        # the interleaved window: a document's first chunk starts with the anchor and tag, later ones are bare text
+        # with tag_lens 0; its chunks in window order join up to its packed segment
+        docs_seen: dict[int, list] = {}
+        for seg, doc, dom, tl in zip(_segments(mw), mw.seg_doc.tolist(), mw.seg_domain, mw.tag_lens):
+            first = doc not in docs_seen
+            assert (seg[0] == ANCHOR) == first and (first or tl == 0)
+            assert ANCHOR not in seg[1:].tolist()
+            entry = docs_seen.setdefault(doc, [int(dom), int(tl), []])
+            assert entry[0] == dom
+            entry[2] += seg.tolist()
+        assert list(docs_seen) == list(range(len(docs_seen)))  # seg_doc numbered by first appearance
+        assert sorted((d, t, tuple(ids)) for d, t, ids in docs_seen.values()) == want
+        shuffled += mw.seg_doc.tolist() != sorted(mw.seg_doc.tolist())
+        # a document that goes on in the next window (or an anchor-and-tag tail) keeps the window's end
+        last = int(pw.input_ids[-1])
+        k = last // 1000 - 1
+        if last < 1000 or last - 1000 * (k + 1) + 1 < len(docs[k]):
+            open_ends += 1
+            assert mw.input_ids[-1] == last
+    assert shuffled > len(plain) // 2 and open_ends > 3
 
 
-def test_chunks_of_one_document_share_seg_doc_within_a_window():
-    rng = np.random.default_rng(5)
-    docs = [(t, 0, i) for i, t in enumerate(_docs(rng, 12, 5, 30))]
-    pieces = interleave(docs, np.random.default_rng(6))
-    packer = Packer(150, ANCHOR)
-    windows = [pw for p in pieces for pw in packer.add(p)]
-    w = windows[0].window
-    keys = [p.doc_key for p in pieces]
-    # segments map one-to-one to pieces in the first window when nothing crosses its end before it
-    n = len(w.seg_doc)
-    first_seen = {}
-    expected = [first_seen.setdefault(k, len(first_seen)) for k in keys[:n]]
-    assert w.seg_doc[:n - 1].tolist() == expected[:n - 1]
-    assert len(set(w.seg_doc.tolist())) < n  # some document has two chunks in the window
+def test_interleaving_is_seeded():
+    docs = _docs(np.random.default_rng(9), 40, 1, 50)
+    runs = [_pack(docs, 48, chunk_rng=np.random.default_rng(s))[0] for s in (1, 1, 2)]
+    ids = [[pw.window.input_ids.tolist() for pw in r] for r in runs]
+    assert ids[0] == ids[1] != ids[2]
 
 
 def test_split_into_chunks():

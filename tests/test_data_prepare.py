@@ -66,13 +66,17 @@ def cfg_for(out, *overrides, source=None):
 
 
 def segments(row):
+    """(tokens, tag length, domain, document, whether it is the document's first segment in the row)"""
     starts = np.concatenate([[0], np.cumsum(row["seg_lens"])[:-1]])
+    seen = set()
     for s, n, t, dom, doc in zip(starts, row["seg_lens"], row["tag_lens"], row["seg_domain"], row["seg_doc"]):
-        yield row["input_ids"][s:s + n], int(t), int(dom), int(doc)
+        yield row["input_ids"][s:s + n], int(t), int(dom), int(doc), int(doc) not in seen
+        seen.add(int(doc))
 
 
 def check_layout(data, tok, tags=None):
-    """Every row exactly seq_len, segments sum to it, start with the anchor, carry the right tag."""
+    """Every row exactly seq_len, segments sum to it; a document's first segment in a row starts with the anchor and
+    carries the right tag, its later chunks (interleaved) carry neither."""
     L = data.manifest["seq_len"]
     anchor = tok.bos_token_id
     assert data.manifest["tokenizer"]["anchor_id"] == anchor == 1
@@ -81,7 +85,10 @@ def check_layout(data, tok, tags=None):
         assert row["input_ids"].shape == (L,) and row["input_ids"].dtype == np.int32
         assert row["seg_lens"].sum() == L and (row["seg_lens"] > 0).all()
         assert len(row["seg_lens"]) == len(row["seg_doc"]) == len(row["seg_domain"]) == len(row["tag_lens"])
-        for seg, tag_len, dom, _ in segments(row):
+        for seg, tag_len, dom, _, first in segments(row):
+            if not first:
+                assert tag_len == 0 and anchor not in seg.tolist()
+                continue
             assert seg[0] == anchor
             expected_tag = tags[dom] if tags else []
             if len(seg) > len(expected_tag) + 1:
@@ -100,8 +107,8 @@ def reconstruct(data, reference, interleaved=False):
     for w in range(len(data)):
         row = data[w]
         owner = {}
-        for s, (seg, tag_len, dom, doc) in enumerate(segments(row)):
-            body = seg[1 + tag_len:].tolist()
+        for s, (seg, tag_len, dom, doc, first) in enumerate(segments(row)):
+            body = seg[1 + tag_len:].tolist() if first else seg.tolist()
             if not body:
                 continue
             unfinished = [k for k, p in pos.items() if p < len(reference[k][0])]
@@ -142,7 +149,7 @@ def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words):
     # every document that started is complete, except the one the budget cut
     incomplete = [k for k, p in pos.items() if p != len(ref[k][0])]
     assert incomplete in ([], [started[-1]])
-    body_tokens = sum(len(seg) - 1 for w in range(len(data)) for seg, _, _, _ in segments(data[w]))
+    body_tokens = sum(len(seg) - 1 for w in range(len(data)) for seg, _, _, _, _ in segments(data[w]))
     assert body_tokens == sum(pos.values())
     assert m["stats"]["documents"] == len(started)
     assert sum(e["tokens"] for e in m["stats"]["domains"].values()) == 12800
@@ -191,7 +198,7 @@ def test_tokenizer_without_bos_anchors_on_eos(tmp_path, tok, words):
     info = data.manifest["tokenizer"]
     assert info["bos_id"] is None and info["anchor_id"] == info["eos_id"] == 2
     for w in range(len(data)):
-        assert all(seg[0] == 2 for seg, _, _, _ in segments(data[w]))
+        assert all(seg[0] == 2 for seg, _, _, _, _ in segments(data[w]))
     _, started = reconstruct(data, reference_tokens(tok, docs))
     assert len(started) > 10
 
@@ -321,6 +328,24 @@ def test_interleaved_chunks_keep_order_and_share_seg_doc(tmp_path, tok, words):
     assert sum(1 for k, p in pos.items() if p == len(ref[k][0])) >= len(started) - 3
     shared = sum(len(set(data[w]["seg_doc"].tolist())) < len(data[w]["seg_doc"]) for w in range(len(data)))
     assert shared > len(data) // 4
+
+
+def test_format_1_store_is_read_without_interleaving_and_rebuilt_with_it(tmp_path, tok, words):
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 40, seed=8, lengths=(3, 60)))
+    for interleaved in (False, True):
+        cfg = cfg_for(tmp_path / str(interleaved), f"data.interleave_chunks={interleaved}", "data.token_budget=1280",
+                      source=src)
+        out = prepare(cfg)
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["format_version"] == 2
+        (out / "manifest.json").write_text(json.dumps(manifest | {"format_version": 1}))
+        if not interleaved:  # the layout without interleaved chunks did not change
+            assert len(open_packed(out)) == 10
+            continue
+        with pytest.raises(UserError, match="format-1 layout .* run 'lctrain prepare' with the same config"):
+            open_packed(out)
+        prepare(cfg)  # rebuilds it
+        assert open_packed(out).manifest["format_version"] == 2
 
 
 def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):

@@ -69,14 +69,16 @@ def test_anchor_mode_is_one_shared_anchor_per_document(model_type, engine):
 
 def test_anchor_mode_interleaved_chunk_sees_its_document_and_one_anchor():
     model = tiny("llama", "anchor")
-    seg_lens, docs = [6, 5, 7], [0, 1, 0]  # the third segment continues document 0
+    seg_lens, docs = [6, 5, 7], [0, 1, 0]  # the third segment continues document 0: bare text (paper Fig. 5, right)
     ids, starts = window(seg_lens, 1)
-    got = packed(model, make_batch(ids, [seg_lens], "anchor", seg_doc=[docs]))
-    # second chunk of doc 0 = its own anchor, then doc 0's earlier body tokens, then its own body
-    chunk = torch.cat([ids[0, 11:12], ids[0, 1:6], ids[0, 12:18]])
-    want = stock(model, chunk, [0] + list(range(1, 6)) + list(range(12, 18)))
-    torch.testing.assert_close(got[12:18], want[6:], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got[11], stock(model, ids[0, 11:12], [0])[0], atol=1e-4, rtol=1e-4)
+    ids[0, 11] = 42
+    got = packed(model, make_batch(ids, [seg_lens], "anchor", seg_doc=[docs], anchor_id=1))
+    # document 0 alone, both chunks: its one anchor at position 0, its text at its window positions
+    doc0 = torch.cat([ids[0, :6], ids[0, 11:18]])
+    want = stock(model, doc0, [0] + list(range(1, 6)) + list(range(11, 18)))
+    torch.testing.assert_close(got[:6], want[:6], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[11:18], want[6:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[6:11], stock(model, ids[0, 6:11], [0, 7, 8, 9, 10]), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
@@ -101,8 +103,9 @@ def test_intra_doc_reset_positions_continue_across_chunks():
     model = tiny("llama", "intra_doc_reset")
     seg_lens, docs = [5, 6, 4], [0, 1, 0]
     ids, _ = window(seg_lens, 1, seed=2)
+    ids[0, 11] = 42  # a later chunk is bare text
     got = packed(model, make_batch(ids, [seg_lens], "intra_doc_reset", seg_doc=[docs]))
-    doc0 = torch.cat([ids[0, :5], ids[0, 11:15]])  # both chunks, second anchor included, positions 0..8
+    doc0 = torch.cat([ids[0, :5], ids[0, 11:15]])  # both chunks, one anchor, positions 0..8
     torch.testing.assert_close(got[11:15], stock(model, doc0, list(range(9)))[5:], atol=1e-4, rtol=1e-4)
 
 

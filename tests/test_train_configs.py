@@ -62,6 +62,15 @@ def test_table5_and_table6_cells():
             assert cfg.data.seq_len == 131072 and cfg.data.domain_tags == MODES[key][1]
 
 
+def test_table5_slimpajama_64k_interleaved_rows():
+    # Table 5, SlimPajama-64K: "Intra-Doc Attention + Interleaved Chunks" and "AnchorAttention + Interleaved Chunks"
+    for key, mode, row in (("intra_doc", "intra_doc", "Intra-Doc Attention"), ("anchor", "anchor", "AnchorAttention")):
+        cfg = load_config(f"llama2_64k_interleaved_{key}")
+        assert cfg.data.interleave_chunks and not cfg.data.domain_tags and cfg.attention.mode == mode
+        assert (cfg.data.seq_len, cfg.data.mixture) == (65536, "slimpajama")
+        assert cfg.description.startswith(f"Table 5: Llama-2-7B, SlimPajama-64K, {row} + Interleaved Chunks")
+
+
 def test_hidden_bases_are_not_listed():
     assert not any(n.startswith("_") for n in bundled_config_names())
     assert {"tiny_anchor", "tiny_full", "tiny_anchor_sp2", "tiny_anchor_zero3"} <= set(bundled_config_names())

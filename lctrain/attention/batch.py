@@ -41,9 +41,12 @@ def make_batch(
     *,
     anchor_id: Optional[int] = None,
 ) -> dict:
-    """Model kwargs for packed windows: `input_ids`, `position_ids`, `labels` (pre-shifted, -100 at each row's last
-    token and before tag tokens), `shift_labels` (the same tensor, so HF's loss does not shift again), all `[B, L]`,
-    and the segment metadata under `lctrain_segments`. With `anchor_id`, checks that every segment starts with it."""
+    """Model kwargs for packed windows: `input_ids`, `position_ids`, `labels` (pre-shifted; -100 at each row's last
+    token, before tag tokens and wherever the next token is not the document's own, see `lctrain.attention.modes`),
+    `shift_labels` (the same tensor, so HF's loss does not shift again), all `[B, L]`, and the segment metadata under
+    `lctrain_segments`. A segment whose `seg_doc` appeared earlier in its row is a later chunk of that document
+    (interleaved chunks) and has no anchor or tag. With `anchor_id`, checks that every document's first segment in
+    a row starts with it."""
     if mode not in MODES:
         raise UserError(f"attention mode '{mode}' is unknown; expected one of {', '.join(MODES)}")
     ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids)
@@ -81,15 +84,20 @@ def make_batch(
         seg_tags.append(tags)
 
     layout = build_layout(B, L, torch.cat(seg_len), torch.cat(seg_row), torch.cat(seg_docs), torch.cat(seg_tags))
+    chunk_tags = torch.nonzero(~layout.seg_head & (layout.seg_tags != 0))
+    if chunk_tags.numel():
+        s = int(chunk_tags[0])
+        raise UserError(f"make_batch: row {int(layout.seg_row[s])}: the segment at token {_column(layout, s, L)} "
+                        f"continues a document of the window (a later chunk: no anchor, no tag) but has tag_lens "
+                        f"{int(layout.seg_tags[s])}; only a document's first segment in a window carries a tag")
     if anchor_id is not None:
         starts = ids.view(-1)[layout.seg_start]
-        bad = torch.nonzero(starts != anchor_id)
+        bad = torch.nonzero(layout.seg_head & (starts != anchor_id))
         if bad.numel():
             s = int(bad[0])
-            row, col = int(layout.seg_row[s]), int(layout.seg_start[s]) - int(layout.seg_row[s]) * L
-            raise UserError(f"make_batch: row {row}: the segment at token {col} starts with token id "
-                            f"{int(starts[s])}, not the anchor id {anchor_id}; re-run `lctrain prepare` with the "
-                            f"tokenizer the model uses")
+            raise UserError(f"make_batch: row {int(layout.seg_row[s])}: the segment at token {_column(layout, s, L)} "
+                            f"starts with token id {int(starts[s])}, not the anchor id {anchor_id}; re-run "
+                            f"`lctrain prepare` with the tokenizer the model uses")
     labels = shifted_labels(ids, layout)
     return {
         "input_ids": ids,
@@ -98,6 +106,10 @@ def make_batch(
         "shift_labels": labels,
         SEGMENTS_KEY: Segments(layout, mode),
     }
+
+
+def _column(layout, s: int, L: int) -> int:
+    return int(layout.seg_start[s]) - int(layout.seg_row[s]) * L
 
 
 def _segment_values(rows, b: int, n: int, name: str, default: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,25 @@
 """Attention modes as pure tensor functions of a packed window's segment layout (DESIGN §3).
 
-A window is a sequence of segments `[anchor] [tag tokens] document tokens`; segments that share a document index are
-chunks of one document (interleaved chunks). Everything here works on the whole batch at once, flattened to `B*L`
-tokens, with vectorised tensor ops: no Python loop over tokens.
+A window is a sequence of segments. A segment that opens its document in the window is `[anchor] [tag tokens]
+document tokens`; segments that share a document index are chunks of one document (interleaved chunks, paper
+Fig. 5), and a document's later chunks in the window are bare document tokens, with no anchor or tag (the packing
+module's docstring draws the layout). Everything here works on the whole batch at once, flattened to `B*L` tokens,
+with vectorised tensor ops: no Python loop over tokens.
 
 Semantics beyond the DESIGN table, decided here:
-- Tags belong to their document: a document's tokens see its tag tokens (and positions count them); only the labels
-  that would predict a tag token are masked.
-- `intra_doc_reset` with interleaved chunks: positions continue across a document's chunks, i.e. a token's position is
-  the number of tokens of its document that come before it in the window (the second chunk's anchor included).
-- `anchor`: every anchor copy sees only itself at position 0. Any other token sees the earlier non-anchor tokens of
-  its document plus exactly one anchor, its own segment's copy. Without interleaving this is the `intra_doc` mask
-  (with anchor positions); with interleaving a later chunk does not see the anchors of the earlier chunks, so each
-  document always sees a single anchor at position 0, as AnchorAttention prescribes.
+- Tags belong to their document: a document's tokens see its tag tokens (and positions count them).
+- A document's tokens in the window are its anchor, tag and text in their original order, chunks included, so in
+  every document mode a token sees its document's earlier chunks and exactly one anchor, the document's own.
+  `anchor`'s mask is therefore the intra-document one; only its positions differ (each document's anchor at 0).
+  Paper §3.3: "the anchor token A serves as the common starting point for all documents"; each copy sees only
+  itself at position 0, so every copy has the same keys and values: one shared anchor.
+- `intra_doc_reset` positions count a document's tokens in the window, so they continue across its chunks.
+- Labels: `labels[t] = input_ids[t+1]` where that is the real next token of token t's document, else -100. It is
+  when t and t+1 belong to the same document (consecutive tokens of one segment, or one chunk's last token and the
+  same document's next chunk right after it), or when t+1 is a document's anchor and t's segment is its document's
+  last in the window: the document ended there (the packer leaves only a window's final segment unfinished, and
+  its last token has no target), and the anchor is what follows a document, as in non-interleaved packing. Tag
+  targets, the row's last token, and any target in another document's chunk or after an unfinished chunk are -100.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ class Layout:
     """The segment layout of a batch of packed windows, flattened over the batch (token t of row b is b*L + t).
 
     Per segment (all rows' segments concatenated in order): `seg_len`, `seg_start` (flat token index), `seg_row`,
-    `seg_doc` (document id unique across the batch), `seg_tags`. Per token: `tok_seg`, `tok_doc`, `tok_anchor`,
-    `tok_tag`.
+    `seg_doc` (document id unique across the batch), `seg_tags`, `seg_head` (the document's first segment in its
+    row, the one that carries the anchor and tag), `seg_last` (the document's last segment in its row). Per token:
+    `tok_seg`, `tok_doc`, `tok_anchor`, `tok_tag`.
     """
 
     batch: int
@@ -41,6 +49,8 @@ class Layout:
     seg_row: torch.Tensor
     seg_doc: torch.Tensor
     seg_tags: torch.Tensor
+    seg_head: torch.Tensor
+    seg_last: torch.Tensor
     tok_seg: torch.Tensor
     tok_doc: torch.Tensor
     tok_anchor: torch.Tensor
@@ -60,12 +70,20 @@ def build_layout(batch: int, length: int, seg_len, seg_row, seg_doc, seg_tags) -
     """Per-token layout from flat per-segment tensors (`seg_doc` is the document index within its row)."""
     seg_len = seg_len.long()
     seg_row = seg_row.long()
+    seg_tags = seg_tags.long()
     seg_start = torch.cumsum(seg_len, 0) - seg_len
     # Documents are numbered across the batch so that rows never share one.
     doc_key = seg_row * (int(seg_doc.max()) + 1 if seg_doc.numel() else 1) + seg_doc.long()
     doc = torch.unique(doc_key, return_inverse=True)[1]
+    order = torch.argsort(doc, stable=True)
+    boundary = doc[order][1:] != doc[order][:-1]
+    seg_head = torch.ones_like(doc, dtype=torch.bool)
+    seg_head[order[1:]] = boundary
+    seg_last = torch.ones_like(doc, dtype=torch.bool)
+    seg_last[order[:-1]] = boundary
     tok_seg = torch.repeat_interleave(torch.arange(seg_len.numel()), seg_len)
     offset = torch.arange(batch * length) - seg_start[tok_seg]
+    head = seg_head[tok_seg]
     return Layout(
         batch=batch,
         length=length,
@@ -73,19 +91,20 @@ def build_layout(batch: int, length: int, seg_len, seg_row, seg_doc, seg_tags) -
         seg_start=seg_start,
         seg_row=seg_row,
         seg_doc=doc,
-        seg_tags=seg_tags.long(),
+        seg_tags=seg_tags,
+        seg_head=seg_head,
+        seg_last=seg_last,
         tok_seg=tok_seg,
         tok_doc=doc[tok_seg],
-        tok_anchor=offset == 0,
-        tok_tag=(offset >= 1) & (offset <= seg_tags.long()[tok_seg]),
+        tok_anchor=head & (offset == 0),
+        tok_tag=head & (offset >= 1) & (offset <= seg_tags[tok_seg]),
     )
 
 
-def earlier_tokens_of_same_doc(layout: Layout, seg_count: torch.Tensor | None = None) -> torch.Tensor:
-    """Per segment: how many tokens of its document come before it in the window, i.e. the sum of `seg_count`
-    (default `seg_len`) over the document's earlier segments."""
+def earlier_tokens_of_same_doc(layout: Layout) -> torch.Tensor:
+    """Per segment: how many tokens of its document come before it in the window (its earlier chunks' lengths)."""
     order = torch.argsort(layout.seg_doc, stable=True)
-    lens = (layout.seg_len if seg_count is None else seg_count)[order]
+    lens = layout.seg_len[order]
     exclusive = torch.cumsum(lens, 0) - lens
     _, counts = torch.unique_consecutive(layout.seg_doc[order], return_counts=True)
     group_first = torch.cumsum(counts, 0) - counts
@@ -112,33 +131,29 @@ def position_ids(layout: Layout, mode: str) -> torch.Tensor:
 
 
 def shifted_labels(input_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """`labels[:, t] = input_ids[:, t+1]`, -100 at each row's last token and wherever the target is a tag token."""
+    """`labels[:, t] = input_ids[:, t+1]` where that is the real next token of t's document (module docstring),
+    -100 elsewhere: at each row's last token, before tag tokens, and across documents except a document's end."""
+    B, L = input_ids.shape
+    doc = layout.tok_doc.view(B, L)
+    ends_doc = layout.seg_last[layout.tok_seg].view(B, L)[:, :-1]
+    nxt_anchor = layout.tok_anchor.view(B, L)[:, 1:]
+    keep = ~layout.tok_tag.view(B, L)[:, 1:] & ((doc[:, 1:] == doc[:, :-1]) | (nxt_anchor & ends_doc))
     labels = torch.full_like(input_ids, IGNORE_INDEX)
-    labels[:, :-1] = input_ids[:, 1:]
-    is_tag = layout.tok_tag.view(input_ids.shape)
-    labels[:, :-1].masked_fill_(is_tag[:, 1:], IGNORE_INDEX)
+    labels[:, :-1] = torch.where(keep, input_ids[:, 1:], IGNORE_INDEX)
     return labels
 
 
 def mask_mod(layout: Layout, mode: str, device=None):
     """The mode's visibility rule as `visible(b, h, q, k)` over `[B, L]` id tensors: FlexAttention's `mask_mod`, and
-    evaluated on broadcast index grids, the dense mask."""
-    B, L = layout.batch, layout.length
-    doc = layout.tok_doc.view(B, L).to(device)
-    seg = layout.tok_seg.view(B, L).to(device)
-    anc = layout.tok_anchor.view(B, L).to(device)
-
+    evaluated on broadcast index grids, the dense mask. The three document modes share one mask (module docstring)."""
     if mode == "full":
         def visible(b, h, q, k):
             return q >= k
-    elif mode in ("intra_doc", "intra_doc_reset"):
+    elif mode in ("intra_doc", "intra_doc_reset", "anchor"):
+        doc = layout.tok_doc.view(layout.batch, layout.length).to(device)
+
         def visible(b, h, q, k):
             return (q >= k) & (doc[b, q] == doc[b, k])
-    elif mode == "anchor":
-        def visible(b, h, q, k):
-            own_anchor = anc[b, k] & (seg[b, q] == seg[b, k])
-            body = ~anc[b, k] & ~anc[b, q] & (doc[b, q] == doc[b, k])
-            return (q >= k) & (own_anchor | body)
     else:
         raise ValueError(f"unknown mode {mode!r}")
     return visible

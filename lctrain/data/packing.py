@@ -3,13 +3,30 @@
 Pure data layout: numpy arrays in, windows out; no files, no tokenizer.
 
 Decisions the design leaves open:
-- A document that does not fit continues in the next window after a fresh anchor *and its domain tag again*, so
-  every segment has the same `[anchor] + [tag] + text` shape and `tag_lens` is the tag length everywhere.
+- A document that does not fit continues in the next window after a fresh anchor *and its domain tag again*, so a
+  document's first segment in every window has the same `[anchor] + [tag] + text` shape.
 - When the room left in a window cannot hold the anchor, the tag and one document token, the window ends with a
   short segment holding the next document's anchor (and as much of its tag as fits); the document itself starts in
   the next window. Rows stay exactly `seq_len` long with no padding and no document token is lost.
 - `seg_doc` numbers the documents of a window 0, 1, ... in order of first appearance; only interleaved chunks give
   two segments of a window the same number.
+
+Interleaved chunks (paper §5.2, Fig. 5: "Documents are segmented into multiple chunks at random split points,
+shuffled, and recombined into new sequences, with the original order of chunks within each document preserved"):
+each full window is packed as above, then the text of each of its segments is split at random points into 2 or 3
+chunks and all chunks of the window are shuffled, each document's chunks keeping their order (the paper's code does
+this per packed window too). Only a document's first chunk carries the anchor and tag; its later chunks are bare
+text with the same `seg_doc` and `tag_lens` 0, so no anchor or tag ever sits inside a document. When the window's
+last document continues in the next window, its last chunk stays last: every other document ends in the window,
+which is what the label rule of `lctrain.attention.modes` relies on. A window of documents a, b, c (tag T, c goes on
+in the next window after a fresh anchor):
+
+    packed        A T a1 a2 a3 a4 | A T b1 b2 b3 | A T c1 c2
+    interleaved   A T a1 a2 | A T b1 | a3 a4 | A T c1 | b2 b3 | c2        seg_doc 0 1 0 2 1 2, tag_lens 1 1 0 1 0 0
+
+What each mode then sees (DESIGN §3), e.g. for a3: `full` every earlier token; `intra_doc` A T a1 a2 a3, positions
+0..L-1; `intra_doc_reset` the same, a's positions 0..5 running on across its chunks; `anchor` the same tokens with
+every anchor at position 0, so each document sees one anchor, its own, at position 0.
 """
 
 from __future__ import annotations
@@ -22,41 +39,29 @@ from lctrain.data.store import Window
 
 
 @dataclass
-class Piece:
-    """A run of one document's tokens to be packed as one segment (several segments if it crosses windows)."""
-
-    tokens: np.ndarray
-    doc_key: int  # global document number; the chunks of one document share it
-    domain: int
-    doc_start: bool = True  # whether `tokens` begins the document (for document counts)
-    doc_len: int = -1  # the whole document's length, for statistics (-1: the piece's own)
-
-
-@dataclass
 class PackedWindow:
     window: Window
     doc_starts: list[tuple[int, int]]  # (domain, document length) for each document that begins in this window
 
 
 class Packer:
-    """Fills windows of `seq_len` tokens with segments `[anchor] + tag(domain) + tokens`."""
+    """Fills windows of `seq_len` tokens with segments `[anchor] + tag(domain) + tokens`; with `chunk_rng`, each
+    full window's segments are then cut into interleaved chunks (module docstring)."""
 
-    def __init__(self, seq_len: int, anchor_id: int, tags: dict[int, np.ndarray] | None = None):
+    def __init__(self, seq_len: int, anchor_id: int, tags: dict[int, np.ndarray] | None = None,
+                 chunk_rng: np.random.Generator | None = None):
         self.seq_len = seq_len
         self._headers = {}
         self._anchor = np.array([anchor_id], dtype=np.int32)
         self._tags = {d: np.asarray(t, dtype=np.int32) for d, t in (tags or {}).items()}
+        self._chunk_rng = chunk_rng
         longest = max((len(t) for t in self._tags.values()), default=0)
         if seq_len < longest + 2:
             raise ValueError(f"seq_len {seq_len} cannot hold an anchor, a {longest}-token tag and one token")
         self._reset()
 
     def _reset(self):
-        self._parts: list[np.ndarray] = []
-        self._seg_lens: list[int] = []
-        self._seg_keys: list[int] = []
-        self._seg_domain: list[int] = []
-        self._tag_lens: list[int] = []
+        self._segments: list[tuple[np.ndarray, np.ndarray, int]] = []  # (header, text, domain)
         self._starts: list[tuple[int, int]] = []
         self._filled = 0
 
@@ -72,53 +77,57 @@ class Packer:
         """Tokens in the window being filled (lost if the stream ends before it is full)."""
         return self._filled
 
-    def _segment(self, header: np.ndarray, body: np.ndarray | None, key: int, domain: int):
-        self._parts.append(header)
-        n = len(header)
-        if body is not None and len(body):
-            self._parts.append(body)
-            n += len(body)
-        self._seg_lens.append(n)
-        self._seg_keys.append(key)
-        self._seg_domain.append(domain)
-        self._tag_lens.append(len(header) - 1)
-        self._filled += n
+    def _interleaved(self, open_end: bool) -> list[tuple[np.ndarray, np.ndarray, int, int]]:
+        """The window's segments as shuffled chunks `(header or empty, text, domain, segment index)`."""
+        rng = self._chunk_rng
+        chunks = [split_into_chunks(text, rng) if len(text) else [text] for _, text, _ in self._segments]
+        order = np.repeat(np.arange(len(chunks)), [len(c) for c in chunks])
+        if open_end:  # the last document goes on in the next window: its last chunk keeps the window's end
+            rng.shuffle(order[:-1])
+        else:
+            rng.shuffle(order)
+        nothing = self._anchor[:0]
+        taken = [0] * len(chunks)
+        out = []
+        for s in order.tolist():
+            header, _, domain = self._segments[s]
+            j = taken[s]
+            taken[s] += 1
+            out.append((header if j == 0 else nothing, chunks[s][j], domain, s))
+        return out
 
-    def _emit(self) -> PackedWindow:
-        ids = np.concatenate(self._parts)
+    def _emit(self, open_end: bool) -> PackedWindow:
+        if self._chunk_rng is None:
+            segs = [(h, t, dom, s) for s, (h, t, dom) in enumerate(self._segments)]
+        else:
+            segs = self._interleaved(open_end)
         relabel: dict[int, int] = {}
-        seg_doc = [relabel.setdefault(k, len(relabel)) for k in self._seg_keys]
         w = Window(
-            input_ids=ids,
-            seg_lens=np.array(self._seg_lens, dtype=np.int32),
-            seg_doc=np.array(seg_doc, dtype=np.int32),
-            seg_domain=np.array(self._seg_domain, dtype=np.int8),
-            tag_lens=np.array(self._tag_lens, dtype=np.int32),
+            input_ids=np.concatenate([p for h, t, _, _ in segs for p in (h, t)]),
+            seg_lens=np.array([len(h) + len(t) for h, t, _, _ in segs], dtype=np.int32),
+            seg_doc=np.array([relabel.setdefault(s, len(relabel)) for _, _, _, s in segs], dtype=np.int32),
+            seg_domain=np.array([dom for _, _, dom, _ in segs], dtype=np.int8),
+            tag_lens=np.array([max(len(h) - 1, 0) for h, _, _, _ in segs], dtype=np.int32),
         )
         out = PackedWindow(w, self._starts)
         self._reset()
         return out
 
-    def add(self, piece: Piece) -> list[PackedWindow]:
-        """Pack one piece; return the windows it completed (possibly none, possibly several)."""
+    def add(self, tokens: np.ndarray, domain: int) -> list[PackedWindow]:
+        """Pack one document; return the windows it completed (possibly none, possibly several)."""
         out = []
-        header = self._header(piece.domain)
-        tokens = piece.tokens
+        header = self._header(domain)
         pos, n = 0, len(tokens)
-        started = not piece.doc_start
         while pos < n:
             room = self.seq_len - self._filled
-            if room < len(header) + 1:
-                self._segment(header[:room], None, piece.doc_key, piece.domain)
-            else:
-                take = min(room - len(header), n - pos)
-                self._segment(header, tokens[pos:pos + take], piece.doc_key, piece.domain)
-                if not started:
-                    self._starts.append((piece.domain, piece.doc_len if piece.doc_len >= 0 else n))
-                    started = True
-                pos += take
+            take = max(0, min(room - len(header), n - pos))
+            self._segments.append((header[:room], tokens[pos:pos + take], domain))
+            self._filled += min(room, len(header)) + take
+            if take and pos == 0:
+                self._starts.append((domain, n))
+            pos += take
             if self._filled == self.seq_len:
-                out.append(self._emit())
+                out.append(self._emit(open_end=pos < n))
         return out
 
 
@@ -164,19 +173,3 @@ def split_into_chunks(tokens: np.ndarray, rng: np.random.Generator) -> list[np.n
         return [tokens]
     cuts = np.sort(rng.choice(np.arange(1, n), size=k - 1, replace=False))
     return np.split(tokens, cuts)
-
-
-def interleave(docs: list[tuple[np.ndarray, int, int]], rng: np.random.Generator) -> list[Piece]:
-    """Paper Fig. 5: split each `(tokens, domain, doc_key)` into chunks and shuffle all chunks of the group, keeping
-    each document's chunks in their original order."""
-    chunked = [split_into_chunks(t, rng) for t, _, _ in docs]
-    order = np.repeat(np.arange(len(docs)), [len(c) for c in chunked])
-    rng.shuffle(order)
-    next_chunk = [0] * len(docs)
-    pieces = []
-    for d in order.tolist():
-        tokens, domain, key = docs[d]
-        j = next_chunk[d]
-        next_chunk[d] += 1
-        pieces.append(Piece(chunked[d][j], key, domain, doc_start=(j == 0), doc_len=len(tokens)))
-    return pieces

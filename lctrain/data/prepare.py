@@ -3,7 +3,7 @@
 The pipeline is a stream with bounded memory whatever the token budget:
 
     source batches -> workers (parse, tokenize; results in submission order) -> skip/filter -> shuffle buffer
-    -> mixture -> (interleaved chunks) -> packer -> Arrow shards
+    -> mixture -> packer (-> interleaved chunks within each window) -> Arrow shards
 
 Everything after the workers runs in this process with seeded generators, so the output is byte-identical for a
 given config whatever the number of workers. The dataset is built in a hidden sibling directory and renamed into
@@ -28,7 +28,7 @@ from lctrain import __version__
 from lctrain.config import DOMAINS, Config, config_fingerprint, data_dir, data_fingerprint, write_resolved
 from lctrain.data import encode
 from lctrain.data.mixture import Mixture
-from lctrain.data.packing import Packer, Piece, ShuffleBuffer, interleave
+from lctrain.data.packing import Packer, ShuffleBuffer
 from lctrain.data.sources import describe_source, hub_batches, local_batches, resolve_local_files, synthetic_batches
 from lctrain.data.stats import DatasetStats, render
 from lctrain.data.store import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, write_manifest
@@ -99,23 +99,18 @@ class _Builder:
 
     def __init__(self, cfg: Config, anchor_id: int, tags: dict[int, np.ndarray] | None, out: Path):
         d = cfg.data
-        self.seq_len = d.seq_len
         self.num_windows = d.token_budget // d.seq_len
-        self.interleave = d.interleave_chunks
         shuffle_seed, mix_seed, chunk_seed = np.random.SeedSequence(d.seed).spawn(3)
         # a buffer larger than the dataset shuffles no better and only delays the first window
         buffer_tokens = min(d.shuffle_buffer_tokens, self.num_windows * d.seq_len)
         self.buffer = ShuffleBuffer(buffer_tokens, np.random.default_rng(shuffle_seed))
         self.mixture = Mixture(d.mixture, self.num_windows * d.seq_len, d.short_doc_tokens,
                                d.down_sample_ratio, np.random.default_rng(mix_seed))
-        self.chunk_rng = np.random.default_rng(chunk_seed)
         self.tag_len = {i: len(tags[i]) if tags else 0 for i in range(len(DOMAINS))}
-        self.packer = Packer(d.seq_len, anchor_id, tags)
+        self.packer = Packer(d.seq_len, anchor_id, tags,
+                             chunk_rng=np.random.default_rng(chunk_seed) if d.interleave_chunks else None)
         self.writer = ShardWriter(out, d.seq_len, shard_windows=max(1, SHARD_TOKENS // d.seq_len))
         self.stats = DatasetStats()
-        self.next_key = 0
-        self.group: list[tuple[np.ndarray, int, int]] = []
-        self.group_tokens = 0
 
     @property
     def done(self) -> bool:
@@ -126,29 +121,11 @@ class _Builder:
         size = 1 + self.tag_len[domain] + len(tokens)
         if self.done or not self.mixture.admit(domain, len(tokens), size):
             return
-        key, self.next_key = self.next_key, self.next_key + 1
-        if not self.interleave:
-            self._pack([Piece(tokens, key, domain, doc_len=len(tokens))])
-            return
-        self.group.append((tokens, domain, key))
-        self.group_tokens += size
-        if self.group_tokens >= self.seq_len:
-            self.flush_group()
-
-    def flush_group(self) -> None:
-        """Interleave the chunks of the documents gathered for about one window."""
-        if self.group:
-            pieces = interleave(self.group, self.chunk_rng)
-            self.group, self.group_tokens = [], 0
-            self._pack(pieces)
-
-    def _pack(self, pieces: list[Piece]) -> None:
-        for piece in pieces:
-            for pw in self.packer.add(piece):
-                if self.done:
-                    return
-                self.stats.add(pw)
-                self.writer.add(pw.window)
+        for pw in self.packer.add(tokens, domain):
+            if self.done:
+                return
+            self.stats.add(pw)
+            self.writer.add(pw.window)
 
 
 class _Skips:
@@ -378,7 +355,6 @@ def _read(d, builder: _Builder, batches, tok, workers: int, console) -> dict:
         if exhausted:
             for item in builder.buffer.drain():
                 builder.take(*item)
-            builder.flush_group()
             exhausted = not builder.done
         bar.update(task, completed=builder.writer.num_windows * d.seq_len)
     return {"skipped": skips.to_dict(), "records": records, "documents": documents, "tokens": tokens,

@@ -17,7 +17,9 @@ import pyarrow as pa
 
 from lctrain.errors import UserError
 
-FORMAT_VERSION = 1
+# 2: an interleaved document's later chunks in a window carry no anchor or tag (version 1 repeated both on every
+# chunk). Nothing else changed, so a version-1 dataset without interleaved chunks is read as it is.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 DATA_SUBDIR = "data"
 _COLUMN_DTYPES = {"input_ids": np.int32, "seg_lens": np.int32, "seg_doc": np.int32, "seg_domain": np.int8,
@@ -147,10 +149,21 @@ def damaged_shards(path: Path, manifest: dict) -> list[str]:
     return bad
 
 
+def outdated(manifest: dict) -> str | None:
+    """Why this lctrain cannot read a dataset of the manifest's format version, or None when it can."""
+    version = manifest.get("format_version")
+    if version == FORMAT_VERSION or (version == 1 and not manifest.get("interleave_chunks")):
+        return None
+    if version == 1:
+        return "its interleaved chunks are in the format-1 layout (an anchor and tag on every chunk)"
+    return f"dataset format version {version} is not {FORMAT_VERSION}"
+
+
 def read_manifest(path: Path) -> dict | None:
-    """The manifest of a complete, undamaged dataset at `path`, or None (none, incomplete, or damaged)."""
+    """The manifest of a complete, undamaged dataset at `path` that this lctrain reads, or None (none, incomplete,
+    damaged, or of an outdated format: `prepare` rebuilds all of these)."""
     manifest = _complete_manifest(path)
-    if manifest is None or damaged_shards(path, manifest):
+    if manifest is None or damaged_shards(path, manifest) or outdated(manifest):
         return None
     return manifest
 
@@ -195,9 +208,9 @@ def open_packed(path) -> PackedData:
     if bad:
         raise UserError(f"{path}: the prepared dataset is damaged ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); "
                         f"run 'lctrain prepare' with the same config to rebuild it")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{path}: dataset format version {manifest.get('format_version')} is not "
-                        f"{FORMAT_VERSION}; run 'lctrain prepare --force' to rebuild it")
+    reason = outdated(manifest)
+    if reason:
+        raise UserError(f"{path}: {reason}; run 'lctrain prepare' with the same config to rebuild it")
     if manifest["num_windows"] == 0 or not manifest.get("shards"):
         raise UserError(f"{path}: the prepared dataset holds no windows; use a larger corpus or a smaller "
                         f"data.seq_len and run 'lctrain prepare --force'")

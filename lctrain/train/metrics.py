@@ -47,23 +47,14 @@ def dense_params(lm) -> int:
 
 
 def visible_pairs(seg_lens, seg_doc, mode: str, seq_len: int) -> int:
-    """Number of (query, key) pairs the mode's causal mask keeps in one window (DESIGN §3)."""
+    """Number of (query, key) pairs the mode's causal mask keeps in one window (DESIGN §3). The document modes share
+    one mask: each token sees the earlier tokens of its document, chunks of an interleaved document included."""
     if mode == "full":
         return seq_len * (seq_len + 1) // 2
     tokens: dict[int, int] = {}
-    segments: dict[int, int] = {}
     for n, d in zip(np.asarray(seg_lens).tolist(), np.asarray(seg_doc).tolist()):
         tokens[d] = tokens.get(d, 0) + n
-        segments[d] = segments.get(d, 0) + 1
-    if mode != "anchor":
-        return sum(t * (t + 1) // 2 for t in tokens.values())
-    # anchor: each segment's anchor sees itself; each other token sees its anchor and the earlier non-anchor
-    # tokens of its document (chunks of an interleaved document included)
-    pairs = 0
-    for d, t in tokens.items():
-        body = t - segments[d]
-        pairs += segments[d] + body + body * (body + 1) // 2
-    return pairs
+    return sum(t * (t + 1) // 2 for t in tokens.values())
 
 
 def attention_flops(pairs: int, width: int) -> float:
