@@ -143,16 +143,14 @@ def _make_lm_class():
             return out
 
         def _greedy(self, ids: list[int], max_new: int, stops: list[str]) -> str:
-            from transformers import GenerationConfig
+            from lctrain.eval.generation import greedy_ids, plan_for
 
-            x = torch.tensor([ids], device=self.model.device)
-            eos = self.eot_token_id
-            gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, num_beams=1, use_cache=True,
-                                   eos_token_id=eos, pad_token_id=eos, stop_strings=stops or None)
-            with torch.inference_mode():
-                y = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen,
-                                        tokenizer=self.tokenizer)
-            return self.tokenizer.decode(y[0, len(ids):], skip_special_tokens=True)
+            def decode(new: list[int]) -> str:
+                return self.tokenizer.decode(new, skip_special_tokens=True)
+
+            new = greedy_ids(self.model, ids, max_new, plan_for(self.model, len(ids) + max_new),
+                             eos=self.eot_token_id, stop=(lambda n: any(s in decode(n) for s in stops)) if stops else None)
+            return decode(new)
 
     return CheckpointLM
 
