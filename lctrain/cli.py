@@ -120,11 +120,25 @@ def eval_(
     out: Annotated[Optional[str], typer.Option(help="output directory; default TARGET/eval")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda, cpu or auto")] = None,
     ppl_data: Annotated[Optional[str], typer.Option(help="prepared dataset to score perplexity on; default the run's held-out windows")] = None,
+    harness: Annotated[Optional[str], typer.Option(help="run lm-evaluation-harness tasks instead, e.g. longbench,hellaswag,mmlu (Table 7; needs lctrain[harness])")] = None,
+    harness_tasks: Annotated[Optional[str], typer.Option(help="directory of extra harness task YAML files")] = None,
+    harness_fewshot: Annotated[Optional[int], typer.Option(help="few-shot examples per harness task; default the task's own")] = None,
+    harness_limit: Annotated[Optional[float], typer.Option(help="harness documents per task (a count, or a fraction < 1)")] = None,
+    harness_max_len: Annotated[Optional[int], typer.Option(help="longest harness input in tokens; default data.seq_len")] = None,
+    harness_batch: Annotated[int, typer.Option(help="log-likelihood requests per forward pass")] = 1,
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ):
     """RULER-style long-context scores per checkpoint and averaged over checkpoints, plus held-out perplexity:
-    a table, results.json, predictions.jsonl and ruler.png."""
+    a table, results.json, predictions.jsonl and ruler.png. With --harness: lm-evaluation-harness tasks instead
+    (harness.json)."""
+    if harness is not None:
+        from lctrain.eval.harness import HarnessSettings, evaluate_harness
+
+        settings = HarnessSettings([t.strip() for t in harness.split(",") if t.strip()], harness_tasks,
+                                   harness_fewshot, harness_limit, harness_max_len, harness_batch)
+        evaluate_harness(target, settings, config=config, overrides=list(set_ or []), out=out, device=device)
+        return
     from lctrain.eval.runner import evaluate
 
     evaluate(target, config=config, overrides=list(set_ or []), lengths=lengths, tasks=tasks, exclude=exclude,

@@ -1,0 +1,160 @@
+"""Greedy generation after a long prompt, planned to fit in memory: the one generation path of `lctrain eval`.
+
+At the paper's lengths the KV cache, not the weights, decides what fits. For Llama-2-7B (32 layers, 32 KV heads of
+128 dimensions, bf16) one prompt token holds 32 x 2 x 4096 x 2 bytes = 512 KiB of cache, so a 128K prompt holds
+64 GiB of cache beside 13.5 GB of weights: more than an 80 GB GPU has once the prefill's activations are added.
+Two measures bound the device memory:
+
+- **chunked prefill**: the prompt goes through the model `prefill_chunk` tokens at a time, appending to the cache,
+  so activations scale with the chunk, not the prompt, and only the last position's logits are computed;
+- **offloaded cache** (when the whole cache does not fit on the device): transformers' `DynamicCache(offloading=True)`
+  keeps the cache in host memory and brings one layer's keys and values to the device while the next is prefetched,
+  so the device holds two layers' cache instead of all of them, at the price of host-device copies per layer.
+
+Device memory for a prompt of T tokens plus N generated ones (`plan_generation`): weights, plus the cache of T + N
+tokens (all layers on the device, or two layers with offloading), plus the activations of one prefill chunk of c
+tokens (q, k, v and output projections, the MLP's gate, up and product, and the c x (T + N) attention mask). If even
+the offloaded plan does not fit, `lctrain eval` stops before generating, saying the longest prompt that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from lctrain.errors import UserError
+
+PREFILL_CHUNK = 8192
+# what the plan leaves free for the allocator's fragmentation and the kernels' own workspaces
+HEADROOM = 0.10
+
+
+def _dims(config) -> tuple[int, int, int, int, int]:
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, heads, kv_heads, head_dim, config.intermediate_size
+
+
+def kv_cache_bytes(config, tokens: int, dtype_bytes: int, layers: int | None = None) -> int:
+    """Keys and values of `tokens` positions in `layers` layers (default all)."""
+    n_layers, _, kv_heads, head_dim, _ = _dims(config)
+    return (n_layers if layers is None else layers) * 2 * kv_heads * head_dim * tokens * dtype_bytes
+
+
+def prefill_activation_bytes(config, chunk: int, context: int, dtype_bytes: int) -> int:
+    """Peak activations of one decoder layer for a chunk of `chunk` new tokens attending to `context` positions."""
+    _, heads, kv_heads, head_dim, inter = _dims(config)
+    projections = chunk * (2 * heads + 2 * kv_heads) * head_dim * dtype_bytes  # q, k, v, attention output
+    mlp = 3 * chunk * inter * dtype_bytes  # gate, up and their product live together
+    hidden = 2 * chunk * config.hidden_size * dtype_bytes  # the residual stream and the normed input
+    mask = chunk * context  # boolean mask of the chunk's queries over the cache
+    return projections + mlp + hidden + mask + config.vocab_size * 4  # last position's fp32 logits
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    offload: bool
+    prefill_chunk: int
+    tokens: int
+    device_bytes: int  # what the plan needs on the device beside the weights
+    host_bytes: int  # what it needs in host memory (the offloaded cache)
+    available_bytes: int
+
+    def describe(self) -> str:
+        where = "KV cache offloaded to host memory" if self.offload else "KV cache on the device"
+        gb = 1e9
+        return (f"{self.tokens} tokens: {where}, prefill in chunks of {self.prefill_chunk}; "
+                f"{self.device_bytes / gb:.1f} GB on the device beside the weights "
+                f"(of {self.available_bytes / gb:.1f} GB free)"
+                + (f", {self.host_bytes / gb:.1f} GB in host memory" if self.offload else ""))
+
+
+def _needs(config, tokens: int, chunk: int, dtype_bytes: int, offload: bool) -> tuple[int, int]:
+    cache = kv_cache_bytes(config, tokens, dtype_bytes)
+    act = prefill_activation_bytes(config, min(chunk, tokens), tokens, dtype_bytes)
+    if offload:
+        return kv_cache_bytes(config, tokens, dtype_bytes, layers=2) + act, cache
+    return cache + act, 0
+
+
+def plan_generation(config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None,
+                    prefill_chunk: int = PREFILL_CHUNK) -> GenerationPlan:
+    """The cheapest plan that fits `tokens` (prompt + generated) into `device_free` bytes beside the weights;
+    `host_free` None means the device is the host (CPU), where offloading saves nothing."""
+    usable = int(device_free * (1 - HEADROOM))
+    options = [False] if host_free is None else [False, True]
+    for offload in options:
+        device, host = _needs(config, tokens, prefill_chunk, dtype_bytes, offload)
+        if device <= usable and (not offload or host <= host_free * (1 - HEADROOM)):
+            return GenerationPlan(offload, prefill_chunk, tokens, device, host, device_free)
+    longest = _longest_fitting(config, dtype_bytes, usable, host_free, prefill_chunk)
+    need, _ = _needs(config, tokens, prefill_chunk, dtype_bytes, options[-1])
+    raise UserError(f"a {tokens}-token prompt needs {need / 1e9:.1f} GB beside the weights for generation "
+                    f"(KV cache{' offloaded to host memory' if options[-1] else ''} and one prefill chunk), but "
+                    f"{device_free / 1e9:.1f} GB are free; the longest that fits here is {longest} tokens: "
+                    f"evaluate shorter lengths (--lengths) or on a device with more memory")
+
+
+def _longest_fitting(config, dtype_bytes: int, usable: int, host_free: int | None, chunk: int) -> int:
+    def fits(n: int) -> bool:
+        for offload in ([False] if host_free is None else [False, True]):
+            device, host = _needs(config, n, chunk, dtype_bytes, offload)
+            if device <= usable and (not offload or host <= host_free * (1 - HEADROOM)):
+                return True
+        return False
+
+    lo, hi = 0, 1
+    while fits(hi) and hi < 1 << 26:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def free_memory(device) -> tuple[int, int | None]:
+    """(bytes free on `device`, bytes free in host memory or None when the device is the host)."""
+    import psutil
+    import torch
+
+    host = psutil.virtual_memory().available
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, host
+    return host, None
+
+
+def plan_for(model, tokens: int) -> GenerationPlan:
+    """The plan for `tokens` on the model's own device and dtype."""
+    free, host = free_memory(model.device)
+    return plan_generation(model.config, tokens, model.dtype.itemsize, free, host)
+
+
+def greedy_ids(model, ids: list[int], max_new: int, plan: GenerationPlan, *, eos: int | None = None,
+               stop: Callable[[list[int]], bool] | None = None) -> list[int]:
+    """Greedy continuation of `ids` under `plan`: up to `max_new` tokens, ending after `eos` or once `stop(new ids)`
+    is true (the stop strings of a task)."""
+    import torch
+    from transformers import DynamicCache
+
+    if not ids or max_new < 1:
+        raise ValueError("greedy generation needs a prompt token and room for at least one new token")
+    if plan.offload and model.device.type != "cuda":
+        raise ValueError("an offloaded KV cache streams layers to a CUDA device; on the host it saves nothing")
+    cache = DynamicCache(config=model.config, offloading=plan.offload)
+    x = torch.tensor([ids], device=model.device)
+    new: list[int] = []
+    with torch.inference_mode():
+        for start in range(0, len(ids), plan.prefill_chunk):
+            out = model(input_ids=x[:, start:start + plan.prefill_chunk], past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+        while True:
+            nxt = int(out.logits[0, -1].argmax())
+            new.append(nxt)
+            if len(new) >= max_new or nxt == eos or (stop is not None and stop(new)):
+                break
+            out = model(input_ids=torch.tensor([[nxt]], device=model.device), past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+    return new

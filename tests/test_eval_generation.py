@@ -1,0 +1,104 @@
+"""Long-prompt generation (lctrain.eval.generation): chunked prefill and the offloaded cache give the tokens of
+transformers' own greedy `generate`; the memory plan against the paper's worked numbers for Llama-2-7B and a
+hand count of the cache; a prompt that cannot fit fails in one line naming the longest that does."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from lctrain.errors import UserError
+from lctrain.eval.generation import (
+    GenerationPlan,
+    greedy_ids,
+    kv_cache_bytes,
+    plan_generation,
+)
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                               max_position_embeddings=512)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def hf_greedy(model, ids, max_new):
+    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, num_beams=1, use_cache=True, eos_token_id=None,
+                           pad_token_id=0)
+    x = torch.tensor([ids], device=model.device)
+    with torch.no_grad():
+        return model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen)[0, len(ids):].tolist()
+
+
+def check_equals_generate(model, chunk, offload):
+    ids = torch.randint(3, 256, (50,), generator=torch.Generator().manual_seed(1)).tolist()
+    plan = GenerationPlan(offload=offload, prefill_chunk=chunk, tokens=62, device_bytes=0, host_bytes=0,
+                          available_bytes=0)
+    assert greedy_ids(model, ids, 12, plan) == hf_greedy(model, ids, 12)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_equals_generate(tiny, chunk):
+    check_equals_generate(tiny, chunk, offload=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the offloaded cache streams layers to a CUDA device")
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_offloaded_cache_equals_generate_on_gpu(tiny, chunk):
+    check_equals_generate(tiny.to("cuda"), chunk, offload=True)
+    tiny.to("cpu")
+
+
+def test_generation_stops_at_eos_and_stop_condition(tiny):
+    ids = list(range(10, 40))
+    plan = GenerationPlan(False, 8, 50, 0, 0, 0)
+    full = greedy_ids(tiny, ids, 10, plan)
+    assert greedy_ids(tiny, ids, 10, plan, eos=full[3]) == full[:full.index(full[3]) + 1]
+    assert greedy_ids(tiny, ids, 10, plan, stop=lambda new: len(new) == 4) == full[:4]
+    with pytest.raises(ValueError):
+        greedy_ids(tiny, [], 4, plan)
+
+
+LLAMA2_7B = AutoConfig.for_model("llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+
+
+def test_kv_cache_of_llama2_7b_at_128k():
+    # 32 layers x (k, v) x 32 heads x 128 dims x 2 bytes per token: 512 KiB, 64 GiB for 128K tokens
+    per_token = 0
+    for _layer in range(32):
+        for _kv in range(2):
+            per_token += 32 * 128 * 2
+    assert kv_cache_bytes(LLAMA2_7B, 1, 2) == per_token == 512 * 1024
+    assert kv_cache_bytes(LLAMA2_7B, 131072, 2) == 64 * GIB
+    assert kv_cache_bytes(LLAMA2_7B, 131072, 2, layers=2) == 4 * GIB
+
+
+def test_plan_llama2_7b_on_an_80gb_gpu():
+    weights = 13.5e9
+    free = int(80e9 - weights)
+    # 64K: the 32 GiB cache fits beside the weights
+    assert plan_generation(LLAMA2_7B, 65536 + 128, 2, free, host_free=200 * GIB).offload is False
+    # 128K: 64 GiB of cache does not fit in the 66.5 GB left; offloaded it needs two layers' worth on the device
+    plan = plan_generation(LLAMA2_7B, 131072 + 128, 2, free, host_free=200 * GIB)
+    assert plan.offload and plan.host_bytes == kv_cache_bytes(LLAMA2_7B, 131072 + 128, 2)
+    assert plan.device_bytes < 10e9 and "offloaded" in plan.describe()
+    # and without the host memory for the offloaded cache it cannot run at all
+    with pytest.raises(UserError, match=r"longest that fits here is \d+ tokens") as e:
+        plan_generation(LLAMA2_7B, 131072 + 128, 2, free, host_free=32 * GIB)
+    longest = int(str(e.value).split("longest that fits here is ")[1].split()[0])
+    assert 100_000 < longest < 131072
+    assert plan_generation(LLAMA2_7B, longest, 2, free, host_free=32 * GIB)
+    with pytest.raises(UserError):
+        plan_generation(LLAMA2_7B, longest + 1, 2, free, host_free=32 * GIB)
+
+
+def test_cpu_plan_never_offloads():
+    with pytest.raises(UserError, match="longest that fits"):
+        plan_generation(LLAMA2_7B, 131072, 4, 64 * GIB, host_free=None)
+    assert plan_generation(LLAMA2_7B, 8192, 4, 64 * GIB, host_free=None).offload is False

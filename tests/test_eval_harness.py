@@ -1,0 +1,235 @@
+"""`lctrain eval --harness` (the paper's Table 7 through lm-evaluation-harness), offline: two tiny task definitions
+with local data (a multiple-choice task scored by log-likelihood, a generation task with a stop string) on a run
+with two tiny checkpoints. References: log-likelihoods from a plain full-sequence forward and log_softmax, greedy
+text from a token-by-token argmax loop without a KV cache, and the checkpoint average recomputed by hand."""
+
+import json
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import load_config, write_resolved
+from lctrain.errors import UserError
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from lctrain.eval.harness import (  # noqa: E402
+    HarnessSettings,
+    average_over_checkpoints,
+    checkpoint_lm,
+    numeric_metrics,
+    resolve_tasks,
+    run_harness,
+)
+from lctrain.eval.runner import load_model, resolve_target  # noqa: E402
+from lctrain.tokenizer import load_tokenizer  # noqa: E402
+
+TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
+        "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "data.seq_len=128"]
+STEPS = (10, 20)
+MC_DOCS = [
+    {"question": "The sky on a clear day is", "choices": [" blue", " green", " made of cheese"], "label": 0},
+    {"question": "Two plus two equals", "choices": [" four", " five"], "label": 0},
+    {"question": "Water freezes at zero degrees", "choices": [" Celsius", " Fahrenheit", " Kelvin"], "label": 0},
+    {"question": "Paris is the capital of", "choices": [" France", " Spain"], "label": 0},
+]
+GEN_DOCS = [{"prompt": f"Repeat the word {w}:", "answer": w} for w in ("apple", "river", "stone")]
+
+
+def write_tasks(root):
+    (root / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
+    (root / "gen.jsonl").write_text("".join(json.dumps(d) + "\n" for d in GEN_DOCS))
+    (root / "tiny_mc.yaml").write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {root / 'mc.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - metric: acc
+""")
+    (root / "tiny_gen.yaml").write_text(f"""task: tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {root / 'gen.jsonl'}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: answer
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+    return root
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from lctrain.model import build_model
+
+    root = tmp_path_factory.mktemp("harness")
+    run = root / "run"
+    cfg = load_config(None, TINY + [f"train.run_dir={run}"])
+    write_resolved(cfg, run)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    for step in STEPS:
+        cfg.seed = step
+        model = build_model(cfg, vocab_size=len(tok))
+        model.save_pretrained(run / "hf" / f"step_{step}")
+        tok.save_pretrained(run / "hf" / f"step_{step}")
+    write_tasks(root)
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny(run_dir):
+    tok = load_tokenizer(load_config(str(run_dir / "config.yaml")).data.tokenizer)
+    return load_model(run_dir / "hf" / f"step_{STEPS[0]}", "cpu"), tok
+
+
+class Req:
+    def __init__(self, *args):
+        self.args = args
+
+
+def reference_logprob(model, ids: list[int], n_cont: int) -> tuple[float, bool]:
+    """log P of the last n_cont ids given the ones before, from one forward over the whole sequence."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    total, greedy = 0.0, True
+    for pos in range(len(ids) - n_cont, len(ids)):
+        logp = torch.log_softmax(logits[pos - 1], dim=-1)
+        total += float(logp[ids[pos]])
+        greedy &= int(logp.argmax()) == ids[pos]
+    return total, greedy
+
+
+def reference_greedy(model, tok, ids: list[int], max_new: int, stops: list[str]) -> str:
+    ids = list(ids)
+    start = len(ids)
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt == tok.eos_token_id:
+                break
+    text = tok.decode(ids[start:], skip_special_tokens=True)
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+def test_loglikelihood_matches_a_plain_forward(tiny):
+    model, tok = tiny
+    lm = checkpoint_lm(model, tok, max_length=128, batch_size=3)
+    reqs = [Req(d["question"], c) for d in MC_DOCS for c in d["choices"]]
+    got = lm.loglikelihood(reqs)
+    for req, (lp, greedy) in zip(reqs, got):
+        whole = tok(req.args[0] + req.args[1], add_special_tokens=False)["input_ids"]
+        n_ctx = len(tok(req.args[0], add_special_tokens=False)["input_ids"])
+        ref_lp, ref_greedy = reference_logprob(model, [tok.bos_token_id] + whole, len(whole) - n_ctx)
+        assert lp == pytest.approx(ref_lp, abs=1e-4) and greedy == ref_greedy
+
+
+def test_loglikelihood_keeps_the_last_max_length_tokens(tiny):
+    model, tok = tiny
+    lm = checkpoint_lm(model, tok, max_length=16)
+    context, continuation = "one two three four five six seven eight nine ten eleven twelve", " thirteen"
+    ((lp, _),) = lm.loglikelihood([Req(context, continuation)])
+    whole = [tok.bos_token_id] + tok(context + continuation, add_special_tokens=False)["input_ids"]
+    n_cont = len(whole) - 1 - len(tok(context, add_special_tokens=False)["input_ids"])
+    ref, _ = reference_logprob(model, whole[-17:], n_cont)
+    assert lp == pytest.approx(ref, abs=1e-4)
+
+
+def test_generation_is_greedy_and_stops(tiny):
+    model, tok = tiny
+    lm = checkpoint_lm(model, tok, max_length=128)
+    stops = ["\n", "."]
+    reqs = [Req(d["prompt"], {"until": stops, "max_gen_toks": 6}) for d in GEN_DOCS]
+    for req, text in zip(reqs, lm.generate_until(reqs)):
+        ids = [tok.bos_token_id] + tok(req.args[0], add_special_tokens=False)["input_ids"]
+        assert text == reference_greedy(model, tok, ids, 6, stops)
+        assert not any(s in text for s in stops)
+
+
+def test_long_prompts_lose_their_middle(tiny):
+    model, tok = tiny
+    lm = checkpoint_lm(model, tok, max_length=24)
+    prompt = " ".join(f"w{i}" for i in range(60))
+    ids = [tok.bos_token_id] + tok(prompt, add_special_tokens=False)["input_ids"]
+    room = 24 - 4
+    kept = ids[:room // 2] + ids[-(room - room // 2):]
+    (text,) = lm.generate_until([Req(prompt, {"until": [], "max_gen_toks": 4})])
+    assert text == reference_greedy(model, tok, kept, 4, [])
+
+
+def test_run_scores_every_checkpoint_and_averages(run_dir, capsys):
+    tasks_dir = run_dir.parent
+    target = resolve_target(run_dir)
+    out = run_dir / "harness"
+    report = run_harness(target, HarnessSettings(["tiny_mc", "tiny_gen"], include_path=str(tasks_dir)), out, "cpu")
+    assert json.loads((out / "harness.json").read_text()) == report
+    assert report["checkpoints"] == [f"step_{s}" for s in STEPS]
+    tok = load_tokenizer(target.cfg.data.tokenizer)
+    for step in STEPS:
+        model = load_model(run_dir / "hf" / f"step_{step}", "cpu")
+        correct = 0
+        for d in MC_DOCS:
+            scores = []
+            for c in d["choices"]:
+                whole = tok(d["question"] + c, add_special_tokens=False)["input_ids"]
+                n_ctx = len(tok(d["question"], add_special_tokens=False)["input_ids"])
+                scores.append(reference_logprob(model, [tok.bos_token_id] + whole, len(whole) - n_ctx)[0])
+            correct += max(range(len(scores)), key=scores.__getitem__) == d["label"]
+        assert report["per_checkpoint"][f"step_{step}"]["tiny_mc"]["acc"] == pytest.approx(correct / len(MC_DOCS))
+        assert 0.0 <= report["per_checkpoint"][f"step_{step}"]["tiny_gen"]["exact_match"] <= 1.0
+    for task in ("tiny_mc", "tiny_gen"):
+        for metric, value in report["average"][task].items():
+            per = [report["per_checkpoint"][f"step_{s}"][task][metric] for s in STEPS]
+            assert value == pytest.approx(sum(per) / len(per))
+    assert "tiny_mc" in capsys.readouterr().out
+
+
+def test_cli_harness(run_dir):
+    result = CliRunner().invoke(app, ["eval", str(run_dir), "--harness", "tiny_mc", "--harness-tasks",
+                                      str(run_dir.parent), "--harness-limit", "2", "--out", str(run_dir / "cli")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((run_dir / "cli" / "harness.json").read_text())
+    assert report["limit"] == 2 and set(report["average"]) == {"tiny_mc"}
+
+
+def test_metrics_and_average_by_hand():
+    raw = {"hellaswag": {"alias": "hellaswag", "acc,none": 0.5, "acc_stderr,none": 0.01, "acc_norm,none": 0.6},
+           "longbench_fewshot": {"score,none": 62.5, "score_stderr,none": "N/A"}}
+    assert numeric_metrics(raw) == {"hellaswag": {"acc": 0.5, "acc_norm": 0.6}, "longbench_fewshot": {"score": 62.5}}
+    avg = average_over_checkpoints({"a": {"t": {"acc": 0.5}}, "b": {"t": {"acc": 0.7, "f1": 0.2}}})
+    assert avg == {"t": {"acc": pytest.approx(0.6), "f1": pytest.approx(0.2)}}
+
+
+def test_bad_input_is_one_line(run_dir, tmp_path, monkeypatch):
+    with pytest.raises(UserError, match="not a task or group of lm-evaluation-harness; did you mean tiny_mc"):
+        resolve_tasks(["tiny_mcc"], str(run_dir.parent))
+    with pytest.raises(UserError, match="not a directory"):
+        resolve_tasks(["tiny_mc"], str(tmp_path / "nowhere"))
+    (tmp_path / "hub_task.yaml").write_text("task: hub_task\ndataset_path: lctrain-no-such-org/no-such-dataset\n"
+                                            "test_split: test\noutput_type: generate_until\ndoc_to_text: x\n"
+                                            "doc_to_target: y\n")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(UserError, match="a task's dataset could not be loaded"):
+        resolve_tasks(["hub_task"], str(tmp_path))
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    with pytest.raises(UserError, match=r"pip install 'lctrain\[harness\]'"):
+        resolve_tasks(["hellaswag"], None)
