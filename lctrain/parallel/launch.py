@@ -21,8 +21,12 @@ from lctrain.parallel.groups import free_port, launcher_free_env
 
 
 def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
+    return worker_command(cfg, ["lctrain.parallel.launch", str(run_dir)] + (["--resume"] if resume else []))
+
+
+def worker_command(cfg: Config, worker: list[str]) -> list[str]:
+    """The launcher command that runs `python -m <worker...>` on every process of `cfg`'s layout."""
     p = cfg.parallel
-    worker = ["lctrain.parallel.launch", str(run_dir)] + (["--resume"] if resume else [])
     if p.launcher == "torchrun":
         if p.num_nodes > 1:
             raise UserError(f"{cfg.source_file or 'config'}: parallel.launcher = torchrun cannot start other nodes; "
