@@ -164,3 +164,34 @@ def test_more_processes_than_the_machine_allows_ends_in_one_line():
 def test_bad_input_ends_in_one_line(args, overrides, message, monkeypatch):
     monkeypatch.setattr("lctrain.eval.check_sp.allowed_processes", lambda: 8)  # the same errors on any machine
     assert message in one_error_line(run_cli(args, overrides))
+
+
+WEIGHTS_SCRIPT = """
+import deepspeed, torch
+from lctrain.compat.deepspeed import disable_cpu_shm_comm_op
+from lctrain.errors import UserError
+from lctrain.eval.check_sp import _check_same_weights
+disable_cpu_shm_comm_op()
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+rank = torch.distributed.get_rank()
+torch.manual_seed(0)
+_check_same_weights(torch.nn.Linear(4, 3))
+torch.manual_seed(rank)
+try:
+    _check_same_weights(torch.nn.Linear(4, 3))
+except UserError as e:
+    print(f"rank {rank} refused: {e}")
+"""
+
+
+@pytest.mark.slow  # a 2-process launch of its own (~15 s) for a guard the main run passes through every time
+def test_weights_that_differ_between_ranks_are_refused(tmp_path):
+    script = tmp_path / "weights.py"
+    script.write_text(WEIGHTS_SCRIPT)
+    from lctrain.parallel.groups import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1", "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(script)]
+    proc = subprocess.run(cmd, env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("refused: the model's weights differ between the processes") == 2, proc.stdout

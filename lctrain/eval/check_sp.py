@@ -125,7 +125,8 @@ def check_config(config: Optional[str], overrides: list[str], nproc: int, dtype:
     cfg = load_config(config, list(overrides) + layout + ([f"model.dtype={dtype}"] if dtype else []))
     hf = load_hf_config(cfg)
     heads = hf.num_attention_heads
-    kv_replication(heads, getattr(hf, "num_key_value_heads", None) or heads, nproc, cfg.source_file or "config")
+    kv_replication(heads, getattr(hf, "num_key_value_heads", None) or heads, nproc,
+                   f"{cfg.source_file or 'config'} with --nproc {nproc}")
     check_layout(cfg, nproc)
     return cfg
 
@@ -198,6 +199,20 @@ def _forward_logits(lm, batch: dict, device: torch.device) -> torch.Tensor:
     return lm(**kwargs, use_cache=False).logits
 
 
+def _check_same_weights(lm) -> None:
+    """Every rank must hold the very weights rank 0 computes the reference with; one checksum per tensor, compared
+    by an all-reduce of its maximum and minimum over the ranks."""
+    import deepspeed.comm as dist
+
+    sums = torch.stack([p.detach().double().sum() for p in lm.parameters()])
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    if not torch.equal(low, high):
+        raise UserError("the model's weights differ between the processes, so their logits cannot be compared; "
+                        "build the model from model.name_or_path, or from model.arch with a fixed seed")
+
+
 def _gather_sequence(local: torch.Tensor, topo) -> Optional[torch.Tensor]:
     """The sequence-parallel group's slices of `[B, L/P, V]` concatenated in rank order on rank 0; None elsewhere."""
     import deepspeed.comm as dist
@@ -226,6 +241,7 @@ def run_worker(out_dir: Path) -> None:
     topo = init_topology(cfg)
     try:
         lm = build_model(cfg, vocab_size=request["vocab_size"], device=topo.device).eval()
+        _check_same_weights(lm)
         heads = lm.config.num_attention_heads
         kv_heads = getattr(lm.config, "num_key_value_heads", None) or heads
         rows = []
