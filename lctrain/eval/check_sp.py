@@ -12,7 +12,8 @@ gathers the P sequence slices of the logits on rank 0 and reports max |Δ logits
 Why Ulysses is exact in principle: each rank projects q, k, v for its own L/P tokens (RoPE with their true positions);
 the all-to-all moves whole heads, so after it one rank holds every token of H/P heads and computes each of those
 heads' attention over the full window, exactly as the single process does; a second all-to-all moves the outputs
-back. No partial softmax is ever combined across ranks (what ring attention does, and where its 0.75 comes from).
+back. No partial softmax is ever combined across ranks, which ring attention does (rescaling and adding per-block
+results in another order than a single kernel: the likely source of its 0.75).
 What can still differ is rounding: the projections and MLPs multiply L/P rows instead of L, and the attention kernel
 sees H/P heads instead of H, and a kernel may block or order its reductions differently for other shapes.
 
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -159,9 +159,7 @@ def check_sp(config: Optional[str] = None, overrides: list[str] | tuple = (), *,
              modes: Optional[str] = None, dtype: Optional[str] = None, window: int = 0,
              out: Optional[str] = None) -> dict:
     """Launch P workers on one window, print the per-mode table and return (and write) the JSON result."""
-    from lctrain.lifetime import supervise
-    from lctrain.parallel.groups import launcher_free_env
-    from lctrain.parallel.launch import worker_command
+    from lctrain.parallel.launch import run_workers, worker_command
 
     chosen = parse_modes(modes)
     cfg = check_config(config, list(overrides), nproc, dtype)
@@ -171,9 +169,7 @@ def check_sp(config: Optional[str] = None, overrides: list[str] | tuple = (), *,
     np.savez(out_dir / WINDOW_FILE, **win)
     (out_dir / REQUEST_FILE).write_text(json.dumps({"modes": chosen, "window_source": source, "vocab_size": vocab}))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
-    rc = supervise(worker_command(cfg, ["lctrain.eval.check_sp", str(out_dir)]), env=launcher_free_env())
-    if rc:
-        raise SystemExit(rc)
+    run_workers(worker_command(cfg, ["lctrain.eval.check_sp", str(out_dir)]))
     result = json.loads((out_dir / RESULT_FILE).read_text())
     print(format_table(result), flush=True)
     print(f"wrote {out_dir / RESULT_FILE}", flush=True)
@@ -267,7 +263,7 @@ def run_worker(out_dir: Path) -> None:
                 if topo.is_main:
                     rows.append({"mode": mode, "engine": engine, "shard_tokens": local.shape[1],
                                  **logit_diff(ref, gathered)})
-                    del ref, gathered
+                    del ref, gathered  # two [L, V] logits: free them before the next mode's forwards
                 progress.advance(task)
         if topo.is_main:
             result = {"config": cfg.name, "world": topo.world, "backend": pick_backend(cfg),
@@ -280,23 +276,15 @@ def run_worker(out_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lctrain.errors import environment_error_message
     from lctrain.lifetime import exit_with_supervisor
+    from lctrain.parallel.launch import worker_main
 
     exit_with_supervisor()
     parser = argparse.ArgumentParser(prog="python -m lctrain.eval.check_sp")
     parser.add_argument("out_dir")
     parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
     args = parser.parse_args(argv)
-    try:
-        run_worker(Path(args.out_dir))
-    except (UserError, OSError, RuntimeError) as e:
-        message = str(e) if isinstance(e, UserError) else environment_error_message(e)
-        if message is None:
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(UserError.exit_code) from None
+    worker_main(lambda: run_worker(Path(args.out_dir)))
 
 
 if __name__ == "__main__":
