@@ -166,6 +166,28 @@ def diagnose_rope(
     run_diagnose(model, overrides=list(set_ or []), seq_len=seq_len, max_len=max_len, device=device, out=out)
 
 
+check = typer.Typer(help="Numerical checks of the training setup.", no_args_is_help=True)
+app.add_typer(check, name="check")
+
+
+@check.command("sp")
+@user_errors
+def check_sp(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    nproc: Annotated[int, typer.Option(help="sequence-parallel processes (GPUs, or CPU processes over gloo)")] = 2,
+    modes: Annotated[Optional[str], typer.Option(help="comma-separated attention modes; default all four")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default model.dtype")] = None,
+    window: Annotated[int, typer.Option(help="which window of the prepared dataset (or synthetic seed offset)")] = 0,
+    out: Annotated[Optional[str], typer.Option(help="output directory; default check_sp/<config name>")] = None,
+):
+    """The paper's Table 8: max |Δ logits| between one process and DeepSpeed-Ulysses over --nproc processes on the
+    same window, per attention mode. Table and check_sp.json."""
+    from lctrain.eval.check_sp import check_sp as run_check
+
+    run_check(config, list(set_ or []), nproc=nproc, modes=modes, dtype=dtype, window=window, out=out)
+
+
 @app.command("inspect")
 @user_errors
 def inspect_(

@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from lctrain.config import Config, load_config
 from lctrain.errors import UserError, environment_error_message
@@ -21,8 +22,12 @@ from lctrain.parallel.groups import free_port, launcher_free_env
 
 
 def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
+    return worker_command(cfg, ["lctrain.parallel.launch", str(run_dir)] + (["--resume"] if resume else []))
+
+
+def worker_command(cfg: Config, worker: list[str]) -> list[str]:
+    """The launcher command that runs `python -m <worker...>` on every process of `cfg`'s layout."""
     p = cfg.parallel
-    worker = ["lctrain.parallel.launch", str(run_dir)] + (["--resume"] if resume else [])
     if p.launcher == "torchrun":
         if p.num_nodes > 1:
             raise UserError(f"{cfg.source_file or 'config'}: parallel.launcher = torchrun cannot start other nodes; "
@@ -42,12 +47,29 @@ def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
 
 
 def relaunch(cfg: Config, run_dir: Path, resume: bool) -> None:
+    run_workers(launcher_command(cfg, run_dir, resume))
+
+
+def run_workers(cmd: list[str]) -> None:
     """Run the workers and wait; their exit status becomes ours (a worker's UserError is already printed). Ctrl-C
     or SIGTERM stops them all (lifetime.supervise); a kill of this process ends them too (exit_with_supervisor)."""
-    cmd = launcher_command(cfg, run_dir, resume)
     rc = supervise(cmd, env=launcher_free_env())
     if rc:
         raise SystemExit(rc)
+
+
+def worker_main(body: Callable[[], object]) -> None:
+    """Run a launched worker's body: a UserError or an environment failure (full disk) ends it with one line,
+    printed by rank 0 only, and exit code 2."""
+    try:
+        body()
+    except (UserError, OSError, RuntimeError) as e:
+        message = str(e) if isinstance(e, UserError) else environment_error_message(e)
+        if message is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(UserError.exit_code) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,16 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
     args = parser.parse_args(argv)
-    try:
-        run_dir = Path(args.run_dir)
-        run(load_config(str(run_dir / "config.yaml")), run_dir, resuming=args.resume)
-    except (UserError, OSError, RuntimeError) as e:
-        message = str(e) if isinstance(e, UserError) else environment_error_message(e)
-        if message is None:
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(UserError.exit_code) from None
+    run_dir = Path(args.run_dir)
+    worker_main(lambda: run(load_config(str(run_dir / "config.yaml")), run_dir, resuming=args.resume))
 
 
 if __name__ == "__main__":

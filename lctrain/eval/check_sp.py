@@ -1,0 +1,291 @@
+"""`lctrain check sp`: sequence parallelism changes no logit (the paper's Table 8).
+
+The paper (§5, "Accuracy"): "We evaluated the numerical accuracy of our method by measuring the differences in logits
+(the outputs of the forward pass) when processing the same training data sequence with a context length of 32K on 8
+A100 GPUs." Zigzag ring attention differed from one GPU by up to 0.75; "our AnchorContext implementation showed zero
+difference in logits when compared to using FlashAttention2 without any distributed training" (Table 8).
+
+This check runs one window through the model twice with the same weights and dtype: on one process (rank 0, the
+engine alone) and under DeepSpeed-Ulysses on P processes (`lctrain.parallel.ulysses`, the wiring training uses), then
+gathers the P sequence slices of the logits on rank 0 and reports max |Δ logits| and mean |Δ| per attention mode.
+
+Why Ulysses is exact in principle: each rank projects q, k, v for its own L/P tokens (RoPE with their true positions);
+the all-to-all moves whole heads, so after it one rank holds every token of H/P heads and computes each of those
+heads' attention over the full window, exactly as the single process does; a second all-to-all moves the outputs
+back. No partial softmax is ever combined across ranks, which ring attention does (rescaling and adding per-block
+results in another order than a single kernel: the likely source of its 0.75).
+What can still differ is rounding: the projections and MLPs multiply L/P rows instead of L, and the attention kernel
+sees H/P heads instead of H, and a kernel may block or order its reductions differently for other shapes.
+
+Measured on CPU (2 gloo processes, the sdpa engine): max |Δ logits| = 0 exactly, in all four modes, in fp32 and in
+bf16 (`lctrain check sp` on tiny_anchor, 1024 tokens, 8 documents; and the test's 2-layer model with 4 query heads and
+1 KV head at 128 tokens). Bit-identical, not merely close, because on this CPU (PyTorch 2.13, x86) a row of `X @ W` is
+the same whether X has L or L/P rows, and scaled_dot_product_attention of a head is the same whether the call holds H
+or H/P heads (both checked directly, fp32 and bf16). That is a property of the kernels, not of the layout: a GPU
+matmul may pick a split-K kernel by shape and then round differently, so the test bounds the difference by fp32
+rounding of the logits' magnitude rather than requiring 0, and a layout without the all-to-all exceeds that bound
+by four orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from lctrain.config import Config, data_dir, load_config, write_resolved
+from lctrain.errors import UserError
+
+# Documents in a synthetic window: enough that the document masks and anchor positions differ from full attention.
+SYNTHETIC_DOCS = 8
+# Tokens per chunk when comparing logits: keeps the fp32 difference of an [L, V] pair at 8K x V at a time.
+DIFF_CHUNK_TOKENS = 8192
+RESULT_FILE = "check_sp.json"
+REQUEST_FILE = "request.json"
+WINDOW_FILE = "window.npz"
+
+
+def synthetic_window(seq_len: int, vocab: int, anchor_id: int, sp: int, seed: int,
+                     docs: int = SYNTHETIC_DOCS) -> dict[str, np.ndarray]:
+    """A seeded window of `docs` documents (fewer when too short), each starting with the anchor, random token ids
+    after it. No document boundary falls on a slice boundary of `sp` ranks, so documents span the slices and a
+    layout error at a boundary shows."""
+    rng = np.random.default_rng(seed)
+    slice_len = seq_len // sp
+    candidates = np.array([t for t in range(1, seq_len) if t % slice_len])
+    n_cuts = min(max(docs, 1) - 1, len(candidates))
+    cuts = np.sort(rng.choice(candidates, size=n_cuts, replace=False)) if n_cuts else np.zeros(0, dtype=np.int64)
+    starts = np.concatenate([[0], cuts]).astype(np.int64)
+    seg_lens = np.diff(np.concatenate([starts, [seq_len]])).astype(np.int64)
+    ids = rng.integers(0, vocab, size=seq_len, dtype=np.int64)
+    ids[ids == anchor_id] = (anchor_id + 1) % vocab  # the anchor appears only where a document starts
+    ids[starts] = anchor_id
+    return {"input_ids": ids, "seg_lens": seg_lens, "seg_doc": np.arange(len(seg_lens), dtype=np.int64),
+            "tag_lens": np.zeros(len(seg_lens), dtype=np.int64)}
+
+
+def logit_diff(ref: torch.Tensor, got: torch.Tensor, chunk_tokens: int = DIFF_CHUNK_TOKENS) -> dict:
+    """max and mean |ref - got| over every logit of `[B, L, V]` tensors, in fp32 (exact for bf16/fp16 inputs),
+    the largest |ref| (the scale any rounding bound is relative to) and the token where the largest difference is."""
+    if ref.shape != got.shape:
+        raise ValueError(f"logit shapes differ: {tuple(ref.shape)} vs {tuple(got.shape)}")
+    ref2, got2 = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
+    max_abs, total, ref_max, worst_token = 0.0, 0.0, 0.0, 0
+    for start in range(0, ref2.shape[0], chunk_tokens):
+        r = ref2[start:start + chunk_tokens].float()
+        d = (r - got2[start:start + chunk_tokens].float()).abs()
+        per_token = d.amax(dim=-1)
+        chunk_max = float(per_token.max())
+        if chunk_max > max_abs:
+            max_abs, worst_token = chunk_max, start + int(per_token.argmax())
+        total += float(d.double().sum())
+        ref_max = max(ref_max, float(r.abs().max()))
+    return {"max_abs": max_abs, "mean_abs": total / ref2.numel(), "ref_max_abs": ref_max,
+            "worst_token": worst_token}
+
+
+def allowed_processes() -> int:
+    """Processes this machine can give one device each: its GPUs, else the CPU cores this process may use."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def parse_modes(modes: Optional[str]) -> list[str]:
+    from lctrain.attention import MODES
+
+    if not modes:
+        return list(MODES)
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or not chosen:
+        raise UserError(f"--modes {modes!r}: unknown mode {', '.join(unknown) or '(none given)'}; choose from "
+                        f"{', '.join(MODES)}")
+    return list(dict.fromkeys(chosen))
+
+
+def check_config(config: Optional[str], overrides: list[str], nproc: int, dtype: Optional[str]) -> Config:
+    """The config for a P-process Ulysses run of one window, refusing what cannot run before any process starts."""
+    from lctrain.model import load_hf_config
+    from lctrain.parallel.groups import check_layout
+    from lctrain.parallel.ulysses import kv_replication
+
+    if nproc < 2:
+        raise UserError(f"--nproc {nproc}: sequence parallelism needs at least 2 processes")
+    allowed = allowed_processes()
+    if nproc > allowed:
+        where = "GPUs" if torch.cuda.is_available() else "CPU cores available to this process"
+        raise UserError(f"--nproc {nproc}: this machine has {allowed} {where}; use --nproc <= {allowed}")
+    layout = [f"parallel.nproc_per_node={nproc}", f"parallel.sequence_parallel={nproc}", "parallel.num_nodes=1"]
+    cfg = load_config(config, list(overrides) + layout + ([f"model.dtype={dtype}"] if dtype else []))
+    hf = load_hf_config(cfg)
+    heads = hf.num_attention_heads
+    kv_replication(heads, getattr(hf, "num_key_value_heads", None) or heads, nproc,
+                   f"{cfg.source_file or 'config'} with --nproc {nproc}")
+    check_layout(cfg, nproc)
+    return cfg
+
+
+def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]:
+    """Window `row` of the config's prepared dataset if there is one, else a seeded synthetic window; with where it
+    came from and the vocabulary size to build the model with (the dataset's tokenizer, as training does)."""
+    if (data_dir(cfg) / "manifest.json").is_file():
+        from lctrain.train.data import open_checked
+
+        packed = open_checked(cfg)
+        if not 0 <= row < len(packed):
+            raise UserError(f"--window {row}: the prepared dataset {data_dir(cfg)} has {len(packed)} windows; "
+                            f"choose 0 .. {len(packed) - 1}")
+        item = packed[row]
+        window = {k: np.asarray(item[k], dtype=np.int64) for k in ("input_ids", "seg_lens", "seg_doc", "tag_lens")}
+        vocab = int(packed.manifest["tokenizer"]["vocab_size"])
+        return window, f"prepared dataset {data_dir(cfg)}, window {row}", vocab
+    from lctrain.eval.estimate import model_shape
+    from lctrain.tokenizer import anchor_token_id, load_tokenizer
+
+    anchor = anchor_token_id(load_tokenizer(cfg.data.tokenizer))
+    vocab = model_shape(cfg).vocab
+    window = synthetic_window(cfg.data.seq_len, vocab, anchor, cfg.parallel.sequence_parallel, seed=cfg.seed + row)
+    return window, (f"synthetic (no prepared dataset at {data_dir(cfg)}): {len(window['seg_lens'])} documents, "
+                    f"seed {cfg.seed + row}"), vocab
+
+
+def check_sp(config: Optional[str] = None, overrides: list[str] | tuple = (), *, nproc: int = 2,
+             modes: Optional[str] = None, dtype: Optional[str] = None, window: int = 0,
+             out: Optional[str] = None) -> dict:
+    """Launch P workers on one window, print the per-mode table and return (and write) the JSON result."""
+    from lctrain.parallel.launch import run_workers, worker_command
+
+    chosen = parse_modes(modes)
+    cfg = check_config(config, list(overrides), nproc, dtype)
+    win, source, vocab = pick_window(cfg, window)
+    out_dir = Path(out) if out else Path("check_sp") / cfg.name
+    write_resolved(cfg, out_dir)
+    np.savez(out_dir / WINDOW_FILE, **win)
+    (out_dir / REQUEST_FILE).write_text(json.dumps({"modes": chosen, "window_source": source, "vocab_size": vocab}))
+    (out_dir / RESULT_FILE).unlink(missing_ok=True)
+    run_workers(worker_command(cfg, ["lctrain.eval.check_sp", str(out_dir)]))
+    result = json.loads((out_dir / RESULT_FILE).read_text())
+    print(format_table(result), flush=True)
+    print(f"wrote {out_dir / RESULT_FILE}", flush=True)
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{result['config']}: one process vs DeepSpeed-Ulysses over {result['world']} processes "
+             f"({result['backend']}, {result['device']}), {result['seq_len']} tokens, {result['window_source']}",
+             "", "| mode | engine | dtype | max |Δ logits| | mean |Δ logits| | max |logit| |",
+             "|---|---|---|---|---|---|"]
+    for r in result["modes"]:
+        lines.append(f"| {r['mode']} | {r['engine']} | {result['dtype']} | {r['max_abs']:.3g} | {r['mean_abs']:.3g} "
+                     f"| {r['ref_max_abs']:.3g} |")
+    lines += ["", "0 = bit-identical logits. The paper's Table 8 (32K, 8 GPUs): 0 for DeepSpeed-Ulysses "
+                  "(AnchorContext), 0.75 for zigzag ring attention in full attention."]
+    return "\n".join(lines)
+
+
+def _forward_logits(lm, batch: dict, device: torch.device) -> torch.Tensor:
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+              if k not in ("labels", "shift_labels")}
+    return lm(**kwargs, use_cache=False).logits
+
+
+def _check_same_weights(lm) -> None:
+    """Every rank must hold the very weights rank 0 computes the reference with; one checksum per tensor, compared
+    by an all-reduce of its maximum and minimum over the ranks."""
+    import deepspeed.comm as dist
+
+    sums = torch.stack([p.detach().double().sum() for p in lm.parameters()])
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    if not torch.equal(low, high):
+        raise UserError("the model's weights differ between the processes, so their logits cannot be compared; "
+                        "build the model from model.name_or_path, or from model.arch with a fixed seed")
+
+
+def _gather_sequence(local: torch.Tensor, topo) -> Optional[torch.Tensor]:
+    """The sequence-parallel group's slices of `[B, L/P, V]` concatenated in rank order on rank 0; None elsewhere."""
+    import deepspeed.comm as dist
+
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(topo.sp)] if topo.is_main else None
+    dist.gather(local, parts, dst=0, group=topo.sp_group)
+    return torch.cat(parts, dim=1) if topo.is_main else None
+
+
+@torch.inference_mode()
+def run_worker(out_dir: Path) -> None:
+    """Every rank: build the model, and per mode the 1-process logits (rank 0) and the Ulysses logits (all ranks)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from lctrain.attention import PER_TOKEN_KEYS, make_batch
+    from lctrain.attention.registry import HF_PREFIX
+    from lctrain.model import attn_implementation, build_model
+    from lctrain.parallel.groups import init_topology, pick_backend, release_single_process
+    from lctrain.parallel.ulysses import register_ulysses, shard_sequence
+
+    cfg = load_config(str(out_dir / "config.yaml"))
+    request = json.loads((out_dir / REQUEST_FILE).read_text())
+    with np.load(out_dir / WINDOW_FILE) as f:
+        win = {k: f[k] for k in f.files}
+    topo = init_topology(cfg)
+    try:
+        lm = build_model(cfg, vocab_size=request["vocab_size"], device=topo.device).eval()
+        _check_same_weights(lm)
+        heads = lm.config.num_attention_heads
+        kv_heads = getattr(lm.config, "num_key_value_heads", None) or heads
+        rows = []
+        progress = Progress(TextColumn("[bold]check sp"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), disable=not topo.is_main)
+        with progress:
+            task = progress.add_task("check", total=len(request["modes"]), info="")
+            for mode in request["modes"]:
+                progress.update(task, info=mode)
+                mode_cfg = cfg.model_copy(deep=True)
+                mode_cfg.attention.mode = mode
+                single = attn_implementation(mode_cfg, topo.device)
+                batch = make_batch(win["input_ids"][None], [win["seg_lens"]], mode, seg_doc=[win["seg_doc"]],
+                                   tag_lens=[win["tag_lens"]])
+                ref = None
+                if topo.is_main:
+                    lm.set_attn_implementation(single)
+                    ref = _forward_logits(lm, batch, topo.device)
+                engine = single.removeprefix(HF_PREFIX)
+                lm.set_attn_implementation(register_ulysses(engine, topo.sp_group, heads, kv_heads))
+                local = _forward_logits(lm, shard_sequence(batch, PER_TOKEN_KEYS, topo.sp, topo.sp_rank), topo.device)
+                gathered = _gather_sequence(local, topo)
+                if topo.is_main:
+                    rows.append({"mode": mode, "engine": engine, "shard_tokens": local.shape[1],
+                                 **logit_diff(ref, gathered)})
+                    del ref, gathered  # two [L, V] logits: free them before the next mode's forwards
+                progress.advance(task)
+        if topo.is_main:
+            result = {"config": cfg.name, "world": topo.world, "backend": pick_backend(cfg),
+                      "device": torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else "cpu",
+                      "dtype": cfg.model.dtype, "seq_len": int(len(win["input_ids"])),
+                      "documents": int(len(win["seg_lens"])), "window_source": request["window_source"], "modes": rows}
+            (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        release_single_process()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from lctrain.lifetime import exit_with_supervisor
+    from lctrain.parallel.launch import worker_main
+
+    exit_with_supervisor()
+    parser = argparse.ArgumentParser(prog="python -m lctrain.eval.check_sp")
+    parser.add_argument("out_dir")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
+    args = parser.parse_args(argv)
+    worker_main(lambda: run_worker(Path(args.out_dir)))
+
+
+if __name__ == "__main__":
+    main()
