@@ -209,10 +209,36 @@ def estimate(
     tflops: Annotated[Optional[float], typer.Option(help="achieved TFLOP/s per GPU (model FLOPs)")] = None,
     from_bench: Annotated[Optional[str], typer.Option(help="JSON from scripts/bench_train.py with tflops_per_gpu")] = None,
     gpus: Annotated[Optional[int], typer.Option(help="GPU count; default parallel.nproc_per_node x parallel.num_nodes")] = None,
-    out: Annotated[Optional[str], typer.Option(help="also write the estimate to this JSON file")] = None,
+    out: Annotated[Optional[str], typer.Option(help="also write the estimate to this JSON file (with --measure: the "
+                                                "directory of the measured runs; default runs/figure6_<name>)")] = None,
+    measure: Annotated[bool, typer.Option("--measure", help="time real training steps per length and mode (Figure 6 "
+                                                            "measured), the FLOP model beside it")] = False,
+    lengths: Annotated[Optional[str], typer.Option(help="with --measure: context lengths, e.g. 16k,32k,64k; default "
+                                                        "data.seq_len")] = None,
+    modes: Annotated[str, typer.Option(help="with --measure: attention modes")] = "full,anchor",
+    steps: Annotated[int, typer.Option(help="with --measure: timed steps per point")] = 3,
+    warmup: Annotated[int, typer.Option(help="with --measure: untimed steps first (compilation, allocator)")] = 2,
 ):
     """Predicted hours per 1B tokens for each attention mode at the config's length and GPU count (Figure 6), from
-    the FLOPs of the prepared dataset's segment layout."""
+    the FLOPs of the prepared dataset's segment layout; with --measure, days per 1B tokens measured by training."""
+    if measure:
+        from pathlib import Path
+
+        from lctrain.eval.inspect_data import MODES
+        from lctrain.eval.runner import parse_lengths, parse_names
+        from lctrain.eval.throughput import measure as run_measure
+
+        if from_bench is not None or gpus is not None:
+            raise UserError("--measure times the config's own layout: --from-bench and --gpus do not apply")
+        cfg = load_config(config, list(set_ or []))
+        chosen = parse_names(modes) or []
+        unknown = [m for m in chosen if m not in MODES]
+        if unknown or not chosen:
+            raise UserError(f"--modes {modes}: choose from {', '.join(MODES)}")
+        run_measure(cfg, lengths=parse_lengths(lengths) if lengths else [cfg.data.seq_len], modes=chosen,
+                    steps=steps, warmup=warmup, work=Path(out) if out else Path("runs") / f"figure6_{cfg.name}",
+                    tflops=tflops)
+        return
     from lctrain.eval.estimate import estimate as run_estimate
 
     run_estimate(config, list(set_ or []), tflops=tflops, from_bench=from_bench, gpus=gpus, out=out)

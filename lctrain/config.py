@@ -129,6 +129,7 @@ class CheckpointConfig(_Section):
     keep: int = Field(2, ge=1)
     hf_every: int = Field(10, ge=1)
     hf_last: int = Field(50, ge=0)
+    save_final: bool = Field(True, description="a resume checkpoint after the last step (off for throughput runs)")
 
 
 class LoggingConfig(_Section):

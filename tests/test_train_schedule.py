@@ -33,6 +33,8 @@ def test_resume_checkpoints_every_n_steps_and_at_the_end():
     ck = CheckpointConfig(every_steps=20)
     due = [s for s in range(1, 51) if resume_checkpoint_due(s, 50, ck)]
     assert due == [20, 40, 50]
+    no_final = CheckpointConfig(every_steps=20, save_final=False)
+    assert [s for s in range(1, 51) if resume_checkpoint_due(s, 50, no_final)] == [20, 40]
 
 
 def test_lr_warmup_then_schedule():

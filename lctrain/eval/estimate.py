@@ -120,6 +120,32 @@ def read_bench(path: str | Path) -> dict[str, float]:
     return found
 
 
+def predict(cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | None = None,
+            modes=MODES) -> tuple[dict[str, dict], str]:
+    """The FLOP model's hours per 1B tokens for each of `modes` at `rate` TFLOP/s per GPU ({mode or "*": rate}),
+    and where the segment layout came from."""
+    shape = model_shape(cfg)
+    L = cfg.data.seq_len
+    pairs, source = mean_pairs(cfg)
+    recompute = 1 if cfg.model.gradient_checkpointing else 0
+    linear = 2 * shape.linear_params() * L * (3 + recompute)
+    per_pair = 4 * shape.heads * shape.head_dim * shape.layers * (3.5 + recompute)
+    windows_per_b = 1e9 / L
+    rows = {}
+    for mode in modes:
+        r = rate.get(mode, rate.get("*"))
+        if r is None:
+            raise UserError(f"--from-bench {from_bench}: no throughput for mode '{mode}' and no overall one")
+        flops = linear + per_pair * pairs[mode]
+        rows[mode] = {"flops_per_window": flops, "attention_share": per_pair * pairs[mode] / flops,
+                      "tflops_per_gpu": r, "hours_per_1b_tokens": windows_per_b * flops / (r * 1e12 * n_gpus) / 3600}
+    if "full" in rows:
+        full = rows["full"]["hours_per_1b_tokens"]
+        for v in rows.values():
+            v["speedup_vs_full"] = full / v["hours_per_1b_tokens"]
+    return rows, source
+
+
 def estimate(config: str | None = None, overrides: list[str] | tuple = (), *, tflops: float | None = None,
              from_bench: str | None = None, gpus: int | None = None, out: str | None = None) -> dict:
     """Hours per 1B training tokens per attention mode; prints a table, writes JSON when `out` is given."""
@@ -132,26 +158,9 @@ def estimate(config: str | None = None, overrides: list[str] | tuple = (), *, tf
     n_gpus = gpus if gpus is not None else cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
     if n_gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1")
-    shape = model_shape(cfg)
-    L = cfg.data.seq_len
-    pairs, source = mean_pairs(cfg)
-    recompute = 1 if cfg.model.gradient_checkpointing else 0
-    linear = 2 * shape.linear_params() * L * (3 + recompute)
-    per_pair = 4 * shape.heads * shape.head_dim * shape.layers * (3.5 + recompute)
-    windows_per_b = 1e9 / L
-    rows = {}
-    for mode in MODES:
-        r = rate.get(mode, rate.get("*"))
-        if r is None:
-            raise UserError(f"--from-bench {from_bench}: no throughput for mode '{mode}' and no overall one")
-        flops = linear + per_pair * pairs[mode]
-        rows[mode] = {"flops_per_window": flops, "attention_share": per_pair * pairs[mode] / flops,
-                      "tflops_per_gpu": r, "hours_per_1b_tokens": windows_per_b * flops / (r * 1e12 * n_gpus) / 3600}
-    full = rows["full"]["hours_per_1b_tokens"]
-    for v in rows.values():
-        v["speedup_vs_full"] = full / v["hours_per_1b_tokens"]
-    result = {"config": cfg.name, "seq_len": L, "gpus": n_gpus, "segment_source": source,
-              "synthetic": source.startswith("SYNTHETIC"), "model": shape.__dict__, "modes": rows}
+    rows, source = predict(cfg, rate, n_gpus, from_bench)
+    result = {"config": cfg.name, "seq_len": cfg.data.seq_len, "gpus": n_gpus, "segment_source": source,
+              "synthetic": source.startswith("SYNTHETIC"), "model": model_shape(cfg).__dict__, "modes": rows}
     _print(result)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -119,3 +119,26 @@ def plot_dataset(stats: dict, path: Path) -> Path:
         hist.set_yscale("log")
     fig.suptitle(f"prepared dataset: {stats['path']}", fontsize=10)
     return _save(fig, path)
+
+
+def plot_figure6(results: dict, path: Path) -> Path:
+    """The paper's Figure 6: days per 1B training tokens against context length, per mode; measured (solid) and the
+    FLOP model's prediction (dashed)."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    lengths = sorted({p["seq_len"] for p in results["points"]})
+    x = {L: i for i, L in enumerate(lengths)}
+    for i, mode in enumerate(dict.fromkeys(p["mode"] for p in results["points"])):
+        pts = sorted((p for p in results["points"] if p["mode"] == mode), key=lambda p: p["seq_len"])
+        xs = [x[p["seq_len"]] for p in pts]
+        color = f"C{i}"
+        ax.plot(xs, [p["days_per_1b_tokens"] for p in pts], "-o", color=color, label=f"{mode} (measured)")
+        ax.plot(xs, [p["predicted_days_per_1b_tokens"] for p in pts], "--", color=color, alpha=0.6,
+                label=f"{mode} (FLOP model)")
+    ax.set_xticks(range(len(lengths)), [length_label(L) for L in lengths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("days per 1B tokens")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{results['config']} on {results['gpus']} GPU(s)", fontsize=10)
+    return _save(fig, path)

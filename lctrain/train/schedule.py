@@ -25,8 +25,8 @@ def lr_factor(step_index: int, train: TrainConfig) -> float:
 
 
 def resume_checkpoint_due(step: int, total_steps: int, ckpt: CheckpointConfig) -> bool:
-    """Resume checkpoints every `every_steps` updates and after the last one."""
-    return step == total_steps or step % ckpt.every_steps == 0
+    """Resume checkpoints every `every_steps` updates and after the last one (unless `save_final` is off)."""
+    return (step == total_steps and ckpt.save_final) or step % ckpt.every_steps == 0
 
 
 def hf_checkpoint_steps(total_steps: int, ckpt: CheckpointConfig) -> list[int]:

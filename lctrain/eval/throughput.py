@@ -1,0 +1,136 @@
+"""`lctrain estimate --measure`: the paper's Figure 6 measured, with the FLOP model's prediction beside it.
+
+The paper's Figure 6 shows "the estimated number of days required to process 1 billion tokens at various context
+lengths" for full attention and AnchorAttention, "when using the same sequence parallelism and DeepSpeed-Ulysses
+configurations". Here each (length, mode) point is a real training run of the config: `prepare` then `train`, the
+same launcher, parallel layout, engine and data source as the full run, with `warmup + steps` optimizer steps and no
+checkpoints. The mean `step_time_s` of the last `steps` steps in the run's `metrics.jsonl` gives
+
+    days per 1B tokens = 1e9 / (global_batch x seq_len / step time) / 86400
+
+and the FLOP model (`lctrain.eval.estimate.predict`) gives the same quantity at `--tflops` per GPU (default: the
+device's peak, so its prediction is the time at 100% MFU), over the segment layout of the data each run trained on.
+The ratio measured / predicted is printed beside each point.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from lctrain.config import Config, apply_overrides, validate
+from lctrain.errors import UserError
+
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class Point:
+    mode: str
+    seq_len: int
+    step_time_s: float
+    steps_timed: int
+    tokens_per_step: int
+    days_per_1b_tokens: float
+    predicted_days_per_1b_tokens: float
+    run_dir: str
+
+    @property
+    def ratio(self) -> float:
+        return self.days_per_1b_tokens / self.predicted_days_per_1b_tokens
+
+
+def days_per_billion(tokens_per_step: int, step_time_s: float) -> float:
+    return 1e9 / (tokens_per_step / step_time_s) / SECONDS_PER_DAY
+
+
+def point_config(cfg: Config, mode: str, seq_len: int, steps: int, warmup: int, work: Path) -> Config:
+    """The config of one measured point: the user's, at `seq_len` and `mode`, just enough data for its steps, no
+    checkpoints, its own data and run directories under `work`."""
+    total = warmup + steps
+    raw = apply_overrides(cfg.model_dump(mode="json", exclude={"source_file"}), [
+        f"data.seq_len={seq_len}", f"attention.mode={mode}", f"train.steps={total}",
+        f"data.token_budget={total * cfg.train.global_batch * seq_len}", f"data.output_dir={work / f'data_{seq_len}'}",
+        f"train.run_dir={work / f'{mode}_{seq_len}'}", "checkpoint.save_final=false", "checkpoint.hf_last=0",
+        f"checkpoint.every_steps={total + 1}", "logging.wandb=disabled", "train.warmup_steps=0",
+    ])
+    return validate(raw, f"{cfg.source_file or 'config'} (measured at {seq_len} tokens, {mode})")
+
+
+def timed_steps(run_dir: Path, warmup: int) -> list[float]:
+    """`step_time_s` of the steps after the first `warmup` in the run's metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path}: missing; the measured run wrote no step metrics")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["step_time_s"] for r in records if r["step"] > warmup]
+
+
+def measure(cfg: Config, *, lengths: list[int], modes: list[str], steps: int, warmup: int, work: Path,
+            tflops: float | None = None) -> dict:
+    """Train each (length, mode) point for `warmup + steps` steps and time the last `steps`; write figure6.json and
+    figure6.png in `work`, print the table. Returns the results."""
+    from lctrain.data.prepare import prepare
+    from lctrain.eval.estimate import predict
+    from lctrain.train.metrics import device_peak_flops
+    from lctrain.train.trainer import train
+
+    if steps < 1 or warmup < 0:
+        raise UserError(f"--steps {steps} --warmup {warmup}: need at least 1 timed step and no negative warmup")
+    n_gpus = cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
+    if tflops is None:
+        peak = device_peak_flops(_local_device(), cfg.logging.peak_tflops)
+        if peak is None:
+            raise UserError("this GPU's peak is not in lctrain's table; pass --tflops (the per-GPU rate for the "
+                            "prediction) or set logging.peak_tflops")
+        tflops = peak / 1e12
+    points: list[Point] = []
+    for seq_len in lengths:
+        for mode in modes:
+            pcfg = point_config(cfg, mode, seq_len, steps, warmup, work)
+            prepare(pcfg)
+            run = train(pcfg, force=True)
+            times = timed_steps(run, warmup)
+            if not times:
+                raise UserError(f"{run}: no step after the {warmup} warm-up steps was logged")
+            tokens = pcfg.train.global_batch * seq_len
+            predicted = predict(pcfg, {"*": tflops}, n_gpus, modes=(mode,))[0][mode]["hours_per_1b_tokens"] / 24
+            step_time = statistics.fmean(times)
+            points.append(Point(mode, seq_len, step_time, len(times), tokens, days_per_billion(tokens, step_time),
+                                predicted, str(run)))
+    results = {"config": cfg.name, "gpus": n_gpus, "tflops_for_prediction": tflops, "steps": steps, "warmup": warmup,
+               "points": [asdict(p) | {"ratio": p.ratio} for p in points]}
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "figure6.json").write_text(json.dumps(results, indent=2))
+    from lctrain.eval.plots import plot_figure6
+
+    plot_figure6(results, work / "figure6.png")
+    _print(results, work)
+    return results
+
+
+def _local_device():
+    import torch
+
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _print(results: dict, work: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lctrain.eval.plots import length_label
+
+    t = Table(title=f"{results['config']}: days per 1B tokens on {results['gpus']} GPU(s), measured "
+                    f"({results['steps']} steps after {results['warmup']} warm-up) and predicted by the FLOP model at "
+                    f"{results['tflops_for_prediction']:.3g} TFLOP/s per GPU")
+    for c in ("length", "mode", "step s", "days / 1B tok", "predicted", "measured / predicted"):
+        t.add_column(c, justify="right")
+    for p in results["points"]:
+        t.add_row(length_label(p["seq_len"]), p["mode"], f"{p['step_time_s']:.3f}", f"{p['days_per_1b_tokens']:.3g}",
+                  f"{p['predicted_days_per_1b_tokens']:.3g}", f"{p['ratio']:.2f}")
+    console = Console()
+    console.print(t)
+    console.print(f"wrote {work}/figure6.json, figure6.png")
