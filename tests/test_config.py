@@ -179,7 +179,8 @@ def test_domain_shares_need_the_upsampled_mixture():
 
 def test_domain_shares_accept_rounded_tables():
     # Table 1's whole percents sum to 102% (7 shares, each off by at most 0.5%); Table 9's to 99.98%
-    table1 = "{CommonCrawl: 0.58, C4: 0.20, GitHub: 0.07, ArXiv: 0.06, Book: 0.05, Wikipedia: 0.04, StackExchange: 0.02}"
+    table1 = ("{CommonCrawl: 0.58, C4: 0.20, GitHub: 0.07, ArXiv: 0.06, Book: 0.05, Wikipedia: 0.04, "
+              "StackExchange: 0.02}")
     assert load_config(None, [UPSAMPLED, f"data.domain_shares={table1}"]).data.domain_shares["C4"] == 0.20
     table9 = ("{CommonCrawl: 0.5814, C4: 0.1953, GitHub: 0.0661, ArXiv: 0.0586, Book: 0.0469, Wikipedia: 0.0351, "
               "StackExchange: 0.0164}")

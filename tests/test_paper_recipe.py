@@ -24,8 +24,7 @@ def shares_run(tmp_path_factory):
     cfg = load_config(None, [
         "data.mixture=upsampled", "data.down_sample_ratio=1.0", f"data.domain_shares={SHARES}",
         "data.seq_len=512", "data.token_budget=32768", "data.synthetic.num_docs=3000",
-        f"data.synthetic.median_words={SYNTHETIC['median_words']}", f"data.synthetic.max_words={SYNTHETIC['max_words']}",
-        f"data.synthetic.long_doc_fraction={SYNTHETIC['long_doc_fraction']}", f"data.output_dir={out}",
+        *(f"data.synthetic.{k}={v}" for k, v in SYNTHETIC.items() if k != "seed"), f"data.output_dir={out}",
         "data.num_workers=1", "train.steps=20", "train.global_batch=4", "train.micro_batch=1"])
     return cfg, open_packed(prepare(cfg))
 
