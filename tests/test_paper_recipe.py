@@ -58,8 +58,9 @@ def test_prepare_and_train_say_when_steps_re_read_windows(shares_run, capsys):
     preflight(cfg)
     out = capsys.readouterr().out
     assert out.count(line) == 2
-    cfg.train.steps = 16
-    preflight(cfg)
+    enough = cfg.model_copy(deep=True)
+    enough.train.steps = 16
+    preflight(enough)
     assert "warning" not in capsys.readouterr().out
 
 
