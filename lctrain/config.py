@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lctrain.errors import UserError
 
@@ -22,6 +23,23 @@ DOMAINS = ("CommonCrawl", "C4", "GitHub", "ArXiv", "Book", "Wikipedia", "StackEx
 
 
 _NUMBER_TYPES = (int, float, Optional[int], Optional[float])
+
+
+def check_domain_shares(shares: Any) -> None:
+    """A target token share per known domain: finite, non-negative, summing to 1 up to rounding to whole percents
+    (0.5% per share given, so Table 1's rounded 58/20/7/6/5/4/2 = 102% passes, as does Table 9's 99.98%)."""
+    if not isinstance(shares, dict) or not shares:
+        raise ValueError("expected a mapping of domain -> token share, e.g. {CommonCrawl: 0.6, C4: 0.4}")
+    for domain, share in shares.items():
+        if domain not in DOMAINS:
+            raise ValueError(f"unknown domain {domain!r}; known domains: {', '.join(DOMAINS)}")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
+            raise ValueError(f"{domain} = {share!r}: a share is a number >= 0 (e.g. 0.58 for 58%)")
+    total = sum(shares.values())
+    tolerance = 0.005 * len(shares)
+    if abs(total - 1.0) > tolerance:
+        raise ValueError(f"the shares sum to {total:.4g}; they must sum to 1 (within {tolerance:.3g} for "
+                         f"{len(shares)} shares rounded to whole percents)")
 
 
 class _Section(BaseModel):
@@ -56,6 +74,8 @@ class DataConfig(_Section):
     seq_len: int = Field(1024, ge=8)
     token_budget: int = Field(2_000_000, ge=1)
     mixture: Literal["slimpajama", "upsampled"] = "slimpajama"
+    domain_shares: Optional[dict[str, float]] = Field(
+        None, description="upsampled: target token share per domain; None = the paper's UpSampledMix-128K (Table 9)")
     short_doc_tokens: int = Field(4096, ge=1)
     down_sample_ratio: float = Field(0.1, ge=0.0, le=1.0)
     domain_tags: bool = False
@@ -73,6 +93,20 @@ class DataConfig(_Section):
     def _source_needs_path(self):
         if self.source == "local" and not self.path:
             raise ValueError("data.path is required when data.source is 'local'")
+        return self
+
+    @field_validator("domain_shares", mode="before")
+    @classmethod
+    def _shares_are_a_distribution(cls, shares: Any) -> Any:
+        if shares is not None:
+            check_domain_shares(shares)
+        return shares
+
+    @model_validator(mode="after")
+    def _shares_need_the_upsampled_mixture(self):
+        if self.domain_shares is not None and self.mixture != "upsampled":
+            raise ValueError("domain_shares sets the targets of mixture 'upsampled'; the 'slimpajama' mixture keeps "
+                             "the source's own shares (set data.mixture=upsampled)")
         return self
 
 
@@ -104,6 +138,8 @@ class TrainConfig(_Section):
     micro_batch: int = Field(1, ge=1)
     lr: float = Field(2e-5, gt=0)
     weight_decay: float = Field(0.1, ge=0)
+    decay_norms_and_biases: bool = Field(
+        False, description="also decay norm weights and biases (the paper's released code decays every parameter)")
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     warmup_steps: int = Field(0, ge=0)
@@ -224,10 +260,14 @@ def _read_yaml(path: Path) -> dict:
     return raw
 
 
+# Mappings a config replaces as a whole: a user's `domain_shares` merged into the paper's would no longer sum to 1.
+_REPLACED_WHOLE = ("arch", "rope_scaling", "domain_shares")
+
+
 def _deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("arch", "rope_scaling"):
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in _REPLACED_WHOLE:
             out[k] = _deep_merge(out[k], v)
         else:
             out[k] = v
@@ -340,6 +380,21 @@ def data_dir(cfg: Config) -> Path:
     if cfg.data.output_dir:
         return Path(cfg.data.output_dir)
     return Path("prepared") / data_fingerprint(cfg.data)[:12]
+
+
+def reread_warning(cfg: Config, windows: int) -> Optional[str]:
+    """One line when training reads more windows (`train.steps` x `train.global_batch`) than `windows` hold, else
+    None. Reading runs through the windows in order (train/data.py), so the re-read windows are the last steps',
+    which hold every evaluation checkpoint."""
+    needed = cfg.train.steps * cfg.train.global_batch
+    if needed <= windows:
+        return None
+    seq_len = cfg.data.seq_len
+    rereading_steps = cfg.train.steps - windows // cfg.train.global_batch
+    return (f"warning: {cfg.train.steps:,} steps x {cfg.train.global_batch} windows x {seq_len:,} tokens = "
+            f"{needed * seq_len:,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "
+            f"windows, {windows * seq_len:,} tokens): the last {rereading_steps:,} steps re-read windows; set "
+            f"data.token_budget={needed * seq_len} (and prepare again) or lower train.steps")
 
 
 def run_dir(cfg: Config) -> Path:

@@ -1,8 +1,9 @@
 """Build the model a config asks for: a hub name or local directory, or a random init from an architecture dict.
 
 Sets what long-context continual pretraining changes (DESIGN §1): RoPE base (`rope_theta`, Table 1 defaults by
-`data.seq_len`), RoPE scaling (YaRN, dynamic NTK, linear: Table 2), `max_position_embeddings`, dtype, gradient
-checkpointing, fp32 rotary rotation, and the attention engine (`lctrain_<engine>`).
+`data.seq_len`), RoPE scaling (static NTK-aware and YaRN: the paper's Table 2; any other Hugging Face type passes
+through), `max_position_embeddings`, dtype, gradient checkpointing, fp32 rotary rotation, and the attention engine
+(`lctrain_<engine>`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ _ROPE_THETA_BY_LENGTH = ((32_768, 1e6), (65_536, 5e6), (131_072, 1e7))
 _ROPE_THETA_LONGEST = 5e7
 # Scaled RoPE types that need the pretraining context length.
 _ROPE_TYPES_WITH_ORIGINAL_LENGTH = ("yarn", "llama3", "longrope")
+# lctrain's own type: static NTK-aware scaling, resolved into the base of plain RoPE (transformers has only the
+# dynamic variant, which leaves every position up to max_position_embeddings unscaled).
+NTK_ROPE_TYPE = "ntk"
 
 
 def default_rope_theta(seq_len: int) -> float:
@@ -31,6 +35,36 @@ def default_rope_theta(seq_len: int) -> float:
         if seq_len <= limit:
             return theta
     return _ROPE_THETA_LONGEST
+
+
+def ntk_rope_theta(base: float, factor: float, rotary_dim: int) -> float:
+    """Static NTK-aware scaling (LocalLLaMA, 2023), the paper's "NTK-aware" of Table 2: plain RoPE at the base
+    `base * s^(d / (d - 2))`, with d the rotary dimension and s the scale factor. The paper (section 4.3): "NTK-aware
+    and YaRN depend on the relative scale s = T_new/T_origin, where T_origin is the original context size (4K
+    context length) and T_new is the extended size (64K context length), so we set s = 16"."""
+    return base * factor ** (rotary_dim / (rotary_dim - 2))
+
+
+def _rotary_dim(hf_config, params: dict) -> int:
+    # how transformers sizes the rotation: head_dim (or hidden/heads) times partial_rotary_factor
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+
+
+def _ntk_parameters(hf_config, current: dict, scaling: dict, theta: float) -> dict[str, Any]:
+    factor = scaling.pop("factor", None)
+    if scaling:
+        raise UserError(f"model.rope_scaling: rope_type 'ntk' takes only factor (s = new / original context length), "
+                        f"not {', '.join(sorted(scaling))}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise UserError(f"model.rope_scaling.factor = {factor!r}: rope_type 'ntk' needs a factor >= 1 (the paper's "
+                        f"s = 16 for 4K -> 64K)")
+    params = {"rope_type": "default"}
+    if "partial_rotary_factor" in current:
+        params["partial_rotary_factor"] = current["partial_rotary_factor"]
+    params["rope_theta"] = ntk_rope_theta(theta, factor, _rotary_dim(hf_config, params))
+    log.info("RoPE: static NTK-aware x%s, base %s -> %s", factor, theta, params["rope_theta"])
+    return params
 
 
 def attn_implementation(cfg: Config, device="cpu") -> str:
@@ -102,7 +136,8 @@ def load_hf_config(cfg: Config):
 
 
 def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
-    """The `rope_parameters` dict (transformers 5) for this config: theta, and the scaling passed through."""
+    """The `rope_parameters` dict (transformers 5) for this config: theta, and the scaling passed through, except
+    lctrain's `ntk`, which becomes plain RoPE at the NTK-aware base."""
     theta = cfg.model.rope_theta if cfg.model.rope_theta is not None else default_rope_theta(cfg.data.seq_len)
     current = dict(getattr(hf_config, "rope_parameters", None) or {})
     if cfg.model.rope_scaling is None:
@@ -111,9 +146,14 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
         return params
     scaling = dict(cfg.model.rope_scaling)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
+    if rope_type == NTK_ROPE_TYPE:
+        return _ntk_parameters(hf_config, current, scaling, theta)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    known = ["default", *ROPE_INIT_FUNCTIONS]
+    known = ["default", NTK_ROPE_TYPE, *ROPE_INIT_FUNCTIONS]
+    if rope_type == "dynamic" and (cfg.model.max_position_embeddings or cfg.data.seq_len) >= cfg.data.seq_len:
+        log.warning("model.rope_scaling: 'dynamic' NTK rescales only past max_position_embeddings, so training at "
+                    "data.seq_len uses plain RoPE at rope_theta; the paper's NTK-aware scaling is rope_type: ntk")
     if rope_type not in known:
         raise UserError(f"model.rope_scaling.rope_type = {rope_type!r} is unknown; expected one of {', '.join(known)}")
     params = {"rope_type": rope_type, **scaling, "rope_theta": theta}

@@ -11,6 +11,7 @@ from lctrain.config import (
     data_dir,
     data_fingerprint,
     load_config,
+    reread_warning,
     run_dir,
     write_resolved,
 )
@@ -150,3 +151,64 @@ def test_cli_show_config_prints_resolved_yaml(capsys):
     assert exc.value.code == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["data"]["seq_len"] == 4096
+
+
+UPSAMPLED = "data.mixture=upsampled"
+
+
+@pytest.mark.parametrize("shares, message", [
+    ("{C4: 0.5, Foo: 0.5}", "data.domain_shares: unknown domain 'Foo'; known domains: CommonCrawl, C4, GitHub"),
+    ("{C4: -0.5, GitHub: 1.5}", "data.domain_shares: C4 = -0.5: a share is a number >= 0"),
+    ("{C4: true}", "data.domain_shares: C4 = True: a share is a number >= 0"),
+    ("{C4: '0.5', GitHub: 0.5}", "data.domain_shares: C4 = '0.5': a share is a number >= 0"),
+    ("{C4: .nan, GitHub: 1.0}", "data.domain_shares: C4 = nan: a share is a number >= 0"),
+    ("{C4: 0.5, GitHub: 0.4}", "data.domain_shares: the shares sum to 0.9; they must sum to 1 (within 0.01 for 2"),
+    ("{}", "data.domain_shares: expected a mapping of domain -> token share"),
+    ("0.5", "data.domain_shares = 0.5: expected a mapping of domain -> token share"),
+])
+def test_domain_shares_refuses_bad_input_in_one_line(shares, message):
+    with pytest.raises(UserError) as err:
+        load_config(None, [UPSAMPLED, f"data.domain_shares={shares}"])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_domain_shares_need_the_upsampled_mixture():
+    with pytest.raises(UserError, match="data: domain_shares sets the targets of mixture 'upsampled'"):
+        load_config(None, ["data.domain_shares={C4: 1.0}"])
+
+
+def test_domain_shares_accept_rounded_tables():
+    # Table 1's whole percents sum to 102% (7 shares, each off by at most 0.5%); Table 9's to 99.98%
+    table1 = ("{CommonCrawl: 0.58, C4: 0.20, GitHub: 0.07, ArXiv: 0.06, Book: 0.05, Wikipedia: 0.04, "
+              "StackExchange: 0.02}")
+    assert load_config(None, [UPSAMPLED, f"data.domain_shares={table1}"]).data.domain_shares["C4"] == 0.20
+    table9 = ("{CommonCrawl: 0.5814, C4: 0.1953, GitHub: 0.0661, ArXiv: 0.0586, Book: 0.0469, Wikipedia: 0.0351, "
+              "StackExchange: 0.0164}")
+    assert load_config(None, [UPSAMPLED, f"data.domain_shares={table9}"]).data.domain_shares["Book"] == 0.0469
+    with pytest.raises(UserError, match="sum to 1.08"):
+        load_config(None, [UPSAMPLED, "data.domain_shares={C4: 0.58, CommonCrawl: 0.50}"])
+
+
+def test_domain_shares_in_a_config_replace_its_base_shares(tmp_path):
+    base = _write(tmp_path / "base.yaml", {"base": "tiny_anchor", "data": {
+        "mixture": "upsampled", "domain_shares": {"C4": 0.5, "CommonCrawl": 0.5}}})
+    child = _write(tmp_path / "child.yaml", {"base": str(base), "data": {"domain_shares": {"GitHub": 1.0}}})
+    assert load_config(str(child)).data.domain_shares == {"GitHub": 1.0}
+
+
+def test_weight_decay_of_norms_and_biases_is_opt_in():
+    assert load_config().train.decay_norms_and_biases is False
+    assert load_config(None, ["train.decay_norms_and_biases=true"]).train.decay_norms_and_biases is True
+
+
+def test_reread_warning_counts_the_steps_that_read_windows_twice():
+    # the paper's 128K recipe on a 2.0B-token budget: 2000 x 8 x 131,072 = 2,097,152,000 tokens wanted,
+    # 2,000,000,000 // 131,072 = 15,258 windows there; 15,258 // 8 = 1,907 steps read fresh windows
+    cfg = load_config(None, ["data.seq_len=131072", "data.token_budget=2000000000", "train.steps=2000",
+                             "train.global_batch=8"])
+    line = reread_warning(cfg, 15_258)
+    assert line == ("warning: 2,000 steps x 8 windows x 131,072 tokens = 2,097,152,000 tokens, 97,255,424 more than "
+                    "the data has (15,258 windows, 1,999,896,576 tokens): the last 93 steps re-read windows; set "
+                    "data.token_budget=2097152000 (and prepare again) or lower train.steps")
+    assert reread_warning(cfg, 16_000) is None
+    assert "the last 1 steps" in reread_warning(cfg, 15_999)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from lctrain.config import DOMAINS
-from lctrain.data.mixture import SLIMPAJAMA_TOKEN_SHARES, Mixture
+from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES, Mixture
 from lctrain.data.packing import Packer, ShuffleBuffer, split_into_chunks
 
 ANCHOR = 1
@@ -167,7 +167,7 @@ def test_upsampled_mixture_stops_each_domain_at_its_share():
     cc = DOMAINS.index("CommonCrawl")
     while m.admit(cc, 99, 100):
         pass
-    target = SLIMPAJAMA_TOKEN_SHARES["CommonCrawl"] * budget
+    target = UPSAMPLED_MIX_128K_TOKEN_SHARES["CommonCrawl"] * budget
     assert target <= m.admitted[cc] < target + 100
     assert m.dropped["domain_share_full"] == 1
     # once every share is full the shares grow together, so the proportions hold past the budget
@@ -176,7 +176,7 @@ def test_upsampled_mixture_stops_each_domain_at_its_share():
             m.admit(d, 99, 100)
     assert m.admitted.sum() > budget
     for d, name in enumerate(DOMAINS[:7]):
-        assert abs(m.admitted[d] / m.admitted.sum() - SLIMPAJAMA_TOKEN_SHARES[name]) < 0.005
+        assert abs(m.admitted[d] / m.admitted.sum() - UPSAMPLED_MIX_128K_TOKEN_SHARES[name]) < 0.005
 
 
 def test_natural_mixture_admits_everything():

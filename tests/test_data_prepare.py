@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import DOMAINS, load_config
 from lctrain.data import prepare as prepare_mod
-from lctrain.data.mixture import SLIMPAJAMA_TOKEN_SHARES
+from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES
 from lctrain.data.prepare import prepare
 from lctrain.data.store import ShardWriter, open_packed
 from lctrain.errors import UserError
@@ -293,7 +293,7 @@ def test_upsampled_mixture_hits_domain_shares(tmp_path, tok, words):
         np.add.at(tokens, row["seg_domain"].astype(int), row["seg_lens"])
     shares = tokens / tokens.sum()
     for i, name in enumerate(DOMAINS):
-        assert abs(shares[i] - SLIMPAJAMA_TOKEN_SHARES[name]) < 0.03, (name, shares[i])
+        assert abs(shares[i] - UPSAMPLED_MIX_128K_TOKEN_SHARES[name]) < 0.03, (name, shares[i])
     ref = reference_tokens(tok, docs)
     pos, started = reconstruct(data, ref)
     for k in started:

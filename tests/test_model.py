@@ -1,12 +1,14 @@
 """build_model: RoPE base and scaling, context length, dtype, checkpointing, fp32 rotary, engine, user errors."""
 
 import copy
+import logging
+import math
 
 import pytest
 import torch
 
 from lctrain.attention import make_batch
-from lctrain.config import load_config
+from lctrain.config import Config, load_config
 from lctrain.errors import UserError
 from lctrain.model import attn_implementation, build_model, default_rope_theta, rotary_in_fp32
 
@@ -61,6 +63,89 @@ def test_rope_scaling_passes_through():
     assert dynamic.config.rope_parameters["rope_type"] == "dynamic"
     with pytest.raises(UserError, match="rope_scaling.rope_type = 'ntk-magic' is unknown"):
         build_model(config("model.rope_scaling={rope_type: ntk-magic, factor: 2.0}"), vocab_size=100)
+
+
+# Llama-2-7B's rotary layout (head_dim 4096 / 32 = 128) and pretraining length (4K) in a model small enough to build
+LLAMA2_ROTARY = {**ARCH, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
+                 "max_position_embeddings": 4096}
+
+
+def paper_model(name):
+    """The model of a bundled paper config, with Llama-2's rotary layout instead of its 7B weights."""
+    raw = load_config(name).model_dump(mode="json", exclude={"source_file"})
+    raw["model"].update(name_or_path=None, arch=LLAMA2_ROTARY, dtype="float32", gradient_checkpointing=False)
+    return build_model(Config.model_validate(raw), vocab_size=100)
+
+
+def rope_inv_freq(base, dim):
+    """theta_i = base^(-2i/d), i = 0 .. d/2 - 1 (the paper's Equation 6), one by one in float64."""
+    return torch.tensor([base ** (-2 * i / dim) for i in range(dim // 2)], dtype=torch.float64)
+
+
+# inv_freq is computed in fp32 as exp(x * ln(base)) with |x * ln(base)| < 25: a few fp32 ulps of 25 (2e-6 each)
+INV_FREQ_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("row,base", [("10k", 1e4), ("1m", 1e6), ("5m", 5e6), ("10m", 1e7)])
+def test_table2_ntk_rows_are_static_ntk_aware_rope(row, base):
+    model = paper_model(f"llama2_64k_table2_ntk_{row}")
+    d, s = 128, 16  # head dimension; s = T_new / T_origin = 64K / 4K
+    ntk_base = base * s ** (d / (d - 2))  # LocalLLaMA (2023): base' = base * s^(d / (d - 2))
+    assert model.config.rope_parameters["rope_type"] == "default"
+    assert math.isclose(model.config.rope_parameters["rope_theta"], ntk_base, rel_tol=1e-12)
+    got = rotary(model).inv_freq.double()
+    torch.testing.assert_close(got, rope_inv_freq(ntk_base, d), rtol=INV_FREQ_RTOL, atol=0)
+    plain = rope_inv_freq(base, d)
+    # the lowest frequency drops by s (plain RoPE would keep every one)
+    assert got[0] == 1.0 and math.isclose(got[-1] / plain[-1], 1 / s, rel_tol=1e-4)
+
+
+def test_table2_yarn_rows_follow_the_yarn_paper():
+    model = paper_model("llama2_64k_table2_yarn_1m")
+    params = model.config.rope_parameters
+    assert (params["rope_type"], params["factor"], params["original_max_position_embeddings"]) == ("yarn", 16.0, 4096)
+    assert model.config.max_position_embeddings == 65536 and params["rope_theta"] == 1e6
+    # Peng et al. (2023): a dimension making r = L_orig / wavelength > beta = 32 turns keeps theta_i, one with
+    # r < alpha = 1 is interpolated to theta_i / s, those between ramp from one to the other; attention scaled by
+    # 0.1 ln s + 1. (transformers rounds the ramp's ends to whole dimensions, so inside it only the bounds hold.)
+    d, s, original = 128, 16, 4096
+    theta = rope_inv_freq(1e6, d)
+    r = original * theta / (2 * math.pi)
+    got = rotary(model).inv_freq.double()
+    kept, interpolated = r > 32, r < 1
+    assert kept.sum() >= 10 and interpolated.sum() >= 10
+    torch.testing.assert_close(got[kept], theta[kept], rtol=INV_FREQ_RTOL, atol=0)
+    torch.testing.assert_close(got[interpolated], theta[interpolated] / s, rtol=INV_FREQ_RTOL, atol=0)
+    assert bool(((got >= theta / s * (1 - INV_FREQ_RTOL)) & (got <= theta * (1 + INV_FREQ_RTOL))).all())
+    assert math.isclose(rotary(model).attention_scaling, 0.1 * math.log(s) + 1, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("row,base", [("1m", 1e6), ("5m", 5e6), ("10m", 1e7)])
+def test_table2_rope_rows_are_plain_rope(row, base):
+    model = paper_model(f"llama2_64k_table2_rope_{row}")
+    assert model.config.rope_parameters == {"rope_type": "default", "rope_theta": base}
+    torch.testing.assert_close(rotary(model).inv_freq.double(), rope_inv_freq(base, 128), rtol=INV_FREQ_RTOL, atol=0)
+
+
+def test_dynamic_ntk_within_the_training_length_is_plain_rope_and_says_so(caplog):
+    plain = build_model(config("model.rope_theta=10000"), vocab_size=100)
+    with caplog.at_level(logging.WARNING, logger="lctrain.model"):
+        dynamic = build_model(config("model.rope_theta=10000", "model.rope_scaling={rope_type: dynamic, factor: 16}"),
+                              vocab_size=100)
+    assert "the paper's NTK-aware scaling is rope_type: ntk" in caplog.text
+    assert torch.equal(rotary(dynamic).inv_freq, rotary(plain).inv_freq)
+
+
+@pytest.mark.parametrize("scaling,match", [
+    ("{rope_type: ntk}", "factor = None: rope_type 'ntk' needs a factor >= 1"),
+    ("{rope_type: ntk, factor: 0.5}", "factor = 0.5: rope_type 'ntk' needs a factor >= 1"),
+    ("{rope_type: ntk, factor: true}", "factor = True: rope_type 'ntk' needs a factor >= 1"),
+    ("{rope_type: ntk, factor: 16, original_max_position_embeddings: 4096}",
+     "rope_type 'ntk' takes only factor .* not original_max_position_embeddings"),
+])
+def test_ntk_user_errors(scaling, match):
+    with pytest.raises(UserError, match=match):
+        build_model(config(f"model.rope_scaling={scaling}"), vocab_size=100)
 
 
 def test_dtype_engine_and_seeded_init():

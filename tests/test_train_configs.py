@@ -1,12 +1,15 @@
 """Every bundled config loads, validates, and can run on the layout it asks for."""
 
+import numpy as np
 import pytest
 from transformers import AutoConfig
 
-from lctrain.config import bundled_config_names, load_config
+from lctrain.config import bundled_config_names, data_fingerprint, load_config
+from lctrain.data.mixture import Mixture
 from lctrain.parallel.ds_config import build_ds_config
 from lctrain.parallel.groups import check_layout, grad_accum_steps, requested_world
 from lctrain.parallel.ulysses import kv_replication
+from lctrain.train.schedule import hf_checkpoint_steps
 
 # (query heads, KV heads) of the paper's models, from their published config.json files (no hub access in tests).
 HEADS = {
@@ -36,9 +39,12 @@ def test_bundled_config_is_valid_and_runnable(name):
     else:
         heads, kv = HEADS[cfg.model.name_or_path]
         assert cfg.data.tokenizer == cfg.model.name_or_path
-        assert cfg.data.source == "hub" and cfg.data.token_budget == 2_000_000_000
-        assert cfg.train.global_batch == 8 and cfg.train.steps == 2000 and cfg.train.lr == 2e-5
+        assert cfg.data.source == "hub" and cfg.train.global_batch == 8 and cfg.train.lr == 2e-5
         assert cfg.model.dtype == "bfloat16" and world == 8
+        # Table 1's AdamW, decaying every parameter as the paper's released code does
+        assert (cfg.train.weight_decay, cfg.train.betas, cfg.train.decay_norms_and_biases) == (0.1, (0.9, 0.95), True)
+        # no paper run reads a window twice
+        assert cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len <= cfg.data.token_budget
     kv_replication(heads, kv, cfg.parallel.sequence_parallel, name)
 
 
@@ -48,6 +54,9 @@ def test_table1_has_every_cell(data, seq_len, mixture):
     for key, (mode, tags) in MODES.items():
         cfg = load_config(f"llama2_{data}_{key}")
         assert (cfg.data.seq_len, cfg.data.mixture) == (seq_len, mixture)
+        assert cfg.train.steps == 2000 and cfg.model.rope_theta is None  # Table 1's base by length (test_model.py)
+        # "2 billion token dataset"; at 128K the 2000 steps read 2000 x 8 x 131,072 tokens, so exactly those
+        assert cfg.data.token_budget == (2_000_000_000 if seq_len == 65536 else 2_097_152_000)
         assert (cfg.attention.mode, cfg.data.domain_tags) == (mode, tags)
         assert cfg.model.name_or_path == "meta-llama/Llama-2-7b-hf"
 
@@ -69,6 +78,64 @@ def test_table5_slimpajama_64k_interleaved_rows():
         assert cfg.data.interleave_chunks and not cfg.data.domain_tags and cfg.attention.mode == mode
         assert (cfg.data.seq_len, cfg.data.mixture) == (65536, "slimpajama")
         assert cfg.description.startswith(f"Table 5: Llama-2-7B, SlimPajama-64K, {row} + Interleaved Chunks")
+
+
+# Paper Table 9, UpSampledMix-128K "Token Ratio", typed from the paper
+TABLE9 = {"CommonCrawl": 58.14, "C4": 19.53, "GitHub": 6.61, "ArXiv": 5.86, "Book": 4.69, "Wikipedia": 3.51,
+          "StackExchange": 1.64}
+
+
+def test_upsampled_paper_configs_target_table9_shares():
+    for key in MODES:
+        cfg = load_config(f"llama2_upsampled128k_{key}")
+        m = Mixture(cfg.data.mixture, 10**9, cfg.data.short_doc_tokens, cfg.data.down_sample_ratio,
+                    np.random.default_rng(0), cfg.data.domain_shares)
+        total = sum(TABLE9.values())
+        assert m.target_shares() == pytest.approx({**{d: v / total for d, v in TABLE9.items()}, "other": 0.0},
+                                                  rel=1e-12)
+        assert m.targets.sum() == pytest.approx(10**9, rel=1e-12)
+
+
+# Table 2 (section 4.3): Llama-2-7B, SlimPajama-64K, 1B tokens; NTK-aware and YaRN with s = 16 from 4K
+TABLE2 = {"rope": [("1m", 1e6), ("5m", 5e6), ("10m", 1e7)], "yarn": [("1m", 1e6), ("5m", 5e6), ("10m", 1e7)],
+          "ntk": [("10k", 1e4), ("1m", 1e6), ("5m", 5e6), ("10m", 1e7)]}
+SCALING = {"rope": None, "yarn": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096},
+           "ntk": {"rope_type": "ntk", "factor": 16.0}}
+
+
+def test_table2_grid():
+    names = {n for n in bundled_config_names() if "_table2_" in n}
+    assert names == {f"llama2_64k_table2_{kind}_{row}" for kind, rows in TABLE2.items() for row, _ in rows}
+    for kind, rows in TABLE2.items():
+        for row, base in rows:
+            cfg = load_config(f"llama2_64k_table2_{kind}_{row}")
+            assert (cfg.model.rope_theta, cfg.model.rope_scaling) == (base, SCALING[kind])
+            assert (cfg.data.seq_len, cfg.data.mixture, cfg.attention.mode) == (65536, "slimpajama", "full")
+            # 1B tokens at 8 x 65,536 = 524,288 tokens per step: 1907 steps, 999,817,216 tokens
+            assert cfg.train.steps == 1907 and abs(1907 * 8 * 65536 - 1e9) < 8 * 65536 / 2
+            # read from Table 1's SlimPajama-64K: one prepared dataset for both
+            assert data_fingerprint(cfg.data) == data_fingerprint(load_config("llama2_64k_full").data)
+
+
+def test_table3_grid_and_figure4():
+    bases = {"500": 500, "10k": 1e4, "200k": 2e5, "600k": 6e5, "900k": 9e5, "5m": 5e6, "1b": 1e9}
+    assert {n for n in bundled_config_names() if "_table3_" in n} == {f"llama2_32k_table3_rope_{r}" for r in bases}
+    for row, base in bases.items():
+        cfg = load_config(f"llama2_32k_table3_rope_{row}")
+        assert (cfg.model.rope_theta, cfg.model.rope_scaling, cfg.attention.mode) == (base, None, "full")
+        assert cfg.data.seq_len == 32768 and max(cfg.eval.lengths) == 32768
+        # 1B tokens at 8 x 32,768 = 262,144 tokens per step: 3815 steps, the budget exactly what they read
+        assert cfg.train.steps == 3815 and cfg.data.token_budget == 3815 * 8 * 32768 == 1_000_079_360
+    fig4 = load_config("llama2_16k_fig4_full")
+    assert (fig4.data.seq_len, fig4.attention.mode, fig4.data.mixture, fig4.model.rope_theta) == \
+        (16384, "full", "slimpajama", 1e6)
+    assert fig4.eval.lengths == [16384]
+    assert hf_checkpoint_steps(fig4.train.steps, fig4.checkpoint) == list(range(100, 2001, 100))
+
+
+def test_no_study_config_outside_the_paper():
+    names = set(bundled_config_names())
+    assert not any(("theta" in n or n.endswith(("_linear", "_ntk", "_yarn"))) for n in names)
 
 
 def test_hidden_bases_are_not_listed():

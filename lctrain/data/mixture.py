@@ -1,9 +1,10 @@
 """Which documents enter the packed stream: the natural SlimPajama mixture, or Fu et al. (2024) per-source length
 upsampling.
 
-`upsampled` gives each domain its SlimPajama token share of the budget; within a domain, documents shorter than
-`short_doc_tokens` are kept with probability `down_sample_ratio` and longer ones always, until the domain's share is
-full. Documents of domain `other` have no share in that mixture and are not used.
+`upsampled` gives each domain a target token share of the budget (`data.domain_shares`, by default the paper's
+UpSampledMix-128K); within a domain, documents shorter than `short_doc_tokens` are kept with probability
+`down_sample_ratio` and longer ones always, until the domain's share is full. Documents of a domain without a share
+(by default `other`) are not used.
 """
 
 from __future__ import annotations
@@ -12,24 +13,39 @@ import numpy as np
 
 from lctrain.config import DOMAINS
 
-# SlimPajama-627B token shares per domain (Shen et al. 2023; the AnchorAttention paper's Table 9).
+# SlimPajama-627B's token shares per domain, as its release publishes them (Soboleva et al. 2023); Fu et al. (2024)
+# upsample long documents while keeping these overall shares. `data.domain_shares` selects them.
 SLIMPAJAMA_TOKEN_SHARES = {
     "CommonCrawl": 0.522, "C4": 0.267, "GitHub": 0.052, "ArXiv": 0.046, "Book": 0.042, "Wikipedia": 0.038,
     "StackExchange": 0.033, "other": 0.0,
 }
+# The paper's UpSampledMix-128K, Table 9 "Token Ratio" ("the token count of each domain divided by the total token
+# count of the dataset"); Table 1 rounds them to 58/20/7/6/5/4/2. They sum to 99.98%: `Mixture` normalizes.
+UPSAMPLED_MIX_128K_TOKEN_SHARES = {
+    "CommonCrawl": 0.5814, "C4": 0.1953, "GitHub": 0.0661, "ArXiv": 0.0586, "Book": 0.0469, "Wikipedia": 0.0351,
+    "StackExchange": 0.0164, "other": 0.0,
+}
+
+
+def target_shares(domain_shares: dict[str, float] | None) -> dict[str, float]:
+    """Token share per domain of `DOMAINS` (summing to 1) that the `upsampled` mixture fills: `domain_shares`
+    normalized (domains it leaves out get none), or the paper's UpSampledMix-128K."""
+    shares = UPSAMPLED_MIX_128K_TOKEN_SHARES if domain_shares is None else domain_shares
+    total = sum(shares.values())
+    return {d: shares.get(d, 0.0) / total for d in DOMAINS}
 
 
 class Mixture:
     """Decides per document whether it is used; counts what it turned away and why."""
 
     def __init__(self, kind: str, budget_tokens: int, short_doc_tokens: int, down_sample_ratio: float,
-                 rng: np.random.Generator):
+                 rng: np.random.Generator, domain_shares: dict[str, float] | None = None):
         self.kind = kind
         self.rng = rng
         self.short = short_doc_tokens
         self.ratio = down_sample_ratio
-        self.targets = np.array([SLIMPAJAMA_TOKEN_SHARES[d] * budget_tokens for d in DOMAINS]) \
-            if kind == "upsampled" else None
+        self.shares = target_shares(domain_shares) if kind == "upsampled" else None
+        self.targets = np.array([self.shares[d] * budget_tokens for d in DOMAINS]) if self.shares is not None else None
         self.admitted = np.zeros(len(DOMAINS), dtype=np.int64)
         self.dropped = {"short_doc_downsampled": 0, "domain_share_full": 0, "domain_without_share": 0}
 
@@ -62,6 +78,4 @@ class Mixture:
         return bool(np.all(self.admitted[wanted] >= self.targets[wanted]))
 
     def target_shares(self) -> dict[str, float] | None:
-        if self.targets is None:
-            return None
-        return {d: SLIMPAJAMA_TOKEN_SHARES[d] for d in DOMAINS}
+        return self.shares

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from lctrain import __version__
-from lctrain.config import DOMAINS, Config, config_fingerprint, data_dir, data_fingerprint, write_resolved
+from lctrain.config import (DOMAINS, Config, config_fingerprint, data_dir, data_fingerprint, reread_warning,
+                            write_resolved)
 from lctrain.data import encode
 from lctrain.data.mixture import Mixture
 from lctrain.data.packing import Packer, ShuffleBuffer
@@ -105,7 +106,7 @@ class _Builder:
         buffer_tokens = min(d.shuffle_buffer_tokens, self.num_windows * d.seq_len)
         self.buffer = ShuffleBuffer(buffer_tokens, np.random.default_rng(shuffle_seed))
         self.mixture = Mixture(d.mixture, self.num_windows * d.seq_len, d.short_doc_tokens,
-                               d.down_sample_ratio, np.random.default_rng(mix_seed))
+                               d.down_sample_ratio, np.random.default_rng(mix_seed), d.domain_shares)
         self.tag_len = {i: len(tags[i]) if tags else 0 for i in range(len(DOMAINS))}
         self.packer = Packer(d.seq_len, anchor_id, tags,
                              chunk_rng=np.random.default_rng(chunk_seed) if d.interleave_chunks else None)
@@ -232,6 +233,9 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     if num_windows < 1:
         raise UserError(f"data.token_budget = {d.token_budget} is smaller than one window (data.seq_len = "
                         f"{d.seq_len}); set data.token_budget to at least {d.seq_len}")
+    reread = reread_warning(cfg, num_windows)
+    if reread:
+        console.print(reread, markup=False)
     if _existing_is_current(out, fingerprint, force):
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         return out

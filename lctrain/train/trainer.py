@@ -22,7 +22,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lctrain.config import Config, config_fingerprint, load_config, run_dir as config_run_dir, write_resolved
+from lctrain.config import (Config, config_fingerprint, load_config, reread_warning, run_dir as config_run_dir,
+                            write_resolved)
 from lctrain.errors import UserError, is_environment_error
 from lctrain.lifetime import RunLock
 from lctrain.parallel import launch
@@ -166,7 +167,9 @@ def preflight(cfg: Config) -> None:
     """Everything that can be checked before any process starts, so the user gets one line and exit code 2."""
     check_layout(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
     check_precision(cfg)
-    open_checked(cfg)
+    reread = reread_warning(cfg, len(open_checked(cfg)))
+    if reread:
+        print(reread, flush=True)
     if cfg.logging.wandb != "disabled":
         import_wandb(cfg)
     if cfg.model.arch is not None:
@@ -185,13 +188,16 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on norms and biases (1-D tensors), as in the usual LLM recipes."""
-    decay, no_decay = [], []
+def param_groups(model: torch.nn.Module, weight_decay: float, decay_norms_and_biases: bool) -> list[dict]:
+    """AdamW groups: matrices (embeddings, projections) decay; norms and biases (the 1-D tensors) decay only with
+    `decay_norms_and_biases`, as in the paper's released code, which decays every parameter. Two groups either way,
+    so the setting changes a group's decay, not the optimizer's layout."""
+    matrices, vectors = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            (matrices if p.ndim >= 2 else vectors).append(p)
+    return [{"params": matrices, "weight_decay": weight_decay},
+            {"params": vectors, "weight_decay": weight_decay if decay_norms_and_biases else 0.0}]
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -245,7 +251,8 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
     n_dense, layers, hidden = dense_params(lm), lm.config.num_hidden_layers, lm.config.hidden_size
 
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=_param_groups(model, cfg.train.weight_decay), config=ds_config,
+        model=model, model_parameters=param_groups(model, cfg.train.weight_decay, cfg.train.decay_norms_and_biases),
+        config=ds_config,
         mpu=topo.mpu, lr_scheduler=partial(_lambda_lr, train_cfg=cfg.train))
     del hf_ds_config
 
