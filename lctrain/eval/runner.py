@@ -392,6 +392,9 @@ def print_report(results: dict, out_dir: Path) -> None:
         row = results["average"][t]
         table.add_row(t, *(f"{row[L]:.2f}" if L in row else "-" for L in lengths))
     table.add_row("[bold]mean[/bold]", *(f"[bold]{results['task_mean']['average'][L]:.2f}[/bold]" for L in lengths))
+    if missing:
+        table.add_row("tasks in the mean", *(f"{sum(L in results['average'][t] for t in results['tasks'])}/{len(task_set)}"
+                                             for L in lengths))
     console.print(table)
     if n > 1:
         per = Table(title="mean over tasks, per checkpoint")
