@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import bundled_config_names, load_config, write_resolved
 from lctrain.errors import UserError
-from lctrain.eval.ruler import read_task, select_task_set
+from lctrain.eval.ruler import scan_task, select_task_set
 from lctrain.eval.runner import evaluate
 from lctrain.tokenizer import load_tokenizer
 from train_helpers import one_error_line
@@ -194,20 +194,21 @@ def test_tokenizer_mismatch_is_noted(scored):
     assert not any(k.startswith("niah_single_1 at") for k in results["notes"])
 
 
-def test_read_task_limit_and_fields(tmp_path, tok):
+def test_scan_task_limit_and_fields(tmp_path, tok):
     path = tmp_path / "validation.jsonl"
     recs = [{"index": 7, "input": f"in{i}", "outputs": [f"a{i}", f"b{i}"], "answer_prefix": " Answer:"} for i in range(3)]
     path.write_text(json.dumps(recs[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in recs[1:]))
-    samples, note = read_task(path, "vt", 4096, 2, lambda text: len(tok(text)["input_ids"]))
-    assert note is None and [s.index for s in samples] == [1, 3]
+    scanned = scan_task(path, "vt", 4096, 2, lambda text: len(tok(text)["input_ids"]))
+    samples = list(scanned)
+    assert scanned.note is None and len(scanned) == 2 and [s.index for s in samples] == [1, 3]
     assert [s.prompt for s in samples] == ["in0 Answer:", "in1 Answer:"] and samples[1].answers == ("a1", "b1")
     assert {(s.max_new_tokens, s.metric) for s in samples} == {(30, "all")}
     assert samples[0].num_tokens == len(tok("in0 Answer:")["input_ids"])
-    qa, _ = read_task(path, "qa_2", 4096, None, lambda text: 1)
-    assert len(qa) == 3 and {(s.max_new_tokens, s.metric) for s in qa} == {(32, "part")}
-    _, note = read_task(path, "qa_2", 20, None, lambda text: 1)
-    assert note == ("prompts plus generation reach 33 tokens with this tokenizer, over 20: "
-                    "the data was prepared with another tokenizer")
+    qa = scan_task(path, "qa_2", 4096, None, lambda text: 1)
+    assert len(list(qa)) == 3 and {(s.max_new_tokens, s.metric) for s in qa} == {(32, "part")}
+    assert scan_task(path, "qa_2", 20, None, lambda text: 1).note == (
+        "prompts plus generation reach 33 tokens with this tokenizer, over 20: the data was prepared with another "
+        "tokenizer")
 
 
 def test_task_sets_of_the_paper():

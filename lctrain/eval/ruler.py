@@ -19,7 +19,7 @@ two tasks (NIAH-Multikey 3 and Common Word Extraction) for the LLaMA-2-7B model 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,40 +127,69 @@ def _record(path: Path, lineno: int, line: str) -> dict:
     return rec
 
 
-def read_task(path: Path, task: str, length: int, limit: int | None,
-              count_tokens: Callable[[str], int]) -> tuple[list[Sample], str | None]:
-    """The first `limit` samples (all when None) of one RULER data file, and a note when the evaluated tokenizer
-    counts these prompts differently from the tokenizer that prepared them (RULER sizes its haystacks with it, so a
-    different tokenizer makes a '128K' sample longer or shorter than 128K)."""
-    spec = TASKS[task]
-    samples: list[Sample] = []
-    recorded: list[int] = []
+@dataclass(frozen=True)
+class TaskFile:
+    """One RULER data file, checked and measured: iterating it re-reads its samples, so a full benchmark (500
+    samples x 13 tasks x up to 128K tokens: gigabytes of text) is never held in memory at once."""
+
+    path: Path
+    task: str
+    length: int
+    lines: tuple[int, ...]  # line numbers of the samples used
+    num_tokens: tuple[int, ...]  # their prompt tokens with the evaluated model's tokenizer
+    note: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def __iter__(self) -> Iterator[Sample]:
+        spec = TASKS[self.task]
+        for (lineno, rec), tokens in zip(_records(self.path, len(self.lines)), self.num_tokens):
+            yield Sample(self.task, self.length, lineno, _prompt(rec), tuple(rec["outputs"]), spec.max_new_tokens,
+                         spec.metric, tokens)
+
+
+def _prompt(rec: dict) -> str:
+    return rec["input"] + rec.get("answer_prefix", "")
+
+
+def _records(path: Path, limit: int | None) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of the first `limit` non-blank lines (all when None), each checked."""
+    taken = 0
     try:
         with path.open(encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, 1):
-                if limit is not None and len(samples) >= limit:
-                    break
-                if not line.strip():
-                    continue
-                rec = _record(path, lineno, line)
-                prompt = rec["input"] + rec.get("answer_prefix", "")
-                samples.append(Sample(task, length, lineno, prompt, tuple(rec["outputs"]), spec.max_new_tokens,
-                                      spec.metric, count_tokens(prompt)))
-                if "length" in rec:
-                    recorded.append(rec["length"])
+                if limit is not None and taken >= limit:
+                    return
+                if line.strip():
+                    taken += 1
+                    yield lineno, _record(path, lineno, line)
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return samples, _length_note(samples, recorded, length)
 
 
-def _length_note(samples: list[Sample], recorded: list[int], length: int) -> str | None:
-    if not samples:
+def scan_task(path: Path, task: str, length: int, limit: int | None,
+              count_tokens: Callable[[str], int]) -> TaskFile:
+    """Check the first `limit` samples (all when None) of one RULER data file and count their prompt tokens; the
+    note says when the evaluated tokenizer counts them differently from the tokenizer that prepared them (RULER sizes
+    its haystacks with it, so a different tokenizer makes a '128K' sample longer or shorter than 128K)."""
+    lines, counts, recorded = [], [], []
+    for lineno, rec in _records(path, limit):
+        lines.append(lineno)
+        counts.append(count_tokens(_prompt(rec)))
+        if "length" in rec:
+            recorded.append(rec["length"])
+    totals = [c + TASKS[task].max_new_tokens for c in counts]
+    return TaskFile(path, task, length, tuple(lines), tuple(counts), _length_note(totals, recorded, length))
+
+
+def _length_note(totals: list[int], recorded: list[int], length: int) -> str | None:
+    if not totals:
         return None
-    totals = [s.num_tokens + s.max_new_tokens for s in samples]
     if max(totals) > length:
         return (f"prompts plus generation reach {max(totals)} tokens with this tokenizer, over {length}: "
                 f"the data was prepared with another tokenizer")
-    if len(recorded) == len(samples):
+    if len(recorded) == len(totals):
         ratio = sum(totals) / sum(recorded)
         # a tokenizer's BOS or a differently split space moves a count by a token or two, never by 2%
         if abs(ratio - 1) > 0.02:

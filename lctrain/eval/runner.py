@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,11 +163,13 @@ def _progress():
 
 @dataclass
 class Suite:
-    """The samples one evaluation scores, and what of its task set it cannot score."""
+    """The samples one evaluation scores, one source per task and length (a list, or a RULER file read again for
+    each checkpoint), and what of its task set it cannot score."""
 
     label: str
-    samples: list[Sample]
+    sources: list[Sequence[Sample] | ruler.TaskFile]
     lengths: list[int]
+    longest: int  # most tokens of a prompt plus its generation
     not_scored: list[dict] = field(default_factory=list)  # {"task": name | None, "length": L | None, "why": text}
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -184,14 +187,16 @@ def offline_suite(names: list[str], lengths: list[int], num_samples: int, seed: 
         raise UserError(f"no task of the set can be scored: {'; '.join(f'{t}: {w}' for t, w in missing.items())}")
     specs = task_specs(seed, {t: load_qa(qa_paths[t], t) for t in QA_FORMATS if t in runnable})
     count = _counter(tokenizer)
-    samples: list[Sample] = []
+    sources: list[list[Sample]] = []
     with _progress() as bar:
         job = bar.add_task("generating task samples", total=len(runnable) * len(lengths))
         for name in runnable:
             for length in lengths:
-                samples.extend(generate(specs[name], length, num_samples, seed, count))
+                sources.append(generate(specs[name], length, num_samples, seed, count))
                 bar.advance(job)
-    return Suite(OFFLINE_LABEL, samples, lengths, [{"task": t, "length": None, "why": w} for t, w in missing.items()])
+    longest = max(s.num_tokens + s.max_new_tokens for src in sources for s in src)
+    return Suite(OFFLINE_LABEL, sources, lengths, longest,
+                 [{"task": t, "length": None, "why": w} for t, w in missing.items()])
 
 
 def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: int | None, tokenizer) -> Suite:
@@ -203,7 +208,7 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
         raise UserError(f"--ruler-data {root}: no length directories (<length>/data/<task>/{ruler.SUBSET_FILE}); "
                         f"pass the folder RULER's scripts/run.sh fills, <ROOT_DIR>/<model>/synthetic")
     count = _counter(tokenizer)
-    samples: list[Sample] = []
+    files: list[ruler.TaskFile] = []
     not_scored: list[dict] = []
     notes: dict[str, str] = {}
     absent: dict[str, list[int]] = {}
@@ -217,13 +222,13 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
                 if path is None:
                     absent.setdefault(task, []).append(length)
                 else:
-                    got, note = ruler.read_task(path, task, length, limit, count)
-                    if got:
-                        samples.extend(got)
+                    scanned = ruler.scan_task(path, task, length, limit, count)
+                    if len(scanned):
+                        files.append(scanned)
                     else:
                         not_scored.append({"task": task, "length": length, "why": f"{path}: no samples (empty file)"})
-                    if note:
-                        notes[f"{task} at {length}"] = note
+                    if scanned.note:
+                        notes[f"{task} at {length}"] = scanned.note
                 bar.advance(job)
     for task, missing in absent.items():
         where = f"{root}/<length>/data/{task}/{ruler.SUBSET_FILE}"
@@ -231,13 +236,14 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
             not_scored.append({"task": task, "length": None, "why": f"no data at any length (expected {where})"})
         else:
             not_scored += [{"task": task, "length": L, "why": f"no file (expected {where})"} for L in missing]
-    if not samples:
+    if not files:
         raise UserError(f"--ruler-data {root}: no RULER data for tasks {', '.join(names)} at lengths "
                         f"{', '.join(map(str, wanted))}; expected <length>/data/<task>/{ruler.SUBSET_FILE}")
-    scored_lengths = sorted({s.length for s in samples})
+    scored_lengths = sorted({f.length for f in files})
     not_scored += [{"task": None, "length": L, "why": "no data for any task of the set"}
                    for L in present if L not in scored_lengths]
-    return Suite(f"RULER (NVIDIA/RULER data in {root})", samples, scored_lengths, not_scored, notes)
+    longest = max(max(f.num_tokens) + ruler.TASKS[f.task].max_new_tokens for f in files)
+    return Suite(f"RULER (NVIDIA/RULER data in {root})", files, scored_lengths, longest, not_scored, notes)
 
 
 def _json_table(table: dict) -> dict:
@@ -250,18 +256,17 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, device: str, heldout
     per_sample: dict[str, dict[str, dict[int, list[float]]]] = {}
     ppl: dict[str, float] = {}
     notes: dict[str, str] = {}
-    longest = max(s.num_tokens + s.max_new_tokens for s in suite.samples)
     with predictions_path.open("w") as pred_file, _progress() as bar:
-        job = bar.add_task("evaluating", total=len(tgt.checkpoints) * len(suite.samples))
+        job = bar.add_task("evaluating", total=len(tgt.checkpoints) * sum(len(src) for src in suite.sources))
         for ckpt_name, ckpt_dir in tgt.checkpoints:
             bar.update(job, description=f"evaluating {ckpt_name}")
             model = load_model(ckpt_dir, device)
             limit = getattr(model.config, "max_position_embeddings", None)
-            if limit and longest > limit:
+            if limit and suite.longest > limit:
                 notes[f"{ckpt_name}: max_position_embeddings"] = (
-                    f"{limit} < longest sample {longest} tokens: scores beyond it measure extrapolation")
+                    f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation")
             table = per_sample.setdefault(ckpt_name, {})
-            for s in suite.samples:
+            for s in (s for src in suite.sources for s in src):
                 pred = greedy_generate(model, tokenizer, s.prompt, s.max_new_tokens)
                 value = scoring.METRICS[s.metric](scoring.postprocess(pred), s.answers)
                 table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
