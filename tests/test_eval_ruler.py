@@ -198,17 +198,22 @@ def test_scan_task_limit_and_fields(tmp_path, tok):
     path = tmp_path / "validation.jsonl"
     recs = [{"index": 7, "input": f"in{i}", "outputs": [f"a{i}", f"b{i}"], "answer_prefix": " Answer:"} for i in range(3)]
     path.write_text(json.dumps(recs[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in recs[1:]))
-    scanned = scan_task(path, "vt", 4096, 2, lambda text: len(tok(text)["input_ids"]))
+    scanned = scan_task(path, "vt", 4096, 2, lambda texts: [len(tok(t)["input_ids"]) for t in texts])
     samples = list(scanned)
     assert scanned.note is None and len(scanned) == 2 and [s.index for s in samples] == [1, 3]
     assert [s.prompt for s in samples] == ["in0 Answer:", "in1 Answer:"] and samples[1].answers == ("a1", "b1")
     assert {(s.max_new_tokens, s.metric) for s in samples} == {(30, "all")}
     assert samples[0].num_tokens == len(tok("in0 Answer:")["input_ids"])
-    qa = scan_task(path, "qa_2", 4096, None, lambda text: 1)
+    qa = scan_task(path, "qa_2", 4096, None, lambda texts: [1] * len(texts))
     assert len(list(qa)) == 3 and {(s.max_new_tokens, s.metric) for s in qa} == {(32, "part")}
-    assert scan_task(path, "qa_2", 20, None, lambda text: 1).note == (
+    assert scan_task(path, "qa_2", 20, None, lambda texts: [1] * len(texts)).note == (
         "prompts plus generation reach 33 tokens with this tokenizer, over 20: the data was prepared with another "
         "tokenizer")
+    # counted in batches: every count still lands on its own sample
+    many = [{"input": "w" * (i + 1), "outputs": ["a"], "answer_prefix": "?"} for i in range(19)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in many))
+    scanned = scan_task(path, "vt", 4096, None, lambda texts: [len(t) for t in texts])
+    assert scanned.num_tokens == tuple(i + 2 for i in range(19)) == tuple(len(s.prompt) for s in scanned)
 
 
 def test_task_sets_of_the_paper():

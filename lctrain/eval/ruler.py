@@ -168,17 +168,26 @@ def _records(path: Path, limit: int | None) -> Iterator[tuple[int, dict]]:
         raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+_COUNT_BATCH = 8  # prompts tokenized together: fast tokenizers spread a batch over the cores
+
+
 def scan_task(path: Path, task: str, length: int, limit: int | None,
-              count_tokens: Callable[[str], int]) -> TaskFile:
-    """Check the first `limit` samples (all when None) of one RULER data file and count their prompt tokens; the
-    note says when the evaluated tokenizer counts them differently from the tokenizer that prepared them (RULER sizes
-    its haystacks with it, so a different tokenizer makes a '128K' sample longer or shorter than 128K)."""
-    lines, counts, recorded = [], [], []
+              count_tokens: Callable[[list[str]], list[int]]) -> TaskFile:
+    """Check the first `limit` samples (all when None) of one RULER data file and count their prompt tokens
+    (`count_tokens`: prompts -> token counts); the note says when the evaluated tokenizer counts them differently from
+    the tokenizer that prepared them (RULER sizes its haystacks with it, so a different tokenizer makes a '128K'
+    sample longer or shorter than 128K)."""
+    lines, counts, recorded, pending = [], [], [], []
     for lineno, rec in _records(path, limit):
         lines.append(lineno)
-        counts.append(count_tokens(_prompt(rec)))
+        pending.append(_prompt(rec))
         if "length" in rec:
             recorded.append(rec["length"])
+        if len(pending) == _COUNT_BATCH:
+            counts += count_tokens(pending)
+            pending = []
+    if pending:
+        counts += count_tokens(pending)
     totals = [c + TASKS[task].max_new_tokens for c in counts]
     return TaskFile(path, task, length, tuple(lines), tuple(counts), _length_note(totals, recorded, length))
 

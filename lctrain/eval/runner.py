@@ -178,6 +178,10 @@ def _counter(tokenizer):
     return lambda text: len(tokenizer(text)["input_ids"])
 
 
+def _batch_counter(tokenizer):
+    return lambda texts: [len(ids) for ids in tokenizer(texts)["input_ids"]]
+
+
 def offline_suite(names: list[str], lengths: list[int], num_samples: int, seed: int, tokenizer,
                   qa_paths: dict[str, str | None]) -> Suite:
     """The built-in generator's samples; qa_1/qa_2 only with their local SQuAD/HotpotQA files."""
@@ -207,7 +211,7 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
     if not wanted:
         raise UserError(f"--ruler-data {root}: no length directories (<length>/data/<task>/{ruler.SUBSET_FILE}); "
                         f"pass the folder RULER's scripts/run.sh fills, <ROOT_DIR>/<model>/synthetic")
-    count = _counter(tokenizer)
+    count = _batch_counter(tokenizer)
     files: list[ruler.TaskFile] = []
     not_scored: list[dict] = []
     notes: dict[str, str] = {}
