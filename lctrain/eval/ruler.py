@@ -66,7 +66,7 @@ class Sample:
     prompt: str
     answers: tuple[str, ...]
     max_new_tokens: int
-    metric: str
+    metric: str  # "all": fraction of the answers found; "part": 1 if any is found (QA)
     num_tokens: int  # prompt tokens with the evaluated model's tokenizer
     needles: tuple[tuple[str, float], ...] = ()
 
