@@ -2,7 +2,7 @@
 scripts/run.sh writes, with two tiny random Llama checkpoints.
 
 References: the prompts are rebuilt here as RULER's scripts/pred/call_api.py builds them (input + answer_prefix) and
-completed with Hugging Face's greedy `generate` at RULER's tokens_to_generate (niah 128, qa 32); the expected answers
+completed with Hugging Face's greedy `generate` at RULER's tokens_to_generate (fwe 50, qa 32); the expected answers
 are cut from those completions so that every sample's metric is known by construction; task scores, checkpoint
 averages and task means are recomputed below with plain loops from RULER's formulas. Also: the task sets of the
 paper, missing task/length files named at the top of the report, and malformed data ending in one line."""
@@ -28,7 +28,7 @@ TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.
         "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "data.seq_len=512",
         "eval.ppl_windows=0"]
 STEPS = (10, 20)
-NEW_TOKENS = {"niah_single_1": 128, "qa_1": 32}
+NEW_TOKENS = {"fwe": 50, "qa_1": 32}
 ABSENT = "zq-not-in-any-prediction-qz"
 
 
@@ -38,12 +38,11 @@ def _prompt(rec: dict) -> str:
 
 def _records(task: str, length: int) -> list[dict]:
     filler = " ".join(f"The grass is green and the sky is blue number {i}." for i in range(length // 64))
-    if task == "niah_single_1":
-        return [{"index": i, "input": f"Some special magic numbers are hidden within the following text.\n{filler} One "
-                 f"of the special magic numbers for key-{i} is: {1000 + i}.\nWhat are all the special magic numbers "
-                 f"for key-{i} mentioned in the provided text?",
-                 "answer_prefix": f" The special magic numbers for key-{i} mentioned in the provided text are"}
-                for i in range(2)]
+    if task == "fwe":
+        return [{"index": i, "input": f"Read the following coded text and track the frequency of each coded word. "
+                 f"{filler} ....\nQuestion: What are the three most frequently appeared words in the above coded text?",
+                 "answer_prefix": " Answer: According to the coded text above, the three most frequently appeared "
+                 f"words (set {i}) are:"} for i in range(2)]
     return [{"index": i, "input": f"Answer the question based on the given documents.\n\nDocument 1:\n{filler}\n\n"
              f"Question: what is item {i}?", "answer_prefix": " Answer:"} for i in range(2)]
 
@@ -55,10 +54,10 @@ def tok():
 
 @pytest.fixture(scope="module")
 def ruler_run(tmp_path_factory, tok, one_thread):
-    """A run with checkpoints step_10/step_20 and RULER data for niah_single_1 at 256 and 512 (run.sh's
+    """A run with checkpoints step_10/step_20 and RULER data for fwe at 256 and 512 (run.sh's
     <L>/data/<task>/ layout) and qa_1 at 512 only (prepare.py's <L>/<task>/ layout); vt has no data anywhere.
 
-    Expected answers, cut from step_10's greedy completions: niah sample 0 holds two of its three expected strings
+    Expected answers, cut from step_10's greedy completions: fwe sample 0 holds two of its three expected strings
     (string_match_all 2/3), sample 1 none (0); qa_1 sample 0 one of two acceptable answers (string_match_part 1),
     sample 1 none (0). qa_1 records a `length` 30% above the tokenizer's count, as data prepared with another
     tokenizer would."""
@@ -83,8 +82,8 @@ def ruler_run(tmp_path_factory, tok, one_thread):
                                  use_cache=True, pad_token_id=tok.eos_token_id)
         return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
-    files = {("niah_single_1", 256): data / "256" / "data" / "niah_single_1",
-             ("niah_single_1", 512): data / "512" / "data" / "niah_single_1",
+    files = {("fwe", 256): data / "256" / "data" / "fwe",
+             ("fwe", 512): data / "512" / "data" / "fwe",
              ("qa_1", 512): data / "512" / "qa_1"}
     completions = {}
     for (task, length), folder in files.items():
@@ -94,7 +93,7 @@ def ruler_run(tmp_path_factory, tok, one_thread):
             completions[(task, length, i)] = done
             first = " ".join(done["step_10"].split())  # RULER's post-processing changes no visible character
             assert len(first) >= 8, done
-            if task == "niah_single_1":
+            if task == "fwe":
                 rec["outputs"] = [first[:4], first[-4:], ABSENT] if i == 0 else [ABSENT]
             else:
                 rec["outputs"] = [ABSENT, first[:6]] if i == 0 else [ABSENT + "-2"]
@@ -124,7 +123,7 @@ def _ruler_task_score(task: str, preds: list[str], refs: list[list[str]]) -> flo
 def scored(ruler_run, one_thread):
     run, data, _ = ruler_run
     # a wide console: rich would wrap the long paths of the report
-    result = CliRunner().invoke(app, ["eval", str(run), "--ruler-data", str(data), "--tasks", "niah_single_1,vt,qa_1",
+    result = CliRunner().invoke(app, ["eval", str(run), "--ruler-data", str(data), "--tasks", "fwe,vt,qa_1",
                                       "--lengths", "256,512,1k"], env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
     return result.output, json.loads((run / "eval" / "results.json").read_text())
@@ -143,9 +142,9 @@ def test_scores_against_rulers_formulas(ruler_run, scored):
     run, data, completions = ruler_run
     _, results = scored
     assert results["suite"].startswith("RULER (NVIDIA/RULER data in")
-    assert results["tasks"] == ["niah_single_1", "qa_1"] and results["lengths"] == [256, 512]
-    files = {("niah_single_1", 256): data / "256/data/niah_single_1/validation.jsonl",
-             ("niah_single_1", 512): data / "512/data/niah_single_1/validation.jsonl",
+    assert results["tasks"] == ["fwe", "qa_1"] and results["lengths"] == [256, 512]
+    files = {("fwe", 256): data / "256/data/fwe/validation.jsonl",
+             ("fwe", 512): data / "512/data/fwe/validation.jsonl",
              ("qa_1", 512): data / "512/qa_1/validation.jsonl"}
     expected: dict = {}
     for (task, length), path in files.items():
@@ -153,8 +152,8 @@ def test_scores_against_rulers_formulas(ruler_run, scored):
         for c in results["checkpoints"]:
             preds = [completions[(task, length, i)][c] for i in range(len(refs))]
             expected.setdefault(c, {}).setdefault(task, {})[str(length)] = _ruler_task_score(task, preds, refs)
-    # by construction, step_10: niah (2/3 + 0) / 2, qa (1 + 0) / 2
-    assert expected["step_10"]["niah_single_1"] == {"256": 33.33, "512": 33.33}
+    # by construction, step_10: fwe (2/3 + 0) / 2, qa (1 + 0) / 2
+    assert expected["step_10"]["fwe"] == {"256": 33.33, "512": 33.33}
     assert expected["step_10"]["qa_1"] == {"512": 50.0}
     assert results["scores"] == expected
     for task, per_len in results["average"].items():
@@ -162,8 +161,8 @@ def test_scores_against_rulers_formulas(ruler_run, scored):
             assert v == pytest.approx(sum(expected[c][task][L] for c in expected) / len(expected), abs=1e-9)
     mean = results["task_mean"]["average"]
     avg = results["average"]
-    assert mean["256"] == pytest.approx(avg["niah_single_1"]["256"], abs=1e-9)
-    assert mean["512"] == pytest.approx((avg["niah_single_1"]["512"] + avg["qa_1"]["512"]) / 2, abs=1e-9)
+    assert mean["256"] == pytest.approx(avg["fwe"]["256"], abs=1e-9)
+    assert mean["512"] == pytest.approx((avg["fwe"]["512"] + avg["qa_1"]["512"]) / 2, abs=1e-9)
     assert results["overall"] == pytest.approx((mean["256"] + mean["512"]) / 2, abs=1e-9)
 
 
@@ -191,7 +190,7 @@ def test_tokenizer_mismatch_is_noted(scored):
     _, results = scored
     assert set(results["notes"]) >= {"qa_1 at 512"}
     assert "prepared with another tokenizer" in results["notes"]["qa_1 at 512"]
-    assert not any(k.startswith("niah_single_1 at") for k in results["notes"])
+    assert not any(k.startswith("fwe at") for k in results["notes"])
 
 
 def test_scan_task_limit_and_fields(tmp_path, tok):
