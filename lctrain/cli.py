@@ -112,11 +112,19 @@ def show_config(config: ConfigOpt = None, set_: SetOpt = None):
 @user_errors
 def eval_(
     target: Annotated[str, typer.Argument(help="run directory (evaluates every hf/step_N/) or a Hugging Face model directory")],
-    lengths: Annotated[Optional[str], typer.Option(help="context lengths, e.g. 4k,8k,16k,32k,64k,128k; default eval.lengths")] = None,
-    tasks: Annotated[Optional[str], typer.Option(help="comma-separated tasks to run; default all")] = None,
-    exclude: Annotated[Optional[str], typer.Option(help="tasks to leave out, e.g. niah_multikey_3,cwe (the paper's Llama-2 setting)")] = None,
-    samples: Annotated[Optional[int], typer.Option(help="samples per task and length; default eval.samples_per_task")] = None,
-    qa: Annotated[Optional[str], typer.Option(help="local SQuAD or HotpotQA JSON file for the qa task")] = None,
+    ruler_data: Annotated[Optional[str], typer.Option(help="RULER's own prepared data, <length>/data/<task>/validation.jsonl "
+                                                           "(the synthetic/ folder RULER's scripts/run.sh fills); default "
+                                                           "eval.ruler_data, else the offline RULER-style suite")] = None,
+    lengths: Annotated[Optional[str], typer.Option(help="context lengths, e.g. 4k,8k,16k,32k,64k,128k; default eval.lengths "
+                                                        "(with --ruler-data: every length found there)")] = None,
+    tasks: Annotated[Optional[str], typer.Option(help="comma-separated RULER tasks; default eval.tasks (all 13)")] = None,
+    exclude: Annotated[Optional[str], typer.Option(help="tasks to leave out; default eval.exclude (the Llama-2 configs: "
+                                                        "niah_multikey_3,cwe); '' scores all")] = None,
+    samples: Annotated[Optional[int], typer.Option(help="samples per task and length; default eval.samples_per_task "
+                                                        "(with --ruler-data: every sample of each file)")] = None,
+    squad: Annotated[Optional[str], typer.Option(help="local SQuAD JSON for the offline suite's qa_1; default eval.squad_path")] = None,
+    hotpotqa: Annotated[Optional[str], typer.Option(help="local HotpotQA JSON for the offline suite's qa_2; default "
+                                                         "eval.hotpotqa_path")] = None,
     out: Annotated[Optional[str], typer.Option(help="output directory; default TARGET/eval")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda, cpu or auto")] = None,
     ppl_data: Annotated[Optional[str], typer.Option(help="prepared dataset to score perplexity on; default the run's held-out windows")] = None,
@@ -129,9 +137,10 @@ def eval_(
     config: ConfigOpt = None,
     set_: SetOpt = None,
 ):
-    """RULER-style long-context scores per checkpoint and averaged over checkpoints, plus held-out perplexity:
-    a table, results.json, predictions.jsonl and ruler.png. With --harness: lm-evaluation-harness tasks instead
-    (harness.json)."""
+    """RULER scores per checkpoint and averaged over checkpoints (the paper's protocol), plus held-out perplexity:
+    a table, results.json, predictions.jsonl and ruler.png. With --ruler-data, RULER's own data and metrics;
+    without, the offline RULER-style suite (not comparable with published RULER numbers). With --harness:
+    lm-evaluation-harness tasks instead (harness.json)."""
     if harness is not None:
         from lctrain.eval.harness import HarnessSettings, evaluate_harness
 
@@ -142,7 +151,8 @@ def eval_(
     from lctrain.eval.runner import evaluate
 
     evaluate(target, config=config, overrides=list(set_ or []), lengths=lengths, tasks=tasks, exclude=exclude,
-             samples=samples, qa=qa, out=out, device=device, ppl_data=ppl_data)
+             samples=samples, ruler_data=ruler_data, squad=squad, hotpotqa=hotpotqa, out=out, device=device,
+             ppl_data=ppl_data)
 
 
 diagnose = typer.Typer(help="Numerical diagnostics.", no_args_is_help=True)

@@ -177,12 +177,35 @@ class LoggingConfig(_Section):
 
 class EvalConfig(_Section):
     lengths: list[int] = [4096, 8192, 16384, 32768, 65536, 131072]
-    tasks: Optional[list[str]] = None
-    exclude: list[str] = []
+    tasks: Optional[list[str]] = Field(None, description="RULER tasks to score; None = all 13")
+    exclude: list[str] = Field([], description="tasks left out (the paper's Llama-2: niah_multikey_3, cwe)")
     samples_per_task: int = Field(25, ge=1)
-    qa_path: Optional[str] = None
+    ruler_data: Optional[str] = Field(None, description="RULER's prepared data (<length>/data/<task>/validation.jsonl)")
+    squad_path: Optional[str] = Field(None, description="SQuAD JSON for the offline suite's qa_1")
+    hotpotqa_path: Optional[str] = Field(None, description="HotpotQA JSON for the offline suite's qa_2")
     seed: int = 0
     ppl_windows: int = Field(8, ge=0, description="held-out windows scored for perplexity; 0 = skip")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _qa_path_was_split(cls, data: Any) -> Any:
+        # run directories written before RULER's two QA tasks were split carry `qa_path: null`
+        if isinstance(data, dict) and "qa_path" in data:
+            data = dict(data)
+            if data.pop("qa_path") is not None:
+                raise ValueError("qa_path is now eval.squad_path (task qa_1) and eval.hotpotqa_path (task qa_2)")
+        return data
+
+    @model_validator(mode="after")
+    def _known_tasks(self):
+        from lctrain.eval.ruler import TASK_NAMES
+
+        for key, names in (("tasks", self.tasks or []), ("exclude", self.exclude)):
+            unknown = [t for t in names if t not in TASK_NAMES]
+            if unknown:
+                raise ValueError(f"{key}: unknown task(s) {', '.join(unknown)}; RULER's tasks: "
+                                 f"{', '.join(TASK_NAMES)}")
+        return self
 
 
 class Config(_Section):

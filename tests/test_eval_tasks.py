@@ -1,5 +1,6 @@
-"""RULER-style task generators: deterministic, the answers really sit in the haystack at the stated depth, prompts
-fit the length with the real tokenizer; QA files in SQuAD and HotpotQA format; bad input is a UserError."""
+"""The offline RULER-style task generators: deterministic, the answers really sit in the haystack at the stated depth,
+prompts fit the length with the real tokenizer; qa_1 from a SQuAD file and qa_2 from a HotpotQA file; bad input is a
+UserError."""
 
 import json
 import re
@@ -7,7 +8,7 @@ import re
 import pytest
 
 from lctrain.errors import UserError
-from lctrain.eval.tasks import ALL_TASKS, QA_TASK, fit_units, generate, load_qa, select_tasks, task_specs, zipf_counts
+from lctrain.eval.tasks import fit_units, generate, load_qa, task_specs, unscorable_qa, zipf_counts
 from lctrain.tokenizer import load_tokenizer
 
 LENGTH = 768
@@ -120,14 +121,16 @@ def test_too_short_length_is_a_user_error(count):
         generate(task_specs(0)["niah_multikey_1"], 200, 1, 0, count)
 
 
-def test_select_tasks():
-    names, skipped = select_tasks(None, ["niah_multikey_3", "cwe"], None)
-    assert "cwe" not in names and "niah_multikey_3" not in names and QA_TASK in skipped
-    assert len(names) == len(ALL_TASKS) - 3
-    with pytest.raises(UserError, match="unknown task.*nope"):
-        select_tasks(None, ["nope"], None)
-    with pytest.raises(UserError, match="no task left"):
-        select_tasks(["vt"], ["vt"], None)
+def test_every_generated_task_is_rulers_and_qa_needs_its_file():
+    rulers_13 = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+                 "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
+    assert list(task_specs(0)) == rulers_13[:-2]
+    # RULER's scripts/data/synthetic/constants.py: tokens_to_generate per base task
+    expected = {"vt": 30, "cwe": 120, "fwe": 50, **{t: 128 for t in rulers_13[:8]}}
+    assert {n: s.max_new_tokens for n, s in task_specs(0).items()} == expected
+    missing = unscorable_qa(rulers_13, {"qa_1": None, "qa_2": "h.json"})
+    assert list(missing) == ["qa_1"] and "--squad FILE" in missing["qa_1"]
+    assert unscorable_qa(["vt"], {}) == {}
 
 
 def _squad(tmp_path):
@@ -140,34 +143,45 @@ def _squad(tmp_path):
     return p
 
 
-def test_qa_squad_and_hotpot(tmp_path, count):
-    qa = load_qa(_squad(tmp_path))
-    assert qa.format == "squad" and len(qa.items) == 30 and len(qa.documents) == 30
-    spec = task_specs(0, qa)[QA_TASK]
-    for s in generate(spec, 512, 2, 0, count):
-        item = next(it for it in qa.items if f"Question: {it.question}" in s.prompt)
-        assert s.answers == item.answers and item.gold[0] in s.prompt and s.num_tokens <= 512 - 32
+def _hotpot(tmp_path):
     hotpot = [{"question": f"q{i}?", "answer": f"a{i}", "supporting_facts": [[f"T{i}", 0]],
                "context": [[f"T{i}", [f"Fact {i} is a{i}."]], [f"U{i}", ["Noise."]]]} for i in range(5)]
     p = tmp_path / "hotpot.json"
     p.write_text(json.dumps(hotpot))
-    hq = load_qa(p)
+    return p
+
+
+def test_qa_squad_and_hotpot(tmp_path, count):
+    qa = load_qa(_squad(tmp_path), "qa_1")
+    assert qa.format == "squad" and len(qa.items) == 30 and len(qa.documents) == 30
+    hq = load_qa(_hotpot(tmp_path), "qa_2")
     assert hq.format == "hotpotqa" and hq.items[2].gold == ("Fact 2 is a2.",)
+    specs = task_specs(0, {"qa_1": qa, "qa_2": hq})
+    assert list(specs)[-2:] == ["qa_1", "qa_2"]
+    for task, data in (("qa_1", qa), ("qa_2", hq)):
+        for s in generate(specs[task], 512, 2, 0, count):
+            item = next(it for it in data.items if f"Question: {it.question}" in s.prompt)
+            assert s.metric == "part" and s.max_new_tokens == 32
+            assert s.answers == item.answers and item.gold[0] in s.prompt and s.num_tokens <= 512 - 32
 
 
 def test_qa_bad_files(tmp_path):
-    with pytest.raises(UserError, match="cannot read"):
-        load_qa(tmp_path / "missing.json")
+    with pytest.raises(UserError, match="cannot read the qa_1 file"):
+        load_qa(tmp_path / "missing.json", "qa_1")
+    with pytest.raises(UserError, match="a HotpotQA file, but qa_1 is RULER's SQuAD task"):
+        load_qa(_hotpot(tmp_path), "qa_1")
+    with pytest.raises(UserError, match="a SQuAD file, but qa_2 is RULER's HotpotQA task"):
+        load_qa(_squad(tmp_path), "qa_2")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
-        load_qa(bad)
+        load_qa(bad, "qa_1")
     bad.write_text(json.dumps([{"question": "q?", "context": [["T", ["Fact."]]]}]))  # a test split: no answer
     with pytest.raises(UserError, match="malformed HotpotQA entry"):
-        load_qa(bad)
+        load_qa(bad, "qa_2")
     bad.write_text(json.dumps({"data": [{"paragraphs": [{"context": "c", "qas": [{"answers": [{"text": "a"}]}]}]}]}))
     with pytest.raises(UserError, match="malformed SQuAD entry"):
-        load_qa(bad)
+        load_qa(bad, "qa_1")
     bad.write_text(json.dumps({"rows": []}))
     with pytest.raises(UserError, match="neither SQuAD"):
-        load_qa(bad)
+        load_qa(bad, "qa_1")

@@ -42,16 +42,17 @@ def plot_ruler(results: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     tasks = results["tasks"]
-    grid = [[results["average"][t][str(L)] for L in lengths] for t in tasks]
+    grid = [[results["average"][t].get(str(L), float("nan")) for L in lengths] for t in tasks]
     im = hm.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
     hm.set_xticks(list(x), [length_label(L) for L in lengths])
     hm.set_yticks(range(len(tasks)), tasks)
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
-            hm.text(j, i, f"{v:.0f}", ha="center", va="center", color="w" if v < 60 else "k", fontsize=8)
+            if v == v:  # a task/length the data lacks is left blank
+                hm.text(j, i, f"{v:.0f}", ha="center", va="center", color="w" if v < 60 else "k", fontsize=8)
     fig.colorbar(im, ax=hm, label="score")
     hm.set_title("average over checkpoints")
-    fig.suptitle(f"RULER-style evaluation: {results['target']}", fontsize=10)
+    fig.suptitle(f"{results['suite']}: {results['target']}", fontsize=10)
     return _save(fig, path)
 
 

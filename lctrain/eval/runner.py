@@ -1,5 +1,10 @@
-"""`lctrain eval`: RULER-style scores for every evaluation checkpoint of a run (or one model directory), their
-average across checkpoints (the paper's protocol, §4.2), held-out perplexity, and the report (table, JSON, PNG).
+"""`lctrain eval`: RULER scores for every evaluation checkpoint of a run (or one model directory), their average
+across checkpoints (the paper's protocol, §4.2), held-out perplexity, and the report (table, JSON, PNG).
+
+Two suites: RULER's own prepared data (`--ruler-data`, read by `lctrain.eval.ruler`), whose scores compare with
+published RULER numbers, and the offline RULER-style generator (`lctrain.eval.tasks`), whose scores do not. Both score
+the config's task set (`eval.tasks` minus `eval.exclude`: the paper's Llama-2 configs leave out niah_multikey_3 and
+cwe) with RULER's metrics, and a task of the set that cannot be scored is named at the top of the report.
 
 A single-document prompt needs nothing but causal attention, so the checkpoints are loaded with the model's stock
 `sdpa` attention: bf16 on a GPU, fp32 on a CPU.
@@ -9,15 +14,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.config import Config, apply_overrides, load_config, validate
 from lctrain.errors import UserError
+from lctrain.eval import ruler
 from lctrain.eval import score as scoring
 from lctrain.eval.perplexity import perplexity, select_heldout
-from lctrain.eval.tasks import QA_TASK, Sample, generate, load_qa, select_tasks, task_specs
+from lctrain.eval.ruler import Sample
+from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
 
+OFFLINE_LABEL = "RULER-style (not comparable with published RULER numbers)"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -152,26 +161,127 @@ def _progress():
                     TimeRemainingColumn(), transient=False)
 
 
-def build_samples(names: list[str], lengths: list[int], num_samples: int, seed: int, tokenizer,
-                  qa_path: str | None) -> list[Sample]:
-    qa = load_qa(qa_path) if QA_TASK in names else None
-    specs = task_specs(seed, qa)
+@dataclass
+class Suite:
+    """The samples one evaluation scores, one source per task and length (a list, or a RULER file read again for
+    each checkpoint), and what of its task set it cannot score."""
 
-    def count(text: str) -> int:
-        return len(tokenizer(text)["input_ids"])
+    label: str
+    sources: list[Sequence[Sample] | ruler.TaskFile]
+    lengths: list[int]
+    longest: int  # most tokens of a prompt plus its generation
+    not_scored: list[dict] = field(default_factory=list)  # {"task": name | None, "length": L | None, "why": text}
+    notes: dict[str, str] = field(default_factory=dict)
 
-    samples: list[Sample] = []
+
+def _counter(tokenizer):
+    return lambda text: len(tokenizer(text)["input_ids"])
+
+
+def _batch_counter(tokenizer):
+    return lambda texts: [len(ids) for ids in tokenizer(texts)["input_ids"]]
+
+
+def offline_suite(names: list[str], lengths: list[int], num_samples: int, seed: int, tokenizer,
+                  qa_paths: dict[str, str | None]) -> Suite:
+    """The built-in generator's samples; qa_1/qa_2 only with their local SQuAD/HotpotQA files."""
+    missing = unscorable_qa(names, qa_paths)
+    runnable = [t for t in names if t not in missing]
+    if not runnable:
+        raise UserError(f"no task of the set can be scored: {'; '.join(f'{t}: {w}' for t, w in missing.items())}")
+    specs = task_specs(seed, {t: load_qa(qa_paths[t], t) for t in QA_FORMATS if t in runnable})
+    count = _counter(tokenizer)
+    sources: list[list[Sample]] = []
     with _progress() as bar:
-        job = bar.add_task("generating task samples", total=len(names) * len(lengths))
-        for name in names:
+        job = bar.add_task("generating task samples", total=len(runnable) * len(lengths))
+        for name in runnable:
             for length in lengths:
-                samples.extend(generate(specs[name], length, num_samples, seed, count))
+                sources.append(generate(specs[name], length, num_samples, seed, count))
                 bar.advance(job)
-    return samples
+    longest = max(s.num_tokens + s.max_new_tokens for src in sources for s in src)
+    return Suite(OFFLINE_LABEL, sources, lengths, longest,
+                 [{"task": t, "length": None, "why": w} for t, w in missing.items()])
+
+
+def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: int | None, tokenizer) -> Suite:
+    """RULER's own prepared data under `root` (`<length>/data/<task>/validation.jsonl`): every length found there,
+    or `lengths`; the first `limit` samples of each file, or all of them as RULER scores them."""
+    found = ruler.data_lengths(root)
+    wanted = lengths or found
+    if not wanted:
+        raise UserError(f"--ruler-data {root}: no length directories (<length>/data/<task>/{ruler.SUBSET_FILE}); "
+                        f"pass the folder RULER's scripts/run.sh fills, <ROOT_DIR>/<model>/synthetic")
+    count = _batch_counter(tokenizer)
+    files: list[ruler.TaskFile] = []
+    not_scored: list[dict] = []
+    notes: dict[str, str] = {}
+    absent: dict[str, list[int]] = {}
+    present = [L for L in wanted if L in found]
+    not_scored += [{"task": None, "length": L, "why": f"no directory {root / str(L)}"} for L in wanted if L not in found]
+    with _progress() as bar:
+        job = bar.add_task("reading RULER data", total=len(names) * len(present))
+        for length in present:
+            for task in names:
+                path = ruler.task_file(root, length, task)
+                if path is None:
+                    absent.setdefault(task, []).append(length)
+                else:
+                    scanned = ruler.scan_task(path, task, length, limit, count)
+                    if len(scanned):
+                        files.append(scanned)
+                    else:
+                        not_scored.append({"task": task, "length": length, "why": f"{path}: no samples (empty file)"})
+                    if scanned.note:
+                        notes[f"{task} at {length}"] = scanned.note
+                bar.advance(job)
+    for task, missing in absent.items():
+        where = f"{root}/<length>/data/{task}/{ruler.SUBSET_FILE}"
+        if len(missing) == len(present):
+            not_scored.append({"task": task, "length": None, "why": f"no data at any length (expected {where})"})
+        else:
+            not_scored += [{"task": task, "length": L, "why": f"no file (expected {where})"} for L in missing]
+    if not files:
+        raise UserError(f"--ruler-data {root}: no RULER data for tasks {', '.join(names)} at lengths "
+                        f"{', '.join(map(str, wanted))}; expected <length>/data/<task>/{ruler.SUBSET_FILE}")
+    scored_lengths = sorted({f.length for f in files})
+    not_scored += [{"task": None, "length": L, "why": "no data for any task of the set"}
+                   for L in present if L not in scored_lengths]
+    longest = max(max(f.num_tokens) + ruler.TASKS[f.task].max_new_tokens for f in files)
+    return Suite(f"RULER (NVIDIA/RULER data in {root})", files, scored_lengths, longest, not_scored, notes)
 
 
 def _json_table(table: dict) -> dict:
     return {t: {str(L): v for L, v in per.items()} for t, per in table.items()}
+
+
+def score_checkpoints(tgt: Target, suite: Suite, tokenizer, device: str, heldout, predictions_path: Path):
+    """Greedy answers of every checkpoint to every sample: ({checkpoint: {task: {length: [metric]}}}, perplexity per
+    checkpoint, notes); every prediction goes to `predictions_path` as it is made."""
+    per_sample: dict[str, dict[str, dict[int, list[float]]]] = {}
+    ppl: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    with predictions_path.open("w") as pred_file, _progress() as bar:
+        job = bar.add_task("evaluating", total=len(tgt.checkpoints) * sum(len(src) for src in suite.sources))
+        for ckpt_name, ckpt_dir in tgt.checkpoints:
+            bar.update(job, description=f"evaluating {ckpt_name}")
+            model = load_model(ckpt_dir, device)
+            limit = getattr(model.config, "max_position_embeddings", None)
+            if limit and suite.longest > limit:
+                notes[f"{ckpt_name}: max_position_embeddings"] = (
+                    f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation")
+            table = per_sample.setdefault(ckpt_name, {})
+            for s in (s for src in suite.sources for s in src):
+                pred = greedy_generate(model, tokenizer, s.prompt, s.max_new_tokens)
+                value = scoring.METRICS[s.metric](scoring.postprocess(pred), s.answers)
+                table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
+                pred_file.write(json.dumps({"checkpoint": ckpt_name, "task": s.task, "length": s.length,
+                                            "index": s.index, "tokens": s.num_tokens, "answers": list(s.answers),
+                                            "prediction": pred, "score": value}) + "\n")
+                bar.advance(job)
+            if heldout.rows:
+                ppl[ckpt_name] = perplexity(model, heldout.packed, heldout.rows)
+            del model
+    return per_sample, ppl, notes
 
 
 def evaluate(
@@ -183,54 +293,36 @@ def evaluate(
     tasks: str | None = None,
     exclude: str | None = None,
     samples: int | None = None,
-    qa: str | None = None,
+    ruler_data: str | None = None,
+    squad: str | None = None,
+    hotpotqa: str | None = None,
     out: str | Path | None = None,
     device: str | None = None,
     ppl_data: str | None = None,
 ) -> Path:
-    """Score every checkpoint of `target` on the RULER-style tasks; write results.json, predictions.jsonl and
-    ruler.png to `out` (default RUN_DIR/eval or MODEL_DIR/eval) and print the tables. Returns the output directory."""
+    """Score every checkpoint of `target` on RULER's data (`ruler_data` or eval.ruler_data) or else the offline
+    RULER-style suite; write results.json, predictions.jsonl and ruler.png to `out` (default RUN_DIR/eval or
+    MODEL_DIR/eval) and print the report. Returns the output directory."""
     tgt = resolve_target(target, config, overrides)
     ev = tgt.cfg.eval
-    lengths_ = parse_lengths(lengths) if lengths else sorted(set(ev.lengths))
-    num_samples = samples if samples is not None else ev.samples_per_task
-    if num_samples < 1:
-        raise UserError(f"--samples {num_samples}: need at least 1 sample per task and length")
-    qa_path = qa or ev.qa_path
-    names, skipped = select_tasks(parse_names(tasks) or ev.tasks, parse_names(exclude) or list(ev.exclude), qa_path)
+    if samples is not None and samples < 1:
+        raise UserError(f"--samples {samples}: need at least 1 sample per task and length")
+    names, excluded = ruler.select_task_set(parse_names(tasks) or ev.tasks,
+                                            parse_names(exclude) if exclude is not None else list(ev.exclude))
+    data_dir = ruler_data or ev.ruler_data
     out_dir = Path(out) if out else tgt.path / "eval"
     dev = pick_device(device)
 
     tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
-    all_samples = build_samples(names, lengths_, num_samples, ev.seed, tokenizer, qa_path)
+    if data_dir:
+        suite = ruler_suite(Path(data_dir), names, parse_lengths(lengths) if lengths else None, samples, tokenizer)
+    else:
+        suite = offline_suite(names, parse_lengths(lengths) if lengths else sorted(set(ev.lengths)),
+                              samples if samples is not None else ev.samples_per_task, ev.seed, tokenizer,
+                              {"qa_1": squad or ev.squad_path, "qa_2": hotpotqa or ev.hotpotqa_path})
     heldout = select_heldout(tgt, ppl_data)
-    ppl: dict[str, float] = {}
-    notes: dict[str, str] = {}
-
-    per_sample: dict[str, dict[str, dict[int, list[float]]]] = {}
     out_dir.mkdir(parents=True, exist_ok=True)
-    predictions_path = out_dir / "predictions.jsonl"
-    with predictions_path.open("w") as pred_file, _progress() as bar:
-        job = bar.add_task("evaluating", total=len(tgt.checkpoints) * len(all_samples))
-        for ckpt_name, ckpt_dir in tgt.checkpoints:
-            bar.update(job, description=f"evaluating {ckpt_name}")
-            model = load_model(ckpt_dir, dev)
-            limit = getattr(model.config, "max_position_embeddings", None)
-            if limit and lengths_[-1] > limit:
-                notes[f"{ckpt_name}: max_position_embeddings"] = (
-                    f"{limit} < longest length {lengths_[-1]}: scores beyond it measure extrapolation")
-            table = per_sample.setdefault(ckpt_name, {})
-            for s in all_samples:
-                pred = greedy_generate(model, tokenizer, s.prompt, s.max_new_tokens)
-                value = scoring.METRICS[s.metric](pred, s.answers)
-                table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
-                pred_file.write(json.dumps({"checkpoint": ckpt_name, "task": s.task, "length": s.length,
-                                            "index": s.index, "tokens": s.num_tokens, "answers": list(s.answers),
-                                            "prediction": pred, "score": value}) + "\n")
-                bar.advance(job)
-            if heldout.rows:
-                ppl[ckpt_name] = perplexity(model, heldout.packed, heldout.rows)
-            del model
+    per_sample, ppl, notes = score_checkpoints(tgt, suite, tokenizer, dev, heldout, out_dir / "predictions.jsonl")
 
     scores = {c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}
               for c, tb in per_sample.items()}
@@ -238,20 +330,24 @@ def evaluate(
     task_mean = {c: scoring.mean_over_tasks(tb) for c, tb in scores.items()}
     task_mean["average"] = scoring.mean_over_tasks(average)
     results = {
+        "suite": suite.label,
+        "not_scored": suite.not_scored,
+        "task_set": names,
+        "excluded": excluded,
         "target": str(tgt.path),
         "kind": tgt.kind,
+        "ruler_data": str(data_dir) if data_dir else None,
         "checkpoints": [c for c, _ in tgt.checkpoints],
         "device": dev,
-        "tasks": names,
-        "lengths": lengths_,
-        "samples_per_task": num_samples,
-        "seed": ev.seed,
-        "skipped": skipped,
-        "notes": notes,
+        "tasks": [t for t in names if t in average],
+        "lengths": suite.lengths,
+        "samples_per_task": None if data_dir and samples is None else (samples or ev.samples_per_task),
+        "seed": None if data_dir else ev.seed,
+        "notes": {**suite.notes, **notes},
         "scores": {c: _json_table(tb) for c, tb in scores.items()},
         "average": _json_table(average),
         "task_mean": _json_table(task_mean),
-        "overall": sum(task_mean["average"].values()) / len(lengths_),
+        "overall": sum(task_mean["average"].values()) / len(task_mean["average"]),
     }
     results["perplexity"] = {"data": str(heldout.path) if heldout.path else None, "windows": len(heldout.rows),
                              "heldout_available": heldout.available, "per_checkpoint": ppl,
@@ -264,23 +360,50 @@ def evaluate(
     return out_dir
 
 
+def not_scored_lines(results: dict) -> list[str]:
+    """What of the task set the scores leave out, one line each: the top of the report."""
+    from lctrain.eval.plots import length_label
+
+    lines = []
+    for e in results["not_scored"]:
+        what = e["task"] or "every task"
+        at = f" at {length_label(e['length'])}" if e["length"] is not None else ""
+        lines.append(f"{what}{at}: {e['why']}")
+    return lines
+
+
 def print_report(results: dict, out_dir: Path) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from lctrain.eval.plots import length_label
 
     console = Console()
+    console.print(f"[bold]{escape(results['suite'])}[/bold]")
+    task_set = results["task_set"]
+    excluded = f" (excluded: {', '.join(results['excluded'])})" if results["excluded"] else ""
+    console.print(f"task set: {len(task_set)} of RULER's 13 tasks{excluded}")
+    missing = not_scored_lines(results)
+    if missing:
+        console.print(f"[bold red]NOT SCORED: {len(missing)} part{'s' * (len(missing) > 1)} of the task set; the means "
+                      f"below leave {'them' if len(missing) > 1 else 'it'} out:[/bold red]")
+        for line in missing:
+            console.print(f"[red]  {escape(line)}[/red]")
     lengths = [str(L) for L in results["lengths"]]
     n = len(results["checkpoints"])
-    title = f"RULER-style scores, averaged over {n} checkpoint{'s' * (n > 1)} ({', '.join(results['checkpoints'])})"
+    title = f"averaged over {n} checkpoint{'s' * (n > 1)} ({', '.join(results['checkpoints'])})"
     table = Table(title=title)
     table.add_column("task")
     for L in results["lengths"]:
         table.add_column(length_label(L), justify="right")
     for t in results["tasks"]:
-        table.add_row(t, *(f"{results['average'][t][L]:.1f}" for L in lengths))
-    table.add_row("[bold]mean[/bold]", *(f"[bold]{results['task_mean']['average'][L]:.1f}[/bold]" for L in lengths))
+        row = results["average"][t]
+        table.add_row(t, *(f"{row[L]:.2f}" if L in row else "-" for L in lengths))
+    table.add_row("[bold]mean[/bold]", *(f"[bold]{results['task_mean']['average'][L]:.2f}[/bold]" for L in lengths))
+    if missing:
+        table.add_row("tasks in the mean", *(f"{sum(L in results['average'][t] for t in results['tasks'])}/{len(task_set)}"
+                                             for L in lengths))
     console.print(table)
     if n > 1:
         per = Table(title="mean over tasks, per checkpoint")
@@ -288,12 +411,10 @@ def print_report(results: dict, out_dir: Path) -> None:
         for L in results["lengths"]:
             per.add_column(length_label(L), justify="right")
         for c in results["checkpoints"]:
-            per.add_row(c, *(f"{results['task_mean'][c][L]:.1f}" for L in lengths))
+            per.add_row(c, *(f"{results['task_mean'][c][L]:.2f}" for L in lengths))
         console.print(per)
-    for t, why in results["skipped"].items():
-        console.print(f"skipped {t}: {why}")
     for what, note in results["notes"].items():
-        console.print(f"note: {what} {note}")
+        console.print(f"note: {escape(what)}: {escape(note)}")
     ppl = results.get("perplexity") or {}
     if ppl.get("note"):
         console.print(f"perplexity: {ppl['note']}")

@@ -1,12 +1,26 @@
-"""RULER's scoring and the paper's checkpoint averaging (§4.2: scores averaged over the last five checkpoints)."""
+"""RULER's scoring and the paper's checkpoint averaging (§4.2: "we suggest reporting the average RULER performance
+across five checkpoints, saving a checkpoint every 10 steps over the last 50 training steps").
+
+The metrics, the post-processing and the rounding follow NVIDIA/RULER's scripts/eval/synthetic/constants.py and
+scripts/eval/evaluate.py (commit c3f5e3b): a prediction is stripped, its control characters become newlines, and a
+task's score at one length is the mean per-sample metric in percent, rounded to two decimals.
+"""
 
 from __future__ import annotations
 
+import re
 from statistics import mean
+
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def postprocess(prediction: str) -> str:
+    """RULER's clean-up of a generated answer before matching."""
+    return _CONTROL.sub("\n", prediction.strip()).strip()
 
 
 def string_match_all(prediction: str, answers: tuple[str, ...] | list[str]) -> float:
-    """RULER's metric for retrieval tasks: the fraction of expected strings found in the prediction (case-blind)."""
+    """RULER's metric for every task but QA: the fraction of expected strings found in the prediction (case-blind)."""
     if not answers:
         raise ValueError("a sample needs at least one expected answer")
     pred = prediction.lower()
@@ -25,8 +39,8 @@ METRICS = {"all": string_match_all, "part": string_match_part}
 
 
 def task_score(per_sample: list[float]) -> float:
-    """A task's score at one length, in percent, as RULER reports it."""
-    return 100.0 * mean(per_sample)
+    """A task's score at one length, in percent, rounded as RULER's summary.csv reports it."""
+    return round(100.0 * mean(per_sample), 2)
 
 
 def average_checkpoints(scores: dict[str, dict[str, dict[int, float]]]) -> dict[str, dict[int, float]]:

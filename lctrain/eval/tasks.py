@@ -1,8 +1,11 @@
-"""RULER-style long-context tasks (Hsieh et al. 2024), generated offline and deterministically from a seed.
+"""The offline RULER-style suite: RULER's 13 tasks (Hsieh et al. 2024) generated deterministically from a seed, with
+our own haystack text, templates and examples. Its scores are NOT comparable with published RULER numbers (the
+paper's Tables 4-6); for those, score RULER's own data (`lctrain.eval.ruler`, `lctrain eval --ruler-data`).
 
 Each task turns (seed, length, sample index) into a prompt of at most `length - max_new_tokens` tokens, counted with
 the evaluated model's tokenizer, and the strings a correct answer contains. A task is built from a number of haystack
 units (sentences, distractor needles, list words, documents); `fit_units` finds the largest number that fits.
+Generation lengths and metrics are RULER's (`lctrain.eval.ruler.TASKS`).
 
 Needle depth: the first (queried) needle of sample i of n sits at depth (i + 0.5) / n of the haystack, so the samples
 sweep the context evenly; further needles sit at seeded random depths.
@@ -19,6 +22,7 @@ from pathlib import Path
 
 from lctrain.errors import UserError
 from lctrain.eval.filler import NOISE_PARAGRAPH, Essay, pseudo_words
+from lctrain.eval.ruler import TASKS, Sample
 
 _ADJECTIVES = (
     "amber", "bold", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen", "lively",
@@ -42,26 +46,19 @@ class Built:
 
 
 @dataclass(frozen=True)
-class Sample:
-    task: str
-    length: int
-    index: int
-    prompt: str
-    answers: tuple[str, ...]
-    max_new_tokens: int
-    metric: str  # "all": fraction of answers found; "part": 1 if any answer is found (QA)
-    num_tokens: int
-    needles: tuple[tuple[str, float], ...] = ()
-
-
-@dataclass(frozen=True)
 class TaskSpec:
     name: str
     build: Callable[[random.Random, int, float, int], Built]  # (rng, haystack units, first needle depth, length)
-    max_new_tokens: int
-    metric: str = "all"
     max_units: int | None = None
     description: str = ""
+
+    @property
+    def max_new_tokens(self) -> int:
+        return TASKS[self.name].max_new_tokens
+
+    @property
+    def metric(self) -> str:
+        return TASKS[self.name].metric
 
 
 # ---------------------------------------------------------------- keys, values, haystacks
@@ -267,22 +264,31 @@ def _parse_hotpot(raw: list) -> QAData:
     return data
 
 
-def load_qa(path: str | Path) -> QAData:
-    """Read a SQuAD (v1/v2 JSON: data/paragraphs/qas) or HotpotQA (JSON list with context/supporting_facts) file."""
+QA_FORMATS = {"qa_1": "SQuAD", "qa_2": "HotpotQA"}  # RULER's qa_1 and qa_2 (scripts/synthetic.yaml)
+_QA_OPTION = {"qa_1": "--squad FILE (or eval.squad_path)", "qa_2": "--hotpotqa FILE (or eval.hotpotqa_path)"}
+
+
+def load_qa(path: str | Path, task: str) -> QAData:
+    """Read the local file of `task`: SQuAD (v1/v2 JSON: data/paragraphs/qas) for qa_1, HotpotQA (a JSON list with
+    context/supporting_facts) for qa_2, the datasets RULER's two QA tasks draw from."""
     path = Path(path)
+    want = QA_FORMATS[task]
+    hint = f"pass {_QA_OPTION[task]} a {want} JSON file"
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8-sig"))
     except OSError as e:
-        raise UserError(f"{path}: cannot read the QA file ({e.strerror}); pass --qa a SQuAD or HotpotQA JSON file") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); pass --qa a SQuAD or HotpotQA JSON file") from None
+        raise UserError(f"{path}: cannot read the {task} file ({e.strerror}); {hint}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e}); {hint}") from None
     if isinstance(raw, dict) and isinstance(raw.get("data"), list):
         fmt, parse = "SQuAD", _parse_squad
     elif isinstance(raw, list) and raw and isinstance(raw[0], dict) and "context" in raw[0] and "question" in raw[0]:
         fmt, parse = "HotpotQA", _parse_hotpot
     else:
         raise UserError(f"{path}: neither SQuAD ('data' -> 'paragraphs' -> 'qas') nor HotpotQA (a list of "
-                        f"{{question, answer, context}}) format")
+                        f"{{question, answer, context}}) format; {hint}")
+    if fmt != want:
+        raise UserError(f"{path}: a {fmt} file, but {task} is RULER's {want} task; {hint}")
     try:
         data = parse(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -314,52 +320,36 @@ def _qa(data: QAData):
 
 # ---------------------------------------------------------------- the registry
 
-QA_TASK = "qa"
 
-
-def task_specs(seed: int = 0, qa: QAData | None = None) -> dict[str, TaskSpec]:
-    """All tasks, RULER's 13 minus its two QA sets plus one `qa` task over the user's file (if given)."""
+def task_specs(seed: int = 0, qa: dict[str, QAData] | None = None) -> dict[str, TaskSpec]:
+    """RULER's tasks in its order; qa_1 and qa_2 only with their data ({task: QAData})."""
     specs = [
-        TaskSpec("niah_single_1", _niah("noise", "words", "numbers", seed=seed), 128, description="noise haystack, number"),
-        TaskSpec("niah_single_2", _niah("essay", "words", "numbers", seed=seed), 128, description="essay haystack, number"),
-        TaskSpec("niah_single_3", _niah("essay", "words", "uuids", seed=seed), 128, description="essay haystack, uuid"),
-        TaskSpec("niah_multikey_1", _niah("essay", "words", "numbers", num_k=4, seed=seed), 128,
+        TaskSpec("niah_single_1", _niah("noise", "words", "numbers", seed=seed), description="noise haystack, number"),
+        TaskSpec("niah_single_2", _niah("essay", "words", "numbers", seed=seed), description="essay haystack, number"),
+        TaskSpec("niah_single_3", _niah("essay", "words", "uuids", seed=seed), description="essay haystack, uuid"),
+        TaskSpec("niah_multikey_1", _niah("essay", "words", "numbers", num_k=4, seed=seed),
                  description="4 keys, 1 queried"),
-        TaskSpec("niah_multikey_2", _niah("needle", "words", "numbers", seed=seed), 128,
+        TaskSpec("niah_multikey_2", _niah("needle", "words", "numbers", seed=seed),
                  description="haystack of distractor needles"),
-        TaskSpec("niah_multikey_3", _niah("needle", "uuids", "uuids", seed=seed), 128,
+        TaskSpec("niah_multikey_3", _niah("needle", "uuids", "uuids", seed=seed),
                  description="needle haystack, uuid keys and values"),
-        TaskSpec("niah_multivalue", _niah("essay", "words", "numbers", num_v=4, seed=seed), 128,
+        TaskSpec("niah_multivalue", _niah("essay", "words", "numbers", num_v=4, seed=seed),
                  description="4 values for one key"),
-        TaskSpec("niah_multiquery", _niah("essay", "words", "numbers", num_k=4, num_q=4, seed=seed), 128,
+        TaskSpec("niah_multiquery", _niah("essay", "words", "numbers", num_k=4, num_q=4, seed=seed),
                  description="4 keys queried"),
-        TaskSpec("vt", _vt(), 30, description="variable tracking, 1 chain of 4 hops"),
-        TaskSpec("cwe", _cwe(), 120, description="common words extraction"),
-        TaskSpec("fwe", _fwe(), 50, description="frequent words extraction"),
+        TaskSpec("vt", _vt(), description="variable tracking, 1 chain of 4 hops"),
+        TaskSpec("cwe", _cwe(), description="common words extraction"),
+        TaskSpec("fwe", _fwe(), description="frequent words extraction"),
     ]
-    if qa is not None:
-        specs.append(TaskSpec(QA_TASK, _qa(qa), 32, metric="part", max_units=len(qa.documents),
-                              description=f"question answering ({qa.format})"))
+    for task, data in (qa or {}).items():
+        specs.append(TaskSpec(task, _qa(data), max_units=len(data.documents),
+                              description=f"question answering ({data.format})"))
     return {s.name: s for s in specs}
 
 
-ALL_TASKS = tuple(task_specs()) + (QA_TASK,)
-
-
-def select_tasks(tasks: list[str] | None, exclude: list[str], qa_path: str | None) -> tuple[list[str], dict]:
-    """The tasks to run, in registry order, and {task: why it is skipped}. Unknown names are a UserError."""
-    for source, names in (("--tasks", tasks or []), ("--exclude", exclude)):
-        unknown = [t for t in names if t not in ALL_TASKS]
-        if unknown:
-            raise UserError(f"{source}: unknown task(s) {', '.join(unknown)}; known tasks: {', '.join(ALL_TASKS)}")
-    wanted = [t for t in ALL_TASKS if (tasks is None or t in tasks) and t not in exclude]
-    skipped = {}
-    if QA_TASK in wanted and not qa_path:
-        wanted.remove(QA_TASK)
-        skipped[QA_TASK] = "no QA file given (pass --qa FILE in SQuAD or HotpotQA JSON format)"
-    if not wanted:
-        raise UserError("no task left to run after --tasks/--exclude")
-    return wanted, skipped
+def unscorable_qa(names: list[str], paths: dict[str, str | None]) -> dict[str, str]:
+    """{QA task of the set: why it cannot be scored} for those without a local file."""
+    return {t: f"no {QA_FORMATS[t]} file; pass {_QA_OPTION[t]}" for t in QA_FORMATS if t in names and not paths.get(t)}
 
 
 # ---------------------------------------------------------------- fitting to a token length
