@@ -133,18 +133,13 @@ def load_model(model_dir: Path, device: str):
     return model.to(device).eval()
 
 
-def greedy_generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
-    import torch
-    from transformers import GenerationConfig
+def greedy_generate(model, tokenizer, prompt: str, max_new_tokens: int, plan) -> str:
+    """The greedy answer to `prompt` (with the tokenizer's BOS) under a `generation.GenerationPlan`."""
+    from lctrain.eval.generation import greedy_ids
 
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
-    eos = tokenizer.eos_token_id
-    # use_cache explicitly: training checkpoints are saved with use_cache=False (packed windows need no cache)
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True, eos_token_id=eos,
-                           pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    ids = tokenizer(prompt)["input_ids"]
+    new = greedy_ids(model, ids, max_new_tokens, plan, eos=tokenizer.eos_token_id)
+    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 def _progress():
@@ -256,22 +251,27 @@ def _json_table(table: dict) -> dict:
 
 def score_checkpoints(tgt: Target, suite: Suite, tokenizer, device: str, heldout, predictions_path: Path):
     """Greedy answers of every checkpoint to every sample: ({checkpoint: {task: {length: [metric]}}}, perplexity per
-    checkpoint, notes); every prediction goes to `predictions_path` as it is made."""
+    checkpoint, notes, the generation memory plan per checkpoint); every prediction goes to `predictions_path` as it is made."""
+    from lctrain.eval.generation import plan_for
+
     per_sample: dict[str, dict[str, dict[int, list[float]]]] = {}
     ppl: dict[str, float] = {}
     notes: dict[str, str] = {}
+    memory: dict[str, str] = {}
     with predictions_path.open("w") as pred_file, _progress() as bar:
         job = bar.add_task("evaluating", total=len(tgt.checkpoints) * sum(len(src) for src in suite.sources))
         for ckpt_name, ckpt_dir in tgt.checkpoints:
             bar.update(job, description=f"evaluating {ckpt_name}")
             model = load_model(ckpt_dir, device)
+            plan = plan_for(model, suite.longest)  # stops here, before any answer, when the longest cannot fit
+            memory[ckpt_name] = plan.describe()
             limit = getattr(model.config, "max_position_embeddings", None)
             if limit and suite.longest > limit:
                 notes[f"{ckpt_name}: max_position_embeddings"] = (
                     f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation")
             table = per_sample.setdefault(ckpt_name, {})
             for s in (s for src in suite.sources for s in src):
-                pred = greedy_generate(model, tokenizer, s.prompt, s.max_new_tokens)
+                pred = greedy_generate(model, tokenizer, s.prompt, s.max_new_tokens, plan)
                 value = scoring.METRICS[s.metric](scoring.postprocess(pred), s.answers)
                 table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
                 pred_file.write(json.dumps({"checkpoint": ckpt_name, "task": s.task, "length": s.length,
@@ -281,7 +281,7 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, device: str, heldout
             if heldout.rows:
                 ppl[ckpt_name] = perplexity(model, heldout.packed, heldout.rows)
             del model
-    return per_sample, ppl, notes
+    return per_sample, ppl, notes, memory
 
 
 def evaluate(
@@ -322,7 +322,7 @@ def evaluate(
                               {"qa_1": squad or ev.squad_path, "qa_2": hotpotqa or ev.hotpotqa_path})
     heldout = select_heldout(tgt, ppl_data)
     out_dir.mkdir(parents=True, exist_ok=True)
-    per_sample, ppl, notes = score_checkpoints(tgt, suite, tokenizer, dev, heldout, out_dir / "predictions.jsonl")
+    per_sample, ppl, notes, memory = score_checkpoints(tgt, suite, tokenizer, dev, heldout, out_dir / "predictions.jsonl")
 
     scores = {c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}
               for c, tb in per_sample.items()}
@@ -344,6 +344,7 @@ def evaluate(
         "samples_per_task": None if data_dir and samples is None else (samples or ev.samples_per_task),
         "seed": None if data_dir else ev.seed,
         "notes": {**suite.notes, **notes},
+        "generation_memory": memory,
         "scores": {c: _json_table(tb) for c, tb in scores.items()},
         "average": _json_table(average),
         "task_mean": _json_table(task_mean),
@@ -415,6 +416,8 @@ def print_report(results: dict, out_dir: Path) -> None:
         console.print(per)
     for what, note in results["notes"].items():
         console.print(f"note: {escape(what)}: {escape(note)}")
+    for ckpt, plan in results["generation_memory"].items():
+        console.print(f"generation memory, {escape(ckpt)}: {escape(plan)}")
     ppl = results.get("perplexity") or {}
     if ppl.get("note"):
         console.print(f"perplexity: {ppl['note']}")
