@@ -65,7 +65,8 @@ def _from_packed(path: Path, length: int, count: int, vocab_size: int) -> ProbeT
                         f"start; pass one prepared without it, or text files with --text")
     window_len = int(data.manifest["seq_len"])
     columns = data.rows.select_columns(["seg_lens", "tag_lens"]).iter(batch_size=256)
-    windows = ((np.asarray(s), np.asarray(t)) for batch in columns for s, t in zip(batch["seg_lens"], batch["tag_lens"]))
+    windows = ((np.asarray(s), np.asarray(t))
+               for batch in columns for s, t in zip(batch["seg_lens"], batch["tag_lens"]))
     whole, crossing = [], []
     for w, offset, inside in packed_document_spans(windows, window_len, length):
         (whole if inside else crossing).append((w, offset))

@@ -5,7 +5,7 @@ RoPE depends in exact arithmetic only on relative positions, so shifting every p
 unchanged. The paper: "if the original position indices are [0, 1, ..., L-1], after applying the shift they become
 [Δ, Δ+1, ..., Δ+L-1]", and with ATTN^{l,h}(X, Δ) the attention matrix of head h in layer l under the shift Δ
 
-    D(X, Δ1, Δ2) = Σ_{l,h} Σ_{j=1}^{L} n ⊙ ( Σ_{i=1}^{L} |ATTN^{l,h}_{ij}(X, Δ1) − ATTN^{l,h}_{ij}(X, Δ2)| )      (Eq. 4)
+    D(X, Δ1, Δ2) = Σ_{l,h} Σ_{j=1}^{L} n ⊙ ( Σ_{i=1}^{L} |ATTN^{l,h}_{ij}(X, Δ1) − ATTN^{l,h}_{ij}(X, Δ2)| )  (Eq. 4)
 
 "the normalization vector n = [1/L, 1/(L−1), ..., 1] is applied element-wise (denoted by ⊙) to account for the
 varying number of elements in lower triangular matrices due to causal masking": i is the query, j the key, and key
@@ -13,10 +13,10 @@ column j (1-based) has L−j+1 queries that see it. D is a sum over layers and h
 The per-token difference (Figure 1, middle: "without summing over t_row") is the key-j term of that sum, d_j; D is
 Σ_j d_j. Over several sequences X, D and d_j are averaged; the per-sequence values are kept (Figure 7, left).
 
-    D_logit = (1/T) Σ_{l,h} Σ_{i=1}^{T} |A^{l,h}_{i,j=1}(Δ1) − A^{l,h}_{i,j=1}(Δ2)|                               (Eq. 5)
+    D_logit = (1/T) Σ_{l,h} Σ_{i=1}^{T} |A^{l,h}_{i,j=1}(Δ1) − A^{l,h}_{i,j=1}(Δ2)|  (Eq. 5)
 
 with the attention logits A_ij = q_iᵀ k_j of Eq. 1, where the paper drops the 1/√d factor "to simplify notation"
-(`scaled=True` reports the logits times the model's attention scaling instead), at Δ1 = 0 and Δ2 = 16 for each
+(`--scaled-logits` reports the logits times the model's attention scaling instead), at Δ1 = 0 and Δ2 = 16 for each
 sequence length T.
 
 How it is computed. Each forward pass runs the whole decoder on a batch of one sequence at several shifts: element 0
@@ -210,7 +210,10 @@ def measure_sequence(model, ids: torch.Tensor, plan: Plan, advance: Callable[[],
     """Every quantity for one sequence `ids` (at least max(seq_len, logit lengths) tokens, on the model's device)."""
     x = ids[:plan.seq_len]
     sweep = key_sums(model, x, plan.delta2, plan.shifts, plan, advance)
-    at_zero = sweep[plan.shifts.index(0)] if 0 in plan.shifts else key_sums(model, x, plan.delta2, (0,), plan, advance)[0]
+    if 0 in plan.shifts:
+        at_zero = sweep[plan.shifts.index(0)]
+    else:
+        at_zero = key_sums(model, x, plan.delta2, (0,), plan, advance)[0]
     result = {"D": attention_difference(sweep).tolist(), "per_token": per_key_difference(at_zero).tolist()}
     if plan.vary_delta2:
         result["D_vary_delta2"] = attention_difference(key_sums(model, x, 0, plan.shifts, plan, advance)).tolist()
@@ -260,7 +263,7 @@ def reinit_random(model, seed: int) -> list[str]:
     `kaiming_uniform_(a=√5)` (weights uniform in ±1/√fan_in, biases likewise) and for nn.Embedding N(0, 1); norm
     modules without one (RMSNorm) get weight 1 and bias 0, their constructors' values. Seeded. Returns the names of
     parameters that are none of these and keep their values."""
-    devices = [model.device] if model.device.type == "cuda" else []
+    devices = [model.device.index or 0] if model.device.type == "cuda" else []
     decoder = model.get_decoder()
     reset = set()
     with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -406,7 +409,8 @@ def estimate_flops(model, plan: Plan) -> float:
 
 
 def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), transient=False)
@@ -434,8 +438,8 @@ def diagnose_rope(spec: str, *, overrides: list[str] | tuple = (), text: str | N
     text_path = Path(text) if text else src.default_text()
     logit_lengths = tuple(n for n in LOGIT_LENGTHS if n <= max_len)
     length = max(seq_len, *logit_lengths)
-    probe_text = probe_sequences(text_path, src.tokenizer(), length, samples, model.get_input_embeddings().num_embeddings,
-                                 seed)
+    vocab = model.get_input_embeddings().num_embeddings
+    probe_text = probe_sequences(text_path, src.tokenizer(), length, samples, vocab, seed)
     plan = Plan(seq_len, tuple(shifts), delta2, logit_lengths, vary_delta2, shift_batch,
                 _CHUNK_BYTES["cuda" if dev.startswith("cuda") else "cpu"])
     flops = estimate_flops(model, plan) * samples
@@ -449,10 +453,14 @@ def diagnose_rope(spec: str, *, overrides: list[str] | tuple = (), text: str | N
     with _progress() as bar, torch.inference_mode():
         jobs = {c: bar.add_task(c, total=samples * plan.passes()) for c in cases}
         for name, m, notes in case_models(model, cases, seed):
+            if dev.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
             per_sequence = [measure_sequence(m, x, plan, lambda: bar.advance(jobs[name])) for x in ids]
             seconds = time.perf_counter() - t0
             timing[name] = {"seconds": round(seconds, 3), "tflops_per_s": round(flops / seconds / 1e12, 3)}
+            if dev.startswith("cuda"):
+                timing[name]["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
             results_cases[name] = {"label": CASES[name], **summarize(per_sequence, scaled_logits), **notes}
     del model
     results = {
@@ -468,6 +476,8 @@ def diagnose_rope(spec: str, *, overrides: list[str] | tuple = (), text: str | N
         "logits": "scaled by the attention scaling (q·k/√d)" if scaled_logits else "unscaled (q·k, Eq. 1)",
         "cases": results_cases,
         "timing": {"load_seconds": round(loaded, 3), "estimated_tflop_per_case": round(flops / 1e12, 3), **timing},
+        # "highest": fp32 matmuls are true fp32 (no TF32), which the fp32 case relies on
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "definitions": {
             "D": "Eq. 4: sum over layers l and heads h of sum_j n_j sum_i |ATTN_ij(X, Δ1) - ATTN_ij(X, Δ2)|, n_j = "
                  "1/(L-j+1) for key j = 1..L; mean over the sequences (D_per_sample: each); at Δ1 = Δ2 exactly 0",
@@ -503,7 +513,8 @@ def print_rope_table(results: dict, out_dir: Path, console) -> None:
     table.add_row("first-token share", *(f"{100 * v[n]['first_token_share']:.1f}%" for n in names))
     table.add_row("first token / others", *(f"{v[n]['first_token_vs_others']:.1f}x" for n in names))
     console.print(table)
-    lt = Table(title=f"first-token logit difference D_logit (Eq. 5, Δ1=0, Δ2={results['delta2']}, {results['logits']})")
+    lt = Table(title=f"first-token logit difference D_logit (Eq. 5, Δ1=0, Δ2={results['delta2']}, "
+                     f"{results['logits']})")
     lt.add_column("T", justify="right")
     for n in names:
         lt.add_column(n, justify="right")
@@ -511,6 +522,8 @@ def print_rope_table(results: dict, out_dir: Path, console) -> None:
         lt.add_row(str(length), *(f"{v[n]['D_logit'][i]:.4g}" for n in names))
     console.print(lt)
     t = results["timing"]
-    console.print("timing: " + ", ".join(f"{n} {t[n]['seconds']:.1f} s ({t[n]['tflops_per_s']:.2f} TFLOP/s)"
-                                         for n in names) + f"; model load {t['load_seconds']:.1f} s")
+    console.print("timing: " + ", ".join(
+        f"{n} {t[n]['seconds']:.1f} s ({t[n]['tflops_per_s']:.2f} TFLOP/s"
+        + (f", peak {t[n]['peak_memory_gb']:.1f} GiB)" if "peak_memory_gb" in t[n] else ")") for n in names)
+        + f"; model load {t['load_seconds']:.1f} s")
     console.print(f"wrote {out_dir}/rope_drift.json, rope_figure1.png, rope_figure7.png")
