@@ -211,6 +211,20 @@ def test_eq5_against_length_matches_the_reference_per_length(eager):
         assert want > 0.1 and value == pytest.approx(want, rel=1e-3), length
 
 
+@pytest.mark.parametrize("shifts, vary", [((100,), False), ((0, 16, 100, 7), True)])
+def test_per_token_split_is_at_delta1_zero_and_passes_are_counted(shifts, vary):
+    """Without Δ1 = 0 in the sweep the split gets its own pass; the progress bar's total is the passes made."""
+    model, ids = sharp_model(), sequence()
+    calls = []
+    p = plan(shifts=shifts, delta2=FAR, vary_delta2=vary, shift_batch=1)
+    with torch.inference_mode():
+        got = rd.measure_sequence(model, ids, p, lambda: calls.append(1))
+        at_zero = rd.measure_sequence(model, ids, plan(shifts=(0,), delta2=FAR, shift_batch=1))
+    assert got["per_token"] == at_zero["per_token"]
+    assert len(calls) == p.passes() == len(shifts) + (0 not in shifts) + vary * (len(shifts) - 1) + len(LENGTHS)
+    assert p.tokens() == (2 * T * (p.passes() - len(LENGTHS)) + 2 * sum(LENGTHS))
+
+
 # ---- properties the paper reports --------------------------------------------------------------------------------
 
 def bf16_cases(cases=("bf16_rope_bf16", "bf16")):

@@ -172,22 +172,25 @@ class Plan:
         todo = [i for i, s in enumerate(shifts) if s != reference]
         return [todo[i:i + self.shift_batch] for i in range(0, len(todo), self.shift_batch)]
 
-    @property
-    def per_token_extra(self) -> bool:  # the per-token split is at Δ1 = 0; one more pass when the sweep lacks it
-        return 0 not in self.shifts
+    def sweeps(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """The attention-weight sweeps on each sequence, name -> (reference shift, compared shifts): Δ1 against Δ2
+        (Figure 1, left), Δ1 = 0 for the per-token split when the first sweep lacks it (Figure 1, middle), Δ2
+        against Δ1 = 0 (Figure 7, right)."""
+        out = {"D": (self.delta2, self.shifts)}
+        if 0 not in self.shifts:
+            out["per_token"] = (self.delta2, (0,))
+        if self.vary_delta2:
+            out["D_vary_delta2"] = (0, self.shifts)
+        return out
 
     def passes(self) -> int:
         """Forward passes per sequence."""
-        return (len(self.groups(self.delta2, self.shifts)) + len(self.groups(self.delta2, (0,))) * self.per_token_extra
-                + len(self.groups(0, self.shifts)) * self.vary_delta2 + len(self.logit_lengths))
+        return sum(len(self.groups(*sweep)) for sweep in self.sweeps().values()) + len(self.logit_lengths)
 
     def tokens(self) -> int:
         """Tokens (batch elements x length) through the decoder per sequence."""
-        def batched(reference, shifts):
-            return sum((len(g) + 1) * self.seq_len for g in self.groups(reference, shifts))
-
-        return (batched(self.delta2, self.shifts) + batched(self.delta2, (0,)) * self.per_token_extra
-                + batched(0, self.shifts) * self.vary_delta2 + 2 * sum(self.logit_lengths))
+        return (sum((len(g) + 1) * self.seq_len for sweep in self.sweeps().values() for g in self.groups(*sweep))
+                + 2 * sum(self.logit_lengths))
 
 
 def key_sums(model, ids: torch.Tensor, reference: int, shifts, plan: Plan, advance: Callable[[], None]) -> torch.Tensor:
@@ -209,14 +212,11 @@ def first_logit_difference(model, ids: torch.Tensor, delta1: int, delta2: int, c
 def measure_sequence(model, ids: torch.Tensor, plan: Plan, advance: Callable[[], None] = lambda: None) -> dict:
     """Every quantity for one sequence `ids` (at least max(seq_len, logit lengths) tokens, on the model's device)."""
     x = ids[:plan.seq_len]
-    sweep = key_sums(model, x, plan.delta2, plan.shifts, plan, advance)
-    if 0 in plan.shifts:
-        at_zero = sweep[plan.shifts.index(0)]
-    else:
-        at_zero = key_sums(model, x, plan.delta2, (0,), plan, advance)[0]
-    result = {"D": attention_difference(sweep).tolist(), "per_token": per_key_difference(at_zero).tolist()}
-    if plan.vary_delta2:
-        result["D_vary_delta2"] = attention_difference(key_sums(model, x, 0, plan.shifts, plan, advance)).tolist()
+    sums = {name: key_sums(model, x, *sweep, plan, advance) for name, sweep in plan.sweeps().items()}
+    at_zero = sums["per_token"][0] if "per_token" in sums else sums["D"][plan.shifts.index(0)]
+    result = {"D": attention_difference(sums["D"]).tolist(), "per_token": per_key_difference(at_zero).tolist()}
+    if "D_vary_delta2" in sums:
+        result["D_vary_delta2"] = attention_difference(sums["D_vary_delta2"]).tolist()
     logits = []
     for length in plan.logit_lengths:
         logits.append(first_logit_difference(model, ids[:length], 0, plan.delta2, plan.chunk_bytes))
