@@ -162,18 +162,29 @@ app.add_typer(diagnose, name="diagnose")
 @diagnose.command("rope")
 @user_errors
 def diagnose_rope(
-    model: Annotated[str, typer.Argument(help="hub name, model directory, or lctrain config (name or YAML; model.arch = a tiny random model)")],
-    seq_len: Annotated[int, typer.Option(help="tokens of the input X for D and the per-token difference")] = 1024,
-    max_len: Annotated[int, typer.Option(help="longest sequence for the first-token logit difference (64 .. 8192)")] = 8192,
+    model: Annotated[str, typer.Argument(help="hub name, model directory, or lctrain config (name or YAML; model.arch = a seeded random model)")],
+    text: Annotated[Optional[str], typer.Option(help="prepared dataset directory, or .txt/.md/.py/.jsonl file or folder of them; default: the config's prepared dataset")] = None,
+    samples: Annotated[int, typer.Option(help="text sequences to average over (paper: 50)")] = 50,
+    seq_len: Annotated[int, typer.Option(help="tokens T of each sequence for D and the per-token difference (paper: 4096)")] = 4096,
+    max_len: Annotated[int, typer.Option(help="longest T for the first-token logit difference, of 64, 128, ..., 8192")] = 8192,
+    cases: Annotated[Optional[str], typer.Option(help="comma-separated of fp32, bf16, random, bf16_rope_bf16, or all; default fp32,bf16,random")] = None,
+    delta2: Annotated[int, typer.Option(help="the fixed shift Δ2")] = 16,
+    shifts: Annotated[Optional[str], typer.Option(help="comma-separated shifts Δ1; default the paper's 0,2,...,2000")] = None,
+    scaled_logits: Annotated[bool, typer.Option(help="D_logit of q·k/√d instead of the paper's unscaled q·k")] = False,
+    vary_delta2: Annotated[bool, typer.Option(help="also sweep Δ2 over the shifts at Δ1 = 0 (Figure 7, right)")] = False,
+    shift_batch: Annotated[int, typer.Option(help="shifts per forward pass, next to the Δ2 reference")] = 4,
     device: Annotated[Optional[str], typer.Option(help="cuda, cpu or auto")] = None,
     out: Annotated[Optional[str], typer.Option(help="output directory; default diagnose/<model name>")] = None,
     set_: SetOpt = None,
 ):
-    """The paper's Figure 1: attention difference under a positional shift in fp32, bf16 and bf16 with fp32 RoPE;
-    the first token's share of it; the first-token logit difference against length. Table, JSON and PNG."""
+    """The paper's Figures 1 and 7: attention difference D (Eq. 4) under a positional shift, its per-token split, and
+    the first-token logit difference (Eq. 5) against length, for fp32, bf16 and a random init. Table, JSON, PNGs."""
     from lctrain.eval.rope_drift import diagnose_rope as run_diagnose
+    from lctrain.eval.rope_drift import parse_cases, parse_shifts
 
-    run_diagnose(model, overrides=list(set_ or []), seq_len=seq_len, max_len=max_len, device=device, out=out)
+    run_diagnose(model, overrides=list(set_ or []), text=text, samples=samples, seq_len=seq_len, max_len=max_len,
+                 cases=parse_cases(cases), delta2=delta2, shifts=parse_shifts(shifts), scaled_logits=scaled_logits,
+                 vary_delta2=vary_delta2, shift_batch=shift_batch, device=device, out=out)
 
 
 check = typer.Typer(help="Numerical checks of the training setup.", no_args_is_help=True)

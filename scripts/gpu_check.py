@@ -375,8 +375,8 @@ def stage_cli(run: Runner, args) -> None:
     results = json.loads((runs["1"] / "eval" / "results.json").read_text())
     r.data["eval"] = {k: v for k, v in results.items() if k != "predictions"}
     hf = sorted((runs["1"] / "hf").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    run.run(lctrain_cli() + ["diagnose", "rope", str(hf[-1]), "--seq-len", "1024", "--max-len", "4096",
-                             "--out", str(work / "diagnose")], cwd=work)
+    run.run(lctrain_cli() + ["diagnose", "rope", str(hf[-1]), "--text", str(work / "prepared"), "--samples", "4",
+                             "--seq-len", "1024", "--max-len", "4096", "--out", str(work / "diagnose")], cwd=work)
     r.notes.append(f"eval and diagnose rope ran; outputs in {work}")
 
 

@@ -61,36 +61,67 @@ def _positive(values) -> list[float]:
     return [v if v > 0 else float("nan") for v in values]
 
 
-def plot_rope_drift(results: dict, path: Path) -> Path:
-    """The paper's Figure 1: D against the shift, per-token difference, and the first token's logit difference."""
-    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4.5))
-    variants = results["variants"]
-    for name, v in variants.items():
-        left.plot(range(len(results["shifts"])), _positive(v["D"]), "-o", ms=3, label=name)
-    left.set_xticks(range(len(results["shifts"])), [str(s) for s in results["shifts"]], rotation=60, fontsize=7)
-    left.set_xlabel(f"Δ1 (Δ2 = {results['delta2']})")
-    left.set_ylabel("attention difference D")
-    left.set_yscale("log")
-    left.legend(fontsize=8)
-    left.grid(alpha=0.3)
-    for name, v in variants.items():
-        label = f"{name}: first token {100 * v['first_token_share']:.0f}%, {v['first_token_vs_others']:.0f}x the others"
-        mid.plot(_positive(v["per_token"]), lw=1, label=label)
-    mid.set_xlabel("key token index")
-    mid.set_ylabel(f"per-token difference (Δ1=0, Δ2={results['delta2']})")
+def _shift_axis(ax, shifts, label: str) -> None:
+    ax.set_xticks(range(len(shifts)), [str(s) for s in shifts], rotation=60, fontsize=7)
+    ax.set_xlabel(label)
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+
+
+def plot_rope_figure1(results: dict, path: Path) -> Path:
+    """The paper's Figure 1. Left: D (Eq. 4) against Δ1 at fixed Δ2, mean over the sequences, one line per case.
+    Middle: the per-token difference d_j at Δ1 = 0. Right: D_logit (Eq. 5) against the sequence length."""
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(17, 4.8))
+    cases, shifts = results["cases"], results["shifts"]
+    for v in cases.values():
+        left.plot(range(len(shifts)), _positive(v["D"]), "-o", ms=3, label=v["label"])
+    _shift_axis(left, shifts, f"Δ1 (Δ2 = {results['delta2']})")
+    left.set_ylabel("attention difference D (Eq. 4)")
+    left.legend(fontsize=7)
+    for v in cases.values():
+        label = f"{v['label']}: first token {100 * v['first_token_share']:.0f}%"
+        mid.plot(_positive(v["per_token"]), lw=0.8, label=label)
+    mid.set_xlabel("key token index j")
+    mid.set_ylabel(f"per-token difference d_j (Δ1 = 0, Δ2 = {results['delta2']})")
     mid.set_xscale("symlog", linthresh=1)
     mid.set_yscale("log")
-    mid.legend(fontsize=8)
+    mid.legend(fontsize=7)
     mid.grid(alpha=0.3)
-    for name, v in variants.items():
-        right.plot(results["logit_lengths"], _positive(v["D_logit"]), "-o", ms=3, label=name)
+    for v in cases.values():
+        right.plot(results["logit_lengths"], _positive(v["D_logit"]), "-o", ms=3, label=v["label"])
     right.set_xscale("log", base=2)
     right.set_yscale("log")
-    right.set_xlabel("sequence length")
-    right.set_ylabel("first-token logit difference D_logit")
-    right.legend(fontsize=8)
+    right.set_xlabel("sequence length T")
+    right.set_ylabel(f"first-token logit difference D_logit (Eq. 5, {results['logits'].split(' (')[0]})")
+    right.legend(fontsize=7)
     right.grid(alpha=0.3)
-    fig.suptitle(f"RoPE drift under a positional shift: {results['model']}", fontsize=10)
+    fig.suptitle(f"RoPE under a positional shift: {results['model']}, T = {results['seq_len']}, mean of "
+                 f"{results['samples']} sequences", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_rope_figure7(results: dict, path: Path, curves: int = 5) -> Path:
+    """The paper's Figure 7 (Appendix B). Left: D against Δ1 for individual sequences (the first `curves`) of the
+    bf16 case (else the first case). Right: D(X, Δ1 = 0, Δ2) against Δ2, per case, when the run swept Δ2."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    cases, shifts = results["cases"], results["shifts"]
+    name = "bf16" if "bf16" in cases else next(iter(cases))
+    for i, curve in enumerate(cases[name]["D_per_sample"][:curves]):
+        left.plot(range(len(shifts)), _positive(curve), "-o", ms=3, label=f"sample {i + 1}")
+    _shift_axis(left, shifts, f"Δ1 (Δ2 = {results['delta2']})")
+    left.set_ylabel("attention difference D (Eq. 4)")
+    left.set_title(f"individual sequences, {cases[name]['label']}", fontsize=9)
+    left.legend(fontsize=7)
+    if results["vary_delta2"]:
+        for v in cases.values():
+            right.plot(range(len(shifts)), _positive(v["D_vary_delta2"]), "-o", ms=3, label=v["label"])
+        _shift_axis(right, shifts, "Δ2 (Δ1 = 0)")
+        right.set_ylabel("attention difference D (Eq. 4)")
+        right.legend(fontsize=7)
+    else:
+        right.text(0.5, 0.5, "Δ2 not swept: run with --vary-delta2", ha="center", va="center")
+        right.set_axis_off()
+    fig.suptitle(f"RoPE drift per sequence and against Δ2: {results['model']}", fontsize=10)
     return _save(fig, path)
 
 
