@@ -31,6 +31,7 @@ import torch
 
 from lctrain.config import Config
 from lctrain.errors import UserError
+from lctrain.tokenizer import text_encoder
 
 SHIFTS = (0, 2, 4, 6, 8, 10, 12, 14, 15, 17, 18, 20, 22, 50, 100, 200, 500, 1000, 2000)
 DELTA2 = 16
@@ -97,9 +98,10 @@ def probe_input(tokenizer, n: int, seed: int = 0) -> torch.Tensor:
     from lctrain.eval.filler import Essay
 
     essay, k = Essay(seed), 64
+    encoder = text_encoder(tokenizer)
     ids: list[int] = []
     while len(ids) < n:
-        ids = tokenizer(" ".join(essay.sentences(k)), add_special_tokens=False)["input_ids"]
+        ids = encoder.encode(" ".join(essay.sentences(k)))
         k *= 2
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     return torch.tensor([[bos] + ids[: n - 1]])

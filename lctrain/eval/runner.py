@@ -17,6 +17,7 @@ from lctrain.errors import UserError
 from lctrain.eval import score as scoring
 from lctrain.eval.perplexity import perplexity, select_heldout
 from lctrain.eval.tasks import QA_TASK, Sample, generate, load_qa, select_tasks, task_specs
+from lctrain.tokenizer import text_encoder
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -124,11 +125,12 @@ def load_model(model_dir: Path, device: str):
     return model.to(device).eval()
 
 
-def greedy_generate(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+def greedy_generate(model, tokenizer, encoder, prompt: str, max_new_tokens: int) -> str:
+    """`encoder` turns the prompt into ids (exactly as the model's reference tokenizer), `tokenizer` decodes."""
     import torch
     from transformers import GenerationConfig
 
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(model.device)
+    ids = torch.tensor([encoder.encode(prompt, specials=True)], device=model.device)
     eos = tokenizer.eos_token_id
     # use_cache explicitly: training checkpoints are saved with use_cache=False (packed windows need no cache)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True, eos_token_id=eos,
@@ -152,13 +154,13 @@ def _progress():
                     TimeRemainingColumn(), transient=False)
 
 
-def build_samples(names: list[str], lengths: list[int], num_samples: int, seed: int, tokenizer,
+def build_samples(names: list[str], lengths: list[int], num_samples: int, seed: int, encoder,
                   qa_path: str | None) -> list[Sample]:
     qa = load_qa(qa_path) if QA_TASK in names else None
     specs = task_specs(seed, qa)
 
     def count(text: str) -> int:
-        return len(tokenizer(text)["input_ids"])
+        return len(encoder.encode(text, specials=True))
 
     samples: list[Sample] = []
     with _progress() as bar:
@@ -202,7 +204,8 @@ def evaluate(
     dev = pick_device(device)
 
     tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
-    all_samples = build_samples(names, lengths_, num_samples, ev.seed, tokenizer, qa_path)
+    encoder = text_encoder(tokenizer)
+    all_samples = build_samples(names, lengths_, num_samples, ev.seed, encoder, qa_path)
     heldout = select_heldout(tgt, ppl_data)
     ppl: dict[str, float] = {}
     notes: dict[str, str] = {}
@@ -221,7 +224,7 @@ def evaluate(
                     f"{limit} < longest length {lengths_[-1]}: scores beyond it measure extrapolation")
             table = per_sample.setdefault(ckpt_name, {})
             for s in all_samples:
-                pred = greedy_generate(model, tokenizer, s.prompt, s.max_new_tokens)
+                pred = greedy_generate(model, tokenizer, encoder, s.prompt, s.max_new_tokens)
                 value = scoring.METRICS[s.metric](pred, s.answers)
                 table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
                 pred_file.write(json.dumps({"checkpoint": ckpt_name, "task": s.task, "length": s.length,
