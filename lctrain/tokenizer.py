@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import pickle
+import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path

@@ -35,13 +35,14 @@ TEXT = "AnchorAttention keeps one shared anchor; bf16 RoPE drifts.\nThe 12345 ü
 SPACES = ["x    y", " leading space", "\n  def f(x):", "  ", "a\u3000b  \t c", "trailing   "]
 BUILTINS = ["mistral-7b-v0.1", "mistral-7b-v0.3"]
 SAMPLE_CHARS = 400_000
+MAX_DOC = 20_000  # many short documents rather than a few long ones: each starts fresh (leading space, first line)
 
 
 def real_text(limit: int = SAMPLE_CHARS) -> list[str]:
-    """Documents that ship with every Python install and with the installed packages (no download): every fourth
-    standard-library module (code: indentation, runs of spaces) and the packages' license files (prose, ASCII art),
-    about `limit` characters in a fixed order."""
-    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[::4]
+    """Documents that ship with every Python install and with the installed packages (no download): standard-library
+    modules (code: indentation, runs of spaces) and the packages' license files (prose, ASCII art), files under
+    `MAX_DOC` characters in a fixed order, about `limit` characters in all."""
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     site = Path(sysconfig.get_paths()["purelib"])
     licenses = sorted(p for pat in ("*.dist-info/LICENSE*", "*.dist-info/licenses/*") for p in site.glob(pat)
                       if p.is_file())
@@ -53,6 +54,8 @@ def real_text(limit: int = SAMPLE_CHARS) -> list[str]:
             try:
                 text = path.read_text(encoding="utf-8")
             except UnicodeDecodeError:
+                continue
+            if len(text) > MAX_DOC:
                 continue
             docs.append(text)
             size += len(text)
