@@ -16,8 +16,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from lctrain.cli import app
+from lctrain.config import load_config
 from lctrain.data import prepare as prepare_mod
 from lctrain.data.sources import RawBatch
+from lctrain.data.store import FORMAT_VERSION, open_packed, read_manifest, write_manifest
 from lctrain.errors import UserError
 from lctrain.tokenizer import (
     SPM_FILE,
@@ -188,6 +190,34 @@ def test_prepare_workers_encode_exactly(corpus):
            for _, _, ids, _ in recs]
     reference = spm.SentencePieceProcessor(model_file=str(_builtin_model_file("mistral-7b-v0.1")))
     assert got == reference.encode(corpus)
+
+
+def test_prepared_windows_hold_sentencepiece_ids(tmp_path, corpus):
+    """End to end: real documents through `prepare` (JSON lines, two worker processes, no shuffle so the documents
+    keep their order): the windows' text tokens, anchors removed, are SentencePiece's ids of the documents one after
+    another. A dataset of the previous format (the converted tokenizer's ids) is rebuilt, not reused."""
+    src = tmp_path / "real.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus))
+    cfg = load_config(None, ["data.source=local", f"data.path={src}", "data.seq_len=1024", "data.token_budget=40960",
+                             "data.shuffle_buffer_tokens=0", "data.num_workers=2",
+                             f"data.output_dir={tmp_path / 'out'}"])
+    out = prepare_mod.prepare(cfg)
+    data = open_packed(out)
+    assert data.manifest["tokenizer"]["encoder"] == "sentencepiece" and len(data) == 40
+    body = []
+    for w in range(len(data)):
+        row = data[w]
+        for start, n in zip([0, *row["seg_lens"].cumsum()[:-1]], row["seg_lens"]):
+            assert row["input_ids"][start] == 1  # every segment opens with the anchor (BOS)
+            body += row["input_ids"][start + 1:start + n].tolist()
+    reference = spm.SentencePieceProcessor(model_file=str(_builtin_model_file("mistral-7b-v0.1")))
+    expected = [i for ids in reference.encode(corpus) for i in ids]
+    assert body == expected[:len(body)] and len(body) > 35 * 1024
+
+    old = {**read_manifest(out), "format_version": FORMAT_VERSION - 1, "stale": True}
+    write_manifest(out, old)
+    prepare_mod.prepare(cfg)
+    assert "stale" not in read_manifest(out) and read_manifest(out)["format_version"] == FORMAT_VERSION
 
 
 def test_bad_specs_are_user_errors(private_cache, tmp_path):

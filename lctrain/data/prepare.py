@@ -193,8 +193,8 @@ def _existing_is_current(out: Path, fingerprint: str, force: bool) -> bool:
             return False  # an empty directory or a broken dataset of ours: rebuild it
         raise UserError(f"{out} exists, is not empty and is not a prepared dataset; remove it or choose another "
                         f"data.output_dir")
-    if manifest.get("data_fingerprint") == fingerprint and not force:
-        return True
+    if manifest.get("data_fingerprint") == fingerprint:
+        return manifest.get("format_version") == FORMAT_VERSION and not force  # an older format is rebuilt
     if not force:
         theirs = str(manifest.get("data_fingerprint", "?"))[:12]
         raise UserError(f"{out} holds a dataset with another data fingerprint ({theirs}, this config "

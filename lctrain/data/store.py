@@ -17,7 +17,8 @@ import pyarrow as pa
 
 from lctrain.errors import UserError
 
-FORMAT_VERSION = 1
+# 2: a SentencePiece model's ids are SentencePiece's own (1 had those of transformers' converted tokenizer)
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 DATA_SUBDIR = "data"
 _COLUMN_DTYPES = {"input_ids": np.int32, "seg_lens": np.int32, "seg_doc": np.int32, "seg_domain": np.int8,
