@@ -1,18 +1,27 @@
-"""Tokenizer loading (hub name, local directory, SentencePiece file, or a built-in one) and the anchor token.
+"""Tokenizer loading (hub name, local directory, SentencePiece file, or a built-in one), the anchor token, and the
+one home of "text -> token ids" (`TextEncoder`).
 
 Built-in tokenizers are the real SentencePiece models that the `mistral-common` package ships, so tests and the demo
-use a real 32K-vocabulary tokenizer without touching a hub. The converted fast tokenizer is cached on disk because
-converting SentencePiece to `tokenizers` takes seconds.
+use a real 32K-vocabulary tokenizer without touching a hub. The Hugging Face tokenizer object (special tokens, decode,
+vocabulary size) is the converted fast tokenizer, cached on disk because converting SentencePiece to `tokenizers`
+takes seconds. Its ids are not SentencePiece's: the conversion (Metaspace pre-tokenizer + BPE) splits runs of spaces
+and a leading space differently ("x    y": SentencePiece '▁x' '▁▁▁' '▁y', converted '▁x' '▁▁▁▁' 'y'), which changes
+the ids of most real documents (code, indented text). So text is turned into ids by `TextEncoder`, which runs
+SentencePiece itself whenever the tokenizer comes with a SentencePiece model (DESIGN §2: "for a SentencePiece
+`.model`, SentencePiece's own `encode`"), and the `tokenizers` pipeline of the Hugging Face tokenizer otherwise.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+
+import numpy as np
 
 from lctrain.errors import UserError
 
@@ -25,7 +34,7 @@ BUILTIN_TOKENIZERS = {
 }
 
 
-def _builtin_model_file(name: str) -> Path:
+def builtin_model_file(name: str) -> Path:
     if name not in BUILTIN_TOKENIZERS:
         allowed = ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS)
         raise UserError(f"tokenizer '{BUILTIN_PREFIX}{name}' is unknown; built-in tokenizers: {allowed}")
@@ -44,24 +53,35 @@ def _cache_dir() -> Path:
     return Path(root) / "tokenizers"
 
 
+SPM_FILE = "tokenizer.model"  # the name transformers gives a tokenizer's SentencePiece model (its `vocab_file`)
+
+
 def _from_sentencepiece(model_file: Path, cache_key: str):
     from transformers import AutoTokenizer, LlamaTokenizerFast
 
     cached = _cache_dir() / cache_key
-    if (cached / "tokenizer.json").is_file():
+    # The entry keeps the model beside the converted files, so the loaded tokenizer's `vocab_file` names it; an entry
+    # without it (written by an older lctrain) is rebuilt.
+    if (cached / "tokenizer.json").is_file() and (cached / SPM_FILE).is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception:  # a damaged entry (truncated by a full disk, edited by hand) is rebuilt, not fatal
             shutil.rmtree(cached, ignore_errors=True)
+    import sentencepiece as spm
+
+    # Inputs start with BOS, as the Llama and Mistral tokenizers on the hub do (the conversion alone adds none).
+    has_bos = spm.SentencePieceProcessor(model_file=str(model_file)).bos_id() >= 0
     with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(model_file, Path(tmp) / "tokenizer.model")
-        tok = LlamaTokenizerFast.from_pretrained(tmp)
+        shutil.copy(model_file, Path(tmp) / SPM_FILE)
+        tok = LlamaTokenizerFast.from_pretrained(tmp, add_bos_token=has_bos)
     # Staged beside the cache entry and renamed, so a concurrent or killed process never leaves a half-written one.
     staging = None
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cache_key}-"))
         tok.save_pretrained(str(staging))
+        shutil.copy(model_file, staging / SPM_FILE)
+        shutil.rmtree(cached, ignore_errors=True)  # a stale entry: os.replace cannot overwrite a non-empty directory
         os.replace(staging, cached)
     except OSError:
         pass  # a read-only home, or another process that won the rename, only costs the conversion next time
@@ -72,6 +92,8 @@ def _from_sentencepiece(model_file: Path, cache_key: str):
         # Loaded from the cache like every later call, so `name_or_path` names a directory that exists (the
         # conversion's temporary directory is gone, and reloading by that name would go to the hub).
         return AutoTokenizer.from_pretrained(str(cached))
+    # No cache (a read-only home): the conversion's temporary model is gone, so `vocab_file` names the original
+    tok.vocab_file = str(model_file)
     return tok
 
 
@@ -80,7 +102,7 @@ def load_tokenizer(spec: str):
     """Load a tokenizer from `builtin:NAME`, a directory, a SentencePiece `.model` file, or a hub name."""
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX):]
-        return _from_sentencepiece(_builtin_model_file(name), f"builtin-{name}")
+        return _from_sentencepiece(builtin_model_file(name), f"builtin-{name}")
     path = Path(spec)
     if path.is_file():
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
@@ -109,3 +131,114 @@ def anchor_token_id(tokenizer) -> int:
     if tokenizer.eos_token_id is not None:
         return int(tokenizer.eos_token_id)
     raise UserError(f"tokenizer '{tokenizer.name_or_path}' has neither a BOS nor an EOS token to use as the anchor")
+
+
+def _sentencepiece_model(tok) -> bytes | None:
+    """The bytes of the tokenizer's SentencePiece model, or None when it has none (Llama-3, Qwen: byte-level BPE)."""
+    import sentencepiece as spm
+
+    vocab_file = getattr(tok, "vocab_file", None)
+    if not vocab_file or not Path(vocab_file).is_file():
+        return None
+    blob = Path(vocab_file).read_bytes()
+    try:
+        spm.SentencePieceProcessor(model_proto=blob)
+    except Exception:  # a vocab.json (Qwen) or anything else that is not a SentencePiece model proto
+        return None
+    return blob
+
+
+def _special_affixes(tok) -> tuple[list[int], list[int]]:
+    """The ids the Hugging Face tokenizer puts before and after a text with `add_special_tokens=True` (Llama and
+    Mistral: BOS before; Qwen: nothing)."""
+    probe = "a"
+    body = tok(probe, add_special_tokens=False)["input_ids"]
+    full = tok(probe, add_special_tokens=True)["input_ids"]
+    for i in range(len(full) - len(body) + 1):
+        if full[i:i + len(body)] == body:
+            return list(full[:i]), list(full[i + len(body):])
+    raise UserError(f"tokenizer '{tok.name_or_path}': its special tokens are not a prefix and suffix of the text's "
+                    f"ids; it cannot be used for packed pretraining data")
+
+
+class TextEncoder:
+    """Text -> token ids, exactly as the model's reference tokenizer gives them.
+
+    `kind` is "sentencepiece" (`blob`: the model proto; ids of `SentencePieceProcessor.encode`), "tokenizers" (`blob`:
+    the Hugging Face fast tokenizer's JSON) or "pickled" (`blob`: a pickled Hugging Face tokenizer of another kind).
+    The blob makes the encoder picklable, so `prepare` ships it to its worker processes, which build the backend once
+    (and never import transformers). `threads` is the number of threads one batch uses for SentencePiece (-1: all
+    cores); the `tokenizers` pipeline follows TOKENIZERS_PARALLELISM.
+    """
+
+    def __init__(self, kind: str, blob: bytes | str, prefix: list[int], suffix: list[int], threads: int = -1):
+        self.kind, self.blob, self.prefix, self.suffix, self.threads = kind, blob, prefix, suffix, threads
+        self._backend = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_backend": None}
+
+    def with_threads(self, threads: int) -> TextEncoder:
+        return TextEncoder(self.kind, self.blob, self.prefix, self.suffix, threads)
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            if self.kind == "sentencepiece":
+                import sentencepiece as spm
+
+                self._backend = spm.SentencePieceProcessor(model_proto=self.blob)
+            elif self.kind == "tokenizers":
+                from tokenizers import Tokenizer
+
+                self._backend = Tokenizer.from_str(self.blob)
+            else:
+                self._backend = pickle.loads(self.blob)
+        return self._backend
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """The ids of each text (int32), without special tokens: what a document contributes to a window."""
+        if not texts:
+            return []
+        if self.kind == "sentencepiece":
+            return self.backend.encode(texts, out_type="numpy", num_threads=self.threads)
+        if self.kind == "tokenizers":
+            # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we do not use
+            encode_fn = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+            return [np.array(e.ids, dtype=np.int32) for e in encode_fn(texts, add_special_tokens=False)]
+        ids = self.backend(texts, add_special_tokens=False)["input_ids"]
+        return [np.array(x, dtype=np.int32) for x in ids]
+
+    def encode(self, text: str, specials: bool = False) -> list[int]:
+        """The ids of one text; `specials`: with the special tokens the model's tokenizer adds to an input (a
+        prompt's BOS)."""
+        body = self.encode_batch([text])[0].tolist()
+        return self.prefix + body + self.suffix if specials else body
+
+
+def text_encoder(tok) -> TextEncoder:
+    """The exact encoder of a loaded Hugging Face tokenizer: SentencePiece when it comes with a SentencePiece model,
+    else its own `tokenizers` pipeline (or the tokenizer itself, pickled, when it is not a fast one)."""
+    prefix, suffix = _special_affixes(tok)
+    model = _sentencepiece_model(tok)
+    if model is not None:
+        return TextEncoder("sentencepiece", model, prefix, suffix)
+    backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if backend is not None:
+        return TextEncoder("tokenizers", backend.to_str(), prefix, suffix)
+    return TextEncoder("pickled", pickle.dumps(tok), prefix, suffix)
+
+
+@lru_cache(maxsize=8)
+def load_encoder(spec: str) -> TextEncoder:
+    """The exact encoder of the tokenizer `spec` names (as `load_tokenizer` takes it)."""
+    return text_encoder(load_tokenizer(spec))
+
+
+def save_tokenizer(tok, directory: Path) -> None:
+    """`save_pretrained`, plus the SentencePiece model that transformers does not write back, so the saved directory
+    encodes text exactly as `tok` does (an evaluation checkpoint, `hf/step_N/`)."""
+    tok.save_pretrained(str(directory))
+    model = _sentencepiece_model(tok)
+    if model is not None:
+        (Path(directory) / SPM_FILE).write_bytes(model)

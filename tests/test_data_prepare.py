@@ -17,7 +17,7 @@ from lctrain.config import DOMAINS, load_config
 from lctrain.data import prepare as prepare_mod
 from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES
 from lctrain.data.prepare import prepare
-from lctrain.data.store import ShardWriter, open_packed
+from lctrain.data.store import FORMAT_VERSION, ShardWriter, open_packed
 from lctrain.errors import UserError
 from lctrain.tokenizer import load_tokenizer
 
@@ -330,22 +330,20 @@ def test_interleaved_chunks_keep_order_and_share_seg_doc(tmp_path, tok, words):
     assert shared > len(data) // 4
 
 
-def test_format_1_store_is_read_without_interleaving_and_rebuilt_with_it(tmp_path, tok, words):
+def test_older_format_is_refused_in_one_line_and_rebuilt(tmp_path, tok, words):
     src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 40, seed=8, lengths=(3, 60)))
     for interleaved in (False, True):
         cfg = cfg_for(tmp_path / str(interleaved), f"data.interleave_chunks={interleaved}", "data.token_budget=1280",
                       source=src)
         out = prepare(cfg)
         manifest = json.loads((out / "manifest.json").read_text())
-        assert manifest["format_version"] == 2
-        (out / "manifest.json").write_text(json.dumps(manifest | {"format_version": 1}))
-        if not interleaved:  # the layout without interleaved chunks did not change
-            assert len(open_packed(out)) == 10
-            continue
-        with pytest.raises(UserError, match="format-1 layout .* run 'lctrain prepare' with the same config"):
-            open_packed(out)
+        assert manifest["format_version"] == FORMAT_VERSION
+        for old in range(1, FORMAT_VERSION):  # other ids (SentencePiece) or another chunk layout: never trained on
+            (out / "manifest.json").write_text(json.dumps(manifest | {"format_version": old}))
+            with pytest.raises(UserError, match=f"dataset format {old},.* run 'lctrain prepare' with the same config"):
+                open_packed(out)
         prepare(cfg)  # rebuilds it
-        assert open_packed(out).manifest["format_version"] == 2
+        assert open_packed(out).manifest["format_version"] == FORMAT_VERSION
 
 
 def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):

@@ -1,64 +1,223 @@
-"""Tokenizer loading: the built-in SentencePiece models, the on-disk cache of their conversion, bad specs."""
+"""Tokenizer loading and the exact text -> ids encoder: every SentencePiece-model tokenizer (the built-ins, a `.model`
+file, a directory that carries `tokenizer.model`) gives exactly `sentencepiece.SentencePieceProcessor.encode`'s ids, on
+real text that ships with Python and the installed packages; other tokenizers give their `tokenizers` pipeline's ids;
+the on-disk cache of the conversion; bad specs."""
 
+import json
+import pickle
+import sysconfig
 from pathlib import Path
 
 import pytest
 import sentencepiece as spm
+from tokenizers import Tokenizer, models, pre_tokenizers
+from train_helpers import one_error_line
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from typer.testing import CliRunner
 
+from lctrain.cli import app
+from lctrain.config import load_config
+from lctrain.data import prepare as prepare_mod
+from lctrain.data.sources import RawBatch
+from lctrain.data.store import FORMAT_VERSION, open_packed, read_manifest, write_manifest
 from lctrain.errors import UserError
-from lctrain.tokenizer import _builtin_model_file, anchor_token_id, load_tokenizer
+from lctrain.tokenizer import (
+    SPM_FILE,
+    builtin_model_file,
+    anchor_token_id,
+    load_encoder,
+    load_tokenizer,
+    save_tokenizer,
+    text_encoder,
+)
 
 TEXT = "AnchorAttention keeps one shared anchor; bf16 RoPE drifts.\nThe 12345 ünïcödé words: f(x) = x ** 2.\n\tDone."
 # Runs of spaces and a leading space: transformers 5's SentencePiece->fast conversion splits them differently from
-# SentencePiece itself (e.g. "x    y": spm '▁x' '▁▁▁' '▁y', converted '▁x' '▁▁▁▁' 'y').
-SPACES = ["x    y", " leading space", "\n  def f(x):"]
+# SentencePiece itself (e.g. "x    y": spm '▁x' '▁▁▁' '▁y', converted '▁x' '▁▁▁▁' 'y'); the encoder must not.
+SPACES = ["x    y", " leading space", "\n  def f(x):", "  ", "a\u3000b  \t c", "trailing   "]
+BUILTINS = ["mistral-7b-v0.1", "mistral-7b-v0.3"]
+SAMPLE_CHARS = 400_000
+MAX_DOC = 20_000  # many short documents rather than a few long ones: each starts fresh (leading space, first line)
+
+
+def real_text(limit: int = SAMPLE_CHARS) -> list[str]:
+    """Documents that ship with every Python install and with the installed packages (no download): standard-library
+    modules (code: indentation, runs of spaces) and the packages' license files (prose, ASCII art), files under
+    `MAX_DOC` characters in a fixed order, about `limit` characters in all."""
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    site = Path(sysconfig.get_paths()["purelib"])
+    licenses = sorted(p for pat in ("*.dist-info/LICENSE*", "*.dist-info/licenses/*") for p in site.glob(pat)
+                      if p.is_file())
+    docs, size = [], 0
+    for group, share in ((stdlib, 3 * limit // 4), (licenses, limit)):
+        for path in group:
+            if size >= share:
+                break
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+            if len(text) > MAX_DOC:
+                continue
+            docs.append(text)
+            size += len(text)
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    docs = real_text()
+    assert len(docs) > 20 and sum(map(len, docs)) > SAMPLE_CHARS // 2  # enough to mean something on any machine
+    return docs
 
 
 @pytest.fixture()
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LCTRAIN_CACHE", str(tmp_path / "cache"))
     load_tokenizer.cache_clear()
+    load_encoder.cache_clear()
     yield tmp_path / "cache" / "tokenizers"
     load_tokenizer.cache_clear()
+    load_encoder.cache_clear()
 
 
 def test_builtin_matches_sentencepiece_itself_and_survives_the_cache(private_cache):
-    reference = spm.SentencePieceProcessor(model_file=str(_builtin_model_file("mistral-7b-v0.1")))
+    reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file("mistral-7b-v0.1")))
     converted = load_tokenizer("builtin:mistral-7b-v0.1")  # the first load converts (a fresh machine's path)
-    assert converted.encode(TEXT, add_special_tokens=False) == reference.encode(TEXT)
+    assert load_encoder("builtin:mistral-7b-v0.1").encode(TEXT) == reference.encode(TEXT)
     assert Path(converted.name_or_path).is_dir()
     assert len(converted) == reference.vocab_size() == 32000
     assert anchor_token_id(converted) == reference.bos_id() == 1
+    assert converted("hi")["input_ids"] == [1] + reference.encode("hi")  # inputs start with BOS, as on the hub
 
     entries = [p.name for p in private_cache.iterdir()]
     assert entries == ["builtin-mistral-7b-v0.1"]  # no staging directory left behind
-    load_tokenizer.cache_clear()
-    cached = load_tokenizer("builtin:mistral-7b-v0.1")
-    assert cached.encode(TEXT, add_special_tokens=False) == reference.encode(TEXT)
-    assert Path(cached.name_or_path) == private_cache / "builtin-mistral-7b-v0.1"  # a directory that exists
-
-    entry = private_cache / "builtin-mistral-7b-v0.1" / "tokenizer.json"  # damaged (a full disk, a hand edit)
-    entry.write_bytes(entry.read_bytes()[:1000])
-    load_tokenizer.cache_clear()
-    rebuilt = load_tokenizer("builtin:mistral-7b-v0.1")
-    assert rebuilt.encode(TEXT, add_special_tokens=False) == reference.encode(TEXT)
-    assert len(entry.read_bytes()) > 1000
-
-
-@pytest.mark.xfail(strict=True, reason="transformers' converted fast tokenizer splits runs of spaces unlike "
-                                       "SentencePiece; known, not yet fixed")
-@pytest.mark.parametrize("text", SPACES)
-def test_runs_of_spaces_match_sentencepiece(private_cache, text):
-    reference = spm.SentencePieceProcessor(model_file=str(_builtin_model_file("mistral-7b-v0.1")))
-    assert load_tokenizer("builtin:mistral-7b-v0.1").encode(text, add_special_tokens=False) == reference.encode(text)
+    entry = private_cache / "builtin-mistral-7b-v0.1"
+    assert (entry / SPM_FILE).read_bytes() == builtin_model_file("mistral-7b-v0.1").read_bytes()
+    for damage in ("truncate", "drop the model"):  # a full disk, a hand edit, an entry of an older lctrain
+        load_tokenizer.cache_clear()
+        load_encoder.cache_clear()
+        cached = load_tokenizer("builtin:mistral-7b-v0.1")
+        assert Path(cached.name_or_path) == entry  # a directory that exists
+        assert load_encoder("builtin:mistral-7b-v0.1").encode(TEXT) == reference.encode(TEXT)
+        if damage == "truncate":
+            (entry / "tokenizer.json").write_bytes((entry / "tokenizer.json").read_bytes()[:1000])
+        else:
+            (entry / SPM_FILE).unlink()
+        load_tokenizer.cache_clear()
+        load_encoder.cache_clear()
+        assert load_encoder("builtin:mistral-7b-v0.1").encode(TEXT) == reference.encode(TEXT)
+        assert len((entry / "tokenizer.json").read_bytes()) > 1000 and (entry / SPM_FILE).is_file()
 
 
-def test_sentencepiece_file_path(private_cache, tmp_path):
+@pytest.mark.parametrize("name", BUILTINS)
+def test_runs_of_spaces_match_sentencepiece(private_cache, name):
+    reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file(name)))
+    encoder = load_encoder(f"builtin:{name}")
+    for text in SPACES:
+        assert encoder.encode(text) == reference.encode(text), text
+        assert encoder.encode(text, specials=True) == reference.encode(text, add_bos=True), text
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_builtins_match_sentencepiece_on_real_text(corpus, name):
+    reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file(name)))
+    got = load_encoder(f"builtin:{name}").encode_batch(corpus)
+    differ = [i for i, (ids, text) in enumerate(zip(got, corpus)) if ids.tolist() != reference.encode(text)]
+    assert differ == [], f"{len(differ)} of {len(corpus)} documents differ from SentencePiece"
+
+
+def test_sentencepiece_file_path(private_cache, tmp_path, corpus):
     model = tmp_path / "my.model"
-    model.write_bytes(_builtin_model_file("mistral-7b-v0.1").read_bytes())
-    tok = load_tokenizer(str(model))
-    assert tok.encode("hello world", add_special_tokens=False) == spm.SentencePieceProcessor(
-        model_file=str(model)).encode("hello world")
+    model.write_bytes(builtin_model_file("mistral-7b-v0.3").read_bytes())
+    reference = spm.SentencePieceProcessor(model_file=str(model))
+    encoder = load_encoder(str(model))
+    assert encoder.kind == "sentencepiece"
+    assert [ids.tolist() for ids in encoder.encode_batch(corpus)] == reference.encode(corpus)
+    assert len(load_tokenizer(str(model))) == reference.vocab_size() == 32768
+
+
+def test_not_a_sentencepiece_file_is_one_line(private_cache, tmp_path):
+    bogus = tmp_path / "tokenizer.model"
+    bogus.write_text("this is not a SentencePiece model\n")
+    with pytest.raises(UserError, match=r"tokenizer '.*tokenizer.model' is a file but not a SentencePiece model"):
+        load_encoder(str(bogus))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"base: tiny_anchor\ndata:\n  tokenizer: {bogus}\n  output_dir: {tmp_path / 'out'}\n")
+    assert "not a SentencePiece model" in one_error_line(CliRunner().invoke(app, ["prepare", "-c", str(cfg)]))
+
+
+def test_saved_directory_keeps_sentencepiece(private_cache, tmp_path):
+    """An evaluation checkpoint (`hf/step_N/`) or a hub-style directory: with `tokenizer.model` beside
+    `tokenizer.json` it encodes with SentencePiece; without it (a plain `save_pretrained`) it is the converted
+    tokenizer, which is what this project fixes."""
+    tok = load_tokenizer("builtin:mistral-7b-v0.1")
+    reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file("mistral-7b-v0.1")))
+    save_tokenizer(tok, tmp_path / "ckpt")
+    tok.save_pretrained(str(tmp_path / "plain"))
+    assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {SPM_FILE, "tokenizer.json", "tokenizer_config.json"}
+    saved = load_encoder(str(tmp_path / "ckpt"))
+    assert saved.kind == "sentencepiece"
+    assert [saved.encode(t, specials=True) for t in SPACES] == [reference.encode(t, add_bos=True) for t in SPACES]
+    assert text_encoder(AutoTokenizer.from_pretrained(str(tmp_path / "plain"))).kind == "tokenizers"
+
+
+def test_tokenizer_without_sentencepiece_keeps_its_own_pipeline(tmp_path):
+    """A hub tokenizer that is not SentencePiece-based (Llama-3, Qwen: byte-level BPE) is encoded by its own
+    `tokenizers` pipeline, checked against the `tokenizers` library reading the saved tokenizer.json directly."""
+    vocab = {"<eos>": 0, "hello": 1, "world": 2, "[UNK]": 3}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="[UNK]").save_pretrained(
+        str(tmp_path / "wl"))
+    load_tokenizer.cache_clear()
+    encoder = load_encoder(str(tmp_path / "wl"))
+    reference = Tokenizer.from_file(str(tmp_path / "wl" / "tokenizer.json"))
+    assert encoder.kind == "tokenizers" and encoder.prefix == encoder.suffix == []
+    for text in ["hello world", "world  hello  other"]:
+        assert encoder.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    assert anchor_token_id(load_tokenizer(str(tmp_path / "wl"))) == 0
+
+
+def test_prepare_workers_encode_exactly(corpus):
+    """The prepare path: the encoder pickled into two spawned worker processes (one SentencePiece thread each),
+    documents read as JSON lines; every document's ids are SentencePiece's."""
+    encoder = load_encoder("builtin:mistral-7b-v0.1")
+    assert pickle.loads(pickle.dumps(encoder)).encode(TEXT) == encoder.encode(TEXT)
+    lines = [json.dumps({"text": t}).encode() for t in corpus]
+    batches = [RawBatch("jsonl", "real.jsonl", i + 1, lines[i:i + 16]) for i in range(0, len(lines), 16)]
+    got = [ids.tolist() for _, recs in prepare_mod._encoded(iter(batches), encoder, workers=2)
+           for _, _, ids, _ in recs]
+    reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file("mistral-7b-v0.1")))
+    assert got == reference.encode(corpus)
+
+
+def test_prepared_windows_hold_sentencepiece_ids(tmp_path, corpus):
+    """End to end: real documents through `prepare` (JSON lines, two worker processes, no shuffle so the documents
+    keep their order): the windows' text tokens, anchors removed, are SentencePiece's ids of the documents one after
+    another. A dataset of the previous format (the converted tokenizer's ids) is rebuilt, not reused."""
+    src = tmp_path / "real.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus))
+    cfg = load_config(None, ["data.source=local", f"data.path={src}", "data.seq_len=1024", "data.token_budget=40960",
+                             "data.shuffle_buffer_tokens=0", "data.num_workers=2",
+                             f"data.output_dir={tmp_path / 'out'}"])
+    out = prepare_mod.prepare(cfg)
+    data = open_packed(out)
+    assert data.manifest["tokenizer"]["encoder"] == "sentencepiece" and len(data) == 40
+    body = []
+    for w in range(len(data)):
+        row = data[w]
+        for start, n in zip([0, *row["seg_lens"].cumsum()[:-1]], row["seg_lens"]):
+            assert row["input_ids"][start] == 1  # every segment opens with the anchor (BOS)
+            body += row["input_ids"][start + 1:start + n].tolist()
+    reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file("mistral-7b-v0.1")))
+    expected = [i for ids in reference.encode(corpus) for i in ids]
+    assert body == expected[:len(body)] and len(body) > 35 * 1024
+
+    old = {**read_manifest(out), "format_version": FORMAT_VERSION - 1, "stale": True}
+    write_manifest(out, old)
+    prepare_mod.prepare(cfg)
+    assert "stale" not in read_manifest(out) and read_manifest(out)["format_version"] == FORMAT_VERSION
 
 
 def test_bad_specs_are_user_errors(private_cache, tmp_path):
@@ -89,7 +248,9 @@ def test_unreadable_cache_dir_still_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("LCTRAIN_CACHE", str(blocker))
     load_tokenizer.cache_clear()
     try:
-        assert load_tokenizer("builtin:mistral-7b-v0.1").encode("hi", add_special_tokens=False)
+        assert load_encoder("builtin:mistral-7b-v0.1").encode(TEXT) == spm.SentencePieceProcessor(
+            model_file=str(builtin_model_file("mistral-7b-v0.1"))).encode(TEXT)
     finally:
         load_tokenizer.cache_clear()
+        load_encoder.cache_clear()
     assert Path(blocker).read_text() == "not a directory"

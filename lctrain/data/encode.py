@@ -1,14 +1,13 @@
 """Worker side of `prepare`: raw record batch -> (domain, token ids) or a skip reason per record.
 
-Runs in spawned worker processes, so it imports only what it needs (no transformers): a fast tokenizer travels as
-its `tokenizers` JSON, any other one pickled.
+Runs in spawned worker processes, so it imports only what it needs (no transformers): the tokenizer travels as a
+`lctrain.tokenizer.TextEncoder` (a SentencePiece model's bytes, or a fast tokenizer's JSON).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 
 import numpy as np
@@ -17,6 +16,7 @@ from lctrain.config import DOMAINS
 from lctrain.data.sources import RawBatch
 from lctrain.data.synthetic import generate
 from lctrain.lifetime import exit_with_parent
+from lctrain.tokenizer import TextEncoder
 
 OTHER = DOMAINS.index("other")
 # SlimPajama's `meta.redpajama_set_name` values; bare domain names are accepted too
@@ -31,42 +31,19 @@ _DOMAIN_IDS.update({set_name: DOMAINS.index(d) for set_name, d in REDPAJAMA_SET_
 # skip reasons that mean malformed input (strict mode stops on them); `too_short` is a filter, not an error
 MALFORMED = ("malformed_json", "no_text", "empty_text", "undecodable")
 
-_tokenizer = None
+_encoder: TextEncoder | None = None
 
 
-def tokenizer_payload(tok) -> tuple[str, object]:
-    backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
-    if backend is not None:
-        return ("fast", backend.to_str())
-    return ("pickled", pickle.dumps(tok))
-
-
-def init_worker(payload: tuple[str, object], single_thread: bool = True) -> None:
-    """Build the tokenizer once per process. One tokenizer thread per worker process: the workers are the
-    parallelism (in-process use leaves the tokenizer's own threading as the caller configured it)."""
-    global _tokenizer
+def init_worker(encoder: TextEncoder, single_thread: bool = True) -> None:
+    """Keep the encoder for this process. One tokenizer thread per worker process: the workers are the parallelism
+    (in-process use lets one batch use every core)."""
+    global _encoder
     if single_thread:  # a worker process of `prepare`
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it shuts the pool down)
         exit_with_parent()  # and if the parent is killed, nobody is left to read our results
-    kind, blob = payload
-    if kind == "fast":
-        from tokenizers import Tokenizer
-
-        _tokenizer = Tokenizer.from_str(blob)
-    else:
-        _tokenizer = pickle.loads(blob)
-
-
-def _encode(texts: list[str]) -> list[np.ndarray]:
-    if not texts:
-        return []
-    if hasattr(_tokenizer, "encode_batch"):
-        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we do not use
-        encode_fn = getattr(_tokenizer, "encode_batch_fast", _tokenizer.encode_batch)
-        return [np.array(e.ids, dtype=np.int32) for e in encode_fn(texts, add_special_tokens=False)]
-    ids = _tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [np.array(x, dtype=np.int32) for x in ids]
+        encoder = encoder.with_threads(1)
+    _encoder = encoder
 
 
 def domain_of(meta) -> int:
@@ -129,5 +106,5 @@ def encode_batch(batch: RawBatch) -> tuple[str, list[tuple[int, int, np.ndarray 
         recs = [_parse_line(line) for line in batch.items]
     else:
         recs = [_record(item) for item in batch.items]
-    ids = iter(_encode([t for t, _, r in recs if r is None]))
+    ids = iter(_encoder.encode_batch([t for t, _, r in recs if r is None]))
     return batch.source, [(batch.first + j, d, next(ids) if r is None else None, r) for j, (_, d, r) in enumerate(recs)]

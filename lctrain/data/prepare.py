@@ -61,15 +61,15 @@ def _num_workers(requested: int, budget_tokens: int) -> int:
         return os.cpu_count() or 1
 
 
-def _encoded(batches, payload, workers: int):
+def _encoded(batches, encoder, workers: int):
     """Encoded batches in submission order; at most a few batches per worker in flight (bounded memory)."""
     if workers <= 1:
-        encode.init_worker(payload, single_thread=False)
+        encode.init_worker(encoder, single_thread=False)
         for b in batches:
             yield encode.encode_batch(b)
         return
     ctx = multiprocessing.get_context("spawn")  # fork after tokenizers' threads have started can deadlock
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=encode.init_worker, initargs=(payload,)) as ex:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=encode.init_worker, initargs=(encoder,)) as ex:
         pending = deque()
         try:
             for b in batches:
@@ -171,8 +171,8 @@ def _existing_is_current(out: Path, fingerprint: str, force: bool) -> bool:
             return False  # an empty directory or a broken dataset of ours: rebuild it
         raise UserError(f"{out} exists, is not empty and is not a prepared dataset; remove it or choose another "
                         f"data.output_dir")
-    if manifest.get("data_fingerprint") == fingerprint and not force:
-        return True
+    if manifest.get("data_fingerprint") == fingerprint:
+        return manifest.get("format_version") == FORMAT_VERSION and not force  # an older format is rebuilt
     if not force:
         theirs = str(manifest.get("data_fingerprint", "?"))[:12]
         raise UserError(f"{out} holds a dataset with another data fingerprint ({theirs}, this config "
@@ -212,18 +212,18 @@ def _write_error(out: Path, e: OSError) -> UserError:
                      f"set data.output_dir to a writable place")
 
 
-def _tokenizer_info(spec: str, tok, anchor_id: int) -> dict:
+def _tokenizer_info(spec: str, tok, encoder, anchor_id: int) -> dict:
     from lctrain.tokenizer import BUILTIN_PREFIX
 
     builtin = spec.startswith(BUILTIN_PREFIX)
     name = spec.removeprefix(BUILTIN_PREFIX) if builtin else str(getattr(tok, "name_or_path", spec))
-    return {"spec": spec, "name": name, "vocab_size": len(tok),
+    return {"spec": spec, "name": name, "vocab_size": len(tok), "encoder": encoder.kind,
             "anchor_id": anchor_id, "bos_id": tok.bos_token_id, "eos_id": tok.eos_token_id}
 
 
 def prepare(cfg: Config, force: bool = False) -> Path:
     """Build the packed dataset of `cfg.data` at `data_dir(cfg)`; a no-op when it is already there."""
-    from lctrain.tokenizer import anchor_token_id, load_tokenizer
+    from lctrain.tokenizer import anchor_token_id, load_encoder, load_tokenizer
 
     d = cfg.data
     console = _console()
@@ -243,11 +243,11 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     files = resolve_local_files(d.path, d.hub_split, d.seed) if d.source == "local" else None
     source = describe_source(d, files)
     tok = load_tokenizer(d.tokenizer)
+    encoder = load_encoder(d.tokenizer)
     anchor_id = anchor_token_id(tok)
     tags = None
     if d.domain_tags:
-        tags = {i: np.array(tok(name, add_special_tokens=False)["input_ids"], dtype=np.int32)
-                for i, name in enumerate(DOMAINS)}
+        tags = {i: np.array(encoder.encode(name), dtype=np.int32) for i, name in enumerate(DOMAINS)}
         longest = max(len(t) for t in tags.values())
         if d.seq_len < longest + 2:
             raise UserError(f"data.seq_len = {d.seq_len} cannot hold an anchor, a {longest}-token domain tag and "
@@ -267,7 +267,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     try:
         builder = _Builder(cfg, anchor_id, tags, tmp)
         t0 = time.perf_counter()
-        read = _read(d, builder, _batches(d, files), tok, workers, console)
+        read = _read(d, builder, _batches(d, files), encoder, workers, console)
         elapsed = time.perf_counter() - t0
         if builder.writer.num_windows == 0:
             # no manifest is written, so the skip table is never shown: say here why records were not usable
@@ -293,7 +293,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             "short_doc_tokens": d.short_doc_tokens,
             "down_sample_ratio": d.down_sample_ratio,
             "domains": list(DOMAINS),
-            "tokenizer": _tokenizer_info(d.tokenizer, tok, anchor_id),
+            "tokenizer": _tokenizer_info(d.tokenizer, tok, encoder, anchor_id),
             "tags": {DOMAINS[i]: t.tolist() for i, t in tags.items()} if tags else None,
             "seed": d.seed,
             "shuffle": {"file_order": "seeded permutation", "buffer_tokens": builder.buffer.max_tokens},
@@ -329,14 +329,14 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     return out
 
 
-def _read(d, builder: _Builder, batches, tok, workers: int, console) -> dict:
+def _read(d, builder: _Builder, batches, encoder, workers: int, console) -> dict:
     skips = _Skips(d.strict)
     records = documents = tokens = 0
     budget = builder.num_windows * d.seq_len
     t0 = time.perf_counter()
     with _progress(console) as bar:
         task = bar.add_task("prepare", total=budget, docs=0, docs_per_s=0.0)
-        encoded = _encoded(batches, encode.tokenizer_payload(tok), workers)
+        encoded = _encoded(batches, encoder, workers)
         for source, batch in encoded:
             for line, domain, ids, reason in batch:
                 records += 1

@@ -17,9 +17,9 @@ import pyarrow as pa
 
 from lctrain.errors import UserError
 
-# 2: an interleaved document's later chunks in a window carry no anchor or tag (version 1 repeated both on every
-# chunk). Nothing else changed, so a version-1 dataset without interleaved chunks is read as it is.
-FORMAT_VERSION = 2
+# 3: a SentencePiece model's ids are SentencePiece's own (before, those of transformers' converted tokenizer), and an
+# interleaved document's later chunks in a window carry no anchor or tag (before, both were repeated on every chunk).
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 DATA_SUBDIR = "data"
 _COLUMN_DTYPES = {"input_ids": np.int32, "seg_lens": np.int32, "seg_doc": np.int32, "seg_domain": np.int8,
@@ -152,10 +152,11 @@ def damaged_shards(path: Path, manifest: dict) -> list[str]:
 def outdated(manifest: dict) -> str | None:
     """Why this lctrain cannot read a dataset of the manifest's format version, or None when it can."""
     version = manifest.get("format_version")
-    if version == FORMAT_VERSION or (version == 1 and not manifest.get("interleave_chunks")):
+    if version == FORMAT_VERSION:
         return None
-    if version == 1:
-        return "its interleaved chunks are in the format-1 layout (an anchor and tag on every chunk)"
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        return (f"it is of dataset format {version}, whose token ids (SentencePiece tokenizers) or interleaved-chunk "
+                f"layout this lctrain no longer trains on")
     return f"dataset format version {version} is not {FORMAT_VERSION}"
 
 

@@ -118,15 +118,16 @@ def _jsonl_documents(f: Path) -> Iterator[tuple[str, str]]:
 
 
 def _from_local(path: Path, tokenizer, length: int, count: int, seed: int) -> ProbeText:
-    from lctrain.tokenizer import anchor_token_id
+    from lctrain.tokenizer import anchor_token_id, text_encoder
 
     anchor = anchor_token_id(tokenizer)
+    encoder = text_encoder(tokenizer)
     sequences, origins, seen = [], [], 0
     for origin, text in _documents(path, seed):
         seen += 1
         if len(text) < length - 1:  # every token covers at least one character
             continue
-        ids = tokenizer(text[:_CHARS_PER_TOKEN_BOUND * length], add_special_tokens=False)["input_ids"][:length - 1]
+        ids = encoder.encode(text[:_CHARS_PER_TOKEN_BOUND * length])[:length - 1]
         if len(ids) == length - 1:
             sequences.append(np.array([anchor, *ids], dtype=np.int64))
             origins.append(origin)

@@ -25,6 +25,7 @@ from lctrain.eval import score as scoring
 from lctrain.eval.perplexity import perplexity, select_heldout
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
+from lctrain.tokenizer import text_encoder
 
 OFFLINE_LABEL = "RULER-style (not comparable with published RULER numbers)"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -133,11 +134,12 @@ def load_model(model_dir: Path, device: str):
     return model.to(device).eval()
 
 
-def greedy_generate(model, tokenizer, prompt: str, max_new_tokens: int, plan) -> str:
-    """The greedy answer to `prompt` (with the tokenizer's BOS) under a `generation.GenerationPlan`."""
+def greedy_generate(model, tokenizer, encoder, prompt: str, max_new_tokens: int, plan) -> str:
+    """The greedy answer to `prompt` under a `generation.GenerationPlan`: `encoder` turns the prompt into ids exactly
+    as the model's reference tokenizer does (with its BOS), `tokenizer` decodes."""
     from lctrain.eval.generation import greedy_ids
 
-    ids = tokenizer(prompt)["input_ids"]
+    ids = encoder.encode(prompt, specials=True)
     new = greedy_ids(model, ids, max_new_tokens, plan, eos=tokenizer.eos_token_id)
     return tokenizer.decode(new, skip_special_tokens=True)
 
@@ -169,15 +171,16 @@ class Suite:
     notes: dict[str, str] = field(default_factory=dict)
 
 
-def _counter(tokenizer):
-    return lambda text: len(tokenizer(text)["input_ids"])
+def _counter(encoder):
+    return lambda text: len(encoder.encode(text, specials=True))
 
 
-def _batch_counter(tokenizer):
-    return lambda texts: [len(ids) for ids in tokenizer(texts)["input_ids"]]
+def _batch_counter(encoder):
+    specials = len(encoder.prefix) + len(encoder.suffix)
+    return lambda texts: [len(ids) + specials for ids in encoder.encode_batch(texts)]
 
 
-def offline_suite(names: list[str], lengths: list[int], num_samples: int, seed: int, tokenizer,
+def offline_suite(names: list[str], lengths: list[int], num_samples: int, seed: int, encoder,
                   qa_paths: dict[str, str | None]) -> Suite:
     """The built-in generator's samples; qa_1/qa_2 only with their local SQuAD/HotpotQA files."""
     missing = unscorable_qa(names, qa_paths)
@@ -185,7 +188,7 @@ def offline_suite(names: list[str], lengths: list[int], num_samples: int, seed: 
     if not runnable:
         raise UserError(f"no task of the set can be scored: {'; '.join(f'{t}: {w}' for t, w in missing.items())}")
     specs = task_specs(seed, {t: load_qa(qa_paths[t], t) for t in QA_FORMATS if t in runnable})
-    count = _counter(tokenizer)
+    count = _counter(encoder)
     sources: list[list[Sample]] = []
     with _progress() as bar:
         job = bar.add_task("generating task samples", total=len(runnable) * len(lengths))
@@ -198,7 +201,7 @@ def offline_suite(names: list[str], lengths: list[int], num_samples: int, seed: 
                  [{"task": t, "length": None, "why": w} for t, w in missing.items()])
 
 
-def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: int | None, tokenizer) -> Suite:
+def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: int | None, encoder) -> Suite:
     """RULER's own prepared data under `root` (`<length>/data/<task>/validation.jsonl`): every length found there,
     or `lengths`; the first `limit` samples of each file, or all of them as RULER scores them."""
     found = ruler.data_lengths(root)
@@ -206,7 +209,7 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
     if not wanted:
         raise UserError(f"--ruler-data {root}: no length directories (<length>/data/<task>/{ruler.SUBSET_FILE}); "
                         f"pass the folder RULER's scripts/run.sh fills, <ROOT_DIR>/<model>/synthetic")
-    count = _batch_counter(tokenizer)
+    count = _batch_counter(encoder)
     files: list[ruler.TaskFile] = []
     not_scored: list[dict] = []
     notes: dict[str, str] = {}
@@ -249,7 +252,8 @@ def _json_table(table: dict) -> dict:
     return {t: {str(L): v for L, v in per.items()} for t, per in table.items()}
 
 
-def score_checkpoints(tgt: Target, suite: Suite, tokenizer, device: str, heldout, predictions_path: Path):
+def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str, heldout,
+                      predictions_path: Path):
     """Greedy answers of every checkpoint to every sample: ({checkpoint: {task: {length: [metric]}}}, perplexity per
     checkpoint, notes, the generation memory plan per checkpoint); every prediction goes to `predictions_path` as it is made."""
     from lctrain.eval.generation import plan_for
@@ -271,7 +275,7 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, device: str, heldout
                     f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation")
             table = per_sample.setdefault(ckpt_name, {})
             for s in (s for src in suite.sources for s in src):
-                pred = greedy_generate(model, tokenizer, s.prompt, s.max_new_tokens, plan)
+                pred = greedy_generate(model, tokenizer, encoder, s.prompt, s.max_new_tokens, plan)
                 value = scoring.METRICS[s.metric](scoring.postprocess(pred), s.answers)
                 table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
                 pred_file.write(json.dumps({"checkpoint": ckpt_name, "task": s.task, "length": s.length,
@@ -314,15 +318,17 @@ def evaluate(
     dev = pick_device(device)
 
     tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
+    encoder = text_encoder(tokenizer)
     if data_dir:
-        suite = ruler_suite(Path(data_dir), names, parse_lengths(lengths) if lengths else None, samples, tokenizer)
+        suite = ruler_suite(Path(data_dir), names, parse_lengths(lengths) if lengths else None, samples, encoder)
     else:
         suite = offline_suite(names, parse_lengths(lengths) if lengths else sorted(set(ev.lengths)),
-                              samples if samples is not None else ev.samples_per_task, ev.seed, tokenizer,
+                              samples if samples is not None else ev.samples_per_task, ev.seed, encoder,
                               {"qa_1": squad or ev.squad_path, "qa_2": hotpotqa or ev.hotpotqa_path})
     heldout = select_heldout(tgt, ppl_data)
     out_dir.mkdir(parents=True, exist_ok=True)
-    per_sample, ppl, notes, memory = score_checkpoints(tgt, suite, tokenizer, dev, heldout, out_dir / "predictions.jsonl")
+    per_sample, ppl, notes, memory = score_checkpoints(tgt, suite, tokenizer, encoder, dev, heldout,
+                                                       out_dir / "predictions.jsonl")
 
     scores = {c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}
               for c, tb in per_sample.items()}

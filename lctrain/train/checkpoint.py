@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from lctrain.tokenizer import save_tokenizer
 
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
@@ -231,7 +232,7 @@ def save_hf(engine, lm, tokenizer, run_dir: Path, step: int, *, rank: int, zero_
         shutil.rmtree(tmp, ignore_errors=True)
         with _quiet_hf_progress():  # its per-shard bar would tear through the training progress bar
             lm.save_pretrained(str(tmp), state_dict=state_dict)
-        tokenizer.save_pretrained(str(tmp))
+        save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
         _replace_dir(tmp, final)
     _barrier()
     return final
