@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+import sentencepiece as spm
 import torch
 from typer.testing import CliRunner
 
@@ -25,7 +26,7 @@ from lctrain.eval.harness import (  # noqa: E402
     run_harness,
 )
 from lctrain.eval.runner import load_model, resolve_target  # noqa: E402
-from lctrain.tokenizer import load_tokenizer  # noqa: E402
+from lctrain.tokenizer import builtin_model_file, load_tokenizer  # noqa: E402
 
 TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
         "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "data.seq_len=128"]
@@ -99,6 +100,11 @@ def tiny(run_dir):
     return load_model(run_dir / "hf" / f"step_{STEPS[0]}", "cpu"), tok
 
 
+def ids_of(tok, text: str) -> list[int]:
+    """SentencePiece's own ids (the reference of the built-in tokenizer), without BOS."""
+    return spm.SentencePieceProcessor(model_file=str(builtin_model_file("mistral-7b-v0.1"))).encode(text)
+
+
 class Req:
     def __init__(self, *args):
         self.args = args
@@ -136,8 +142,8 @@ def test_loglikelihood_matches_a_plain_forward(tiny):
     reqs = [Req(d["question"], c) for d in MC_DOCS for c in d["choices"]]
     got = lm.loglikelihood(reqs)
     for req, (lp, greedy) in zip(reqs, got):
-        whole = tok(req.args[0] + req.args[1], add_special_tokens=False)["input_ids"]
-        n_ctx = len(tok(req.args[0], add_special_tokens=False)["input_ids"])
+        whole = ids_of(tok, req.args[0] + req.args[1])
+        n_ctx = len(ids_of(tok, req.args[0]))
         ref_lp, ref_greedy = reference_logprob(model, [tok.bos_token_id] + whole, len(whole) - n_ctx)
         assert lp == pytest.approx(ref_lp, abs=1e-4) and greedy == ref_greedy
 
@@ -147,8 +153,8 @@ def test_loglikelihood_keeps_the_last_max_length_tokens(tiny):
     lm = checkpoint_lm(model, tok, max_length=16)
     context, continuation = "one two three four five six seven eight nine ten eleven twelve", " thirteen"
     ((lp, _),) = lm.loglikelihood([Req(context, continuation)])
-    whole = [tok.bos_token_id] + tok(context + continuation, add_special_tokens=False)["input_ids"]
-    n_cont = len(whole) - 1 - len(tok(context, add_special_tokens=False)["input_ids"])
+    whole = [tok.bos_token_id] + ids_of(tok, context + continuation)
+    n_cont = len(whole) - 1 - len(ids_of(tok, context))
     ref, _ = reference_logprob(model, whole[-17:], n_cont)
     assert lp == pytest.approx(ref, abs=1e-4)
 
@@ -159,7 +165,7 @@ def test_generation_is_greedy_and_stops(tiny):
     stops = ["\n", "."]
     reqs = [Req(d["prompt"], {"until": stops, "max_gen_toks": 6}) for d in GEN_DOCS]
     for req, text in zip(reqs, lm.generate_until(reqs)):
-        ids = [tok.bos_token_id] + tok(req.args[0], add_special_tokens=False)["input_ids"]
+        ids = [tok.bos_token_id] + ids_of(tok, req.args[0])
         assert text == reference_greedy(model, tok, ids, 6, stops)
         assert not any(s in text for s in stops)
 
@@ -168,7 +174,7 @@ def test_long_prompts_lose_their_middle(tiny):
     model, tok = tiny
     lm = checkpoint_lm(model, tok, max_length=24)
     prompt = " ".join(f"w{i}" for i in range(60))
-    ids = [tok.bos_token_id] + tok(prompt, add_special_tokens=False)["input_ids"]
+    ids = [tok.bos_token_id] + ids_of(tok, prompt)
     room = 24 - 4
     kept = ids[:room // 2] + ids[-(room - room // 2):]
     (text,) = lm.generate_until([Req(prompt, {"until": [], "max_gen_toks": 4})])
@@ -189,8 +195,8 @@ def test_run_scores_every_checkpoint_and_averages(run_dir, capsys):
         for d in MC_DOCS:
             scores = []
             for c in d["choices"]:
-                whole = tok(d["question"] + c, add_special_tokens=False)["input_ids"]
-                n_ctx = len(tok(d["question"], add_special_tokens=False)["input_ids"])
+                whole = ids_of(tok, d["question"] + c)
+                n_ctx = len(ids_of(tok, d["question"]))
                 scores.append(reference_logprob(model, [tok.bos_token_id] + whole, len(whole) - n_ctx)[0])
             correct += max(range(len(scores)), key=scores.__getitem__) == d["label"]
         assert report["per_checkpoint"][f"step_{step}"]["tiny_mc"]["acc"] == pytest.approx(correct / len(MC_DOCS))

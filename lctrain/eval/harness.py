@@ -62,8 +62,11 @@ def _make_lm_class():
 
     class CheckpointLM(LM):
         def __init__(self, model, tokenizer, max_length: int, batch_size: int = 1, progress=None):
+            from lctrain.tokenizer import text_encoder
+
             super().__init__()
             self.model, self.tokenizer = model, tokenizer
+            self.encoder = text_encoder(tokenizer)  # text -> ids exactly as the model's reference tokenizer
             self.max_length, self.batch_size = max_length, batch_size
             self.progress = progress  # called with the number of requests finished
             self.bos = tokenizer.bos_token_id
@@ -73,7 +76,7 @@ def _make_lm_class():
             return self.tokenizer.eos_token_id
 
         def encode(self, text: str) -> list[int]:
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            return self.encoder.encode(text) if text else []
 
         def _done(self, n: int = 1):
             if self.progress is not None:
