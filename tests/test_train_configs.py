@@ -120,6 +120,14 @@ def test_table2_grid():
             assert data_fingerprint(cfg.data) == data_fingerprint(load_config("llama2_64k_full").data)
 
 
+def test_table4_rows_are_the_table2_models_and_yarn_10k():
+    # Table 4 evaluates the Table 2 models at 128K, plus one row Table 2 lacks: YaRN at base 10K (64K score 50.09)
+    cfg = load_config("llama2_64k_table4_yarn_10k")
+    assert (cfg.model.rope_theta, cfg.model.rope_scaling) == (1e4, SCALING["yarn"])
+    assert cfg.train.steps == 1907 and 131072 in cfg.eval.lengths
+    assert data_fingerprint(cfg.data) == data_fingerprint(load_config("llama2_64k_table2_yarn_1m").data)
+
+
 def test_table3_grid_and_figure4():
     bases = {"500": 500, "10k": 1e4, "200k": 2e5, "600k": 6e5, "900k": 9e5, "5m": 5e6, "1b": 1e9}
     assert {n for n in bundled_config_names() if "_table3_" in n} == {f"llama2_32k_table3_rope_{r}" for r in bases}
