@@ -128,6 +128,7 @@ def eval_(
     out: Annotated[Optional[str], typer.Option(help="output directory; default TARGET/eval")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda, cpu or auto")] = None,
     ppl_data: Annotated[Optional[str], typer.Option(help="prepared dataset to score perplexity on; default the run's held-out windows")] = None,
+    backend: Annotated[str, typer.Option(help="generation: hf (chunked prefill, KV cache offloaded when it does not fit) or vllm (needs vLLM)")] = "hf",
     harness: Annotated[Optional[str], typer.Option(help="run lm-evaluation-harness tasks instead, e.g. longbench,hellaswag,mmlu (Table 7; needs lctrain[harness])")] = None,
     harness_tasks: Annotated[Optional[str], typer.Option(help="directory of extra harness task YAML files")] = None,
     harness_fewshot: Annotated[Optional[int], typer.Option(help="few-shot examples per harness task; default the task's own")] = None,
@@ -152,7 +153,7 @@ def eval_(
 
     evaluate(target, config=config, overrides=list(set_ or []), lengths=lengths, tasks=tasks, exclude=exclude,
              samples=samples, ruler_data=ruler_data, squad=squad, hotpotqa=hotpotqa, out=out, device=device,
-             ppl_data=ppl_data)
+             ppl_data=ppl_data, backend=backend)
 
 
 diagnose = typer.Typer(help="Numerical diagnostics.", no_args_is_help=True)

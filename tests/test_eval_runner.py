@@ -4,10 +4,13 @@ recomputed by hand from predictions.jsonl, held-out perplexity against HF's own 
 
 import json
 import math
+import sys
+import types
 
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -158,3 +161,69 @@ def test_resolve_target_orders_steps(tmp_path):
         (run / "hf" / f"step_{s}" / "config.json").write_text("{}")
     (run / "hf" / "step_x").mkdir()
     assert [c for c, _ in resolve_target(run).checkpoints] == ["step_3", "step_20", "step_100"]
+
+
+class FakeVllm(types.ModuleType):
+    """vLLM's documented greedy semantics (token-id prompts, per-prompt SamplingParams, stop_token_ids, output
+    token_ids in prompt order) on the checkpoint's own weights, by a cache-free argmax loop: the stand-in for vLLM,
+    which needs a GPU, to check what lctrain sends it and does with its answers."""
+
+    def __init__(self, refuse: bool = False):
+        super().__init__("vllm")
+        self.calls = []
+        fake = self
+
+        class SamplingParams:
+            def __init__(self, temperature, max_tokens, stop_token_ids, detokenize):
+                assert temperature == 0.0 and detokenize is False
+                self.max_tokens, self.stop_token_ids = max_tokens, stop_token_ids
+
+        class LLM:
+            def __init__(self, model, dtype, max_model_len, seed, skip_tokenizer_init, gpu_memory_utilization):
+                if refuse:
+                    raise ValueError("The model's max seq len (131072) is larger than the maximum number of tokens "
+                                     "that can be stored in KV cache (52000).\nmore")
+                assert skip_tokenizer_init and 0 < gpu_memory_utilization <= 1
+                fake.calls.append(max_model_len)
+                self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+            def generate(self, prompts, params, use_tqdm):
+                outs = []
+                for prompt, sp in zip(prompts, params, strict=True):
+                    ids, new = list(prompt["prompt_token_ids"]), []
+                    with torch.no_grad():
+                        while len(new) < sp.max_tokens:
+                            nxt = int(self.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+                            ids.append(nxt)
+                            new.append(nxt)
+                            if nxt in sp.stop_token_ids:
+                                break
+                    outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=new)]))
+                return outs
+
+        self.LLM, self.SamplingParams = LLM, SamplingParams
+
+
+def test_vllm_backend_gives_the_hf_backends_answers(evaluated, run_dir, tmp_path, monkeypatch):
+    fake = FakeVllm()
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    out = evaluate(run_dir, lengths="512", tasks="vt,fwe", samples=1, backend="vllm", out=tmp_path / "vllm")
+    results = json.loads((out / "results.json").read_text())
+    assert results["generation_backend"] == "vllm" and "vLLM" in results["generation_memory"]["step_30"]
+    hf_out, hf_results = evaluated
+    assert results["scores"] == hf_results["scores"]
+    read = lambda path: [{k: r[k] for k in ("checkpoint", "task", "index", "prediction")}  # noqa: E731
+                         for r in map(json.loads, path.read_text().splitlines())]
+    assert read(out / "predictions.jsonl") == read(hf_out / "predictions.jsonl")
+    assert len(fake.calls) == len(STEPS)
+
+
+def test_vllm_backend_errors_are_one_line(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", FakeVllm(refuse=True))
+    with pytest.raises(UserError, match="vLLM cannot serve .* use --backend hf"):
+        evaluate(run_dir, lengths="512", tasks="vt", samples=1, backend="vllm", out=tmp_path / "a")
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(UserError, match="pip install vllm"):
+        evaluate(run_dir, lengths="512", tasks="vt", samples=1, backend="vllm", out=tmp_path / "b")
+    with pytest.raises(UserError, match="--backend tgi: choose hf"):
+        evaluate(run_dir, lengths="512", tasks="vt", samples=1, backend="tgi", out=tmp_path / "c")

@@ -158,3 +158,48 @@ def greedy_ids(model, ids: list[int], max_new: int, plan: GenerationPlan, *, eos
             out = model(input_ids=torch.tensor([[nxt]], device=model.device), past_key_values=cache, use_cache=True,
                         logits_to_keep=1)
     return new
+
+
+class VllmGenerator:
+    """Greedy generation by vLLM (`--backend vllm`, optional: `pip install vllm`), what long-context evaluation
+    normally runs on: a paged KV cache in `gpu_memory_utilization` of the GPU and continuous batching of a task
+    file's prompts. lctrain encodes the prompts (exact ids) and decodes the answers; vLLM sees token ids only.
+    A `max_len` whose KV cache vLLM cannot place on the GPU is refused when the engine starts, in one line."""
+
+    GPU_MEMORY_UTILIZATION = 0.9
+
+    def __init__(self, model_dir, max_len: int, eos: int | None, seed: int = 0):
+        try:
+            import vllm
+        except ImportError:
+            raise UserError("--backend vllm needs vLLM: pip install vllm (or use the default --backend hf)") from None
+        self.vllm, self.eos, self.max_len = vllm, eos, max_len
+        try:
+            self.llm = vllm.LLM(model=str(model_dir), dtype="bfloat16", max_model_len=max_len, seed=seed,
+                                skip_tokenizer_init=True, gpu_memory_utilization=self.GPU_MEMORY_UTILIZATION)
+        except ValueError as e:  # vLLM's refusal of a max_model_len whose cache does not fit
+            raise UserError(f"{model_dir}: vLLM cannot serve {max_len}-token sequences on this GPU "
+                            f"({str(e).splitlines()[0][:300]}); evaluate shorter lengths or use --backend hf, whose "
+                            f"offloaded cache fits longer prompts") from None
+
+    def describe(self) -> str:
+        return (f"{self.max_len} tokens: vLLM, paged KV cache in {self.GPU_MEMORY_UTILIZATION:.0%} of the GPU's "
+                f"memory, continuous batching")
+
+    def greedy(self, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+        """The greedy continuation of each prompt, up to its `max_new` tokens, ending after EOS."""
+        stops = [self.eos] if self.eos is not None else []
+        params = [self.vllm.SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=stops, detokenize=False)
+                  for n in max_new]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def close(self) -> None:
+        import gc
+
+        import torch
+
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

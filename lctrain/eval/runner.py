@@ -252,11 +252,29 @@ def _json_table(table: dict) -> dict:
     return {t: {str(L): v for L, v in per.items()} for t, per in table.items()}
 
 
+def _hf_answers(model, tokenizer, encoder, plan):
+    """Answers a batch of samples one by one (lazily, so each is recorded as soon as it is made) with the HF model
+    under a generation plan."""
+    return lambda batch: (greedy_generate(model, tokenizer, encoder, s.prompt, s.max_new_tokens, plan) for s in batch)
+
+
+def _vllm_answers(generator, tokenizer, encoder):
+    def answer(batch):
+        new = generator.greedy([encoder.encode(s.prompt, specials=True) for s in batch],
+                               [s.max_new_tokens for s in batch])
+        return [tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
+
+    return answer
+
+
 def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str, heldout,
-                      predictions_path: Path):
+                      predictions_path: Path, backend: str = "hf"):
     """Greedy answers of every checkpoint to every sample: ({checkpoint: {task: {length: [metric]}}}, perplexity per
-    checkpoint, notes, the generation memory plan per checkpoint); every prediction goes to `predictions_path` as it is made."""
-    from lctrain.eval.generation import plan_for
+    checkpoint, notes, how generation held its memory per checkpoint); every prediction goes to `predictions_path`
+    as it is made. `backend`: "hf" (the planned generation of lctrain.eval.generation) or "vllm"."""
+    from transformers import AutoConfig
+
+    from lctrain.eval.generation import VllmGenerator, plan_for
 
     per_sample: dict[str, dict[str, dict[int, list[float]]]] = {}
     ppl: dict[str, float] = {}
@@ -266,23 +284,34 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str
         job = bar.add_task("evaluating", total=len(tgt.checkpoints) * sum(len(src) for src in suite.sources))
         for ckpt_name, ckpt_dir in tgt.checkpoints:
             bar.update(job, description=f"evaluating {ckpt_name}")
-            model = load_model(ckpt_dir, device)
-            plan = plan_for(model, suite.longest)  # stops here, before any answer, when the longest cannot fit
-            memory[ckpt_name] = plan.describe()
-            limit = getattr(model.config, "max_position_embeddings", None)
+            model = generator = None
+            if backend == "vllm":
+                generator = VllmGenerator(ckpt_dir, suite.longest, tokenizer.eos_token_id)
+                memory[ckpt_name] = generator.describe()
+                answer = _vllm_answers(generator, tokenizer, encoder)
+            else:
+                model = load_model(ckpt_dir, device)
+                plan = plan_for(model, suite.longest)  # stops here, before any answer, when the longest cannot fit
+                memory[ckpt_name] = plan.describe()
+                answer = _hf_answers(model, tokenizer, encoder, plan)
+            limit = getattr(AutoConfig.from_pretrained(str(ckpt_dir)), "max_position_embeddings", None)
             if limit and suite.longest > limit:
                 notes[f"{ckpt_name}: max_position_embeddings"] = (
                     f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation")
             table = per_sample.setdefault(ckpt_name, {})
-            for s in (s for src in suite.sources for s in src):
-                pred = greedy_generate(model, tokenizer, encoder, s.prompt, s.max_new_tokens, plan)
-                value = scoring.METRICS[s.metric](scoring.postprocess(pred), s.answers)
-                table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
-                pred_file.write(json.dumps({"checkpoint": ckpt_name, "task": s.task, "length": s.length,
-                                            "index": s.index, "tokens": s.num_tokens, "answers": list(s.answers),
-                                            "prediction": pred, "score": value}) + "\n")
-                bar.advance(job)
+            for src in suite.sources:
+                batch = list(src)  # one task file at a time: vLLM batches within it, the HF path goes one by one
+                for s, pred in zip(batch, answer(batch)):
+                    value = scoring.METRICS[s.metric](scoring.postprocess(pred), s.answers)
+                    table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
+                    pred_file.write(json.dumps({"checkpoint": ckpt_name, "task": s.task, "length": s.length,
+                                                "index": s.index, "tokens": s.num_tokens, "answers": list(s.answers),
+                                                "prediction": pred, "score": value}) + "\n")
+                    bar.advance(job)
+            if generator is not None:
+                generator.close()
             if heldout.rows:
+                model = model or load_model(ckpt_dir, device)
                 ppl[ckpt_name] = perplexity(model, heldout.packed, heldout.rows)
             del model
     return per_sample, ppl, notes, memory
@@ -303,10 +332,13 @@ def evaluate(
     out: str | Path | None = None,
     device: str | None = None,
     ppl_data: str | None = None,
+    backend: str = "hf",
 ) -> Path:
     """Score every checkpoint of `target` on RULER's data (`ruler_data` or eval.ruler_data) or else the offline
     RULER-style suite; write results.json, predictions.jsonl and ruler.png to `out` (default RUN_DIR/eval or
     MODEL_DIR/eval) and print the report. Returns the output directory."""
+    if backend not in ("hf", "vllm"):
+        raise UserError(f"--backend {backend}: choose hf (lctrain's planned generation) or vllm")
     tgt = resolve_target(target, config, overrides)
     ev = tgt.cfg.eval
     if samples is not None and samples < 1:
@@ -328,7 +360,7 @@ def evaluate(
     heldout = select_heldout(tgt, ppl_data)
     out_dir.mkdir(parents=True, exist_ok=True)
     per_sample, ppl, notes, memory = score_checkpoints(tgt, suite, tokenizer, encoder, dev, heldout,
-                                                       out_dir / "predictions.jsonl")
+                                                       out_dir / "predictions.jsonl", backend)
 
     scores = {c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}
               for c, tb in per_sample.items()}
@@ -350,6 +382,7 @@ def evaluate(
         "samples_per_task": None if data_dir and samples is None else (samples or ev.samples_per_task),
         "seed": None if data_dir else ev.seed,
         "notes": {**suite.notes, **notes},
+        "generation_backend": backend,
         "generation_memory": memory,
         "scores": {c: _json_table(tb) for c, tb in scores.items()},
         "average": _json_table(average),
