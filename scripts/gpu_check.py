@@ -1,6 +1,6 @@
 """Every GPU-side check and benchmark of lctrain on one CUDA GPU, in stages of at most ~10 minutes, into one report.
 
-    python scripts/gpu_check.py                          # every stage, in order (about 20 minutes on an H100)
+    python scripts/gpu_check.py                          # every stage, in order (about 45 minutes on an H100)
     python scripts/gpu_check.py install tests attention  # some stages; the report keeps the other stages' results
     python scripts/gpu_check.py --wheels .whl install    # on an offline machine: install what it lacks from wheels
     python scripts/gpu_check.py wheels --have freeze.txt --dest .whl   # on a connected machine: build that wheelhouse
@@ -12,6 +12,11 @@ Stages:
   train      scripts/bench_train.py, a 1B Llama-shaped model at 64K, every mode, bf16, activation checkpointing
   cli        lctrain prepare + train (ZeRO-1 and ZeRO-3, nccl) + kill -9 + resume to the same losses + eval +
              diagnose rope, with the bundled config gpu_small_16k
+  rope       the paper's Figure 1 on a Llama-2-7B-shaped model: lctrain diagnose rope at 4096 tokens, fp32 / bf16 /
+             random init, real text (Python's standard library)
+  generation scripts/bench_generation.py, Llama-2-7B shape at 32K/64K/128K prompts: the eval memory plan against the
+             measured peak, prefill and decode time
+  figure6    lctrain estimate --measure with gpu_small_16k at 4K/8K/16K, full and anchor (Figure 6 measured)
 
 The report is `--out`/gpu_check.json (merged across invocations, newest result per stage) and gpu_check.md.
 """
@@ -34,7 +39,7 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lctrain.wheelhouse must be importable before lctrain is installed
 
-STAGES = ("install", "tests", "attention", "train", "cli")
+STAGES = ("install", "tests", "attention", "train", "cli", "rope", "generation", "figure6")
 STAGE_LIMIT_S = 570  # one stage fits a 10-minute slot with room for the interpreter start and the report
 TARGETS = {
     "doc_mode_fraction_of_ideal": 0.80,  # document-mode attention fwd+bwd at 32K and 128K
@@ -380,8 +385,64 @@ def stage_cli(run: Runner, args) -> None:
     r.notes.append(f"eval and diagnose rope ran; outputs in {work}")
 
 
+LLAMA2_7B_ARCH = ("{model_type: llama, hidden_size: 4096, intermediate_size: 11008, num_hidden_layers: 32, "
+                  "num_attention_heads: 32, num_key_value_heads: 32}")
+
+
+def stage_rope(run: Runner, args) -> None:
+    import sysconfig
+
+    r = run.result
+    out = run.log.parent / "rope"
+    # fp32 has no tensor-core speed: fewer sequences keep the three cases inside one stage
+    run.run(lctrain_cli() + ["diagnose", "rope", "tiny_anchor", "--device", "cuda", "--cases", "bf16,random,fp32",
+                             "--samples", str(args.rope_samples), "--seq-len", "4096", "--max-len", "8192",
+                             "--text", sysconfig.get_path("stdlib"), "--out", str(out), "--set",
+                             "model.rope_theta=10000", "--set", f"model.arch={LLAMA2_7B_ARCH}"])
+    res = json.loads((out / "rope_drift.json").read_text())
+    shifts = res["shifts"]
+    r.columns = ["case", "D(Δ1=0)", f"D(Δ1={shifts[-1]})", "first-token share",
+                 f"D_logit at T={res['logit_lengths'][-1]}", "seconds"]
+    for case, v in res["cases"].items():
+        r.rows.append([case, v["D"][0], v["D"][-1], v["first_token_share"], v["D_logit"][-1],
+                       res["timing"][case]["seconds"]])
+    r.data = {k: res[k] for k in ("shifts", "delta2", "samples", "seq_len", "timing")}
+    r.notes.append(f"{res['samples']} sequences of {res['seq_len']} tokens; figures in {out}")
+
+
+def stage_generation(run: Runner, args) -> None:
+    r = run.result
+    out = run.log.with_name("bench_generation.json")
+    data = run_bench(run, python() + [str(ROOT / "scripts" / "bench_generation.py"), "--model", "llama2-7b",
+                                      "--lengths", *map(str, args.generation_lengths), "--out", str(out)], out)
+    if data is None:
+        return
+    r.data = data
+    r.columns = ["prompt tokens", "plan", "prefill s", "decode ms/token", "predicted peak GB", "measured peak GB"]
+    for x in data["results"]:
+        r.rows.append([x["length"], x["plan"], x["prefill_s"], x["decode_s_per_token"] * 1e3, x["predicted_peak_gb"],
+                       x["measured_peak_gb"]])
+        if x["measured_peak_gb"] > x["predicted_peak_gb"] * 1.10:
+            r.fail(f"{x['length']} tokens: measured peak {x['measured_peak_gb']:.1f} GB is over the plan's "
+                   f"{x['predicted_peak_gb']:.1f} GB by more than 10%")
+
+
+def stage_figure6(run: Runner, args) -> None:
+    r = run.result
+    work = run.log.parent / "figure6"
+    run.run(lctrain_cli() + ["estimate", "-c", args.cli_config, "--measure", "--lengths", "4k,8k,16k", "--modes",
+                             "full,anchor", "--steps", "3", "--warmup", "2", "--out", str(work)])
+    res = json.loads((work / "figure6.json").read_text())
+    r.data = res
+    r.columns = ["length", "mode", "step s", "days / 1B tokens", "FLOP model at peak", "measured / predicted"]
+    for p in res["points"]:
+        r.rows.append([p["seq_len"], p["mode"], p["step_time_s"], p["days_per_1b_tokens"],
+                       p["predicted_days_per_1b_tokens"], p["ratio"]])
+
+
 STAGE_FNS: dict[str, Callable] = {"install": stage_install, "tests": stage_tests, "attention": stage_attention,
-                                  "train": stage_train, "cli": stage_cli}
+                                  "train": stage_train, "cli": stage_cli, "rope": stage_rope,
+                                  "generation": stage_generation, "figure6": stage_figure6}
 
 
 def run_stage(stage: str, args, out: Path) -> StageResult:
@@ -496,6 +557,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--train-seq-len", type=int, default=65536)
     ap.add_argument("--cli-config", default="gpu_small_16k")
     ap.add_argument("--kill-step", type=int, default=12)
+    ap.add_argument("--rope-samples", type=int, default=8, help="rope stage: text sequences per case")
+    ap.add_argument("--generation-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
     ap.add_argument("--work", default=None, help="where the cli stage prepares and trains (default OUT/cli_work; "
                     "a few GB of checkpoints)")
     args = ap.parse_args(argv)
