@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from lctrain.config import load_config
-from lctrain.train.metrics import (dense_params, device_peak_flops, peak_memory_gb, reset_peak_memory, step_flops,
-                                   visible_pairs)
+from lctrain.costmodel import attention_width, dense_params, step_flops, visible_pairs
+from lctrain.data.layouts import slimpajama_like_layouts, window_ids
+from lctrain.train.metrics import device_peak_flops, peak_memory_gb, reset_peak_memory
 
 MODELS = {
     "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
@@ -30,39 +31,6 @@ MODELS = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, tie_word_embeddings=True),
 }
-# SlimPajama token shares (DESIGN §2) and a log-normal document length (median, sigma) per domain, in tokens.
-DOMAIN_LENGTHS = {"CommonCrawl": (0.522, 700, 1.2), "C4": (0.267, 400, 0.9), "GitHub": (0.052, 900, 1.4),
-                  "ArXiv": (0.046, 9000, 0.7), "Book": (0.042, 90000, 0.8), "Wikipedia": (0.038, 600, 1.2),
-                  "StackExchange": (0.033, 500, 1.0)}
-
-
-def slimpajama_like_windows(batch: int, seq_len: int, seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Concatenate-and-cut packing of sampled document lengths; returns token ids and per-window segment lengths."""
-    rng = np.random.default_rng(seed)
-    names = list(DOMAIN_LENGTHS)
-    token_share = np.array([DOMAIN_LENGTHS[n][0] for n in names])
-    mean_len = np.array([DOMAIN_LENGTHS[n][1] * np.exp(DOMAIN_LENGTHS[n][2] ** 2 / 2) for n in names])
-    doc_prob = token_share / mean_len
-    doc_prob /= doc_prob.sum()
-    seg_lens, carry = [], 0
-    for _ in range(batch):
-        lens, room = [], seq_len
-        while room:
-            if not carry:
-                d = rng.choice(len(names), p=doc_prob)
-                _, median, sigma = DOMAIN_LENGTHS[names[d]]
-                carry = max(2, int(rng.lognormal(np.log(median), sigma)))
-            take = min(carry + 1, room)  # +1: the anchor that starts every segment
-            lens.append(take)
-            room -= take
-            carry = max(0, carry - (take - 1))
-        seg_lens.append(np.array(lens))
-    ids = rng.integers(3, 32000, size=(batch, seq_len))
-    for b, lens in enumerate(seg_lens):
-        ids[b, np.concatenate([[0], np.cumsum(lens)[:-1]])] = 1
-    return ids, seg_lens
-
-
 def bench_mode(mode: str, args, device: torch.device) -> dict:
     import deepspeed
 
@@ -83,7 +51,8 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     lm = build_model(cfg, vocab_size=32000, device=device)
     engine, *_ = deepspeed.initialize(model=CausalLMLossSum(lm), model_parameters=lm.parameters(),
                                       config=build_ds_config(cfg, 1, use_torch_adam=True))
-    ids, seg_lens = slimpajama_like_windows(args.batch, args.seq_len, args.seed)
+    seg_lens = slimpajama_like_layouts(args.seq_len, args.batch, args.seed)
+    ids = window_ids(seg_lens, vocab=32000, anchor=1, seed=args.seed)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
              for k, v in make_batch(ids, seg_lens, mode).items()}
     n_valid = float((batch["labels"] != -100).sum())
@@ -104,7 +73,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     step = float(np.median(times[args.warmup:]))
     tokens = args.batch * args.seq_len
     pairs = sum(visible_pairs(sl, np.arange(len(sl)), mode, args.seq_len) for sl in seg_lens)
-    flops = step_flops(dense_params(lm), lm.config.num_hidden_layers, lm.config.hidden_size, tokens, pairs)
+    flops = step_flops(dense_params(lm), lm.config.num_hidden_layers, attention_width(lm.config), tokens, pairs)
     peak = device_peak_flops(device, args.peak_tflops)
     result = {"mode": mode, "engine": attn_implementation(lm).removeprefix("lctrain_"), "step_s": step,
               "tokens_per_s": tokens / step, "tflops_per_gpu": flops / step / 1e12,

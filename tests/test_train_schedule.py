@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lctrain.attention import PER_TOKEN_KEYS, SEGMENTS_KEY, make_batch
-from lctrain.attention.modes import dense_mask
+from lctrain.attention import PER_TOKEN_KEYS, make_batch
 from lctrain.config import CheckpointConfig, TrainConfig, load_config
 from lctrain.errors import UserError
 from lctrain.parallel.ds_config import build_ds_config
@@ -16,7 +15,7 @@ from lctrain.parallel.groups import check_layout, grad_accum_steps
 from lctrain.parallel.loss import chunked_loss_sum
 from lctrain.parallel.ulysses import kv_replication, shard_sequence
 from lctrain.train.data import micro_batch_rows, stream_rows
-from lctrain.train.metrics import truncate_metrics, visible_pairs
+from lctrain.train.metrics import truncate_metrics
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
 
@@ -132,14 +131,6 @@ def test_chunked_loss_equals_full_logits_cross_entropy():
         torch.testing.assert_close(got, ref)
         for g, r in zip(got_grads, ref_grads):
             torch.testing.assert_close(g, r)
-
-
-@pytest.mark.parametrize("mode", ["full", "intra_doc", "intra_doc_reset", "anchor"])
-def test_visible_pairs_count_the_dense_mask(mode):
-    seg_lens, seg_doc = np.array([3, 5, 4, 4]), np.array([0, 1, 2, 1])
-    batch = make_batch(torch.zeros(1, 16, dtype=torch.long), [seg_lens], mode, seg_doc=[seg_doc])
-    layout = batch[SEGMENTS_KEY].layout
-    assert visible_pairs(seg_lens, seg_doc, mode, 16) == int(dense_mask(layout, mode).sum())
 
 
 def test_truncate_metrics_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):

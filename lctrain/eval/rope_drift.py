@@ -399,13 +399,13 @@ def _check(seq_len: int, max_len: int, samples: int, delta2: int, shift_batch: i
 
 def estimate_flops(model, plan: Plan) -> float:
     """Forward FLOPs per sequence: the dense layers on every token, plus the probe's full T x T logits and weights
-    (the causal half is not skipped) in every layer; one third of the training cost model's step."""
-    from lctrain.train.metrics import dense_params, step_flops
+    (the causal half is not skipped) in every layer: one forward pass of the cost model."""
+    from lctrain.costmodel import attention_width, dense_params, step_flops
 
     cfg = model.config
-    width = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     squares = plan.tokens() * plan.seq_len  # tokens x keys, close enough for the logit passes too
-    return step_flops(dense_params(model), cfg.num_hidden_layers, width, plan.tokens(), squares) / 3
+    return step_flops(dense_params(model), cfg.num_hidden_layers, attention_width(cfg), plan.tokens(), squares,
+                      passes=1)
 
 
 def _progress():

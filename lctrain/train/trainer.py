@@ -33,8 +33,9 @@ from lctrain.parallel.groups import (check_layout, grad_accum_steps, init_topolo
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.checkpoint import write_atomic
 from lctrain.train.data import collate, micro_batch_rows, open_checked
-from lctrain.train.metrics import (StepLogger, dense_params, device_peak_flops, import_wandb, peak_memory_gb,
-                                   reset_peak_memory, step_flops, truncate_metrics, visible_pairs)
+from lctrain.costmodel import attention_width, dense_params, step_flops, visible_pairs
+from lctrain.train.metrics import (StepLogger, device_peak_flops, import_wandb, peak_memory_gb, reset_peak_memory,
+                                   truncate_metrics)
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
 
@@ -248,7 +249,7 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
                                 getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
         lm.set_attn_implementation(impl)
     model = CausalLMLossSum(lm)
-    n_dense, layers, hidden = dense_params(lm), lm.config.num_hidden_layers, lm.config.hidden_size
+    n_dense, layers, width = dense_params(lm), lm.config.num_hidden_layers, attention_width(lm.config)
 
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, cfg.train.weight_decay, cfg.train.decay_norms_and_biases),
@@ -300,7 +301,7 @@ def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
             dt = time.perf_counter() - t0
             if topo.is_main:
                 tokens = cfg.train.global_batch * cfg.data.seq_len
-                flops = step_flops(n_dense, layers, hidden, tokens, int(counts[1].item()))
+                flops = step_flops(n_dense, layers, width, tokens, int(counts[1].item()))
                 grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
                 logger.log({
                     "step": step, "loss": loss_sum.item() / n_valid, "lr": cfg.train.lr * lr_factor(step_index,
