@@ -46,7 +46,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def evaluated(run_dir):
-    out = evaluate(run_dir, lengths="512", tasks="vt,fwe", samples=1)
+    out = evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt", "fwe"], samples=1)
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -119,7 +119,8 @@ def test_no_heldout_windows_says_so():
 
 
 def test_model_dir_and_out(run_dir, tmp_path):
-    out = evaluate(run_dir / "hf" / f"step_{STEPS[1]}", lengths="512", tasks="vt", samples=1, out=tmp_path / "o")
+    out = evaluate(resolve_target(run_dir / "hf" / f"step_{STEPS[1]}"), lengths=[512], tasks=["vt"], samples=1,
+                   out=tmp_path / "o")
     results = json.loads((out / "results.json").read_text())
     assert results["kind"] == "model" and results["checkpoints"] == [f"step_{STEPS[1]}"]
     assert results["perplexity"]["note"].startswith("skipped")

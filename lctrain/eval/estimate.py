@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lctrain.config import Config, data_dir, load_config
+from lctrain.config import Config, data_dir
 from lctrain.errors import UserError
 from lctrain.costmodel import ModelShape, attention_flops, dense_flops, training_passes, window_pairs
 from lctrain.eval.inspect_data import MODES, dataset_stats
@@ -127,14 +127,13 @@ def predict(cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | 
     return rows, source
 
 
-def estimate(config: str | None = None, overrides: list[str] | tuple = (), *, tflops: float | None = None,
-             from_bench: str | None = None, gpus: int | None = None, out: str | None = None) -> dict:
+def estimate(cfg: Config, *, tflops: float | None = None, from_bench: str | None = None, gpus: int | None = None,
+             out: str | None = None) -> dict:
     """Hours per 1B training tokens per attention mode; prints a table, writes JSON when `out` is given."""
     if (tflops is None) == (from_bench is None):
         raise UserError("give exactly one of --tflops (achieved TFLOP/s per GPU) and --from-bench FILE")
     if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
         raise UserError(f"--tflops {tflops}: must be a positive, finite number (achieved TFLOP/s per GPU)")
-    cfg = load_config(config, overrides)
     rate = {"*": float(tflops)} if tflops is not None else read_bench(from_bench)
     n_gpus = gpus if gpus is not None else cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
     if n_gpus < 1:

@@ -416,12 +416,13 @@ def _progress():
                     TimeRemainingColumn(), transient=False)
 
 
-def diagnose_rope(spec: str, *, overrides: list[str] | tuple = (), text: str | None = None, samples: int = SAMPLES,
+def diagnose_rope(src: ModelSource, *, text: str | None = None, samples: int = SAMPLES,
                   seq_len: int = SEQ_LEN, max_len: int = 8192, shifts=SHIFTS, delta2: int = DELTA2,
                   cases=DEFAULT_CASES, scaled_logits: bool = False, vary_delta2: bool = False, shift_batch: int = 4,
                   device: str | None = None, out: str | None = None, seed: int = 0) -> Path:
-    """Run the cases on one model; write rope_drift.json, rope_figure1.png and rope_figure7.png to `out` (default
-    diagnose/<name>) and print tables. Returns the output directory."""
+    """Run the cases on one model (`model_source`: a Hugging Face model, or an lctrain config); write rope_drift.json,
+    rope_figure1.png and rope_figure7.png to `out` (default diagnose/<name>) and print tables. Returns the output
+    directory."""
     from rich.console import Console
 
     from lctrain.eval.plots import plot_rope_figure1, plot_rope_figure7
@@ -429,7 +430,6 @@ def diagnose_rope(spec: str, *, overrides: list[str] | tuple = (), text: str | N
     from lctrain.eval.runner import pick_device
 
     _check(seq_len, max_len, samples, delta2, shift_batch)
-    src = model_source(spec, overrides)
     dev = pick_device(device)
     console = Console()
     started = time.perf_counter()
