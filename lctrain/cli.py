@@ -142,16 +142,19 @@ def eval_(
     a table, results.json, predictions.jsonl and ruler.png. With --ruler-data, RULER's own data and metrics;
     without, the offline RULER-style suite (not comparable with published RULER numbers). With --harness:
     lm-evaluation-harness tasks instead (harness.json)."""
+    from lctrain.eval.runner import resolve_target
+
     if harness is not None:
         from lctrain.eval.harness import HarnessSettings, evaluate_harness
 
         settings = HarnessSettings([t.strip() for t in harness.split(",") if t.strip()], harness_tasks,
                                    harness_fewshot, harness_limit, harness_max_len, harness_batch)
-        evaluate_harness(target, settings, config=config, overrides=list(set_ or []), out=out, device=device)
+        evaluate_harness(resolve_target(target, config, list(set_ or [])), settings, out=out, device=device)
         return
-    from lctrain.eval.runner import evaluate
+    from lctrain.eval.runner import evaluate, parse_lengths, parse_names
 
-    evaluate(target, config=config, overrides=list(set_ or []), lengths=lengths, tasks=tasks, exclude=exclude,
+    evaluate(resolve_target(target, config, list(set_ or [])), lengths=parse_lengths(lengths) if lengths else None,
+             tasks=parse_names(tasks), exclude=parse_names(exclude) if exclude is not None else None,
              samples=samples, ruler_data=ruler_data, squad=squad, hotpotqa=hotpotqa, out=out, device=device,
              ppl_data=ppl_data, backend=backend)
 
@@ -181,9 +184,9 @@ def diagnose_rope(
     """The paper's Figures 1 and 7: attention difference D (Eq. 4) under a positional shift, its per-token split, and
     the first-token logit difference (Eq. 5) against length, for fp32, bf16 and a random init. Table, JSON, PNGs."""
     from lctrain.eval.rope_drift import diagnose_rope as run_diagnose
-    from lctrain.eval.rope_drift import parse_cases, parse_shifts
+    from lctrain.eval.rope_drift import model_source, parse_cases, parse_shifts
 
-    run_diagnose(model, overrides=list(set_ or []), text=text, samples=samples, seq_len=seq_len, max_len=max_len,
+    run_diagnose(model_source(model, list(set_ or [])), text=text, samples=samples, seq_len=seq_len, max_len=max_len,
                  cases=parse_cases(cases), delta2=delta2, shifts=parse_shifts(shifts), scaled_logits=scaled_logits,
                  vary_delta2=vary_delta2, shift_batch=shift_batch, device=device, out=out)
 
@@ -263,7 +266,7 @@ def estimate(
         return
     from lctrain.eval.estimate import estimate as run_estimate
 
-    run_estimate(config, list(set_ or []), tflops=tflops, from_bench=from_bench, gpus=gpus, out=out)
+    run_estimate(load_config(config, list(set_ or [])), tflops=tflops, from_bench=from_bench, gpus=gpus, out=out)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

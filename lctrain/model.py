@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from lctrain.compat.transformers import nested_rope_keys, set_attn_implementation
+from lctrain.compat.transformers import rotary_in_fp32 as compat_rotary_in_fp32
 from lctrain.config import Config
 from lctrain.errors import UserError
 
@@ -246,26 +247,11 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     return model
 
 
-def _fp32_rotary_inputs(module, args, kwargs):
-    # The rotary module reads only the device and dtype of its first input; a 0-element fp32 tensor makes it return
-    # fp32 cos/sin without copying the hidden states.
-    x = args[0] if args else kwargs["x"]
-    probe = torch.empty(0, dtype=torch.float32, device=x.device)
-    if args:
-        return (probe, *args[1:]), kwargs
-    return args, {**kwargs, "x": probe}
-
-
 def rotary_in_fp32(model) -> int:
     """Make every rotary-embedding module of `model` return fp32 cos/sin, so `q*cos + rotate_half(q)*sin` runs in
     fp32 (the paper's diagnosis: bf16 RoPE breaks relative positions); the lctrain engines cast q/k back to the value
-    dtype after the rotation. Uses forward pre-hooks on the model's own modules. Returns the number hooked."""
-    hooked = 0
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding") and not getattr(module, "_lctrain_rope_fp32", False):
-            module.register_forward_pre_hook(_fp32_rotary_inputs, with_kwargs=True)
-            module._lctrain_rope_fp32 = True
-            hooked += 1
+    dtype after the rotation. Returns the number of rotary modules."""
+    hooked = compat_rotary_in_fp32(model)
     if not hooked:
         raise UserError(f"model.rope_fp32: no rotary-embedding module found in {type(model).__name__}")
     return hooked

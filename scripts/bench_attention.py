@@ -2,10 +2,10 @@
 
 Prints a table and writes JSON. Next to each measured speedup of a document mode over `full` (same engine) it
 prints the ideal one from attention FLOPs: visible (query, key) pairs of the causal window over the mode's visible
-pairs, both counted by the training metrics' `visible_pairs` (the cost model that MFU uses), and the achieved
-TFLOP/s. Times are the best of --reps runs after a warm-up call (the median is in the JSON too): on a shared machine
-the minimum is the stable estimate of the intrinsic cost. Segment layouts are a fixed seeded sample of a long-tailed
-document-length distribution packed concatenate-and-cut, or windows of a prepared dataset (--data DIR).
+pairs, both counted by `lctrain.costmodel` (the cost model that MFU uses), and the achieved TFLOP/s. Times are the
+best of --reps runs after a warm-up call (the median is in the JSON too): on a shared machine the minimum is the
+stable estimate of the intrinsic cost. Segment layouts are the seeded SlimPajama-like windows that
+scripts/bench_train.py uses too (`lctrain.data.layouts`), or windows of a prepared dataset (--data DIR).
 
     python scripts/bench_attention.py --device cpu --lengths 8192 32768 --engines sdpa --threads 1
     python scripts/bench_attention.py --device cpu --lengths 8192 --interleave
@@ -28,29 +28,12 @@ from rich.table import Table
 
 from lctrain.attention import MODES, engine_fn, make_batch
 from lctrain.data.packing import split_into_chunks
-from lctrain.train.metrics import attention_flops, visible_pairs
+from lctrain.costmodel import attention_flops, visible_pairs
+from lctrain.data.layouts import slimpajama_like_layouts
 
 CPU_ENGINES = ("sdpa", "reference")
 GPU_ENGINES = ("varlen", "sdpa", "flex")
 REFERENCE_MAX_LEN = 8192  # the dense mask and scores are O(L²)
-
-
-def slimpajama_like_windows(length: int, rows: int, seed: int) -> list[list[int]]:
-    """Segment lengths of `rows` windows: log-normal document lengths (median ~700 tokens, a long tail of books and
-    papers) packed concatenate-and-cut; every segment is anchor + document tokens."""
-    rng = np.random.default_rng(seed)
-    out = []
-    carry = 0
-    for _ in range(rows):
-        segs, used = [], 0
-        while used < length:
-            n = carry or int(np.clip(rng.lognormal(6.55, 1.5), 8, 400_000)) + 1
-            take = min(n, length - used)
-            segs.append(take)
-            used += take
-            carry = n - take + 1 if n > take else 0  # the rest continues after a fresh anchor in the next window
-        out.append(segs)
-    return out
 
 
 def dataset_windows(path: str, length: int, rows: int) -> list[list[int]]:
@@ -147,7 +130,7 @@ def main(argv=None):
     jobs = []
     for L in args.lengths:
         layouts = (dataset_windows(args.data, L, args.windows) if args.data
-                   else slimpajama_like_windows(L, args.windows, args.seed))
+                   else slimpajama_like_layouts(L, args.windows, args.seed))
         rng = np.random.default_rng(args.seed)
         for w, seg_lens in enumerate(layouts):
             seg_lens, seg_doc = interleave(seg_lens, rng) if args.interleave else (seg_lens, None)

@@ -1,11 +1,13 @@
-"""Training-step benchmark per attention mode: tokens/s, MFU and peak memory of the real training path
-(make_batch -> HF model with the lctrain engine -> chunked loss -> DeepSpeed step) on SlimPajama-like windows.
+"""Training-step benchmark per attention mode: tokens/s, MFU and peak memory of the trainer's own step
+(`Trainer.train_step`: make_batch -> HF model with the lctrain engine -> chunked loss -> DeepSpeed step) on
+SlimPajama-like windows.
 
     python scripts/bench_train.py                                   # CPU: tiny Llama, 1K windows
     python scripts/bench_train.py --model llama-1b --seq-len 65536  # one GPU: Llama-shaped 1B at 64K, bf16
 
-Windows are packed from document lengths drawn from SlimPajama's per-domain mix (long-tailed: most documents are
-short, a few are book-length), so `anchor`/`intra_doc` skip the attention a real batch would let them skip.
+Windows are packed from document lengths drawn from SlimPajama's per-domain mix (`lctrain.data.layouts`, shared with
+scripts/bench_attention.py: most documents short, a few book-length), so `anchor`/`intra_doc` skip the attention a
+real batch would let them skip.
 Prints a table and writes JSON (default bench_out/bench_train.json).
 """
 
@@ -20,8 +22,8 @@ import numpy as np
 import torch
 
 from lctrain.config import load_config
-from lctrain.train.metrics import (dense_params, device_peak_flops, peak_memory_gb, reset_peak_memory, step_flops,
-                                   visible_pairs)
+from lctrain.data.layouts import slimpajama_like_layouts, window_ids
+from lctrain.train.metrics import device_peak_flops, peak_memory_gb, reset_peak_memory
 
 MODELS = {
     "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
@@ -30,47 +32,10 @@ MODELS = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, tie_word_embeddings=True),
 }
-# SlimPajama token shares (DESIGN §2) and a log-normal document length (median, sigma) per domain, in tokens.
-DOMAIN_LENGTHS = {"CommonCrawl": (0.522, 700, 1.2), "C4": (0.267, 400, 0.9), "GitHub": (0.052, 900, 1.4),
-                  "ArXiv": (0.046, 9000, 0.7), "Book": (0.042, 90000, 0.8), "Wikipedia": (0.038, 600, 1.2),
-                  "StackExchange": (0.033, 500, 1.0)}
-
-
-def slimpajama_like_windows(batch: int, seq_len: int, seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Concatenate-and-cut packing of sampled document lengths; returns token ids and per-window segment lengths."""
-    rng = np.random.default_rng(seed)
-    names = list(DOMAIN_LENGTHS)
-    token_share = np.array([DOMAIN_LENGTHS[n][0] for n in names])
-    mean_len = np.array([DOMAIN_LENGTHS[n][1] * np.exp(DOMAIN_LENGTHS[n][2] ** 2 / 2) for n in names])
-    doc_prob = token_share / mean_len
-    doc_prob /= doc_prob.sum()
-    seg_lens, carry = [], 0
-    for _ in range(batch):
-        lens, room = [], seq_len
-        while room:
-            if not carry:
-                d = rng.choice(len(names), p=doc_prob)
-                _, median, sigma = DOMAIN_LENGTHS[names[d]]
-                carry = max(2, int(rng.lognormal(np.log(median), sigma)))
-            take = min(carry + 1, room)  # +1: the anchor that starts every segment
-            lens.append(take)
-            room -= take
-            carry = max(0, carry - (take - 1))
-        seg_lens.append(np.array(lens))
-    ids = rng.integers(3, 32000, size=(batch, seq_len))
-    for b, lens in enumerate(seg_lens):
-        ids[b, np.concatenate([[0], np.cumsum(lens)[:-1]])] = 1
-    return ids, seg_lens
-
-
 def bench_mode(mode: str, args, device: torch.device) -> dict:
-    import deepspeed
-
-    from lctrain.attention import make_batch
     from lctrain.compat.transformers import attn_implementation
-    from lctrain.model import build_model
-    from lctrain.parallel.ds_config import build_ds_config
-    from lctrain.parallel.loss import CausalLMLossSum, deepspeed_grad_divisor
+    from lctrain.parallel.groups import init_topology
+    from lctrain.train.trainer import Trainer
 
     gpu = device.type == "cuda"
     zero_stage = 1 if gpu else 0  # bf16 needs ZeRO's fp32 master weights
@@ -80,14 +45,11 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
                              f"model.gradient_checkpointing={str(gpu).lower()}", f"model.arch={json.dumps(arch)}",
                              f"train.global_batch={args.batch}", f"train.micro_batch={args.batch}",
                              f"parallel.zero_stage={zero_stage}"])
-    lm = build_model(cfg, vocab_size=32000, device=device)
-    engine, *_ = deepspeed.initialize(model=CausalLMLossSum(lm), model_parameters=lm.parameters(),
-                                      config=build_ds_config(cfg, 1, use_torch_adam=True))
-    ids, seg_lens = slimpajama_like_windows(args.batch, args.seq_len, args.seed)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-             for k, v in make_batch(ids, seg_lens, mode).items()}
-    n_valid = float((batch["labels"] != -100).sum())
-    divisor = deepspeed_grad_divisor(zero_stage, 1, 1)
+    trainer = Trainer(cfg, init_topology(cfg), vocab_size=32000)
+    seg_lens = slimpajama_like_layouts(args.seq_len, args.batch, args.seed)
+    windows = [{"input_ids": window_ids(seg_lens, vocab=32000, anchor=1, seed=args.seed),
+                "seg_lens": [np.array(s) for s in seg_lens], "seg_doc": [np.arange(len(s)) for s in seg_lens],
+                "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens]}]
     times = []
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
@@ -95,25 +57,22 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
         if gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = engine(**batch)
-        engine.backward(loss * (divisor / n_valid), scale_wrt_gas=False)
-        engine.step()
+        result = trainer.train_step(windows)
         if gpu:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     step = float(np.median(times[args.warmup:]))
     tokens = args.batch * args.seq_len
-    pairs = sum(visible_pairs(sl, np.arange(len(sl)), mode, args.seq_len) for sl in seg_lens)
-    flops = step_flops(dense_params(lm), lm.config.num_hidden_layers, lm.config.hidden_size, tokens, pairs)
+    flops = trainer.step_flops(tokens, result.pairs)
     peak = device_peak_flops(device, args.peak_tflops)
-    result = {"mode": mode, "engine": attn_implementation(lm).removeprefix("lctrain_"), "step_s": step,
-              "tokens_per_s": tokens / step, "tflops_per_gpu": flops / step / 1e12,
-              "mfu": flops / step / peak if peak else None,
-              "peak_mem_gb": peak_memory_gb(device), "docs_per_window": float(np.mean([len(s) for s in seg_lens]))}
-    del engine, lm
+    out = {"mode": mode, "engine": attn_implementation(trainer.lm).removeprefix("lctrain_"), "step_s": step,
+           "tokens_per_s": tokens / step, "tflops_per_gpu": flops / step / 1e12,
+           "mfu": flops / step / peak if peak else None,
+           "peak_mem_gb": peak_memory_gb(device), "docs_per_window": float(np.mean([len(s) for s in seg_lens]))}
+    del trainer
     if gpu:
         torch.cuda.empty_cache()
-    return result
+    return out
 
 
 def main() -> None:

@@ -17,10 +17,16 @@ def bench():
     return module
 
 
-def test_layouts_fill_windows(bench):
-    windows = bench.slimpajama_like_windows(4096, 3, seed=0)
+def test_layouts_fill_windows():
+    from lctrain.data.layouts import slimpajama_like_layouts, window_ids
+
+    windows = slimpajama_like_layouts(4096, 3, seed=0)
     assert all(sum(w) == 4096 and min(w) >= 1 for w in windows)
-    assert bench.slimpajama_like_windows(4096, 3, seed=0) == windows  # seeded
+    assert slimpajama_like_layouts(4096, 3, seed=0) == windows  # seeded
+    ids = window_ids(windows, vocab=32000, anchor=1, seed=0)
+    for row, lens in zip(ids, windows):
+        starts = {sum(lens[:i]) for i in range(len(lens))}
+        assert all((row[t] == 1) == (t in starts) for t in range(4096))  # the anchor exactly at segment starts
 
 
 def test_interleaved_layout_keeps_chunk_order_and_window_length(bench):

@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lctrain.compat.deepspeed import disable_cpu_shm_comm_op
-from lctrain.compat.transformers import attn_implementation, nested_rope_keys, set_attn_implementation
+from lctrain.compat.deepspeed import (DEEPSPEED_VERSION, disable_cpu_shm_comm_op, grad_divisor,
+                                      sequence_parallel_groups, zero3_full_state_dict)
+from lctrain.compat.transformers import attn_implementation, nested_rope_keys, rotary_in_fp32, set_attn_implementation
 from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.train.metrics import import_wandb
@@ -52,3 +53,67 @@ def test_wandb_is_optional_with_one_clear_line(monkeypatch):
     cfg = load_config(None, ["logging.wandb=offline"])
     with pytest.raises(UserError, match=r"logging.wandb = offline needs Weights & Biases \(pip install 'lctrain\[wandb\]'\)"):
         import_wandb(cfg)
+
+
+def test_deepspeed_is_the_release_the_compat_entries_were_checked_against():
+    import deepspeed
+
+    assert deepspeed.__version__ == DEEPSPEED_VERSION, (
+        f"DeepSpeed {deepspeed.__version__} is installed; lctrain/compat/deepspeed.py was written against "
+        f"{DEEPSPEED_VERSION}: re-check __compatible_ops__, parallel_state_sp as mpu, "
+        f"_zero3_consolidated_16bit_state_dict and the gradient averaging rule (tests/test_parallel_equivalence.py), "
+        f"then update DEEPSPEED_VERSION")
+
+
+def test_sequence_parallel_state_module_is_what_the_engine_reads_from_mpu():
+    import inspect
+
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp_state
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    engine_source = inspect.getsource(DeepSpeedEngine)
+    for name in ("get_sequence_parallel_group", "get_sequence_parallel_world_size",
+                 "get_sequence_data_parallel_group", "get_sequence_data_parallel_world_size"):
+        assert callable(getattr(sp_state, name)), name  # the module lctrain passes as mpu has it
+        assert f"mpu.{name}" in engine_source or name in engine_source, name  # and the engine asks for it
+    assert inspect.signature(sp_state.initialize_sequence_parallel).parameters.keys() >= {"sequence_parallel_size"}
+    assert callable(sequence_parallel_groups)
+
+
+def test_zero3_full_state_dict_is_what_save_16bit_model_gathers(monkeypatch):
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    assert "_zero3_consolidated_16bit_state_dict(" in inspect.getsource(DeepSpeedEngine.save_16bit_model)
+    assert list(inspect.signature(DeepSpeedEngine._zero3_consolidated_16bit_state_dict).parameters) == [
+        "self", "exclude_frozen_parameters"]
+    engine = SimpleNamespace(_zero3_consolidated_16bit_state_dict=lambda: {"lm.w": 1})
+    assert zero3_full_state_dict(engine) == {"lm.w": 1}
+
+
+def test_gradient_divisor_rule():
+    """ZeRO 0-2 average over the data-parallel group, ZeRO-3's reduce-scatter over every rank; the 2-process
+    equivalence (tests/test_parallel_equivalence.py) is the behavioural check, this one names the code paths."""
+    import inspect
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    stage3 = inspect.getsource(DeepSpeedZeroOptimizer_Stage3)
+    assert "__avg_scatter_grads" in stage3 and "reduce_scatter_coalesced" in stage3
+    assert [grad_divisor(z, dp=2, world=8) for z in range(4)] == [2, 2, 2, 8]
+
+
+def test_rotary_modules_return_fp32_for_the_probe():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=50)).to(torch.bfloat16)
+    x = torch.randn(1, 8, 32).bfloat16()
+    positions = torch.arange(1000, 1008)[None]
+    want = model.model.rotary_emb(x.float(), positions)  # what the module computes for an fp32 input
+    assert rotary_in_fp32(model) == 1 and rotary_in_fp32(model) == 0  # hooked once
+    got = model.model.rotary_emb(x, positions)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32 and torch.equal(g, w)

@@ -17,7 +17,7 @@ from lctrain.cli import app
 from lctrain.config import bundled_config_names, load_config, write_resolved
 from lctrain.errors import UserError
 from lctrain.eval.ruler import scan_task, select_task_set
-from lctrain.eval.runner import evaluate
+from lctrain.eval.runner import evaluate, resolve_target
 from lctrain.tokenizer import load_tokenizer
 from train_helpers import one_error_line
 
@@ -279,7 +279,8 @@ def test_no_usable_data_is_one_line(ruler_run, tmp_path):
 
 def test_offline_suite_says_it_is_not_ruler_and_names_missing_qa(ruler_run, tmp_path, one_thread):
     run, _, _ = ruler_run
-    out = evaluate(run / "hf" / "step_10", lengths="512", tasks="vt,qa_1,qa_2", samples=1, out=tmp_path / "o")
+    out = evaluate(resolve_target(run / "hf" / "step_10"), lengths=[512], tasks=["vt", "qa_1", "qa_2"], samples=1,
+                   out=tmp_path / "o")
     results = json.loads((out / "results.json").read_text())
     assert results["suite"] == "RULER-style (not comparable with published RULER numbers)"
     assert results["tasks"] == ["vt"] and [e["task"] for e in results["not_scored"]] == ["qa_1", "qa_2"]

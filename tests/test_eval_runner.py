@@ -49,7 +49,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def evaluated(run_dir):
-    out = evaluate(run_dir, lengths="512", tasks="vt,fwe", samples=1)
+    out = evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt", "fwe"], samples=1)
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -122,7 +122,8 @@ def test_no_heldout_windows_says_so():
 
 
 def test_model_dir_and_out(run_dir, tmp_path):
-    out = evaluate(run_dir / "hf" / f"step_{STEPS[1]}", lengths="512", tasks="vt", samples=1, out=tmp_path / "o")
+    out = evaluate(resolve_target(run_dir / "hf" / f"step_{STEPS[1]}"), lengths=[512], tasks=["vt"], samples=1,
+                   out=tmp_path / "o")
     results = json.loads((out / "results.json").read_text())
     assert results["kind"] == "model" and results["checkpoints"] == [f"step_{STEPS[1]}"]
     assert results["perplexity"]["note"].startswith("skipped")
@@ -207,7 +208,8 @@ class FakeVllm(types.ModuleType):
 def test_vllm_backend_gives_the_hf_backends_answers(evaluated, run_dir, tmp_path, monkeypatch):
     fake = FakeVllm()
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    out = evaluate(run_dir, lengths="512", tasks="vt,fwe", samples=1, backend="vllm", out=tmp_path / "vllm")
+    out = evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt", "fwe"], samples=1, backend="vllm",
+                   out=tmp_path / "vllm")
     results = json.loads((out / "results.json").read_text())
     assert results["generation_backend"] == "vllm" and "vLLM" in results["generation_memory"]["step_30"]
     hf_out, hf_results = evaluated
@@ -221,9 +223,9 @@ def test_vllm_backend_gives_the_hf_backends_answers(evaluated, run_dir, tmp_path
 def test_vllm_backend_errors_are_one_line(run_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", FakeVllm(refuse=True))
     with pytest.raises(UserError, match="vLLM cannot serve .* use --backend hf"):
-        evaluate(run_dir, lengths="512", tasks="vt", samples=1, backend="vllm", out=tmp_path / "a")
+        evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, backend="vllm", out=tmp_path / "a")
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(UserError, match="pip install vllm"):
-        evaluate(run_dir, lengths="512", tasks="vt", samples=1, backend="vllm", out=tmp_path / "b")
+        evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, backend="vllm", out=tmp_path / "b")
     with pytest.raises(UserError, match="--backend tgi: choose hf"):
-        evaluate(run_dir, lengths="512", tasks="vt", samples=1, backend="tgi", out=tmp_path / "c")
+        evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, backend="tgi", out=tmp_path / "c")

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lctrain.cli import app
+from lctrain.config import load_config
 from lctrain.eval.estimate import estimate
 
 TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=1",
@@ -51,8 +52,8 @@ def test_prediction_is_the_flop_model_on_the_data_each_point_trained_on(measured
     work, res = measured
     for p in res["points"]:
         L = p["seq_len"]
-        flop_model = estimate(None, TINY + [f"data.seq_len={L}", f"data.output_dir={work / f'data_{L}'}",
-                                            f"data.token_budget={3 * 2 * L}"], tflops=0.5, gpus=1)
+        flop_model = estimate(load_config(None, TINY + [f"data.seq_len={L}", f"data.output_dir={work / f'data_{L}'}",
+                                                        f"data.token_budget={3 * 2 * L}"]), tflops=0.5, gpus=1)
         assert not flop_model["synthetic"]
         assert p["predicted_days_per_1b_tokens"] == pytest.approx(
             flop_model["modes"][p["mode"]]["hours_per_1b_tokens"] / 24)

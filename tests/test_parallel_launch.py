@@ -1,4 +1,5 @@
-"""The self-relaunch command lines (the 2-process runs in test_parallel_equivalence.py execute them)."""
+"""The launcher command lines of a multi-process run (the 2-process runs in test_parallel_equivalence.py execute
+them)."""
 
 import os
 import sys
@@ -9,7 +10,7 @@ import pytest
 from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.parallel import groups
-from lctrain.parallel.launch import launcher_command
+from lctrain.train.trainer import launcher_command
 
 
 def test_torchrun_command_runs_the_worker_module_on_every_process():
@@ -17,7 +18,7 @@ def test_torchrun_command_runs_the_worker_module_on_every_process():
     cmd = launcher_command(cfg, Path("runs/x"), resume=True)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc_per_node") + 1] == "2"
-    assert cmd[-4:] == ["-m", "lctrain.parallel.launch", "runs/x", "--resume"]
+    assert cmd[-4:] == ["-m", "lctrain.train.worker", "runs/x", "--resume"]
 
 
 def test_deepspeed_command_uses_the_hostfile_for_several_nodes(tmp_path):
@@ -28,7 +29,7 @@ def test_deepspeed_command_uses_the_hostfile_for_several_nodes(tmp_path):
     assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
     assert cmd[cmd.index("--hostfile") + 1] == str(hostfile)
     assert cmd[cmd.index("--num_nodes") + 1] == "2" and cmd[cmd.index("--num_gpus") + 1] == "8"
-    assert cmd[-3:] == ["--module", "lctrain.parallel.launch", "runs/y"]
+    assert cmd[-3:] == ["--module", "lctrain.train.worker", "runs/y"]
 
 
 def test_several_nodes_without_a_hostfile_is_a_user_error():

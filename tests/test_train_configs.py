@@ -6,8 +6,7 @@ from transformers import AutoConfig
 
 from lctrain.config import bundled_config_names, data_fingerprint, load_config
 from lctrain.data.mixture import Mixture
-from lctrain.parallel.ds_config import build_ds_config
-from lctrain.parallel.groups import check_layout, grad_accum_steps, requested_world
+from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import kv_replication
 from lctrain.train.schedule import hf_checkpoint_steps
 
@@ -27,11 +26,10 @@ def test_bundled_config_is_valid_and_runnable(name):
     cfg = load_config(name)
     assert cfg.name == name
     assert cfg.description and "\n" not in cfg.description
-    check_layout(cfg)
-    world = requested_world(cfg)
-    ds = build_ds_config(cfg, world, use_torch_adam=True)
+    layout = ParallelLayout.from_config(cfg)
+    ds = layout.deepspeed_config(cfg, use_torch_adam=True)
     assert ds["train_batch_size"] == cfg.train.global_batch
-    assert grad_accum_steps(cfg, world) >= 1
+    assert layout.grad_accum >= 1
     if cfg.model.arch is not None:
         arch = dict(cfg.model.arch)
         mc = AutoConfig.for_model(arch.pop("model_type"), **arch)
@@ -40,7 +38,7 @@ def test_bundled_config_is_valid_and_runnable(name):
         heads, kv = HEADS[cfg.model.name_or_path]
         assert cfg.data.tokenizer == cfg.model.name_or_path
         assert cfg.data.source == "hub" and cfg.train.global_batch == 8 and cfg.train.lr == 2e-5
-        assert cfg.model.dtype == "bfloat16" and world == 8
+        assert cfg.model.dtype == "bfloat16" and layout.world == 8
         # Table 1's AdamW, decaying every parameter as the paper's released code does
         assert (cfg.train.weight_decay, cfg.train.betas, cfg.train.decay_norms_and_biases) == (0.1, (0.9, 0.95), True)
         # no paper run reads a window twice

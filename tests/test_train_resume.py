@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import clean_env, cli_train_command, prepared_workdir, reference_run, set_args
+from train_helpers import (clean_env, cli_train_command, killed_in_checkpoint_command, prepared_workdir, reference_run,
+                           set_args)
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -76,8 +77,13 @@ def assert_same_end(run_dir: Path, ref_dir: Path) -> None:
         assert all(torch.equal(a[k], b[k]) for k in b)
 
 
-def start_cli_train(workdir: Path, run_dir: Path, **env) -> subprocess.Popen:
-    return subprocess.Popen(cli_train_command(overrides, workdir, run_dir), env=clean_env(**env),
+def start_cli_train(workdir: Path, run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(cli_train_command(overrides, workdir, run_dir), env=clean_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def start_killed_in_checkpoint(workdir: Path, run_dir: Path, step: int) -> subprocess.Popen:
+    return subprocess.Popen(killed_in_checkpoint_command(overrides, workdir, run_dir, step), env=clean_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -104,7 +110,7 @@ def test_hf_checkpoint_loads_and_matches_the_training_loss(reference, workdir):
 
     from lctrain.attention import make_batch
     from lctrain.data.store import open_packed
-    from lctrain.parallel.loss import CausalLMLossSum
+    from lctrain.train.loss import CausalLMLossSum
 
     hf = reference / "hf" / f"step_{STEPS}"
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
@@ -142,7 +148,7 @@ def test_sigkill_at_a_random_step_then_resume_matches(reference, workdir):
 
 def test_sigkill_inside_a_checkpoint_write_then_resume_matches(reference, workdir):
     run_dir = workdir / "killed_in_checkpoint"
-    proc = start_cli_train(workdir, run_dir, **{ckpt.KILL_ENV: "4"})
+    proc = start_killed_in_checkpoint(workdir, run_dir, 4)
     assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     root = ckpt.checkpoints_dir(run_dir)
     assert (root / ckpt.LATEST).read_text().strip() == ckpt.step_name(2)
@@ -166,7 +172,7 @@ def _truncated_model_states(path: Path) -> None:
 @pytest.mark.parametrize("damage", [_empty_state, _truncated_model_states], ids=["empty-state", "truncated-states"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(reference, workdir, damage):
     run_dir = workdir / f"damaged_{damage.__name__}"
-    proc = start_cli_train(workdir, run_dir, **{ckpt.KILL_ENV: "6"})  # dies writing step 6: step 2 and 4 complete
+    proc = start_killed_in_checkpoint(workdir, run_dir, 6)  # dies writing step 6: step 2 and 4 complete
     assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     latest = ckpt.latest_checkpoint(run_dir)
     assert latest.name == ckpt.step_name(4)
@@ -182,8 +188,8 @@ def test_resume_from_another_directory_and_refuses_incompatible_edits(reference,
     in a way the checkpoint cannot continue with is refused in one line naming the keys."""
     monkeypatch.chdir(workdir)
     rel = ["data.output_dir=data", "train.run_dir=relative_run"]
-    proc = subprocess.Popen(cli_train_command(lambda d, r: overrides(d, r) + rel, Path("."), Path("x")),
-                            env=clean_env(**{ckpt.KILL_ENV: "6"}), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(killed_in_checkpoint_command(lambda d, r: overrides(d, r) + rel, Path("."), Path("x"), 6),
+                            env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     run_dir = workdir / "relative_run"
     config = run_dir / "config.yaml"

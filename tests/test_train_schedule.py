@@ -2,21 +2,18 @@
 
 import json
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lctrain.attention import PER_TOKEN_KEYS, SEGMENTS_KEY, make_batch
-from lctrain.attention.modes import dense_mask
+from lctrain.attention import PER_TOKEN_KEYS, make_batch
 from lctrain.config import CheckpointConfig, TrainConfig, load_config
 from lctrain.errors import UserError
-from lctrain.parallel.ds_config import build_ds_config
-from lctrain.parallel.groups import check_layout, grad_accum_steps
-from lctrain.parallel.loss import chunked_loss_sum
-from lctrain.parallel.ulysses import kv_replication, shard_sequence
+from lctrain.parallel.layout import ParallelLayout
+from lctrain.parallel.ulysses import kv_replication
+from lctrain.train.loss import chunked_loss_sum
 from lctrain.train.data import micro_batch_rows, stream_rows
-from lctrain.train.metrics import truncate_metrics, visible_pairs
+from lctrain.train.metrics import truncate_metrics
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
 
@@ -56,6 +53,13 @@ def test_each_step_reads_its_global_batch_once_split_over_ranks_and_micro_batche
     # every epoch is a permutation of all windows, and epochs differ
     e0, e1 = stream_rows(3, n, 0, n), stream_rows(3, n, n, n)
     assert sorted(e0) == sorted(e1) == list(range(n)) and e0 != e1
+    # the layout reads the same rows on every rank of a sequence-parallel group: world 4 = SP 2 x DP 2
+    layout = ParallelLayout(world=4, sp=2, micro_batch=mb, global_batch=G, seq_len=8, zero_stage=0)
+    assert layout.grad_accum == gas
+    for rank in range(4):
+        assert layout.micro_batch_rows(3, 1, rank, seed=3, n=n) == micro_batch_rows(3, 1, rank // 2, dp=dp,
+                                                                                     micro_batch=mb, global_batch=G,
+                                                                                     seed=3, n=n)
     # the same global batch whatever the layout: 1 rank x 4 micro-batches == 2 ranks x 2 micro-batches
     one = [r for m in range(4) for r in micro_batch_rows(5, m, 0, dp=1, micro_batch=1, global_batch=4, seed=3, n=n)]
     assert sorted(one) == sorted(stream_rows(3, n, 20, 4))
@@ -64,7 +68,8 @@ def test_each_step_reads_its_global_batch_once_split_over_ranks_and_micro_batche
 def test_shards_are_contiguous_and_metadata_is_shared():
     ids = torch.arange(2 * 12).view(2, 12)
     batch = make_batch(ids, [[5, 7], [12]], "anchor")
-    shards = [shard_sequence(batch, PER_TOKEN_KEYS, 3, r) for r in range(3)]
+    layout = ParallelLayout(world=3, sp=3, micro_batch=2, global_batch=2, seq_len=12, zero_stage=0)
+    shards = [layout.shard(batch, r) for r in range(3)]
     for key in PER_TOKEN_KEYS:
         assert torch.equal(torch.cat([s[key] for s in shards], 1), batch[key])
     assert torch.equal(shards[1]["input_ids"], ids[:, 4:8])
@@ -90,20 +95,22 @@ def _tiny(**over):
 
 def test_layout_errors_name_the_keys():
     with pytest.raises(UserError, match="train.global_batch = 6 is not divisible"):
-        check_layout(_tiny(**{"train.global_batch": 6, "train.micro_batch": 4}))
+        ParallelLayout.from_config(_tiny(**{"train.global_batch": 6, "train.micro_batch": 4}))
     with pytest.raises(UserError, match="data.seq_len = 1000 is not divisible by parallel.sequence_parallel = 16"):
-        check_layout(_tiny(**{"data.seq_len": 1000, "parallel.nproc_per_node": 16,
-                              "parallel.sequence_parallel": 16, "train.global_batch": 2, "train.micro_batch": 2}))
+        ParallelLayout.from_config(_tiny(**{"data.seq_len": 1000, "parallel.nproc_per_node": 16,
+                                            "parallel.sequence_parallel": 16, "train.global_batch": 2,
+                                            "train.micro_batch": 2}))
     with pytest.raises(UserError, match="world size 3"):
-        check_layout(_tiny(**{"parallel.nproc_per_node": 3, "parallel.sequence_parallel": 2}))
+        ParallelLayout.from_config(_tiny(**{"parallel.nproc_per_node": 3, "parallel.sequence_parallel": 2}))
 
 
 def test_deepspeed_config_follows_the_yaml():
     cfg = _tiny(**{"parallel.nproc_per_node": 8, "parallel.sequence_parallel": 4, "parallel.zero_stage": 3,
                    "parallel.offload_optimizer": True, "model.dtype": "bfloat16", "train.global_batch": 8,
                    "train.micro_batch": 1})
-    ds = build_ds_config(cfg, world=8, use_torch_adam=False)
-    assert grad_accum_steps(cfg, 8) == 4
+    layout = ParallelLayout.from_config(cfg)
+    ds = layout.deepspeed_config(cfg, use_torch_adam=False)
+    assert layout.world == 8 and layout.dp == 2 and layout.grad_accum == 4
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
     assert ds["train_micro_batch_size_per_gpu"] == 1
     # DeepSpeed's own consistency rule, with data-parallel size 8 / 4
@@ -114,7 +121,7 @@ def test_deepspeed_config_follows_the_yaml():
     assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
     assert ds["optimizer"]["params"]["weight_decay"] == 0.1
     assert ds["gradient_clipping"] == 1.0
-    fp32 = build_ds_config(_tiny(), world=1, use_torch_adam=True)
+    fp32 = ParallelLayout.from_config(_tiny()).deepspeed_config(_tiny(), use_torch_adam=True)
     assert "bf16" not in fp32 and fp32["optimizer"]["params"]["torch_adam"] is True
 
 
@@ -132,14 +139,6 @@ def test_chunked_loss_equals_full_logits_cross_entropy():
         torch.testing.assert_close(got, ref)
         for g, r in zip(got_grads, ref_grads):
             torch.testing.assert_close(g, r)
-
-
-@pytest.mark.parametrize("mode", ["full", "intra_doc", "intra_doc_reset", "anchor"])
-def test_visible_pairs_count_the_dense_mask(mode):
-    seg_lens, seg_doc = np.array([3, 5, 4, 4]), np.array([0, 1, 2, 1])
-    batch = make_batch(torch.zeros(1, 16, dtype=torch.long), [seg_lens], mode, seg_doc=[seg_doc])
-    layout = batch[SEGMENTS_KEY].layout
-    assert visible_pairs(seg_lens, seg_doc, mode, 16) == int(dense_mask(layout, mode).sum())
 
 
 def test_truncate_metrics_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):

@@ -27,6 +27,12 @@ def cli_train_command(overrides: Overrides, workdir: Path, run_dir: Path, extra:
     return [sys.executable, "-m", "lctrain.cli", "train"] + set_args(overrides(workdir / "data", run_dir) + list(extra))
 
 
+def killed_in_checkpoint_command(overrides: Overrides, workdir: Path, run_dir: Path, step: int) -> list[str]:
+    """A training process that kills itself inside the write of step `step`'s checkpoint (kill_in_checkpoint.py)."""
+    script = Path(__file__).with_name("kill_in_checkpoint.py")
+    return [sys.executable, str(script), str(step)] + set_args(overrides(workdir / "data", run_dir))
+
+
 def prepared_workdir(tmp_path_factory, name: str, overrides: Overrides) -> Path:
     """A fresh directory whose `data/` holds the dataset the overrides describe."""
     from lctrain.data.prepare import prepare

@@ -130,14 +130,18 @@ def position_ids(layout: Layout, mode: str) -> torch.Tensor:
     return pos.view(B, L)
 
 
-def shifted_labels(input_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+def shifted_labels(input_ids: torch.Tensor, layout: Layout, anchor_targets: bool = True) -> torch.Tensor:
     """`labels[:, t] = input_ids[:, t+1]` where that is the real next token of t's document (module docstring),
-    -100 elsewhere: at each row's last token, before tag tokens, and across documents except a document's end."""
+    -100 elsewhere: at each row's last token, before tag tokens, and across documents except a document's end.
+    The one label rule of training and evaluation: perplexity passes `anchor_targets=False`, leaving out the anchor
+    after a document's end too, so that it scores only text predictable from text."""
     B, L = input_ids.shape
     doc = layout.tok_doc.view(B, L)
-    ends_doc = layout.seg_last[layout.tok_seg].view(B, L)[:, :-1]
-    nxt_anchor = layout.tok_anchor.view(B, L)[:, 1:]
-    keep = ~layout.tok_tag.view(B, L)[:, 1:] & ((doc[:, 1:] == doc[:, :-1]) | (nxt_anchor & ends_doc))
+    same_doc = doc[:, 1:] == doc[:, :-1]
+    if anchor_targets:
+        ends_doc = layout.seg_last[layout.tok_seg].view(B, L)[:, :-1]
+        same_doc = same_doc | (layout.tok_anchor.view(B, L)[:, 1:] & ends_doc)
+    keep = ~layout.tok_tag.view(B, L)[:, 1:] & same_doc
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     labels[:, :-1] = torch.where(keep, input_ids[:, 1:], IGNORE_INDEX)
     return labels

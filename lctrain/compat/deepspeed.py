@@ -1,6 +1,9 @@
-"""DeepSpeed internals lctrain relies on, each naming the release it was written against (0.19.8)."""
+"""DeepSpeed internals lctrain relies on, each naming the release it was written against (0.19.8); tests/test_compat.py
+fails when the installed release is another, so an upgrade re-checks every entry here."""
 
 from __future__ import annotations
+
+DEEPSPEED_VERSION = "0.19.8"
 
 
 def disable_cpu_shm_comm_op() -> None:
@@ -12,3 +15,33 @@ def disable_cpu_shm_comm_op() -> None:
     import deepspeed.ops
 
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+
+
+def grad_divisor(zero_stage: int, dp: int, world: int) -> int:
+    """What DeepSpeed 0.19.8 divides the summed gradients by: the data-parallel size for ZeRO 0-2 (the engine's
+    `gradient_average` over its data-parallel group), but all ranks (data x sequence parallel) for ZeRO-3's
+    reduce-scatter path (`DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`, which divides by the size of the
+    sequence-data-parallel group ZeRO shards over), which the layout's DeepSpeed config always selects."""
+    return world if zero_stage == 3 else dp
+
+
+def sequence_parallel_groups(sp: int):
+    """DeepSpeed 0.19.8's own Ulysses process-group module: (this rank's sequence-parallel group, the module).
+    The module is passed to `deepspeed.initialize(mpu=...)`: the engine reads the sequence-data-parallel group and
+    sizes from it (`get_sequence_parallel_world_size`, `get_sequence_data_parallel_group`, ...), which is how ZeRO
+    learns to shard over every rank. Its group accessor asserts when the groups do not exist yet."""
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp_state
+
+    try:
+        group = sp_state.get_sequence_parallel_group()
+    except AssertionError:
+        sp_state.initialize_sequence_parallel(sequence_parallel_size=sp)
+        group = sp_state.get_sequence_parallel_group()
+    return group, sp_state
+
+
+def zero3_full_state_dict(engine) -> dict:
+    """The full 16-bit state dict gathered from ZeRO-3 shards (all ranks call; rank 0 gets the tensors). DeepSpeed
+    0.19.8 has it only as the private `DeepSpeedEngine._zero3_consolidated_16bit_state_dict`, which its public
+    `save_16bit_model` calls before writing the file itself; lctrain writes with `save_pretrained` instead."""
+    return engine._zero3_consolidated_16bit_state_dict()

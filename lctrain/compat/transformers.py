@@ -19,13 +19,44 @@ def nested_rope_keys(hf_config) -> list[str]:
 
 def set_attn_implementation(hf_config, impl: str) -> None:
     """Name the attention implementation on a config before the model is built from it. `from_config` and
-    `from_pretrained` take `attn_implementation=` too, but a config that is saved with the model must carry it."""
+    `from_pretrained` take `attn_implementation=` too, but a config that is saved with the model must carry it.
+    transformers 5.17-5.23 keep it in the private `PreTrainedConfig._attn_implementation` (no public setter on a
+    config; `model.set_attn_implementation` exists only once the model is built)."""
     hf_config._attn_implementation = impl
 
 
 def attn_implementation(model_or_config) -> str:
+    """The attention implementation a model or config runs (transformers 5.17-5.23: `_attn_implementation`)."""
     config = getattr(model_or_config, "config", model_or_config)
     return config._attn_implementation
+
+
+def _fp32_rotary_inputs(module, args, kwargs):
+    import torch
+
+    x = args[0] if args else kwargs["x"]
+    probe = torch.empty(0, dtype=torch.float32, device=x.device)
+    if args:
+        return (probe, *args[1:]), kwargs
+    return args, {**kwargs, "x": probe}
+
+
+# Our own marker on a hooked rotary module, so that hooking a model twice adds no second hook.
+_FP32_MARK = "_lctrain_rope_fp32"
+
+
+def rotary_in_fp32(model) -> int:
+    """Make every rotary-embedding module of `model` return fp32 cos/sin; returns the number hooked. transformers
+    5.17-5.23: the rotary modules are the `*RotaryEmbedding` classes, whose `forward(x, position_ids)` reads only the
+    device and dtype of `x` (cos/sin are computed in fp32 and cast to `x.dtype`), so a forward pre-hook that passes
+    a 0-element fp32 tensor for `x` makes them return fp32 without copying the hidden states."""
+    hooked = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and not getattr(module, _FP32_MARK, False):
+            module.register_forward_pre_hook(_fp32_rotary_inputs, with_kwargs=True)
+            setattr(module, _FP32_MARK, True)
+            hooked += 1
+    return hooked
 
 
 def load_errors() -> tuple[type[BaseException], ...]:

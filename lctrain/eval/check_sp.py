@@ -112,7 +112,7 @@ def parse_modes(modes: Optional[str]) -> list[str]:
 def check_config(config: Optional[str], overrides: list[str], nproc: int, dtype: Optional[str]) -> Config:
     """The config for a P-process Ulysses run of one window, refusing what cannot run before any process starts."""
     from lctrain.model import load_hf_config
-    from lctrain.parallel.groups import check_layout
+    from lctrain.parallel.layout import ParallelLayout
     from lctrain.parallel.ulysses import kv_replication
 
     if nproc < 2:
@@ -127,7 +127,7 @@ def check_config(config: Optional[str], overrides: list[str], nproc: int, dtype:
     heads = hf.num_attention_heads
     kv_replication(heads, getattr(hf, "num_key_value_heads", None) or heads, nproc,
                    f"{cfg.source_file or 'config'} with --nproc {nproc}")
-    check_layout(cfg, nproc)
+    ParallelLayout.from_config(cfg, nproc)
     return cfg
 
 
@@ -224,11 +224,10 @@ def run_worker(out_dir: Path) -> None:
     """Every rank: build the model, and per mode the 1-process logits (rank 0) and the Ulysses logits (all ranks)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from lctrain.attention import PER_TOKEN_KEYS, make_batch
+    from lctrain.attention import make_batch
     from lctrain.attention.registry import HF_PREFIX
     from lctrain.model import attn_implementation, build_model
     from lctrain.parallel.groups import init_topology, pick_backend, release_single_process
-    from lctrain.parallel.ulysses import register_ulysses, shard_sequence
 
     cfg = load_config(str(out_dir / "config.yaml"))
     request = json.loads((out_dir / REQUEST_FILE).read_text())
@@ -238,8 +237,6 @@ def run_worker(out_dir: Path) -> None:
     try:
         lm = build_model(cfg, vocab_size=request["vocab_size"], device=topo.device).eval()
         _check_same_weights(lm)
-        heads = lm.config.num_attention_heads
-        kv_heads = getattr(lm.config, "num_key_value_heads", None) or heads
         rows = []
         progress = Progress(TextColumn("[bold]check sp"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[info]}"), disable=not topo.is_main)
@@ -252,13 +249,11 @@ def run_worker(out_dir: Path) -> None:
                 single = attn_implementation(mode_cfg, topo.device)
                 batch = make_batch(win["input_ids"][None], [win["seg_lens"]], mode, seg_doc=[win["seg_doc"]],
                                    tag_lens=[win["tag_lens"]])
-                ref = None
-                if topo.is_main:
-                    lm.set_attn_implementation(single)
-                    ref = _forward_logits(lm, batch, topo.device)
+                lm.set_attn_implementation(single)
+                ref = _forward_logits(lm, batch, topo.device) if topo.is_main else None
                 engine = single.removeprefix(HF_PREFIX)
-                lm.set_attn_implementation(register_ulysses(engine, topo.sp_group, heads, kv_heads))
-                local = _forward_logits(lm, shard_sequence(batch, PER_TOKEN_KEYS, topo.sp, topo.sp_rank), topo.device)
+                topo.layout.wrap_attention(lm, topo.sp_group)
+                local = _forward_logits(lm, topo.layout.shard(batch, topo.rank), topo.device)
                 gathered = _gather_sequence(local, topo)
                 if topo.is_main:
                     rows.append({"mode": mode, "engine": engine, "shard_tokens": local.shape[1],

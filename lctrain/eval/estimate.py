@@ -1,10 +1,9 @@
 """`lctrain estimate`: predicted training hours per 1B tokens for each attention mode (the paper's Figure 6).
 
-FLOPs per window = linear layers + attention. Linear: 2 FLOPs per weight per token forward (q, k, v, o, the gated
-MLP, the LM head), x3 for forward + backward, +1 forward with gradient checkpointing. Attention: 4·H·head_dim FLOPs
-per causally visible (query, key) pair per layer forward (QK^T and AV), x3.5 for training (FlashAttention's backward
-recomputes the scores: 2.5x forward), +1 forward with gradient checkpointing. The visible pairs per mode come from
-the actual segment layout of the prepared dataset (`lctrain.eval.inspect_data.window_pairs`); without one, from a
+FLOPs per window come from the cost model (`lctrain.costmodel`, the convention MFU uses): the linear layers (q, k,
+v, o, the gated MLP, the LM head) and attention over the causally visible (query, key) pairs, each 3 forward passes
+for training, plus the forward pass gradient checkpointing reruns (wall time, not utilisation, is predicted here).
+The visible pairs per mode come from the actual segment layout of the prepared dataset; without one, from a
 synthetic packing of log-normal document lengths, flagged as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs).
 """
 
@@ -12,35 +11,19 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from lctrain.config import Config, data_dir, load_config
+from lctrain.config import Config, data_dir
 from lctrain.errors import UserError
-from lctrain.eval.inspect_data import MODES, dataset_stats, window_pairs
+from lctrain.costmodel import ModelShape, attention_flops, dense_flops, training_passes, window_pairs
+from lctrain.eval.inspect_data import MODES, dataset_stats
 
 # Synthetic fallback: SlimPajama-like document lengths (median 500 tokens, long right tail).
 SYNTHETIC_MEDIAN_TOKENS = 500
 SYNTHETIC_SIGMA = 1.5
 SYNTHETIC_WINDOWS = 64
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-
-    def linear_params(self) -> int:
-        attn = self.hidden * self.heads * self.head_dim * 2 + 2 * self.hidden * self.kv_heads * self.head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        return self.layers * (attn + mlp) + self.hidden * self.vocab
 
 
 def model_shape(cfg: Config) -> ModelShape:
@@ -51,9 +34,7 @@ def model_shape(cfg: Config) -> ModelShape:
         from lctrain.tokenizer import load_tokenizer
 
         hf.vocab_size = len(load_tokenizer(cfg.data.tokenizer))  # as build_model sizes it
-    heads = hf.num_attention_heads
-    return ModelShape(hf.num_hidden_layers, hf.hidden_size, heads, getattr(hf, "num_key_value_heads", None) or heads,
-                      getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size)
+    return ModelShape.from_hf_config(hf)
 
 
 def synthetic_windows(seq_len: int, windows: int = SYNTHETIC_WINDOWS, seed: int = 0) -> list[list[int]]:
@@ -127,9 +108,9 @@ def predict(cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | 
     shape = model_shape(cfg)
     L = cfg.data.seq_len
     pairs, source = mean_pairs(cfg)
-    recompute = 1 if cfg.model.gradient_checkpointing else 0
-    linear = 2 * shape.linear_params() * L * (3 + recompute)
-    per_pair = 4 * shape.heads * shape.head_dim * shape.layers * (3.5 + recompute)
+    passes = training_passes(recompute=cfg.model.gradient_checkpointing)
+    linear = dense_flops(shape.linear_params(), L, passes)
+    per_pair = shape.layers * attention_flops(1, shape.width, passes)
     windows_per_b = 1e9 / L
     rows = {}
     for mode in modes:
@@ -146,14 +127,13 @@ def predict(cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | 
     return rows, source
 
 
-def estimate(config: str | None = None, overrides: list[str] | tuple = (), *, tflops: float | None = None,
-             from_bench: str | None = None, gpus: int | None = None, out: str | None = None) -> dict:
+def estimate(cfg: Config, *, tflops: float | None = None, from_bench: str | None = None, gpus: int | None = None,
+             out: str | None = None) -> dict:
     """Hours per 1B training tokens per attention mode; prints a table, writes JSON when `out` is given."""
     if (tflops is None) == (from_bench is None):
         raise UserError("give exactly one of --tflops (achieved TFLOP/s per GPU) and --from-bench FILE")
     if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
         raise UserError(f"--tflops {tflops}: must be a positive, finite number (achieved TFLOP/s per GPU)")
-    cfg = load_config(config, overrides)
     rate = {"*": float(tflops)} if tflops is not None else read_bench(from_bench)
     n_gpus = gpus if gpus is not None else cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
     if n_gpus < 1:

@@ -243,16 +243,16 @@ class HarnessSettings:
     batch_size: int = 1
 
 
-def evaluate_harness(target: str | Path, settings: HarnessSettings, *, config: str | None = None,
-                     overrides: list[str] | tuple = (), out: str | Path | None = None, device: str | None = None) -> dict:
-    """`lctrain eval TARGET --harness ...`: resolve the run or model directory and score it (see `run_harness`)."""
-    from lctrain.eval.runner import pick_device, resolve_target
+def evaluate_harness(tgt, settings: HarnessSettings, *, out: str | Path | None = None,
+                     device: str | None = None) -> dict:
+    """`lctrain eval TARGET --harness ...`: score a resolved run or model (`runner.resolve_target`, see
+    `run_harness`)."""
+    from lctrain.eval.runner import pick_device
 
     if not settings.tasks:
         raise UserError("--harness: name at least one task, e.g. --harness longbench,hellaswag,mmlu")
     if settings.batch_size < 1:
         raise UserError(f"--harness-batch {settings.batch_size}: need at least 1")
-    tgt = resolve_target(target, config, overrides)
     return run_harness(tgt, settings, Path(out) if out else tgt.path / "eval", pick_device(device))
 
 

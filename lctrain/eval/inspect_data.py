@@ -2,8 +2,8 @@
 and of tokens), its length histogram (Figure 8), and what each attention mode would compute on it.
 
 Attention cost is counted in causally visible (query, key) pairs, which is what the FLOPs of QK^T and AV scale with,
-under the masks the engines compute (DESIGN §3), counted by the training metrics' `visible_pairs` so that `inspect`,
-`estimate` and the MFU of `train` agree.
+under the masks the engines compute (DESIGN §3), counted by the cost model (`lctrain.costmodel`) that `estimate`
+and the MFU of `train` use too.
 """
 
 from __future__ import annotations
@@ -15,12 +15,7 @@ import numpy as np
 
 from lctrain.attention.modes import MODES
 from lctrain.config import DOMAINS
-from lctrain.train.metrics import visible_pairs
-
-
-def window_pairs(seq_len: int, seg_lens, seg_doc) -> dict[str, int]:
-    """Causally visible (query, key) pairs of one window under each attention mode."""
-    return {m: visible_pairs(seg_lens, seg_doc, m, seq_len) for m in MODES}
+from lctrain.costmodel import window_pairs
 
 
 def _log2_edges(max_len: int) -> list[int]:

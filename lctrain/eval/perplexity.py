@@ -77,15 +77,18 @@ def select_heldout(tgt, ppl_data: str | None) -> Heldout:
     return Heldout(packed, rows, available)
 
 
-def target_mask(seq_len: int, seg_lens: np.ndarray, tag_lens: np.ndarray) -> np.ndarray:
-    """mask[t] is True when input t+1 is a predictable target: not a segment's anchor or tag token, and t < L-1."""
-    keep = np.ones(seq_len, dtype=bool)
-    keep[-1] = False
-    starts = np.concatenate([[0], np.cumsum(seg_lens)[:-1]]).astype(np.int64)
-    for s, tags in zip(starts, tag_lens):
-        lo, hi = s - 1, s + int(tags)  # targets at inputs s (anchor) .. s+tags (tags) come from positions s-1 .. s+tags-1
-        keep[max(lo, 0):hi] = False
-    return keep
+def target_mask(window: dict) -> np.ndarray:
+    """mask[t] is True when input t+1 is a target predictable from the text: training's label rule
+    (`attention.modes.shifted_labels`) without the anchor targets (each segment's anchor, tags, the last token and
+    other documents' chunks are left out)."""
+    import torch
+
+    from lctrain.attention import SEGMENTS_KEY, make_batch
+    from lctrain.attention.modes import shifted_labels
+
+    ids = torch.as_tensor(np.asarray(window["input_ids"], dtype=np.int64))[None]
+    batch = make_batch(ids, [window["seg_lens"]], "full", seg_doc=[window["seg_doc"]], tag_lens=[window["tag_lens"]])
+    return (shifted_labels(ids, batch[SEGMENTS_KEY].layout, anchor_targets=False)[0] != -100).numpy()
 
 
 def window_nll(model, window: dict, chunk: int = 4096) -> tuple[float, int]:
@@ -95,7 +98,7 @@ def window_nll(model, window: dict, chunk: int = 4096) -> tuple[float, int]:
 
     ids = torch.as_tensor(window["input_ids"], dtype=torch.long, device=model.device)[None]
     L = ids.shape[1]
-    keep = torch.as_tensor(target_mask(L, window["seg_lens"], window["tag_lens"]), device=model.device)
+    keep = torch.as_tensor(target_mask(window), device=model.device)
     with torch.inference_mode():
         hidden = model.get_decoder()(input_ids=ids, position_ids=torch.arange(L, device=model.device)[None],
                                      use_cache=False).last_hidden_state[0]

@@ -399,13 +399,13 @@ def _check(seq_len: int, max_len: int, samples: int, delta2: int, shift_batch: i
 
 def estimate_flops(model, plan: Plan) -> float:
     """Forward FLOPs per sequence: the dense layers on every token, plus the probe's full T x T logits and weights
-    (the causal half is not skipped) in every layer; one third of the training cost model's step."""
-    from lctrain.train.metrics import dense_params, step_flops
+    (the causal half is not skipped) in every layer: one forward pass of the cost model."""
+    from lctrain.costmodel import attention_width, dense_params, step_flops
 
     cfg = model.config
-    width = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     squares = plan.tokens() * plan.seq_len  # tokens x keys, close enough for the logit passes too
-    return step_flops(dense_params(model), cfg.num_hidden_layers, width, plan.tokens(), squares) / 3
+    return step_flops(dense_params(model), cfg.num_hidden_layers, attention_width(cfg), plan.tokens(), squares,
+                      passes=1)
 
 
 def _progress():
@@ -416,12 +416,13 @@ def _progress():
                     TimeRemainingColumn(), transient=False)
 
 
-def diagnose_rope(spec: str, *, overrides: list[str] | tuple = (), text: str | None = None, samples: int = SAMPLES,
+def diagnose_rope(src: ModelSource, *, text: str | None = None, samples: int = SAMPLES,
                   seq_len: int = SEQ_LEN, max_len: int = 8192, shifts=SHIFTS, delta2: int = DELTA2,
                   cases=DEFAULT_CASES, scaled_logits: bool = False, vary_delta2: bool = False, shift_batch: int = 4,
                   device: str | None = None, out: str | None = None, seed: int = 0) -> Path:
-    """Run the cases on one model; write rope_drift.json, rope_figure1.png and rope_figure7.png to `out` (default
-    diagnose/<name>) and print tables. Returns the output directory."""
+    """Run the cases on one model (`model_source`: a Hugging Face model, or an lctrain config); write rope_drift.json,
+    rope_figure1.png and rope_figure7.png to `out` (default diagnose/<name>) and print tables. Returns the output
+    directory."""
     from rich.console import Console
 
     from lctrain.eval.plots import plot_rope_figure1, plot_rope_figure7
@@ -429,7 +430,6 @@ def diagnose_rope(spec: str, *, overrides: list[str] | tuple = (), text: str | N
     from lctrain.eval.runner import pick_device
 
     _check(seq_len, max_len, samples, delta2, shift_batch)
-    src = model_source(spec, overrides)
     dev = pick_device(device)
     console = Console()
     started = time.perf_counter()

@@ -318,13 +318,11 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str
 
 
 def evaluate(
-    target: str | Path,
+    tgt: Target,
     *,
-    config: str | None = None,
-    overrides: list[str] | tuple = (),
-    lengths: str | None = None,
-    tasks: str | None = None,
-    exclude: str | None = None,
+    lengths: list[int] | None = None,
+    tasks: list[str] | None = None,
+    exclude: list[str] | None = None,
     samples: int | None = None,
     ruler_data: str | None = None,
     squad: str | None = None,
@@ -334,17 +332,16 @@ def evaluate(
     ppl_data: str | None = None,
     backend: str = "hf",
 ) -> Path:
-    """Score every checkpoint of `target` on RULER's data (`ruler_data` or eval.ruler_data) or else the offline
-    RULER-style suite; write results.json, predictions.jsonl and ruler.png to `out` (default RUN_DIR/eval or
-    MODEL_DIR/eval) and print the report. Returns the output directory."""
+    """Score every checkpoint of the resolved run or model (`resolve_target`) on RULER's data (`ruler_data` or
+    eval.ruler_data) or else the offline RULER-style suite; write results.json, predictions.jsonl and ruler.png to
+    `out` (default RUN_DIR/eval or MODEL_DIR/eval) and print the report. `lengths`, `tasks` and `exclude` default to
+    the config's eval section. Returns the output directory."""
     if backend not in ("hf", "vllm"):
         raise UserError(f"--backend {backend}: choose hf (lctrain's planned generation) or vllm")
-    tgt = resolve_target(target, config, overrides)
     ev = tgt.cfg.eval
     if samples is not None and samples < 1:
         raise UserError(f"--samples {samples}: need at least 1 sample per task and length")
-    names, excluded = ruler.select_task_set(parse_names(tasks) or ev.tasks,
-                                            parse_names(exclude) if exclude is not None else list(ev.exclude))
+    names, excluded = ruler.select_task_set(tasks or ev.tasks, exclude if exclude is not None else list(ev.exclude))
     data_dir = ruler_data or ev.ruler_data
     out_dir = Path(out) if out else tgt.path / "eval"
     dev = pick_device(device)
@@ -352,9 +349,9 @@ def evaluate(
     tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
     encoder = text_encoder(tokenizer)
     if data_dir:
-        suite = ruler_suite(Path(data_dir), names, parse_lengths(lengths) if lengths else None, samples, encoder)
+        suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
     else:
-        suite = offline_suite(names, parse_lengths(lengths) if lengths else sorted(set(ev.lengths)),
+        suite = offline_suite(names, lengths or sorted(set(ev.lengths)),
                               samples if samples is not None else ev.samples_per_task, ev.seed, encoder,
                               {"qa_1": squad or ev.squad_path, "qa_2": hotpotqa or ev.hotpotqa_path})
     heldout = select_heldout(tgt, ppl_data)

@@ -1,2 +1,2 @@
-"""Multi-process plumbing: process groups, the self-relaunch, Ulysses sequence parallelism, the DeepSpeed config,
-the step-normalised loss."""
+"""Multi-process plumbing: the parallel layout (degrees, accumulation, DeepSpeed config, sharding), process groups,
+starting workers under a launcher, and DeepSpeed-Ulysses around the attention engines."""

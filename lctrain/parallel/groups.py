@@ -1,22 +1,18 @@
-"""Process topology: start torch.distributed through DeepSpeed and build the sequence-parallel groups.
-
-Ranks are laid out sequence-parallel-major: ranks `g*P .. g*P+P-1` form sequence-parallel group `g`, so the
-all-to-alls of one group stay on one node (fast links) and data-parallel replicas span nodes. ZeRO shards over
-all ranks (DeepSpeed's "sequence data parallel" group), which is what DeepSpeed's own Ulysses state module builds.
-"""
+"""This process in the run: start torch.distributed through DeepSpeed, build the sequence-parallel groups of the
+layout (parallel/layout.py), and tell a launched worker from a process that must launch its workers itself."""
 
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from lctrain.compat.deepspeed import disable_cpu_shm_comm_op
+from lctrain.compat.deepspeed import disable_cpu_shm_comm_op, sequence_parallel_groups
 from lctrain.config import Config
-from lctrain.errors import UserError
+from lctrain.parallel.layout import ParallelLayout
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -24,24 +20,23 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 @dataclass(frozen=True)
 class Topology:
     rank: int
-    world: int
     local_rank: int
-    sp: int
     device: torch.device
+    layout: ParallelLayout
     sp_group: Any = None
     mpu: Any = None
 
     @property
-    def dp(self) -> int:
-        return self.world // self.sp
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def sp(self) -> int:
+        return self.layout.sp
 
     @property
     def sp_rank(self) -> int:
-        return self.rank % self.sp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.sp
+        return self.layout.sp_rank(self.rank)
 
     @property
     def is_main(self) -> bool:
@@ -60,10 +55,6 @@ def under_launcher() -> bool:
 def launcher_free_env() -> dict:
     """This process's environment without the variables it set for its own single-process run."""
     return {k: v for k, v in os.environ.items() if k not in _SELF_SET}
-
-
-def requested_world(cfg: Config) -> int:
-    return cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
 
 
 def free_port() -> int:
@@ -90,15 +81,14 @@ def _single_process_env() -> None:
 
 
 def init_topology(cfg: Config) -> Topology:
-    """Initialise torch.distributed (gloo on CPU, nccl on GPU) and the sequence-parallel groups of `cfg`."""
+    """Initialise torch.distributed (gloo on CPU, nccl on GPU) and the sequence-parallel groups of `cfg`'s layout
+    on the processes the launcher started."""
     import deepspeed
     import deepspeed.comm as dist
 
     if not under_launcher():
         _single_process_env()
-    world = int(os.environ["WORLD_SIZE"])
-    sp = cfg.parallel.sequence_parallel
-    check_layout(cfg, world)
+    layout = ParallelLayout.from_config(cfg, int(os.environ["WORLD_SIZE"]))
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -109,18 +99,9 @@ def init_topology(cfg: Config) -> Topology:
         if device.type == "cpu":
             disable_cpu_shm_comm_op()  # gloo does the job; no op probe, no C++ build
         deepspeed.init_distributed(dist_backend=pick_backend(cfg), auto_mpi_discovery=False)
-    sp_group = mpu = None
-    if sp > 1:
-        import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp_state
-
-        try:
-            sp_group = sp_state.get_sequence_parallel_group()
-        except AssertionError:
-            sp_state.initialize_sequence_parallel(sequence_parallel_size=sp)
-            sp_group = sp_state.get_sequence_parallel_group()
-        mpu = sp_state
-    return Topology(rank=dist.get_rank(), world=world, local_rank=local_rank, sp=sp, device=device,
-                    sp_group=sp_group, mpu=mpu)
+    sp_group, mpu = sequence_parallel_groups(layout.sp) if layout.sp > 1 else (None, None)
+    return Topology(rank=dist.get_rank(), local_rank=local_rank, device=device, layout=layout, sp_group=sp_group,
+                    mpu=mpu)
 
 
 def release_single_process() -> None:
@@ -135,24 +116,3 @@ def release_single_process() -> None:
     for key in _SELF_SET:
         os.environ.pop(key, None)
     _SELF_SET.clear()
-
-
-def check_layout(cfg: Config, world: Optional[int] = None) -> None:
-    """Reject layouts that cannot run, before any process starts: one line naming the keys and a fix."""
-    world = world or requested_world(cfg)
-    p, t = cfg.parallel, cfg.train
-    src = cfg.source_file or "config"
-    if world % p.sequence_parallel:
-        raise UserError(f"{src}: world size {world} (parallel.nproc_per_node x parallel.num_nodes) is not divisible "
-                        f"by parallel.sequence_parallel = {p.sequence_parallel}")
-    dp = world // p.sequence_parallel
-    if t.global_batch % (t.micro_batch * dp):
-        raise UserError(f"{src}: train.global_batch = {t.global_batch} is not divisible by train.micro_batch x "
-                        f"data-parallel size = {t.micro_batch} x {dp}; change train.global_batch or train.micro_batch")
-    if cfg.data.seq_len % p.sequence_parallel:
-        raise UserError(f"{src}: data.seq_len = {cfg.data.seq_len} is not divisible by parallel.sequence_parallel = "
-                        f"{p.sequence_parallel}")
-
-
-def grad_accum_steps(cfg: Config, world: int) -> int:
-    return cfg.train.global_batch // (cfg.train.micro_batch * (world // cfg.parallel.sequence_parallel))

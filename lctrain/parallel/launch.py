@@ -1,28 +1,17 @@
-"""Multi-process runs: `lctrain train` re-starts itself under DeepSpeed's or torch's launcher.
-
-The parent has already written the resolved `config.yaml` into the run directory; every worker reads it back from
-there (`python -m lctrain.parallel.launch RUN_DIR`), so workers on other nodes need nothing but a shared filesystem.
-Multi-node: DeepSpeed's launcher reads `parallel.hostfile` and starts the workers on every host over ssh/pdsh;
-with torchrun, run the same `lctrain train` on each node under `torchrun --nnodes ... --node_rank ...` yourself
-(then `lctrain train` sees the launcher's environment and does not relaunch).
-"""
+"""Starting workers under DeepSpeed's or torch's launcher, and a launched worker's one-line errors: shared by
+training (`lctrain.train.worker`) and `lctrain check sp`; this module knows neither."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 from typing import Callable
 
-from lctrain.config import Config, load_config
+from lctrain.config import Config
 from lctrain.errors import UserError, environment_error_message
-from lctrain.lifetime import exit_with_supervisor, supervise
+from lctrain.lifetime import supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
-
-
-def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
-    return worker_command(cfg, ["lctrain.parallel.launch", str(run_dir)] + (["--resume"] if resume else []))
 
 
 def worker_command(cfg: Config, worker: list[str]) -> list[str]:
@@ -46,10 +35,6 @@ def worker_command(cfg: Config, worker: list[str]) -> list[str]:
     return cmd + ["--module"] + worker
 
 
-def relaunch(cfg: Config, run_dir: Path, resume: bool) -> None:
-    run_workers(launcher_command(cfg, run_dir, resume))
-
-
 def run_workers(cmd: list[str]) -> None:
     """Run the workers and wait; their exit status becomes ours (a worker's UserError is already printed). Ctrl-C
     or SIGTERM stops them all (lifetime.supervise); a kill of this process ends them too (exit_with_supervisor)."""
@@ -70,20 +55,3 @@ def worker_main(body: Callable[[], object]) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(UserError.exit_code) from None
-
-
-def main(argv: list[str] | None = None) -> None:
-    from lctrain.train.trainer import run
-
-    exit_with_supervisor()
-    parser = argparse.ArgumentParser(prog="python -m lctrain.parallel.launch")
-    parser.add_argument("run_dir")
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
-    args = parser.parse_args(argv)
-    run_dir = Path(args.run_dir)
-    worker_main(lambda: run(load_config(str(run_dir / "config.yaml")), run_dir, resuming=args.resume))
-
-
-if __name__ == "__main__":
-    main()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from lctrain.errors import UserError
 
 PREFIX = "lctrain_ulysses_"
@@ -65,18 +63,3 @@ def register_ulysses(engine: str, sp_group, num_heads: int, num_kv_heads: int) -
     name = PREFIX + engine
     AttentionInterface.register(name, ulysses_attention)
     return name
-
-
-def shard_sequence(batch: dict, per_token_keys, sp: int, sp_rank: int) -> dict:
-    """This rank's contiguous 1/sp slice of the per-token tensors; every other entry is shared unchanged."""
-    if sp == 1:
-        return batch
-    out = {}
-    for key, value in batch.items():
-        if key in per_token_keys and isinstance(value, torch.Tensor):
-            length = value.shape[1]
-            step = length // sp
-            out[key] = value[:, sp_rank * step:(sp_rank + 1) * step]
-        else:
-            out[key] = value
-    return out

@@ -18,21 +18,18 @@ import os
 import pickle
 import random
 import shutil
-import signal
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from lctrain.compat.deepspeed import zero3_full_state_dict
 from lctrain.tokenizer import save_tokenizer
 
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
-# Test hook: the process SIGKILLs itself after writing the DeepSpeed files of this step's checkpoint, before the
-# checkpoint is complete (the case "killed inside a checkpoint write").
-KILL_ENV = "LCTRAIN_TEST_KILL_IN_CHECKPOINT"
 
 
 def step_name(step: int) -> str:
@@ -141,8 +138,10 @@ def _barrier() -> None:
     dist.barrier()
 
 
-def save_resume(engine, run_dir: Path, step: int, state: dict, *, rank: int, keep: int) -> Path:
-    """Write the resume checkpoint of `step` (all ranks call this) and prune older ones."""
+def save_resume(engine, run_dir: Path, step: int, state: dict, *, rank: int, keep: int,
+                before_complete: Optional[Callable[[int], None]] = None) -> Path:
+    """Write the resume checkpoint of `step` (all ranks call this) and prune older ones. `before_complete(step)`
+    runs on rank 0 once every rank's files are written and before the checkpoint is complete (fault injection)."""
     root = checkpoints_dir(run_dir)
     name = step_name(step)
     tmp = root / (TMP_PREFIX + name)
@@ -154,8 +153,8 @@ def save_resume(engine, run_dir: Path, step: int, state: dict, *, rank: int, kee
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
-        if os.environ.get(KILL_ENV) == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if before_complete is not None:
+            before_complete(step)
         write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1))
         final = root / name
         _replace_dir(tmp, final)
@@ -224,7 +223,7 @@ def save_hf(engine, lm, tokenizer, run_dir: Path, step: int, *, rank: int, zero_
     final = hf_dir(run_dir, step)
     tmp = final.with_name(TMP_PREFIX + final.name)
     if zero_stage == 3:
-        full = engine._zero3_consolidated_16bit_state_dict()
+        full = zero3_full_state_dict(engine)
         state_dict = {k.removeprefix("lm."): v for k, v in full.items()} if rank == 0 else None
     else:
         state_dict = None

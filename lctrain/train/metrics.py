@@ -1,9 +1,7 @@
-"""Step metrics: model FLOPs and MFU, memory, `metrics.jsonl`, the progress bar and Weights & Biases.
+"""Step metrics: the device's peak for MFU, memory, `metrics.jsonl`, the progress bar and Weights & Biases.
 
-Model FLOPs per step = 6 x (non-embedding parameters) x tokens + 12 x layers x hidden x (visible query-key pairs):
-the attention term counts only the pairs the mode's mask lets through (causal within the window for `full`,
-within each document otherwise), so MFU measures useful work and `anchor` is not credited with FLOPs it skips.
-Activation recomputation is not counted (the usual MFU convention).
+The model FLOPs of a step come from `lctrain.costmodel`: 6 x (non-embedding parameters) x tokens plus 12 x layers x
+width per visible query-key pair, so MFU measures useful work and `anchor` is not credited with FLOPs it skips.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from lctrain.errors import UserError
@@ -24,48 +21,6 @@ from lctrain.errors import UserError
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
 GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
                  "A6000": 155e12, "4090": 165e12, "B200": 2250e12, "MI300X": 1307e12, "MI250X": 383e12}
-
-
-def count_params(module: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for p in module.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += int(getattr(p, "ds_numel", p.numel()))
-    return total
-
-
-def dense_params(lm) -> int:
-    """Parameters that do matmul work per token: all but the input embedding (which is a lookup). A tied output
-    head still multiplies, so its weight is counted once."""
-    total = count_params(lm)
-    emb = lm.get_input_embeddings().weight
-    out = lm.get_output_embeddings()
-    tied = out is not None and out.weight is emb
-    return total if tied else total - int(getattr(emb, "ds_numel", emb.numel()))
-
-
-def visible_pairs(seg_lens, seg_doc, mode: str, seq_len: int) -> int:
-    """Number of (query, key) pairs the mode's causal mask keeps in one window (DESIGN §3). The document modes share
-    one mask: each token sees the earlier tokens of its document, chunks of an interleaved document included."""
-    if mode == "full":
-        return seq_len * (seq_len + 1) // 2
-    tokens: dict[int, int] = {}
-    for n, d in zip(np.asarray(seg_lens).tolist(), np.asarray(seg_doc).tolist()):
-        tokens[d] = tokens.get(d, 0) + n
-    return sum(t * (t + 1) // 2 for t in tokens.values())
-
-
-def attention_flops(pairs: int, width: int) -> float:
-    """Forward + backward FLOPs of attention over `pairs` visible (query, key) pairs with `width` = heads x head dim:
-    2 x width per pair for QK^T and 2 x width for PV forward, twice that backward (12 x width), as the 6N
-    convention for the dense layers; the kernels' own recomputation is not counted."""
-    return 12.0 * width * pairs
-
-
-def step_flops(n_dense: int, layers: int, hidden: int, tokens: int, pairs: int) -> float:
-    return 6.0 * n_dense * tokens + layers * attention_flops(pairs, hidden)
 
 
 @lru_cache(maxsize=1)

@@ -1,9 +1,15 @@
-"""`train(cfg)` and `resume(run_dir)`: the DeepSpeed training loop over the packed windows.
+"""`train(cfg)` and `resume(run_dir)`, and the `Trainer` every worker runs.
 
-One optimizer step = `global_batch` windows: each data-parallel group reads `gas` micro-batches (train/data.py),
-each sequence-parallel rank keeps its contiguous slice of the tokens, and the step's loss is the sum of token
-losses over all ranks divided by the number of valid labels in the step (parallel/loss.py), so any layout computes
-the same update as one process.
+`train` and `resume` are the edge: they check what can be checked before any process starts, hold the run
+directory's lock, and decide once whether this process trains or starts its workers under a launcher
+(`python -m lctrain.train.worker RUN_DIR`, which calls `run`). `run` is the worker body on every rank: the process
+groups, then a `Trainer` whose `train_step` does one optimizer step and whose `TrainState` the resume checkpoints
+hold.
+
+One optimizer step = `global_batch` windows: each data-parallel rank reads `grad_accum` micro-batches, each
+sequence-parallel rank keeps its contiguous slice of the tokens (parallel/layout.py), and the step's loss is the sum
+of token losses over all ranks divided by the number of valid labels in the step (train/loss.py), so any layout
+computes the same update as one process.
 """
 
 from __future__ import annotations
@@ -15,30 +21,37 @@ import random
 import shutil
 import time
 import uuid
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from lctrain.config import (Config, config_fingerprint, load_config, reread_warning, run_dir as config_run_dir,
                             write_resolved)
+from lctrain.costmodel import attention_width, dense_params, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
 from lctrain.lifetime import RunLock
-from lctrain.parallel import launch
-from lctrain.parallel.ds_config import check_precision
-from lctrain.parallel.groups import (check_layout, grad_accum_steps, init_topology, release_single_process,
-                                     requested_world, under_launcher)
+from lctrain.parallel.groups import Topology, init_topology, release_single_process, under_launcher
+from lctrain.parallel.launch import run_workers, worker_command
+from lctrain.parallel.layout import ParallelLayout, check_precision
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.checkpoint import write_atomic
-from lctrain.train.data import collate, micro_batch_rows, open_checked
-from lctrain.train.metrics import (StepLogger, dense_params, device_peak_flops, import_wandb, peak_memory_gb,
-                                   reset_peak_memory, step_flops, truncate_metrics, visible_pairs)
+from lctrain.train.data import collate, open_checked
+from lctrain.train.metrics import (StepLogger, device_peak_flops, import_wandb, peak_memory_gb, reset_peak_memory,
+                                   truncate_metrics)
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
+# The module launchers start on every process: `python -m lctrain.train.worker RUN_DIR [--resume]`.
+WORKER_MODULE = "lctrain.train.worker"
+# Fault injection for tests: called on rank 0 with the step after DeepSpeed has written its files of that step's
+# resume checkpoint and before the checkpoint is complete.
+CheckpointHook = Callable[[int], None]
 
-def train(cfg: Config, force: bool = False) -> Path:
+
+def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Optional[CheckpointHook] = None) -> Path:
     """Start a run in `run_dir(cfg)`; refuses a directory that already has checkpoints unless `force`."""
     rd = config_run_dir(cfg)
     leader = _leader()
@@ -56,13 +69,11 @@ def train(cfg: Config, force: bool = False) -> Path:
             (rd / "metrics.jsonl").unlink(missing_ok=True)
             write_resolved(cfg, rd)
             write_atomic(rd / ORIGIN_FILE, json.dumps({"cwd": os.getcwd()}))
-        if requested_world(cfg) > 1 and not under_launcher():
-            launch.relaunch(cfg, rd, resume=False)
-            return rd
-        return run(cfg, rd, resuming=False)
+        _start(cfg, rd, resuming=False, before_checkpoint_complete=before_checkpoint_complete)
+        return rd
 
 
-def resume(run_dir: str | Path) -> Path:
+def resume(run_dir: str | Path, *, before_checkpoint_complete: Optional[CheckpointHook] = None) -> Path:
     """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory: relative
     paths in its config (the prepared data, a local model or tokenizer) resolve against the directory `train`
     was started from, whatever the current one."""
@@ -87,10 +98,24 @@ def resume(run_dir: str | Path) -> Path:
         if leader and states:
             check_resumable(cfg, states[0][1], f"{config_file}", states[0][0].name)
             preflight(cfg)
-        if requested_world(cfg) > 1 and not under_launcher():
-            launch.relaunch(cfg, rd, resume=True)
-            return rd
-        return run(cfg, rd, resuming=True)
+        _start(cfg, rd, resuming=True, before_checkpoint_complete=before_checkpoint_complete)
+        return rd
+
+
+def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
+    """The command that starts the worker module on every process of `cfg`'s layout."""
+    return worker_command(cfg, [WORKER_MODULE, str(run_dir)] + (["--resume"] if resume else []))
+
+
+def _start(cfg: Config, rd: Path, resuming: bool, before_checkpoint_complete: Optional[CheckpointHook]) -> None:
+    """The one place that decides who trains: this process, or the workers a launcher starts (when the layout asks
+    for several processes and no launcher started this one)."""
+    if ParallelLayout.from_config(cfg).world > 1 and not under_launcher():
+        if before_checkpoint_complete is not None:
+            raise ValueError("fault injection reaches only a run in this process, not launched workers")
+        run_workers(launcher_command(cfg, rd, resuming))
+    else:
+        run(cfg, rd, resuming, before_checkpoint_complete=before_checkpoint_complete)
 
 
 # Where `train` was started, so that `resume` resolves the run's relative paths as `train` did.
@@ -165,7 +190,7 @@ def _run_lock(rd: Path, command: str, leader: bool):
 
 def preflight(cfg: Config) -> None:
     """Everything that can be checked before any process starts, so the user gets one line and exit code 2."""
-    check_layout(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
+    ParallelLayout.from_config(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
     check_precision(cfg)
     reread = reread_warning(cfg, len(open_checked(cfg)))
     if reread:
@@ -204,149 +229,221 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def run(cfg: Config, rd: Path, resuming: bool) -> Path:
+def _new_wandb_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class TrainState:
+    """What a resume checkpoint restores beyond DeepSpeed's state and the RNG: the optimizer steps taken (which is
+    also the data cursor, train/data.py) and the Weights & Biases run to continue."""
+    step: int = 0
+    wandb_id: str = field(default_factory=_new_wandb_id)
+
+    def record(self, cfg: Config, layout: ParallelLayout) -> dict:
+        """The checkpoint's trainer_state.json: this state, plus what `resume` checks the config against."""
+        return {"step": self.step, "windows_consumed": self.step * cfg.train.global_batch,
+                "config_fingerprint": config_fingerprint(cfg), "world_size": layout.world, "sp": layout.sp,
+                "wandb_id": self.wandb_id, "time": time.time(),
+                "config": cfg.model_dump(mode="json", exclude={"source_file"})}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "TrainState":
+        return cls(step=int(record["step"]), wandb_id=record.get("wandb_id") or _new_wandb_id())
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean token loss of the step over every rank
+    valid_labels: int
+    grad_norm: Optional[float]  # rank 0 only
+    pairs: int  # visible attention pairs of the step's windows, for MFU
+
+
+def run(cfg: Config, rd: Path, resuming: bool, *,
+        before_checkpoint_complete: Optional[CheckpointHook] = None) -> Path:
     """The worker body: every rank runs this, under a launcher or as the only process."""
     topo = init_topology(cfg)
     try:
-        return _run(cfg, rd, resuming, topo)
+        from lctrain.tokenizer import load_tokenizer
+
+        _seed_everything(cfg.seed)
+        packed = open_checked(cfg)
+        trainer = Trainer(cfg, topo, vocab_size=int(packed.manifest["tokenizer"]["vocab_size"]),
+                          tokenizer=load_tokenizer(cfg.data.tokenizer), run_dir=rd,
+                          before_checkpoint_complete=before_checkpoint_complete)
+        if resuming:
+            trainer.load_checkpoint()
+        trainer.fit(packed)
     finally:
         release_single_process()
-
-
-def _run(cfg: Config, rd: Path, resuming: bool, topo) -> Path:
-    import deepspeed
-    import deepspeed.comm as dist
-
-    from lctrain.attention.registry import HF_PREFIX
-    from lctrain.compat.transformers import attn_implementation
-    from lctrain.model import build_model
-    from lctrain.parallel.ds_config import build_ds_config
-    from lctrain.parallel.loss import CausalLMLossSum, deepspeed_grad_divisor
-    from lctrain.parallel.ulysses import register_ulysses
-    from lctrain.tokenizer import load_tokenizer
-
-    _seed_everything(cfg.seed)
-    packed = open_checked(cfg)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    vocab_size = int(packed.manifest["tokenizer"]["vocab_size"])
-
-    use_torch_adam = topo.device.type == "cpu" or not cfg.parallel.offload_optimizer
-    ds_config = build_ds_config(cfg, topo.world, use_torch_adam=use_torch_adam)
-    hf_ds_config = None
-    if cfg.parallel.zero_stage == 3 and cfg.model.name_or_path:
-        # Keeps the reference alive while from_pretrained runs: transformers then loads the weights straight into
-        # ZeRO-3 shards instead of a full copy per process.
-        from transformers.integrations import HfDeepSpeedConfig
-
-        hf_ds_config = HfDeepSpeedConfig(ds_config)
-    lm = build_model(cfg, vocab_size=vocab_size, device=topo.device)
-    if topo.sp > 1:
-        # Ulysses wraps the engine the model was built with (resolved once, from the model's dtype and device)
-        engine_name = attn_implementation(lm).removeprefix(HF_PREFIX)
-        mc = lm.config
-        impl = register_ulysses(engine_name, topo.sp_group, mc.num_attention_heads,
-                                getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
-        lm.set_attn_implementation(impl)
-    model = CausalLMLossSum(lm)
-    n_dense, layers, hidden = dense_params(lm), lm.config.num_hidden_layers, lm.config.hidden_size
-
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.train.weight_decay, cfg.train.decay_norms_and_biases),
-        config=ds_config,
-        mpu=topo.mpu, lr_scheduler=partial(_lambda_lr, train_cfg=cfg.train))
-    del hf_ds_config
-
-    start_step, wandb_id = 0, uuid.uuid4().hex[:12]
-    if resuming:
-        path, state = _load_first_good_checkpoint(engine, rd, topo)
-        start_step, wandb_id = int(state["step"]), state.get("wandb_id", wandb_id)
-        if topo.is_main and state.get("config_fingerprint") != config_fingerprint(cfg):
-            print(f"warning: {rd}/config.yaml changed since checkpoint {path.name}; continuing with the new values",
-                  flush=True)
-        if topo.is_main:
-            truncate_metrics(rd, start_step)
-
-    total = cfg.train.steps
-    gas = grad_accum_steps(cfg, topo.world)
-    hf_steps = set(hf_checkpoint_steps(total, cfg.checkpoint))
-    peak = device_peak_flops(topo.device, cfg.logging.peak_tflops)
-    logger = StepLogger(rd, cfg, start_step, total, wandb_id) if topo.is_main else None
-    grad_divisor = deepspeed_grad_divisor(cfg.parallel.zero_stage, topo.dp, topo.world)
-    # DeepSpeed reports the gradient norm for ZeRO and mixed precision only; plain fp32 without ZeRO keeps the
-    # reduced gradients in .grad, where we can measure it before the step.
-    own_grad_norm = cfg.parallel.zero_stage == 0 and cfg.model.dtype == "float32"
-    try:
-        for step_index in range(start_step, total):
-            t0 = time.perf_counter()
-            reset_peak_memory(topo.device)
-            micro, pairs = _micro_batches(cfg, topo, packed, step_index, gas)
-            # one all-reduce: valid labels of the whole step (the loss denominator) and attention pairs (for MFU).
-            # Reduced tensors live on the device: an nccl process group has no CPU backend.
-            counts = torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in micro)), float(pairs)],
-                                  dtype=torch.float64, device=topo.device)
-            dist.all_reduce(counts)
-            n_valid = max(counts[0].item(), 1.0)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=topo.device)
-            grad_norm = None
-            for i, b in enumerate(micro):
-                token_loss_sum = engine(**b)
-                engine.backward(token_loss_sum * (grad_divisor / n_valid), scale_wrt_gas=False)
-                if i == gas - 1 and own_grad_norm:
-                    grad_norm = _grad_norm(engine.module)
-                engine.step()
-                loss_sum += token_loss_sum.detach().double()
-            dist.all_reduce(loss_sum)
-            step = step_index + 1
-            dt = time.perf_counter() - t0
-            if topo.is_main:
-                tokens = cfg.train.global_batch * cfg.data.seq_len
-                flops = step_flops(n_dense, layers, hidden, tokens, int(counts[1].item()))
-                grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
-                logger.log({
-                    "step": step, "loss": loss_sum.item() / n_valid, "lr": cfg.train.lr * lr_factor(step_index,
-                                                                                                  cfg.train),
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": step * tokens,
-                    "valid_labels": int(n_valid), "step_time_s": dt, "tokens_per_s": tokens / dt,
-                    "mfu": flops / dt / (peak * topo.world) if peak else None,
-                    "peak_mem_gb": peak_memory_gb(topo.device),
-                })
-            if step in hf_steps:
-                with _checkpoint_write(rd, step):
-                    ckpt.save_hf(engine, lm, tokenizer, rd, step, rank=topo.rank, zero_stage=cfg.parallel.zero_stage)
-            if resume_checkpoint_due(step, total, cfg.checkpoint):
-                state = {"step": step, "windows_consumed": step * cfg.train.global_batch,
-                         "config_fingerprint": config_fingerprint(cfg), "world_size": topo.world, "sp": topo.sp,
-                         "wandb_id": wandb_id, "time": time.time(),
-                         "config": cfg.model_dump(mode="json", exclude={"source_file"})}
-                with _checkpoint_write(rd, step):
-                    ckpt.save_resume(engine, rd, step, state, rank=topo.rank, keep=cfg.checkpoint.keep)
-    finally:
-        if logger is not None:
-            logger.close()
     return rd
 
 
-def _load_first_good_checkpoint(engine, rd: Path, topo) -> tuple[Path, dict]:
-    """The newest checkpoint every rank can load; a damaged one is reported and the one before it tried. The ranks
-    decide together (one all-reduce per try), so they never resume from different steps."""
-    import deepspeed.comm as dist
+class Trainer:
+    """The model under DeepSpeed on this rank, and what one run does with it: `train_step`, logging, checkpoints.
 
-    tried = []
-    for path in ckpt.resume_candidates(rd):
-        state, why = ckpt.load_resume(engine, path, rank=topo.rank)
-        failed = torch.tensor([0.0 if state is not None else 1.0], device=topo.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() == 0:
-            if tried and topo.is_main:
-                print(f"warning: resuming from {path.name}: the newer {', '.join(tried)} could not be loaded",
-                      flush=True)
-            return path, state
-        if topo.is_main:
-            print(f"warning: checkpoint {path.name} is damaged ({why or 'on another rank'}); trying the one before it",
-                  flush=True)
-        tried.append(path.name)
-    raise UserError(f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run again "
-                    f"with 'lctrain train --config {rd / 'config.yaml'} --force'")
+    Construction is the setup: the DeepSpeed config of the layout, the model with the attention engine resolved
+    once (`lctrain.model.build_model`), wrapped in DeepSpeed-Ulysses under sequence parallelism, and the DeepSpeed
+    engine with AdamW and the learning-rate schedule. `run_dir` and `tokenizer` are needed only by `fit` and the
+    checkpoints (a benchmark calls `train_step` alone)."""
+
+    def __init__(self, cfg: Config, topo: Topology, *, vocab_size: int, tokenizer=None, run_dir: Optional[Path] = None,
+                 before_checkpoint_complete: Optional[CheckpointHook] = None):
+        import deepspeed
+
+        from lctrain.model import build_model
+        from lctrain.train.loss import CausalLMLossSum
+
+        self.cfg, self.topo, self.layout = cfg, topo, topo.layout
+        self.run_dir, self.tokenizer = run_dir, tokenizer
+        self.before_checkpoint_complete = before_checkpoint_complete
+        self.state = TrainState()
+        use_torch_adam = topo.device.type == "cpu" or not cfg.parallel.offload_optimizer
+        ds_config = self.layout.deepspeed_config(cfg, use_torch_adam=use_torch_adam)
+        hf_ds_config = None
+        if cfg.parallel.zero_stage == 3 and cfg.model.name_or_path:
+            # Keeps the reference alive while from_pretrained runs: transformers then loads the weights straight
+            # into ZeRO-3 shards instead of a full copy per process.
+            from transformers.integrations import HfDeepSpeedConfig
+
+            hf_ds_config = HfDeepSpeedConfig(ds_config)
+        self.lm = build_model(cfg, vocab_size=vocab_size, device=topo.device)
+        self.layout.wrap_attention(self.lm, topo.sp_group)
+        model = CausalLMLossSum(self.lm)
+        self.n_dense = dense_params(self.lm)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, cfg.train.weight_decay, cfg.train.decay_norms_and_biases),
+            config=ds_config, mpu=topo.mpu, lr_scheduler=partial(_lambda_lr, train_cfg=cfg.train))
+        del hf_ds_config
+        # DeepSpeed reports the gradient norm for ZeRO and mixed precision only; plain fp32 without ZeRO keeps the
+        # reduced gradients in .grad, where we can measure it before the step.
+        self.own_grad_norm = cfg.parallel.zero_stage == 0 and cfg.model.dtype == "float32"
+
+    def read_windows(self, packed, step_index: int) -> list[dict]:
+        """This rank's micro-batches of update `step_index`: collated windows, before `make_batch`."""
+        return [collate(packed, self.layout.micro_batch_rows(step_index, m, self.topo.rank, seed=self.cfg.seed,
+                                                            n=len(packed)))
+                for m in range(self.layout.grad_accum)]
+
+    def train_step(self, windows: list[dict]) -> StepResult:
+        """One optimizer step over this rank's micro-batches (collated windows, `train.data.collate`)."""
+        import deepspeed.comm as dist
+
+        from lctrain.attention import make_batch
+
+        cfg, topo = self.cfg, self.topo
+        micro, pairs = [], 0
+        for raw in windows:
+            if topo.sp_rank == 0:  # the group's other ranks hold the same windows: count each window once
+                pairs += sum(visible_pairs(sl, sd, cfg.attention.mode, cfg.data.seq_len)
+                             for sl, sd in zip(raw["seg_lens"], raw["seg_doc"]))
+            batch = make_batch(raw["input_ids"], raw["seg_lens"], cfg.attention.mode, seg_doc=raw["seg_doc"],
+                               tag_lens=raw["tag_lens"])
+            micro.append(_to_device(self.layout.shard(batch, topo.rank), topo.device))
+        # one all-reduce: valid labels of the whole step (the loss denominator) and attention pairs (for MFU).
+        # Reduced tensors live on the device: an nccl process group has no CPU backend.
+        counts = torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in micro)), float(pairs)],
+                              dtype=torch.float64, device=topo.device)
+        dist.all_reduce(counts)
+        n_valid = max(counts[0].item(), 1.0)
+        scale = self.layout.grad_divisor / n_valid
+        loss_sum = torch.zeros((), dtype=torch.float64, device=topo.device)
+        grad_norm = None
+        for i, b in enumerate(micro):
+            token_loss_sum = self.engine(**b)
+            self.engine.backward(token_loss_sum * scale, scale_wrt_gas=False)
+            if i == len(micro) - 1 and self.own_grad_norm:
+                grad_norm = _grad_norm(self.engine.module)
+            self.engine.step()
+            loss_sum += token_loss_sum.detach().double()
+        dist.all_reduce(loss_sum)
+        if topo.is_main and grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()
+        return StepResult(loss=loss_sum.item() / n_valid, valid_labels=int(n_valid),
+                          grad_norm=float(grad_norm) if grad_norm is not None else None, pairs=int(counts[1].item()))
+
+    def step_flops(self, tokens: int, pairs: int) -> float:
+        return step_flops(self.n_dense, self.lm.config.num_hidden_layers, attention_width(self.lm.config), tokens,
+                          pairs)
+
+    def metrics(self, step_index: int, result: StepResult, seconds: float, peak: Optional[float]) -> dict:
+        """The metrics.jsonl record of update `step_index`."""
+        cfg = self.cfg
+        tokens = cfg.train.global_batch * cfg.data.seq_len
+        step = step_index + 1
+        return {
+            "step": step, "loss": result.loss, "lr": cfg.train.lr * lr_factor(step_index, cfg.train),
+            "grad_norm": result.grad_norm, "tokens": step * tokens, "valid_labels": result.valid_labels,
+            "step_time_s": seconds, "tokens_per_s": tokens / seconds,
+            "mfu": self.step_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
+            "peak_mem_gb": peak_memory_gb(self.topo.device),
+        }
+
+    def fit(self, packed) -> None:
+        """Train from `state.step` to `train.steps`, logging every step and writing the scheduled checkpoints."""
+        cfg, topo = self.cfg, self.topo
+        total = cfg.train.steps
+        hf_steps = set(hf_checkpoint_steps(total, cfg.checkpoint))
+        peak = device_peak_flops(topo.device, cfg.logging.peak_tflops)
+        logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
+        try:
+            for step_index in range(self.state.step, total):
+                t0 = time.perf_counter()
+                reset_peak_memory(topo.device)
+                result = self.train_step(self.read_windows(packed, step_index))
+                self.state.step = step_index + 1
+                if logger is not None:
+                    logger.log(self.metrics(step_index, result, time.perf_counter() - t0, peak))
+                if self.state.step in hf_steps:
+                    self.export_hf()
+                if resume_checkpoint_due(self.state.step, total, cfg.checkpoint):
+                    self.save_checkpoint()
+        finally:
+            if logger is not None:
+                logger.close()
+
+    def export_hf(self) -> None:
+        """The evaluation checkpoint of the current step (all ranks call: ZeRO-3 gathers the shards)."""
+        with _checkpoint_write(self.run_dir, self.state.step):
+            ckpt.save_hf(self.engine, self.lm, self.tokenizer, self.run_dir, self.state.step, rank=self.topo.rank,
+                         zero_stage=self.cfg.parallel.zero_stage)
+
+    def save_checkpoint(self) -> None:
+        """The resume checkpoint of the current step: DeepSpeed's state, every rank's RNG and the `TrainState`."""
+        with _checkpoint_write(self.run_dir, self.state.step):
+            ckpt.save_resume(self.engine, self.run_dir, self.state.step, self.state.record(self.cfg, self.layout),
+                             rank=self.topo.rank, keep=self.cfg.checkpoint.keep,
+                             before_complete=self.before_checkpoint_complete)
+
+    def load_checkpoint(self) -> None:
+        """Restore the newest checkpoint every rank can load; a damaged one is reported and the one before it tried.
+        The ranks decide together (one all-reduce per try), so they never resume from different steps."""
+        import deepspeed.comm as dist
+
+        rd, topo = self.run_dir, self.topo
+        tried = []
+        for path in ckpt.resume_candidates(rd):
+            record, why = ckpt.load_resume(self.engine, path, rank=topo.rank)
+            failed = torch.tensor([0.0 if record is not None else 1.0], device=topo.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if failed.item() == 0:
+                if tried and topo.is_main:
+                    print(f"warning: resuming from {path.name}: the newer {', '.join(tried)} could not be loaded",
+                          flush=True)
+                self.state = TrainState.from_record(record)
+                if topo.is_main:
+                    if record.get("config_fingerprint") != config_fingerprint(self.cfg):
+                        print(f"warning: {rd}/config.yaml changed since checkpoint {path.name}; continuing with the "
+                              f"new values", flush=True)
+                    truncate_metrics(rd, self.state.step)
+                return
+            if topo.is_main:
+                print(f"warning: checkpoint {path.name} is damaged ({why or 'on another rank'}); trying the one "
+                      f"before it", flush=True)
+            tried.append(path.name)
+        raise UserError(f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run "
+                        f"again with 'lctrain train --config {rd / 'config.yaml'} --force'")
 
 
 @contextlib.contextmanager
@@ -361,26 +458,6 @@ def _checkpoint_write(rd: Path, step: int):
         why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed; is the disk full?"
         raise UserError(f"{rd}: cannot write the step {step} checkpoint ({why}); free disk space or fix "
                         f"permissions, then 'lctrain resume {rd}' continues from the last complete checkpoint") from None
-
-
-def _micro_batches(cfg: Config, topo, packed, step_index: int, gas: int) -> tuple[list[dict], int]:
-    """This rank's micro-batches of one step (its sequence slice, on its device) and their visible attention pairs
-    (0 on all but the first rank of a sequence-parallel group)."""
-    from lctrain.attention import PER_TOKEN_KEYS, make_batch
-    from lctrain.parallel.ulysses import shard_sequence
-
-    micro, pairs = [], 0
-    for m in range(gas):
-        rows = micro_batch_rows(step_index, m, topo.dp_rank, dp=topo.dp, micro_batch=cfg.train.micro_batch,
-                                global_batch=cfg.train.global_batch, seed=cfg.seed, n=len(packed))
-        raw = collate(packed, rows)
-        if topo.sp_rank == 0:  # the group's other ranks hold the same windows: count each window once
-            pairs += sum(visible_pairs(sl, sd, cfg.attention.mode, cfg.data.seq_len)
-                         for sl, sd in zip(raw["seg_lens"], raw["seg_doc"]))
-        batch = make_batch(raw["input_ids"], raw["seg_lens"], cfg.attention.mode, seg_doc=raw["seg_doc"],
-                           tag_lens=raw["tag_lens"])
-        micro.append(_to_device(shard_sequence(batch, PER_TOKEN_KEYS, topo.sp, topo.sp_rank), topo.device))
-    return micro, pairs
 
 
 def _grad_norm(module: torch.nn.Module) -> float:

@@ -44,13 +44,6 @@ def chunked_loss_sum(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: tor
     return total
 
 
-def deepspeed_grad_divisor(zero_stage: int, dp: int, world: int) -> int:
-    """What DeepSpeed divides the summed gradients by (deepspeed 0.19): the data-parallel size for ZeRO 0-2, but
-    all ranks (data x sequence parallel) for ZeRO-3's reduce-scatter path, which ds_config always selects. The
-    trainer multiplies the loss by it so that the ranks' gradient contributions simply add up."""
-    return world if zero_stage == 3 else dp
-
-
 class CausalLMLossSum(torch.nn.Module):
     """Wraps a Hugging Face causal LM so DeepSpeed sees one module whose forward returns the token-loss sum."""
 

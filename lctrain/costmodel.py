@@ -1,0 +1,125 @@
+"""The one cost model: visible attention pairs, attention FLOPs and dense FLOPs, for the MFU of `train`, the attention
+work of `inspect`, the predictions of `estimate` and the benchmarks.
+
+Convention (model FLOPs, as MFU is defined): a matmul costs 2 FLOPs per multiply-add forward and twice its forward
+backward (the gradients of both operands), so training is 3 forward passes. That gives 6 x N x tokens for the dense
+layers and, per causally visible (query, key) pair and layer, 4 x width forward (QK^T and PV, `width` = heads x
+head dim) and 12 x width for training. FlashAttention's backward recomputes the scores (2.5x forward instead of 2x);
+that recomputation is the kernel's implementation, like activation checkpointing, so the model FLOPs count neither.
+Only `estimate`, which predicts wall time rather than utilisation, adds the one extra forward pass that gradient
+checkpointing runs (`training_passes(recompute=True)`).
+
+Visible pairs follow the masks the engines compute (DESIGN §3): the causal window for `full`; for the document
+modes, each token sees the earlier tokens of its own document, an interleaved document's earlier chunks included.
+The paper (section 3.2): AnchorAttention "reduces the attention computation" because "the attention computation is
+performed only within each document and with the anchor token"; the anchor adds no pair of its own, since every
+segment's anchor copy starts its document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lctrain.attention.modes import MODES
+
+# FLOPs per visible pair and unit of width in one forward pass: 2 for QK^T, 2 for PV.
+ATTENTION_FORWARD_FLOPS = 4
+# FLOPs per parameter and token in one forward pass: one multiply-add.
+DENSE_FORWARD_FLOPS = 2
+# Forward + backward, the backward costing two forwards.
+TRAINING_PASSES = 3
+
+
+def visible_pairs(seg_lens, seg_doc, mode: str, seq_len: int) -> int:
+    """(query, key) pairs the mode's causal mask keeps in one window."""
+    if mode == "full":
+        return seq_len * (seq_len + 1) // 2
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    tokens: dict[int, int] = {}
+    for n, d in zip(np.asarray(seg_lens).tolist(), np.asarray(seg_doc).tolist()):
+        tokens[d] = tokens.get(d, 0) + n
+    return sum(t * (t + 1) // 2 for t in tokens.values())
+
+
+def window_pairs(seq_len: int, seg_lens, seg_doc) -> dict[str, int]:
+    """Visible pairs of one window under each attention mode."""
+    return {m: visible_pairs(seg_lens, seg_doc, m, seq_len) for m in MODES}
+
+
+def training_passes(recompute: bool = False) -> int:
+    """Forward-pass equivalents of one training step: 3, plus the forward that activation checkpointing reruns."""
+    return TRAINING_PASSES + (1 if recompute else 0)
+
+
+def attention_flops(pairs: float, width: int, passes: float = TRAINING_PASSES) -> float:
+    """Attention FLOPs of one layer over `pairs` visible pairs with `width` = heads x head dim."""
+    return ATTENTION_FORWARD_FLOPS * width * pairs * passes
+
+
+def dense_flops(dense_params: int, tokens: float, passes: float = TRAINING_PASSES) -> float:
+    """FLOPs of the matmuls of `dense_params` weights over `tokens` tokens."""
+    return DENSE_FORWARD_FLOPS * dense_params * tokens * passes
+
+
+def step_flops(dense_params: int, layers: int, width: int, tokens: float, pairs: float,
+               passes: float = TRAINING_PASSES) -> float:
+    """Dense plus attention FLOPs of `tokens` tokens whose windows keep `pairs` visible pairs in each layer."""
+    return dense_flops(dense_params, tokens, passes) + layers * attention_flops(pairs, width, passes)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost of a decoder depends on, read from a Hugging Face config (no weights needed)."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def from_hf_config(cls, hf) -> "ModelShape":
+        heads = hf.num_attention_heads
+        return cls(hf.num_hidden_layers, hf.hidden_size, heads, getattr(hf, "num_key_value_heads", None) or heads,
+                   getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size)
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+    def linear_params(self) -> int:
+        """Weights of the projections (q, k, v, o, the gated MLP) and the LM head: those that multiply per token."""
+        attn = self.hidden * self.width * 2 + 2 * self.hidden * self.kv_heads * self.head_dim
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp) + self.hidden * self.vocab
+
+
+def count_params(module) -> int:
+    """Distinct parameters of a module, their full size also when ZeRO-3 has partitioned them (`ds_numel`)."""
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += int(getattr(p, "ds_numel", p.numel()))
+    return total
+
+
+def dense_params(lm) -> int:
+    """Parameters that do matmul work per token: all but the input embedding (which is a lookup). A tied output
+    head still multiplies, so its weight is counted once."""
+    total = count_params(lm)
+    emb = lm.get_input_embeddings().weight
+    out = lm.get_output_embeddings()
+    tied = out is not None and out.weight is emb
+    return total if tied else total - int(getattr(emb, "ds_numel", emb.numel()))
+
+
+def attention_width(hf_config) -> int:
+    """Heads x head dim of a Hugging Face config: the width of QK^T and PV."""
+    heads = hf_config.num_attention_heads
+    return heads * (getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
