@@ -201,6 +201,10 @@ def test_resume_from_another_directory_and_refuses_incompatible_edits(reference,
                                                                                       "zero_stage: 1"))
     msg = _cli_error(["resume", str(run_dir)])
     assert "model.arch.hidden_size 64 -> 128, parallel.zero_stage 0 -> 1 changed since checkpoint step_00000004" in msg
+    # the optimizer state restores its groups' weight decay, so a new decay would not take effect: refused too
+    assert "decay_norms_and_biases: false" in original
+    config.write_text(original.replace("decay_norms_and_biases: false", "decay_norms_and_biases: true"))
+    assert "train.decay_norms_and_biases False -> True changed since checkpoint" in _cli_error(["resume", str(run_dir)])
     config.write_text(original.replace(f"steps: {STEPS}", f"steps: {STEPS}  # unchanged"))
     result = CliRunner().invoke(app, ["resume", str(run_dir)])
     assert result.exit_code == 0, result.output

@@ -143,9 +143,12 @@ def _working_directory(path: Optional[Path]):
         os.chdir(before)
 
 
-# Settings a checkpoint fixes: the model it holds, the data order it continues, and how DeepSpeed partitioned its
-# state. Anything else (steps, learning rate, logging, checkpoint and eval schedule, engine) may change on resume.
+# Settings a checkpoint fixes: the model it holds, the data order it continues, how DeepSpeed partitioned its state,
+# and the weight decay of the optimizer's parameter groups (loading the optimizer state restores the saved groups'
+# decay, so a new value would be silently ignored). Anything else (steps, learning rate, logging, checkpoint and eval
+# schedule, engine) may change on resume.
 _FIXED_BY_CHECKPOINT = ("seed", "model.", "data.", "attention.mode", "train.global_batch", "train.micro_batch",
+                        "train.weight_decay", "train.decay_norms_and_biases",
                         "parallel.zero_stage", "parallel.sequence_parallel", "parallel.nproc_per_node",
                         "parallel.num_nodes", "parallel.offload_optimizer", "parallel.offload_params")
 # ...except these, which change how the same computation runs (or where a dataset is found), not what it computes.
