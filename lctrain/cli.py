@@ -209,8 +209,10 @@ def check_sp(
     """The paper's Table 8: max |Δ logits| between one process and DeepSpeed-Ulysses over --nproc processes on the
     same window, per attention mode. Table and check_sp.json."""
     from lctrain.eval.check_sp import check_sp as run_check
+    from lctrain.eval.check_sp import parse_modes
 
-    run_check(config, list(set_ or []), nproc=nproc, modes=modes, dtype=dtype, window=window, out=out)
+    chosen = parse_modes(modes)
+    run_check(load_config(config, list(set_ or [])), nproc=nproc, modes=chosen, dtype=dtype, window=window, out=out)
 
 
 @app.command("inspect")

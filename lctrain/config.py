@@ -379,6 +379,15 @@ def load_config(name_or_path: Optional[str] = None, overrides: list[str] | tuple
     return cfg
 
 
+def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...], why: str) -> Config:
+    """`cfg` with `--set`-style overrides applied and validated again (a stage deriving the config it runs: a measured
+    point, a sequence-parallel check); `why` names the derivation in error messages. Keeps `source_file`."""
+    raw = apply_overrides(cfg.model_dump(mode="json", exclude={"source_file"}), overrides)
+    derived = validate(raw, f"{cfg.source_file or 'config'} ({why})")
+    derived.source_file = cfg.source_file
+    return derived
+
+
 # ---------------------------------------------------------------- fingerprints and resolved output
 
 # Fields that change how a stage runs but not what it produces.

@@ -212,3 +212,14 @@ def test_reread_warning_counts_the_steps_that_read_windows_twice():
                     "data.token_budget=2097152000 (and prepare again) or lower train.steps")
     assert reread_warning(cfg, 16_000) is None
     assert "the last 1 steps" in reread_warning(cfg, 15_999)
+
+
+def test_with_overrides_derives_a_validated_config():
+    from lctrain.config import with_overrides
+
+    cfg = load_config("tiny_anchor")
+    derived = with_overrides(cfg, ["data.seq_len=512", "attention.mode=full"], "a check")
+    assert (derived.data.seq_len, derived.attention.mode, derived.source_file) == (512, "full", cfg.source_file)
+    assert (cfg.data.seq_len, cfg.attention.mode) == (1024, "anchor")  # the original is untouched
+    with pytest.raises(UserError, match=r"tiny_anchor.yaml \(a check\).*attention.mode"):
+        with_overrides(cfg, ["attention.mode=sparse"], "a check")

@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lctrain.config import Config, data_dir, load_config, write_resolved
+from lctrain.config import Config, data_dir, load_config, with_overrides, write_resolved
 from lctrain.errors import UserError
 
 # Documents in a synthetic window: enough that the document masks and anchor positions differ from full attention.
@@ -97,6 +97,7 @@ def allowed_processes() -> int:
 
 
 def parse_modes(modes: Optional[str]) -> list[str]:
+    """`--modes full,anchor` -> the modes (default all four), refusing unknown ones in one line."""
     from lctrain.attention import MODES
 
     if not modes:
@@ -109,8 +110,9 @@ def parse_modes(modes: Optional[str]) -> list[str]:
     return list(dict.fromkeys(chosen))
 
 
-def check_config(config: Optional[str], overrides: list[str], nproc: int, dtype: Optional[str]) -> Config:
-    """The config for a P-process Ulysses run of one window, refusing what cannot run before any process starts."""
+def check_config(cfg: Config, nproc: int, dtype: Optional[str]) -> Config:
+    """`cfg` laid out for a P-process Ulysses run of one window, refusing what cannot run before any process
+    starts."""
     from lctrain.model import load_hf_config
     from lctrain.parallel.layout import ParallelLayout
     from lctrain.parallel.ulysses import kv_replication
@@ -122,7 +124,7 @@ def check_config(config: Optional[str], overrides: list[str], nproc: int, dtype:
         where = "GPUs" if torch.cuda.is_available() else "CPU cores available to this process"
         raise UserError(f"--nproc {nproc}: this machine has {allowed} {where}; use --nproc <= {allowed}")
     layout = [f"parallel.nproc_per_node={nproc}", f"parallel.sequence_parallel={nproc}", "parallel.num_nodes=1"]
-    cfg = load_config(config, list(overrides) + layout + ([f"model.dtype={dtype}"] if dtype else []))
+    cfg = with_overrides(cfg, layout + ([f"model.dtype={dtype}"] if dtype else []), f"--nproc {nproc}")
     hf = load_hf_config(cfg)
     heads = hf.num_attention_heads
     kv_replication(heads, getattr(hf, "num_key_value_heads", None) or heads, nproc,
@@ -155,14 +157,15 @@ def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]
                     f"seed {cfg.seed + row}"), vocab
 
 
-def check_sp(config: Optional[str] = None, overrides: list[str] | tuple = (), *, nproc: int = 2,
-             modes: Optional[str] = None, dtype: Optional[str] = None, window: int = 0,
-             out: Optional[str] = None) -> dict:
-    """Launch P workers on one window, print the per-mode table and return (and write) the JSON result."""
+def check_sp(cfg: Config, *, nproc: int = 2, modes: Optional[list[str]] = None, dtype: Optional[str] = None,
+             window: int = 0, out: Optional[str] = None) -> dict:
+    """Launch P workers on one window, print the per-mode table and return (and write) the JSON result; `modes`
+    default to all four."""
+    from lctrain.attention import MODES
     from lctrain.parallel.launch import run_workers, worker_command
 
-    chosen = parse_modes(modes)
-    cfg = check_config(config, list(overrides), nproc, dtype)
+    chosen = list(modes or MODES)
+    cfg = check_config(cfg, nproc, dtype)
     win, source, vocab = pick_window(cfg, window)
     out_dir = Path(out) if out else Path("check_sp") / cfg.name
     write_resolved(cfg, out_dir)
