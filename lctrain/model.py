@@ -274,8 +274,9 @@ def auto_mlp_shards(tokens: int, hidden: int) -> int:
 def exact_shards(rows: int, shards: int) -> int:
     """The number of pieces `torch.chunk` really cuts `rows` into when asked for `shards` (fewer when the chunk size
     ceil(rows / shards) does not fit that often: 10 rows in 6 asks -> 5 pieces of 2). DeepSpeed 0.19.8's TiledMLP
-    backward marks the weights' gradients ready for ZeRO's reduction only at piece number `shards`, so it must be
-    given the exact count, or ZeRO 1-2 would never reduce the MLP gradients."""
+    backward marks the weights' gradients ready (`ds_grad_is_ready`) only at piece number `shards`, and ZeRO's
+    gradient hooks (stage 1-2 and 3) skip a gradient that is not ready, so it must be given the exact count or the
+    MLP gradients would never be reduced."""
     size = math.ceil(rows / min(shards, rows))
     return math.ceil(rows / size)
 
