@@ -11,7 +11,7 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -119,6 +119,16 @@ class ModelConfig(_Section):
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     gradient_checkpointing: bool = False
     rope_fp32: bool = False
+    tiled_mlp: Union[Literal["auto"], int] = Field(
+        0, description="run each decoder MLP in this many sequence shards with DeepSpeed's TiledMLP (0 = off; "
+                       "'auto' = ceil(tokens per rank / hidden_size), the largest over the ranks)")
+
+    @field_validator("tiled_mlp", mode="before")
+    @classmethod
+    def _tiled_mlp_is_a_count(cls, value: Any) -> Any:
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError("expected 0 (off), a number of shards >= 1, or auto")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self):

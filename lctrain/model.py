@@ -2,13 +2,14 @@
 
 Sets what long-context continual pretraining changes (DESIGN §1): RoPE base (`rope_theta`, Table 1 defaults by
 `data.seq_len`), RoPE scaling (static NTK-aware and YaRN: the paper's Table 2; any other Hugging Face type passes
-through), `max_position_embeddings`, dtype, gradient checkpointing, fp32 rotary rotation, and the attention engine
-(`lctrain_<engine>`).
+through), `max_position_embeddings`, dtype, gradient checkpointing, fp32 rotary rotation, DeepSpeed's sequence-tiled
+MLP, and the attention engine (`lctrain_<engine>`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional
 
 import torch
@@ -241,6 +242,8 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.model.rope_fp32:
         rotary_in_fp32(model)
+    if cfg.model.tiled_mlp:
+        tile_mlps(model, cfg.model.tiled_mlp)
     # Under ZeRO-3 (`HfDeepSpeedConfig`) the weights are already partitioned onto the device: leave them there.
     if any(p.device != torch.device(device) for p in model.parameters()):
         model = model.to(device)
@@ -255,3 +258,64 @@ def rotary_in_fp32(model) -> int:
     if not hooked:
         raise UserError(f"model.rope_fp32: no rotary-embedding module found in {type(model).__name__}")
     return hooked
+
+
+# The parts of a Llama-style gated MLP, `down_proj(act_fn(gate_proj(x)) * up_proj(x))`: position-wise, so computing
+# it on slices of the sequence gives the same rows.
+_GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def auto_mlp_shards(tokens: int, hidden: int) -> int:
+    """`model.tiled_mlp: auto`: ceil(tokens / hidden_size) shards, DeepSpeed's own choice in its TiledMLP example, so
+    each shard's [tokens / shards, intermediate_size] intermediate is at most hidden x intermediate."""
+    return max(1, math.ceil(tokens / hidden))
+
+
+def exact_shards(rows: int, shards: int) -> int:
+    """The number of pieces `torch.chunk` really cuts `rows` into when asked for `shards` (fewer when the chunk size
+    ceil(rows / shards) does not fit that often: 10 rows in 6 asks -> 5 pieces of 2). DeepSpeed 0.19.8's TiledMLP
+    backward marks the weights' gradients ready (`ds_grad_is_ready`) only at piece number `shards`, and ZeRO's
+    gradient hooks (stage 1-2 and 3) skip a gradient that is not ready, so it must be given the exact count or the
+    MLP gradients would never be reduced."""
+    size = math.ceil(rows / min(shards, rows))
+    return math.ceil(rows / size)
+
+
+def _agreed(shards: int, device: torch.device) -> int:
+    # Under ZeRO-3 every shard's forward gathers the weights, a collective: all ranks must run as many shards, and an
+    # automatic count follows each rank's tokens (DeepSpeed's example agrees on the largest the same way).
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return shards
+    count = torch.tensor(shards, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+def tile_mlps(model, shards: int | str) -> int:
+    """Run every decoder layer's MLP through DeepSpeed's `TiledMLP` (deepspeed.runtime.sequence_parallel.ulysses_sp):
+    the forward runs `shards` slices of the sequence without keeping the [tokens, intermediate_size] activations,
+    the backward recomputes slice by slice. The same function, so the same losses and gradients up to fp32 rounding,
+    for one more MLP forward per layer in the backward. Each layer's `mlp` instance gets its own forward; the
+    transformers class is untouched. `shards` is a count, or "auto" (`auto_mlp_shards`, the largest over the ranks).
+    Returns the number of MLPs wrapped."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    layers = getattr(model.get_decoder(), "layers", None)
+    mlps = [getattr(layer, "mlp", None) for layer in layers or ()]
+    if not mlps or any(mlp is None or not all(hasattr(mlp, part) for part in _GATED_MLP_PARTS) for mlp in mlps):
+        raise UserError(f"model.tiled_mlp: {type(model).__name__} has no Llama-style gated MLP "
+                        f"(gate_proj, up_proj, down_proj, act_fn) in every decoder layer; set model.tiled_mlp=0")
+    for mlp in mlps:
+        untiled = type(mlp).forward
+        params = list(mlp.parameters())
+
+        def tiled_forward(x, mlp=mlp, untiled=untiled, params=params):
+            rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
+            asked = _agreed(auto_mlp_shards(rows, hidden), x.device) if shards == "auto" else shards
+            count = exact_shards(rows, asked)
+            return TiledMLP.apply(untiled, mlp, x, count, params)
+
+        mlp.forward = tiled_forward
+    return len(mlps)
