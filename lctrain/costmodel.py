@@ -91,11 +91,14 @@ class ModelShape:
     def width(self) -> int:
         return self.heads * self.head_dim
 
+    def mlp_params(self) -> int:
+        """Weights of the gated MLPs of all layers (gate, up, down)."""
+        return self.layers * 3 * self.hidden * self.intermediate
+
     def linear_params(self) -> int:
         """Weights of the projections (q, k, v, o, the gated MLP) and the LM head: those that multiply per token."""
         attn = self.hidden * self.width * 2 + 2 * self.hidden * self.kv_heads * self.head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        return self.layers * (attn + mlp) + self.hidden * self.vocab
+        return self.layers * attn + self.mlp_params() + self.hidden * self.vocab
 
 
 def count_params(module) -> int:

@@ -26,6 +26,11 @@ def test_hand_computed_full_attention_hours(tmp_path):
     hours = (1e9 / L) * flops / (50e12 * 2) / 3600
     assert r["modes"]["full"]["hours_per_1b_tokens"] == pytest.approx(hours)
     assert r["modes"]["anchor"]["speedup_vs_full"] >= 1.0
+    # model.tiled_mlp: TiledMLP reruns every MLP's forward in the backward, 2 FLOPs per MLP weight per token more
+    tiled = estimate(load_config(None, ARCH + ["data.seq_len=1024", f"data.output_dir={tmp_path / 'none'}",
+                                               "model.tiled_mlp=4"]), tflops=50.0, gpus=2)
+    extra = 2 * layers * 3 * d * ffn * L
+    assert tiled["modes"]["full"]["flops_per_window"] == pytest.approx(flops + extra)
 
 
 def test_from_bench_per_mode(tmp_path):

@@ -2,7 +2,8 @@
 
 FLOPs per window come from the cost model (`lctrain.costmodel`, the convention MFU uses): the linear layers (q, k,
 v, o, the gated MLP, the LM head) and attention over the causally visible (query, key) pairs, each 3 forward passes
-for training, plus the forward pass gradient checkpointing reruns (wall time, not utilisation, is predicted here).
+for training, plus the forward pass gradient checkpointing reruns and, with `model.tiled_mlp`, the MLP forward that
+TiledMLP reruns in the backward (wall time, not utilisation, is predicted here).
 The visible pairs per mode come from the actual segment layout of the prepared dataset; without one, from a
 synthetic packing of log-normal document lengths, flagged as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs).
 """
@@ -110,6 +111,8 @@ def predict(cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | 
     pairs, source = mean_pairs(cfg)
     passes = training_passes(recompute=cfg.model.gradient_checkpointing)
     linear = dense_flops(shape.linear_params(), L, passes)
+    if cfg.model.tiled_mlp:  # TiledMLP recomputes each MLP slice's forward in the backward: one more MLP pass
+        linear += dense_flops(shape.mlp_params(), L, 1)
     per_pair = shape.layers * attention_flops(1, shape.width, passes)
     windows_per_b = 1e9 / L
     rows = {}
