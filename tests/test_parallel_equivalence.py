@@ -6,13 +6,12 @@ sequence parallelism over 2 ranks also exercises the KV-head replication for gro
 """
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import clean_env, cli_train_command, prepared_workdir, reference_run
+from train_helpers import metric_records, prepared_workdir, reference_run, run_cli_train
 
 STEPS = 4
 LR = 3e-3
@@ -42,15 +41,7 @@ def reference(workdir):
 
 
 def run_cli(workdir: Path, name: str, extra: list[str]) -> Path:
-    run_dir = workdir / name
-    proc = subprocess.run(cli_train_command(overrides, workdir, run_dir, extra), env=clean_env(), capture_output=True,
-                          text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_cli_train(overrides, workdir, name, extra)
 
 
 # Tolerances, from what each quantity is:
@@ -86,7 +77,7 @@ def weight_mismatches(run_dir: Path, ref_dir: Path) -> list[str]:
 
 
 def assert_matches(run_dir: Path, ref_dir: Path) -> None:
-    got, want = records(run_dir), records(ref_dir)
+    got, want = metric_records(run_dir), metric_records(ref_dir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["valid_labels"] for r in got] == [r["valid_labels"] for r in want]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in got]), torch.tensor([r["loss"] for r in want]),
@@ -126,8 +117,8 @@ def test_a_wrong_sequence_layout_fails_the_comparison(reference, workdir, monkey
 
     wrong = train(load_config(None, overrides(workdir / "data", workdir / "wrong_layout")))
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(torch.tensor([r["loss"] for r in records(wrong)][:1]),
-                                   torch.tensor([r["loss"] for r in records(reference)][:1]), rtol=LOSS_RTOL, atol=0)
+        torch.testing.assert_close(torch.tensor([r["loss"] for r in metric_records(wrong)][:1]),
+                                   torch.tensor([r["loss"] for r in metric_records(reference)][:1]), rtol=LOSS_RTOL, atol=0)
     assert weight_mismatches(wrong, reference)
 
 

@@ -5,14 +5,12 @@ References: the gated-MLP formula written out with torch.nn.functional on copies
 untiled run of the same config (training), `torch.chunk` itself (the shard count), the config key's bad values.
 """
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from train_helpers import clean_env, cli_train_command, prepared_workdir, reference_run
+from train_helpers import losses, prepared_workdir, reference_run, run_cli_train
 
 from lctrain.config import load_config
 from lctrain.errors import UserError
@@ -131,10 +129,6 @@ def reference(workdir):
     return reference_run(workdir, overrides)
 
 
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 # Losses of fp32 runs whose weight gradients differ by rounding (shard sums regrouped): a few ulps per step, so 1e-5
 # relative is ~100x that, as for the parallel-equivalence runs; a wrong tiling (a shard missing from a gradient)
 # moves the loss after one lr 3e-3 step by far more.
@@ -164,12 +158,8 @@ def test_sp2_zero3_with_automatic_tiled_mlp_has_the_same_losses(reference, workd
     the all-reduce; ZeRO-3 gathers the MLP weights in every shard's forward, so a disagreement would hang, not pass)
     against the untiled 1-process run: SP=2 equals one process untiled (tests/test_parallel_equivalence.py, same
     tolerance), so this is tiled on vs off under SP=2 in one launch instead of two."""
-    run_dir = workdir / "sp2_auto"
-    proc = subprocess.run(
-        cli_train_command(overrides, workdir, run_dir, ["parallel.nproc_per_node=2", "parallel.sequence_parallel=2",
-                                                        "parallel.zero_stage=3", "parallel.launcher=torchrun",
-                                                        "model.tiled_mlp=auto"]),
-        env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = run_cli_train(overrides, workdir, "sp2_auto", ["parallel.nproc_per_node=2", "parallel.sequence_parallel=2",
+                                                             "parallel.zero_stage=3", "parallel.launcher=torchrun",
+                                                             "model.tiled_mlp=auto"], timeout=300)
     assert len(losses(run_dir)) == STEPS
     torch.testing.assert_close(torch.tensor(losses(run_dir)), torch.tensor(losses(reference)), rtol=LOSS_RTOL, atol=0)

@@ -5,7 +5,6 @@ One uninterrupted reference run is shared by all tests; interrupted runs are sep
 ends (CPU, fp32).
 """
 
-import json
 import random
 import re
 import signal
@@ -15,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import (clean_env, cli_train_command, killed_in_checkpoint_command, prepared_workdir, reference_run,
-                           set_args)
+from train_helpers import (clean_env, cli_train_command, killed_in_checkpoint_command, losses, metric_records,
+                           prepared_workdir, reference_run, set_args)
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -46,11 +45,6 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(workdir):
     return reference_run(workdir, overrides)
-
-
-def losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
 
 
 def final_state(run_dir: Path) -> dict:
@@ -90,7 +84,7 @@ def start_killed_in_checkpoint(workdir: Path, run_dir: Path, step: int) -> subpr
 def test_run_directory_metrics_and_checkpoints(reference):
     rd = reference
     assert load_config(str(rd / "config.yaml")).train.steps == STEPS
-    records = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(rd)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_mem_gb"):
         assert all(r[key] is not None for r in records), key

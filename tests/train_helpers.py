@@ -1,6 +1,8 @@
 """Shared by the end-to-end training tests: a prepared dataset, a 1-process reference run, and CLI subprocesses."""
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -40,6 +42,24 @@ def prepared_workdir(tmp_path_factory, name: str, overrides: Overrides) -> Path:
     root = tmp_path_factory.mktemp(name)
     prepare(load_config(None, overrides(root / "data", root / "ref")))
     return root
+
+
+def run_cli_train(overrides: Overrides, workdir: Path, name: str, extra: list[str], timeout: float = 400) -> Path:
+    """`lctrain train` in a subprocess (the launcher path) into `workdir/name`; fails the test with its stderr."""
+    run_dir = workdir / name
+    proc = subprocess.run(cli_train_command(overrides, workdir, run_dir, extra), env=clean_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def metric_records(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl, one dict per step."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in metric_records(run_dir)]
 
 
 def reference_run(workdir: Path, overrides: Overrides) -> Path:
