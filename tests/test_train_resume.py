@@ -5,6 +5,7 @@ One uninterrupted reference run is shared by all tests; interrupted runs are sep
 ends (CPU, fp32).
 """
 
+import json
 import random
 import re
 import signal
@@ -260,3 +261,32 @@ def test_unwritable_checkpoint_is_one_line(workdir, tmp_path):
     msg = errors[0]
     assert re.search(r"cannot write the step \d+ checkpoint \(Not a directory\)", msg), msg
     assert f"lctrain resume {run_dir}" in msg
+
+
+class _FailingEngine:
+    def __init__(self, error):
+        self.error = error
+
+    def load_checkpoint(self, *args, **kwargs):
+        raise self.error
+
+
+@pytest.mark.parametrize("error,damaged", [
+    (RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory"), True),
+    (EOFError("Ran out of input"), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"), False),
+    (PermissionError(13, "Permission denied"), False),
+])
+def test_a_failing_machine_is_not_taken_for_a_damaged_checkpoint(tmp_path, error, damaged):
+    """Only a damaged checkpoint makes resume fall back to an older one; out of memory, a collective error or a
+    permission error while loading propagates (falling back would hide it and end in advice to start over)."""
+    path = tmp_path / ckpt.step_name(4)
+    path.mkdir()
+    (path / ckpt.STATE_FILE).write_text(json.dumps({"step": 4}))
+    if damaged:
+        state, why = ckpt.load_resume(_FailingEngine(error), path, rank=0)
+        assert state is None and type(error).__name__ in why
+    else:
+        with pytest.raises(type(error)):
+            ckpt.load_resume(_FailingEngine(error), path, rank=0)

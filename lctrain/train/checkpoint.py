@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from lctrain.compat.deepspeed import zero3_full_state_dict
+from lctrain.errors import is_environment_error
 from lctrain.tokenizer import save_tokenizer
 
 TMP_PREFIX = ".tmp-"
@@ -182,6 +183,13 @@ def prune(run_dir: Path, keep: int) -> None:
 DAMAGED = (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError)
 
 
+def _not_damage(e: BaseException) -> bool:
+    """Failures of the machine while loading (out of memory, a device or collective error, permissions, a full disk),
+    which DAMAGED's broad types also catch."""
+    return (isinstance(e, torch.OutOfMemoryError) or is_environment_error(e)
+            or (isinstance(e, RuntimeError) and any(k in str(e) for k in ("CUDA", "NCCL", "out of memory"))))
+
+
 def load_resume(engine, path: Path, *, rank: int) -> tuple[Optional[dict], str]:
     """Restore DeepSpeed state and this rank's RNG from a complete checkpoint: (trainer state, "") or, if this
     rank's part cannot be loaded, (None, why)."""
@@ -195,6 +203,8 @@ def load_resume(engine, path: Path, *, rank: int) -> tuple[Optional[dict], str]:
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
     except DAMAGED as e:
+        if _not_damage(e):
+            raise  # the machine failed, not the checkpoint: falling back to an older one would hide it
         return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     if loaded is None:
         return None, "DeepSpeed found no loadable state (another parallel layout or DeepSpeed version?)"
