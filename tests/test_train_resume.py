@@ -290,3 +290,14 @@ def test_a_failing_machine_is_not_taken_for_a_damaged_checkpoint(tmp_path, error
     else:
         with pytest.raises(type(error)):
             ckpt.load_resume(_FailingEngine(error), path, rank=0)
+
+
+def test_resume_with_no_readable_checkpoint_state_is_one_line(reference, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(reference, run_dir)
+    for path in ckpt.resume_candidates(run_dir):
+        (path / ckpt.STATE_FILE).write_text("")
+    msg = _cli_error(["resume", str(run_dir)])
+    assert "no checkpoint has a readable trainer_state.json" in msg and "--force" in msg

@@ -89,13 +89,16 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: Optional[Checkpoi
         cfg = load_config(str(config_file))
         states = [(p, ckpt.readable_state(p)) for p in ckpt.resume_candidates(rd)]
         states = [(p, s) for p, s in states if s is not None]
+        if not states:  # before any process builds a model: none of them could resume
+            raise UserError(f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with "
+                            f"'lctrain train --config {config_file} --force'")
         done = max((int(s["step"]) for _, s in states), default=0)
         if done >= cfg.train.steps:
             if leader:
                 print(f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (raise train.steps in "
                       f"{config_file} to train further)", flush=True)
             return rd
-        if leader and states:
+        if leader:
             check_resumable(cfg, states[0][1], f"{config_file}", states[0][0].name)
             preflight(cfg)
         _start(cfg, rd, resuming=True, before_checkpoint_complete=before_checkpoint_complete)
