@@ -281,24 +281,15 @@ def exact_shards(rows: int, shards: int) -> int:
     return math.ceil(rows / size)
 
 
-def _agreed(shards: int, device: torch.device) -> int:
-    # Under ZeRO-3 every shard's forward gathers the weights, a collective: all ranks must run as many shards, and an
-    # automatic count follows each rank's tokens (DeepSpeed's example agrees on the largest the same way).
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return shards
-    count = torch.tensor(shards, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count.item())
-
-
 def tile_mlps(model, shards: int | str) -> int:
     """Run every decoder layer's MLP through DeepSpeed's `TiledMLP` (deepspeed.runtime.sequence_parallel.ulysses_sp):
     the forward runs `shards` slices of the sequence without keeping the [tokens, intermediate_size] activations,
     the backward recomputes slice by slice. The same function, so the same losses and gradients up to fp32 rounding,
     for one more MLP forward per layer in the backward. Each layer's `mlp` instance gets its own forward; the
-    transformers class is untouched. `shards` is a count, or "auto" (`auto_mlp_shards`, the largest over the ranks).
+    transformers class is untouched. `shards` is a count, or "auto" (`auto_mlp_shards` of the MLP's rows). Under ZeRO-3
+    every slice's forward gathers the weights, a collective, so all ranks must run as many slices: they do, since every
+    rank's MLP sees micro_batch x seq_len / sequence_parallel rows (ParallelLayout makes seq_len divisible), so the
+    automatic count needs no per-call all-reduce.
     Returns the number of MLPs wrapped."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
@@ -313,8 +304,7 @@ def tile_mlps(model, shards: int | str) -> int:
 
         def tiled_forward(x, mlp=mlp, untiled=untiled, params=params):
             rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
-            asked = _agreed(auto_mlp_shards(rows, hidden), x.device) if shards == "auto" else shards
-            count = exact_shards(rows, asked)
+            count = exact_shards(rows, auto_mlp_shards(rows, hidden) if shards == "auto" else shards)
             return TiledMLP.apply(untiled, mlp, x, count, params)
 
         mlp.forward = tiled_forward

@@ -154,8 +154,8 @@ def test_training_with_tiled_mlp_has_the_same_losses(reference, workdir, monkeyp
 
 
 def test_sp2_zero3_with_automatic_tiled_mlp_has_the_same_losses(reference, workdir):
-    """Ulysses SP=2 with ZeRO-3 and `auto` (each rank cuts its 64 tokens x 2 windows into 4 shards, agreed through
-    the all-reduce; ZeRO-3 gathers the MLP weights in every shard's forward, so a disagreement would hang, not pass)
+    """Ulysses SP=2 with ZeRO-3 and `auto` (each rank cuts its 64 tokens x 2 windows into 4 shards, the same count
+    on both ranks; ZeRO-3 gathers the MLP weights in every shard's forward, so a disagreement would hang, not pass)
     against the untiled 1-process run: SP=2 equals one process untiled (tests/test_parallel_equivalence.py, same
     tolerance), so this is tiled on vs off under SP=2 in one launch instead of two."""
     run_dir = run_cli_train(overrides, workdir, "sp2_auto", ["parallel.nproc_per_node=2", "parallel.sequence_parallel=2",
