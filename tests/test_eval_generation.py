@@ -91,6 +91,7 @@ def test_plan_llama2_7b_on_an_80gb_gpu():
     # and without the host memory for the offloaded cache it cannot run at all
     with pytest.raises(UserError, match=r"longest that fits here is \d+ tokens") as e:
         plan_generation(LLAMA2_7B, 131072 + 128, 2, free, host_free=32 * GIB)
+    assert "offloaded, needs 68.8 GB of host memory and 34.4 GB are available" in str(e.value)  # what ran out
     longest = int(str(e.value).split("longest that fits here is ")[1].split()[0])
     assert 100_000 < longest < 131072
     assert plan_generation(LLAMA2_7B, longest, 2, free, host_free=32 * GIB)

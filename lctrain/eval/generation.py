@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 
 PREFILL_CHUNK = 8192
@@ -29,28 +30,20 @@ PREFILL_CHUNK = 8192
 HEADROOM = 0.10
 
 
-def _dims(config) -> tuple[int, int, int, int, int]:
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return layers, heads, kv_heads, head_dim, config.intermediate_size
-
-
 def kv_cache_bytes(config, tokens: int, dtype_bytes: int, layers: int | None = None) -> int:
     """Keys and values of `tokens` positions in `layers` layers (default all)."""
-    n_layers, _, kv_heads, head_dim, _ = _dims(config)
-    return (n_layers if layers is None else layers) * 2 * kv_heads * head_dim * tokens * dtype_bytes
+    m = ModelShape.from_hf_config(config)
+    return (m.layers if layers is None else layers) * 2 * m.kv_heads * m.head_dim * tokens * dtype_bytes
 
 
 def prefill_activation_bytes(config, chunk: int, context: int, dtype_bytes: int) -> int:
     """Peak activations of one decoder layer for a chunk of `chunk` new tokens attending to `context` positions."""
-    _, heads, kv_heads, head_dim, inter = _dims(config)
-    projections = chunk * (2 * heads + 2 * kv_heads) * head_dim * dtype_bytes  # q, k, v, attention output
-    mlp = 3 * chunk * inter * dtype_bytes  # gate, up and their product live together
-    hidden = 2 * chunk * config.hidden_size * dtype_bytes  # the residual stream and the normed input
+    m = ModelShape.from_hf_config(config)
+    projections = chunk * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * dtype_bytes  # q, k, v, attention output
+    mlp = 3 * chunk * m.intermediate * dtype_bytes  # gate, up and their product live together
+    hidden = 2 * chunk * m.hidden * dtype_bytes  # the residual stream and the normed input
     mask = chunk * context  # boolean mask of the chunk's queries over the cache
-    return projections + mlp + hidden + mask + config.vocab_size * 4  # last position's fp32 logits
+    return projections + mlp + hidden + mask + m.vocab * 4  # last position's fp32 logits
 
 
 @dataclass(frozen=True)
@@ -79,39 +72,39 @@ def _needs(config, tokens: int, chunk: int, dtype_bytes: int, offload: bool) -> 
     return cache + act, 0
 
 
+def _fitting(config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None,
+             chunk: int) -> GenerationPlan | None:
+    """The cheapest plan for `tokens` within the free memory (less HEADROOM), or None."""
+    for offload in [False] if host_free is None else [False, True]:
+        device, host = _needs(config, tokens, chunk, dtype_bytes, offload)
+        if device <= device_free * (1 - HEADROOM) and (not offload or host <= host_free * (1 - HEADROOM)):
+            return GenerationPlan(offload, chunk, tokens, device, host, device_free)
+    return None
+
+
 def plan_generation(config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None,
                     prefill_chunk: int = PREFILL_CHUNK) -> GenerationPlan:
     """The cheapest plan that fits `tokens` (prompt + generated) into `device_free` bytes beside the weights;
     `host_free` None means the device is the host (CPU), where offloading saves nothing."""
-    usable = int(device_free * (1 - HEADROOM))
-    options = [False] if host_free is None else [False, True]
-    for offload in options:
-        device, host = _needs(config, tokens, prefill_chunk, dtype_bytes, offload)
-        if device <= usable and (not offload or host <= host_free * (1 - HEADROOM)):
-            return GenerationPlan(offload, prefill_chunk, tokens, device, host, device_free)
-    longest = _longest_fitting(config, dtype_bytes, usable, host_free, prefill_chunk)
-    need, _ = _needs(config, tokens, prefill_chunk, dtype_bytes, options[-1])
-    raise UserError(f"a {tokens}-token prompt needs {need / 1e9:.1f} GB beside the weights for generation "
-                    f"(KV cache{' offloaded to host memory' if options[-1] else ''} and one prefill chunk), but "
-                    f"{device_free / 1e9:.1f} GB are free; the longest that fits here is {longest} tokens: "
-                    f"evaluate shorter lengths (--lengths) or on a device with more memory")
-
-
-def _longest_fitting(config, dtype_bytes: int, usable: int, host_free: int | None, chunk: int) -> int:
-    def fits(n: int) -> bool:
-        for offload in ([False] if host_free is None else [False, True]):
-            device, host = _needs(config, n, chunk, dtype_bytes, offload)
-            if device <= usable and (not offload or host <= host_free * (1 - HEADROOM)):
-                return True
-        return False
-
-    lo, hi = 0, 1
-    while fits(hi) and hi < 1 << 26:
+    plan = _fitting(config, tokens, dtype_bytes, device_free, host_free, prefill_chunk)
+    if plan is not None:
+        return plan
+    lo, hi = 0, 1  # the longest that fits, by doubling then bisection
+    while _fitting(config, hi, dtype_bytes, device_free, host_free, prefill_chunk) and hi < 1 << 26:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+        lo, hi = (mid, hi) if _fitting(config, mid, dtype_bytes, device_free, host_free, prefill_chunk) else (lo, mid)
+    offload = host_free is not None
+    device, host = _needs(config, tokens, prefill_chunk, dtype_bytes, offload)
+    if offload and device <= device_free * (1 - HEADROOM):
+        short = (f"its KV cache, offloaded, needs {host / 1e9:.1f} GB of host memory and "
+                 f"{host_free / 1e9:.1f} GB are available")
+    else:
+        short = (f"it needs {device / 1e9:.1f} GB beside the weights (KV cache{' offloaded' if offload else ''} and "
+                 f"one prefill chunk) and {device_free / 1e9:.1f} GB are free")
+    raise UserError(f"a {tokens}-token prompt does not fit for generation: {short}; the longest that fits here is "
+                    f"{lo} tokens: evaluate shorter lengths (--lengths) or on a machine with more memory")
 
 
 def free_memory(device) -> tuple[int, int | None]:
@@ -122,7 +115,8 @@ def free_memory(device) -> tuple[int, int | None]:
     host = psutil.virtual_memory().available
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free, host
+        # what PyTorch's allocator holds but no tensor uses (an earlier checkpoint's cache) is free to this process
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), host
     return host, None
 
 

@@ -294,7 +294,8 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str
                 plan = plan_for(model, suite.longest)  # stops here, before any answer, when the longest cannot fit
                 memory[ckpt_name] = plan.describe()
                 answer = _hf_answers(model, tokenizer, encoder, plan)
-            limit = getattr(AutoConfig.from_pretrained(str(ckpt_dir)), "max_position_embeddings", None)
+            model_config = model.config if model is not None else AutoConfig.from_pretrained(str(ckpt_dir))
+            limit = getattr(model_config, "max_position_embeddings", None)
             if limit and suite.longest > limit:
                 notes[f"{ckpt_name}: max_position_embeddings"] = (
                     f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation")
@@ -313,7 +314,7 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str
             if heldout.rows:
                 model = model or load_model(ckpt_dir, device)
                 ppl[ckpt_name] = perplexity(model, heldout.packed, heldout.rows)
-            del model
+            del model, answer  # the closure holds the model too: both go before the next checkpoint loads
     return per_sample, ppl, notes, memory
 
 
