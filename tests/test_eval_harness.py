@@ -159,6 +159,15 @@ def test_loglikelihood_keeps_the_last_max_length_tokens(tiny):
     assert lp == pytest.approx(ref, abs=1e-4)
 
 
+def test_a_continuation_longer_than_max_length_is_one_line(tiny, run_dir):
+    model, tok = tiny
+    with pytest.raises(UserError, match="longer than the harness max length 4"):
+        checkpoint_lm(model, tok, max_length=4).loglikelihood([Req("one", " two three four five six seven")])
+    result = CliRunner().invoke(app, ["eval", str(run_dir), "--harness", "tiny_mc", "--harness-tasks",
+                                      str(run_dir.parent), "--harness-max-len", "0"])
+    assert result.exit_code == 2 and "--harness-max-len 0: need at least 2 tokens" in result.output
+
+
 def test_generation_is_greedy_and_stops(tiny):
     model, tok = tiny
     lm = checkpoint_lm(model, tok, max_length=128)
@@ -200,7 +209,10 @@ def test_run_scores_every_checkpoint_and_averages(run_dir, capsys):
                 scores.append(reference_logprob(model, [tok.bos_token_id] + whole, len(whole) - n_ctx)[0])
             correct += max(range(len(scores)), key=scores.__getitem__) == d["label"]
         assert report["per_checkpoint"][f"step_{step}"]["tiny_mc"]["acc"] == pytest.approx(correct / len(MC_DOCS))
-        assert 0.0 <= report["per_checkpoint"][f"step_{step}"]["tiny_gen"]["exact_match"] <= 1.0
+        exact = [reference_greedy(model, tok, [tok.bos_token_id] + ids_of(tok, d["prompt"]), 6, ["\n", "."]) == d["answer"]
+                 for d in GEN_DOCS]
+        assert report["per_checkpoint"][f"step_{step}"]["tiny_gen"]["exact_match"] == pytest.approx(
+            sum(exact) / len(GEN_DOCS))
     for task in ("tiny_mc", "tiny_gen"):
         for metric, value in report["average"][task].items():
             per = [report["per_checkpoint"][f"step_{s}"][task][metric] for s in STEPS]

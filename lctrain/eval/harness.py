@@ -88,6 +88,10 @@ def _make_lm_class():
             out: list[tuple[float, bool]] = []
             for start in range(0, len(pairs), self.batch_size):
                 chunk = pairs[start:start + self.batch_size]
+                longest = max(len(cont) for _, cont in chunk)
+                if longest > self.max_length:
+                    raise UserError(f"a harness continuation of {longest} tokens is longer than the harness max "
+                                    f"length {self.max_length}; raise --harness-max-len")
                 rows = [(ctx + cont)[-(self.max_length + 1):][:-1] for ctx, cont in chunk]
                 width = max(len(r) for r in rows)
                 ids = torch.full((len(rows), width), self.eot_token_id or 0, dtype=torch.long)
@@ -253,6 +257,8 @@ def evaluate_harness(tgt, settings: HarnessSettings, *, out: str | Path | None =
         raise UserError("--harness: name at least one task, e.g. --harness longbench,hellaswag,mmlu")
     if settings.batch_size < 1:
         raise UserError(f"--harness-batch {settings.batch_size}: need at least 1")
+    if settings.max_length is not None and settings.max_length < 2:
+        raise UserError(f"--harness-max-len {settings.max_length}: need at least 2 tokens (default data.seq_len)")
     return run_harness(tgt, settings, Path(out) if out else tgt.path / "eval", pick_device(device))
 
 
@@ -265,7 +271,7 @@ def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -
     lm_eval = import_harness()
     manager, _ = resolve_tasks(settings.tasks, settings.include_path)
     wanted = [TABLE7.get(n, n) for n in settings.tasks]
-    max_length = settings.max_length or target.cfg.data.seq_len
+    max_length = settings.max_length if settings.max_length is not None else target.cfg.data.seq_len
     tokenizer = load_eval_tokenizer(target.checkpoints[0][1], target.cfg)
     per_checkpoint: dict[str, dict[str, dict[str, float]]] = {}
     # the harness builds its requests inside simple_evaluate, so the bar counts requests answered, without a total
