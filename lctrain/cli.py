@@ -208,8 +208,8 @@ def check_sp(
 ):
     """The paper's Table 8: max |Δ logits| between one process and DeepSpeed-Ulysses over --nproc processes on the
     same window, per attention mode. Table and check_sp.json."""
+    from lctrain.attention.modes import parse_modes
     from lctrain.eval.check_sp import check_sp as run_check
-    from lctrain.eval.check_sp import parse_modes
 
     chosen = parse_modes(modes)
     run_check(load_config(config, list(set_ or [])), nproc=nproc, modes=chosen, dtype=dtype, window=window, out=out)
@@ -251,18 +251,14 @@ def estimate(
     if measure:
         from pathlib import Path
 
-        from lctrain.eval.inspect_data import MODES
-        from lctrain.eval.runner import parse_lengths, parse_names
+        from lctrain.attention.modes import parse_modes
+        from lctrain.eval.runner import parse_lengths
         from lctrain.eval.throughput import measure as run_measure
 
         if from_bench is not None or gpus is not None:
             raise UserError("--measure times the config's own layout: --from-bench and --gpus do not apply")
         cfg = load_config(config, list(set_ or []))
-        chosen = parse_names(modes) or []
-        unknown = [m for m in chosen if m not in MODES]
-        if unknown or not chosen:
-            raise UserError(f"--modes {modes}: choose from {', '.join(MODES)}")
-        run_measure(cfg, lengths=parse_lengths(lengths) if lengths else [cfg.data.seq_len], modes=chosen,
+        run_measure(cfg, lengths=parse_lengths(lengths) if lengths else [cfg.data.seq_len], modes=parse_modes(modes),
                     steps=steps, warmup=warmup, work=Path(out) if out else Path("runs") / f"figure6_{cfg.name}",
                     tflops=tflops)
         return

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lctrain.errors import UserError
+
 MODES = ("full", "intra_doc", "intra_doc_reset", "anchor")
 IGNORE_INDEX = -100
 
@@ -169,3 +171,15 @@ def dense_mask(layout: Layout, mode: str, device=None) -> torch.Tensor:
     idx = torch.arange(L, device=device)
     b = torch.arange(B, device=device)[:, None, None]
     return mask_mod(layout, mode, device)(b, None, idx[None, :, None], idx[None, None, :]).expand(B, L, L)
+
+
+def parse_modes(modes: str | None) -> list[str]:
+    """`--modes full,anchor` -> the modes (default all four), refusing unknown ones in one line."""
+    if not modes:
+        return list(MODES)
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or not chosen:
+        raise UserError(f"--modes {modes!r}: unknown mode {', '.join(unknown) or '(none given)'}; choose from "
+                        f"{', '.join(MODES)}")
+    return list(dict.fromkeys(chosen))

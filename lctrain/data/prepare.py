@@ -172,7 +172,7 @@ def _existing_is_current(out: Path, fingerprint: str, force: bool) -> bool:
         raise UserError(f"{out} exists, is not empty and is not a prepared dataset; remove it or choose another "
                         f"data.output_dir")
     if manifest.get("data_fingerprint") == fingerprint:
-        return manifest.get("format_version") == FORMAT_VERSION and not force  # an older format is rebuilt
+        return not force  # read_manifest already turned away an older format, which is rebuilt
     if not force:
         theirs = str(manifest.get("data_fingerprint", "?"))[:12]
         raise UserError(f"{out} holds a dataset with another data fingerprint ({theirs}, this config "
@@ -223,7 +223,7 @@ def _tokenizer_info(spec: str, tok, encoder, anchor_id: int) -> dict:
 
 def prepare(cfg: Config, force: bool = False) -> Path:
     """Build the packed dataset of `cfg.data` at `data_dir(cfg)`; a no-op when it is already there."""
-    from lctrain.tokenizer import anchor_token_id, load_encoder, load_tokenizer
+    from lctrain.tokenizer import anchor_token_id, load_tokenizer, text_encoder
 
     d = cfg.data
     console = _console()
@@ -243,7 +243,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     files = resolve_local_files(d.path, d.hub_split, d.seed) if d.source == "local" else None
     source = describe_source(d, files)
     tok = load_tokenizer(d.tokenizer)
-    encoder = load_encoder(d.tokenizer)
+    encoder = text_encoder(tok)
     anchor_id = anchor_token_id(tok)
     tags = None
     if d.domain_tags:

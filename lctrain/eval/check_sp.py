@@ -96,20 +96,6 @@ def allowed_processes() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def parse_modes(modes: Optional[str]) -> list[str]:
-    """`--modes full,anchor` -> the modes (default all four), refusing unknown ones in one line."""
-    from lctrain.attention import MODES
-
-    if not modes:
-        return list(MODES)
-    chosen = [m.strip() for m in modes.split(",") if m.strip()]
-    unknown = [m for m in chosen if m not in MODES]
-    if unknown or not chosen:
-        raise UserError(f"--modes {modes!r}: unknown mode {', '.join(unknown) or '(none given)'}; choose from "
-                        f"{', '.join(MODES)}")
-    return list(dict.fromkeys(chosen))
-
-
 def check_config(cfg: Config, nproc: int, dtype: Optional[str]) -> Config:
     """`cfg` laid out for a P-process Ulysses run of one window, refusing what cannot run before any process
     starts."""
