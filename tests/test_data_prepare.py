@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import sentencepiece as spm
 import zstandard
 from typer.testing import CliRunner
 
@@ -19,7 +20,7 @@ from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES
 from lctrain.data.prepare import prepare
 from lctrain.data.store import FORMAT_VERSION, ShardWriter, open_packed
 from lctrain.errors import UserError
-from lctrain.tokenizer import load_tokenizer
+from lctrain.tokenizer import builtin_model_file, load_tokenizer
 
 TOKENIZER = "builtin:mistral-7b-v0.1"
 # SlimPajama's spelling, in the order of DOMAINS
@@ -132,9 +133,12 @@ def reconstruct(data, reference, interleaved=False):
     return pos, started
 
 
+REFERENCE = spm.SentencePieceProcessor(model_file=str(builtin_model_file(TOKENIZER.removeprefix("builtin:"))))
+
+
 def reference_tokens(tok, docs):
-    return [(tok(d["text"], add_special_tokens=False)["input_ids"], SET_DOMAIN[d["meta"]["redpajama_set_name"]])
-            for d in docs]
+    """Each document's ids from SentencePiece itself (the built-in's reference tokenizer) and its domain."""
+    return [(REFERENCE.encode(d["text"]), SET_DOMAIN[d["meta"]["redpajama_set_name"]]) for d in docs]
 
 
 def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words):
