@@ -271,16 +271,6 @@ def auto_mlp_shards(tokens: int, hidden: int) -> int:
     return max(1, math.ceil(tokens / hidden))
 
 
-def exact_shards(rows: int, shards: int) -> int:
-    """The number of pieces `torch.chunk` really cuts `rows` into when asked for `shards` (fewer when the chunk size
-    ceil(rows / shards) does not fit that often: 10 rows in 6 asks -> 5 pieces of 2). DeepSpeed 0.19.8's TiledMLP
-    backward marks the weights' gradients ready (`ds_grad_is_ready`) only at piece number `shards`, and ZeRO's
-    gradient hooks (stage 1-2 and 3) skip a gradient that is not ready, so it must be given the exact count or the
-    MLP gradients would never be reduced."""
-    size = math.ceil(rows / min(shards, rows))
-    return math.ceil(rows / size)
-
-
 def tile_mlps(model, shards: int | str) -> int:
     """Run every decoder layer's MLP through DeepSpeed's `TiledMLP` (deepspeed.runtime.sequence_parallel.ulysses_sp):
     the forward runs `shards` slices of the sequence without keeping the [tokens, intermediate_size] activations,
@@ -291,7 +281,7 @@ def tile_mlps(model, shards: int | str) -> int:
     rank's MLP sees micro_batch x seq_len / sequence_parallel rows (ParallelLayout makes seq_len divisible), so the
     automatic count needs no per-call all-reduce.
     Returns the number of MLPs wrapped."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    from lctrain.compat.deepspeed import tiled_mlp_apply
 
     layers = getattr(model.get_decoder(), "layers", None)
     mlps = [getattr(layer, "mlp", None) for layer in layers or ()]
@@ -304,8 +294,8 @@ def tile_mlps(model, shards: int | str) -> int:
 
         def tiled_forward(x, mlp=mlp, untiled=untiled, params=params):
             rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
-            count = exact_shards(rows, auto_mlp_shards(rows, hidden) if shards == "auto" else shards)
-            return TiledMLP.apply(untiled, mlp, x, count, params)
+            return tiled_mlp_apply(untiled, mlp, x, auto_mlp_shards(rows, hidden) if shards == "auto" else shards,
+                                   params)
 
         mlp.forward = tiled_forward
     return len(mlps)

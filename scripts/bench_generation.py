@@ -47,20 +47,23 @@ def measure(lm, length: int, new_tokens: int, seed: int) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    marks = []
+
+    def first_token(new: list[int]) -> bool:  # called after each token; the argmax read has synchronized the device
+        if len(new) == 1:
+            marks.append(time.perf_counter())
+        return False
+
     t0 = time.perf_counter()
-    first = greedy_ids(lm, ids, 1, plan)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = greedy_ids(lm, ids, new_tokens, plan)
+    out = greedy_ids(lm, ids, new_tokens, plan, stop=first_token)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     total = time.perf_counter() - t0
+    prefill = (marks[0] if marks else time.perf_counter()) - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"length": length, "new_tokens": len(out), "plan": plan.describe(), "offload": plan.offload,
             "prefill_s": prefill, "decode_s_per_token": max(total - prefill, 0.0) / max(len(out) - 1, 1),
-            "first_token_agrees": out[:1] == first, "weights_gb": weights / 1e9,
+            "weights_gb": weights / 1e9,
             "predicted_peak_gb": (weights + plan.device_bytes) / 1e9,
             "measured_peak_gb": peak / 1e9 if peak is not None else None}
 

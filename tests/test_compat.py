@@ -60,7 +60,8 @@ def test_deepspeed_is_the_release_the_compat_entries_were_checked_against():
     assert deepspeed.__version__ == DEEPSPEED_VERSION, (
         f"DeepSpeed {deepspeed.__version__} is installed; lctrain/compat/deepspeed.py was written against "
         f"{DEEPSPEED_VERSION}: re-check __compatible_ops__, parallel_state_sp as mpu, "
-        f"_zero3_consolidated_16bit_state_dict and the gradient averaging rule (tests/test_parallel_equivalence.py), "
+        f"_zero3_consolidated_16bit_state_dict, the gradient averaging rule (tests/test_parallel_equivalence.py) and "
+        f"TiledMLP's ready-gradient count (tests/test_tiled_mlp.py), "
         f"then update DEEPSPEED_VERSION")
 
 

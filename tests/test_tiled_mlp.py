@@ -14,7 +14,8 @@ from train_helpers import losses, prepared_workdir, reference_run, run_cli_train
 
 from lctrain.config import load_config
 from lctrain.errors import UserError
-from lctrain.model import auto_mlp_shards, build_model, exact_shards, tile_mlps
+from lctrain.compat.deepspeed import exact_shards
+from lctrain.model import auto_mlp_shards, build_model, tile_mlps
 
 STEPS = 3
 # hidden 32: `auto` cuts a rank's micro-batch of 2 x 64 tokens (SP=2 of 128) into ceil(128 / 32) = 4 shards

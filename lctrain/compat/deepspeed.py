@@ -3,6 +3,8 @@ fails when the installed release is another, so an upgrade re-checks every entry
 
 from __future__ import annotations
 
+import math
+
 DEEPSPEED_VERSION = "0.19.8"
 
 
@@ -45,3 +47,21 @@ def zero3_full_state_dict(engine) -> dict:
     0.19.8 has it only as the private `DeepSpeedEngine._zero3_consolidated_16bit_state_dict`, which its public
     `save_16bit_model` calls before writing the file itself; lctrain writes with `save_pretrained` instead."""
     return engine._zero3_consolidated_16bit_state_dict()
+
+
+def exact_shards(rows: int, shards: int) -> int:
+    """The number of pieces `torch.chunk` really cuts `rows` into when asked for `shards` (fewer when the chunk size
+    ceil(rows / shards) does not fit that often: 10 rows in 6 asks -> 5 pieces of 2). DeepSpeed 0.19.8's TiledMLP
+    backward marks the weights' gradients ready (`ds_grad_is_ready`) only at piece number `shards`, and ZeRO's
+    gradient hooks (stage 1-2 and 3) skip a gradient that is not ready, so it must be given the exact count or the
+    MLP gradients would never be reduced."""
+    size = math.ceil(rows / min(shards, rows))
+    return math.ceil(rows / size)
+
+
+def tiled_mlp_apply(fn, mlp, x, shards: int, params: list):
+    """`ulysses_sp.TiledMLP.apply` with the piece count `torch.chunk` really cuts (`exact_shards`): `fn(mlp, x)` on
+    slices of the sequence, recomputed slice by slice in the backward."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    return TiledMLP.apply(fn, mlp, x, exact_shards(x.numel() // x.shape[-1], shards), params)

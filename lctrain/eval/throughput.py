@@ -87,18 +87,19 @@ def measure(cfg: Config, *, lengths: list[int], modes: list[str], steps: int, wa
         tflops = peak / 1e12
     points: list[Point] = []
     for seq_len in lengths:
-        for mode in modes:
-            pcfg = point_config(cfg, mode, seq_len, steps, warmup, work)
-            prepare(pcfg)
+        # the modes of one length train on one prepared dataset, and the FLOP model reads its layout once
+        configs = {mode: point_config(cfg, mode, seq_len, steps, warmup, work) for mode in modes}
+        prepare(configs[modes[0]])
+        predicted = predict(configs[modes[0]], {"*": tflops}, n_gpus, modes=tuple(modes))[0]
+        for mode, pcfg in configs.items():
             run = train(pcfg, force=True)
             times = timed_steps(run, warmup)
             if not times:
                 raise UserError(f"{run}: no step after the {warmup} warm-up steps was logged")
             tokens = pcfg.train.global_batch * seq_len
-            predicted = predict(pcfg, {"*": tflops}, n_gpus, modes=(mode,))[0][mode]["hours_per_1b_tokens"] / 24
             step_time = statistics.fmean(times)
             points.append(Point(mode, seq_len, step_time, len(times), tokens, days_per_billion(tokens, step_time),
-                                predicted, str(run)))
+                                predicted[mode]["hours_per_1b_tokens"] / 24, str(run)))
     results = {"config": cfg.name, "gpus": n_gpus, "tflops_for_prediction": tflops, "steps": steps, "warmup": warmup,
                "points": [asdict(p) | {"ratio": p.ratio} for p in points]}
     work.mkdir(parents=True, exist_ok=True)
