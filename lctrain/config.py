@@ -122,6 +122,9 @@ class ModelConfig(_Section):
     tiled_mlp: Union[Literal["auto"], int] = Field(
         0, description="run each decoder MLP in this many sequence shards with DeepSpeed's TiledMLP (0 = off; "
                        "'auto' = ceil(tokens per rank / hidden_size), the largest over the ranks)")
+    offload_activations: bool = Field(
+        False, description="keep the checkpointed hidden states in host memory between forward and backward "
+                           "(DeepSpeed's checkpoint offload; needs gradient_checkpointing)")
 
     @field_validator("tiled_mlp", mode="before")
     @classmethod
