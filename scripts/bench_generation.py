@@ -6,13 +6,15 @@
 A Llama-shaped model with random bf16 weights (GPU) or fp32 (CPU) answers a prompt of random token ids through the
 planned generation path (lctrain.eval.generation: chunked prefill, the KV cache offloaded to host memory when it does
 not fit). Per length it reports the plan, prefill and decode time, and on a GPU the measured peak memory against the
-plan's prediction (weights + what the plan needs beside them). Writes JSON after every length.
+plan's prediction (weights + what the plan needs beside them), and the host cache beside the process's peak RSS (which
+includes the Python runtime). Writes JSON after every length.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -65,7 +67,9 @@ def measure(lm, length: int, new_tokens: int, seed: int) -> dict:
             "prefill_s": prefill, "decode_s_per_token": max(total - prefill, 0.0) / max(len(out) - 1, 1),
             "weights_gb": weights / 1e9,
             "predicted_peak_gb": (weights + plan.device_bytes) / 1e9,
-            "measured_peak_gb": peak / 1e9 if peak is not None else None}
+            "measured_peak_gb": peak / 1e9 if peak is not None else None,
+            "host_cache_gb": plan.host_bytes / 1e9,
+            "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
 
 
 def main(argv=None) -> None:

@@ -418,10 +418,11 @@ def stage_generation(run: Runner, args) -> None:
     if data is None:
         return
     r.data = data
-    r.columns = ["prompt tokens", "plan", "prefill s", "decode ms/token", "predicted peak GB", "measured peak GB"]
+    r.columns = ["prompt tokens", "plan", "prefill s", "decode ms/token", "predicted peak GB", "measured peak GB",
+                 "host cache GB", "host peak RSS GB"]
     for x in data["results"]:
         r.rows.append([x["length"], x["plan"], x["prefill_s"], x["decode_s_per_token"] * 1e3, x["predicted_peak_gb"],
-                       x["measured_peak_gb"]])
+                       x["measured_peak_gb"], x["host_cache_gb"], x["host_peak_rss_gb"]])
         if x["measured_peak_gb"] > x["predicted_peak_gb"] * 1.10:
             r.fail(f"{x['length']} tokens: measured peak {x['measured_peak_gb']:.1f} GB is over the plan's "
                    f"{x['predicted_peak_gb']:.1f} GB by more than 10%")
@@ -557,7 +558,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--train-seq-len", type=int, default=65536)
     ap.add_argument("--cli-config", default="gpu_small_16k")
     ap.add_argument("--kill-step", type=int, default=12)
-    ap.add_argument("--rope-samples", type=int, default=8, help="rope stage: text sequences per case")
+    ap.add_argument("--rope-samples", type=int, default=4, help="rope stage: text sequences per case")
     ap.add_argument("--generation-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
     ap.add_argument("--work", default=None, help="where the cli stage prepares and trains (default OUT/cli_work; "
                     "a few GB of checkpoints)")

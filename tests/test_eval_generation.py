@@ -34,29 +34,37 @@ def hf_greedy(model, ids, max_new):
         return model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen)[0, len(ids):].tolist()
 
 
-def check_equals_generate(model, chunk, offload):
+def check_equals_generate(model, chunk, resident):
     ids = torch.randint(3, 256, (50,), generator=torch.Generator().manual_seed(1)).tolist()
-    plan = GenerationPlan(offload=offload, prefill_chunk=chunk, tokens=62, device_bytes=0, host_bytes=0,
-                          available_bytes=0)
+    plan = GenerationPlan(resident_layers=resident, layers=3, prefill_chunk=chunk, tokens=62, device_bytes=0,
+                          host_bytes=0, available_bytes=0)
     assert greedy_ids(model, ids, 12, plan) == hf_greedy(model, ids, 12)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_prefill_equals_generate(tiny, chunk):
-    check_equals_generate(tiny, chunk, offload=False)
+# On the CPU the "offloaded" layers take the same path with synchronous copies: which buffer holds which prefix,
+# and which layer is prefetched into which staging buffer, are checked here; the streams on a GPU.
+@pytest.mark.parametrize("chunk,resident", [(1, 3), (7, 3), (64, 3), (1, 1), (7, 0), (64, 2)])
+def test_chunked_prefill_equals_generate(tiny, chunk, resident):
+    check_equals_generate(tiny, chunk, resident)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the offloaded cache streams layers to a CUDA device")
-@pytest.mark.parametrize("chunk", [1, 5])
-def test_offloaded_cache_equals_generate_on_gpu(tiny, chunk):
-    check_equals_generate(tiny.to("cuda"), chunk, offload=True)
+@pytest.mark.parametrize("chunk,resident", [(1, 0), (5, 1), (5, 2)])
+def test_offloaded_cache_equals_generate_on_gpu(tiny, chunk, resident):
+    check_equals_generate(tiny.to("cuda"), chunk, resident)
     tiny.to("cpu")
+
+
+def test_cache_refuses_more_tokens_than_planned(tiny):
+    plan = GenerationPlan(3, 3, 8, 20, 0, 0, 0)
+    with pytest.raises(ValueError, match="exceed the plan's 20"):
+        greedy_ids(tiny, list(range(10, 25)), 6, plan)
 
 
 def test_generation_stops_at_eos_and_stop_condition(tiny):
     ids = list(range(10, 40))
-    plan = GenerationPlan(False, 8, 50, 0, 0, 0)
+    plan = GenerationPlan(3, 3, 8, 50, 0, 0, 0)
     full = greedy_ids(tiny, ids, 10, plan)
     assert greedy_ids(tiny, ids, 10, plan, eos=full[3]) == full[:full.index(full[3]) + 1]
     assert greedy_ids(tiny, ids, 10, plan, stop=lambda new: len(new) == 4) == full[:4]
@@ -84,19 +92,26 @@ def test_plan_llama2_7b_on_an_80gb_gpu():
     free = int(80e9 - weights)
     # 64K: the 32 GiB cache fits beside the weights
     assert plan_generation(LLAMA2_7B, 65536 + 128, 2, free, host_free=200 * GIB).offload is False
-    # 128K: 64 GiB of cache does not fit in the 66.5 GB left; offloaded it needs two layers' worth on the device
+    # 128K: 64 GiB of cache does not fit in the 66.5 GB left. By hand: a layer's cache is 131200 x 2 x 4096 x 2 B
+    # = 2.15 GB, one 8K prefill chunk's activations 8192 x (4 x 4096 x 2 + 3 x 11008 x 2 + 2 x 4096 x 2 + 131200)
+    # + 32000 x 4 B = 2.01 GB, and 90% of 66.5 GB is 59.85 GB: (r + 2 staging) x 2.15 + 2.01 <= 59.85 gives r = 24
+    # resident layers, so 8 are offloaded (17.2 GB of host memory)
+    layer = 131200 * 2 * 4096 * 2
+    chunk = 8192 * (4 * 4096 * 2 + 3 * 11008 * 2 + 2 * 4096 * 2 + 131200) + 32000 * 4
+    resident = max(r for r in range(33) if (r + 2) * layer + chunk <= free * 0.9)
     plan = plan_generation(LLAMA2_7B, 131072 + 128, 2, free, host_free=200 * GIB)
-    assert plan.offload and plan.host_bytes == kv_cache_bytes(LLAMA2_7B, 131072 + 128, 2)
-    assert plan.device_bytes < 10e9 and "offloaded" in plan.describe()
-    # and without the host memory for the offloaded cache it cannot run at all
+    assert (plan.resident_layers, plan.layers) == (resident, 32) == (24, 32)
+    assert plan.host_bytes == 8 * layer and plan.device_bytes == 26 * layer + chunk
+    assert "8 of 32 layers offloaded" in plan.describe()
+    # without the host memory for those 8 layers it cannot run at all
     with pytest.raises(UserError, match=r"longest that fits here is \d+ tokens") as e:
-        plan_generation(LLAMA2_7B, 131072 + 128, 2, free, host_free=32 * GIB)
-    assert "offloaded, needs 68.8 GB of host memory and 34.4 GB are available" in str(e.value)  # what ran out
+        plan_generation(LLAMA2_7B, 131072 + 128, 2, free, host_free=8 * GIB)
+    assert "8 of 32 layers offloaded, needs 17.2 GB of host memory and 8.6 GB are available" in str(e.value)
     longest = int(str(e.value).split("longest that fits here is ")[1].split()[0])
     assert 100_000 < longest < 131072
-    assert plan_generation(LLAMA2_7B, longest, 2, free, host_free=32 * GIB)
+    assert plan_generation(LLAMA2_7B, longest, 2, free, host_free=8 * GIB)
     with pytest.raises(UserError):
-        plan_generation(LLAMA2_7B, longest + 1, 2, free, host_free=32 * GIB)
+        plan_generation(LLAMA2_7B, longest + 1, 2, free, host_free=8 * GIB)
 
 
 def test_cpu_plan_never_offloads():

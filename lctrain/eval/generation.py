@@ -7,18 +7,25 @@ Two measures bound the device memory:
 
 - **chunked prefill**: the prompt goes through the model `prefill_chunk` tokens at a time, appending to the cache,
   so activations scale with the chunk, not the prompt, and only the last position's logits are computed;
-- **offloaded cache** (when the whole cache does not fit on the device): transformers' `DynamicCache(offloading=True)`
-  keeps the cache in host memory and brings one layer's keys and values to the device while the next is prefetched,
-  so the device holds two layers' cache instead of all of them, at the price of host-device copies per layer.
+- **partly offloaded cache** (when the whole cache does not fit on the device): as many layers as fit keep their
+  keys and values on the device; the others live in pinned host memory and are streamed to the device one layer at a
+  time through two staging buffers, the next layer's copy overlapping the current layer's compute.
+
+Every layer's cache is one buffer of the plan's full length, allocated once (`PlannedCache`). transformers'
+`DynamicCache` instead concatenates per token (copying the whole cache each step) and, offloaded, lets PyTorch's
+pinned-memory cache round every growing copy up to a power of two and keep the old ones: at 128K that asked for more
+than the 128 GiB of host memory of an H100 machine, which killed the process (measured on an H100, 2026-11-23).
 
 Device memory for a prompt of T tokens plus N generated ones (`plan_generation`): weights, plus the cache of T + N
-tokens (all layers on the device, or two layers with offloading), plus the activations of one prefill chunk of c
-tokens (q, k, v and output projections, the MLP's gate, up and product, and the c x (T + N) attention mask). If even
-the offloaded plan does not fit, `lctrain eval` stops before generating, saying the longest prompt that fits.
+tokens for the resident layers, plus two staging layers when any layer is offloaded, plus the activations of one
+prefill chunk of c tokens (q, k, v and output projections, the MLP's gate, up and product, and the c x (T + N)
+attention mask). Host memory: the cache of the offloaded layers. If even the most offloaded plan does not fit,
+`lctrain eval` stops before generating, saying the longest prompt that fits.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,44 +55,69 @@ def prefill_activation_bytes(config, chunk: int, context: int, dtype_bytes: int)
 
 @dataclass(frozen=True)
 class GenerationPlan:
-    offload: bool
+    resident_layers: int  # layers whose cache stays on the device; the others are streamed from host memory
+    layers: int
     prefill_chunk: int
     tokens: int
     device_bytes: int  # what the plan needs on the device beside the weights
-    host_bytes: int  # what it needs in host memory (the offloaded cache)
+    host_bytes: int  # what it needs in host memory (the offloaded layers' cache)
     available_bytes: int
 
+    @property
+    def offload(self) -> bool:
+        return self.resident_layers < self.layers
+
     def describe(self) -> str:
-        where = "KV cache offloaded to host memory" if self.offload else "KV cache on the device"
         gb = 1e9
+        where = (f"KV cache of {self.layers - self.resident_layers} of {self.layers} layers offloaded to host memory "
+                 f"({self.host_bytes / gb:.1f} GB)" if self.offload else "KV cache on the device")
         return (f"{self.tokens} tokens: {where}, prefill in chunks of {self.prefill_chunk}; "
                 f"{self.device_bytes / gb:.1f} GB on the device beside the weights "
-                f"(of {self.available_bytes / gb:.1f} GB free)"
-                + (f", {self.host_bytes / gb:.1f} GB in host memory" if self.offload else ""))
+                f"(of {self.available_bytes / gb:.1f} GB free)")
 
 
-def _needs(config, tokens: int, chunk: int, dtype_bytes: int, offload: bool) -> tuple[int, int]:
-    cache = kv_cache_bytes(config, tokens, dtype_bytes)
+STAGING_LAYERS = 2  # an offloaded layer computes in one staging buffer while the next is copied into the other
+
+
+def _needs(config, tokens: int, chunk: int, dtype_bytes: int, resident: int) -> tuple[int, int]:
+    """(device bytes beside the weights, host bytes) with `resident` layers' cache on the device."""
+    layers = ModelShape.from_hf_config(config).layers
+    offloaded = layers - resident
+    on_device = resident + (STAGING_LAYERS if offloaded else 0)
     act = prefill_activation_bytes(config, min(chunk, tokens), tokens, dtype_bytes)
-    if offload:
-        return kv_cache_bytes(config, tokens, dtype_bytes, layers=2) + act, cache
-    return cache + act, 0
+    return (kv_cache_bytes(config, tokens, dtype_bytes, layers=on_device) + act,
+            kv_cache_bytes(config, tokens, dtype_bytes, layers=offloaded))
+
+
+def _most_resident(config, tokens: int, dtype_bytes: int, device_free: int, chunk: int,
+                   can_offload: bool) -> tuple[int, int, int] | None:
+    """(resident layers, device bytes, host bytes) keeping the most layers on the device within its free memory
+    (less HEADROOM), or None when not even the fully offloaded cache fits."""
+    layers = ModelShape.from_hf_config(config).layers
+    for resident in range(layers, -1 if can_offload else layers - 1, -1):
+        device, host = _needs(config, tokens, chunk, dtype_bytes, resident)
+        if device <= device_free * (1 - HEADROOM):
+            return resident, device, host
+    return None
 
 
 def _fitting(config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None,
              chunk: int) -> GenerationPlan | None:
-    """The cheapest plan for `tokens` within the free memory (less HEADROOM), or None."""
-    for offload in [False] if host_free is None else [False, True]:
-        device, host = _needs(config, tokens, chunk, dtype_bytes, offload)
-        if device <= device_free * (1 - HEADROOM) and (not offload or host <= host_free * (1 - HEADROOM)):
-            return GenerationPlan(offload, chunk, tokens, device, host, device_free)
-    return None
+    """The plan for `tokens` with the fewest layers offloaded, or None. Offloading more layers only needs more host
+    memory, so the most resident plan that fits the device decides."""
+    best = _most_resident(config, tokens, dtype_bytes, device_free, chunk, host_free is not None)
+    if best is None:
+        return None
+    resident, device, host = best
+    if host and host > host_free * (1 - HEADROOM):
+        return None
+    return GenerationPlan(resident, ModelShape.from_hf_config(config).layers, chunk, tokens, device, host, device_free)
 
 
 def plan_generation(config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None,
                     prefill_chunk: int = PREFILL_CHUNK) -> GenerationPlan:
-    """The cheapest plan that fits `tokens` (prompt + generated) into `device_free` bytes beside the weights;
-    `host_free` None means the device is the host (CPU), where offloading saves nothing."""
+    """The plan that fits `tokens` (prompt + generated) into `device_free` bytes beside the weights with the fewest
+    layers offloaded; `host_free` None means the device is the host (CPU), where offloading saves nothing."""
     plan = _fitting(config, tokens, dtype_bytes, device_free, host_free, prefill_chunk)
     if plan is not None:
         return plan
@@ -95,12 +127,15 @@ def plan_generation(config, tokens: int, dtype_bytes: int, device_free: int, hos
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if _fitting(config, mid, dtype_bytes, device_free, host_free, prefill_chunk) else (lo, mid)
+    layers = ModelShape.from_hf_config(config).layers
     offload = host_free is not None
-    device, host = _needs(config, tokens, prefill_chunk, dtype_bytes, offload)
-    if offload and device <= device_free * (1 - HEADROOM):
-        short = (f"its KV cache, offloaded, needs {host / 1e9:.1f} GB of host memory and "
-                 f"{host_free / 1e9:.1f} GB are available")
+    best = _most_resident(config, tokens, dtype_bytes, device_free, prefill_chunk, offload)
+    if best is not None:  # the device has room: host memory for the offloaded layers ran out
+        resident, _, host = best
+        short = (f"its KV cache, {layers - resident} of {layers} layers offloaded, needs {host / 1e9:.1f} GB of host "
+                 f"memory and {host_free / 1e9:.1f} GB are available")
     else:
+        device, _ = _needs(config, tokens, prefill_chunk, dtype_bytes, 0 if offload else layers)
         short = (f"it needs {device / 1e9:.1f} GB beside the weights (KV cache{' offloaded' if offload else ''} and "
                  f"one prefill chunk) and {device_free / 1e9:.1f} GB are free")
     raise UserError(f"a {tokens}-token prompt does not fit for generation: {short}; the longest that fits here is "
@@ -126,31 +161,168 @@ def plan_for(model, tokens: int) -> GenerationPlan:
     return plan_generation(model.config, tokens, model.dtype.itemsize, free, host)
 
 
+PAGE = 4096
+
+
+def _host_buffer(shape: tuple[int, ...], dtype, pin: bool):
+    """An uninitialised host tensor of exactly its size, page-locked with cudaHostRegister when `pin` (so copies to
+    the device run asynchronously at full speed). Not `pin_memory=True`: PyTorch's pinned-memory cache rounds each
+    allocation up to a power of two, which would double a 1.0x GiB layer. Returns (tensor, registered address)."""
+    import torch
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not pin:
+        return torch.empty(shape, dtype=dtype), None
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    region = raw[start:start + nbytes]
+    if int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), nbytes, 0)) != 0:
+        raise RuntimeError(f"cudaHostRegister could not page-lock {nbytes / 1e9:.1f} GB of host memory for the "
+                           f"offloaded KV cache")
+    return region.view(dtype).view(shape), region.data_ptr()
+
+
+class _BufferLayer:
+    """One layer's keys and values: a [batch, kv heads, capacity, head dim] buffer each, filled up to `length`."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+        self.length = 0
+
+
+def planned_cache(model, plan: GenerationPlan):
+    """A transformers `Cache` holding the KV cache of one generation under `plan` (see the module docstring).
+    Call `close()` when done: it releases the page-locked host memory."""
+    import torch
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    m = ModelShape.from_hf_config(model.config)
+    device, dtype = model.device, model.dtype
+    stream = device.type == "cuda"
+
+    class Layer(DynamicLayer):
+        """What transformers asks of a cache layer, answered from the planned buffers."""
+
+        def __init__(self, buffers: _BufferLayer):
+            super().__init__()
+            self.buffers = buffers
+            self.is_initialized = True
+            self.dtype, self.device = dtype, device
+
+        def get_seq_length(self) -> int:
+            return self.buffers.length
+
+        def offload(self):
+            pass
+
+        def prefetch(self):
+            pass
+
+    class PlannedCache(Cache):
+        def __init__(self):
+            shape = (1, m.kv_heads, plan.tokens, m.head_dim)
+            self.registered: list[int] = []
+            self.store = []
+            for i in range(m.layers):
+                if i < plan.resident_layers:
+                    self.store.append(_BufferLayer(torch.empty(shape, dtype=dtype, device=device),
+                                                   torch.empty(shape, dtype=dtype, device=device)))
+                    continue
+                (k, pk), (v, pv) = (_host_buffer(shape, dtype, stream) for _ in range(2))
+                self.registered += [p for p in (pk, pv) if p is not None]
+                self.store.append(_BufferLayer(k, v))
+            self.offloaded = list(range(plan.resident_layers, m.layers))
+            self.staging = [(torch.empty(shape, dtype=dtype, device=device),
+                             torch.empty(shape, dtype=dtype, device=device))
+                            for _ in range(min(STAGING_LAYERS, len(self.offloaded)))]
+            self.copy_stream = torch.cuda.Stream(device) if stream and self.offloaded else None
+            self.prefetched: set[int] = set()
+            super().__init__(layers=[Layer(b) for b in self.store])
+
+        def _slot(self, layer: int):
+            return self.staging[(layer - plan.resident_layers) % STAGING_LAYERS]
+
+        def _fetch(self, layer: int) -> None:
+            """Copy the cached prefix of an offloaded layer into its staging buffers."""
+            b, (k, v) = self.store[layer], self._slot(layer)
+            k[..., :b.length, :].copy_(b.keys[..., :b.length, :], non_blocking=True)
+            v[..., :b.length, :].copy_(b.values[..., :b.length, :], non_blocking=True)
+
+        def _prefetch_after(self, layer: int) -> None:
+            """Start copying the next offloaded layer (the first one of the next forward, after the last) while
+            this one computes, unless it would land in the staging buffer this layer is about to read."""
+            nxt = self.offloaded[(self.offloaded.index(layer) + 1) % len(self.offloaded)]
+            if self._slot(nxt) is self._slot(layer):
+                return
+            if self.copy_stream is None:
+                self._fetch(nxt)
+            else:
+                # after everything queued so far: the reads of the previous layer in that buffer, our host writes
+                self.copy_stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(self.copy_stream):
+                    self._fetch(nxt)
+            self.prefetched.add(nxt)
+
+        def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+            b = self.store[layer_idx]
+            n, new = b.length, key_states.shape[-2]
+            if n + new > plan.tokens:
+                raise ValueError(f"the cache was planned for {plan.tokens} tokens; {n + new} asked")
+            if layer_idx < plan.resident_layers:
+                keys, values = b.keys, b.values
+            else:
+                keys, values = self._slot(layer_idx)
+                if layer_idx in self.prefetched:
+                    if self.copy_stream is not None:
+                        torch.cuda.current_stream(device).wait_stream(self.copy_stream)
+                    self.prefetched.discard(layer_idx)
+                else:
+                    self._fetch(layer_idx)
+                b.keys[..., n:n + new, :].copy_(key_states, non_blocking=True)
+                b.values[..., n:n + new, :].copy_(value_states, non_blocking=True)
+                self._prefetch_after(layer_idx)
+            keys[..., n:n + new, :].copy_(key_states)
+            values[..., n:n + new, :].copy_(value_states)
+            b.length = n + new
+            return keys[..., :n + new, :], values[..., :n + new, :]
+
+        def close(self) -> None:
+            if self.registered:
+                torch.cuda.synchronize(device)
+                for ptr in self.registered:
+                    torch.cuda.cudart().cudaHostUnregister(ptr)
+            self.registered, self.store, self.staging, self.layers = [], [], [], []
+
+    return PlannedCache()
+
+
 def greedy_ids(model, ids: list[int], max_new: int, plan: GenerationPlan, *, eos: int | None = None,
                stop: Callable[[list[int]], bool] | None = None) -> list[int]:
     """Greedy continuation of `ids` under `plan`: up to `max_new` tokens, ending after `eos` or once `stop(new ids)`
     is true (the stop strings of a task)."""
     import torch
-    from transformers import DynamicCache
 
     if not ids or max_new < 1:
         raise ValueError("greedy generation needs a prompt token and room for at least one new token")
-    if plan.offload and model.device.type != "cuda":
-        raise ValueError("an offloaded KV cache streams layers to a CUDA device; on the host it saves nothing")
-    cache = DynamicCache(config=model.config, offloading=plan.offload)
+    if len(ids) + max_new > plan.tokens:
+        raise ValueError(f"a {len(ids)}-token prompt and {max_new} new tokens exceed the plan's {plan.tokens}")
+    cache = planned_cache(model, plan)
     x = torch.tensor([ids], device=model.device)
     new: list[int] = []
-    with torch.inference_mode():
-        for start in range(0, len(ids), plan.prefill_chunk):
-            out = model(input_ids=x[:, start:start + plan.prefill_chunk], past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
-        while True:
-            nxt = int(out.logits[0, -1].argmax())
-            new.append(nxt)
-            if len(new) >= max_new or nxt == eos or (stop is not None and stop(new)):
-                break
-            out = model(input_ids=torch.tensor([[nxt]], device=model.device), past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(ids), plan.prefill_chunk):
+                out = model(input_ids=x[:, start:start + plan.prefill_chunk], past_key_values=cache, use_cache=True,
+                            logits_to_keep=1)
+            while True:
+                nxt = int(out.logits[0, -1].argmax())
+                new.append(nxt)
+                if len(new) >= max_new or nxt == eos or (stop is not None and stop(new)):
+                    break
+                out = model(input_ids=torch.tensor([[nxt]], device=model.device), past_key_values=cache,
+                            use_cache=True, logits_to_keep=1)
+    finally:
+        cache.close()
     return new
 
 
