@@ -73,8 +73,7 @@ def attn_implementation(cfg: Config, device="cpu") -> str:
     """The Hugging Face attention implementation name for this config on this device."""
     from lctrain.attention import hf_name, resolve_engine
 
-    engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, interleaved=cfg.data.interleave_chunks,
-                            dtype=cfg.model.dtype)
+    engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
     return hf_name(engine)
 
 

@@ -81,14 +81,10 @@ def test_bad_input(kwargs, match):
 def test_engine_resolution():
     assert resolve_engine("auto", "anchor", "cpu", dtype="float32") == "sdpa"
     assert resolve_engine("auto", "anchor", "cuda", dtype="bfloat16") == "varlen"
-    assert resolve_engine("auto", "anchor", "cuda", dtype="bfloat16", interleaved=True) == "flex"
-    assert resolve_engine("varlen", "full", "cuda", dtype="bfloat16", interleaved=True) == "varlen"
     assert resolve_engine("reference", "anchor", "cpu", dtype="float32") == "reference"
     assert resolve_engine("auto", "anchor", "cuda", dtype="float32") == "flex"
     with pytest.raises(UserError, match="bfloat16 or float16"):
         resolve_engine("varlen", "anchor", "cuda", dtype=torch.float32)
-    with pytest.raises(UserError, match="interleaved"):
-        resolve_engine("varlen", "intra_doc", "cuda", dtype="bfloat16", interleaved=True)
     with pytest.raises(UserError, match="needs a CUDA GPU"):
         resolve_engine("varlen", "anchor", "cpu", dtype="bfloat16")
     with pytest.raises(UserError, match="no CPU backward"):
@@ -97,16 +93,24 @@ def test_engine_resolution():
         resolve_engine("xformers", "anchor", "cpu", dtype="float32")
 
 
-def test_varlen_refuses_interleaved_chunks_at_run_time():
+def test_varlen_plan_joins_interleaved_chunks():
     from lctrain.attention.engines.varlen import build_varlen_plan
 
     seg = make_batch(IDS, SEG, "anchor", seg_doc=DOC)[SEGMENTS_KEY]
-    with pytest.raises(UserError, match="'flex' or 'sdpa'"):
-        build_varlen_plan(seg.layout, "anchor", "cpu")
+    plan = build_varlen_plan(seg.layout, "anchor", "cpu")
+    # written by hand from SEG and DOC: each document's tokens in window order, documents by first appearance
+    docs: dict[int, list[int]] = {}
+    start = 0
+    for n, d in zip(SEG[0], DOC[0]):
+        docs.setdefault(d, []).extend(range(start, start + n))
+        start += n
+    want = [t for d in sorted(docs) for t in docs[d]]
+    assert plan.order.tolist() == want and plan.order[plan.inverse].tolist() == list(range(10))
+    lens = [len(docs[d]) for d in sorted(docs)]
+    assert plan.cu_seqlens.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)] and plan.max_seqlen == max(lens)
     assert build_varlen_plan(seg.layout, "full", "cpu").cu_seqlens.tolist() == [0, 10]
-    plain = make_batch(IDS, SEG, "anchor")[SEGMENTS_KEY]
-    plan = build_varlen_plan(plain.layout, "anchor", "cpu")
-    assert plan.cu_seqlens.tolist() == [0, 3, 7, 10] and plan.max_seqlen == 4
+    plain = build_varlen_plan(make_batch(IDS, SEG, "anchor")[SEGMENTS_KEY].layout, "anchor", "cpu")
+    assert plain.cu_seqlens.tolist() == [0, 3, 7, 10] and plain.max_seqlen == 4 and plain.order is None
 
 
 # Paper Fig. 5, written document by document: two rows of 16 tokens. A document has a tag length and a text length

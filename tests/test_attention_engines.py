@@ -218,7 +218,7 @@ def test_varlen_plan_on_cpu_matches_table(mode, with_gqa, monkeypatch):
     monkeypatch.setattr(engine, "flash_attn_available", lambda: False)
     engine.torch_varlen_takes_gqa.cache_clear()
     try:
-        batch, masks, qkv, w = make_case(mode, torch.float32, heads=(6, 2), seed=7, kinds=LAYOUT_KINDS[:-1])
+        batch, masks, qkv, w = make_case(mode, torch.float32, heads=(6, 2), seed=7)
         seg = batch[SEGMENTS_KEY]
         plan = engine.build_varlen_plan(seg.layout, mode, "cpu")
         want, _ = reference(masks, qkv, w)
@@ -239,14 +239,12 @@ GPU_GRAD_SCALE = {torch.bfloat16: 4, torch.float32: 1}
 @pytest.mark.parametrize("engine", ["flex", "varlen", "sdpa"])
 def test_gpu_engines_match_table(engine, mode, dtype):
     if engine == "varlen" and dtype == torch.float32:
-        batch, _, qkv, _ = make_case(mode, dtype, L=64, kinds=LAYOUT_KINDS[:-1])
+        batch, _, qkv, _ = make_case(mode, dtype, L=64)
         with pytest.raises(UserError, match="bfloat16 or float16"):
             engine_fn(engine)(None, *(t.to("cuda", dtype) for t in qkv), None, scaling=0.25, **batch)
         return
-    # varlen refuses interleaved chunks (checked in test_attention_batch); it gets the other layouts
-    kinds = LAYOUT_KINDS[:-1] if engine == "varlen" else LAYOUT_KINDS
     for seed, heads in ((0, (8, 2)), (1, (4, 4))):  # grouped-query and multi-head
-        batch, masks, qkv, w = make_case(mode, dtype, L=256, seed=seed, heads=heads, kinds=kinds)
+        batch, masks, qkv, w = make_case(mode, dtype, L=256, seed=seed, heads=heads)
         want, want_grads = reference(masks, qkv, w)
         leaves = [t.to("cuda", dtype).requires_grad_(True) for t in qkv]
         out, _ = engine_fn(engine)(None, *leaves, None, scaling=0.25, **batch)

@@ -103,6 +103,14 @@ def build_layout(batch: int, length: int, seg_len, seg_row, seg_doc, seg_tags) -
     )
 
 
+def document_order(layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, doc_len): `order` lists the B*L tokens document by document, each document's tokens in window order
+    (its chunks joined, its anchor first), and `doc_len[d]` is document d's token count. Causal attention within
+    each run of `order` is the mask of every document mode, so an engine that only knows contiguous sequences runs
+    interleaved chunks after this one permutation."""
+    return torch.argsort(layout.tok_doc, stable=True), torch.bincount(layout.tok_doc, minlength=layout.num_docs)
+
+
 def earlier_tokens_of_same_doc(layout: Layout) -> torch.Tensor:
     """Per segment: how many tokens of its document come before it in the window (its earlier chunks' lengths)."""
     order = torch.argsort(layout.seg_doc, stable=True)

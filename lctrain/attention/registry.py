@@ -46,22 +46,20 @@ def engine_fn(name: str) -> Callable:
     return ENGINES[name]
 
 
-def resolve_engine(engine: str, mode: str, device, *, dtype, interleaved: bool = False) -> str:
+def resolve_engine(engine: str, mode: str, device, *, dtype) -> str:
     """`auto` -> the fastest engine for this mode, device and dtype; a named engine is checked to be able to run it.
     Called once per model (`lctrain.model.attn_implementation`); everything else reads the engine off the model.
 
-    `dtype`: the model's dtype (a name such as "float32" or a torch dtype): FlashAttention runs in 16 bits only.
-    `interleaved`: the data has documents split into several chunks per window (data.interleave_chunks)."""
+    `dtype`: the model's dtype (a name such as "float32" or a torch dtype): FlashAttention runs in 16 bits only."""
     device_type = torch.device(device).type
     gpu = device_type == "cuda"
-    needs_chunk_mask = interleaved and mode != "full"
     half = str(dtype).removeprefix("torch.") in ("bfloat16", "float16")
     if engine == "auto":
         if not gpu:
             return "sdpa"
         if mode == "full":
             return "sdpa"
-        if not needs_chunk_mask and half and (flash_attn_available() or torch_varlen_available()):
+        if half and (flash_attn_available() or torch_varlen_available()):
             return "varlen"
         return "flex"
     if engine not in ENGINES:
@@ -70,9 +68,6 @@ def resolve_engine(engine: str, mode: str, device, *, dtype, interleaved: bool =
         if not gpu:
             raise UserError(f"attention.engine = 'varlen' needs a CUDA GPU (device is {device_type}); "
                             f"use 'sdpa' or 'auto'")
-        if needs_chunk_mask:
-            raise UserError(f"attention.engine = 'varlen' cannot mask interleaved chunks of one document "
-                            f"(data.interleave_chunks with mode '{mode}'); use 'flex' or 'sdpa'")
         if not half:
             raise UserError(f"attention.engine = 'varlen' (FlashAttention) runs in bfloat16 or float16, not {dtype}; "
                             f"set model.dtype or use 'flex' or 'sdpa'")

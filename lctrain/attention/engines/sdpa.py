@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lctrain.attention.engines.common import expand_kv_heads, hf_attention, plain_causal, sdpa
-from lctrain.attention.modes import Layout
+from lctrain.attention.modes import Layout, document_order
 
 
 @dataclass
@@ -33,8 +33,7 @@ class SdpaPlan:
 
 
 def build_sdpa_plan(layout: Layout) -> SdpaPlan:
-    tokens = torch.argsort(layout.tok_doc, stable=True)
-    doc_len = torch.bincount(layout.tok_doc, minlength=layout.num_docs)
+    tokens, doc_len = document_order(layout)
     first = torch.cumsum(doc_len, 0) - doc_len
     parts, causal = [], []
     for n in torch.unique(doc_len).tolist():

@@ -1,9 +1,10 @@
 """`varlen`: variable-length FlashAttention over the documents of the flattened batch (GPU only).
 
-flash-attn's `flash_attn_varlen_func` when installed, else PyTorch's `torch.nn.attention.varlen.varlen_attn`. Each
-document must be one contiguous run of tokens, so interleaved chunks are refused (use `flex` or `sdpa`). In `anchor`
-mode a one-segment document's mask is the intra-document one (its own anchor leads it), so the same call serves all
-three document modes; `full` uses one sequence per row.
+flash-attn's `flash_attn_varlen_func` when installed, else PyTorch's `torch.nn.attention.varlen.varlen_attn`. The
+kernel attends causally within contiguous sequences, and every document mode's mask is causal attention within each
+document (its anchor leads it), so one call serves all three document modes: the sequences are the segments, or,
+when interleaved chunks split a document, the documents after one permutation of the tokens that joins their chunks
+(`lctrain.attention.modes.document_order`, as `sdpa` does). `full` uses one sequence per row.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lctrain.attention.engines.common import expand_kv_heads, hf_attention
-from lctrain.attention.modes import Layout
+from lctrain.attention.modes import Layout, document_order
 from lctrain.errors import UserError
 
 
@@ -23,19 +24,22 @@ from lctrain.errors import UserError
 class VarlenPlan:
     cu_seqlens: torch.Tensor  # int32 [N + 1]
     max_seqlen: int  # a Python int: no device sync per layer
+    order: torch.Tensor | None = None  # with interleaved chunks: the tokens document by document
+    inverse: torch.Tensor | None = None  # undoes `order`
 
 
 def build_varlen_plan(layout: Layout, mode: str, device) -> VarlenPlan:
+    order = inverse = None
     if mode == "full":
         lens = torch.full((layout.batch,), layout.length, dtype=torch.long)
+    elif layout.multi_segment_docs:
+        order, lens = document_order(layout)
+        order, inverse = order.to(device), torch.argsort(order).to(device)
     else:
-        if layout.multi_segment_docs:
-            raise UserError(f"attention engine 'varlen' cannot mask documents split into several chunks "
-                            f"(mode '{mode}'); set attention.engine to 'flex' or 'sdpa'")
         lens = layout.seg_len
     cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, 0)
-    return VarlenPlan(cu.to(device), int(lens.max()))
+    return VarlenPlan(cu.to(device), int(lens.max()), order, inverse)
 
 
 # Cached: a failed import is not memoised by Python and would search sys.path again in every layer's call.
@@ -83,6 +87,8 @@ def varlen_from_plan(query, key, value, plan: VarlenPlan, scaling: float) -> tor
     q = query.transpose(1, 2).reshape(B * L, H, D)
     k = key.transpose(1, 2).reshape(B * L, key.shape[1], D)
     v = value.transpose(1, 2).reshape(B * L, value.shape[1], D)
+    if plan.order is not None:
+        q, k, v = q[plan.order], k[plan.order], v[plan.order]
     cu, n = plan.cu_seqlens, plan.max_seqlen
     if flash_attn_available():
         from flash_attn import flash_attn_varlen_func
@@ -98,4 +104,6 @@ def varlen_from_plan(query, key, value, plan: VarlenPlan, scaling: float) -> tor
             else:
                 k, v = expand_kv_heads(k, H), expand_kv_heads(v, H)
         out = varlen.varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(-1, 0), **gqa)
+    if plan.order is not None:
+        out = out[plan.inverse]
     return out.view(B, L, H, D)
