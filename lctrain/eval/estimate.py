@@ -5,7 +5,8 @@ v, o, the gated MLP, the LM head) and attention over the causally visible (query
 for training, plus the forward pass gradient checkpointing reruns and, with `model.tiled_mlp`, the MLP forward that
 TiledMLP reruns in the backward (wall time, not utilisation, is predicted here).
 The visible pairs per mode come from the actual segment layout of the prepared dataset; without one, from a
-synthetic packing of log-normal document lengths, flagged as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs).
+synthetic packing of SlimPajama-like document lengths (`lctrain.data.layouts`, the benchmarks' windows), flagged
+as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs).
 """
 
 from __future__ import annotations
@@ -14,17 +15,13 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
-
 from lctrain.config import Config, data_dir
 from lctrain.errors import UserError
 from lctrain.costmodel import ModelShape, attention_flops, dense_flops, training_passes, window_pairs
+from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.eval.inspect_data import MODES, dataset_stats
 
-# Synthetic fallback: SlimPajama-like document lengths (median 500 tokens, long right tail).
-SYNTHETIC_MEDIAN_TOKENS = 500
-SYNTHETIC_SIGMA = 1.5
-SYNTHETIC_WINDOWS = 64
+SYNTHETIC_WINDOWS = 64  # windows of the fallback layout when no prepared dataset has the config's length
 
 
 def model_shape(cfg: Config) -> ModelShape:
@@ -36,22 +33,6 @@ def model_shape(cfg: Config) -> ModelShape:
 
         hf.vocab_size = len(load_tokenizer(cfg.data.tokenizer))  # as build_model sizes it
     return ModelShape.from_hf_config(hf)
-
-
-def synthetic_windows(seq_len: int, windows: int = SYNTHETIC_WINDOWS, seed: int = 0) -> list[list[int]]:
-    """Segment lengths of concatenate-and-cut windows over log-normal document lengths."""
-    rng = np.random.default_rng(seed)
-    out, current, room = [], [], seq_len
-    while len(out) < windows:
-        doc = max(1, int(rng.lognormal(np.log(SYNTHETIC_MEDIAN_TOKENS), SYNTHETIC_SIGMA)))
-        while doc > 0:
-            take = min(doc, room)
-            current.append(take)
-            doc, room = doc - take, room - take
-            if room == 0:
-                out.append(current)
-                current, room = [], seq_len
-    return out[:windows]
 
 
 def mean_pairs(cfg: Config) -> tuple[dict[str, float], str]:
@@ -67,13 +48,13 @@ def mean_pairs(cfg: Config) -> tuple[dict[str, float], str]:
             stats = dataset_stats(packed)
             return {m: v / stats["windows"] for m, v in stats["attention_pairs"].items()}, f"prepared dataset {path}"
         why = f"the prepared dataset at {path} has seq_len {packed.manifest['seq_len']}, not {L}"
-    wins = synthetic_windows(L, seed=cfg.data.seed)
+    wins = slimpajama_like_layouts(L, SYNTHETIC_WINDOWS, cfg.data.seed)
     totals = dict.fromkeys(MODES, 0)
     for w in wins:
         for k, v in window_pairs(L, w, list(range(len(w)))).items():
             totals[k] += v
-    source = (f"SYNTHETIC: {why} (run `lctrain prepare` for the real layout); log-normal document lengths, median "
-              f"{SYNTHETIC_MEDIAN_TOKENS} tokens")
+    source = (f"SYNTHETIC: {why} (run `lctrain prepare` for the real layout); SlimPajama-like document lengths per "
+              f"domain, packed as prepare packs (lctrain.data.layouts)")
     return {m: v / len(wins) for m, v in totals.items()}, source
 
 
