@@ -17,6 +17,9 @@ Stages:
   generation scripts/bench_generation.py, Llama-2-7B shape at 32K/64K/128K prompts: the eval memory plan against the
              measured peak, prefill and decode time
   figure6    lctrain estimate --measure with gpu_small_16k at 4K/8K/16K, full and anchor (Figure 6 measured)
+  memory     scripts/bench_memory.py --preset llama2-7b-128k --ladder: Llama-2-7B, anchor, bf16 at 128K on one GPU
+             (ZeRO-3, optimizer offloaded, checkpointing, tiled MLP), then longer windows until out of memory; the
+             planner's prediction against the measured peak
 
 The report is `--out`/gpu_check.json (merged across invocations, newest result per stage) and gpu_check.md.
 """
@@ -39,12 +42,13 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lctrain.wheelhouse must be importable before lctrain is installed
 
-STAGES = ("install", "tests", "attention", "train", "cli", "rope", "generation", "figure6")
+STAGES = ("install", "tests", "attention", "train", "cli", "rope", "generation", "figure6", "memory")
 STAGE_LIMIT_S = 570  # one stage fits a 10-minute slot with room for the interpreter start and the report
 TARGETS = {
     "doc_mode_fraction_of_ideal": 0.80,  # document-mode attention fwd+bwd at 32K and 128K
     "anchor_step_vs_full": 0.50,  # anchor training step time over the full-attention one at 64K
     "full_mfu": 0.40,  # full-attention training MFU, 1B model at 64K
+    "memory_plan_error": 0.10,  # the memory planner's device prediction against the measured peak
 }
 
 
@@ -441,9 +445,36 @@ def stage_figure6(run: Runner, args) -> None:
                        p["predicted_days_per_1b_tokens"], p["ratio"]])
 
 
+def stage_memory(run: Runner, args) -> None:
+    r = run.result
+    out = run.log.with_name("bench_memory.json")
+    # the bench stops itself before a length that would overrun the stage; leave room for its exit
+    data = run_bench(run, python() + [str(ROOT / "scripts" / "bench_memory.py"), "--preset", "llama2-7b-128k",
+                                      "--ladder", "--time-limit", str(max(60.0, run.remaining() - 45)),
+                                      "--out", str(out)], out)
+    if data is None:
+        return
+    r.data = data
+    r.columns = ["seq_len", "s/step", "tokens/s", "max allocated GB", "predicted GB", "predicted / allocated",
+                 "host RSS GB", "predicted host GB"]
+    for x in data["results"]:
+        if x["oom"]:
+            r.rows.append([x["seq_len"], "out of memory", None, None, None, None, None, None])
+            continue
+        r.rows.append([x["seq_len"], x["step_s"], x["tokens_per_s"], x["max_allocated_gb"], x["predicted_device_gb"],
+                       x["device_predicted_over_allocated"], x["host_peak_rss_gb"], x["predicted_host_gb"]])
+        error = abs(x["device_predicted_over_allocated"] - 1)
+        r.targets.append(dict(name=f"memory plan vs measured peak, Llama-2-7B at {x['seq_len'] // 1024}K",
+                              value=error, goal=f"<= {TARGETS['memory_plan_error']:.0%} off",
+                              met=error <= TARGETS["memory_plan_error"]))
+    trained = [x["seq_len"] for x in data["results"] if not x["oom"]]
+    r.targets.append(dict(name="Llama-2-7B trains at 128K on one GPU", value=max(trained, default=0),
+                          goal=">= 131072 tokens", met=max(trained, default=0) >= 131072))
+
+
 STAGE_FNS: dict[str, Callable] = {"install": stage_install, "tests": stage_tests, "attention": stage_attention,
                                   "train": stage_train, "cli": stage_cli, "rope": stage_rope,
-                                  "generation": stage_generation, "figure6": stage_figure6}
+                                  "generation": stage_generation, "figure6": stage_figure6, "memory": stage_memory}
 
 
 def run_stage(stage: str, args, out: Path) -> StageResult:
