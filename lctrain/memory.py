@@ -235,7 +235,7 @@ def candidate_fixes(cfg: Config) -> list[list[str]]:
     if not p.offload_optimizer:
         out.append(["parallel.offload_optimizer=true"] + ([] if p.zero_stage else ["parallel.zero_stage=1"]))
     if not p.offload_params:
-        out.append(["parallel.offload_params=true", "parallel.zero_stage=3"])
+        out.append(["parallel.offload_params=true"] + ([] if p.zero_stage == 3 else ["parallel.zero_stage=3"]))
     return out
 
 
