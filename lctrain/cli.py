@@ -274,7 +274,8 @@ def plan(
     set_: SetOpt = None,
     gpu_mem: Annotated[Optional[float], typer.Option(help="device memory per GPU in GB; default the local GPU (known "
                                                          "models by name), else the host's CPU")] = None,
-    host_mem: Annotated[Optional[float], typer.Option(help="host memory per node in GB; default what is available here")] = None,
+    host_mem: Annotated[Optional[float], typer.Option(help="host memory per node in GB; default what is available "
+                                                           "here")] = None,
     nproc: Annotated[Optional[int], typer.Option(help="processes per node; default parallel.nproc_per_node")] = None,
     json_path: Annotated[Optional[str], typer.Option("--json", help="also write the plan to this JSON file")] = None,
 ):

@@ -10,9 +10,13 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
 - activations: with gradient checkpointing one hidden state per layer (in host memory with `offload_activations`),
   else every layer's saved tensors (`layer_saved_bytes`: what autograd keeps of a Hugging Face Llama decoder layer
   run through an lctrain engine, counted with `saved_tensors_hooks`);
-- the backward peak of one layer: the layer's forward recomputed (with checkpointing) and its gradients, the MLP's
-  intermediates for the rank's tokens or for one `tiled_mlp` shard;
+- the backward peak of one layer: its forward recomputed under checkpointing (the MLP's intermediates for the rank's
+  tokens or for one `tiled_mlp` shard); the layer's gradients reuse what its freed saved tensors held (measured on
+  CPU, tests/test_memory.py), so they add nothing of their own;
 - the loss chunk's logits (train/loss.py): fp32 log-probabilities and their gradients for one chunk;
+
+States and saved activations add up; the transients (a layer's recomputation, a loss chunk) happen at different
+moments of the backward, so only the largest adds to the peak.
 - DeepSpeed's buffers, sized by the DeepSpeed config the layout builds (DeepSpeed's defaults where it sets none):
   the contiguous-gradient reduce bucket (ZeRO >= 1) and, under ZeRO-3, the parameters gathered at once;
 - a fixed runtime overhead per process (`DEVICE_RUNTIME_BYTES`, `HOST_RUNTIME_BYTES`).
@@ -29,7 +33,6 @@ from dataclasses import dataclass
 
 from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
-from lctrain.errors import UserError
 from lctrain.model import auto_mlp_shards
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.train.loss import DEFAULT_CHUNK_TOKENS
@@ -53,8 +56,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # Kinds of item: model states live through the step, saved activations from the forward to their layer's backward,
-# and a transient lives only within one phase of the backward, so only the largest transient adds to the peak
-# (measured: a layer's gradients reuse what its freed saved tensors held).
+# a transient within one phase of the backward.
 STATE, SAVED, TRANSIENT = "state", "saved", "transient"
 
 
@@ -248,14 +250,10 @@ class Fix:
 
 
 def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
-    """Each candidate setting re-planned, with its predicted needs; those that fit first, then by device need."""
+    """Each candidate setting re-planned, with its predicted needs; those that fit first, then by total need."""
     out = []
     for overrides in candidate_fixes(cfg):
-        try:
-            derived = with_overrides(cfg, overrides, "memory fix")
-            plan = plan_memory(derived, shape)
-        except UserError:  # a setting this layout cannot take (e.g. sequence parallelism over kv heads)
-            continue
+        plan = plan_memory(with_overrides(cfg, overrides, "memory fix"), shape)
         device, host = budget.need(plan)
         out.append(Fix(tuple(overrides), device, host, budget.fits(plan)))
     return sorted(out, key=lambda f: (not f.fits, f.device + f.host))

@@ -238,8 +238,8 @@ def main() -> None:
         for col in ("setting", "s/step", "tokens/s", "measured GB", "predicted GB", "pred/meas"):
             table.add_column(col, justify="right", no_wrap=True)
         for r in rows:
-            table.add_row(r["setting"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['measured_peak_gb']:.3f}",
-                          f"{r['predicted_gb']:.3f}", f"{r['predicted_over_measured']:.2f}")
+            table.add_row(r["setting"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
+                          f"{r['measured_peak_gb']:.3f}", f"{r['predicted_gb']:.3f}", f"{r['predicted_over_measured']:.2f}")
     Console().print(table)
     print(f"wrote {out}")
 
