@@ -126,6 +126,7 @@ def gpu_rows(args, out: Path, rows: list, meta: dict) -> None:
     from lctrain.parallel.groups import init_topology
     from lctrain.train.trainer import Trainer
 
+    started = time.perf_counter()
     preset = PRESETS[args.preset]
     seq_len = args.seq_len or preset["seq_len"]
     cfg = make_config(preset["arch"], seq_len, preset["settings"])
@@ -145,10 +146,13 @@ def gpu_rows(args, out: Path, rows: list, meta: dict) -> None:
     lengths = [seq_len]
     while args.ladder and lengths[-1] + args.ladder_step <= args.ladder_max:
         lengths.append(lengths[-1] + args.ladder_step)
-    deadline = time.perf_counter() + args.time_limit
+    deadline = started + args.time_limit
     for length in lengths:
-        if time.perf_counter() > deadline:
-            print(f"stopping before {length}: --time-limit {args.time_limit} s reached", flush=True)
+        last = next((r for r in reversed(rows) if not r["oom"]), None)
+        # a longer window takes at least proportionally longer: do not start one that would overrun the limit
+        expected = (args.warmup + args.steps) * last["step_s"] * length / last["seq_len"] if last else 0
+        if time.perf_counter() + expected > deadline:
+            print(f"stopping before {length}: it would end after --time-limit {args.time_limit:g} s", flush=True)
             break
         windows = make_windows(length, preset["vocab"], args.seed)
         at = make_config(preset["arch"], length, preset["settings"])
@@ -159,8 +163,7 @@ def gpu_rows(args, out: Path, rows: list, meta: dict) -> None:
             torch.cuda.reset_peak_memory_stats()
             step = timed_steps(trainer, windows, args.steps, gpu=True)
         except torch.OutOfMemoryError:
-            trainer.engine.zero_grad()
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the longest that trained is known: no longer length is tried
             rows.append({"seq_len": length, "oom": True})
             print(f"{length}: out of memory", flush=True)
             out.write_text(json.dumps({"args": vars(args), **meta, "results": rows}, indent=1))
@@ -198,7 +201,8 @@ def main() -> None:
     parser.add_argument("--ladder", action="store_true", help="GPU: then longer windows until out of memory")
     parser.add_argument("--ladder-step", type=int, default=32768)
     parser.add_argument("--ladder-max", type=int, default=1 << 20)
-    parser.add_argument("--time-limit", type=float, default=420, help="GPU: start no new length after this many s")
+    parser.add_argument("--time-limit", type=float, default=420, help="GPU: start no length that would end after "
+                        "this many seconds (model construction included)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_out/bench_memory.json")
     args = parser.parse_args()
@@ -235,7 +239,7 @@ def main() -> None:
             out.write_text(json.dumps({"args": vars(args), "device": "cpu", "results": rows}, indent=1))
         table = Table(title=f"train step memory, CPU, {args.seq_len} tokens, hidden {CPU_ARCH['hidden_size']}, "
                             f"vocab {args.vocab}")
-        for col in ("setting", "s/step", "tokens/s", "measured GB", "predicted GB", "pred/meas"):
+        for col in ("setting", "s/step", "tok/s", "meas GB", "pred GB", "pred/meas"):
             table.add_column(col, justify="right", no_wrap=True)
         for r in rows:
             table.add_row(r["setting"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
