@@ -267,6 +267,26 @@ def estimate(
     run_estimate(load_config(config, list(set_ or [])), tflops=tflops, from_bench=from_bench, gpus=gpus, out=out)
 
 
+@app.command()
+@user_errors
+def plan(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    gpu_mem: Annotated[Optional[float], typer.Option(help="device memory per GPU in GB; default the local GPU (known "
+                                                         "models by name), else the host's CPU")] = None,
+    host_mem: Annotated[Optional[float], typer.Option(help="host memory per node in GB; default what is available "
+                                                           "here")] = None,
+    nproc: Annotated[Optional[int], typer.Option(help="processes per node; default parallel.nproc_per_node")] = None,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="also write the plan to this JSON file")] = None,
+):
+    """Memory per rank before launch: model states, activations, loss logits and DeepSpeed buffers against the
+    device and host memory; FITS or DOES NOT FIT, the longest seq_len that fits, and settings that would fit."""
+    from lctrain.plan import plan as run_plan
+
+    overrides = list(set_ or []) + ([f"parallel.nproc_per_node={nproc}"] if nproc is not None else [])
+    run_plan(load_config(config, overrides), gpu_mem_gb=gpu_mem, host_mem_gb=host_mem, json_path=json_path)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     terminate_as_interrupt()
     app(args=argv if argv is not None else sys.argv[1:], prog_name="lctrain")

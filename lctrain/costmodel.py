@@ -80,16 +80,31 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int
+    tied: bool = False  # the LM head shares the input embedding's weight
 
     @classmethod
     def from_hf_config(cls, hf) -> "ModelShape":
         heads = hf.num_attention_heads
         return cls(hf.num_hidden_layers, hf.hidden_size, heads, getattr(hf, "num_key_value_heads", None) or heads,
-                   getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size)
+                   getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size,
+                   bool(getattr(hf, "tie_word_embeddings", False)))
 
     @property
     def width(self) -> int:
         return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """KV heads x head dim: the width of the k and v projections."""
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """Weights of one decoder layer: q, k, v, o, the gated MLP and the two RMSNorm scales (no biases)."""
+        return 2 * self.hidden * (self.width + self.kv_width) + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    def param_count(self) -> int:
+        """All weights: the layers, the final norm, the input embedding and the LM head unless tied to it."""
+        return self.layers * self.layer_params() + self.hidden + self.vocab * self.hidden * (1 if self.tied else 2)
 
     def mlp_params(self) -> int:
         """Weights of the gated MLPs of all layers (gate, up, down)."""

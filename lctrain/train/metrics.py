@@ -6,13 +6,15 @@ width per visible query-key pair, so MFU measures useful work and `anchor` is no
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import sys
+import tempfile
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -61,6 +63,38 @@ def peak_memory_gb(device: torch.device) -> float:
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+# The region `cpu_peak_bytes` measures, as the profiler trace names it.
+_MEASURED = "lctrain.measured"
+
+
+def cpu_peak_bytes(setup: Callable[[], object], measured: Callable[[object], None]) -> tuple[int, int]:
+    """(peak, baseline): the most bytes of CPU tensors alive while `measured(setup())` runs, and those alive when it
+    starts, counting every tensor allocated since `setup` began. PyTorch's CPU allocator reports each allocation
+    and free, with its running total, to the profiler when it records memory: an exact count of tensor storage,
+    unlike the process's RSS (allocator caches, libraries, page granularity)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gc.collect()  # what earlier code left for the collector is not freed inside the measurement
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        state = setup()
+        with record_function(_MEASURED):
+            measured(state)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    region = next(e for e in events if e.get("name") == _MEASURED)
+    start, end = region["ts"], region["ts"] + region["dur"]
+    memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                    if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    # the running total also counts what earlier profiled code left alive: measure from the first event on
+    offset = memory[0][1] - memory[0][2] if memory else 0
+    before = [total - offset for ts, total, _ in memory if ts < start]
+    inside = [total - offset for ts, total, _ in memory if start <= ts <= end]
+    baseline = before[-1] if before else 0
+    return max(inside, default=baseline), baseline
 
 
 def import_wandb(cfg):

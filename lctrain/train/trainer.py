@@ -211,6 +211,12 @@ def preflight(cfg: Config) -> None:
         if cfg.parallel.sequence_parallel > 1:
             kv_replication(mc.num_attention_heads, getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
                            cfg.parallel.sequence_parallel, cfg.source_file or "config")
+    if cfg.model.arch is not None or Path(cfg.model.name_or_path).is_dir():  # a hub name: no download here
+        from lctrain.plan import memory_warning
+
+        warning = memory_warning(cfg)  # refuses a plan beyond a known GPU's memory
+        if warning:
+            print(warning, flush=True)
 
 
 def _seed_everything(seed: int) -> None:

@@ -1,0 +1,259 @@
+"""Memory of one training rank, in bytes, before anything is launched: `lctrain plan` and `train`'s preflight.
+
+Itemised, each item on the accelerator ("device") or in host memory ("host"):
+
+- model states (ZeRO, Rajbhandari et al. 2020): model-dtype weights, gradients, fp32 master weights and the two fp32
+  Adam moments. ZeRO-1 shards the master weights and moments over all ranks, ZeRO-2 also the gradients, ZeRO-3 also
+  the weights; `offload_optimizer` moves master weights, moments and fp32 gradient partition to the host,
+  `offload_params` the ZeRO-3 weight shard. DeepSpeed 0.19.8 (stage_1_and_2.py) keeps ZeRO-1's gradients in full in
+  `param.grad` until the step and copies this rank's partition to fp32 there;
+- activations: with gradient checkpointing one hidden state per layer (in host memory with `offload_activations`),
+  else every layer's saved tensors (`layer_saved_bytes`: what autograd keeps of a Hugging Face Llama decoder layer
+  run through an lctrain engine, counted with `saved_tensors_hooks`);
+- the backward peak of one layer: its forward recomputed under checkpointing (the MLP's intermediates for the rank's
+  tokens or for one `tiled_mlp` shard); the layer's gradients reuse what its freed saved tensors held (measured on
+  CPU, tests/test_memory.py), so they add nothing of their own;
+- the loss chunk's logits (train/loss.py): fp32 log-probabilities and their gradients for one chunk;
+
+States and saved activations add up; the transients (a layer's recomputation, a loss chunk) happen at different
+moments of the backward, so only the largest adds to the peak.
+- DeepSpeed's buffers, sized by the DeepSpeed config the layout builds (DeepSpeed's defaults where it sets none):
+  the contiguous-gradient reduce bucket (ZeRO >= 1) and, under ZeRO-3, the parameters gathered at once;
+- a fixed runtime overhead per process (`DEVICE_RUNTIME_BYTES`, `HOST_RUNTIME_BYTES`).
+
+Sequence parallelism divides the tokens of every per-token tensor by `sp`, except inside the attention engine, where
+DeepSpeed-Ulysses' all-to-all gives each rank the whole sequence for `heads / sp` heads: the same number of elements,
+held beside the local copies the projections keep.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lctrain.config import Config, with_overrides
+from lctrain.costmodel import ModelShape
+from lctrain.model import auto_mlp_shards
+from lctrain.parallel.layout import ParallelLayout
+from lctrain.train.loss import DEFAULT_CHUNK_TOKENS
+
+GB = 1e9
+# The CUDA context (about 0.5 GB on Hopper with lazy module loading), cuBLAS workspaces and the NCCL communicators'
+# buffers: device memory a training process holds outside PyTorch's allocator.
+DEVICE_RUNTIME_BYTES = 2**30
+# The process itself in host memory: Python, the code and CPU-side state of torch, transformers and DeepSpeed (the RSS
+# of a process that has imported them and built a tiny model is about 1 GB).
+HOST_RUNTIME_BYTES = 2**30
+# Fraction of the device memory above which `train` warns: PyTorch's caching allocator fragments, so a plan this
+# close to the limit may still run out of memory.
+WARN_FRACTION = 0.9
+# Device memory of known accelerators, GB, by a substring of torch.cuda.get_device_name(), most specific first.
+GPU_MEMORY_GB = (("H200", 141), ("H100", 80), ("H800", 80), ("A100-SXM4-40GB", 40), ("A100-PCIE-40GB", 40),
+                 ("A100", 80), ("A800", 80), ("L40S", 48), ("A6000", 48), ("A10G", 24), ("L4", 24), ("4090", 24),
+                 ("B200", 180), ("MI300X", 192))
+FP32 = 4
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# Kinds of item: model states live through the step, saved activations from the forward to their layer's backward,
+# a transient within one phase of the backward.
+STATE, SAVED, TRANSIENT = "state", "saved", "transient"
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    bytes: int
+    where: str  # "device" or "host"
+    kind: str = STATE
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The items of one rank, and how many ranks share one host."""
+    items: tuple[Item, ...]
+    ranks_per_host: int
+
+    def total(self, where: str) -> int:
+        """Peak bytes in `where`: the states and saved activations, and the largest transient."""
+        here = [i for i in self.items if i.where == where]
+        return (sum(i.bytes for i in here if i.kind != TRANSIENT)
+                + max((i.bytes for i in here if i.kind == TRANSIENT), default=0))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Memory to plan against: `device` bytes per accelerator, or None when the ranks compute on the host's CPU
+    (then every item lands in host memory); `host` bytes of one host."""
+    device: int | None
+    host: int
+    label: str
+
+    def need(self, plan: MemoryPlan) -> tuple[int, int]:
+        """(bytes needed on one device, bytes needed on one host), runtime overheads included."""
+        host = plan.ranks_per_host * (plan.total("host") + HOST_RUNTIME_BYTES)
+        if self.device is None:
+            return 0, host + plan.ranks_per_host * plan.total("device")
+        return plan.total("device") + DEVICE_RUNTIME_BYTES, host
+
+    def fits(self, plan: MemoryPlan) -> bool:
+        device, host = self.need(plan)
+        return (self.device is None or device <= self.device) and host <= self.host
+
+
+def dtype_bytes(dtype: str) -> int:
+    return _DTYPE_BYTES[dtype]
+
+
+def layer_saved_bytes(shape: ModelShape, tokens: int, mlp_tokens: int, b: int) -> int:
+    """What autograd keeps of one Llama decoder layer over `tokens` tokens, `mlp_tokens` of them through the MLP
+    (0 under TiledMLP, which keeps only its input). Per token: each RMSNorm its fp32 input, fp32 inverse norm and
+    normed output; the projections' inputs; the engine's q and k, v (repeated to all heads), output and fp32
+    log-sum-exp; o_proj's input; the MLP's gate, up, activation and their product."""
+    norms = 2 * (shape.hidden * (FP32 + b) + FP32)
+    projections = 2 * shape.hidden * b
+    attention = 5 * shape.width * b + shape.heads * FP32
+    return tokens * (norms + projections + attention) + mlp_tokens * 4 * shape.intermediate * b
+
+
+def loss_chunk_tokens(seq_tokens: int, micro_batch: int) -> int:
+    """Tokens whose logits exist at once: train/loss.py's chunk of whole rows, or everything in one chunk."""
+    per_row = max(1, DEFAULT_CHUNK_TOKENS // micro_batch)
+    return micro_batch * min(seq_tokens, per_row)
+
+
+def logits_bytes(shape: ModelShape, tokens: int, b: int) -> int:
+    """One loss chunk: fp32 log-probabilities, their gradient and the logits' fp32 gradient, plus the model-dtype
+    logits when the model is not fp32 (cast to fp32 before the softmax)."""
+    return tokens * shape.vocab * (3 * FP32 + (b if b != FP32 else 0))
+
+
+def _zero_settings(ds_config: dict) -> dict:
+    """The ZeRO settings DeepSpeed will run with: the layout's, DeepSpeed's defaults for the rest."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return DeepSpeedZeroConfig(**ds_config["zero_optimization"]).model_dump()
+
+
+def model_state_items(shape: ModelShape, cfg: Config, world: int, zero: dict) -> list[Item]:
+    p, stage = cfg.parallel, cfg.parallel.zero_stage
+    n = shape.param_count()
+    b = dtype_bytes(cfg.model.dtype)
+    optimizer_where = "host" if p.offload_optimizer and stage >= 1 else "device"
+    shard = n if stage == 0 else math.ceil(n / world)
+    items = [Item("weights" + (" (ZeRO-3 shard)" if stage == 3 else ""), n * b // (world if stage == 3 else 1),
+                  "host" if p.offload_params and stage == 3 else "device")]
+    if stage == 0:
+        items.append(Item("gradients", n * b, "device"))
+    else:
+        if stage == 1:
+            items.append(Item("gradients (param.grad until the step)", n * b, "device"))
+        items.append(Item("fp32 gradient partition", shard * FP32, optimizer_where))
+        items.append(Item("fp32 master weights", shard * FP32, optimizer_where))
+    items.append(Item("Adam moments (fp32)", 2 * shard * FP32, optimizer_where))
+    if stage >= 1:
+        bucket_bytes = FP32 if stage == 1 else b  # ZeRO-1 reduces into an fp32 accumulator, 2 and 3 in the model dtype
+        items.append(Item("DeepSpeed reduce bucket", zero["reduce_bucket_size"] * bucket_bytes, "device"))
+    if stage == 3:
+        unit = max(shape.layer_params(), shape.vocab * shape.hidden)  # the largest module gathered whole
+        live = min(zero["max_live_parameters"], unit + zero["prefetch_bucket_size"], n)
+        items.append(Item("ZeRO-3 gathered parameters", live * b, "device"))
+    return items
+
+
+def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> list[Item]:
+    m = cfg.model
+    b = dtype_bytes(m.dtype)
+    seq_tokens = layout.seq_len // layout.sp
+    tokens = seq_tokens * layout.micro_batch
+    shards = auto_mlp_shards(tokens, shape.hidden) if m.tiled_mlp == "auto" else m.tiled_mlp
+    shard_tokens = math.ceil(tokens / shards) if shards else tokens
+    # the engine's whole-sequence q, k, v and output under Ulysses, beside the local ones the projections keep
+    all_to_all = 4 * tokens * shape.width * b if layout.sp > 1 else 0
+    final_norm = tokens * (shape.hidden * (FP32 + b) + FP32)
+    logits = logits_bytes(shape, loss_chunk_tokens(seq_tokens, layout.micro_batch), b)
+    items = [Item("loss chunk logits", logits, "device", TRANSIENT), Item("final norm", final_norm, "device", SAVED)]
+    if m.gradient_checkpointing:
+        items += [Item("checkpointed hidden states", shape.layers * tokens * shape.hidden * b,
+                       "host" if m.offload_activations else "device", SAVED),
+                  Item("one layer recomputed", layer_saved_bytes(shape, tokens, shard_tokens, b) + all_to_all,
+                       "device", TRANSIENT)]
+    else:
+        stored_mlp = 0 if shards else tokens
+        items.append(Item("activations, all layers",
+                          shape.layers * (layer_saved_bytes(shape, tokens, stored_mlp, b) + all_to_all), "device",
+                          SAVED))
+        if shards:
+            items.append(Item("one MLP shard recomputed", shard_tokens * 4 * shape.intermediate * b, "device",
+                              TRANSIENT))
+    return items
+
+
+def plan_memory(cfg: Config, shape: ModelShape) -> MemoryPlan:
+    """The memory of one rank of `cfg` (a model of `shape`)."""
+    layout = ParallelLayout.from_config(cfg)
+    zero = _zero_settings(layout.deepspeed_config(cfg, use_torch_adam=True))
+    items = model_state_items(shape, cfg, layout.world, zero) + activation_items(shape, cfg, layout)
+    return MemoryPlan(tuple(items), cfg.parallel.nproc_per_node)
+
+
+def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int = 1 << 24) -> int | None:
+    """The longest data.seq_len, a multiple of sequence_parallel x 1024, whose plan fits; None if none does."""
+    step = cfg.parallel.sequence_parallel * 1024
+
+    def fits(k: int) -> bool:
+        return budget.fits(plan_memory(with_overrides(cfg, [f"data.seq_len={k * step}"], "longest length"), shape))
+
+    if not fits(1):
+        return None
+    lo, hi = 1, 2  # memory grows with the length: double, then bisect
+    while fits(hi) and hi * step < limit:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
+def candidate_fixes(cfg: Config) -> list[list[str]]:
+    """Settings that lower a rank's memory, as `--set` overrides, each applicable to `cfg` as it is."""
+    p, m = cfg.parallel, cfg.model
+    out = []
+    world = p.nproc_per_node * p.num_nodes
+    sp = p.sequence_parallel * 2
+    while sp <= world:
+        if world % sp == 0 and cfg.data.seq_len % sp == 0:
+            out.append([f"parallel.sequence_parallel={sp}"])
+            break
+        sp *= 2
+    if not m.gradient_checkpointing:
+        out.append(["model.gradient_checkpointing=true"])
+    if m.tiled_mlp == 0:
+        out.append(["model.tiled_mlp=auto"])
+    if m.gradient_checkpointing and not m.offload_activations:
+        out.append(["model.offload_activations=true"])
+    if p.zero_stage < 3:
+        out.append(["parallel.zero_stage=3"])
+    if not p.offload_optimizer:
+        out.append(["parallel.offload_optimizer=true"] + ([] if p.zero_stage else ["parallel.zero_stage=1"]))
+    if not p.offload_params:
+        out.append(["parallel.offload_params=true"] + ([] if p.zero_stage == 3 else ["parallel.zero_stage=3"]))
+    return out
+
+
+@dataclass(frozen=True)
+class Fix:
+    overrides: tuple[str, ...]
+    device: int
+    host: int
+    fits: bool
+
+
+def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
+    """Each candidate setting re-planned, with its predicted needs; those that fit first, then by total need."""
+    out = []
+    for overrides in candidate_fixes(cfg):
+        plan = plan_memory(with_overrides(cfg, overrides, "memory fix"), shape)
+        device, host = budget.need(plan)
+        out.append(Fix(tuple(overrides), device, host, budget.fits(plan)))
+    return sorted(out, key=lambda f: (not f.fits, f.device + f.host))

@@ -1,0 +1,129 @@
+"""`lctrain plan` and `train`'s memory check: a config's per-rank memory plan (lctrain/memory.py) against the memory
+of the machine it will run on: a known GPU by name, `--gpu-mem`, or, without a GPU, the host's available memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from lctrain.config import Config
+from lctrain.errors import UserError
+from lctrain.memory import GB, GPU_MEMORY_GB, WARN_FRACTION, Budget, fixes, longest_seq_len, plan_memory
+
+
+def known_gpu_bytes(name: str) -> Optional[int]:
+    """Device memory of a GPU named like torch.cuda.get_device_name() reports it, if it is in the table."""
+    for key, gb in GPU_MEMORY_GB:
+        if key in name:
+            return int(gb * GB)
+    return None
+
+
+def _positive(value: Optional[float], option: str) -> Optional[int]:
+    if value is not None and not value > 0:
+        raise UserError(f"{option} = {value}: expected a memory size in GB > 0")
+    return None if value is None else int(value * GB)
+
+
+def local_budget(gpu_mem_gb: Optional[float] = None, host_mem_gb: Optional[float] = None) -> tuple[Budget, bool]:
+    """(the budget, whether its device size is known for certain: a GPU of the table or --gpu-mem)."""
+    import psutil
+    import torch
+
+    device = _positive(gpu_mem_gb, "--gpu-mem")
+    host = _positive(host_mem_gb, "--host-mem") or psutil.virtual_memory().available
+    if device is not None:
+        return Budget(device, host, f"{gpu_mem_gb:g} GB per GPU (--gpu-mem)"), True
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        known = known_gpu_bytes(name)
+        size = known or torch.cuda.get_device_properties(0).total_memory
+        return Budget(size, host, f"{name}, {size / GB:.0f} GB"), known is not None
+    return Budget(None, host, f"CPU: {host / GB:.1f} GB of host memory available"), False
+
+
+def model_shape(cfg: Config):
+    from lctrain.eval.estimate import model_shape as shape_of
+
+    return shape_of(cfg)
+
+
+def memory_warning(cfg: Config) -> Optional[str]:
+    """`train`'s check: None when the plan fits in WARN_FRACTION of the memory; a one-line warning above it; a
+    UserError naming the settings that would fit when it exceeds a known GPU's memory (on a CPU, whose memory is the
+    host's, only a warning)."""
+    budget, known = local_budget()
+    shape = model_shape(cfg)
+    plan = plan_memory(cfg, shape)
+    device, host = budget.need(plan)
+    limit, need = (budget.host, host) if budget.device is None else (budget.device, device)
+    if need <= WARN_FRACTION * limit and host <= WARN_FRACTION * budget.host:
+        return None
+    where = "host" if budget.device is None or device <= budget.device else "device"
+    summary = (f"the memory plan needs {device / GB:.1f} GB per GPU and {host / GB:.1f} GB of host memory "
+               f"({budget.label}; `lctrain plan` itemises it)")
+    if budget.device is not None and known and not budget.fits(plan):
+        found = [f for f in fixes(cfg, shape, budget) if f.fits]
+        hint = ("; these would fit: " + "; ".join(" ".join(f.overrides) for f in found[:3])) if found else ""
+        raise UserError(f"{cfg.source_file or 'config'} does not fit: {summary}{hint}")
+    return f"warning: {summary}: above {WARN_FRACTION:.0%} of the {where} memory, this run may run out of memory"
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:,.2f}"
+
+
+def report(cfg: Config, budget: Budget) -> dict:
+    """Everything `lctrain plan` prints, as JSON-ready data."""
+    shape = model_shape(cfg)
+    plan = plan_memory(cfg, shape)
+    device, host = budget.need(plan)
+    return {"config": cfg.source_file, "seq_len": cfg.data.seq_len, "budget": budget.label,
+            "device_memory_bytes": budget.device, "host_memory_bytes": budget.host,
+            "items": [vars(i) for i in plan.items], "ranks_per_host": plan.ranks_per_host,
+            "device_need_bytes": device, "host_need_bytes": host, "fits": budget.fits(plan),
+            "longest_seq_len": longest_seq_len(cfg, shape, budget),
+            "fixes": [vars(f) | {"overrides": list(f.overrides)} for f in fixes(cfg, shape, budget)]}
+
+
+def print_report(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"memory per rank: {Path(r['config'] or 'config').stem}, seq_len {r['seq_len']:,}")
+    for col in ("item", "GB", "where", "kind"):
+        table.add_column(col, justify="right" if col == "GB" else "left")
+    for i in r["items"]:
+        table.add_row(i["name"], _gb(i["bytes"]), i["where"], i["kind"])
+    console.print(table)
+    console.print("states and saved activations add up; of the transients only the largest counts")
+    if r["device_memory_bytes"] is not None:
+        console.print(f"device: {_gb(r['device_need_bytes'])} GB needed of {_gb(r['device_memory_bytes'])} GB "
+                      f"(runtime overhead included)")
+    console.print(f"host: {_gb(r['host_need_bytes'])} GB needed for {r['ranks_per_host']} rank(s) of "
+                  f"{_gb(r['host_memory_bytes'])} GB ({r['budget']})")
+    console.print("[bold green]FITS[/]" if r["fits"] else "[bold red]DOES NOT FIT[/]")
+    longest = r["longest_seq_len"]
+    console.print(f"longest seq_len that fits: {longest:,}" if longest else "no seq_len fits with these settings")
+    if not r["fits"] and r["fixes"]:
+        fix_table = Table(title="settings that lower the memory (each alone)")
+        for col in ("--set", "device GB", "host GB", "fits"):
+            fix_table.add_column(col)
+        for f in r["fixes"]:
+            fix_table.add_row(" ".join(f["overrides"]), _gb(f["device"]), _gb(f["host"]), "yes" if f["fits"] else "no")
+        console.print(fix_table)
+
+
+def plan(cfg: Config, gpu_mem_gb: Optional[float] = None, host_mem_gb: Optional[float] = None,
+         json_path: Optional[str] = None) -> dict:
+    """`lctrain plan`: print the plan against this machine's (or the given) memory; optionally write it as JSON."""
+    budget, _ = local_budget(gpu_mem_gb, host_mem_gb)
+    r = report(cfg, budget)
+    print_report(r)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(r, indent=1))
+    return r
+

@@ -1,0 +1,182 @@
+"""The memory planner (lctrain/memory.py, `lctrain plan`, `train`'s check).
+
+References: the peak of CPU tensor storage measured through the real `Trainer.train_step` (the profiler's allocator
+totals), autograd's saved tensors of a real Llama decoder layer, the parameters of a real model, a per-rank loop over
+ZeRO's partitions, and the CLI's one-line errors.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+from train_helpers import one_error_line
+
+from lctrain.cli import app
+from lctrain.config import load_config
+from lctrain.costmodel import ModelShape
+from lctrain.errors import UserError
+from lctrain.memory import Budget, GB, layer_saved_bytes, longest_seq_len, plan_memory
+
+VOCAB = 1024
+ARCH = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def config(seq_len, *extra):
+    return load_config(None, [f"data.seq_len={seq_len}", "model.dtype=float32", f"model.arch={json.dumps(ARCH)}",
+                              "train.global_batch=1", "train.micro_batch=1", "parallel.zero_stage=0",
+                              "attention.engine=sdpa", *extra])
+
+
+def hf_config(dtype=torch.float32, **arch):
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in {**ARCH, **arch}.items() if k != "model_type"}
+    return AutoConfig.for_model("llama", vocab_size=VOCAB, dtype=dtype, **fields)
+
+
+def windows(seq_len):
+    from lctrain.data.layouts import slimpajama_like_layouts, window_ids
+
+    seg = slimpajama_like_layouts(seq_len, 1, 0)
+    return [{"input_ids": window_ids(seg, vocab=VOCAB, anchor=1, seed=0), "seg_lens": [np.array(s) for s in seg],
+             "seg_doc": [np.arange(len(s)) for s in seg], "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg]}]
+
+
+@pytest.mark.parametrize("extra", [[], ["model.gradient_checkpointing=true"],
+                                   ["model.gradient_checkpointing=true", "model.tiled_mlp=auto"],
+                                   ["parallel.zero_stage=1", "model.tiled_mlp=4"]],
+                         ids=["plain", "checkpointing", "checkpointing+tiled", "zero1+tiled4"])
+def test_prediction_within_15_percent_of_the_measured_peak(extra):
+    from lctrain.parallel.groups import init_topology, release_single_process
+    from lctrain.train.metrics import cpu_peak_bytes
+    from lctrain.train.trainer import Trainer
+
+    cfg = config(2048, *extra)
+    batch = windows(2048)
+
+    def setup():  # a first step creates the Adam moments: the second is the steady state
+        trainer = Trainer(cfg, init_topology(cfg), vocab_size=VOCAB)
+        trainer.train_step(batch)
+        return trainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        peak, _ = cpu_peak_bytes(setup, lambda trainer: trainer.train_step(batch))
+    finally:
+        torch.set_num_threads(threads)
+        release_single_process()
+    plan = plan_memory(cfg, ModelShape.from_hf_config(hf_config()))
+    predicted = plan.total("device") + plan.total("host")
+    assert abs(predicted / peak - 1) <= 0.15, (predicted / 2**20, peak / 2**20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_saved_bytes_match_autograd_saved_tensors(dtype):
+    """Every distinct storage autograd keeps of one decoder layer, weights excluded."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from lctrain.attention import hf_name, make_batch
+
+    hf = hf_config(dtype)
+    hf._attn_implementation = hf_name("sdpa")
+    layer = LlamaDecoderLayer(hf, 0).to(dtype)
+    tokens = 1024
+    batch = make_batch(torch.randint(0, VOCAB, (1, tokens)), [np.array([400, 624])], "anchor",
+                       seg_doc=[np.arange(2)], tag_lens=[np.zeros(2, dtype=np.int64)])
+    segments = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "shift_labels", "position_ids")}
+    x = torch.randn(1, tokens, hf.hidden_size, dtype=dtype, requires_grad=True)
+    with torch.no_grad():
+        cos_sin = LlamaRotaryEmbedding(hf)(x, batch["position_ids"])
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights and ptr != x.untyped_storage().data_ptr() and t.numel() > 2 * tokens:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, position_embeddings=cos_sin, position_ids=batch["position_ids"], **segments)
+    # the layer input is the caller's tensor (a checkpointed hidden state), counted apart from the layer
+    expected = layer_saved_bytes(ModelShape.from_hf_config(hf), tokens, tokens, dtype.itemsize)
+    assert sum(saved.values()) == pytest.approx(expected, rel=0.03)
+
+
+def test_param_count_is_the_models():
+    from transformers import AutoModelForCausalLM
+
+    for tied in (False, True):
+        hf = hf_config(tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf)
+        assert ModelShape.from_hf_config(hf).param_count() == sum(p.numel() for p in model.parameters())
+
+
+def test_zero2_over_four_ranks_shards_adam_and_gradients():
+    shape = ModelShape.from_hf_config(hf_config())
+    n = shape.param_count()
+    cfg = config(1024, "parallel.zero_stage=2", "parallel.nproc_per_node=4", "train.global_batch=4",
+                 "model.dtype=bfloat16")
+    items = {i.name: i for i in plan_memory(cfg, shape).items}
+    per_rank = math.ceil(n / 4)
+    partitions = [min(per_rank, n - r * per_rank) for r in range(4)]  # ZeRO pads the last one to per_rank
+    assert sum(partitions) == n
+    assert items["Adam moments (fp32)"].bytes == 2 * 4 * max(partitions)
+    assert items["fp32 master weights"].bytes == 4 * max(partitions)
+    assert items["fp32 gradient partition"].bytes == 4 * max(partitions)
+    assert items["weights"].bytes == 2 * n  # ZeRO-2 keeps the bf16 weights whole
+
+
+def test_offload_moves_optimizer_states_to_the_host():
+    shape = ModelShape.from_hf_config(hf_config())
+    base = plan_memory(config(1024, "parallel.zero_stage=3", "model.dtype=bfloat16"), shape)
+    off = plan_memory(config(1024, "parallel.zero_stage=3", "model.dtype=bfloat16", "parallel.offload_optimizer=true",
+                             "parallel.offload_params=true"), shape)
+    moved = 16 * shape.param_count()  # fp32 master, two moments, fp32 gradients; plus bf16 weights
+    assert off.total("host") - base.total("host") == moved + 2 * shape.param_count()
+    assert base.total("device") - off.total("device") == moved + 2 * shape.param_count()
+
+
+def test_longest_seq_len_fits_and_the_next_does_not():
+    shape = ModelShape.from_hf_config(hf_config())
+    cfg = config(1024, "model.gradient_checkpointing=true")
+    budget = Budget(device=int(2 * GB), host=64 * 2**30, label="test")
+    longest = longest_seq_len(cfg, shape, budget)
+    assert longest % 1024 == 0
+    assert budget.fits(plan_memory(config(longest, "model.gradient_checkpointing=true"), shape))
+    assert not budget.fits(plan_memory(config(longest + 1024, "model.gradient_checkpointing=true"), shape))
+
+
+def test_train_refuses_beyond_a_known_gpu_naming_fixes(monkeypatch):
+    import lctrain.plan as plan
+
+    monkeypatch.setattr(plan, "local_budget", lambda: (Budget(int(3.1 * GB), 64 * 2**30, "test GPU"), True))
+    with pytest.raises(UserError, match="does not fit.*would fit: .*gradient_checkpointing=true"):
+        plan.memory_warning(config(4096))
+    monkeypatch.setattr(plan, "local_budget", lambda: (Budget(None, int(1.1 * GB), "CPU"), False))
+    assert plan.memory_warning(config(4096)).startswith("warning: ")
+
+
+def test_tiny_demo_plans_without_a_warning():
+    from lctrain.plan import memory_warning
+
+    assert memory_warning(load_config(None, [])) is None
+
+
+def test_plan_cli_prints_a_verdict_and_json(tmp_path):
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", "--gpu-mem", "80", "--host-mem", "64", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "FITS" in result.output
+    assert json.loads(out.read_text())["fits"] is True
+
+
+@pytest.mark.parametrize("args", [["--gpu-mem", "-1"], ["--host-mem", "0"], ["-c", "no_such_config"]])
+def test_plan_cli_bad_input_is_one_line(args):
+    one_error_line(CliRunner().invoke(app, ["plan", *args]))
