@@ -139,6 +139,13 @@ class ModelConfig(_Section):
             raise ValueError("set exactly one of model.name_or_path (hub name or directory) and model.arch")
         return self
 
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self):
+        if self.offload_activations and not self.gradient_checkpointing:
+            raise ValueError("offload_activations moves the hidden states that gradient checkpointing keeps, so it "
+                             "needs model.gradient_checkpointing=true")
+        return self
+
 
 class AttentionConfig(_Section):
     mode: Literal["full", "intra_doc", "intra_doc_reset", "anchor"] = "anchor"

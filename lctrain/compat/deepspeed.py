@@ -65,3 +65,20 @@ def tiled_mlp_apply(fn, mlp, x, shards: int, params: list):
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     return TiledMLP.apply(fn, mlp, x, exact_shards(x.numel() // x.shape[-1], shards), params)
+
+
+def checkpoint_offload_context():
+    """DeepSpeed 0.19.8's `CheckpointHiddenStatesOffload` (runtime/activation_checkpointing/offload_activations.py,
+    which `deepspeed` does not export): saved-tensor hooks that move the hidden states each transformers
+    `GradientCheckpointingLayer` checkpoints (its first positional argument, when the layer is training with
+    `gradient_checkpointing` set) to pinned host memory on a side stream, and copy them back when the backward
+    unpacks them. It finds them by wrapping `GradientCheckpointingLayer.__call__` while a context is active, and
+    leaving the context drops whatever was not restored, so one context must hold a forward *and* its backward. The
+    newest layer input stays on the device (the backward needs it first). A synchronized device (DeepSpeed's CPU
+    accelerator) has no copy streams and its tensors are already in host memory: there every marked tensor is
+    skipped and stays where it is, which is the same computation with no saving. Reusable: entering resets it and
+    keeps its pool of host buffers for the next micro-batch."""
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        get_checkpoint_hidden_states_offloading_ctx_manager)
+
+    return get_checkpoint_hidden_states_offloading_ctx_manager()

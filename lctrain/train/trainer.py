@@ -155,7 +155,8 @@ _FIXED_BY_CHECKPOINT = ("seed", "model.", "data.", "attention.mode", "train.glob
                         "parallel.zero_stage", "parallel.sequence_parallel", "parallel.nproc_per_node",
                         "parallel.num_nodes", "parallel.offload_optimizer", "parallel.offload_params")
 # ...except these, which change how the same computation runs (or where a dataset is found), not what it computes.
-_FREE_KEYS = ("data.num_workers", "data.strict", "data.output_dir", "model.gradient_checkpointing")
+_FREE_KEYS = ("data.num_workers", "data.strict", "data.output_dir", "model.gradient_checkpointing",
+              "model.offload_activations")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -331,6 +332,12 @@ class Trainer:
         # DeepSpeed reports the gradient norm for ZeRO and mixed precision only; plain fp32 without ZeRO keeps the
         # reduced gradients in .grad, where we can measure it before the step.
         self.own_grad_norm = cfg.parallel.zero_stage == 0 and cfg.model.dtype == "float32"
+        if cfg.model.offload_activations:
+            from lctrain.compat.deepspeed import checkpoint_offload_context
+
+            self.offload = checkpoint_offload_context()
+        else:
+            self.offload = contextlib.nullcontext()
 
     def read_windows(self, packed, step_index: int) -> list[dict]:
         """This rank's micro-batches of update `step_index`: collated windows, before `make_batch`."""
@@ -363,8 +370,11 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=topo.device)
         grad_norm = None
         for i, b in enumerate(micro):
-            token_loss_sum = self.engine(**b)
-            self.engine.backward(token_loss_sum * scale, scale_wrt_gas=False)
+            # Offloaded hidden states come back only while the context is active, so it spans the forward and the
+            # backward of each micro-batch, which only this loop holds together (not the loss module, not the model).
+            with self.offload:
+                token_loss_sum = self.engine(**b)
+                self.engine.backward(token_loss_sum * scale, scale_wrt_gas=False)
             if i == len(micro) - 1 and self.own_grad_norm:
                 grad_norm = _grad_norm(self.engine.module)
             self.engine.step()
