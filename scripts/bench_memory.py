@@ -2,6 +2,8 @@
 (`Trainer.train_step` on SlimPajama-like windows), with tokens/s, per memory-saving setting.
 
     python scripts/bench_memory.py                                   # CPU: small Llama, 4K windows, 5 settings
+    python scripts/bench_memory.py --device cuda --arch llama-1b --seq-len 65536 --vocab 32000 \
+        --settings gradient_checkpointing,offload_activations,checkpointing+tiled_mlp   # the settings on one GPU
     python scripts/bench_memory.py --preset llama2-7b-128k           # one GPU: Llama-2-7B at 128K, ZeRO-3 + offload
     python scripts/bench_memory.py --preset llama2-7b-128k --ladder  # longer windows until out of memory
 
@@ -30,6 +32,10 @@ from lctrain.memory import GB, HOST_RUNTIME_BYTES, plan_memory
 
 CPU_ARCH = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+# Llama-3.2-1B's shape with the 32K vocabulary of the built-in tokenizer (scripts/bench_train.py's llama-1b)
+LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
+ROW_ARCHS = {"small": CPU_ARCH, "llama-1b": LLAMA_1B}
 LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
 # CPU rows: the memory settings, one alone or combined
@@ -39,6 +45,7 @@ CPU_SETTINGS = {
     "tiled_mlp": ["model.tiled_mlp=auto"],
     "offload_activations": ["model.gradient_checkpointing=true", "model.offload_activations=true"],
     "checkpointing+tiled_mlp": ["model.gradient_checkpointing=true", "model.tiled_mlp=auto"],
+    "all_three": ["model.gradient_checkpointing=true", "model.tiled_mlp=auto", "model.offload_activations=true"],
 }
 PRESETS = {
     "llama2-7b-128k": dict(arch=LLAMA2_7B, vocab=32000, seq_len=131072, settings=[
@@ -81,12 +88,18 @@ def timed_steps(trainer, windows, steps: int, gpu: bool) -> float:
     return float(np.median(times))
 
 
-def cpu_row(name: str, settings: list[str], args) -> dict:
+def settings_row(name: str, settings: list[str], args) -> dict:
+    """One memory setting through the trainer's step: on the CPU the profiler's peak of tensor storage (fp32, ZeRO
+    off), on a GPU (`--device cuda`, bf16 under ZeRO-1) torch's peak allocation during one step after a warm-up,
+    each against the plan (device plus host items on the CPU, where both are one memory; device items on a GPU)."""
     from lctrain.parallel.groups import init_topology, release_single_process
     from lctrain.train.metrics import cpu_peak_bytes
     from lctrain.train.trainer import Trainer
 
-    cfg = make_config(CPU_ARCH, args.seq_len, settings)
+    gpu = args.device == "cuda"
+    arch = ROW_ARCHS[args.arch]
+    base = ["model.dtype=bfloat16", "parallel.zero_stage=1"] if gpu else []
+    cfg = make_config(arch, args.seq_len, base + settings)
     windows = make_windows(args.seq_len, args.vocab, args.seed)
     kept = {}
 
@@ -96,12 +109,23 @@ def cpu_row(name: str, settings: list[str], args) -> dict:
         return kept["trainer"]
 
     try:
-        peak, baseline = cpu_peak_bytes(setup, lambda trainer: trainer.train_step(windows))
-        step = timed_steps(kept.pop("trainer"), windows, args.steps, gpu=False)  # outside the profiler
+        if gpu:
+            trainer = setup()
+            torch.cuda.synchronize()
+            baseline = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            trainer.train_step(windows)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak, baseline = cpu_peak_bytes(setup, lambda trainer: trainer.train_step(windows))
+        step = timed_steps(kept.pop("trainer"), windows, args.steps, gpu=gpu)  # outside the profiler
     finally:
         release_single_process()
-    plan = predicted(cfg, CPU_ARCH, args.vocab)
-    pred = plan.total("device") + plan.total("host")
+        if gpu:
+            torch.cuda.empty_cache()
+    plan = predicted(cfg, arch, args.vocab)
+    pred = plan.total("device") + (0 if gpu else plan.total("host"))
     return {"setting": name, "overrides": settings, "seq_len": args.seq_len, "step_s": step,
             "tokens_per_s": args.seq_len / step, "measured_peak_gb": peak / GB, "measured_states_gb": baseline / GB,
             "predicted_gb": pred / GB, "predicted_over_measured": pred / peak}
@@ -192,8 +216,10 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="GPU preset (default: CPU rows)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (CPU default 4096; GPU: the "
                         "preset's)")
-    parser.add_argument("--vocab", type=int, default=1024, help="CPU: vocabulary (small, so the layers dominate)")
-    parser.add_argument("--settings", default=",".join(CPU_SETTINGS), help="CPU: rows to run")
+    parser.add_argument("--vocab", type=int, default=1024, help="rows: vocabulary (small, so the layers dominate)")
+    parser.add_argument("--settings", default=",".join(CPU_SETTINGS), help="rows to run")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the settings rows run")
+    parser.add_argument("--arch", choices=sorted(ROW_ARCHS), default="small", help="the rows' model shape")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1, help="GPU: untimed steps per length")
     parser.add_argument("--adam", choices=("torch", "deepspeed"), default="torch",
@@ -232,12 +258,12 @@ def main() -> None:
     else:
         args.seq_len = args.seq_len or 4096
         for name in args.settings.split(","):
-            rows.append(cpu_row(name, CPU_SETTINGS[name], args))
+            rows.append(settings_row(name, CPU_SETTINGS[name], args))
             r = rows[-1]
             print(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, measured {r['measured_peak_gb']:.3f} GB, predicted "
                   f"{r['predicted_gb']:.3f} GB", flush=True)
-            out.write_text(json.dumps({"args": vars(args), "device": "cpu", "results": rows}, indent=1))
-        table = Table(title=f"train step memory, CPU, {args.seq_len} tokens, hidden {CPU_ARCH['hidden_size']}, "
+            out.write_text(json.dumps({"args": vars(args), "device": args.device, "results": rows}, indent=1))
+        table = Table(title=f"train step memory, {args.device}, {args.seq_len} tokens, {args.arch} model, "
                             f"vocab {args.vocab}")
         for col in ("setting", "s/step", "tok/s", "meas GB", "pred GB", "pred/meas"):
             table.add_column(col, justify="right", no_wrap=True)

@@ -450,8 +450,8 @@ def stage_memory(run: Runner, args) -> None:
     out = run.log.with_name("bench_memory.json")
     # the bench stops itself before a length that would overrun the stage; leave room for its exit
     data = run_bench(run, python() + [str(ROOT / "scripts" / "bench_memory.py"), "--preset", "llama2-7b-128k",
-                                      "--ladder", "--time-limit", str(max(60.0, run.remaining() - 45)),
-                                      "--out", str(out)], out)
+                                      "--ladder", "--steps", str(args.memory_steps),
+                                      "--time-limit", str(max(60.0, run.remaining() - 45)), "--out", str(out)], out)
     if data is None:
         return
     r.data = data
@@ -591,6 +591,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kill-step", type=int, default=12)
     ap.add_argument("--rope-samples", type=int, default=4, help="rope stage: text sequences per case")
     ap.add_argument("--generation-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
+    ap.add_argument("--memory-steps", type=int, default=2, help="memory stage: timed steps per length")
     ap.add_argument("--work", default=None, help="where the cli stage prepares and trains (default OUT/cli_work; "
                     "a few GB of checkpoints)")
     args = ap.parse_args(argv)
