@@ -77,8 +77,21 @@ def checkpoint_offload_context():
     newest layer input stays on the device (the backward needs it first). A synchronized device (DeepSpeed's CPU
     accelerator) has no copy streams and its tensors are already in host memory: there every marked tensor is
     skipped and stays where it is, which is the same computation with no saving. Reusable: entering resets it and
-    keeps its pool of host buffers for the next micro-batch."""
-    from deepspeed.runtime.activation_checkpointing.offload_activations import (
-        get_checkpoint_hidden_states_offloading_ctx_manager)
+    keeps its pool of host buffers for the next micro-batch.
 
-    return get_checkpoint_hidden_states_offloading_ctx_manager()
+    One change: DeepSpeed's unpack keeps every restored hidden state on the device until the context exits (its
+    `_restore_tensor(cache=True)`, for graphs backpropagated twice), so by the end of the backward all of them are
+    back and the step's peak is not lowered: measured on an H100 (a 16-layer, hidden-2048 Llama at 32K tokens, bf16),
+    the memory after the forward fell from 2.52 to 0.77 GiB but the peak rose from 5.93 to 7.34 GiB. The trainer
+    backpropagates each graph once, so here a restored hidden state is handed over (`cache=False`) and freed once its
+    layer's recomputation has used it; a second unpack of one tensor fails loudly ("no longer tracked")."""
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        CheckpointHiddenStatesOffload, _OffloadedTensorRef)
+
+    class HandOverOffload(CheckpointHiddenStatesOffload):
+        def _unpack_tensor(self, maybe_ref):
+            if isinstance(maybe_ref, _OffloadedTensorRef):
+                return self._restore_tensor(maybe_ref.tensor_id, cache=False)
+            return maybe_ref
+
+    return HandOverOffload()
