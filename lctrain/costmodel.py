@@ -98,9 +98,13 @@ class ModelShape:
         """KV heads x head dim: the width of the k and v projections."""
         return self.kv_heads * self.head_dim
 
+    def layer_projection_params(self) -> int:
+        """Weights of one decoder layer's projections: q, k, v, o and the gated MLP (gate, up, down)."""
+        return 2 * self.hidden * (self.width + self.kv_width) + 3 * self.hidden * self.intermediate
+
     def layer_params(self) -> int:
-        """Weights of one decoder layer: q, k, v, o, the gated MLP and the two RMSNorm scales (no biases)."""
-        return 2 * self.hidden * (self.width + self.kv_width) + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        """Weights of one decoder layer: its projections and the two RMSNorm scales (no biases)."""
+        return self.layer_projection_params() + 2 * self.hidden
 
     def param_count(self) -> int:
         """All weights: the layers, the final norm, the input embedding and the LM head unless tied to it."""
@@ -112,8 +116,7 @@ class ModelShape:
 
     def linear_params(self) -> int:
         """Weights of the projections (q, k, v, o, the gated MLP) and the LM head: those that multiply per token."""
-        attn = self.hidden * self.width * 2 + 2 * self.hidden * self.kv_heads * self.head_dim
-        return self.layers * attn + self.mlp_params() + self.hidden * self.vocab
+        return self.layers * self.layer_projection_params() + self.hidden * self.vocab
 
 
 def count_params(module) -> int:

@@ -18,7 +18,9 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
 States and saved activations add up; the transients (a layer's recomputation, a loss chunk) happen at different
 moments of the backward, so only the largest adds to the peak.
 - DeepSpeed's buffers, sized by the DeepSpeed config the layout builds (DeepSpeed's defaults where it sets none):
-  the contiguous-gradient reduce bucket (ZeRO >= 1) and, under ZeRO-3, the parameters gathered at once;
+  the contiguous-gradient reduce bucket (ZeRO >= 1; DeepSpeed 0.19.8 sometimes holds the last step's bucket while
+  it allocates the next, one bucket more, which the WARN_FRACTION margin is for) and, under ZeRO-3, the parameters
+  gathered at once;
 - a fixed runtime overhead per process (`DEVICE_RUNTIME_BYTES`, `HOST_RUNTIME_BYTES`).
 
 Sequence parallelism divides the tokens of every per-token tensor by `sp`, except inside the attention engine, where

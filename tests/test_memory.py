@@ -72,7 +72,12 @@ def test_prediction_within_15_percent_of_the_measured_peak(extra):
         release_single_process()
     plan = plan_memory(cfg, ModelShape.from_hf_config(hf_config()))
     predicted = plan.total("device") + plan.total("host")
-    assert abs(predicted / peak - 1) <= 0.15, (predicted / 2**20, peak / 2**20)
+    # DeepSpeed 0.19.8's ZeRO-1/2 `setup_buckets` allocates a step's reduce bucket after dropping its list of the
+    # last one, which is freed only once nothing else holds it: in about 1 run in 6 here the measured step holds
+    # both (exactly one more bucket, 2 GB). The plan counts one; the test accepts the other measured state too.
+    buckets = [i.bytes for i in plan.items if i.name == "DeepSpeed reduce bucket"]
+    error = min(abs((predicted + extra) / peak - 1) for extra in [0] + buckets)
+    assert error <= 0.15, (predicted / 2**20, peak / 2**20)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
