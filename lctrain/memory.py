@@ -251,11 +251,24 @@ class Fix:
     fits: bool
 
 
+def _replan(cfg: Config, overrides: list[str], shape: ModelShape, budget: Budget) -> Fix:
+    plan = plan_memory(with_overrides(cfg, overrides, "memory fix"), shape)
+    device, host = budget.need(plan)
+    return Fix(tuple(overrides), device, host, budget.fits(plan))
+
+
 def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
-    """Each candidate setting re-planned, with its predicted needs; those that fit first, then by total need."""
-    out = []
-    for overrides in candidate_fixes(cfg):
-        plan = plan_memory(with_overrides(cfg, overrides, "memory fix"), shape)
-        device, host = budget.need(plan)
-        out.append(Fix(tuple(overrides), device, host, budget.fits(plan)))
+    """Each candidate setting re-planned, with its predicted needs; those that fit first, then by total need. When
+    none fits alone, one more: the candidates combined, the largest device saving first, up to the first that fits
+    (a later override of the same key wins, e.g. ZeRO-3 over the ZeRO-1 that optimizer offload alone needs)."""
+    out = [_replan(cfg, overrides, shape, budget) for overrides in candidate_fixes(cfg)]
+    if len(out) > 1 and not any(f.fits for f in out):
+        combined: list[str] = []
+        for single in sorted(out, key=lambda f: f.device):
+            combined += [o for o in single.overrides if o not in combined]
+            fix = _replan(cfg, combined, shape, budget)
+            if fix.fits:
+                break
+        if len(fix.overrides) > max(len(f.overrides) for f in out):
+            out.append(fix)
     return sorted(out, key=lambda f: (not f.fits, f.device + f.host))

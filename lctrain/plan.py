@@ -108,7 +108,7 @@ def print_report(r: dict) -> None:
     longest = r["longest_seq_len"]
     console.print(f"longest seq_len that fits: {longest:,}" if longest else "no seq_len fits with these settings")
     if not r["fits"] and r["fixes"]:
-        fix_table = Table(title="settings that lower the memory (each alone)")
+        fix_table = Table(title="settings that lower the memory (each alone, and combined when none fits alone)")
         for col in ("--set", "device GB", "host GB", "fits"):
             fix_table.add_column(col)
         for f in r["fixes"]:

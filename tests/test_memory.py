@@ -158,6 +158,28 @@ def test_longest_seq_len_fits_and_the_next_does_not():
     assert not budget.fits(plan_memory(config(longest + 1024, "model.gradient_checkpointing=true"), shape))
 
 
+def test_fixes_combine_when_none_fits_alone():
+    from lctrain.config import with_overrides
+    from lctrain.memory import fixes
+
+    shape = ModelShape.from_hf_config(hf_config(num_hidden_layers=16))
+    cfg = config(16384, "parallel.zero_stage=3", "model.dtype=bfloat16", "model.gradient_checkpointing=true")
+    plain = plan_memory(cfg, shape)
+    # a device between the plain plan less its optimizer states and less its hidden states too: each alone falls
+    # short, both together fit
+    states = sum(i.bytes for i in plain.items if i.name in ("fp32 master weights", "Adam moments (fp32)",
+                                                             "fp32 gradient partition"))
+    hidden = next(i.bytes for i in plain.items if i.name == "checkpointed hidden states")
+    need = Budget(device=1 << 50, host=1 << 50, label="any").need(plain)[0]  # with the runtime overhead
+    budget = Budget(device=need - states - hidden // 2, host=1 << 40, label="test")
+    found = fixes(cfg, shape, budget)
+    assert found[0].fits and all(not f.fits for f in found[1:])
+    combined = set(found[0].overrides)
+    assert {"parallel.offload_optimizer=true", "model.offload_activations=true"} <= combined
+    want = plan_memory(with_overrides(cfg, list(found[0].overrides), "test"), shape)
+    assert (found[0].device, found[0].host) == budget.need(want)
+
+
 def test_train_refuses_beyond_a_known_gpu_naming_fixes(monkeypatch):
     import lctrain.plan as plan
 
