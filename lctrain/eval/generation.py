@@ -221,6 +221,9 @@ def planned_cache(model, plan: GenerationPlan):
     class PlannedCache(Cache):
         def __init__(self):
             shape = (1, m.kv_heads, plan.tokens, m.head_dim)
+            # Streamed layers are kept token-major, [tokens, kv heads, head dim], so that a cached prefix is one
+            # contiguous block: a head-major prefix is strided, and PyTorch gathers it on the CPU before the copy.
+            streamed = (plan.tokens, m.kv_heads, m.head_dim)
             self.registered: list[int] = []
             self.store = []
             for i in range(m.layers):
@@ -228,12 +231,12 @@ def planned_cache(model, plan: GenerationPlan):
                     self.store.append(_BufferLayer(torch.empty(shape, dtype=dtype, device=device),
                                                    torch.empty(shape, dtype=dtype, device=device)))
                     continue
-                (k, pk), (v, pv) = (_host_buffer(shape, dtype, stream) for _ in range(2))
+                (k, pk), (v, pv) = (_host_buffer(streamed, dtype, stream) for _ in range(2))
                 self.registered += [p for p in (pk, pv) if p is not None]
                 self.store.append(_BufferLayer(k, v))
             self.offloaded = list(range(plan.resident_layers, m.layers))
-            self.staging = [(torch.empty(shape, dtype=dtype, device=device),
-                             torch.empty(shape, dtype=dtype, device=device))
+            self.staging = [(torch.empty(streamed, dtype=dtype, device=device),
+                             torch.empty(streamed, dtype=dtype, device=device))
                             for _ in range(min(STAGING_LAYERS, len(self.offloaded)))]
             self.copy_stream = torch.cuda.Stream(device) if stream and self.offloaded else None
             self.prefetched: set[int] = set()
@@ -245,8 +248,8 @@ def planned_cache(model, plan: GenerationPlan):
         def _fetch(self, layer: int) -> None:
             """Copy the cached prefix of an offloaded layer into its staging buffers."""
             b, (k, v) = self.store[layer], self._slot(layer)
-            k[..., :b.length, :].copy_(b.keys[..., :b.length, :], non_blocking=True)
-            v[..., :b.length, :].copy_(b.values[..., :b.length, :], non_blocking=True)
+            k[:b.length].copy_(b.keys[:b.length], non_blocking=True)
+            v[:b.length].copy_(b.values[:b.length], non_blocking=True)
 
         def _prefetch_after(self, layer: int) -> None:
             """Start copying the next offloaded layer (the first one of the next forward, after the last) while
@@ -269,22 +272,25 @@ def planned_cache(model, plan: GenerationPlan):
             if n + new > plan.tokens:
                 raise ValueError(f"the cache was planned for {plan.tokens} tokens; {n + new} asked")
             if layer_idx < plan.resident_layers:
-                keys, values = b.keys, b.values
+                b.keys[..., n:n + new, :].copy_(key_states)
+                b.values[..., n:n + new, :].copy_(value_states)
+                b.length = n + new
+                return b.keys[..., :n + new, :], b.values[..., :n + new, :]
+            keys, values = self._slot(layer_idx)
+            if layer_idx in self.prefetched:
+                if self.copy_stream is not None:
+                    torch.cuda.current_stream(device).wait_stream(self.copy_stream)
+                self.prefetched.discard(layer_idx)
             else:
-                keys, values = self._slot(layer_idx)
-                if layer_idx in self.prefetched:
-                    if self.copy_stream is not None:
-                        torch.cuda.current_stream(device).wait_stream(self.copy_stream)
-                    self.prefetched.discard(layer_idx)
-                else:
-                    self._fetch(layer_idx)
-                b.keys[..., n:n + new, :].copy_(key_states, non_blocking=True)
-                b.values[..., n:n + new, :].copy_(value_states, non_blocking=True)
-                self._prefetch_after(layer_idx)
-            keys[..., n:n + new, :].copy_(key_states)
-            values[..., n:n + new, :].copy_(value_states)
+                self._fetch(layer_idx)
             b.length = n + new
-            return keys[..., :n + new, :], values[..., :n + new, :]
+            new_keys, new_values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            b.keys[n:n + new].copy_(new_keys, non_blocking=True)
+            b.values[n:n + new].copy_(new_values, non_blocking=True)
+            keys[n:n + new].copy_(new_keys)
+            values[n:n + new].copy_(new_values)
+            self._prefetch_after(layer_idx)
+            return keys[:n + new].permute(1, 0, 2)[None], values[:n + new].permute(1, 0, 2)[None]
 
         def close(self) -> None:
             if self.registered:
