@@ -138,9 +138,3 @@ def dense_params(lm) -> int:
     out = lm.get_output_embeddings()
     tied = out is not None and out.weight is emb
     return total if tied else total - int(getattr(emb, "ds_numel", emb.numel()))
-
-
-def attention_width(hf_config) -> int:
-    """Heads x head dim of a Hugging Face config: the width of QK^T and PV."""
-    heads = hf_config.num_attention_heads
-    return heads * (getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)

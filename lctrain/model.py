@@ -49,8 +49,9 @@ def ntk_rope_theta(base: float, factor: float, rotary_dim: int) -> float:
 
 def _rotary_dim(hf_config, params: dict) -> int:
     # how transformers sizes the rotation: head_dim (or hidden/heads) times partial_rotary_factor
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+    from lctrain.costmodel import ModelShape
+
+    return int(ModelShape.from_hf_config(hf_config).head_dim * params.get("partial_rotary_factor", 1.0))
 
 
 def _ntk_parameters(hf_config, current: dict, scaling: dict, theta: float) -> dict[str, Any]:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from lctrain.config import Config, data_dir, load_config, with_overrides, write_resolved
+from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 
 # Documents in a synthetic window: enough that the document masks and anchor positions differ from full attention.
@@ -111,10 +112,8 @@ def check_config(cfg: Config, nproc: int, dtype: Optional[str]) -> Config:
         raise UserError(f"--nproc {nproc}: this machine has {allowed} {where}; use --nproc <= {allowed}")
     layout = [f"parallel.nproc_per_node={nproc}", f"parallel.sequence_parallel={nproc}", "parallel.num_nodes=1"]
     cfg = with_overrides(cfg, layout + ([f"model.dtype={dtype}"] if dtype else []), f"--nproc {nproc}")
-    hf = load_hf_config(cfg)
-    heads = hf.num_attention_heads
-    kv_replication(heads, getattr(hf, "num_key_value_heads", None) or heads, nproc,
-                   f"{cfg.source_file or 'config'} with --nproc {nproc}")
+    shape = ModelShape.from_hf_config(load_hf_config(cfg))
+    kv_replication(shape.heads, shape.kv_heads, nproc, f"{cfg.source_file or 'config'} with --nproc {nproc}")
     ParallelLayout.from_config(cfg, nproc)
     return cfg
 

@@ -400,12 +400,11 @@ def _check(seq_len: int, max_len: int, samples: int, delta2: int, shift_batch: i
 def estimate_flops(model, plan: Plan) -> float:
     """Forward FLOPs per sequence: the dense layers on every token, plus the probe's full T x T logits and weights
     (the causal half is not skipped) in every layer: one forward pass of the cost model."""
-    from lctrain.costmodel import attention_width, dense_params, step_flops
+    from lctrain.costmodel import ModelShape, dense_params, step_flops
 
-    cfg = model.config
+    shape = ModelShape.from_hf_config(model.config)
     squares = plan.tokens() * plan.seq_len  # tokens x keys, close enough for the logit passes too
-    return step_flops(dense_params(model), cfg.num_hidden_layers, attention_width(cfg), plan.tokens(), squares,
-                      passes=1)
+    return step_flops(dense_params(model), shape.layers, shape.width, plan.tokens(), squares, passes=1)
 
 
 def _progress():

@@ -157,7 +157,8 @@ class ParallelLayout:
         from lctrain.compat.transformers import attn_implementation
         from lctrain.parallel.ulysses import register_ulysses
 
-        mc = lm.config
+        from lctrain.costmodel import ModelShape
+
+        shape = ModelShape.from_hf_config(lm.config)
         engine = attn_implementation(lm).removeprefix(HF_PREFIX)
-        lm.set_attn_implementation(register_ulysses(engine, sp_group, mc.num_attention_heads,
-                                                    getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads))
+        lm.set_attn_implementation(register_ulysses(engine, sp_group, shape.heads, shape.kv_heads))

@@ -31,7 +31,7 @@ import torch
 
 from lctrain.config import (Config, config_fingerprint, load_config, reread_warning, run_dir as config_run_dir,
                             write_resolved)
-from lctrain.costmodel import attention_width, dense_params, step_flops, visible_pairs
+from lctrain.costmodel import ModelShape, dense_params, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
 from lctrain.lifetime import RunLock
 from lctrain.parallel.groups import Topology, init_topology, release_single_process, under_launcher
@@ -208,10 +208,9 @@ def preflight(cfg: Config) -> None:
         from lctrain.model import load_hf_config
         from lctrain.parallel.ulysses import kv_replication
 
-        mc = load_hf_config(cfg)  # a bad model.arch is refused here, before any process starts
+        shape = ModelShape.from_hf_config(load_hf_config(cfg))  # a bad model.arch is refused here, before any launch
         if cfg.parallel.sequence_parallel > 1:
-            kv_replication(mc.num_attention_heads, getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
-                           cfg.parallel.sequence_parallel, cfg.source_file or "config")
+            kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
     if cfg.model.arch is not None or Path(cfg.model.name_or_path).is_dir():  # a hub name: no download here
         from lctrain.plan import memory_warning
 
@@ -386,8 +385,8 @@ class Trainer:
                           grad_norm=float(grad_norm) if grad_norm is not None else None, pairs=int(counts[1].item()))
 
     def step_flops(self, tokens: int, pairs: int) -> float:
-        return step_flops(self.n_dense, self.lm.config.num_hidden_layers, attention_width(self.lm.config), tokens,
-                          pairs)
+        shape = ModelShape.from_hf_config(self.lm.config)
+        return step_flops(self.n_dense, shape.layers, shape.width, tokens, pairs)
 
     def metrics(self, step_index: int, result: StepResult, seconds: float, peak: Optional[float]) -> dict:
         """The metrics.jsonl record of update `step_index`."""
