@@ -114,11 +114,11 @@ def probe_attention(module, query, key, value, attention_mask, scaling=None, dro
     """A Hugging Face attention implementation: causal attention computed in head groups like FlashAttention2
     (fp32 logits of dtype-rounded q and k, fp32 softmax, weights in the value dtype times V), feeding `rope_probe`.
     The mask is built here (causal, no padding: the probe's batches are one sequence at several shifts)."""
-    dtype = value.dtype  # with the rotation in fp32 q and k arrive in fp32; training casts them before the kernel
-    q, k = query.to(dtype), key.to(dtype)
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = value.repeat_interleave(groups, dim=1)
+    from lctrain.attention.engines.common import expand_kv_heads, unify_dtypes
+
+    q, k, v = unify_dtypes(query, key, value)  # the rotation in fp32 gives fp32 q and k, cast as the engines cast them
+    k, v = expand_kv_heads(k, q.shape[1], dim=1), expand_kv_heads(v, q.shape[1], dim=1)
+    dtype = v.dtype
     scaling = scaling if scaling is not None else q.shape[-1] ** -0.5
     batch, heads, n, _ = q.shape
     future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
