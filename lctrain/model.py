@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -135,6 +136,32 @@ def load_hf_config(cfg: Config):
         raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}' cannot be loaded as a Hugging Face model "
                         f"directory or hub name ({type(e).__name__}); download it first or point to a local "
                         f"directory") from None
+
+
+# The paper's base models as their config.json describes them, so that `plan` and `estimate` need neither the hub
+# nor a login (Llama-2 and Llama-3 are gated): (layers, hidden, heads, kv heads, head dim, intermediate, vocab).
+KNOWN_SHAPES = {
+    "meta-llama/Llama-2-7b-hf": (32, 4096, 32, 32, 128, 11008, 32000),
+    "meta-llama/Meta-Llama-3-8B": (32, 4096, 32, 8, 128, 14336, 128256),
+    "mistralai/Mistral-7B-v0.3": (32, 4096, 32, 8, 128, 14336, 32768),
+    "Qwen/Qwen1.5-1.8B": (24, 2048, 16, 16, 128, 5504, 151936),
+}
+
+
+def model_shape(cfg: Config):
+    """The `costmodel.ModelShape` of the model a config trains: a known base model's without any download, else
+    read from its Hugging Face config, with the vocabulary `build_model` gives a `model.arch`."""
+    from lctrain.costmodel import ModelShape
+
+    name = cfg.model.name_or_path
+    if name in KNOWN_SHAPES and not Path(name).exists():
+        return ModelShape(*KNOWN_SHAPES[name], tied=False)
+    hf = load_hf_config(cfg)
+    if cfg.model.arch is not None and "vocab_size" not in cfg.model.arch:
+        from lctrain.tokenizer import load_tokenizer
+
+        hf.vocab_size = len(load_tokenizer(cfg.data.tokenizer))  # as build_model sizes it
+    return ModelShape.from_hf_config(hf)
 
 
 def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:

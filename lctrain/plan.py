@@ -10,6 +10,7 @@ from typing import Optional
 from lctrain.config import Config
 from lctrain.errors import UserError
 from lctrain.memory import GB, GPU_MEMORY_GB, WARN_FRACTION, Budget, fixes, longest_seq_len, plan_memory
+from lctrain.model import model_shape
 
 
 def known_gpu_bytes(name: str) -> Optional[int]:
@@ -41,12 +42,6 @@ def local_budget(gpu_mem_gb: Optional[float] = None, host_mem_gb: Optional[float
         size = known or torch.cuda.get_device_properties(0).total_memory
         return Budget(size, host, f"{name}, {size / GB:.0f} GB"), known is not None
     return Budget(None, host, f"CPU: {host / GB:.1f} GB of host memory available"), False
-
-
-def model_shape(cfg: Config):
-    from lctrain.eval.estimate import model_shape as shape_of
-
-    return shape_of(cfg)
 
 
 def memory_warning(cfg: Config) -> Optional[str]:

@@ -67,7 +67,7 @@ def test_ulysses_over_two_processes_matches_one_process_in_full_and_anchor(resul
 def test_a_layout_without_the_all_to_all_fails_the_bound(result):
     """The negative control: what Ulysses would compute if the all-to-all were missing (each rank attending only
     within its own slice, true positions) against the 1-process logits, compared by the same function and bound."""
-    from lctrain.eval.estimate import model_shape
+    from lctrain.model import model_shape
     from lctrain.model import build_model
     from lctrain.tokenizer import anchor_token_id, load_tokenizer
 

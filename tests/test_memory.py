@@ -207,3 +207,20 @@ def test_plan_cli_prints_a_verdict_and_json(tmp_path):
 @pytest.mark.parametrize("args", [["--gpu-mem", "-1"], ["--host-mem", "0"], ["-c", "no_such_config"]])
 def test_plan_cli_bad_input_is_one_line(args):
     one_error_line(CliRunner().invoke(app, ["plan", *args]))
+
+
+@pytest.mark.parametrize("name,published", [("meta-llama/Llama-2-7b-hf", 6_738_415_616),
+                                            ("meta-llama/Meta-Llama-3-8B", 8_030_261_248),
+                                            ("mistralai/Mistral-7B-v0.3", 7_248_023_552)])
+def test_known_base_models_have_their_published_parameter_counts(name, published):
+    from lctrain.model import model_shape
+
+    cfg = load_config(None, [f"model.name_or_path={name}", "model.arch=null"])
+    assert model_shape(cfg).param_count() == published
+
+
+def test_plan_of_a_paper_config_needs_no_download():
+    """Llama-2 is gated on the hub and this machine is offline: the paper's configs plan from the known shape."""
+    result = CliRunner().invoke(app, ["plan", "-c", "llama2_128k_anchor", "--gpu-mem", "80", "--host-mem", "1000"])
+    assert result.exit_code == 0, result.output
+    assert "FITS" in result.output and "longest seq_len that fits" in result.output

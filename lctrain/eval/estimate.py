@@ -17,22 +17,12 @@ from pathlib import Path
 
 from lctrain.config import Config, data_dir
 from lctrain.errors import UserError
-from lctrain.costmodel import ModelShape, attention_flops, dense_flops, training_passes, window_pairs
+from lctrain.costmodel import attention_flops, dense_flops, training_passes, window_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.eval.inspect_data import MODES, dataset_stats
+from lctrain.model import model_shape
 
 SYNTHETIC_WINDOWS = 64  # windows of the fallback layout when no prepared dataset has the config's length
-
-
-def model_shape(cfg: Config) -> ModelShape:
-    from lctrain.model import load_hf_config
-
-    hf = load_hf_config(cfg)
-    if cfg.model.arch is not None and "vocab_size" not in cfg.model.arch:
-        from lctrain.tokenizer import load_tokenizer
-
-        hf.vocab_size = len(load_tokenizer(cfg.data.tokenizer))  # as build_model sizes it
-    return ModelShape.from_hf_config(hf)
 
 
 def mean_pairs(cfg: Config) -> tuple[dict[str, float], str]:

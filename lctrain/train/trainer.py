@@ -211,7 +211,10 @@ def preflight(cfg: Config) -> None:
         shape = ModelShape.from_hf_config(load_hf_config(cfg))  # a bad model.arch is refused here, before any launch
         if cfg.parallel.sequence_parallel > 1:
             kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
-    if cfg.model.arch is not None or Path(cfg.model.name_or_path).is_dir():  # a hub name: no download here
+    from lctrain.model import KNOWN_SHAPES
+
+    # a model whose shape needs a download (an unknown hub name) is not planned here
+    if cfg.model.arch is not None or Path(cfg.model.name_or_path).is_dir() or cfg.model.name_or_path in KNOWN_SHAPES:
         from lctrain.plan import memory_warning
 
         warning = memory_warning(cfg)  # refuses a plan beyond a known GPU's memory
