@@ -183,7 +183,8 @@ def _host_buffer(shape: tuple[int, ...], dtype, pin: bool):
 
 
 class _BufferLayer:
-    """One layer's keys and values: a [batch, kv heads, capacity, head dim] buffer each, filled up to `length`."""
+    """One layer's keys and values, filled up to `length`: [1, kv heads, capacity, head dim] buffers on the device,
+    or token-major [capacity, kv heads, head dim] ones in host memory for a streamed layer."""
 
     def __init__(self, keys, values):
         self.keys, self.values = keys, values
