@@ -12,6 +12,7 @@ from lctrain.eval.generation import (
     greedy_ids,
     kv_cache_bytes,
     plan_generation,
+    planned_cache,
 )
 
 GIB = 1 << 30
@@ -54,6 +55,23 @@ def test_chunked_prefill_equals_generate(tiny, chunk, resident):
 def test_offloaded_cache_equals_generate_on_gpu(tiny, chunk, resident):
     check_equals_generate(tiny.to("cuda"), chunk, resident)
     tiny.to("cpu")
+
+
+@pytest.mark.parametrize("resident", [3, 1])
+def test_one_cache_serves_sample_after_sample(tiny, resident):
+    """eval allocates the cache once per checkpoint: a longer sample, then a shorter one, then the first again, each
+    as transformers generates it alone."""
+    plan = GenerationPlan(resident, 3, 7, 62, 0, 0, 0)
+    cache = planned_cache(tiny, plan)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (50, 9)]
+    try:
+        for ids in prompts + prompts[:1]:
+            assert greedy_ids(tiny, ids, 12, plan, cache=cache) == hf_greedy(tiny, ids, 12)
+        with pytest.raises(ValueError, match="another generation plan"):
+            greedy_ids(tiny, prompts[1], 4, GenerationPlan(3, 3, 8, 62, 0, 0, 0), cache=cache)
+    finally:
+        cache.close()
 
 
 def test_cache_refuses_more_tokens_than_planned(tiny):

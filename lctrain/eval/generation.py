@@ -177,8 +177,8 @@ def _host_buffer(shape: tuple[int, ...], dtype, pin: bool):
     start = -raw.data_ptr() % PAGE
     region = raw[start:start + nbytes]
     if int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), nbytes, 0)) != 0:
-        raise RuntimeError(f"cudaHostRegister could not page-lock {nbytes / 1e9:.1f} GB of host memory for the "
-                           f"offloaded KV cache")
+        raise UserError(f"cannot page-lock {nbytes / 1e9:.1f} GB of host memory for the offloaded KV cache "
+                        f"(cudaHostRegister failed; see `ulimit -l`); evaluate shorter lengths (--lengths)")
     return region.view(dtype).view(shape), region.data_ptr()
 
 
@@ -192,8 +192,9 @@ class _BufferLayer:
 
 
 def planned_cache(model, plan: GenerationPlan):
-    """A transformers `Cache` holding the KV cache of one generation under `plan` (see the module docstring).
-    Call `close()` when done: it releases the page-locked host memory."""
+    """A transformers `Cache` holding the KV cache of a generation under `plan` (see the module docstring), reusable
+    for every sample the plan covers (`greedy_ids` resets it): the buffers are allocated and page-locked once. Call
+    `close()` when done: it releases the page-locked host memory."""
     import torch
     from transformers.cache_utils import Cache, DynamicLayer
 
@@ -241,7 +242,16 @@ def planned_cache(model, plan: GenerationPlan):
                             for _ in range(min(STAGING_LAYERS, len(self.offloaded)))]
             self.copy_stream = torch.cuda.Stream(device) if stream and self.offloaded else None
             self.prefetched: set[int] = set()
+            self.plan = plan
             super().__init__(layers=[Layer(b) for b in self.store])
+
+        def reset(self) -> None:
+            """Empty for the next sample; a copy still in flight from the last one finishes first."""
+            if self.copy_stream is not None:
+                torch.cuda.current_stream(device).wait_stream(self.copy_stream)
+            for b in self.store:
+                b.length = 0
+            self.prefetched.clear()
 
         def _slot(self, layer: int):
             return self.staging[(layer - plan.resident_layers) % STAGING_LAYERS]
@@ -303,17 +313,22 @@ def planned_cache(model, plan: GenerationPlan):
     return PlannedCache()
 
 
-def greedy_ids(model, ids: list[int], max_new: int, plan: GenerationPlan, *, eos: int | None = None,
+def greedy_ids(model, ids: list[int], max_new: int, plan: GenerationPlan, *, cache=None, eos: int | None = None,
                stop: Callable[[list[int]], bool] | None = None) -> list[int]:
     """Greedy continuation of `ids` under `plan`: up to `max_new` tokens, ending after `eos` or once `stop(new ids)`
-    is true (the stop strings of a task)."""
+    is true (the stop strings of a task). `cache`: a `planned_cache` of this plan to reuse (the caller closes it);
+    without one, a cache is made for this call and closed after it."""
     import torch
 
     if not ids or max_new < 1:
         raise ValueError("greedy generation needs a prompt token and room for at least one new token")
     if len(ids) + max_new > plan.tokens:
         raise ValueError(f"a {len(ids)}-token prompt and {max_new} new tokens exceed the plan's {plan.tokens}")
-    cache = planned_cache(model, plan)
+    if cache is not None and cache.plan != plan:
+        raise ValueError("the cache was planned for another generation plan")
+    own = cache is None
+    cache = planned_cache(model, plan) if own else cache
+    cache.reset()
     x = torch.tensor([ids], device=model.device)
     new: list[int] = []
     try:
@@ -329,7 +344,8 @@ def greedy_ids(model, ids: list[int], max_new: int, plan: GenerationPlan, *, eos
                 out = model(input_ids=torch.tensor([[nxt]], device=model.device), past_key_values=cache,
                             use_cache=True, logits_to_keep=1)
     finally:
-        cache.close()
+        if own:
+            cache.close()
     return new
 
 

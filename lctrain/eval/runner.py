@@ -134,13 +134,14 @@ def load_model(model_dir: Path, device: str):
     return model.to(device).eval()
 
 
-def greedy_generate(model, tokenizer, encoder, prompt: str, max_new_tokens: int, plan) -> str:
-    """The greedy answer to `prompt` under a `generation.GenerationPlan`: `encoder` turns the prompt into ids exactly
-    as the model's reference tokenizer does (with its BOS), `tokenizer` decodes."""
+def greedy_generate(model, tokenizer, encoder, prompt: str, max_new_tokens: int, plan, cache=None) -> str:
+    """The greedy answer to `prompt` under a `generation.GenerationPlan` (and its reusable `planned_cache`):
+    `encoder` turns the prompt into ids exactly as the model's reference tokenizer does (with its BOS), `tokenizer`
+    decodes."""
     from lctrain.eval.generation import greedy_ids
 
     ids = encoder.encode(prompt, specials=True)
-    new = greedy_ids(model, ids, max_new_tokens, plan, eos=tokenizer.eos_token_id)
+    new = greedy_ids(model, ids, max_new_tokens, plan, cache=cache, eos=tokenizer.eos_token_id)
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
@@ -252,10 +253,11 @@ def _json_table(table: dict) -> dict:
     return {t: {str(L): v for L, v in per.items()} for t, per in table.items()}
 
 
-def _hf_answers(model, tokenizer, encoder, plan):
+def _hf_answers(model, tokenizer, encoder, plan, cache):
     """Answers a batch of samples one by one (lazily, so each is recorded as soon as it is made) with the HF model
-    under a generation plan."""
-    return lambda batch: (greedy_generate(model, tokenizer, encoder, s.prompt, s.max_new_tokens, plan) for s in batch)
+    under a generation plan, in one cache allocated for the checkpoint."""
+    return lambda batch: (greedy_generate(model, tokenizer, encoder, s.prompt, s.max_new_tokens, plan, cache)
+                          for s in batch)
 
 
 def _vllm_answers(generator, tokenizer, encoder):
@@ -274,7 +276,7 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str
     as it is made. `backend`: "hf" (the planned generation of lctrain.eval.generation) or "vllm"."""
     from transformers import AutoConfig
 
-    from lctrain.eval.generation import VllmGenerator, plan_for
+    from lctrain.eval.generation import VllmGenerator, plan_for, planned_cache
 
     per_sample: dict[str, dict[str, dict[int, list[float]]]] = {}
     ppl: dict[str, float] = {}
@@ -284,7 +286,7 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str
         job = bar.add_task("evaluating", total=len(tgt.checkpoints) * sum(len(src) for src in suite.sources))
         for ckpt_name, ckpt_dir in tgt.checkpoints:
             bar.update(job, description=f"evaluating {ckpt_name}")
-            model = generator = None
+            model = generator = cache = None
             if backend == "vllm":
                 generator = VllmGenerator(ckpt_dir, suite.longest, tokenizer.eos_token_id)
                 memory[ckpt_name] = generator.describe()
@@ -293,7 +295,8 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str
                 model = load_model(ckpt_dir, device)
                 plan = plan_for(model, suite.longest)  # stops here, before any answer, when the longest cannot fit
                 memory[ckpt_name] = plan.describe()
-                answer = _hf_answers(model, tokenizer, encoder, plan)
+                cache = planned_cache(model, plan)  # allocated (and page-locked) once for every sample
+                answer = _hf_answers(model, tokenizer, encoder, plan, cache)
             model_config = model.config if model is not None else AutoConfig.from_pretrained(str(ckpt_dir))
             limit = getattr(model_config, "max_position_embeddings", None)
             if limit and suite.longest > limit:
@@ -311,10 +314,12 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str
                     bar.advance(job)
             if generator is not None:
                 generator.close()
+            if cache is not None:
+                cache.close()
             if heldout.rows:
                 model = model or load_model(ckpt_dir, device)
                 ppl[ckpt_name] = perplexity(model, heldout.packed, heldout.rows)
-            del model, answer  # the closure holds the model too: both go before the next checkpoint loads
+            del model, answer, cache  # the closure holds the model and cache too: all go before the next loads
     return per_sample, ppl, notes, memory
 
 
