@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import losses, prepared_workdir, run_cli_train
+from train_helpers import equivalence_run, losses, prepared_workdir, run_cli_train
 
 from lctrain.attention import make_batch
 from lctrain.compat.deepspeed import checkpoint_offload_context
@@ -115,10 +115,8 @@ def test_without_gradient_checkpointing_is_one_line():
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:
-    return ["data.seq_len=128", "data.token_budget=12000", f"data.output_dir={data_dir}", f"train.run_dir={run_dir}",
-            f"train.steps={STEPS}", "train.global_batch=2", "train.micro_batch=1", "train.warmup_steps=0",
-            "train.lr=3e-3", "train.grad_clip=0", "checkpoint.save_final=false", "checkpoint.hf_last=0",
-            "model.dtype=float32", "model.gradient_checkpointing=true", f"model.arch={ARCH}"]
+    return equivalence_run(data_dir, run_dir, steps=STEPS, micro_batch=1, arch=ARCH) + [
+        "model.dtype=float32", "model.gradient_checkpointing=true"]
 
 
 @pytest.fixture(scope="module")

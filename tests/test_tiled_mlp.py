@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from train_helpers import losses, prepared_workdir, reference_run, run_cli_train
+from train_helpers import equivalence_run, losses, prepared_workdir, reference_run, run_cli_train
 
 from lctrain.config import load_config
 from lctrain.errors import UserError
@@ -24,10 +24,7 @@ ARCH = ("{model_type: llama, hidden_size: 32, intermediate_size: 88, num_hidden_
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:
-    return ["data.seq_len=128", "data.token_budget=12000", f"data.output_dir={data_dir}", f"train.run_dir={run_dir}",
-            f"train.steps={STEPS}", "train.global_batch=2", "train.micro_batch=2", "train.warmup_steps=0",
-            "train.lr=3e-3", "train.grad_clip=0", "checkpoint.save_final=false", "checkpoint.hf_last=0",
-            f"model.arch={ARCH}"]
+    return equivalence_run(data_dir, run_dir, steps=STEPS, micro_batch=2, arch=ARCH)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,6 +15,15 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 Overrides = Callable[[Path, Path], list[str]]  # (data_dir, run_dir) -> --set items
 
 
+def equivalence_run(data_dir: Path, run_dir: Path, *, steps: int, micro_batch: int, arch: str) -> list[str]:
+    """A short run for comparing a setting with its absence: 2 windows of 128 tokens per step, lr 3e-3 from the first
+    step and no clipping (so a wrong gradient moves the loss at once), no checkpoints."""
+    return ["data.seq_len=128", "data.token_budget=12000", f"data.output_dir={data_dir}", f"train.run_dir={run_dir}",
+            f"train.steps={steps}", "train.global_batch=2", f"train.micro_batch={micro_batch}",
+            "train.warmup_steps=0", "train.lr=3e-3", "train.grad_clip=0", "checkpoint.save_final=false",
+            "checkpoint.hf_last=0", f"model.arch={arch}"]
+
+
 def set_args(items: list[str]) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
