@@ -37,7 +37,7 @@ from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
 from lctrain.model import auto_mlp_shards
 from lctrain.parallel.layout import ParallelLayout
-from lctrain.train.loss import DEFAULT_CHUNK_TOKENS
+from lctrain.train.loss import positions_per_chunk
 
 GB = 1e9
 # The CUDA context (about 0.5 GB on Hopper with lazy module loading), cuBLAS workspaces and the NCCL communicators'
@@ -118,12 +118,6 @@ def layer_saved_bytes(shape: ModelShape, tokens: int, mlp_tokens: int, b: int) -
     return tokens * (norms + projections + attention) + mlp_tokens * 4 * shape.intermediate * b
 
 
-def loss_chunk_tokens(seq_tokens: int, micro_batch: int) -> int:
-    """Tokens whose logits exist at once: train/loss.py's chunk of whole rows, or everything in one chunk."""
-    per_row = max(1, DEFAULT_CHUNK_TOKENS // micro_batch)
-    return micro_batch * min(seq_tokens, per_row)
-
-
 def logits_bytes(shape: ModelShape, tokens: int, b: int) -> int:
     """One loss chunk: fp32 log-probabilities, their gradient and the logits' fp32 gradient, plus the model-dtype
     logits when the model is not fp32 (cast to fp32 before the softmax)."""
@@ -173,7 +167,7 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     # the engine's whole-sequence q, k, v and output under Ulysses, beside the local ones the projections keep
     all_to_all = 4 * tokens * shape.width * b if layout.sp > 1 else 0
     final_norm = tokens * (shape.hidden * (FP32 + b) + FP32)
-    logits = logits_bytes(shape, loss_chunk_tokens(seq_tokens, layout.micro_batch), b)
+    logits = logits_bytes(shape, layout.micro_batch * positions_per_chunk(layout.micro_batch, seq_tokens), b)
     items = [Item("loss chunk logits", logits, "device", TRANSIENT), Item("final norm", final_norm, "device", SAVED)]
     if m.gradient_checkpointing:
         items += [Item("checkpointed hidden states", shape.layers * tokens * shape.hidden * b,

@@ -31,11 +31,16 @@ def _chunk_loss_sum(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torc
                            reduction="sum")
 
 
+def positions_per_chunk(rows: int, length: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """Positions of each row whose logits exist at once: `chunk_tokens` shared by the rows, or the whole row."""
+    return min(length, max(1, chunk_tokens // rows))
+
+
 def chunked_loss_sum(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
     """Sum of cross-entropy over `labels != -100`; `hidden` [B, S, d], `labels` [B, S] already shifted."""
-    per_chunk = max(1, chunk_tokens // hidden.shape[0])
-    if hidden.shape[1] <= per_chunk:
+    per_chunk = positions_per_chunk(hidden.shape[0], hidden.shape[1], chunk_tokens)
+    if per_chunk == hidden.shape[1]:
         # one chunk: its logits are the peak either way, so recomputing them would only cost time
         return _chunk_loss_sum(lm_head, hidden, labels)
     total = hidden.new_zeros((), dtype=torch.float32)
