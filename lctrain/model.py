@@ -148,6 +148,12 @@ KNOWN_SHAPES = {
 }
 
 
+def shape_without_download(cfg: Config) -> bool:
+    """Whether the model's shape is known here: `model.arch`, a local directory or a known base model."""
+    name = cfg.model.name_or_path
+    return cfg.model.arch is not None or Path(name).is_dir() or name in KNOWN_SHAPES
+
+
 def model_shape(cfg: Config):
     """The `costmodel.ModelShape` of the model a config trains: a known base model's without any download, else
     read from its Hugging Face config, with the vocabulary `build_model` gives a `model.arch`."""

@@ -61,8 +61,8 @@ def test_deepspeed_is_the_release_the_compat_entries_were_checked_against():
         f"DeepSpeed {deepspeed.__version__} is installed; lctrain/compat/deepspeed.py was written against "
         f"{DEEPSPEED_VERSION}: re-check __compatible_ops__, parallel_state_sp as mpu, "
         f"_zero3_consolidated_16bit_state_dict, the gradient averaging rule (tests/test_parallel_equivalence.py) and "
-        f"TiledMLP's ready-gradient count (tests/test_tiled_mlp.py), the checkpoint offload context and the "
-        f"accelerator it consults (tests/test_offload_activations.py), "
+        f"TiledMLP's ready-gradient count (tests/test_tiled_mlp.py), the checkpoint offload context, the "
+        f"accelerator it consults and its unpack's `_restore_tensor(cache=...)` (tests/test_offload_activations.py), "
         f"then update DEEPSPEED_VERSION")
 
 

@@ -211,10 +211,9 @@ def preflight(cfg: Config) -> None:
         shape = ModelShape.from_hf_config(load_hf_config(cfg))  # a bad model.arch is refused here, before any launch
         if cfg.parallel.sequence_parallel > 1:
             kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
-    from lctrain.model import KNOWN_SHAPES
+    from lctrain.model import shape_without_download
 
-    # a model whose shape needs a download (an unknown hub name) is not planned here
-    if cfg.model.arch is not None or Path(cfg.model.name_or_path).is_dir() or cfg.model.name_or_path in KNOWN_SHAPES:
+    if shape_without_download(cfg):  # an unknown hub name is not downloaded just to plan
         from lctrain.plan import memory_warning
 
         warning = memory_warning(cfg)  # refuses a plan beyond a known GPU's memory
