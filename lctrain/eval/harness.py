@@ -40,11 +40,9 @@ HEADLINE_METRICS = ("score", "acc_norm", "acc", "exact_match")
 
 def import_harness():
     try:
-        import lm_eval  # noqa: F401
+        import lm_eval
     except ImportError:
         raise UserError("--harness needs lm-evaluation-harness: pip install 'lctrain[harness]'") from None
-    import lm_eval
-
     return lm_eval
 
 
