@@ -118,7 +118,10 @@ def plan(cfg: Config, gpu_mem_gb: Optional[float] = None, host_mem_gb: Optional[
     r = report(cfg, budget)
     print_report(r)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(r, indent=1))
+        try:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_path).write_text(json.dumps(r, indent=1))
+        except OSError as e:
+            raise UserError(f"--json {json_path}: cannot write the plan ({e.strerror})") from None
     return r
 

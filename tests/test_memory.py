@@ -204,7 +204,8 @@ def test_plan_cli_prints_a_verdict_and_json(tmp_path):
     assert json.loads(out.read_text())["fits"] is True
 
 
-@pytest.mark.parametrize("args", [["--gpu-mem", "-1"], ["--host-mem", "0"], ["-c", "no_such_config"]])
+@pytest.mark.parametrize("args", [["--gpu-mem", "-1"], ["--host-mem", "0"], ["-c", "no_such_config"],
+                                  ["--json", "/proc/no_such_dir/plan.json"]])
 def test_plan_cli_bad_input_is_one_line(args):
     one_error_line(CliRunner().invoke(app, ["plan", *args]))
 
