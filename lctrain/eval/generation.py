@@ -236,11 +236,10 @@ def planned_cache(model, plan: GenerationPlan):
                 (k, pk), (v, pv) = (_host_buffer(streamed, dtype, stream) for _ in range(2))
                 self.registered += [p for p in (pk, pv) if p is not None]
                 self.store.append(_BufferLayer(k, v))
-            self.offloaded = list(range(plan.resident_layers, m.layers))
             self.staging = [(torch.empty(streamed, dtype=dtype, device=device),
                              torch.empty(streamed, dtype=dtype, device=device))
-                            for _ in range(min(STAGING_LAYERS, len(self.offloaded)))]
-            self.copy_stream = torch.cuda.Stream(device) if stream and self.offloaded else None
+                            for _ in range(min(STAGING_LAYERS, plan.layers - plan.resident_layers))]
+            self.copy_stream = torch.cuda.Stream(device) if stream and plan.offload else None
             self.prefetched: set[int] = set()
             self.plan = plan
             super().__init__(layers=[Layer(b) for b in self.store])
@@ -265,7 +264,8 @@ def planned_cache(model, plan: GenerationPlan):
         def _prefetch_after(self, layer: int) -> None:
             """Start copying the next offloaded layer (the first one of the next forward, after the last) while
             this one computes, unless it would land in the staging buffer this layer is about to read."""
-            nxt = self.offloaded[(self.offloaded.index(layer) + 1) % len(self.offloaded)]
+            first = plan.resident_layers
+            nxt = first + (layer - first + 1) % (plan.layers - first)
             if self._slot(nxt) is self._slot(layer):
                 return
             if self.copy_stream is None:
