@@ -14,14 +14,18 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
   tokens or for one `tiled_mlp` shard); the layer's gradients reuse what its freed saved tensors held (measured on
   CPU, tests/test_memory.py), so they add nothing of their own;
 - the loss chunk's logits (train/loss.py): fp32 log-probabilities and their gradients for one chunk;
-
-States and saved activations add up; the transients (a layer's recomputation, a loss chunk) happen at different
-moments of the backward, so only the largest adds to the peak.
+- the optimizer step's own tensors (ZeRO-3's flattened fp32 gradients, torch AdamW's out-of-place denominator), and
+  under ZeRO-3 with an offloaded optimizer the second fp32 gradient buffer and the page-locked buffers' rounding to a
+  power of two (`pinned_bytes`);
 - DeepSpeed's buffers, sized by the DeepSpeed config the layout builds (DeepSpeed's defaults where it sets none):
-  the contiguous-gradient reduce bucket (ZeRO >= 1; DeepSpeed 0.19.8 sometimes holds the last step's bucket while
-  it allocates the next, one bucket more, which the WARN_FRACTION margin is for) and, under ZeRO-3, the parameters
-  gathered at once;
+  the contiguous-gradient reduce bucket (ZeRO >= 1, in fp32 under sequence parallelism; DeepSpeed 0.19.8 sometimes
+  holds the last step's bucket while it allocates the next, one bucket more, which the WARN_FRACTION margin is for)
+  and, under ZeRO-3, the parameters gathered at once;
 - a fixed runtime overhead per process (`DEVICE_RUNTIME_BYTES`, `HOST_RUNTIME_BYTES`).
+
+States add up. The transients (a layer's recomputation, a loss chunk) happen at different moments of the backward, so
+only the largest adds to the saved activations; the optimizer step comes after the backward has freed them, so the
+peak is the states plus the larger of the two phases.
 
 Sequence parallelism divides the tokens of every per-token tensor by `sp`, except inside the attention engine, where
 DeepSpeed-Ulysses' all-to-all gives each rank the whole sequence for `heads / sp` heads: the same number of elements,
@@ -58,8 +62,8 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # Kinds of item: model states live through the step, saved activations from the forward to their layer's backward,
-# a transient within one phase of the backward.
-STATE, SAVED, TRANSIENT = "state", "saved", "transient"
+# a transient within one phase of the backward, and what the optimizer step allocates (after the backward).
+STATE, SAVED, TRANSIENT, STEP = "state", "saved", "transient", "step"
 
 
 @dataclass(frozen=True)
@@ -77,10 +81,13 @@ class MemoryPlan:
     ranks_per_host: int
 
     def total(self, where: str) -> int:
-        """Peak bytes in `where`: the states and saved activations, and the largest transient."""
+        """Peak bytes in `where`: the states, and the larger of the backward's peak (the saved activations and the
+        largest transient) and the optimizer step's (its items together; the activations are gone by then)."""
         here = [i for i in self.items if i.where == where]
-        return (sum(i.bytes for i in here if i.kind != TRANSIENT)
-                + max((i.bytes for i in here if i.kind == TRANSIENT), default=0))
+        backward = (sum(i.bytes for i in here if i.kind == SAVED)
+                    + max((i.bytes for i in here if i.kind == TRANSIENT), default=0))
+        step = sum(i.bytes for i in here if i.kind == STEP)
+        return sum(i.bytes for i in here if i.kind == STATE) + max(backward, step)
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,10 @@ class Budget:
     device: int | None
     host: int
     label: str
+
+    @property
+    def gpu(self) -> bool:
+        return self.device is not None
 
     def need(self, plan: MemoryPlan) -> tuple[int, int]:
         """(bytes needed on one device, bytes needed on one host), runtime overheads included."""
@@ -131,12 +142,44 @@ def _zero_settings(ds_config: dict) -> dict:
     return DeepSpeedZeroConfig(**ds_config["zero_optimization"]).model_dump()
 
 
-def model_state_items(shape: ModelShape, cfg: Config, world: int, zero: dict) -> list[Item]:
+def reduce_element_bytes(ds_config: dict, model_bytes: int) -> int:
+    """Bytes per element of DeepSpeed's reduce bucket: ZeRO-1 accumulates in fp32; ZeRO-2 and 3 reduce in the
+    communication dtype, which under sequence parallelism is `seq_parallel_communication_data_type` (DeepSpeed
+    0.19.8's engine sets it over `communication_data_type`, fp32 by default), else `communication_data_type`, else
+    the model's dtype."""
+    from deepspeed.runtime.config import get_communication_data_type
+    from deepspeed.runtime.constants import (SEQ_PARALLEL_COMMUNICATION_DATA_TYPE,
+                                             SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT)
+
+    if ds_config["zero_optimization"]["stage"] == 1:
+        return FP32
+    if ds_config.get("sequence_parallel_size", 1) > 1:
+        dtype = get_communication_data_type(ds_config, SEQ_PARALLEL_COMMUNICATION_DATA_TYPE,
+                                            SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT)
+    else:
+        dtype = get_communication_data_type(ds_config)
+    return model_bytes if dtype is None else dtype.itemsize
+
+
+def optimizer_partition(shape: ModelShape, cfg: Config, world: int) -> tuple[bool, int]:
+    """(whether the optimizer steps on the host, the parameters of this rank's optimizer partition)."""
+    stage, n = cfg.parallel.zero_stage, shape.param_count()
+    return cfg.parallel.offload_optimizer and stage >= 1, n if stage == 0 else math.ceil(n / world)
+
+
+def pinned_bytes(n: int, gpu: bool) -> int:
+    """Host memory of an `n`-byte page-locked buffer: PyTorch's CUDA host allocator rounds every block up to a power
+    of two (CachingHostAllocator, PowerOf2Ceil), so 27 GB of fp32 gradients take 34.4 GB."""
+    return 1 << (n - 1).bit_length() if gpu and n > 0 else n
+
+
+def model_state_items(shape: ModelShape, cfg: Config, world: int, zero: dict, reduce_bytes: int,
+                      gpu: bool) -> list[Item]:
     p, stage = cfg.parallel, cfg.parallel.zero_stage
     n = shape.param_count()
     b = dtype_bytes(cfg.model.dtype)
-    optimizer_where = "host" if p.offload_optimizer and stage >= 1 else "device"
-    shard = n if stage == 0 else math.ceil(n / world)
+    offloaded, shard = optimizer_partition(shape, cfg, world)
+    optimizer_where = "host" if offloaded else "device"
     items = [Item("weights" + (" (ZeRO-3 shard)" if stage == 3 else ""), n * b // (world if stage == 3 else 1),
                   "host" if p.offload_params and stage == 3 else "device")]
     if stage == 0:
@@ -144,16 +187,38 @@ def model_state_items(shape: ModelShape, cfg: Config, world: int, zero: dict) ->
     else:
         if stage == 1:
             items.append(Item("gradients (param.grad until the step)", n * b, "device"))
-        items.append(Item("fp32 gradient partition", shard * FP32, optimizer_where))
+        pinned = stage == 3 and offloaded  # the ZeRO-3 buffers DeepSpeed page-locks (offload_optimizer.pin_memory)
+        grad_bytes = pinned_bytes(shard * FP32, gpu) if pinned else shard * FP32
+        items.append(Item("fp32 gradient partition", grad_bytes, optimizer_where))
+        if pinned:  # stage3.py: the reduced partitions are copied into the fp32 master's own .grad for the host step
+            items.append(Item("fp32 gradients of the host step", grad_bytes, "host"))
         items.append(Item("fp32 master weights", shard * FP32, optimizer_where))
     items.append(Item("Adam moments (fp32)", 2 * shard * FP32, optimizer_where))
     if stage >= 1:
-        bucket_bytes = FP32 if stage == 1 else b  # ZeRO-1 reduces into an fp32 accumulator, 2 and 3 in the model dtype
-        items.append(Item("DeepSpeed reduce bucket", zero["reduce_bucket_size"] * bucket_bytes, "device"))
+        items.append(Item("DeepSpeed reduce bucket", zero["reduce_bucket_size"] * reduce_bytes, "device"))
     if stage == 3:
         unit = max(shape.layer_params(), shape.vocab * shape.hidden)  # the largest module gathered whole
         live = min(zero["max_live_parameters"], unit + zero["prefetch_bucket_size"], n)
         items.append(Item("ZeRO-3 gathered parameters", live * b, "device"))
+    return items
+
+
+def optimizer_step_items(shape: ModelShape, cfg: Config, world: int, gpu: bool, torch_adam: bool) -> list[Item]:
+    """What the optimizer step allocates for itself (measured on CPU, tests/test_memory.py): ZeRO-3 without optimizer
+    offload flattens the rank's gradient partition into one fp32 tensor; torch's AdamW computes its denominator out of
+    place, `sqrt(v) / c` per tensor with both alive at once (single-tensor, on the CPU) or `sqrt(v)` for every tensor
+    of the group at once (foreach, on a GPU). DeepSpeed's CPU Adam (an offloaded optimizer on a GPU) works in place."""
+    stage = cfg.parallel.zero_stage
+    offloaded, shard = optimizer_partition(shape, cfg, world)
+    where = "host" if offloaded else "device"
+    items = []
+    if stage == 3 and not offloaded:
+        items.append(Item("gradients flattened for the step", shard * FP32, "device", STEP))
+    if torch_adam:
+        # ZeRO >= 1 steps on one flat partition per parameter group, ZeRO-0 on the model's own tensors
+        largest = shard if stage else max(shape.vocab, shape.intermediate) * shape.hidden
+        foreach = gpu and not offloaded
+        items.append(Item("AdamW temporaries", (shard if foreach else 2 * largest) * FP32, where, STEP))
     return items
 
 
@@ -185,11 +250,18 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     return items
 
 
-def plan_memory(cfg: Config, shape: ModelShape) -> MemoryPlan:
-    """The memory of one rank of `cfg` (a model of `shape`)."""
+def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True, torch_adam: bool | None = None) -> MemoryPlan:
+    """The memory of one rank of `cfg` (a model of `shape`) on a GPU, or with `gpu=False` on the CPU. `torch_adam`:
+    whether the optimizer is torch's AdamW; by default as the trainer picks it (DeepSpeed's CPU Adam only for an
+    offloaded optimizer on a GPU)."""
     layout = ParallelLayout.from_config(cfg)
-    zero = _zero_settings(layout.deepspeed_config(cfg, use_torch_adam=True))
-    items = model_state_items(shape, cfg, layout.world, zero) + activation_items(shape, cfg, layout)
+    ds_config = layout.deepspeed_config(cfg, use_torch_adam=True)
+    if torch_adam is None:
+        torch_adam = not (gpu and cfg.parallel.offload_optimizer)
+    items = (model_state_items(shape, cfg, layout.world, _zero_settings(ds_config),
+                               reduce_element_bytes(ds_config, dtype_bytes(cfg.model.dtype)), gpu)
+             + optimizer_step_items(shape, cfg, layout.world, gpu, torch_adam)
+             + activation_items(shape, cfg, layout))
     return MemoryPlan(tuple(items), cfg.parallel.nproc_per_node)
 
 
@@ -198,7 +270,8 @@ def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int =
     step = cfg.parallel.sequence_parallel * 1024
 
     def fits(k: int) -> bool:
-        return budget.fits(plan_memory(with_overrides(cfg, [f"data.seq_len={k * step}"], "longest length"), shape))
+        return budget.fits(plan_memory(with_overrides(cfg, [f"data.seq_len={k * step}"], "longest length"), shape,
+                                       budget.gpu))
 
     if not fits(1):
         return None
@@ -246,7 +319,7 @@ class Fix:
 
 
 def _replan(cfg: Config, overrides: list[str], shape: ModelShape, budget: Budget) -> Fix:
-    plan = plan_memory(with_overrides(cfg, overrides, "memory fix"), shape)
+    plan = plan_memory(with_overrides(cfg, overrides, "memory fix"), shape, budget.gpu)
     device, host = budget.need(plan)
     return Fix(tuple(overrides), device, host, budget.fits(plan))
 

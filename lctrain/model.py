@@ -255,8 +255,10 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
             from lctrain.tokenizer import load_tokenizer
 
             hf_config.vocab_size = len(load_tokenizer(cfg.data.tokenizer))
-        # A seeded init that leaves the caller's RNG streams untouched: every rank builds the same weights.
-        with torch.random.fork_rng(devices=[]):
+        # A seeded init that leaves the caller's RNG streams untouched: every rank builds the same weights. It runs on
+        # the training device: a random Llama-2-7B takes minutes to initialise on a host's cores, milliseconds on a GPU.
+        device = torch.device(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
             torch.manual_seed(cfg.seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
     else:

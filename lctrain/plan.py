@@ -50,7 +50,7 @@ def memory_warning(cfg: Config) -> Optional[str]:
     host's, only a warning)."""
     budget, known = local_budget()
     shape = model_shape(cfg)
-    plan = plan_memory(cfg, shape)
+    plan = plan_memory(cfg, shape, budget.gpu)
     device, host = budget.need(plan)
     limit, need = (budget.host, host) if budget.device is None else (budget.device, device)
     if need <= WARN_FRACTION * limit and host <= WARN_FRACTION * budget.host:
@@ -72,7 +72,7 @@ def _gb(n: int) -> str:
 def report(cfg: Config, budget: Budget) -> dict:
     """Everything `lctrain plan` prints, as JSON-ready data."""
     shape = model_shape(cfg)
-    plan = plan_memory(cfg, shape)
+    plan = plan_memory(cfg, shape, budget.gpu)
     device, host = budget.need(plan)
     return {"config": cfg.source_file, "seq_len": cfg.data.seq_len, "budget": budget.label,
             "device_memory_bytes": budget.device, "host_memory_bytes": budget.host,
@@ -93,7 +93,8 @@ def print_report(r: dict) -> None:
     for i in r["items"]:
         table.add_row(i["name"], _gb(i["bytes"]), i["where"], i["kind"])
     console.print(table)
-    console.print("states and saved activations add up; of the transients only the largest counts")
+    console.print("states add up with the larger of the backward (saved activations and the largest transient) "
+                  "and the optimizer step (its items together)")
     if r["device_memory_bytes"] is not None:
         console.print(f"device: {_gb(r['device_need_bytes'])} GB needed of {_gb(r['device_memory_bytes'])} GB "
                       f"(runtime overhead included)")

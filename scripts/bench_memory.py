@@ -6,6 +6,10 @@
         --settings gradient_checkpointing,offload_activations,checkpointing+tiled_mlp   # the settings on one GPU
     python scripts/bench_memory.py --preset llama2-7b-128k           # one GPU: Llama-2-7B at 128K, ZeRO-3 + offload
     python scripts/bench_memory.py --preset llama2-7b-128k --ladder  # longer windows until out of memory
+    python scripts/bench_memory.py --preset llama2-7b-1m --ladder    # 8 GPUs (the paper's layout): 1M tokens and up
+
+A preset's rows are per rank. One rank on a GPU keeps one trainer for every length of its ladder; several ranks are
+launched afresh for every length (parallel.launcher, this script's --worker), the row holding the most any rank used.
 
 CPU: the peak is the most bytes of tensor storage alive during one step (`cpu_peak_bytes`, the allocator totals the
 profiler records), counted from before the model is built; the prediction is the plan's device plus host items.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -28,7 +33,8 @@ import torch
 from lctrain.config import load_config
 from lctrain.costmodel import ModelShape
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
-from lctrain.memory import GB, HOST_RUNTIME_BYTES, plan_memory
+from lctrain.errors import UserError
+from lctrain.memory import GB, HOST_RUNTIME_BYTES, WARN_FRACTION, plan_memory
 
 CPU_ARCH = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -48,9 +54,15 @@ CPU_SETTINGS = {
     "all_three": ["model.gradient_checkpointing=true", "model.tiled_mlp=auto", "model.offload_activations=true"],
 }
 PRESETS = {
-    "llama2-7b-128k": dict(arch=LLAMA2_7B, vocab=32000, seq_len=131072, settings=[
+    # the issue's single-GPU goal: ZeRO-3 with the optimizer states on the host
+    "llama2-7b-128k": dict(arch=LLAMA2_7B, vocab=32000, seq_len=131072, nproc=1, settings=[
         "model.dtype=bfloat16", "parallel.zero_stage=3", "parallel.offload_optimizer=true",
         "model.gradient_checkpointing=true", "model.tiled_mlp=auto", "attention.mode=anchor"]),
+    # the paper's llama2_128k_anchor layout (8 GPUs, Ulysses over all 8, ZeRO-3, checkpointing) with the MLP tiled,
+    # from the issue's 8-GPU goal of 1M tokens up
+    "llama2-7b-1m": dict(arch=LLAMA2_7B, vocab=32000, seq_len=1 << 20, nproc=8, settings=[
+        "model.dtype=bfloat16", "parallel.zero_stage=3", "model.gradient_checkpointing=true", "model.tiled_mlp=auto",
+        "attention.mode=anchor"]),
 }
 
 
@@ -68,11 +80,12 @@ def make_windows(seq_len: int, vocab: int, seed: int) -> list[dict]:
              "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens]}]
 
 
-def predicted(cfg, arch: dict, vocab: int):
+def predicted(cfg, arch: dict, vocab: int, gpu: bool, torch_adam: bool | None = None):
     from transformers import AutoConfig
 
     fields = {k: v for k, v in arch.items() if k != "model_type"}
-    return plan_memory(cfg, ModelShape.from_hf_config(AutoConfig.for_model("llama", vocab_size=vocab, **fields)))
+    shape = ModelShape.from_hf_config(AutoConfig.for_model("llama", vocab_size=vocab, **fields))
+    return plan_memory(cfg, shape, gpu=gpu, torch_adam=torch_adam)
 
 
 def timed_steps(trainer, windows, steps: int, gpu: bool) -> float:
@@ -124,7 +137,7 @@ def settings_row(name: str, settings: list[str], args) -> dict:
         release_single_process()
         if gpu:
             torch.cuda.empty_cache()
-    plan = predicted(cfg, arch, args.vocab)
+    plan = predicted(cfg, arch, args.vocab, gpu)
     pred = plan.total("device") + (0 if gpu else plan.total("host"))
     return {"setting": name, "overrides": settings, "seq_len": args.seq_len, "step_s": step,
             "tokens_per_s": args.seq_len / step, "measured_peak_gb": peak / GB, "measured_states_gb": baseline / GB,
@@ -144,94 +157,269 @@ def force_torch_adam() -> None:
     ParallelLayout.deepspeed_config = deepspeed_config
 
 
-def gpu_rows(args, out: Path, rows: list, meta: dict) -> None:
+def preset_spec(args) -> dict:
+    """What every length of a preset's ladder runs: the model shape, the config overrides with the layout (Ulysses
+    over all `nproc` ranks, as the paper's configs), and the step counts."""
+    preset = PRESETS[args.preset]
+    nproc = args.nproc or preset["nproc"]
+    layout = [f"parallel.nproc_per_node={nproc}", f"parallel.sequence_parallel={nproc}"]
+    arch = ROW_ARCHS[args.arch] if args.arch else preset["arch"]
+    if args.layers not in (None, "auto"):
+        arch = {**arch, "num_hidden_layers": int(args.layers)}
+    return {"arch": arch, "vocab": args.vocab or preset["vocab"], "settings": preset["settings"] + layout,
+            "nproc": nproc, "adam": args.adam, "warmup": args.warmup, "steps": args.steps, "seed": args.seed}
+
+
+def host_need(spec: dict, seq_len: int, gpu: bool) -> int:
+    """Host bytes of all the ranks on this host: their host items and runtime."""
+    return spec["nproc"] * (spec_plan(spec, seq_len, gpu).total("host") + HOST_RUNTIME_BYTES)
+
+
+def fit_layers(spec: dict, seq_len: int, available: int, gpu: bool) -> dict:
+    """`spec` with the most decoder layers, up to its model's, whose host items fit in WARN_FRACTION of `available`
+    bytes: a host too small for the whole model's offloaded optimizer states still measures the model's own width
+    and window length (each layer's activations and recomputation, the loss chunk) against the plan."""
+    layers = spec["arch"]["num_hidden_layers"]
+    while layers > 1 and host_need({**spec, "arch": {**spec["arch"], "num_hidden_layers": layers}}, seq_len, gpu) > \
+            WARN_FRACTION * available:
+        layers -= 1
+    return {**spec, "arch": {**spec["arch"], "num_hidden_layers": layers}}
+
+
+def spec_plan(spec: dict, seq_len: int, gpu: bool):
+    """The plan of one length, with the optimizer the benchmark forces (`--adam torch`) or the trainer's choice."""
+    return predicted(make_config(spec["arch"], seq_len, spec["settings"]), spec["arch"], spec["vocab"], gpu,
+                     torch_adam=True if spec["adam"] == "torch" else None)
+
+
+def ladder(args, first: int) -> list[int]:
+    lengths = [first]
+    while args.ladder and lengths[-1] + args.ladder_step <= args.ladder_max:
+        lengths.append(lengths[-1] + args.ladder_step)
+    return lengths
+
+
+def preflight(spec: dict, seq_len: int) -> None:
+    """Refuse in one line, before building or launching anything, a layout the model's heads cannot be split over,
+    and ranks whose host items (offloaded optimizer states) exceed this host's memory."""
     import psutil
 
+    from lctrain.parallel.ulysses import kv_replication
+
+    arch = spec["arch"]
+    kv_replication(arch["num_attention_heads"], arch["num_key_value_heads"], spec["nproc"], "--nproc")
+    gpu = torch.cuda.is_available()
+    need = host_need(spec, seq_len, gpu)
+    available = psutil.virtual_memory().available
+    print(f"plan per rank: {spec_plan(spec, seq_len, gpu).total('device') / GB:.1f} GB on the device (tensors); host "
+          f"memory for {spec['nproc']} rank(s): {need / GB:.1f} GB of {available / GB:.1f} GB available", flush=True)
+    if need > available:
+        raise SystemExit(f"error: the plan needs {need / GB:.1f} GB of host memory (offloaded optimizer states) "
+                         f"and {available / GB:.1f} GB are available; use a host with more memory, or measure "
+                         f"fewer of the model's layers (--layers auto)")
+
+
+def gpu_step_peak(trainer, windows, warmup: int, steps: int) -> tuple[float, int, int]:
+    """(median step seconds, peak allocated bytes, peak reserved bytes) of `steps` steps after `warmup` ones."""
+    for _ in range(warmup):
+        trainer.train_step(windows)
+    torch.cuda.reset_peak_memory_stats()
+    step = timed_steps(trainer, windows, steps, gpu=True)
+    return step, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def length_row(spec: dict, seq_len: int, step: float, peak: int, reserved: int, rss: int, gpu: bool) -> dict:
+    """One trained length against the plan, per rank. On a GPU the device items against PyTorch's peak allocation;
+    on the CPU (one memory) device plus host items against the profiler's peak of tensor storage."""
+    plan = spec_plan(spec, seq_len, gpu)
+    device_pred = plan.total("device") + (0 if gpu else plan.total("host"))
+    host_pred = plan.total("host") + HOST_RUNTIME_BYTES
+    return {"seq_len": seq_len, "oom": False, "step_s": step, "tokens_per_s": seq_len / step,
+            "max_allocated_gb": peak / GB, "max_reserved_gb": reserved / GB, "host_peak_rss_gb": rss / GB,
+            "predicted_device_gb": device_pred / GB, "predicted_host_gb": host_pred / GB,
+            "device_predicted_over_allocated": device_pred / peak, "host_predicted_over_rss": host_pred / rss}
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def print_length(r: dict) -> None:
+    if r["oom"]:
+        print(f"{r['seq_len']}: out of memory", flush=True)
+        return
+    print(f"{r['seq_len']}: {r['step_s']:.1f} s/step, {r['tokens_per_s']:,.0f} tokens/s, allocated "
+          f"{r['max_allocated_gb']:.1f} GB (predicted {r['predicted_device_gb']:.1f}), reserved "
+          f"{r['max_reserved_gb']:.1f} GB, host RSS {r['host_peak_rss_gb']:.1f} GB (predicted "
+          f"{r['predicted_host_gb']:.1f}) per rank", flush=True)
+
+
+def expected_seconds(rows: list, length: int, warmup: int, steps: int, build: bool) -> float:
+    """A lower bound on the time a length takes: a longer window takes at least proportionally longer."""
+    last = next((r for r in reversed(rows) if not r["oom"]), None)
+    if last is None:
+        return 0.0
+    return (last["build_s"] if build else 0.0) + (warmup + steps) * last["step_s"] * length / last["seq_len"]
+
+
+def in_process_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dict) -> None:
+    """One GPU: one trainer, every length of the ladder in this process (an out-of-memory step ends the ladder)."""
     from lctrain.parallel.groups import init_topology
     from lctrain.train.trainer import Trainer
 
     started = time.perf_counter()
-    preset = PRESETS[args.preset]
-    seq_len = args.seq_len or preset["seq_len"]
-    cfg = make_config(preset["arch"], seq_len, preset["settings"])
-    plan = predicted(cfg, preset["arch"], preset["vocab"])
-    host_need = plan.total("host") + HOST_RUNTIME_BYTES
-    available = psutil.virtual_memory().available
-    print(f"plan: {plan.total('device') / GB:.1f} GB on the GPU (tensors), {host_need / GB:.1f} GB of host memory; "
-          f"{available / GB:.1f} GB available", flush=True)
-    if host_need > available:
-        raise SystemExit(f"error: the plan needs {host_need / GB:.1f} GB of host memory (offloaded optimizer states) "
-                         f"and {available / GB:.1f} GB are available; use a host with more memory")
-    if args.adam == "torch":
-        force_torch_adam()
+    cfg = make_config(spec["arch"], first, spec["settings"])
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, init_topology(cfg), vocab_size=preset["vocab"])
-    meta["build_s"] = time.perf_counter() - t0
-    lengths = [seq_len]
-    while args.ladder and lengths[-1] + args.ladder_step <= args.ladder_max:
-        lengths.append(lengths[-1] + args.ladder_step)
-    deadline = started + args.time_limit
-    for length in lengths:
-        last = next((r for r in reversed(rows) if not r["oom"]), None)
-        # a longer window takes at least proportionally longer: do not start one that would overrun the limit
-        expected = (args.warmup + args.steps) * last["step_s"] * length / last["seq_len"] if last else 0
-        if time.perf_counter() + expected > deadline:
+    trainer = Trainer(cfg, init_topology(cfg), vocab_size=spec["vocab"])
+    build_s = time.perf_counter() - t0
+    print(f"built in {build_s:.0f} s", flush=True)
+    for i, length in enumerate(ladder(args, first)):
+        # the first length's warm-up steps create the optimizer states and warm the allocator for the longer ones
+        warmup = spec["warmup"] if i == 0 else 0
+        if time.perf_counter() + expected_seconds(rows, length, warmup, spec["steps"], False) > started + \
+                args.time_limit:
             print(f"stopping before {length}: it would end after --time-limit {args.time_limit:g} s", flush=True)
             break
-        windows = make_windows(length, preset["vocab"], args.seed)
-        at = make_config(preset["arch"], length, preset["settings"])
-        length_plan = predicted(at, preset["arch"], preset["vocab"])
+        windows = make_windows(length, spec["vocab"], spec["seed"])
         try:
-            for _ in range(args.warmup):
-                trainer.train_step(windows)
-            torch.cuda.reset_peak_memory_stats()
-            step = timed_steps(trainer, windows, args.steps, gpu=True)
+            step, peak, reserved = gpu_step_peak(trainer, windows, warmup, spec["steps"])
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()  # the longest that trained is known: no longer length is tried
             rows.append({"seq_len": length, "oom": True})
-            print(f"{length}: out of memory", flush=True)
-            out.write_text(json.dumps({"args": vars(args), **meta, "results": rows}, indent=1))
-            break
-        allocated = torch.cuda.max_memory_allocated()
-        device_pred = length_plan.total("device")
-        host_pred = length_plan.total("host") + HOST_RUNTIME_BYTES
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        rows.append({"seq_len": length, "oom": False, "step_s": step, "tokens_per_s": length / step,
-                     "max_allocated_gb": allocated / GB, "max_reserved_gb": torch.cuda.max_memory_reserved() / GB,
-                     "host_peak_rss_gb": rss / GB, "predicted_device_gb": device_pred / GB,
-                     "predicted_host_gb": host_pred / GB, "device_predicted_over_allocated": device_pred / allocated,
-                     "host_predicted_over_rss": host_pred / rss})
-        r = rows[-1]
-        print(f"{length}: {step:.1f} s/step, {r['tokens_per_s']:,.0f} tokens/s, allocated {r['max_allocated_gb']:.1f} "
-              f"GB (predicted {r['predicted_device_gb']:.1f}), reserved {r['max_reserved_gb']:.1f} GB, host RSS "
-              f"{r['host_peak_rss_gb']:.1f} GB (predicted {r['predicted_host_gb']:.1f})", flush=True)
+        else:
+            rows.append({**length_row(spec, length, step, peak, reserved, peak_rss(), gpu=True), "build_s": build_s})
+        print_length(rows[-1])
         # written after every length, so a run stopped at a time limit keeps what it measured
         out.write_text(json.dumps({"args": vars(args), **meta, "results": rows}, indent=1))
-    trained = [r["seq_len"] for r in rows if not r["oom"]]
-    meta["longest_trained"] = max(trained, default=None)
+        if rows[-1]["oom"]:
+            break
+
+
+def in_this_process(spec: dict) -> bool:
+    """One rank on a GPU runs its whole ladder in this process; several ranks, or the CPU, are launched."""
+    return spec["nproc"] == 1 and torch.cuda.is_available()
+
+
+# A worker that ran out of memory says so in a file beside its row and exits with this code; the launcher then stops
+# the other ranks (which would wait for it in the next collective).
+OOM_EXIT = 3
+
+
+def launched_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dict) -> None:
+    """Several ranks: every length is its own launch of `spec['nproc']` workers (this script with --worker), because
+    one rank out of memory leaves the others waiting in a collective; a failed launch that left the out-of-memory
+    marker ends the ladder, any other failure ends the benchmark with the workers' output above."""
+    import tempfile
+
+    from lctrain.lifetime import supervise
+    from lctrain.parallel.groups import launcher_free_env
+    from lctrain.parallel.launch import worker_command
+
+    started = time.perf_counter()
+    env = launcher_free_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
+    for length in ladder(args, first):
+        if time.perf_counter() + expected_seconds(rows, length, spec["warmup"], spec["steps"], True) > started + \
+                args.time_limit:
+            print(f"stopping before {length}: it would end after --time-limit {args.time_limit:g} s", flush=True)
+            break
+        with tempfile.TemporaryDirectory() as tmp:
+            spec_file, row_file = Path(tmp) / "spec.json", Path(tmp) / "row.json"
+            spec_file.write_text(json.dumps({**spec, "seq_len": length}))
+            cfg = make_config(spec["arch"], length, spec["settings"])
+            rc = supervise(worker_command(cfg, [Path(__file__).stem, "--worker", str(spec_file), "--row",
+                                                str(row_file)]), env=env)
+            if rc and not row_file.with_suffix(".oom").exists():
+                raise SystemExit(f"error: the {spec['nproc']} workers at {length} tokens exited with code {rc} "
+                                 f"(their output is above)")
+            row = {"seq_len": length, "oom": True} if rc else json.loads(row_file.read_text())
+        meta["device"] = row.pop("device", meta.get("device"))
+        rows.append(row)
+        print_length(row)
+        out.write_text(json.dumps({"args": vars(args), **meta, "results": rows}, indent=1))
+        if row["oom"]:
+            break
+
+
+def worker(spec_file: Path, row_file: Path) -> None:
+    """One rank of one ladder length: build the trainer, step, and (rank 0) write the group's peak, the most of any
+    rank (all-reduced), as the row."""
+    import deepspeed.comm as dist
+
+    from lctrain.parallel.groups import init_topology
+    from lctrain.train.metrics import cpu_peak_bytes
+    from lctrain.train.trainer import Trainer
+
+    spec = json.loads(spec_file.read_text())
+    length = spec["seq_len"]
+    cfg = make_config(spec["arch"], length, spec["settings"])
+    if spec["adam"] == "torch":
+        force_torch_adam()
+    topo = init_topology(cfg)
+    gpu = topo.device.type == "cuda"
+    windows = make_windows(length, spec["vocab"], spec["seed"])
+    kept = {}
+
+    def setup():
+        t0 = time.perf_counter()
+        kept["trainer"] = Trainer(cfg, topo, vocab_size=spec["vocab"])
+        kept["build_s"] = time.perf_counter() - t0
+        for _ in range(0 if gpu else spec["warmup"]):
+            kept["trainer"].train_step(windows)
+        return kept["trainer"]
+
+    try:
+        if gpu:
+            step, peak, reserved = gpu_step_peak(setup(), windows, spec["warmup"], spec["steps"])
+        else:
+            peak, _ = cpu_peak_bytes(setup, lambda trainer: trainer.train_step(windows))
+            reserved, step = peak, timed_steps(kept["trainer"], windows, spec["steps"], gpu=False)
+    except torch.OutOfMemoryError:
+        row_file.with_suffix(".oom").write_text(f"rank {topo.rank}\n")
+        os._exit(OOM_EXIT)  # no teardown: the other ranks are inside a collective this rank never joins
+    group = torch.tensor([peak, reserved, peak_rss(), step, kept["build_s"]], dtype=torch.float64,
+                         device=topo.device)
+    dist.all_reduce(group, op=dist.ReduceOp.MAX)
+    peak, reserved, rss, step, build_s = group.tolist()
+    if topo.rank == 0:
+        row = length_row(spec, length, step, int(peak), int(reserved), int(rss), gpu)
+        row_file.write_text(json.dumps({**row, "build_s": build_s,
+                                        "device": torch.cuda.get_device_name(topo.device) if gpu else "cpu"}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="GPU preset (default: CPU rows)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (CPU default 4096; GPU: the "
-                        "preset's)")
-    parser.add_argument("--vocab", type=int, default=1024, help="rows: vocabulary (small, so the layers dominate)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (rows: 4096; a preset: its "
+                        "first length)")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary (rows: 1024, so the layers dominate; a "
+                        "preset: its model's)")
     parser.add_argument("--settings", default=",".join(CPU_SETTINGS), help="rows to run")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the settings rows run")
-    parser.add_argument("--arch", choices=sorted(ROW_ARCHS), default="small", help="the rows' model shape")
+    parser.add_argument("--arch", choices=sorted(ROW_ARCHS), default=None, help="model shape (rows: small; a "
+                        "preset: its model's)")
+    parser.add_argument("--nproc", type=int, default=None, help="preset: ranks (default the preset's: 1 or 8)")
+    parser.add_argument("--layers", default=None, help="preset: decoder layers (default the model's), or 'auto': as "
+                        "many as this host's memory holds the offloaded optimizer states of")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=1, help="GPU: untimed steps per length")
+    parser.add_argument("--warmup", type=int, default=1, help="preset: untimed steps before the first length (with "
+                        "several ranks: before every length)")
     parser.add_argument("--adam", choices=("torch", "deepspeed"), default="torch",
-                        help="GPU: optimizer on the host (deepspeed compiles its CPU Adam on first use)")
-    parser.add_argument("--ladder", action="store_true", help="GPU: then longer windows until out of memory")
-    parser.add_argument("--ladder-step", type=int, default=32768)
-    parser.add_argument("--ladder-max", type=int, default=1 << 20)
-    parser.add_argument("--time-limit", type=float, default=420, help="GPU: start no length that would end after "
-                        "this many seconds (model construction included)")
+                        help="preset: optimizer on the host (deepspeed compiles its CPU Adam on first use)")
+    parser.add_argument("--ladder", action="store_true", help="preset: then longer windows until out of memory")
+    parser.add_argument("--ladder-step", type=int, default=None, help="(default: a quarter of the first length)")
+    parser.add_argument("--ladder-max", type=int, default=None, help="(default: 8 times the first length)")
+    parser.add_argument("--time-limit", type=float, default=None, help="preset: start no length that would end "
+                        "after this many seconds (model construction included)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_out/bench_memory.json")
+    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--row", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # DeepSpeed's launcher adds it
     args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.row)
+        return
 
     from rich.console import Console
     from rich.table import Table
@@ -240,10 +428,32 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     if args.preset:
-        meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-        gpu_rows(args, out, rows, meta)
+        spec = preset_spec(args)
+        first = args.seq_len or PRESETS[args.preset]["seq_len"]
+        if args.layers == "auto":
+            import psutil
+
+            whole = spec["arch"]["num_hidden_layers"]
+            spec = fit_layers(spec, first, psutil.virtual_memory().available, torch.cuda.is_available())
+            print(f"--layers auto: this host holds the states of {spec['arch']['num_hidden_layers']} of the model's "
+                  f"{whole} layers", flush=True)
+        args.ladder_step = args.ladder_step or first // 4
+        args.ladder_max = args.ladder_max or 8 * first
+        args.time_limit = args.time_limit or float("inf")
+        try:
+            preflight(spec, first)
+        except UserError as e:
+            raise SystemExit(f"error: {e}") from None
+        meta = {"device": "cpu", "nproc": spec["nproc"], "layers": spec["arch"]["num_hidden_layers"]}
+        if in_this_process(spec):
+            meta["device"] = torch.cuda.get_device_name(0)
+            in_process_rows(args, spec, first, out, rows, meta)
+        else:
+            launched_rows(args, spec, first, out, rows, meta)
+        meta["longest_trained"] = max((r["seq_len"] for r in rows if not r["oom"]), default=None)
         out.write_text(json.dumps({"args": vars(args), **meta, "results": rows}, indent=1))
-        table = Table(title=f"{args.preset} on {meta['device']}; longest trained: {meta['longest_trained']}")
+        table = Table(title=f"{args.preset}, {spec['nproc']} x {meta['device']}; longest trained: "
+                            f"{meta['longest_trained']}; per rank")
         for col in ("seq_len", "s/step", "tokens/s", "alloc GB", "reserved GB", "pred dev GB", "pred/alloc",
                     "host RSS GB", "pred host GB"):
             table.add_column(col, justify="right")
@@ -257,6 +467,8 @@ def main() -> None:
                               f"{r['host_peak_rss_gb']:.1f}", f"{r['predicted_host_gb']:.1f}")
     else:
         args.seq_len = args.seq_len or 4096
+        args.arch = args.arch or "small"
+        args.vocab = args.vocab or 1024
         for name in args.settings.split(","):
             rows.append(settings_row(name, CPU_SETTINGS[name], args))
             r = rows[-1]

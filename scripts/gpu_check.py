@@ -17,9 +17,10 @@ Stages:
   generation scripts/bench_generation.py, Llama-2-7B shape at 32K/64K/128K prompts: the eval memory plan against the
              measured peak, prefill and decode time
   figure6    lctrain estimate --measure with gpu_small_16k at 4K/8K/16K, full and anchor (Figure 6 measured)
-  memory     scripts/bench_memory.py --preset llama2-7b-128k --ladder: Llama-2-7B, anchor, bf16 at 128K on one GPU
-             (ZeRO-3, optimizer offloaded, checkpointing, tiled MLP), then longer windows until out of memory; the
-             planner's prediction against the measured peak
+  memory     scripts/bench_memory.py --preset llama2-7b-128k --layers auto --ladder: Llama-2-7B, anchor, bf16 at 128K
+             on one GPU (ZeRO-3, optimizer offloaded, checkpointing, tiled MLP), with as many of its layers as the
+             host holds the optimizer states of, then longer windows until out of memory; the planner's prediction
+             against the measured peak
 
 The report is `--out`/gpu_check.json (merged across invocations, newest result per stage) and gpu_check.md.
 """
@@ -448,9 +449,11 @@ def stage_figure6(run: Runner, args) -> None:
 def stage_memory(run: Runner, args) -> None:
     r = run.result
     out = run.log.with_name("bench_memory.json")
-    # the bench stops itself before a length that would overrun the stage; leave room for its exit
+    # The bench stops itself before a length that would overrun the stage (room is left for its exit). A host too
+    # small for all 32 layers' offloaded optimizer states (150 GB; these machines have 128 GiB) measures as many of
+    # Llama-2-7B's layers as it holds, at its width and window length.
     data = run_bench(run, python() + [str(ROOT / "scripts" / "bench_memory.py"), "--preset", "llama2-7b-128k",
-                                      "--ladder", "--steps", str(args.memory_steps),
+                                      "--layers", "auto", "--ladder", "--steps", str(args.memory_steps),
                                       "--time-limit", str(max(60.0, run.remaining() - 45)), "--out", str(out)], out)
     if data is None:
         return
@@ -464,10 +467,15 @@ def stage_memory(run: Runner, args) -> None:
         r.rows.append([x["seq_len"], x["step_s"], x["tokens_per_s"], x["max_allocated_gb"], x["predicted_device_gb"],
                        x["device_predicted_over_allocated"], x["host_peak_rss_gb"], x["predicted_host_gb"]])
         error = abs(x["device_predicted_over_allocated"] - 1)
-        r.targets.append(dict(name=f"memory plan vs measured peak, Llama-2-7B at {x['seq_len'] // 1024}K",
+        r.targets.append(dict(name=f"memory plan vs measured peak, Llama-2-7B ({data['layers']} layers) at "
+                                   f"{x['seq_len'] // 1024}K",
                               value=error, goal=f"<= {TARGETS['memory_plan_error']:.0%} off",
                               met=error <= TARGETS["memory_plan_error"]))
     trained = [x["seq_len"] for x in data["results"] if not x["oom"]]
+    if data["layers"] < 32:
+        r.notes.append(f"{data['layers']} of Llama-2-7B's 32 layers: this host cannot hold the whole model's offloaded "
+                       f"optimizer states; the single-GPU goal needs a host with more memory (`lctrain plan`)")
+        return
     r.targets.append(dict(name="Llama-2-7B trains at 128K on one GPU", value=max(trained, default=0),
                           goal=">= 131072 tokens", met=max(trained, default=0) >= 131072))
 

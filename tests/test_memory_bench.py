@@ -5,13 +5,20 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_memory.py"
 
 
-def test_cpu_rows_are_written_and_predicted(tmp_path, monkeypatch):
+def load_bench():
     spec = importlib.util.spec_from_file_location("bench_memory", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_cpu_rows_are_written_and_predicted(tmp_path, monkeypatch):
+    bench = load_bench()
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--seq-len", "1024", "--steps", "1", "--settings",
                                       "baseline,checkpointing+tiled_mlp", "--out", str(out)])
@@ -21,3 +28,74 @@ def test_cpu_rows_are_written_and_predicted(tmp_path, monkeypatch):
     assert rows[1]["measured_peak_gb"] < rows[0]["measured_peak_gb"]  # the settings save memory
     for r in rows:
         assert abs(r["predicted_over_measured"] - 1) <= 0.15, r
+
+
+def test_the_eight_gpu_preset_ladder_runs_launched_ranks_on_cpu(tmp_path, monkeypatch):
+    # the llama2-7b-1m preset's path (every length its own launch of Ulysses ranks under ZeRO-3) with two gloo ranks
+    # and a small model: each row is the most any rank held, against that rank's plan
+    out = tmp_path / "ladder.json"
+    monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--preset", "llama2-7b-1m", "--arch", "small", "--vocab",
+                                      "1024", "--nproc", "2", "--seq-len", "2048", "--ladder", "--ladder-step", "2048",
+                                      "--ladder-max", "4096", "--steps", "1", "--out", str(out)])
+    load_bench().main()
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [(r["seq_len"], r["oom"]) for r in rows] == [(2048, False), (4096, False)]
+    assert report["longest_trained"] == 4096 and report["nproc"] == 2 and report["device"] == "cpu"
+    for r in rows:
+        assert abs(r["device_predicted_over_allocated"] - 1) <= 0.15, r
+
+
+def test_a_layout_the_heads_cannot_split_is_refused_before_launch(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--preset", "llama2-7b-1m", "--arch", "small", "--nproc", "3",
+                                      "--seq-len", "3072"])
+    with pytest.raises(SystemExit, match="4 attention heads are not divisible by parallel.sequence_parallel = 3"):
+        load_bench().main()
+
+
+def test_one_gpu_ladder_keeps_one_trainer_and_stops_at_the_first_out_of_memory(tmp_path, monkeypatch):
+    # the single-GPU path without a GPU: the trainer is real (small, CPU), the device's step measurement is replaced
+    # by one that runs the real step and reports fixed peaks, out of memory beyond 2048 tokens
+    import torch
+
+    bench = load_bench()
+    stepped = []
+
+    def step_peak(trainer, windows, warmup, steps):
+        if windows[0]["input_ids"].size > 2048:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        stepped.append((id(trainer), warmup))
+        trainer.train_step(windows)
+        return 0.5, 3 * 2**30, 4 * 2**30
+
+    monkeypatch.setattr(bench, "gpu_step_peak", step_peak)
+    monkeypatch.setattr(bench, "in_this_process", lambda spec: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "simulated GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = tmp_path / "one.json"
+    monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--preset", "llama2-7b-128k", "--arch", "small", "--vocab",
+                                      "1024", "--seq-len", "1024", "--ladder", "--ladder-step", "1024", "--steps", "1",
+                                      "--out", str(out)])
+    bench.main()
+    report = json.loads(out.read_text())
+    assert [(r["seq_len"], r["oom"]) for r in report["results"]] == [(1024, False), (2048, False), (3072, True)]
+    assert report["longest_trained"] == 2048 and report["device"] == "simulated GPU"
+    assert len({t for t, _ in stepped}) == 1 and [w for _, w in stepped] == [1, 0]  # one trainer; warm-up once
+    assert report["results"][0]["max_allocated_gb"] == 3 * 2**30 / 1e9
+
+
+def test_layers_auto_keeps_the_most_layers_whose_host_states_fit():
+    from types import SimpleNamespace
+
+    bench = load_bench()
+    args = SimpleNamespace(preset="llama2-7b-128k", nproc=None, arch=None, layers="auto", vocab=None, adam="torch",
+                           warmup=1, steps=1, seed=0)
+    spec = bench.preset_spec(args)
+    available = 128 * 2**30  # the GPU machines lent to this project
+    fitted = bench.fit_layers(spec, 131072, available, gpu=True)
+    layers = fitted["arch"]["num_hidden_layers"]
+    assert 1 < layers < 32  # Llama-2-7B's offloaded states (and torch AdamW's temporaries) exceed 128 GiB
+    assert bench.host_need(fitted, 131072, gpu=True) <= 0.9 * available
+    more = {**fitted, "arch": {**fitted["arch"], "num_hidden_layers": layers + 1}}
+    assert bench.host_need(more, 131072, gpu=True) > 0.9 * available
+    assert fitted["arch"]["hidden_size"] == 4096 and spec["arch"]["num_hidden_layers"] == 32

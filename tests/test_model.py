@@ -159,6 +159,20 @@ def test_dtype_engine_and_seeded_init():
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_random_init_on_the_gpu_is_seeded_and_leaves_the_callers_rng_alone():
+    # the weights are drawn on the device (a random 7B takes minutes on a host's cores): same seed, same weights
+    state = torch.cuda.get_rng_state()
+    model = build_model(config("model.dtype=bfloat16"), vocab_size=100, device="cuda")
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    again = build_model(config("model.dtype=bfloat16"), vocab_size=100, device="cuda")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    other = build_model(config("model.dtype=bfloat16", "seed=1"), vocab_size=100, device="cuda")
+    assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     ids = torch.randint(3, 100, (2, 64))
     ids[:, [0, 17, 40]] = 1
