@@ -165,6 +165,9 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     grad_clip: float = Field(1.0, ge=0)
+    torch_adam: bool = Field(
+        False, description="torch's AdamW also where DeepSpeed's CPU Adam would run (an offloaded optimizer on a GPU): "
+        "no C++ op to build, a slower host step, and host memory for its out-of-place temporaries")
     run_dir: Optional[str] = None
 
 

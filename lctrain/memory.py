@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
 from lctrain.model import auto_mlp_shards
-from lctrain.parallel.layout import ParallelLayout
+from lctrain.parallel.layout import ParallelLayout, uses_torch_adam
 from lctrain.train.loss import positions_per_chunk
 
 GB = 1e9
@@ -250,14 +250,11 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     return items
 
 
-def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True, torch_adam: bool | None = None) -> MemoryPlan:
-    """The memory of one rank of `cfg` (a model of `shape`) on a GPU, or with `gpu=False` on the CPU. `torch_adam`:
-    whether the optimizer is torch's AdamW; by default as the trainer picks it (DeepSpeed's CPU Adam only for an
-    offloaded optimizer on a GPU)."""
+def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
+    """The memory of one rank of `cfg` (a model of `shape`) on a GPU, or with `gpu=False` on the CPU."""
     layout = ParallelLayout.from_config(cfg)
-    ds_config = layout.deepspeed_config(cfg, use_torch_adam=True)
-    if torch_adam is None:
-        torch_adam = not (gpu and cfg.parallel.offload_optimizer)
+    torch_adam = uses_torch_adam(cfg, gpu)
+    ds_config = layout.deepspeed_config(cfg, use_torch_adam=torch_adam)
     items = (model_state_items(shape, cfg, layout.world, _zero_settings(ds_config),
                                reduce_element_bytes(ds_config, dtype_bytes(cfg.model.dtype)), gpu)
              + optimizer_step_items(shape, cfg, layout.world, gpu, torch_adam)

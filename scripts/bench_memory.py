@@ -80,12 +80,12 @@ def make_windows(seq_len: int, vocab: int, seed: int) -> list[dict]:
              "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens]}]
 
 
-def predicted(cfg, arch: dict, vocab: int, gpu: bool, torch_adam: bool | None = None):
+def predicted(cfg, arch: dict, vocab: int, gpu: bool):
     from transformers import AutoConfig
 
     fields = {k: v for k, v in arch.items() if k != "model_type"}
     shape = ModelShape.from_hf_config(AutoConfig.for_model("llama", vocab_size=vocab, **fields))
-    return plan_memory(cfg, shape, gpu=gpu, torch_adam=torch_adam)
+    return plan_memory(cfg, shape, gpu=gpu)
 
 
 def timed_steps(trainer, windows, steps: int, gpu: bool) -> float:
@@ -144,19 +144,6 @@ def settings_row(name: str, settings: list[str], args) -> dict:
             "predicted_gb": pred / GB, "predicted_over_measured": pred / peak}
 
 
-def force_torch_adam() -> None:
-    """DeepSpeed's CPU Adam (what the trainer picks for an offloaded optimizer on a GPU) compiles a C++ op on first
-    use; torch's AdamW on the host's fp32 partitions needs no build (slower step, same memory)."""
-    from lctrain.parallel.layout import ParallelLayout
-
-    original = ParallelLayout.deepspeed_config
-
-    def deepspeed_config(self, cfg, use_torch_adam):
-        return original(self, cfg, use_torch_adam=True)
-
-    ParallelLayout.deepspeed_config = deepspeed_config
-
-
 def preset_spec(args) -> dict:
     """What every length of a preset's ladder runs: the model shape, the config overrides with the layout (Ulysses
     over all `nproc` ranks, as the paper's configs), and the step counts."""
@@ -166,8 +153,10 @@ def preset_spec(args) -> dict:
     arch = ROW_ARCHS[args.arch] if args.arch else preset["arch"]
     if args.layers not in (None, "auto"):
         arch = {**arch, "num_hidden_layers": int(args.layers)}
-    return {"arch": arch, "vocab": args.vocab or preset["vocab"], "settings": preset["settings"] + layout,
-            "nproc": nproc, "adam": args.adam, "warmup": args.warmup, "steps": args.steps, "seed": args.seed}
+    # DeepSpeed's CPU Adam (the trainer's choice for an offloaded optimizer on a GPU) builds a C++ op on first use
+    adam = ["train.torch_adam=true"] if args.adam == "torch" else []
+    return {"arch": arch, "vocab": args.vocab or preset["vocab"], "settings": preset["settings"] + layout + adam,
+            "nproc": nproc, "warmup": args.warmup, "steps": args.steps, "seed": args.seed}
 
 
 def host_need(spec: dict, seq_len: int, gpu: bool) -> int:
@@ -187,9 +176,8 @@ def fit_layers(spec: dict, seq_len: int, available: int, gpu: bool) -> dict:
 
 
 def spec_plan(spec: dict, seq_len: int, gpu: bool):
-    """The plan of one length, with the optimizer the benchmark forces (`--adam torch`) or the trainer's choice."""
-    return predicted(make_config(spec["arch"], seq_len, spec["settings"]), spec["arch"], spec["vocab"], gpu,
-                     torch_adam=True if spec["adam"] == "torch" else None)
+    """The plan of one length."""
+    return predicted(make_config(spec["arch"], seq_len, spec["settings"]), spec["arch"], spec["vocab"], gpu)
 
 
 def ladder(args, first: int) -> list[int]:
@@ -353,8 +341,6 @@ def worker(spec_file: Path, row_file: Path) -> None:
     spec = json.loads(spec_file.read_text())
     length = spec["seq_len"]
     cfg = make_config(spec["arch"], length, spec["settings"])
-    if spec["adam"] == "torch":
-        force_torch_adam()
     topo = init_topology(cfg)
     gpu = topo.device.type == "cuda"
     windows = make_windows(length, spec["vocab"], spec["seed"])

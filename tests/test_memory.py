@@ -198,7 +198,7 @@ def test_offload_moves_optimizer_states_to_the_host():
         "weights (ZeRO-3 shard)": 2 * n, "fp32 gradient partition": pinned, "fp32 gradients of the host step": pinned,
         "fp32 master weights": 4 * n, "Adam moments (fp32)": 8 * n}
     assert not [i for i in on_gpu.items if i.kind == "step"]  # CPU Adam updates in place
-    with_torch_adam = plan_memory(config(1024, *overrides), shape, torch_adam=True)
+    with_torch_adam = plan_memory(config(1024, *overrides, "train.torch_adam=true"), shape)
     assert [(i.name, i.bytes, i.where) for i in with_torch_adam.items if i.kind == "step"] == [
         ("AdamW temporaries", 2 * 4 * n, "host")]  # single-tensor AdamW on host tensors: sqrt(v) and its quotient
     on_cpu = plan_memory(config(1024, *overrides), shape, gpu=False)

@@ -125,6 +125,17 @@ def test_deepspeed_config_follows_the_yaml():
     assert "bf16" not in fp32 and fp32["optimizer"]["params"]["torch_adam"] is True
 
 
+def test_deepspeeds_cpu_adam_only_for_an_offloaded_optimizer_on_a_gpu_unless_torch_adam():
+    from lctrain.parallel.layout import uses_torch_adam
+
+    offloaded = _tiny(**{"parallel.zero_stage": 3, "parallel.offload_optimizer": True})
+    assert not uses_torch_adam(offloaded, gpu=True)
+    assert uses_torch_adam(offloaded, gpu=False)  # the CPU run has nothing to offload from
+    assert uses_torch_adam(_tiny(**{"parallel.zero_stage": 3}), gpu=True)  # the optimizer on the GPU: torch's AdamW
+    assert uses_torch_adam(_tiny(**{"parallel.zero_stage": 3, "parallel.offload_optimizer": True,
+                                    "train.torch_adam": True}), gpu=True)
+
+
 def test_chunked_loss_equals_full_logits_cross_entropy():
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=False)

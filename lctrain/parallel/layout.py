@@ -30,6 +30,12 @@ def check_precision(cfg: Config) -> None:
                         f">= 1 (fp32 master weights); set parallel.zero_stage: 1, or model.dtype: float32")
 
 
+def uses_torch_adam(cfg: Config, gpu: bool) -> bool:
+    """torch's AdamW, unless the optimizer is offloaded from a GPU: then DeepSpeed's CPU Adam (a C++ op built on first
+    use, in place and faster), except with `train.torch_adam`."""
+    return cfg.train.torch_adam or not (gpu and cfg.parallel.offload_optimizer)
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     world: int

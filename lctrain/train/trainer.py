@@ -36,7 +36,7 @@ from lctrain.errors import UserError, is_environment_error
 from lctrain.lifetime import RunLock
 from lctrain.parallel.groups import Topology, init_topology, release_single_process, under_launcher
 from lctrain.parallel.launch import run_workers, worker_command
-from lctrain.parallel.layout import ParallelLayout, check_precision
+from lctrain.parallel.layout import ParallelLayout, check_precision, uses_torch_adam
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.checkpoint import write_atomic
 from lctrain.train.data import collate, open_checked
@@ -313,8 +313,7 @@ class Trainer:
         self.run_dir, self.tokenizer = run_dir, tokenizer
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
-        use_torch_adam = topo.device.type == "cpu" or not cfg.parallel.offload_optimizer
-        ds_config = self.layout.deepspeed_config(cfg, use_torch_adam=use_torch_adam)
+        ds_config = self.layout.deepspeed_config(cfg, use_torch_adam=uses_torch_adam(cfg, topo.device.type == "cuda"))
         hf_ds_config = None
         if cfg.parallel.zero_stage == 3 and cfg.model.name_or_path:
             # Keeps the reference alive while from_pretrained runs: transformers then loads the weights straight
