@@ -15,8 +15,9 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
   CPU, tests/test_memory.py), so they add nothing of their own;
 - the loss chunk's logits (train/loss.py): fp32 log-probabilities and their gradients for one chunk;
 - the optimizer step's own tensors (ZeRO-3's flattened fp32 gradients, torch AdamW's out-of-place denominator), and
-  under ZeRO-3 with an offloaded optimizer the second fp32 gradient buffer and the page-locked buffers' rounding to a
-  power of two (`pinned_bytes`);
+  under ZeRO-3 with an offloaded optimizer the second fp32 gradient buffer, the page-locked buffers' rounding to a
+  power of two (`pinned_bytes`) and the unpinned copy DeepSpeed pins the gradient partition from, once all other
+  states exist;
 - DeepSpeed's buffers, sized by the DeepSpeed config the layout builds (DeepSpeed's defaults where it sets none):
   the contiguous-gradient reduce bucket (ZeRO >= 1, in fp32 under sequence parallelism; DeepSpeed 0.19.8 sometimes
   holds the last step's bucket while it allocates the next, one bucket more, which the WARN_FRACTION margin is for)
@@ -24,8 +25,8 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
 - a fixed runtime overhead per process (`DEVICE_RUNTIME_BYTES`, `HOST_RUNTIME_BYTES`).
 
 States add up. The transients (a layer's recomputation, a loss chunk) happen at different moments of the backward, so
-only the largest adds to the saved activations; the optimizer step comes after the backward has freed them, so the
-peak is the states plus the larger of the two phases.
+only the largest adds to the saved activations; the optimizer step comes after the backward has freed them, and the
+construction's copy before either, so the peak is the states plus the largest of the three phases.
 
 Sequence parallelism divides the tokens of every per-token tensor by `sp`, except inside the attention engine, where
 DeepSpeed-Ulysses' all-to-all gives each rank the whole sequence for `heads / sp` heads: the same number of elements,
@@ -62,8 +63,9 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # Kinds of item: model states live through the step, saved activations from the forward to their layer's backward,
-# a transient within one phase of the backward, and what the optimizer step allocates (after the backward).
-STATE, SAVED, TRANSIENT, STEP = "state", "saved", "transient", "step"
+# a transient within one phase of the backward, what the optimizer step allocates (after the backward), and a copy
+# made while the engine is built (beside the states, before any step).
+STATE, SAVED, TRANSIENT, STEP, BUILD = "state", "saved", "transient", "step", "build"
 
 
 @dataclass(frozen=True)
@@ -81,13 +83,15 @@ class MemoryPlan:
     ranks_per_host: int
 
     def total(self, where: str) -> int:
-        """Peak bytes in `where`: the states, and the larger of the backward's peak (the saved activations and the
-        largest transient) and the optimizer step's (its items together; the activations are gone by then)."""
+        """Peak bytes in `where`: the states, and the largest of the backward's peak (the saved activations and the
+        largest transient), the optimizer step's (its items together; the activations are gone by then) and the
+        engine construction's copies."""
         here = [i for i in self.items if i.where == where]
         backward = (sum(i.bytes for i in here if i.kind == SAVED)
                     + max((i.bytes for i in here if i.kind == TRANSIENT), default=0))
         step = sum(i.bytes for i in here if i.kind == STEP)
-        return sum(i.bytes for i in here if i.kind == STATE) + max(backward, step)
+        build = max((i.bytes for i in here if i.kind == BUILD), default=0)
+        return sum(i.bytes for i in here if i.kind == STATE) + max(backward, step, build)
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,8 @@ def model_state_items(shape: ModelShape, cfg: Config, world: int, zero: dict, re
         items.append(Item("fp32 gradient partition", grad_bytes, optimizer_where))
         if pinned:  # stage3.py: the reduced partitions are copied into the fp32 master's own .grad for the host step
             items.append(Item("fp32 gradients of the host step", grad_bytes, "host"))
+            if gpu:  # the gradient partition is zeroed unpinned, then copied into page-locked memory beside the rest
+                items.append(Item("unpinned copy while the engine is built", shard * FP32, "host", BUILD))
         items.append(Item("fp32 master weights", shard * FP32, optimizer_where))
     items.append(Item("Adam moments (fp32)", 2 * shard * FP32, optimizer_where))
     if stage >= 1:

@@ -93,8 +93,8 @@ def print_report(r: dict) -> None:
     for i in r["items"]:
         table.add_row(i["name"], _gb(i["bytes"]), i["where"], i["kind"])
     console.print(table)
-    console.print("states add up with the larger of the backward (saved activations and the largest transient) "
-                  "and the optimizer step (its items together)")
+    console.print("states add up with the largest of the backward (saved activations and the largest transient), "
+                  "the optimizer step (its items together) and the engine's construction")
     if r["device_memory_bytes"] is not None:
         console.print(f"device: {_gb(r['device_need_bytes'])} GB needed of {_gb(r['device_memory_bytes'])} GB "
                       f"(runtime overhead included)")

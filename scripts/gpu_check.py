@@ -450,7 +450,7 @@ def stage_memory(run: Runner, args) -> None:
     r = run.result
     out = run.log.with_name("bench_memory.json")
     # The bench stops itself before a length that would overrun the stage (room is left for its exit). A host too
-    # small for all 32 layers' offloaded optimizer states (150 GB; these machines have 128 GiB) measures as many of
+    # small for all 32 layers' offloaded optimizer states (178 GB; these machines have 128 GiB) measures as many of
     # Llama-2-7B's layers as it holds, at its width and window length.
     data = run_bench(run, python() + [str(ROOT / "scripts" / "bench_memory.py"), "--preset", "llama2-7b-128k",
                                       "--layers", "auto", "--ladder", "--steps", str(args.memory_steps),

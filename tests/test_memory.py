@@ -196,13 +196,17 @@ def test_offload_moves_optimizer_states_to_the_host():
     pinned = 2 ** math.ceil(math.log2(4 * n))  # PyTorch's page-locked blocks are powers of two
     assert {i.name: i.bytes for i in on_gpu.items if i.where == "host"} == {
         "weights (ZeRO-3 shard)": 2 * n, "fp32 gradient partition": pinned, "fp32 gradients of the host step": pinned,
-        "fp32 master weights": 4 * n, "Adam moments (fp32)": 8 * n}
+        "fp32 master weights": 4 * n, "Adam moments (fp32)": 8 * n,
+        "unpinned copy while the engine is built": 4 * n}
     assert not [i for i in on_gpu.items if i.kind == "step"]  # CPU Adam updates in place
+    states = sum(i.bytes for i in on_gpu.items if i.where == "host" and i.kind == "state")
+    assert on_gpu.total("host") == states + 4 * n  # the construction's copy is this plan's host peak
     with_torch_adam = plan_memory(config(1024, *overrides, "train.torch_adam=true"), shape)
     assert [(i.name, i.bytes, i.where) for i in with_torch_adam.items if i.kind == "step"] == [
         ("AdamW temporaries", 2 * 4 * n, "host")]  # single-tensor AdamW on host tensors: sqrt(v) and its quotient
-    on_cpu = plan_memory(config(1024, *overrides), shape, gpu=False)
+    on_cpu = plan_memory(config(1024, *overrides), shape, gpu=False)  # nothing is page-locked on the CPU
     assert {i.name: i.bytes for i in on_cpu.items}["fp32 gradient partition"] == 4 * n
+    assert not [i for i in on_cpu.items if i.kind == "build"]
 
 
 def test_longest_seq_len_fits_and_the_next_does_not():
