@@ -27,7 +27,7 @@ from rich.progress import track
 from rich.table import Table
 
 from lctrain.attention import MODES, engine_fn, make_batch
-from lctrain.data.packing import split_into_chunks
+from lctrain.data.packing import chunk_order, split_into_chunks
 from lctrain.costmodel import attention_flops, visible_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 
@@ -49,10 +49,9 @@ def interleave(seg_lens: list[int], rng: np.random.Generator) -> tuple[list[int]
     """Paper Fig. 5 layout as `lctrain.data.packing` builds it: each document of a window split into 2-3 chunks (its
     anchor in the first), chunks shuffled with every document's chunk order kept; the window keeps its length."""
     chunks = [[len(c) for c in split_into_chunks(np.arange(n), rng)] for n in seg_lens]
-    order = rng.permutation(np.concatenate([[d] * len(c) for d, c in enumerate(chunks)]))
     next_chunk = [0] * len(chunks)
     lens, docs = [], []
-    for d in order.tolist():
+    for d in chunk_order([len(c) for c in chunks], rng, open_end=False):
         lens.append(chunks[d][next_chunk[d]])
         docs.append(d)
         next_chunk[d] += 1
@@ -137,8 +136,6 @@ def main(argv=None):
             for engine in engines:
                 if engine == "reference" and L > REFERENCE_MAX_LEN:
                     continue
-                if engine == "varlen" and args.interleave:
-                    continue  # cannot mask interleaved chunks
                 for mode in args.modes:
                     jobs.append((L, w, seg_lens, seg_doc, engine, mode))
     # One engine at a time, in the order given: a run stopped at a time limit has the first engines complete (and

@@ -81,15 +81,10 @@ class Packer:
         """The window's segments as shuffled chunks `(header or empty, text, domain, segment index)`."""
         rng = self._chunk_rng
         chunks = [split_into_chunks(text, rng) if len(text) else [text] for _, text, _ in self._segments]
-        order = np.repeat(np.arange(len(chunks)), [len(c) for c in chunks])
-        if open_end:  # the last document goes on in the next window: its last chunk keeps the window's end
-            rng.shuffle(order[:-1])
-        else:
-            rng.shuffle(order)
         nothing = self._anchor[:0]
         taken = [0] * len(chunks)
         out = []
-        for s in order.tolist():
+        for s in chunk_order([len(c) for c in chunks], rng, open_end):
             header, _, domain = self._segments[s]
             j = taken[s]
             taken[s] += 1
@@ -163,6 +158,15 @@ class ShuffleBuffer:
         while self._items:
             out.append(self._pop_random())
         return out
+
+
+def chunk_order(chunk_counts: list[int], rng: np.random.Generator, open_end: bool) -> list[int]:
+    """The document of each interleaved chunk of a window, in window order (Figure 5): the documents' chunks shuffled
+    among each other, every document's own chunks in order. With `open_end` the last document goes on in the next
+    window, so its last chunk keeps the window's end."""
+    order = np.repeat(np.arange(len(chunk_counts)), chunk_counts)
+    rng.shuffle(order[:-1] if open_end else order)
+    return order.tolist()
 
 
 def split_into_chunks(tokens: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
