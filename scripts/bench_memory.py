@@ -242,12 +242,17 @@ def print_length(r: dict) -> None:
           f"{r['predicted_host_gb']:.1f}) per rank", flush=True)
 
 
-def expected_seconds(rows: list, length: int, warmup: int, steps: int, build: bool) -> float:
-    """A lower bound on the time a length takes: a longer window takes at least proportionally longer."""
+def out_of_time(args, started: float, rows: list, length: int, warmup: int, steps: int, build: bool) -> bool:
+    """Whether `length` would end after --time-limit: a longer window takes at least proportionally longer than the
+    last one that trained (and, `build`, its construction again)."""
     last = next((r for r in reversed(rows) if not r["oom"]), None)
-    if last is None:
-        return 0.0
-    return (last["build_s"] if build else 0.0) + (warmup + steps) * last["step_s"] * length / last["seq_len"]
+    if args.time_limit is None or last is None:
+        return False
+    expected = (last["build_s"] if build else 0.0) + (warmup + steps) * last["step_s"] * length / last["seq_len"]
+    if time.perf_counter() + expected <= started + args.time_limit:
+        return False
+    print(f"stopping before {length}: it would end after --time-limit {args.time_limit:g} s", flush=True)
+    return True
 
 
 def in_process_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dict) -> None:
@@ -264,9 +269,7 @@ def in_process_rows(args, spec: dict, first: int, out: Path, rows: list, meta: d
     for i, length in enumerate(ladder(args, first)):
         # the first length's warm-up steps create the optimizer states and warm the allocator for the longer ones
         warmup = spec["warmup"] if i == 0 else 0
-        if time.perf_counter() + expected_seconds(rows, length, warmup, spec["steps"], False) > started + \
-                args.time_limit:
-            print(f"stopping before {length}: it would end after --time-limit {args.time_limit:g} s", flush=True)
+        if out_of_time(args, started, rows, length, warmup, spec["steps"], build=False):
             break
         windows = make_windows(length, spec["vocab"], spec["seed"])
         try:
@@ -307,9 +310,7 @@ def launched_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dic
     env = launcher_free_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")]))
     for length in ladder(args, first):
-        if time.perf_counter() + expected_seconds(rows, length, spec["warmup"], spec["steps"], True) > started + \
-                args.time_limit:
-            print(f"stopping before {length}: it would end after --time-limit {args.time_limit:g} s", flush=True)
+        if out_of_time(args, started, rows, length, spec["warmup"], spec["steps"], build=True):
             break
         with tempfile.TemporaryDirectory() as tmp:
             spec_file, row_file = Path(tmp) / "spec.json", Path(tmp) / "row.json"
@@ -425,7 +426,6 @@ def main() -> None:
                   f"{whole} layers", flush=True)
         args.ladder_step = args.ladder_step or first // 4
         args.ladder_max = args.ladder_max or 8 * first
-        args.time_limit = args.time_limit or float("inf")
         try:
             preflight(spec, first)
         except UserError as e:

@@ -99,3 +99,17 @@ def test_layers_auto_keeps_the_most_layers_whose_host_states_fit():
     more = {**fitted, "arch": {**fitted["arch"], "num_hidden_layers": layers + 1}}
     assert bench.host_need(more, 131072, gpu=True) > 0.9 * available
     assert fitted["arch"]["hidden_size"] == 4096 and spec["arch"]["num_hidden_layers"] == 32
+
+
+def test_a_length_that_would_outrun_the_time_limit_is_not_started():
+    import time
+    from types import SimpleNamespace
+
+    bench = load_bench()
+    rows = [{"seq_len": 1024, "oom": False, "step_s": 10.0, "build_s": 50.0}]
+    now = time.perf_counter()
+    limited = SimpleNamespace(time_limit=100.0)
+    assert not bench.out_of_time(limited, now, rows, 2048, warmup=1, steps=2, build=False)  # 60 s expected
+    assert bench.out_of_time(limited, now, rows, 4096, warmup=1, steps=2, build=False)  # 120 s
+    assert bench.out_of_time(limited, now, rows, 2048, warmup=1, steps=2, build=True)  # 50 s more to rebuild
+    assert not bench.out_of_time(SimpleNamespace(time_limit=None), now, rows, 1 << 20, 1, 2, build=True)
