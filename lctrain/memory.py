@@ -191,14 +191,20 @@ def model_state_items(shape: ModelShape, cfg: Config, world: int, zero: dict, re
     else:
         if stage == 1:
             items.append(Item("gradients (param.grad until the step)", n * b, "device"))
-        pinned = stage == 3 and offloaded  # the ZeRO-3 buffers DeepSpeed page-locks (offload_optimizer.pin_memory)
-        grad_bytes = pinned_bytes(shard * FP32, gpu) if pinned else shard * FP32
+        # An offloaded optimizer's host buffers that DeepSpeed page-locks (offload_optimizer.pin_memory): ZeRO-3 its
+        # two fp32 gradient buffers (stage3.py: the reduced partitions are copied into the fp32 master's own .grad for
+        # the host step); ZeRO-1/2 the fp32 master, its gradient and a model-dtype copy for the upload
+        # (stage_1_and_2.py). Each is made unpinned and copied into page-locked memory once the states before it exist.
+        grad_bytes = pinned_bytes(shard * FP32, gpu and offloaded)
         items.append(Item("fp32 gradient partition", grad_bytes, optimizer_where))
-        if pinned:  # stage3.py: the reduced partitions are copied into the fp32 master's own .grad for the host step
+        if offloaded and stage == 3:
             items.append(Item("fp32 gradients of the host step", grad_bytes, "host"))
-            if gpu:  # the gradient partition is zeroed unpinned, then copied into page-locked memory beside the rest
-                items.append(Item("unpinned copy while the engine is built", shard * FP32, "host", BUILD))
-        items.append(Item("fp32 master weights", shard * FP32, optimizer_where))
+        items.append(Item("fp32 master weights", pinned_bytes(shard * FP32, gpu and offloaded and stage < 3),
+                          optimizer_where))
+        if offloaded and stage < 3:
+            items.append(Item("model-dtype partition for the upload", pinned_bytes(shard * b, gpu), "host"))
+        if offloaded and gpu:
+            items.append(Item("unpinned copy while the engine is built", shard * FP32, "host", BUILD))
     items.append(Item("Adam moments (fp32)", 2 * shard * FP32, optimizer_where))
     if stage >= 1:
         items.append(Item("DeepSpeed reduce bucket", zero["reduce_bucket_size"] * reduce_bytes, "device"))

@@ -204,6 +204,12 @@ def test_offload_moves_optimizer_states_to_the_host():
     with_torch_adam = plan_memory(config(1024, *overrides, "train.torch_adam=true"), shape)
     assert [(i.name, i.bytes, i.where) for i in with_torch_adam.items if i.kind == "step"] == [
         ("AdamW temporaries", 2 * 4 * n, "host")]  # single-tensor AdamW on host tensors: sqrt(v) and its quotient
+    zero2 = plan_memory(config(1024, "parallel.zero_stage=2", "model.dtype=bfloat16",
+                               "parallel.offload_optimizer=true"), shape)
+    assert {i.name: i.bytes for i in zero2.items if i.where == "host"} == {  # stage_1_and_2.py's pinned buffers
+        "fp32 gradient partition": pinned, "fp32 master weights": pinned, "Adam moments (fp32)": 8 * n,
+        "model-dtype partition for the upload": 2 ** math.ceil(math.log2(2 * n)),
+        "unpinned copy while the engine is built": 4 * n}
     on_cpu = plan_memory(config(1024, *overrides), shape, gpu=False)  # nothing is page-locked on the CPU
     assert {i.name: i.bytes for i in on_cpu.items}["fp32 gradient partition"] == 4 * n
     assert not [i for i in on_cpu.items if i.kind == "build"]
