@@ -6,6 +6,7 @@
         --settings gradient_checkpointing,offload_activations,checkpointing+tiled_mlp   # the settings on one GPU
     python scripts/bench_memory.py --preset llama2-7b-128k           # one GPU: Llama-2-7B at 128K, ZeRO-3 + offload
     python scripts/bench_memory.py --preset llama2-7b-128k --ladder  # longer windows until out of memory
+    python scripts/bench_memory.py --preset llama2-7b-128k --layers auto   # a host too small for all 32 layers
     python scripts/bench_memory.py --preset llama2-7b-1m --ladder    # 8 GPUs (the paper's layout): 1M tokens and up
 
 A preset's rows are per rank. One rank on a GPU keeps one trainer for every length of its ladder; several ranks are
