@@ -93,6 +93,10 @@ class MemoryPlan:
         build = max((i.bytes for i in here if i.kind == BUILD), default=0)
         return sum(i.bytes for i in here if i.kind == STATE) + max(backward, step, build)
 
+    def host_bytes(self) -> int:
+        """Host memory of this host's ranks: their host items and each process's runtime."""
+        return self.ranks_per_host * (self.total("host") + HOST_RUNTIME_BYTES)
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -108,7 +112,7 @@ class Budget:
 
     def need(self, plan: MemoryPlan) -> tuple[int, int]:
         """(bytes needed on one device, bytes needed on one host), runtime overheads included."""
-        host = plan.ranks_per_host * (plan.total("host") + HOST_RUNTIME_BYTES)
+        host = plan.host_bytes()
         if self.device is None:
             return 0, host + plan.ranks_per_host * plan.total("device")
         return plan.total("device") + DEVICE_RUNTIME_BYTES, host
@@ -195,15 +199,15 @@ def model_state_items(shape: ModelShape, cfg: Config, world: int, zero: dict, re
         # two fp32 gradient buffers (stage3.py: the reduced partitions are copied into the fp32 master's own .grad for
         # the host step); ZeRO-1/2 the fp32 master, its gradient and a model-dtype copy for the upload
         # (stage_1_and_2.py). Each is made unpinned and copied into page-locked memory once the states before it exist.
-        grad_bytes = pinned_bytes(shard * FP32, gpu and offloaded)
+        locked = gpu and offloaded
+        grad_bytes = pinned_bytes(shard * FP32, locked)
         items.append(Item("fp32 gradient partition", grad_bytes, optimizer_where))
         if offloaded and stage == 3:
             items.append(Item("fp32 gradients of the host step", grad_bytes, "host"))
-        items.append(Item("fp32 master weights", pinned_bytes(shard * FP32, gpu and offloaded and stage < 3),
-                          optimizer_where))
+        items.append(Item("fp32 master weights", pinned_bytes(shard * FP32, locked and stage < 3), optimizer_where))
         if offloaded and stage < 3:
-            items.append(Item("model-dtype partition for the upload", pinned_bytes(shard * b, gpu), "host"))
-        if offloaded and gpu:
+            items.append(Item("model-dtype partition for the upload", pinned_bytes(shard * b, locked), "host"))
+        if locked:
             items.append(Item("unpinned copy while the engine is built", shard * FP32, "host", BUILD))
     items.append(Item("Adam moments (fp32)", 2 * shard * FP32, optimizer_where))
     if stage >= 1:

@@ -81,12 +81,15 @@ def make_windows(seq_len: int, vocab: int, seed: int) -> list[dict]:
              "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens]}]
 
 
-def predicted(cfg, arch: dict, vocab: int, gpu: bool):
+def arch_shape(arch: dict, vocab: int) -> ModelShape:
     from transformers import AutoConfig
 
     fields = {k: v for k, v in arch.items() if k != "model_type"}
-    shape = ModelShape.from_hf_config(AutoConfig.for_model("llama", vocab_size=vocab, **fields))
-    return plan_memory(cfg, shape, gpu=gpu)
+    return ModelShape.from_hf_config(AutoConfig.for_model("llama", vocab_size=vocab, **fields))
+
+
+def predicted(cfg, arch: dict, vocab: int, gpu: bool):
+    return plan_memory(cfg, arch_shape(arch, vocab), gpu=gpu)
 
 
 def timed_steps(trainer, windows, steps: int, gpu: bool) -> float:
@@ -152,17 +155,26 @@ def preset_spec(args) -> dict:
     nproc = args.nproc or preset["nproc"]
     layout = [f"parallel.nproc_per_node={nproc}", f"parallel.sequence_parallel={nproc}"]
     arch = ROW_ARCHS[args.arch] if args.arch else preset["arch"]
-    if args.layers not in (None, "auto"):
-        arch = {**arch, "num_hidden_layers": int(args.layers)}
+    if isinstance(args.layers, int):
+        arch = {**arch, "num_hidden_layers": args.layers}
     # DeepSpeed's CPU Adam (the trainer's choice for an offloaded optimizer on a GPU) builds a C++ op on first use
     adam = ["train.torch_adam=true"] if args.adam == "torch" else []
     return {"arch": arch, "vocab": args.vocab or preset["vocab"], "settings": preset["settings"] + layout + adam,
             "nproc": nproc, "warmup": args.warmup, "steps": args.steps, "seed": args.seed}
 
 
+def layer_count(value: str):
+    """--layers: 'auto' or a number of decoder layers (argparse prints a bad one as a usage error)."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of layers >= 1, not {value!r}")
+    return int(value)
+
+
 def host_need(spec: dict, seq_len: int, gpu: bool) -> int:
     """Host bytes of all the ranks on this host: their host items and runtime."""
-    return spec["nproc"] * (spec_plan(spec, seq_len, gpu).total("host") + HOST_RUNTIME_BYTES)
+    return spec_plan(spec, seq_len, gpu).host_bytes()
 
 
 def fit_layers(spec: dict, seq_len: int, available: int, gpu: bool) -> dict:
@@ -195,8 +207,8 @@ def preflight(spec: dict, seq_len: int) -> None:
 
     from lctrain.parallel.ulysses import kv_replication
 
-    arch = spec["arch"]
-    kv_replication(arch["num_attention_heads"], arch["num_key_value_heads"], spec["nproc"], "--nproc")
+    shape = arch_shape(spec["arch"], spec["vocab"])
+    kv_replication(shape.heads, shape.kv_heads, spec["nproc"], "--nproc")
     gpu = torch.cuda.is_available()
     need = host_need(spec, seq_len, gpu)
     available = psutil.virtual_memory().available
@@ -387,7 +399,7 @@ def main() -> None:
     parser.add_argument("--arch", choices=sorted(ROW_ARCHS), default=None, help="model shape (rows: small; a "
                         "preset: its model's)")
     parser.add_argument("--nproc", type=int, default=None, help="preset: ranks (default the preset's: 1 or 8)")
-    parser.add_argument("--layers", default=None, help="preset: decoder layers (default the model's), or 'auto': as "
+    parser.add_argument("--layers", type=layer_count, default=None, help="preset: decoder layers (default the model's), or 'auto': as "
                         "many as this host's memory holds the offloaded optimizer states of")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1, help="preset: untimed steps before the first length (with "

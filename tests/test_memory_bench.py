@@ -132,3 +132,11 @@ def test_ulysses_activations_without_checkpointing_match_the_plan_per_rank(tmp_p
     activations = sum(i.bytes for i in plan.items if i.kind in ("saved", "transient"))
     assert activations > 0.3 * plan.total("device")
     assert abs(rows[0]["device_predicted_over_allocated"] - 1) <= 0.15, rows[0]
+
+
+@pytest.mark.parametrize("layers", ["x", "0", "-2"])
+def test_a_bad_layer_count_is_a_usage_error(monkeypatch, capsys, layers):
+    monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--preset", "llama2-7b-128k", "--layers", layers])
+    with pytest.raises(SystemExit) as stop:
+        load_bench().main()
+    assert stop.value.code == 2 and "expected 'auto' or a number of layers >= 1" in capsys.readouterr().err
