@@ -1,7 +1,7 @@
 PY ?= python3
 PIP = $(PY) -m pip
 
-.PHONY: install test test-all demo bench gpu-check
+.PHONY: install test test-slow test-all lint demo bench gpu-check
 
 # torch first, pinned: any other torch spec pulls the CUDA wheels; constraints.txt keeps it from being replaced.
 install:
@@ -11,8 +11,16 @@ install:
 test:
 	$(PY) -m pytest -q
 
-test-all:
-	$(PY) -m pytest -q -m "slow or not slow"
+# The tests over ~20 s each (multi-process runs, kills, launched ranks): excluded from `make test`.
+test-slow:
+	$(PY) -m pytest -q -m "slow and not gpu"
+
+# Every CPU test: what CI runs.
+test-all: test test-slow
+
+lint:
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 demo:
 	lctrain prepare && lctrain train && lctrain eval runs/tiny_anchor

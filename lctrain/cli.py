@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -20,12 +20,15 @@ app = typer.Typer(
 )
 
 ConfigOpt = Annotated[
-    Optional[str],
-    typer.Option("--config", "-c", help="YAML file or bundled config name (see `lctrain configs`); "
-                 "default: the embedded tiny CPU config"),
+    str | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="YAML file or bundled config name (see `lctrain configs`); default: the embedded tiny CPU config",
+    ),
 ]
 SetOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--set", "-s", help="override a config value, e.g. --set data.seq_len=4096 (repeatable)"),
 ]
 
@@ -60,7 +63,9 @@ def prepare(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     strict: Annotated[bool, typer.Option(help="stop at the first bad input record, naming file and line")] = False,
-    force: Annotated[bool, typer.Option(help="rebuild even if a complete dataset with this fingerprint exists")] = False,
+    force: Annotated[
+        bool, typer.Option(help="rebuild even if a complete dataset with this fingerprint exists")
+    ] = False,
 ):
     """Tokenize and pack a corpus into fixed-length windows with document boundaries (DESIGN §2)."""
     from lctrain.data.prepare import prepare as run_prepare
@@ -111,29 +116,72 @@ def show_config(config: ConfigOpt = None, set_: SetOpt = None):
 @app.command("eval")
 @user_errors
 def eval_(
-    target: Annotated[str, typer.Argument(help="run directory (evaluates every hf/step_N/) or a Hugging Face model directory")],
-    ruler_data: Annotated[Optional[str], typer.Option(help="RULER's own prepared data, <length>/data/<task>/validation.jsonl "
-                                                           "(the synthetic/ folder RULER's scripts/run.sh fills); default "
-                                                           "eval.ruler_data, else the offline RULER-style suite")] = None,
-    lengths: Annotated[Optional[str], typer.Option(help="context lengths, e.g. 4k,8k,16k,32k,64k,128k; default eval.lengths "
-                                                        "(with --ruler-data: every length found there)")] = None,
-    tasks: Annotated[Optional[str], typer.Option(help="comma-separated RULER tasks; default eval.tasks (all 13)")] = None,
-    exclude: Annotated[Optional[str], typer.Option(help="tasks to leave out; default eval.exclude (the Llama-2 configs: "
-                                                        "niah_multikey_3,cwe); '' scores all")] = None,
-    samples: Annotated[Optional[int], typer.Option(help="samples per task and length; default eval.samples_per_task "
-                                                        "(with --ruler-data: every sample of each file)")] = None,
-    squad: Annotated[Optional[str], typer.Option(help="local SQuAD JSON for the offline suite's qa_1; default eval.squad_path")] = None,
-    hotpotqa: Annotated[Optional[str], typer.Option(help="local HotpotQA JSON for the offline suite's qa_2; default "
-                                                         "eval.hotpotqa_path")] = None,
-    out: Annotated[Optional[str], typer.Option(help="output directory; default TARGET/eval")] = None,
-    device: Annotated[Optional[str], typer.Option(help="cuda, cpu or auto")] = None,
-    ppl_data: Annotated[Optional[str], typer.Option(help="prepared dataset to score perplexity on; default the run's held-out windows")] = None,
-    backend: Annotated[str, typer.Option(help="generation: hf (chunked prefill, KV cache offloaded when it does not fit) or vllm (needs vLLM)")] = "hf",
-    harness: Annotated[Optional[str], typer.Option(help="run lm-evaluation-harness tasks instead, e.g. longbench,hellaswag,mmlu (Table 7; needs lctrain[harness])")] = None,
-    harness_tasks: Annotated[Optional[str], typer.Option(help="directory of extra harness task YAML files")] = None,
-    harness_fewshot: Annotated[Optional[int], typer.Option(help="few-shot examples per harness task; default the task's own")] = None,
-    harness_limit: Annotated[Optional[float], typer.Option(help="harness documents per task (a count, or a fraction < 1)")] = None,
-    harness_max_len: Annotated[Optional[int], typer.Option(help="longest harness input in tokens; default data.seq_len")] = None,
+    target: Annotated[
+        str, typer.Argument(help="run directory (evaluates every hf/step_N/) or a Hugging Face model directory")
+    ],
+    ruler_data: Annotated[
+        str | None,
+        typer.Option(
+            help="RULER's own prepared data, <length>/data/<task>/validation.jsonl "
+            "(the synthetic/ folder RULER's scripts/run.sh fills); default "
+            "eval.ruler_data, else the offline RULER-style suite"
+        ),
+    ] = None,
+    lengths: Annotated[
+        str | None,
+        typer.Option(
+            help="context lengths, e.g. 4k,8k,16k,32k,64k,128k; default eval.lengths "
+            "(with --ruler-data: every length found there)"
+        ),
+    ] = None,
+    tasks: Annotated[str | None, typer.Option(help="comma-separated RULER tasks; default eval.tasks (all 13)")] = None,
+    exclude: Annotated[
+        str | None,
+        typer.Option(
+            help="tasks to leave out; default eval.exclude (the Llama-2 configs: niah_multikey_3,cwe); '' scores all"
+        ),
+    ] = None,
+    samples: Annotated[
+        int | None,
+        typer.Option(
+            help="samples per task and length; default eval.samples_per_task "
+            "(with --ruler-data: every sample of each file)"
+        ),
+    ] = None,
+    squad: Annotated[
+        str | None, typer.Option(help="local SQuAD JSON for the offline suite's qa_1; default eval.squad_path")
+    ] = None,
+    hotpotqa: Annotated[
+        str | None, typer.Option(help="local HotpotQA JSON for the offline suite's qa_2; default eval.hotpotqa_path")
+    ] = None,
+    out: Annotated[str | None, typer.Option(help="output directory; default TARGET/eval")] = None,
+    device: Annotated[str | None, typer.Option(help="cuda, cpu or auto")] = None,
+    ppl_data: Annotated[
+        str | None, typer.Option(help="prepared dataset to score perplexity on; default the run's held-out windows")
+    ] = None,
+    backend: Annotated[
+        str,
+        typer.Option(
+            help="generation: hf (chunked prefill, KV cache offloaded when it does not fit) or vllm (needs vLLM)"
+        ),
+    ] = "hf",
+    harness: Annotated[
+        str | None,
+        typer.Option(
+            help="run lm-evaluation-harness tasks instead, e.g. longbench,hellaswag,mmlu "
+            "(Table 7; needs lctrain[harness])"
+        ),
+    ] = None,
+    harness_tasks: Annotated[str | None, typer.Option(help="directory of extra harness task YAML files")] = None,
+    harness_fewshot: Annotated[
+        int | None, typer.Option(help="few-shot examples per harness task; default the task's own")
+    ] = None,
+    harness_limit: Annotated[
+        float | None, typer.Option(help="harness documents per task (a count, or a fraction < 1)")
+    ] = None,
+    harness_max_len: Annotated[
+        int | None, typer.Option(help="longest harness input in tokens; default data.seq_len")
+    ] = None,
     harness_batch: Annotated[int, typer.Option(help="log-likelihood requests per forward pass")] = 1,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -147,16 +195,32 @@ def eval_(
     if harness is not None:
         from lctrain.eval.harness import HarnessSettings, evaluate_harness
 
-        settings = HarnessSettings([t.strip() for t in harness.split(",") if t.strip()], harness_tasks,
-                                   harness_fewshot, harness_limit, harness_max_len, harness_batch)
+        settings = HarnessSettings(
+            [t.strip() for t in harness.split(",") if t.strip()],
+            harness_tasks,
+            harness_fewshot,
+            harness_limit,
+            harness_max_len,
+            harness_batch,
+        )
         evaluate_harness(resolve_target(target, config, list(set_ or [])), settings, out=out, device=device)
         return
     from lctrain.eval.runner import evaluate, parse_lengths, parse_names
 
-    evaluate(resolve_target(target, config, list(set_ or [])), lengths=parse_lengths(lengths) if lengths else None,
-             tasks=parse_names(tasks), exclude=parse_names(exclude) if exclude is not None else None,
-             samples=samples, ruler_data=ruler_data, squad=squad, hotpotqa=hotpotqa, out=out, device=device,
-             ppl_data=ppl_data, backend=backend)
+    evaluate(
+        resolve_target(target, config, list(set_ or [])),
+        lengths=parse_lengths(lengths) if lengths else None,
+        tasks=parse_names(tasks),
+        exclude=parse_names(exclude) if exclude is not None else None,
+        samples=samples,
+        ruler_data=ruler_data,
+        squad=squad,
+        hotpotqa=hotpotqa,
+        out=out,
+        device=device,
+        ppl_data=ppl_data,
+        backend=backend,
+    )
 
 
 diagnose = typer.Typer(help="Numerical diagnostics.", no_args_is_help=True)
@@ -166,19 +230,41 @@ app.add_typer(diagnose, name="diagnose")
 @diagnose.command("rope")
 @user_errors
 def diagnose_rope(
-    model: Annotated[str, typer.Argument(help="hub name, model directory, or lctrain config (name or YAML; model.arch = a seeded random model)")],
-    text: Annotated[Optional[str], typer.Option(help="prepared dataset directory, or .txt/.md/.py/.jsonl file or folder of them; default: the config's prepared dataset")] = None,
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="hub name, model directory, or lctrain config (name or YAML; model.arch = a seeded random model)"
+        ),
+    ],
+    text: Annotated[
+        str | None,
+        typer.Option(
+            help="prepared dataset directory, or .txt/.md/.py/.jsonl file or folder of them; "
+            "default: the config's prepared dataset"
+        ),
+    ] = None,
     samples: Annotated[int, typer.Option(help="text sequences to average over (paper: 50)")] = 50,
-    seq_len: Annotated[int, typer.Option(help="tokens T of each sequence for D and the per-token difference (paper: 4096)")] = 4096,
-    max_len: Annotated[int, typer.Option(help="longest T for the first-token logit difference, of 64, 128, ..., 8192")] = 8192,
-    cases: Annotated[Optional[str], typer.Option(help="comma-separated of fp32, bf16, random, bf16_rope_bf16, or all; default fp32,bf16,random")] = None,
+    seq_len: Annotated[
+        int, typer.Option(help="tokens T of each sequence for D and the per-token difference (paper: 4096)")
+    ] = 4096,
+    max_len: Annotated[
+        int, typer.Option(help="longest T for the first-token logit difference, of 64, 128, ..., 8192")
+    ] = 8192,
+    cases: Annotated[
+        str | None,
+        typer.Option(help="comma-separated of fp32, bf16, random, bf16_rope_bf16, or all; default fp32,bf16,random"),
+    ] = None,
     delta2: Annotated[int, typer.Option(help="the fixed shift Δ2")] = 16,
-    shifts: Annotated[Optional[str], typer.Option(help="comma-separated shifts Δ1; default the paper's 0,2,...,2000")] = None,
+    shifts: Annotated[
+        str | None, typer.Option(help="comma-separated shifts Δ1; default the paper's 0,2,...,2000")
+    ] = None,
     scaled_logits: Annotated[bool, typer.Option(help="D_logit of q·k/√d instead of the paper's unscaled q·k")] = False,
-    vary_delta2: Annotated[bool, typer.Option(help="also sweep Δ2 over the shifts at Δ1 = 0 (Figure 7, right)")] = False,
+    vary_delta2: Annotated[
+        bool, typer.Option(help="also sweep Δ2 over the shifts at Δ1 = 0 (Figure 7, right)")
+    ] = False,
     shift_batch: Annotated[int, typer.Option(help="shifts per forward pass, next to the Δ2 reference")] = 4,
-    device: Annotated[Optional[str], typer.Option(help="cuda, cpu or auto")] = None,
-    out: Annotated[Optional[str], typer.Option(help="output directory; default diagnose/<model name>")] = None,
+    device: Annotated[str | None, typer.Option(help="cuda, cpu or auto")] = None,
+    out: Annotated[str | None, typer.Option(help="output directory; default diagnose/<model name>")] = None,
     set_: SetOpt = None,
 ):
     """The paper's Figures 1 and 7: attention difference D (Eq. 4) under a positional shift, its per-token split, and
@@ -186,9 +272,21 @@ def diagnose_rope(
     from lctrain.eval.rope_drift import diagnose_rope as run_diagnose
     from lctrain.eval.rope_drift import model_source, parse_cases, parse_shifts
 
-    run_diagnose(model_source(model, list(set_ or [])), text=text, samples=samples, seq_len=seq_len, max_len=max_len,
-                 cases=parse_cases(cases), delta2=delta2, shifts=parse_shifts(shifts), scaled_logits=scaled_logits,
-                 vary_delta2=vary_delta2, shift_batch=shift_batch, device=device, out=out)
+    run_diagnose(
+        model_source(model, list(set_ or [])),
+        text=text,
+        samples=samples,
+        seq_len=seq_len,
+        max_len=max_len,
+        cases=parse_cases(cases),
+        delta2=delta2,
+        shifts=parse_shifts(shifts),
+        scaled_logits=scaled_logits,
+        vary_delta2=vary_delta2,
+        shift_batch=shift_batch,
+        device=device,
+        out=out,
+    )
 
 
 check = typer.Typer(help="Numerical checks of the training setup.", no_args_is_help=True)
@@ -201,10 +299,10 @@ def check_sp(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     nproc: Annotated[int, typer.Option(help="sequence-parallel processes (GPUs, or CPU processes over gloo)")] = 2,
-    modes: Annotated[Optional[str], typer.Option(help="comma-separated attention modes; default all four")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16; default model.dtype")] = None,
+    modes: Annotated[str | None, typer.Option(help="comma-separated attention modes; default all four")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16; default model.dtype")] = None,
     window: Annotated[int, typer.Option(help="which window of the prepared dataset (or synthetic seed offset)")] = 0,
-    out: Annotated[Optional[str], typer.Option(help="output directory; default check_sp/<config name>")] = None,
+    out: Annotated[str | None, typer.Option(help="output directory; default check_sp/<config name>")] = None,
 ):
     """The paper's Table 8: max |Δ logits| between one process and DeepSpeed-Ulysses over --nproc processes on the
     same window, per attention mode. Table and check_sp.json."""
@@ -219,7 +317,7 @@ def check_sp(
 @user_errors
 def inspect_(
     data_dir: Annotated[str, typer.Argument(help="prepared dataset directory (written by `lctrain prepare`)")],
-    out: Annotated[Optional[str], typer.Option(help="output directory; default DATA_DIR/inspect")] = None,
+    out: Annotated[str | None, typer.Option(help="output directory; default DATA_DIR/inspect")] = None,
 ):
     """Per-domain shares of documents and tokens, the length histogram, segment counts and the attention work each
     mode does on this dataset. Table, JSON and PNG."""
@@ -233,15 +331,28 @@ def inspect_(
 def estimate(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    tflops: Annotated[Optional[float], typer.Option(help="achieved TFLOP/s per GPU (model FLOPs)")] = None,
-    from_bench: Annotated[Optional[str], typer.Option(help="JSON from scripts/bench_train.py with tflops_per_gpu")] = None,
-    gpus: Annotated[Optional[int], typer.Option(help="GPU count; default parallel.nproc_per_node x parallel.num_nodes")] = None,
-    out: Annotated[Optional[str], typer.Option(help="also write the estimate to this JSON file (with --measure: the "
-                                                "directory of the measured runs; default runs/figure6_<name>)")] = None,
-    measure: Annotated[bool, typer.Option("--measure", help="time real training steps per length and mode (Figure 6 "
-                                                            "measured), the FLOP model beside it")] = False,
-    lengths: Annotated[Optional[str], typer.Option(help="with --measure: context lengths, e.g. 16k,32k,64k; default "
-                                                        "data.seq_len")] = None,
+    tflops: Annotated[float | None, typer.Option(help="achieved TFLOP/s per GPU (model FLOPs)")] = None,
+    from_bench: Annotated[str | None, typer.Option(help="JSON from scripts/bench_train.py with tflops_per_gpu")] = None,
+    gpus: Annotated[
+        int | None, typer.Option(help="GPU count; default parallel.nproc_per_node x parallel.num_nodes")
+    ] = None,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            help="also write the estimate to this JSON file (with --measure: the "
+            "directory of the measured runs; default runs/figure6_<name>)"
+        ),
+    ] = None,
+    measure: Annotated[
+        bool,
+        typer.Option(
+            "--measure",
+            help="time real training steps per length and mode (Figure 6 measured), the FLOP model beside it",
+        ),
+    ] = False,
+    lengths: Annotated[
+        str | None, typer.Option(help="with --measure: context lengths, e.g. 16k,32k,64k; default data.seq_len")
+    ] = None,
     modes: Annotated[str, typer.Option(help="with --measure: attention modes")] = "full,anchor",
     steps: Annotated[int, typer.Option(help="with --measure: timed steps per point")] = 3,
     warmup: Annotated[int, typer.Option(help="with --measure: untimed steps first (compilation, allocator)")] = 2,
@@ -258,9 +369,15 @@ def estimate(
         if from_bench is not None or gpus is not None:
             raise UserError("--measure times the config's own layout: --from-bench and --gpus do not apply")
         cfg = load_config(config, list(set_ or []))
-        run_measure(cfg, lengths=parse_lengths(lengths) if lengths else [cfg.data.seq_len], modes=parse_modes(modes),
-                    steps=steps, warmup=warmup, work=Path(out) if out else Path("runs") / f"figure6_{cfg.name}",
-                    tflops=tflops)
+        run_measure(
+            cfg,
+            lengths=parse_lengths(lengths) if lengths else [cfg.data.seq_len],
+            modes=parse_modes(modes),
+            steps=steps,
+            warmup=warmup,
+            work=Path(out) if out else Path("runs") / f"figure6_{cfg.name}",
+            tflops=tflops,
+        )
         return
     from lctrain.eval.estimate import estimate as run_estimate
 
@@ -272,12 +389,17 @@ def estimate(
 def plan(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    gpu_mem: Annotated[Optional[float], typer.Option(help="device memory per GPU in GB; default the local GPU (known "
-                                                         "models by name), else the host's CPU")] = None,
-    host_mem: Annotated[Optional[float], typer.Option(help="host memory per node in GB; default what is available "
-                                                           "here")] = None,
-    nproc: Annotated[Optional[int], typer.Option(help="processes per node; default parallel.nproc_per_node")] = None,
-    json_path: Annotated[Optional[str], typer.Option("--json", help="also write the plan to this JSON file")] = None,
+    gpu_mem: Annotated[
+        float | None,
+        typer.Option(
+            help="device memory per GPU in GB; default the local GPU (known models by name), else the host's CPU"
+        ),
+    ] = None,
+    host_mem: Annotated[
+        float | None, typer.Option(help="host memory per node in GB; default what is available here")
+    ] = None,
+    nproc: Annotated[int | None, typer.Option(help="processes per node; default parallel.nproc_per_node")] = None,
+    json_path: Annotated[str | None, typer.Option("--json", help="also write the plan to this JSON file")] = None,
 ):
     """Memory per rank before launch: model states, activations, loss logits and DeepSpeed buffers against the
     device and host memory; FITS or DOES NOT FIT, the longest seq_len that fits, and settings that would fit."""
@@ -287,7 +409,7 @@ def plan(
     run_plan(load_config(config, overrides), gpu_mem_gb=gpu_mem, host_mem_gb=host_mem, json_path=json_path)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     terminate_as_interrupt()
     app(args=argv if argv is not None else sys.argv[1:], prog_name="lctrain")
 

@@ -11,7 +11,7 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -22,7 +22,7 @@ DEFAULT_CONFIG = "tiny_anchor"
 DOMAINS = ("CommonCrawl", "C4", "GitHub", "ArXiv", "Book", "Wikipedia", "StackExchange", "other")
 
 
-_NUMBER_TYPES = (int, float, Optional[int], Optional[float])
+_NUMBER_TYPES = (int, float, int | None, float | None)
 
 
 def check_domain_shares(shares: Any) -> None:
@@ -38,8 +38,10 @@ def check_domain_shares(shares: Any) -> None:
     total = sum(shares.values())
     tolerance = 0.005 * len(shares)
     if abs(total - 1.0) > tolerance:
-        raise ValueError(f"the shares sum to {total:.4g}; they must sum to 1 (within {tolerance:.3g} for "
-                         f"{len(shares)} shares rounded to whole percents)")
+        raise ValueError(
+            f"the shares sum to {total:.4g}; they must sum to 1 (within {tolerance:.3g} for "
+            f"{len(shares)} shares rounded to whole percents)"
+        )
 
 
 class _Section(BaseModel):
@@ -67,15 +69,16 @@ class SyntheticConfig(_Section):
 
 class DataConfig(_Section):
     source: Literal["synthetic", "hub", "local"] = "synthetic"
-    path: Optional[str] = None
+    path: str | None = None
     hub_name: str = "cerebras/SlimPajama-627B"
     hub_split: str = "train"
     tokenizer: str = "builtin:mistral-7b-v0.1"
     seq_len: int = Field(1024, ge=8)
     token_budget: int = Field(2_000_000, ge=1)
     mixture: Literal["slimpajama", "upsampled"] = "slimpajama"
-    domain_shares: Optional[dict[str, float]] = Field(
-        None, description="upsampled: target token share per domain; None = the paper's UpSampledMix-128K (Table 9)")
+    domain_shares: dict[str, float] | None = Field(
+        None, description="upsampled: target token share per domain; None = the paper's UpSampledMix-128K (Table 9)"
+    )
     short_doc_tokens: int = Field(4096, ge=1)
     down_sample_ratio: float = Field(0.1, ge=0.0, le=1.0)
     domain_tags: bool = False
@@ -83,10 +86,11 @@ class DataConfig(_Section):
     min_doc_tokens: int = Field(1, ge=1)
     seed: int = 0
     num_workers: int = Field(0, ge=0, description="tokenizer processes; 0 = all cores")
-    output_dir: Optional[str] = None
+    output_dir: str | None = None
     strict: bool = False
     shuffle_buffer_tokens: int = Field(
-        16_777_216, ge=0, description="documents are shuffled through a seeded buffer of this many tokens")
+        16_777_216, ge=0, description="documents are shuffled through a seeded buffer of this many tokens"
+    )
     synthetic: SyntheticConfig = SyntheticConfig()
 
     @model_validator(mode="after")
@@ -105,26 +109,32 @@ class DataConfig(_Section):
     @model_validator(mode="after")
     def _shares_need_the_upsampled_mixture(self):
         if self.domain_shares is not None and self.mixture != "upsampled":
-            raise ValueError("domain_shares sets the targets of mixture 'upsampled'; the 'slimpajama' mixture keeps "
-                             "the source's own shares (set data.mixture=upsampled)")
+            raise ValueError(
+                "domain_shares sets the targets of mixture 'upsampled'; the 'slimpajama' mixture keeps "
+                "the source's own shares (set data.mixture=upsampled)"
+            )
         return self
 
 
 class ModelConfig(_Section):
-    name_or_path: Optional[str] = None
-    arch: Optional[dict[str, Any]] = None
-    rope_theta: Optional[float] = Field(None, gt=0)
-    rope_scaling: Optional[dict[str, Any]] = None
-    max_position_embeddings: Optional[int] = Field(None, ge=1)
+    name_or_path: str | None = None
+    arch: dict[str, Any] | None = None
+    rope_theta: float | None = Field(None, gt=0)
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int | None = Field(None, ge=1)
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     gradient_checkpointing: bool = False
     rope_fp32: bool = False
-    tiled_mlp: Union[Literal["auto"], int] = Field(
-        0, description="run each decoder MLP in this many sequence shards with DeepSpeed's TiledMLP (0 = off; "
-                       "'auto' = ceil(tokens per rank / hidden_size), the largest over the ranks)")
+    tiled_mlp: Literal["auto"] | int = Field(
+        0,
+        description="run each decoder MLP in this many sequence shards with DeepSpeed's TiledMLP (0 = off; "
+        "'auto' = ceil(tokens per rank / hidden_size), the largest over the ranks)",
+    )
     offload_activations: bool = Field(
-        False, description="keep the checkpointed hidden states in host memory between forward and backward "
-                           "(DeepSpeed's checkpoint offload; needs gradient_checkpointing)")
+        False,
+        description="keep the checkpointed hidden states in host memory between forward and backward "
+        "(DeepSpeed's checkpoint offload; needs gradient_checkpointing)",
+    )
 
     @field_validator("tiled_mlp", mode="before")
     @classmethod
@@ -142,8 +152,10 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _offload_needs_checkpointing(self):
         if self.offload_activations and not self.gradient_checkpointing:
-            raise ValueError("offload_activations moves the hidden states that gradient checkpointing keeps, so it "
-                             "needs model.gradient_checkpointing=true")
+            raise ValueError(
+                "offload_activations moves the hidden states that gradient checkpointing keeps, so it "
+                "needs model.gradient_checkpointing=true"
+            )
         return self
 
 
@@ -159,22 +171,25 @@ class TrainConfig(_Section):
     lr: float = Field(2e-5, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     decay_norms_and_biases: bool = Field(
-        False, description="also decay norm weights and biases (the paper's released code decays every parameter)")
+        False, description="also decay norm weights and biases (the paper's released code decays every parameter)"
+    )
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     grad_clip: float = Field(1.0, ge=0)
     torch_adam: bool = Field(
-        False, description="torch's AdamW also where DeepSpeed's CPU Adam would run (an offloaded optimizer on a GPU): "
-        "no C++ op to build, a slower host step, and host memory for its out-of-place temporaries")
-    run_dir: Optional[str] = None
+        False,
+        description="torch's AdamW also where DeepSpeed's CPU Adam would run (an offloaded optimizer on a GPU): "
+        "no C++ op to build, a slower host step, and host memory for its out-of-place temporaries",
+    )
+    run_dir: str | None = None
 
 
 class ParallelConfig(_Section):
     nproc_per_node: int = Field(1, ge=1)
     num_nodes: int = Field(1, ge=1)
-    hostfile: Optional[str] = None
+    hostfile: str | None = None
     sequence_parallel: int = Field(1, ge=1)
     zero_stage: int = Field(2, ge=0, le=3)
     offload_optimizer: bool = False
@@ -195,17 +210,19 @@ class LoggingConfig(_Section):
     wandb: Literal["disabled", "offline", "online"] = "disabled"
     wandb_project: str = "lctrain"
     log_every: int = Field(1, ge=1)
-    peak_tflops: Optional[float] = Field(None, gt=0, description="per-device peak for MFU; None: known GPU or measured CPU")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="per-device peak for MFU; None: known GPU or measured CPU"
+    )
 
 
 class EvalConfig(_Section):
     lengths: list[int] = [4096, 8192, 16384, 32768, 65536, 131072]
-    tasks: Optional[list[str]] = Field(None, description="RULER tasks to score; None = all 13")
+    tasks: list[str] | None = Field(None, description="RULER tasks to score; None = all 13")
     exclude: list[str] = Field([], description="tasks left out (the paper's Llama-2: niah_multikey_3, cwe)")
     samples_per_task: int = Field(25, ge=1)
-    ruler_data: Optional[str] = Field(None, description="RULER's prepared data (<length>/data/<task>/validation.jsonl)")
-    squad_path: Optional[str] = Field(None, description="SQuAD JSON for the offline suite's qa_1")
-    hotpotqa_path: Optional[str] = Field(None, description="HotpotQA JSON for the offline suite's qa_2")
+    ruler_data: str | None = Field(None, description="RULER's prepared data (<length>/data/<task>/validation.jsonl)")
+    squad_path: str | None = Field(None, description="SQuAD JSON for the offline suite's qa_1")
+    hotpotqa_path: str | None = Field(None, description="HotpotQA JSON for the offline suite's qa_2")
     seed: int = 0
     ppl_windows: int = Field(8, ge=0, description="held-out windows scored for perplexity; 0 = skip")
 
@@ -226,8 +243,7 @@ class EvalConfig(_Section):
         for key, names in (("tasks", self.tasks or []), ("exclude", self.exclude)):
             unknown = [t for t in names if t not in TASK_NAMES]
             if unknown:
-                raise ValueError(f"{key}: unknown task(s) {', '.join(unknown)}; RULER's tasks: "
-                                 f"{', '.join(TASK_NAMES)}")
+                raise ValueError(f"{key}: unknown task(s) {', '.join(unknown)}; RULER's tasks: {', '.join(TASK_NAMES)}")
         return self
 
 
@@ -243,7 +259,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
-    source_file: Optional[str] = Field(None, description="where this config was loaded from (set by the loader)")
+    source_file: str | None = Field(None, description="where this config was loaded from (set by the loader)")
 
 
 # ---------------------------------------------------------------- loading
@@ -257,7 +273,7 @@ def bundled_config_names() -> list[str]:
     return sorted(p.stem for p in bundled_config_dir().glob("*.yaml") if not p.stem.startswith("_"))
 
 
-def _locate(name_or_path: str, relative_to: Optional[Path] = None) -> Path:
+def _locate(name_or_path: str, relative_to: Path | None = None) -> Path:
     candidates = []
     if relative_to is not None:
         candidates.append(relative_to / name_or_path)
@@ -281,8 +297,9 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in keys:
-                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' appears twice in one mapping",
-                                                        key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice in one mapping", key_node.start_mark
+                )
             keys.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -299,8 +316,10 @@ def _read_yaml(path: Path) -> dict:
         where = f":{mark.line + 1}" if mark is not None else ""
         raise UserError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
     if raw is None:  # not the defaults: those are a 7B run at 1K, which nobody means by an empty file
-        raise UserError(f"{path}: the config is empty; give at least 'base: tiny_anchor' (or another bundled config "
-                        f"from 'lctrain configs') and the values to change")
+        raise UserError(
+            f"{path}: the config is empty; give at least 'base: tiny_anchor' (or another bundled config "
+            f"from 'lctrain configs') and the values to change"
+        )
     if not isinstance(raw, dict):
         raise UserError(f"{path}: a config must be a mapping of sections, got {type(raw).__name__}")
     return raw
@@ -392,7 +411,7 @@ def validate(raw: dict, source: str = "<config>") -> Config:
         raise UserError(_format_validation_error(err, source)) from None
 
 
-def load_config(name_or_path: Optional[str] = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a config by path or bundled name (default: the embedded tiny CPU config), apply overrides, validate."""
     path = _locate(name_or_path or DEFAULT_CONFIG)
     raw = apply_overrides(_load_raw(path), overrides)
@@ -437,7 +456,7 @@ def data_dir(cfg: Config) -> Path:
     return Path("prepared") / data_fingerprint(cfg.data)[:12]
 
 
-def reread_warning(cfg: Config, windows: int) -> Optional[str]:
+def reread_warning(cfg: Config, windows: int) -> str | None:
     """One line when training reads more windows (`train.steps` x `train.global_batch`) than `windows` hold, else
     None. Reading runs through the windows in order (train/data.py), so the re-read windows are the last steps',
     which hold every evaluation checkpoint."""
@@ -446,10 +465,12 @@ def reread_warning(cfg: Config, windows: int) -> Optional[str]:
         return None
     seq_len = cfg.data.seq_len
     rereading_steps = cfg.train.steps - windows // cfg.train.global_batch
-    return (f"warning: {cfg.train.steps:,} steps x {cfg.train.global_batch} windows x {seq_len:,} tokens = "
-            f"{needed * seq_len:,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "
-            f"windows, {windows * seq_len:,} tokens): the last {rereading_steps:,} steps re-read windows; set "
-            f"data.token_budget={needed * seq_len} (and prepare again) or lower train.steps")
+    return (
+        f"warning: {cfg.train.steps:,} steps x {cfg.train.global_batch} windows x {seq_len:,} tokens = "
+        f"{needed * seq_len:,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "
+        f"windows, {windows * seq_len:,} tokens): the last {rereading_steps:,} steps re-read windows; set "
+        f"data.token_budget={needed * seq_len} (and prepare again) or lower train.steps"
+    )
 
 
 def run_dir(cfg: Config) -> Path:

@@ -64,8 +64,9 @@ def dense_flops(dense_params: int, tokens: float, passes: float = TRAINING_PASSE
     return DENSE_FORWARD_FLOPS * dense_params * tokens * passes
 
 
-def step_flops(dense_params: int, layers: int, width: int, tokens: float, pairs: float,
-               passes: float = TRAINING_PASSES) -> float:
+def step_flops(
+    dense_params: int, layers: int, width: int, tokens: float, pairs: float, passes: float = TRAINING_PASSES
+) -> float:
     """Dense plus attention FLOPs of `tokens` tokens whose windows keep `pairs` visible pairs in each layer."""
     return dense_flops(dense_params, tokens, passes) + layers * attention_flops(pairs, width, passes)
 
@@ -73,6 +74,7 @@ def step_flops(dense_params: int, layers: int, width: int, tokens: float, pairs:
 @dataclass(frozen=True)
 class ModelShape:
     """What the cost of a decoder depends on, read from a Hugging Face config (no weights needed)."""
+
     layers: int
     hidden: int
     heads: int
@@ -83,11 +85,18 @@ class ModelShape:
     tied: bool = False  # the LM head shares the input embedding's weight
 
     @classmethod
-    def from_hf_config(cls, hf) -> "ModelShape":
+    def from_hf_config(cls, hf) -> ModelShape:
         heads = hf.num_attention_heads
-        return cls(hf.num_hidden_layers, hf.hidden_size, heads, getattr(hf, "num_key_value_heads", None) or heads,
-                   getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size,
-                   bool(getattr(hf, "tie_word_embeddings", False)))
+        return cls(
+            hf.num_hidden_layers,
+            hf.hidden_size,
+            heads,
+            getattr(hf, "num_key_value_heads", None) or heads,
+            getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            hf.intermediate_size,
+            hf.vocab_size,
+            bool(getattr(hf, "tie_word_embeddings", False)),
+        )
 
     @property
     def width(self) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-from typing import Optional
 
 
 class UserError(Exception):
@@ -20,8 +19,9 @@ class UserError(Exception):
 
 # Failures of the machine around a command rather than of lctrain: a full disk or quota, a missing permission, a
 # read-only filesystem, a path that runs through a file or a file where a directory must go.
-ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
-                                errno.EISDIR, errno.EEXIST})
+ENVIRONMENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+)
 # torch.save reports a failed write (a full disk) as a RuntimeError of its zip writer, without an errno.
 _TORCH_WRITE_FAILED = "PytorchStreamWriter failed writing file"
 
@@ -32,7 +32,7 @@ def is_environment_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED in str(e)
 
 
-def environment_error_message(e: BaseException) -> Optional[str]:
+def environment_error_message(e: BaseException) -> str | None:
     """One line for an environment failure (see ENVIRONMENT_ERRNOS), None for anything else."""
     if not is_environment_error(e):
         return None
@@ -41,5 +41,7 @@ def environment_error_message(e: BaseException) -> Optional[str]:
         what = e.strerror or str(e)
     else:
         where, what = "a checkpoint file", "the write failed (is the disk full?)"
-    return " ".join(f"{where}: {what}; free disk space, fix the permissions or choose another path, then run the "
-                    f"command again".split())
+    return " ".join(
+        f"{where}: {what}; free disk space, fix the permissions or choose another path, then run the "
+        f"command again".split()
+    )

@@ -25,7 +25,6 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import psutil
 
@@ -55,24 +54,32 @@ class RunLock:
     def __init__(self, run_dir: str | Path, command: str):
         self.path = Path(run_dir) / LOCK_NAME
         self.command = command
-        self.fd: Optional[int] = None
+        self.fd: int | None = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise UserError(f"{self.path.parent}: cannot create the run directory's lock file ({e.strerror or e}); "
-                            f"check the path and its permissions") from None
+            raise UserError(
+                f"{self.path.parent}: cannot create the run directory's lock file ({e.strerror or e}); "
+                f"check the path and its permissions"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             who, pid = _read_holder(fd)
             os.close(fd)
-            raise UserError(f"{self.path.parent} is being trained by {who}; wait for it to finish or stop it "
-                            f"(kill {pid}) before starting another run there") from None
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            raise UserError(
+                f"{self.path.parent} is being trained by {who}; wait for it to finish or stop it "
+                f"(kill {pid}) before starting another run there"
+            ) from None
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": self.command,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(holder).encode(), 0)

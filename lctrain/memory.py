@@ -55,9 +55,22 @@ HOST_RUNTIME_BYTES = 2**30
 # close to the limit may still run out of memory.
 WARN_FRACTION = 0.9
 # Device memory of known accelerators, GB, by a substring of torch.cuda.get_device_name(), most specific first.
-GPU_MEMORY_GB = (("H200", 141), ("H100", 80), ("H800", 80), ("A100-SXM4-40GB", 40), ("A100-PCIE-40GB", 40),
-                 ("A100", 80), ("A800", 80), ("L40S", 48), ("A6000", 48), ("A10G", 24), ("L4", 24), ("4090", 24),
-                 ("B200", 180), ("MI300X", 192))
+GPU_MEMORY_GB = (
+    ("H200", 141),
+    ("H100", 80),
+    ("H800", 80),
+    ("A100-SXM4-40GB", 40),
+    ("A100-PCIE-40GB", 40),
+    ("A100", 80),
+    ("A800", 80),
+    ("L40S", 48),
+    ("A6000", 48),
+    ("A10G", 24),
+    ("L4", 24),
+    ("4090", 24),
+    ("B200", 180),
+    ("MI300X", 192),
+)
 FP32 = 4
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -79,6 +92,7 @@ class Item:
 @dataclass(frozen=True)
 class MemoryPlan:
     """The items of one rank, and how many ranks share one host."""
+
     items: tuple[Item, ...]
     ranks_per_host: int
 
@@ -87,8 +101,9 @@ class MemoryPlan:
         largest transient), the optimizer step's (its items together; the activations are gone by then) and the
         engine construction's copies."""
         here = [i for i in self.items if i.where == where]
-        backward = (sum(i.bytes for i in here if i.kind == SAVED)
-                    + max((i.bytes for i in here if i.kind == TRANSIENT), default=0))
+        backward = sum(i.bytes for i in here if i.kind == SAVED) + max(
+            (i.bytes for i in here if i.kind == TRANSIENT), default=0
+        )
         step = sum(i.bytes for i in here if i.kind == STEP)
         build = max((i.bytes for i in here if i.kind == BUILD), default=0)
         return sum(i.bytes for i in here if i.kind == STATE) + max(backward, step, build)
@@ -102,6 +117,7 @@ class MemoryPlan:
 class Budget:
     """Memory to plan against: `device` bytes per accelerator, or None when the ranks compute on the host's CPU
     (then every item lands in host memory); `host` bytes of one host."""
+
     device: int | None
     host: int
     label: str
@@ -156,14 +172,17 @@ def reduce_element_bytes(ds_config: dict, model_bytes: int) -> int:
     0.19.8's engine sets it over `communication_data_type`, fp32 by default), else `communication_data_type`, else
     the model's dtype."""
     from deepspeed.runtime.config import get_communication_data_type
-    from deepspeed.runtime.constants import (SEQ_PARALLEL_COMMUNICATION_DATA_TYPE,
-                                             SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT)
+    from deepspeed.runtime.constants import (
+        SEQ_PARALLEL_COMMUNICATION_DATA_TYPE,
+        SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT,
+    )
 
     if ds_config["zero_optimization"]["stage"] == 1:
         return FP32
     if ds_config.get("sequence_parallel_size", 1) > 1:
-        dtype = get_communication_data_type(ds_config, SEQ_PARALLEL_COMMUNICATION_DATA_TYPE,
-                                            SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT)
+        dtype = get_communication_data_type(
+            ds_config, SEQ_PARALLEL_COMMUNICATION_DATA_TYPE, SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT
+        )
     else:
         dtype = get_communication_data_type(ds_config)
     return model_bytes if dtype is None else dtype.itemsize
@@ -181,15 +200,21 @@ def pinned_bytes(n: int, gpu: bool) -> int:
     return 1 << (n - 1).bit_length() if gpu and n > 0 else n
 
 
-def model_state_items(shape: ModelShape, cfg: Config, world: int, zero: dict, reduce_bytes: int,
-                      gpu: bool) -> list[Item]:
+def model_state_items(
+    shape: ModelShape, cfg: Config, world: int, zero: dict, reduce_bytes: int, gpu: bool
+) -> list[Item]:
     p, stage = cfg.parallel, cfg.parallel.zero_stage
     n = shape.param_count()
     b = dtype_bytes(cfg.model.dtype)
     offloaded, shard = optimizer_partition(shape, cfg, world)
     optimizer_where = "host" if offloaded else "device"
-    items = [Item("weights" + (" (ZeRO-3 shard)" if stage == 3 else ""), n * b // (world if stage == 3 else 1),
-                  "host" if p.offload_params and stage == 3 else "device")]
+    items = [
+        Item(
+            "weights" + (" (ZeRO-3 shard)" if stage == 3 else ""),
+            n * b // (world if stage == 3 else 1),
+            "host" if p.offload_params and stage == 3 else "device",
+        )
+    ]
     if stage == 0:
         items.append(Item("gradients", n * b, "device"))
     else:
@@ -251,18 +276,34 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     logits = logits_bytes(shape, layout.micro_batch * positions_per_chunk(layout.micro_batch, seq_tokens), b)
     items = [Item("loss chunk logits", logits, "device", TRANSIENT), Item("final norm", final_norm, "device", SAVED)]
     if m.gradient_checkpointing:
-        items += [Item("checkpointed hidden states", shape.layers * tokens * shape.hidden * b,
-                       "host" if m.offload_activations else "device", SAVED),
-                  Item("one layer recomputed", layer_saved_bytes(shape, tokens, shard_tokens, b) + all_to_all,
-                       "device", TRANSIENT)]
+        items += [
+            Item(
+                "checkpointed hidden states",
+                shape.layers * tokens * shape.hidden * b,
+                "host" if m.offload_activations else "device",
+                SAVED,
+            ),
+            Item(
+                "one layer recomputed",
+                layer_saved_bytes(shape, tokens, shard_tokens, b) + all_to_all,
+                "device",
+                TRANSIENT,
+            ),
+        ]
     else:
         stored_mlp = 0 if shards else tokens
-        items.append(Item("activations, all layers",
-                          shape.layers * (layer_saved_bytes(shape, tokens, stored_mlp, b) + all_to_all), "device",
-                          SAVED))
+        items.append(
+            Item(
+                "activations, all layers",
+                shape.layers * (layer_saved_bytes(shape, tokens, stored_mlp, b) + all_to_all),
+                "device",
+                SAVED,
+            )
+        )
         if shards:
-            items.append(Item("one MLP shard recomputed", shard_tokens * 4 * shape.intermediate * b, "device",
-                              TRANSIENT))
+            items.append(
+                Item("one MLP shard recomputed", shard_tokens * 4 * shape.intermediate * b, "device", TRANSIENT)
+            )
     return items
 
 
@@ -271,10 +312,18 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
     layout = ParallelLayout.from_config(cfg)
     torch_adam = uses_torch_adam(cfg, gpu)
     ds_config = layout.deepspeed_config(cfg, use_torch_adam=torch_adam)
-    items = (model_state_items(shape, cfg, layout.world, _zero_settings(ds_config),
-                               reduce_element_bytes(ds_config, dtype_bytes(cfg.model.dtype)), gpu)
-             + optimizer_step_items(shape, cfg, layout.world, gpu, torch_adam)
-             + activation_items(shape, cfg, layout))
+    items = (
+        model_state_items(
+            shape,
+            cfg,
+            layout.world,
+            _zero_settings(ds_config),
+            reduce_element_bytes(ds_config, dtype_bytes(cfg.model.dtype)),
+            gpu,
+        )
+        + optimizer_step_items(shape, cfg, layout.world, gpu, torch_adam)
+        + activation_items(shape, cfg, layout)
+    )
     return MemoryPlan(tuple(items), cfg.parallel.nproc_per_node)
 
 
@@ -283,8 +332,9 @@ def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int =
     step = cfg.parallel.sequence_parallel * 1024
 
     def fits(k: int) -> bool:
-        return budget.fits(plan_memory(with_overrides(cfg, [f"data.seq_len={k * step}"], "longest length"), shape,
-                                       budget.gpu))
+        return budget.fits(
+            plan_memory(with_overrides(cfg, [f"data.seq_len={k * step}"], "longest length"), shape, budget.gpu)
+        )
 
     if not fits(1):
         return None

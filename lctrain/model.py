@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -58,11 +58,15 @@ def _rotary_dim(hf_config, params: dict) -> int:
 def _ntk_parameters(hf_config, current: dict, scaling: dict, theta: float) -> dict[str, Any]:
     factor = scaling.pop("factor", None)
     if scaling:
-        raise UserError(f"model.rope_scaling: rope_type 'ntk' takes only factor (s = new / original context length), "
-                        f"not {', '.join(sorted(scaling))}")
+        raise UserError(
+            f"model.rope_scaling: rope_type 'ntk' takes only factor (s = new / original context length), "
+            f"not {', '.join(sorted(scaling))}"
+        )
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
-        raise UserError(f"model.rope_scaling.factor = {factor!r}: rope_type 'ntk' needs a factor >= 1 (the paper's "
-                        f"s = 16 for 4K -> 64K)")
+        raise UserError(
+            f"model.rope_scaling.factor = {factor!r}: rope_type 'ntk' needs a factor >= 1 (the paper's "
+            f"s = 16 for 4K -> 64K)"
+        )
     params = {"rope_type": "default"}
     if "partial_rotary_factor" in current:
         params["partial_rotary_factor"] = current["partial_rotary_factor"]
@@ -84,8 +88,16 @@ def _dtype(name: str) -> torch.dtype:
 
 
 # Architecture sizes that must be positive integers; transformers accepts 0 or negatives and fails later.
-_POSITIVE_ARCH_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                       "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim")
+_POSITIVE_ARCH_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "head_dim",
+)
 # Keys transformers 5 still accepts on input and moves elsewhere (into rope_parameters), so they are not in to_dict().
 _LEGACY_ARCH_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
 
@@ -102,14 +114,18 @@ def check_arch(arch: dict[str, Any]) -> None:
         raise UserError("model.arch needs a model_type (e.g. llama, mistral, qwen2)")
     if model_type not in CONFIG_MAPPING:
         close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
-        raise UserError(f"model.arch.model_type = {model_type!r} is not a transformers model type"
-                        + (f"; did you mean {', '.join(close)}?" if close else "; e.g. llama, mistral, qwen2"))
+        raise UserError(
+            f"model.arch.model_type = {model_type!r} is not a transformers model type"
+            + (f"; did you mean {', '.join(close)}?" if close else "; e.g. llama, mistral, qwen2")
+        )
     known = set(CONFIG_MAPPING[model_type]().to_dict()) | set(_LEGACY_ARCH_KEYS)
     for key in arch:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
-            raise UserError(f"model.arch.{key} is not a '{model_type}' configuration key"
-                            + (f"; did you mean {close[0]}?" if close else ""))
+            raise UserError(
+                f"model.arch.{key} is not a '{model_type}' configuration key"
+                + (f"; did you mean {close[0]}?" if close else "")
+            )
     for key in _POSITIVE_ARCH_KEYS:
         value = arch.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -133,9 +149,11 @@ def load_hf_config(cfg: Config):
     try:
         return AutoConfig.from_pretrained(cfg.model.name_or_path)
     except (OSError, ValueError, StrictDataclassError) as e:
-        raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}' cannot be loaded as a Hugging Face model "
-                        f"directory or hub name ({type(e).__name__}); download it first or point to a local "
-                        f"directory") from None
+        raise UserError(
+            f"model.name_or_path = '{cfg.model.name_or_path}' cannot be loaded as a Hugging Face model "
+            f"directory or hub name ({type(e).__name__}); download it first or point to a local "
+            f"directory"
+        ) from None
 
 
 # The paper's base models as their config.json describes them, so that `plan` and `estimate` need neither the hub
@@ -187,8 +205,10 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
 
     known = ["default", NTK_ROPE_TYPE, *ROPE_INIT_FUNCTIONS]
     if rope_type == "dynamic" and (cfg.model.max_position_embeddings or cfg.data.seq_len) >= cfg.data.seq_len:
-        log.warning("model.rope_scaling: 'dynamic' NTK rescales only past max_position_embeddings, so training at "
-                    "data.seq_len uses plain RoPE at rope_theta; the paper's NTK-aware scaling is rope_type: ntk")
+        log.warning(
+            "model.rope_scaling: 'dynamic' NTK rescales only past max_position_embeddings, so training at "
+            "data.seq_len uses plain RoPE at rope_theta; the paper's NTK-aware scaling is rope_type: ntk"
+        )
     if rope_type not in known:
         raise UserError(f"model.rope_scaling.rope_type = {rope_type!r} is unknown; expected one of {', '.join(known)}")
     params = {"rope_type": rope_type, **scaling, "rope_theta": theta}
@@ -198,16 +218,20 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
     return params
 
 
-def _configure(hf_config, cfg: Config, vocab_size: Optional[int], impl: str):
+def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str):
     from lctrain.attention.engines.common import check_dropout
 
     if getattr(hf_config, "rope_parameters", None) is None:
-        raise UserError(f"model type '{hf_config.model_type}' has no rotary position embedding; lctrain trains "
-                        f"RoPE models (Llama, Mistral, Qwen2, ...)")
+        raise UserError(
+            f"model type '{hf_config.model_type}' has no rotary position embedding; lctrain trains "
+            f"RoPE models (Llama, Mistral, Qwen2, ...)"
+        )
     nested = nested_rope_keys(hf_config)
     if nested:
-        raise UserError(f"model type '{hf_config.model_type}' uses per-layer RoPE parameters ({', '.join(nested)}), "
-                        f"which lctrain does not set")
+        raise UserError(
+            f"model type '{hf_config.model_type}' uses per-layer RoPE parameters ({', '.join(nested)}), "
+            f"which lctrain does not set"
+        )
     hf_config.rope_parameters = rope_parameters(hf_config, cfg)
     hf_config.max_position_embeddings = cfg.model.max_position_embeddings or cfg.data.seq_len
     hf_config.standardize_rope_params()
@@ -221,8 +245,9 @@ def _configure(hf_config, cfg: Config, vocab_size: Optional[int], impl: str):
     if window is not None and window < cfg.data.seq_len:
         # The lctrain engines compute full-window attention masks; long-context continual pretraining of Mistral-style
         # models trains without the sliding window (Mistral-7B-v0.2/0.3 ship without one).
-        log.warning("model sliding_window=%s < data.seq_len=%s: training without a sliding window", window,
-                    cfg.data.seq_len)
+        log.warning(
+            "model sliding_window=%s < data.seq_len=%s: training without a sliding window", window, cfg.data.seq_len
+        )
         hf_config.sliding_window = None
     heads, kv_heads = getattr(hf_config, "num_attention_heads", None), getattr(hf_config, "num_key_value_heads", None)
     if heads and kv_heads and heads % kv_heads:  # transformers accepts it; the first attention call would fail
@@ -238,8 +263,10 @@ def _check_anchor(cfg: Config, vocab: int) -> None:
 
     anchor = anchor_token_id(load_tokenizer(cfg.data.tokenizer))
     if not 0 <= anchor < vocab:
-        raise UserError(f"the anchor token id {anchor} of data.tokenizer '{cfg.data.tokenizer}' is outside the "
-                        f"model's vocabulary of {vocab}; use the tokenizer that belongs to the model")
+        raise UserError(
+            f"the anchor token id {anchor} of data.tokenizer '{cfg.data.tokenizer}' is outside the "
+            f"model's vocabulary of {vocab}; use the tokenizer that belongs to the model"
+        )
 
 
 def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | torch.device = "cpu"):
@@ -263,8 +290,9 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, config=hf_config, dtype=dtype,
-                                                         attn_implementation=impl)
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model.name_or_path, config=hf_config, dtype=dtype, attn_implementation=impl
+            )
         except OSError as e:  # a directory with a config.json but no (complete) weights
             raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}': cannot load the weights ({e})") from None
     if cfg.attention.mode == "anchor":
@@ -321,16 +349,19 @@ def tile_mlps(model, shards: int | str) -> int:
     layers = getattr(model.get_decoder(), "layers", None)
     mlps = [getattr(layer, "mlp", None) for layer in layers or ()]
     if not mlps or any(mlp is None or not all(hasattr(mlp, part) for part in _GATED_MLP_PARTS) for mlp in mlps):
-        raise UserError(f"model.tiled_mlp: {type(model).__name__} has no Llama-style gated MLP "
-                        f"(gate_proj, up_proj, down_proj, act_fn) in every decoder layer; set model.tiled_mlp=0")
+        raise UserError(
+            f"model.tiled_mlp: {type(model).__name__} has no Llama-style gated MLP "
+            f"(gate_proj, up_proj, down_proj, act_fn) in every decoder layer; set model.tiled_mlp=0"
+        )
     for mlp in mlps:
         untiled = type(mlp).forward
         params = list(mlp.parameters())
 
         def tiled_forward(x, mlp=mlp, untiled=untiled, params=params):
             rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
-            return tiled_mlp_apply(untiled, mlp, x, auto_mlp_shards(rows, hidden) if shards == "auto" else shards,
-                                   params)
+            return tiled_mlp_apply(
+                untiled, mlp, x, auto_mlp_shards(rows, hidden) if shards == "auto" else shards, params
+            )
 
         mlp.forward = tiled_forward
     return len(mlps)

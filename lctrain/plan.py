@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 from lctrain.config import Config
 from lctrain.errors import UserError
@@ -13,7 +12,7 @@ from lctrain.memory import GB, GPU_MEMORY_GB, WARN_FRACTION, Budget, fixes, long
 from lctrain.model import model_shape
 
 
-def known_gpu_bytes(name: str) -> Optional[int]:
+def known_gpu_bytes(name: str) -> int | None:
     """Device memory of a GPU named like torch.cuda.get_device_name() reports it, if it is in the table."""
     for key, gb in GPU_MEMORY_GB:
         if key in name:
@@ -21,13 +20,13 @@ def known_gpu_bytes(name: str) -> Optional[int]:
     return None
 
 
-def _positive(value: Optional[float], option: str) -> Optional[int]:
+def _positive(value: float | None, option: str) -> int | None:
     if value is not None and not value > 0:
         raise UserError(f"{option} = {value}: expected a memory size in GB > 0")
     return None if value is None else int(value * GB)
 
 
-def local_budget(gpu_mem_gb: Optional[float] = None, host_mem_gb: Optional[float] = None) -> tuple[Budget, bool]:
+def local_budget(gpu_mem_gb: float | None = None, host_mem_gb: float | None = None) -> tuple[Budget, bool]:
     """(the budget, whether its device size is known for certain: a GPU of the table or --gpu-mem)."""
     import psutil
     import torch
@@ -44,7 +43,7 @@ def local_budget(gpu_mem_gb: Optional[float] = None, host_mem_gb: Optional[float
     return Budget(None, host, f"CPU: {host / GB:.1f} GB of host memory available"), False
 
 
-def memory_warning(cfg: Config) -> Optional[str]:
+def memory_warning(cfg: Config) -> str | None:
     """`train`'s check: None when the plan fits in WARN_FRACTION of the memory; a one-line warning above it; a
     UserError naming the settings that would fit when it exceeds a known GPU's memory (on a CPU, whose memory is the
     host's, only a warning)."""
@@ -56,8 +55,10 @@ def memory_warning(cfg: Config) -> Optional[str]:
     if need <= WARN_FRACTION * limit and host <= WARN_FRACTION * budget.host:
         return None
     where = "host" if budget.device is None or device <= budget.device else "device"
-    summary = (f"the memory plan needs {device / GB:.1f} GB per GPU and {host / GB:.1f} GB of host memory "
-               f"({budget.label}; `lctrain plan` itemises it)")
+    summary = (
+        f"the memory plan needs {device / GB:.1f} GB per GPU and {host / GB:.1f} GB of host memory "
+        f"({budget.label}; `lctrain plan` itemises it)"
+    )
     if budget.device is not None and known and not budget.fits(plan):
         found = [f for f in fixes(cfg, shape, budget) if f.fits]
         hint = ("; these would fit: " + "; ".join(" ".join(f.overrides) for f in found[:3])) if found else ""
@@ -74,12 +75,20 @@ def report(cfg: Config, budget: Budget) -> dict:
     shape = model_shape(cfg)
     plan = plan_memory(cfg, shape, budget.gpu)
     device, host = budget.need(plan)
-    return {"config": cfg.source_file, "seq_len": cfg.data.seq_len, "budget": budget.label,
-            "device_memory_bytes": budget.device, "host_memory_bytes": budget.host,
-            "items": [vars(i) for i in plan.items], "ranks_per_host": plan.ranks_per_host,
-            "device_need_bytes": device, "host_need_bytes": host, "fits": budget.fits(plan),
-            "longest_seq_len": longest_seq_len(cfg, shape, budget),
-            "fixes": [vars(f) | {"overrides": list(f.overrides)} for f in fixes(cfg, shape, budget)]}
+    return {
+        "config": cfg.source_file,
+        "seq_len": cfg.data.seq_len,
+        "budget": budget.label,
+        "device_memory_bytes": budget.device,
+        "host_memory_bytes": budget.host,
+        "items": [vars(i) for i in plan.items],
+        "ranks_per_host": plan.ranks_per_host,
+        "device_need_bytes": device,
+        "host_need_bytes": host,
+        "fits": budget.fits(plan),
+        "longest_seq_len": longest_seq_len(cfg, shape, budget),
+        "fixes": [vars(f) | {"overrides": list(f.overrides)} for f in fixes(cfg, shape, budget)],
+    }
 
 
 def print_report(r: dict) -> None:
@@ -93,13 +102,19 @@ def print_report(r: dict) -> None:
     for i in r["items"]:
         table.add_row(i["name"], _gb(i["bytes"]), i["where"], i["kind"])
     console.print(table)
-    console.print("states add up with the largest of the backward (saved activations and the largest transient), "
-                  "the optimizer step (its items together) and the engine's construction")
+    console.print(
+        "states add up with the largest of the backward (saved activations and the largest transient), "
+        "the optimizer step (its items together) and the engine's construction"
+    )
     if r["device_memory_bytes"] is not None:
-        console.print(f"device: {_gb(r['device_need_bytes'])} GB needed of {_gb(r['device_memory_bytes'])} GB "
-                      f"(runtime overhead included)")
-    console.print(f"host: {_gb(r['host_need_bytes'])} GB needed for {r['ranks_per_host']} rank(s) of "
-                  f"{_gb(r['host_memory_bytes'])} GB ({r['budget']})")
+        console.print(
+            f"device: {_gb(r['device_need_bytes'])} GB needed of {_gb(r['device_memory_bytes'])} GB "
+            f"(runtime overhead included)"
+        )
+    console.print(
+        f"host: {_gb(r['host_need_bytes'])} GB needed for {r['ranks_per_host']} rank(s) of "
+        f"{_gb(r['host_memory_bytes'])} GB ({r['budget']})"
+    )
     console.print("[bold green]FITS[/]" if r["fits"] else "[bold red]DOES NOT FIT[/]")
     longest = r["longest_seq_len"]
     console.print(f"longest seq_len that fits: {longest:,}" if longest else "no seq_len fits with these settings")
@@ -112,8 +127,12 @@ def print_report(r: dict) -> None:
         console.print(fix_table)
 
 
-def plan(cfg: Config, gpu_mem_gb: Optional[float] = None, host_mem_gb: Optional[float] = None,
-         json_path: Optional[str] = None) -> dict:
+def plan(
+    cfg: Config,
+    gpu_mem_gb: float | None = None,
+    host_mem_gb: float | None = None,
+    json_path: str | None = None,
+) -> dict:
     """`lctrain plan`: print the plan against this machine's (or the given) memory; optionally write it as JSON."""
     budget, _ = local_budget(gpu_mem_gb, host_mem_gb)
     r = report(cfg, budget)
@@ -125,4 +144,3 @@ def plan(cfg: Config, gpu_mem_gb: Optional[float] = None, host_mem_gb: Optional[
         except OSError as e:
             raise UserError(f"--json {json_path}: cannot write the plan ({e.strerror})") from None
     return r
-

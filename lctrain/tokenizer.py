@@ -101,7 +101,7 @@ def _from_sentencepiece(model_file: Path, cache_key: str):
 def load_tokenizer(spec: str):
     """Load a tokenizer from `builtin:NAME`, a directory, a SentencePiece `.model` file, or a hub name."""
     if spec.startswith(BUILTIN_PREFIX):
-        name = spec[len(BUILTIN_PREFIX):]
+        name = spec[len(BUILTIN_PREFIX) :]
         return _from_sentencepiece(builtin_model_file(name), f"builtin-{name}")
     path = Path(spec)
     if path.is_file():
@@ -109,8 +109,10 @@ def load_tokenizer(spec: str):
         try:
             return _from_sentencepiece(path, f"spm-{digest}")
         except Exception as e:  # sentencepiece/protobuf/transformers each raise their own types for a foreign file
-            raise UserError(f"tokenizer '{spec}' is a file but not a SentencePiece model ({type(e).__name__}); set "
-                            f"data.tokenizer to a .model file, a tokenizer directory or a hub name") from None
+            raise UserError(
+                f"tokenizer '{spec}' is a file but not a SentencePiece model ({type(e).__name__}); set "
+                f"data.tokenizer to a .model file, a tokenizer directory or a hub name"
+            ) from None
     from transformers import AutoTokenizer
 
     try:
@@ -155,10 +157,12 @@ def _special_affixes(tok) -> tuple[list[int], list[int]]:
     body = tok(probe, add_special_tokens=False)["input_ids"]
     full = tok(probe, add_special_tokens=True)["input_ids"]
     for i in range(len(full) - len(body) + 1):
-        if full[i:i + len(body)] == body:
-            return list(full[:i]), list(full[i + len(body):])
-    raise UserError(f"tokenizer '{tok.name_or_path}': its special tokens are not a prefix and suffix of the text's "
-                    f"ids; it cannot be used for packed pretraining data")
+        if full[i : i + len(body)] == body:
+            return list(full[:i]), list(full[i + len(body) :])
+    raise UserError(
+        f"tokenizer '{tok.name_or_path}': its special tokens are not a prefix and suffix of the text's "
+        f"ids; it cannot be used for packed pretraining data"
+    )
 
 
 class TextEncoder:

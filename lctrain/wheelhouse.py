@@ -19,9 +19,9 @@ from __future__ import annotations
 import email.parser
 import re
 import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -54,10 +54,10 @@ def read_wheel(path: str | Path) -> Wheel:
     return Wheel(path, canonicalize_name(name), version, frozenset(tags), tuple(headers.get_all("Requires-Dist") or ()))
 
 
-def read_freeze(lines: Iterable[str]) -> dict[str, Optional[str]]:
+def read_freeze(lines: Iterable[str]) -> dict[str, str | None]:
     """`pip freeze` / `pip list --format=freeze` output -> {canonical name: version}. Lines without `==` (editable
     or direct-URL installs) count as installed with an unknown version, which satisfies any requirement."""
-    installed: dict[str, Optional[str]] = {}
+    installed: dict[str, str | None] = {}
     for line in lines:
         line = line.strip()
         if not line or line.startswith(("#", "-")):
@@ -70,7 +70,7 @@ def read_freeze(lines: Iterable[str]) -> dict[str, Optional[str]]:
     return installed
 
 
-def installed_distributions() -> dict[str, Optional[str]]:
+def installed_distributions() -> dict[str, str | None]:
     from importlib.metadata import distributions
 
     return {canonicalize_name(d.metadata["Name"]): d.version for d in distributions() if d.metadata["Name"]}
@@ -99,11 +99,15 @@ class InstallPlan:
         return not self.unavailable
 
     def summary(self) -> dict:
-        return {"install": [w.path.name for w in self.install], "present": self.present, "kept": self.kept,
-                "unavailable": self.unavailable}
+        return {
+            "install": [w.path.name for w in self.install],
+            "present": self.present,
+            "kept": self.kept,
+            "unavailable": self.unavailable,
+        }
 
 
-def _matches(version: Optional[str], req: Requirement) -> bool:
+def _matches(version: str | None, req: Requirement) -> bool:
     if version is None:
         return True
     try:
@@ -112,8 +116,12 @@ def _matches(version: Optional[str], req: Requirement) -> bool:
         return True
 
 
-def plan_install(requirements: Iterable[str], installed: dict[str, Optional[str]],
-                 find: Callable[[Requirement], Optional[Wheel]], environment: Optional[dict] = None) -> InstallPlan:
+def plan_install(
+    requirements: Iterable[str],
+    installed: dict[str, str | None],
+    find: Callable[[Requirement], Wheel | None],
+    environment: dict | None = None,
+) -> InstallPlan:
     """Walk `requirements` and, for missing distributions, the requirements of the wheels `find` returns.
     `environment` overrides PEP 508 marker variables (e.g. the target's python_version). A requirement's extras
     (`pkg[extra]`) bring in the wheel's requirements for them; an installed distribution's are the machine's own."""
@@ -146,14 +154,18 @@ def plan_install(requirements: Iterable[str], installed: dict[str, Optional[str]
             continue
         if name in chosen:
             if not _matches(str(chosen[name].version), req):
-                plan.unavailable.append(f"{req} (the wheelhouse's {name} {chosen[name].version} was chosen for "
-                                        f"another requirement)")
+                plan.unavailable.append(
+                    f"{req} (the wheelhouse's {name} {chosen[name].version} was chosen for another requirement)"
+                )
             queue_requirements(chosen[name], set(req.extras) | {""})
             continue
         wheel = None if name in PROTECTED else find(req)
         if wheel is None:
-            why = "never taken from a wheelhouse; install the machine's own build" if name in PROTECTED else \
-                "not installed and no matching wheel"
+            why = (
+                "never taken from a wheelhouse; install the machine's own build"
+                if name in PROTECTED
+                else "not installed and no matching wheel"
+            )
             plan.unavailable.append(f"{req} ({why})")
             continue
         chosen[name] = wheel
@@ -162,13 +174,13 @@ def plan_install(requirements: Iterable[str], installed: dict[str, Optional[str]
     return plan
 
 
-def wheel_finder(wheel_dir: str | Path, tags: Optional[Iterable[Tag]] = None) -> Callable[[Requirement], Optional[Wheel]]:
+def wheel_finder(wheel_dir: str | Path, tags: Iterable[Tag] | None = None) -> Callable[[Requirement], Wheel | None]:
     """`find` over a directory of wheels: the highest version matching the requirement whose tags this interpreter
     (or `tags`) supports."""
     supported = frozenset(sys_tags() if tags is None else tags)
     wheels = [read_wheel(p) for p in sorted(Path(wheel_dir).glob("*.whl"))]
 
-    def find(req: Requirement) -> Optional[Wheel]:
+    def find(req: Requirement) -> Wheel | None:
         name = canonicalize_name(req.name)
         fits = [w for w in wheels if w.name == name and w.tags & supported and _matches(str(w.version), req)]
         return max(fits, key=lambda w: w.version) if fits else None

@@ -27,9 +27,9 @@ from rich.progress import track
 from rich.table import Table
 
 from lctrain.attention import MODES, engine_fn, make_batch
-from lctrain.data.packing import chunk_order, split_into_chunks
 from lctrain.costmodel import attention_flops, visible_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
+from lctrain.data.packing import chunk_order, split_into_chunks
 
 CPU_ENGINES = ("sdpa", "reference")
 GPU_ENGINES = ("varlen", "sdpa", "flex")
@@ -61,12 +61,14 @@ def interleave(seg_lens: list[int], rng: np.random.Generator) -> tuple[list[int]
 def time_engine(engine: str, batch: dict, heads: int, kv_heads: int, head_dim: int, dtype, device, reps: int):
     L = batch["input_ids"].shape[1]
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(1, h, L, head_dim, generator=gen).to(device, dtype).requires_grad_(True)
-               for h in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(1, h, L, head_dim, generator=gen).to(device, dtype).requires_grad_(True)
+        for h in (heads, kv_heads, kv_heads)
+    )
     fn = engine_fn(engine)
 
     def step():
-        out, _ = fn(None, q, k, v, None, scaling=head_dim ** -0.5, **batch)
+        out, _ = fn(None, q, k, v, None, scaling=head_dim**-0.5, **batch)
         out.backward(torch.ones_like(out))
 
     def sync():
@@ -110,8 +112,12 @@ def main(argv=None):
     ap.add_argument("--windows", type=int, default=1, help="windows per length; each is timed separately")
     ap.add_argument("--data", default=None, help="a prepared dataset directory to take segment layouts from")
     ap.add_argument("--interleave", action="store_true", help="split documents into interleaved chunks (Fig. 5)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads (default: PyTorch's); 1 gives stable timings on a shared machine")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (default: PyTorch's); 1 gives stable timings on a shared machine",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_attention.json")
     args = ap.parse_args(argv)
@@ -128,8 +134,11 @@ def main(argv=None):
 
     jobs = []
     for L in args.lengths:
-        layouts = (dataset_windows(args.data, L, args.windows) if args.data
-                   else slimpajama_like_layouts(L, args.windows, args.seed))
+        layouts = (
+            dataset_windows(args.data, L, args.windows)
+            if args.data
+            else slimpajama_like_layouts(L, args.windows, args.seed)
+        )
         rng = np.random.default_rng(args.seed)
         for w, seg_lens in enumerate(layouts):
             seg_lens, seg_doc = interleave(seg_lens, rng) if args.interleave else (seg_lens, None)
@@ -142,10 +151,20 @@ def main(argv=None):
     # FlexAttention, which compiles a kernel per mode and length, is listed last by default).
     jobs.sort(key=lambda job: engines.index(job[4]))
 
-    meta = {"device": args.device, "dtype": args.dtype, "interleave": args.interleave, "heads": heads,
-            "kv_heads": kv_heads, "head_dim": head_dim, "reps": args.reps, "torch": torch.__version__,
-            "data": args.data, "seed": args.seed, "device_name": torch.cuda.get_device_name() if gpu else "cpu",
-            "threads": torch.get_num_threads()}
+    meta = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "interleave": args.interleave,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "reps": args.reps,
+        "torch": torch.__version__,
+        "data": args.data,
+        "seed": args.seed,
+        "device_name": torch.cuda.get_device_name() if gpu else "cpu",
+        "threads": torch.get_num_threads(),
+    }
     console = Console(width=140)
     results = []
     for L, w, seg_lens, seg_doc, engine, mode in track(jobs, description="benchmarking", console=console):
@@ -154,10 +173,21 @@ def main(argv=None):
         seconds, median, first = time_engine(engine, batch, heads, kv_heads, head_dim, dtype, args.device, args.reps)
         docs = seg_doc if seg_doc else list(range(len(seg_lens)))
         pairs = visible_pairs(seg_lens, docs, mode, L)
-        results.append({"length": L, "window": w, "engine": engine, "mode": mode, "seconds": seconds,
-                        "median_seconds": median, "first_call_seconds": first, "segments": len(seg_lens),
-                        "pairs": pairs, "tflops": attention_flops(pairs, heads * head_dim) / seconds / 1e12,
-                        "ideal_speedup": visible_pairs(seg_lens, docs, "full", L) / pairs})
+        results.append(
+            {
+                "length": L,
+                "window": w,
+                "engine": engine,
+                "mode": mode,
+                "seconds": seconds,
+                "median_seconds": median,
+                "first_call_seconds": first,
+                "segments": len(seg_lens),
+                "pairs": pairs,
+                "tflops": attention_flops(pairs, heads * head_dim) / seconds / 1e12,
+                "ideal_speedup": visible_pairs(seg_lens, docs, "full", L) / pairs,
+            }
+        )
         console.print(f"L={L} {engine} {mode}: {1000 * seconds:.1f} ms (first call {1000 * first:.0f} ms)")
         add_speedups(results)
         # written after every job, so a run stopped at a time limit keeps what it measured
@@ -166,15 +196,36 @@ def main(argv=None):
             torch.cuda.empty_cache()
 
     table = Table(title=f"attention fwd+bwd, {args.device}, {args.dtype}, heads {heads}/{kv_heads}, dim {head_dim}")
-    for col in ("L", "win", "segs", "engine", "mode", "best ms", "first ms", "TFLOP/s", "speedup vs full", "ideal",
-                "of ideal"):
+    for col in (
+        "L",
+        "win",
+        "segs",
+        "engine",
+        "mode",
+        "best ms",
+        "first ms",
+        "TFLOP/s",
+        "speedup vs full",
+        "ideal",
+        "of ideal",
+    ):
         table.add_column(col, justify="right")
     for r in results:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         frac = f"{100 * r['fraction_of_ideal']:.0f}%" if r["fraction_of_ideal"] else "-"
-        table.add_row(str(r["length"]), str(r["window"]), str(r["segments"]), r["engine"], r["mode"],
-                      f"{1000 * r['seconds']:.1f}", f"{1000 * r['first_call_seconds']:.1f}", f"{r['tflops']:.1f}", sp,
-                      f"{r['ideal_speedup']:.2f}x", frac)
+        table.add_row(
+            str(r["length"]),
+            str(r["window"]),
+            str(r["segments"]),
+            r["engine"],
+            r["mode"],
+            f"{1000 * r['seconds']:.1f}",
+            f"{1000 * r['first_call_seconds']:.1f}",
+            f"{r['tflops']:.1f}",
+            sp,
+            f"{r['ideal_speedup']:.2f}x",
+            frac,
+        )
     console.print(table)
     print(f"wrote {args.out}")
 

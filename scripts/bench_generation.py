@@ -21,10 +21,22 @@ from pathlib import Path
 import torch
 
 MODELS = {
-    "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=32000),
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
+    "llama2-7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -63,13 +75,19 @@ def measure(lm, length: int, new_tokens: int, seed: int) -> dict:
     total = time.perf_counter() - t0
     prefill = (marks[0] if marks else time.perf_counter()) - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"length": length, "new_tokens": len(out), "plan": plan.describe(), "offload": plan.offload,
-            "prefill_s": prefill, "decode_s_per_token": max(total - prefill, 0.0) / max(len(out) - 1, 1),
-            "weights_gb": weights / 1e9,
-            "predicted_peak_gb": (weights + plan.device_bytes) / 1e9,
-            "measured_peak_gb": peak / 1e9 if peak is not None else None,
-            "host_cache_gb": plan.host_bytes / 1e9,
-            "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    return {
+        "length": length,
+        "new_tokens": len(out),
+        "plan": plan.describe(),
+        "offload": plan.offload,
+        "prefill_s": prefill,
+        "decode_s_per_token": max(total - prefill, 0.0) / max(len(out) - 1, 1),
+        "weights_gb": weights / 1e9,
+        "predicted_peak_gb": (weights + plan.device_bytes) / 1e9,
+        "measured_peak_gb": peak / 1e9 if peak is not None else None,
+        "host_cache_gb": plan.host_bytes / 1e9,
+        "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+    }
 
 
 def main(argv=None) -> None:
@@ -89,10 +107,16 @@ def main(argv=None) -> None:
     for length in args.lengths:
         rows.append(measure(lm, length, args.new_tokens, args.seed))
         r = rows[-1]
-        peak = (f", peak {r['measured_peak_gb']:.1f} GB vs predicted {r['predicted_peak_gb']:.1f} GB"
-                if r["measured_peak_gb"] is not None else "")
-        print(f"{length}: {r['plan']}; prefill {r['prefill_s']:.1f} s, decode {r['decode_s_per_token'] * 1e3:.0f} "
-              f"ms/token{peak}", flush=True)
+        peak = (
+            f", peak {r['measured_peak_gb']:.1f} GB vs predicted {r['predicted_peak_gb']:.1f} GB"
+            if r["measured_peak_gb"] is not None
+            else ""
+        )
+        print(
+            f"{length}: {r['plan']}; prefill {r['prefill_s']:.1f} s, decode {r['decode_s_per_token'] * 1e3:.0f} "
+            f"ms/token{peak}",
+            flush=True,
+        )
         out.write_text(json.dumps({"args": vars(args), "device": str(device), "results": rows}, indent=1))
     print(f"wrote {out}")
 

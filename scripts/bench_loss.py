@@ -35,8 +35,9 @@ METHODS = ("lctrain", "deepspeed", "full_logits")
 
 
 def _ce_sum(lm_head, x, y):
-    return F.cross_entropy(lm_head(x).float().reshape(-1, lm_head.out_features), y.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        lm_head(x).float().reshape(-1, lm_head.out_features), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def loss_sum(method: str, lm_head, hidden, labels, chunk_tokens: int):
@@ -55,7 +56,7 @@ def _problem(batch, seq, hidden_size, vocab, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     lm_head = torch.nn.Linear(hidden_size, vocab, bias=False).to(dtype)
     with torch.no_grad():
-        lm_head.weight.copy_(torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64) / hidden_size ** 0.5)
+        lm_head.weight.copy_(torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64) / hidden_size**0.5)
     hidden = torch.randn(batch, seq, hidden_size, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
     labels[:, -1] = IGNORE_INDEX
@@ -74,16 +75,23 @@ def correctness() -> list[dict]:
     rows = []
     for scale in (1.0, 1 / 61):
         ref_head, ref_hidden, labels = _problem(2, 37, 16, 50, torch.float64)
-        ref = F.cross_entropy(ref_head(ref_hidden).reshape(-1, 50), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                              reduction="sum")
+        ref = F.cross_entropy(
+            ref_head(ref_hidden).reshape(-1, 50), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         (ref * scale).backward()
         for method in METHODS[:2]:
             head, hidden, _ = _problem(2, 37, 16, 50, torch.float32)
             loss = loss_sum(method, head, hidden, labels, chunk_tokens=10)
             (loss * scale).backward()
-            rows.append({"method": method, "grad_scale": scale, "loss": _rel(loss.detach(), ref.detach()),
-                         "grad_hidden": _rel(hidden.grad, ref_hidden.grad),
-                         "grad_lm_head": _rel(head.weight.grad, ref_head.weight.grad)})
+            rows.append(
+                {
+                    "method": method,
+                    "grad_scale": scale,
+                    "loss": _rel(loss.detach(), ref.detach()),
+                    "grad_hidden": _rel(hidden.grad, ref_hidden.grad),
+                    "grad_lm_head": _rel(head.weight.grad, ref_head.weight.grad),
+                }
+            )
     return rows
 
 
@@ -111,9 +119,14 @@ def measure_one(method: str, tokens: int, vocab: int, hidden_size: int, chunk: i
         cpu_times.append(time.process_time() - c0)
         if len(times) == 2:
             peak = _rss("VmHWM") - base
-    return {"method": method, "tokens": tokens, "peak_gb": peak / 2 ** 30, "time_s": min(times),
-            "cpu_s": min(cpu_times),
-            "loss": float(loss_sum(method, lm_head, hidden.detach(), labels, chunk))}
+    return {
+        "method": method,
+        "tokens": tokens,
+        "peak_gb": peak / 2**30,
+        "time_s": min(times),
+        "cpu_s": min(cpu_times),
+        "loss": float(loss_sum(method, lm_head, hidden.detach(), labels, chunk)),
+    }
 
 
 def main() -> None:
@@ -124,41 +137,73 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_TOKENS)
     parser.add_argument("--reps", type=int, default=1, help="timed runs after the warm-up")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--full-logits-up-to", type=int, default=16384,
-                        help="also measure plain full-logits cross-entropy up to this many tokens")
+    parser.add_argument(
+        "--full-logits-up-to",
+        type=int,
+        default=16384,
+        help="also measure plain full-logits cross-entropy up to this many tokens",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench_loss.json"))
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.vocab, args.hidden, args.chunk, args.reps,
-                                     args.threads)))
+        print(
+            json.dumps(
+                measure_one(args.one[0], int(args.one[1]), args.vocab, args.hidden, args.chunk, args.reps, args.threads)
+            )
+        )
         return
 
     checks = correctness()
     print("max relative error of fp32 against fp64 full logits (2 x 37 tokens, chunks of 10, 20% labels -100)")
     print(f"{'method':<10} {'grad_scale':>10} {'loss':>9} {'d hidden':>9} {'d lm_head':>9}")
     for r in checks:
-        print(f"{r['method']:<10} {r['grad_scale']:>10.4g} {r['loss']:>9.1e} {r['grad_hidden']:>9.1e} "
-              f"{r['grad_lm_head']:>9.1e}")
+        print(
+            f"{r['method']:<10} {r['grad_scale']:>10.4g} {r['loss']:>9.1e} {r['grad_hidden']:>9.1e} "
+            f"{r['grad_lm_head']:>9.1e}"
+        )
     runs = []
     for tokens in args.tokens:
         for method in METHODS:
             if method == "full_logits" and tokens > args.full_logits_up_to:
                 continue
-            out = subprocess.run([sys.executable, __file__, "--one", method, str(tokens), "--vocab", str(args.vocab),
-                                  "--hidden", str(args.hidden), "--chunk", str(args.chunk), "--reps", str(args.reps),
-                                  "--threads", str(args.threads)],
-                                 capture_output=True, text=True, check=True,
-                                 env=os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536"}).stdout
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    method,
+                    str(tokens),
+                    "--vocab",
+                    str(args.vocab),
+                    "--hidden",
+                    str(args.hidden),
+                    "--chunk",
+                    str(args.chunk),
+                    "--reps",
+                    str(args.reps),
+                    "--threads",
+                    str(args.threads),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536"},
+            ).stdout
             runs.append(json.loads(out.strip().splitlines()[-1]))
-    print(f"\npeak and time of forward + backward, vocab {args.vocab}, hidden {args.hidden}, fp32, chunks of "
-          f"{args.chunk} tokens, {args.threads} thread(s)")
+    print(
+        f"\npeak and time of forward + backward, vocab {args.vocab}, hidden {args.hidden}, fp32, chunks of "
+        f"{args.chunk} tokens, {args.threads} thread(s)"
+    )
     print(f"{'tokens':>7} {'method':<12} {'peak GB':>8} {'wall s':>7} {'CPU s':>7} {'loss':>14}")
     for r in runs:
-        print(f"{r['tokens']:>7} {r['method']:<12} {r['peak_gb']:>8.2f} {r['time_s']:>7.2f} {r['cpu_s']:>7.2f} "
-              f"{r['loss']:>14.6g}")
-    args.json.write_text(json.dumps({"correctness": checks, "runs": runs, "args": vars(args) | {"json": str(args.json)}},
-                                    indent=1))
+        print(
+            f"{r['tokens']:>7} {r['method']:<12} {r['peak_gb']:>8.2f} {r['time_s']:>7.2f} {r['cpu_s']:>7.2f} "
+            f"{r['loss']:>14.6g}"
+        )
+    args.json.write_text(
+        json.dumps({"correctness": checks, "runs": runs, "args": vars(args) | {"json": str(args.json)}}, indent=1)
+    )
 
 
 if __name__ == "__main__":

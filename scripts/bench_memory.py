@@ -37,14 +37,35 @@ from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.errors import UserError
 from lctrain.memory import GB, HOST_RUNTIME_BYTES, WARN_FRACTION, plan_memory
 
-CPU_ARCH = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+CPU_ARCH = dict(
+    model_type="llama",
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 # Llama-3.2-1B's shape with the 32K vocabulary of the built-in tokenizer (scripts/bench_train.py's llama-1b)
-LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
+LLAMA_1B = dict(
+    model_type="llama",
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    tie_word_embeddings=True,
+)
 ROW_ARCHS = {"small": CPU_ARCH, "llama-1b": LLAMA_1B}
-LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
+LLAMA2_7B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    tie_word_embeddings=False,
+)
 # CPU rows: the memory settings, one alone or combined
 CPU_SETTINGS = {
     "baseline": [],
@@ -56,29 +77,66 @@ CPU_SETTINGS = {
 }
 PRESETS = {
     # the issue's single-GPU goal: ZeRO-3 with the optimizer states on the host
-    "llama2-7b-128k": dict(arch=LLAMA2_7B, vocab=32000, seq_len=131072, nproc=1, settings=[
-        "model.dtype=bfloat16", "parallel.zero_stage=3", "parallel.offload_optimizer=true",
-        "model.gradient_checkpointing=true", "model.tiled_mlp=auto", "attention.mode=anchor"]),
+    "llama2-7b-128k": dict(
+        arch=LLAMA2_7B,
+        vocab=32000,
+        seq_len=131072,
+        nproc=1,
+        settings=[
+            "model.dtype=bfloat16",
+            "parallel.zero_stage=3",
+            "parallel.offload_optimizer=true",
+            "model.gradient_checkpointing=true",
+            "model.tiled_mlp=auto",
+            "attention.mode=anchor",
+        ],
+    ),
     # the paper's llama2_128k_anchor layout (8 GPUs, Ulysses over all 8, ZeRO-3, checkpointing) with the MLP tiled,
     # from the issue's 8-GPU goal of 1M tokens up
-    "llama2-7b-1m": dict(arch=LLAMA2_7B, vocab=32000, seq_len=1 << 20, nproc=8, settings=[
-        "model.dtype=bfloat16", "parallel.zero_stage=3", "model.gradient_checkpointing=true", "model.tiled_mlp=auto",
-        "attention.mode=anchor"]),
+    "llama2-7b-1m": dict(
+        arch=LLAMA2_7B,
+        vocab=32000,
+        seq_len=1 << 20,
+        nproc=8,
+        settings=[
+            "model.dtype=bfloat16",
+            "parallel.zero_stage=3",
+            "model.gradient_checkpointing=true",
+            "model.tiled_mlp=auto",
+            "attention.mode=anchor",
+        ],
+    ),
 }
 
 
 def make_config(arch: dict, seq_len: int, settings: list[str]):
-    return load_config(None, [f"data.seq_len={seq_len}", f"model.arch={json.dumps(arch)}", "attention.engine=auto",
-                              "train.global_batch=1", "train.micro_batch=1", "parallel.nproc_per_node=1",
-                              "parallel.sequence_parallel=1", "model.dtype=float32", "parallel.zero_stage=0",
-                              *settings])
+    return load_config(
+        None,
+        [
+            f"data.seq_len={seq_len}",
+            f"model.arch={json.dumps(arch)}",
+            "attention.engine=auto",
+            "train.global_batch=1",
+            "train.micro_batch=1",
+            "parallel.nproc_per_node=1",
+            "parallel.sequence_parallel=1",
+            "model.dtype=float32",
+            "parallel.zero_stage=0",
+            *settings,
+        ],
+    )
 
 
 def make_windows(seq_len: int, vocab: int, seed: int) -> list[dict]:
     seg_lens = slimpajama_like_layouts(seq_len, 1, seed)
-    return [{"input_ids": window_ids(seg_lens, vocab=vocab, anchor=1, seed=seed),
-             "seg_lens": [np.array(s) for s in seg_lens], "seg_doc": [np.arange(len(s)) for s in seg_lens],
-             "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens]}]
+    return [
+        {
+            "input_ids": window_ids(seg_lens, vocab=vocab, anchor=1, seed=seed),
+            "seg_lens": [np.array(s) for s in seg_lens],
+            "seg_doc": [np.arange(len(s)) for s in seg_lens],
+            "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens],
+        }
+    ]
 
 
 def arch_shape(arch: dict, vocab: int) -> ModelShape:
@@ -143,9 +201,17 @@ def settings_row(name: str, settings: list[str], args) -> dict:
             torch.cuda.empty_cache()
     plan = predicted(cfg, arch, args.vocab, gpu)
     pred = plan.total("device") + (0 if gpu else plan.total("host"))
-    return {"setting": name, "overrides": settings, "seq_len": args.seq_len, "step_s": step,
-            "tokens_per_s": args.seq_len / step, "measured_peak_gb": peak / GB, "measured_states_gb": baseline / GB,
-            "predicted_gb": pred / GB, "predicted_over_measured": pred / peak}
+    return {
+        "setting": name,
+        "overrides": settings,
+        "seq_len": args.seq_len,
+        "step_s": step,
+        "tokens_per_s": args.seq_len / step,
+        "measured_peak_gb": peak / GB,
+        "measured_states_gb": baseline / GB,
+        "predicted_gb": pred / GB,
+        "predicted_over_measured": pred / peak,
+    }
 
 
 def preset_spec(args) -> dict:
@@ -159,8 +225,15 @@ def preset_spec(args) -> dict:
         arch = {**arch, "num_hidden_layers": args.layers}
     # DeepSpeed's CPU Adam (the trainer's choice for an offloaded optimizer on a GPU) builds a C++ op on first use
     adam = ["train.torch_adam=true"] if args.adam == "torch" else []
-    return {"arch": arch, "vocab": args.vocab or preset["vocab"], "settings": preset["settings"] + layout + adam,
-            "nproc": nproc, "warmup": args.warmup, "steps": args.steps, "seed": args.seed}
+    return {
+        "arch": arch,
+        "vocab": args.vocab or preset["vocab"],
+        "settings": preset["settings"] + layout + adam,
+        "nproc": nproc,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "seed": args.seed,
+    }
 
 
 def layer_count(value: str):
@@ -182,8 +255,11 @@ def fit_layers(spec: dict, seq_len: int, available: int, gpu: bool) -> dict:
     bytes: a host too small for the whole model's offloaded optimizer states still measures the model's own width
     and window length (each layer's activations and recomputation, the loss chunk) against the plan."""
     layers = spec["arch"]["num_hidden_layers"]
-    while layers > 1 and host_need({**spec, "arch": {**spec["arch"], "num_hidden_layers": layers}}, seq_len, gpu) > \
-            WARN_FRACTION * available:
+    while (
+        layers > 1
+        and host_need({**spec, "arch": {**spec["arch"], "num_hidden_layers": layers}}, seq_len, gpu)
+        > WARN_FRACTION * available
+    ):
         layers -= 1
     return {**spec, "arch": {**spec["arch"], "num_hidden_layers": layers}}
 
@@ -212,12 +288,17 @@ def preflight(spec: dict, seq_len: int) -> None:
     gpu = torch.cuda.is_available()
     need = host_need(spec, seq_len, gpu)
     available = psutil.virtual_memory().available
-    print(f"plan per rank: {spec_plan(spec, seq_len, gpu).total('device') / GB:.1f} GB on the device (tensors); host "
-          f"memory for {spec['nproc']} rank(s): {need / GB:.1f} GB of {available / GB:.1f} GB available", flush=True)
+    print(
+        f"plan per rank: {spec_plan(spec, seq_len, gpu).total('device') / GB:.1f} GB on the device (tensors); host "
+        f"memory for {spec['nproc']} rank(s): {need / GB:.1f} GB of {available / GB:.1f} GB available",
+        flush=True,
+    )
     if need > available:
-        raise SystemExit(f"error: the plan needs {need / GB:.1f} GB of host memory (offloaded optimizer states) "
-                         f"and {available / GB:.1f} GB are available; use a host with more memory, or measure "
-                         f"fewer of the model's layers (--layers auto)")
+        raise SystemExit(
+            f"error: the plan needs {need / GB:.1f} GB of host memory (offloaded optimizer states) "
+            f"and {available / GB:.1f} GB are available; use a host with more memory, or measure "
+            f"fewer of the model's layers (--layers auto)"
+        )
 
 
 def gpu_step_peak(trainer, windows, warmup: int, steps: int) -> tuple[float, int, int]:
@@ -235,10 +316,19 @@ def length_row(spec: dict, seq_len: int, step: float, peak: int, reserved: int, 
     plan = spec_plan(spec, seq_len, gpu)
     device_pred = plan.total("device") + (0 if gpu else plan.total("host"))
     host_pred = plan.total("host") + HOST_RUNTIME_BYTES
-    return {"seq_len": seq_len, "oom": False, "step_s": step, "tokens_per_s": seq_len / step,
-            "max_allocated_gb": peak / GB, "max_reserved_gb": reserved / GB, "host_peak_rss_gb": rss / GB,
-            "predicted_device_gb": device_pred / GB, "predicted_host_gb": host_pred / GB,
-            "device_predicted_over_allocated": device_pred / peak, "host_predicted_over_rss": host_pred / rss}
+    return {
+        "seq_len": seq_len,
+        "oom": False,
+        "step_s": step,
+        "tokens_per_s": seq_len / step,
+        "max_allocated_gb": peak / GB,
+        "max_reserved_gb": reserved / GB,
+        "host_peak_rss_gb": rss / GB,
+        "predicted_device_gb": device_pred / GB,
+        "predicted_host_gb": host_pred / GB,
+        "device_predicted_over_allocated": device_pred / peak,
+        "host_predicted_over_rss": host_pred / rss,
+    }
 
 
 def peak_rss() -> int:
@@ -249,10 +339,13 @@ def print_length(r: dict) -> None:
     if r["oom"]:
         print(f"{r['seq_len']}: out of memory", flush=True)
         return
-    print(f"{r['seq_len']}: {r['step_s']:.1f} s/step, {r['tokens_per_s']:,.0f} tokens/s, allocated "
-          f"{r['max_allocated_gb']:.1f} GB (predicted {r['predicted_device_gb']:.1f}), reserved "
-          f"{r['max_reserved_gb']:.1f} GB, host RSS {r['host_peak_rss_gb']:.1f} GB (predicted "
-          f"{r['predicted_host_gb']:.1f}) per rank", flush=True)
+    print(
+        f"{r['seq_len']}: {r['step_s']:.1f} s/step, {r['tokens_per_s']:,.0f} tokens/s, allocated "
+        f"{r['max_allocated_gb']:.1f} GB (predicted {r['predicted_device_gb']:.1f}), reserved "
+        f"{r['max_reserved_gb']:.1f} GB, host RSS {r['host_peak_rss_gb']:.1f} GB (predicted "
+        f"{r['predicted_host_gb']:.1f}) per rank",
+        flush=True,
+    )
 
 
 def out_of_time(args, started: float, rows: list, length: int, warmup: int, steps: int, build: bool) -> bool:
@@ -329,11 +422,14 @@ def launched_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dic
             spec_file, row_file = Path(tmp) / "spec.json", Path(tmp) / "row.json"
             spec_file.write_text(json.dumps({**spec, "seq_len": length}))
             cfg = make_config(spec["arch"], length, spec["settings"])
-            rc = supervise(worker_command(cfg, [Path(__file__).stem, "--worker", str(spec_file), "--row",
-                                                str(row_file)]), env=env)
+            rc = supervise(
+                worker_command(cfg, [Path(__file__).stem, "--worker", str(spec_file), "--row", str(row_file)]), env=env
+            )
             if rc and not row_file.with_suffix(".oom").exists():
-                raise SystemExit(f"error: the {spec['nproc']} workers at {length} tokens exited with code {rc} "
-                                 f"(their output is above)")
+                raise SystemExit(
+                    f"error: the {spec['nproc']} workers at {length} tokens exited with code {rc} "
+                    f"(their output is above)"
+                )
             row = {"seq_len": length, "oom": True} if rc else json.loads(row_file.read_text())
         meta["device"] = row.pop("device", meta.get("device"))
         rows.append(row)
@@ -377,40 +473,60 @@ def worker(spec_file: Path, row_file: Path) -> None:
     except torch.OutOfMemoryError:
         row_file.with_suffix(".oom").write_text(f"rank {topo.rank}\n")
         os._exit(OOM_EXIT)  # no teardown: the other ranks are inside a collective this rank never joins
-    group = torch.tensor([peak, reserved, peak_rss(), step, kept["build_s"]], dtype=torch.float64,
-                         device=topo.device)
+    group = torch.tensor([peak, reserved, peak_rss(), step, kept["build_s"]], dtype=torch.float64, device=topo.device)
     dist.all_reduce(group, op=dist.ReduceOp.MAX)
     peak, reserved, rss, step, build_s = group.tolist()
     if topo.rank == 0:
         row = length_row(spec, length, step, int(peak), int(reserved), int(rss), gpu)
-        row_file.write_text(json.dumps({**row, "build_s": build_s,
-                                        "device": torch.cuda.get_device_name(topo.device) if gpu else "cpu"}))
+        row_file.write_text(
+            json.dumps({**row, "build_s": build_s, "device": torch.cuda.get_device_name(topo.device) if gpu else "cpu"})
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="GPU preset (default: CPU rows)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (rows: 4096; a preset: its "
-                        "first length)")
-    parser.add_argument("--vocab", type=int, default=None, help="vocabulary (rows: 1024, so the layers dominate; a "
-                        "preset: its model's)")
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per window (rows: 4096; a preset: its first length)"
+    )
+    parser.add_argument(
+        "--vocab", type=int, default=None, help="vocabulary (rows: 1024, so the layers dominate; a preset: its model's)"
+    )
     parser.add_argument("--settings", default=",".join(CPU_SETTINGS), help="rows to run")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the settings rows run")
-    parser.add_argument("--arch", choices=sorted(ROW_ARCHS), default=None, help="model shape (rows: small; a "
-                        "preset: its model's)")
+    parser.add_argument(
+        "--arch", choices=sorted(ROW_ARCHS), default=None, help="model shape (rows: small; a preset: its model's)"
+    )
     parser.add_argument("--nproc", type=int, default=None, help="preset: ranks (default the preset's: 1 or 8)")
-    parser.add_argument("--layers", type=layer_count, default=None, help="preset: decoder layers (default the model's), or 'auto': as "
-                        "many as this host's memory holds the offloaded optimizer states of")
+    parser.add_argument(
+        "--layers",
+        type=layer_count,
+        default=None,
+        help="preset: decoder layers (default the model's), or 'auto': as "
+        "many as this host's memory holds the offloaded optimizer states of",
+    )
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=1, help="preset: untimed steps before the first length (with "
-                        "several ranks: before every length)")
-    parser.add_argument("--adam", choices=("torch", "deepspeed"), default="torch",
-                        help="preset: optimizer on the host (deepspeed compiles its CPU Adam on first use)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="preset: untimed steps before the first length (with several ranks: before every length)",
+    )
+    parser.add_argument(
+        "--adam",
+        choices=("torch", "deepspeed"),
+        default="torch",
+        help="preset: optimizer on the host (deepspeed compiles its CPU Adam on first use)",
+    )
     parser.add_argument("--ladder", action="store_true", help="preset: then longer windows until out of memory")
     parser.add_argument("--ladder-step", type=int, default=None, help="(default: a quarter of the first length)")
     parser.add_argument("--ladder-max", type=int, default=None, help="(default: 8 times the first length)")
-    parser.add_argument("--time-limit", type=float, default=None, help="preset: start no length that would end "
-                        "after this many seconds (model construction included)")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="preset: start no length that would end after this many seconds (model construction included)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_out/bench_memory.json")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -435,8 +551,11 @@ def main() -> None:
 
             whole = spec["arch"]["num_hidden_layers"]
             spec = fit_layers(spec, first, psutil.virtual_memory().available, torch.cuda.is_available())
-            print(f"--layers auto: this host holds the states of {spec['arch']['num_hidden_layers']} of the model's "
-                  f"{whole} layers", flush=True)
+            print(
+                f"--layers auto: this host holds the states of {spec['arch']['num_hidden_layers']} of the model's "
+                f"{whole} layers",
+                flush=True,
+            )
         args.ladder_step = args.ladder_step or first // 4
         args.ladder_max = args.ladder_max or 8 * first
         try:
@@ -451,19 +570,37 @@ def main() -> None:
             launched_rows(args, spec, first, out, rows, meta)
         meta["longest_trained"] = max((r["seq_len"] for r in rows if not r["oom"]), default=None)
         out.write_text(json.dumps({"args": vars(args), **meta, "results": rows}, indent=1))
-        table = Table(title=f"{args.preset}, {spec['nproc']} x {meta['device']}; longest trained: "
-                            f"{meta['longest_trained']}; per rank")
-        for col in ("seq_len", "s/step", "tokens/s", "alloc GB", "reserved GB", "pred dev GB", "pred/alloc",
-                    "host RSS GB", "pred host GB"):
+        table = Table(
+            title=f"{args.preset}, {spec['nproc']} x {meta['device']}; longest trained: "
+            f"{meta['longest_trained']}; per rank"
+        )
+        for col in (
+            "seq_len",
+            "s/step",
+            "tokens/s",
+            "alloc GB",
+            "reserved GB",
+            "pred dev GB",
+            "pred/alloc",
+            "host RSS GB",
+            "pred host GB",
+        ):
             table.add_column(col, justify="right")
         for r in rows:
             if r["oom"]:
                 table.add_row(f"{r['seq_len']:,}", "OOM", *[""] * 7)
             else:
-                table.add_row(f"{r['seq_len']:,}", f"{r['step_s']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                              f"{r['max_allocated_gb']:.1f}", f"{r['max_reserved_gb']:.1f}",
-                              f"{r['predicted_device_gb']:.1f}", f"{r['device_predicted_over_allocated']:.2f}",
-                              f"{r['host_peak_rss_gb']:.1f}", f"{r['predicted_host_gb']:.1f}")
+                table.add_row(
+                    f"{r['seq_len']:,}",
+                    f"{r['step_s']:.1f}",
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{r['max_allocated_gb']:.1f}",
+                    f"{r['max_reserved_gb']:.1f}",
+                    f"{r['predicted_device_gb']:.1f}",
+                    f"{r['device_predicted_over_allocated']:.2f}",
+                    f"{r['host_peak_rss_gb']:.1f}",
+                    f"{r['predicted_host_gb']:.1f}",
+                )
     else:
         args.seq_len = args.seq_len or 4096
         args.arch = args.arch or "small"
@@ -471,16 +608,26 @@ def main() -> None:
         for name in args.settings.split(","):
             rows.append(settings_row(name, CPU_SETTINGS[name], args))
             r = rows[-1]
-            print(f"{name}: {r['tokens_per_s']:,.0f} tokens/s, measured {r['measured_peak_gb']:.3f} GB, predicted "
-                  f"{r['predicted_gb']:.3f} GB", flush=True)
+            print(
+                f"{name}: {r['tokens_per_s']:,.0f} tokens/s, measured {r['measured_peak_gb']:.3f} GB, predicted "
+                f"{r['predicted_gb']:.3f} GB",
+                flush=True,
+            )
             out.write_text(json.dumps({"args": vars(args), "device": args.device, "results": rows}, indent=1))
-        table = Table(title=f"train step memory, {args.device}, {args.seq_len} tokens, {args.arch} model, "
-                            f"vocab {args.vocab}")
+        table = Table(
+            title=f"train step memory, {args.device}, {args.seq_len} tokens, {args.arch} model, vocab {args.vocab}"
+        )
         for col in ("setting", "s/step", "tok/s", "meas GB", "pred GB", "pred/meas"):
             table.add_column(col, justify="right", no_wrap=True)
         for r in rows:
-            table.add_row(r["setting"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
-                          f"{r['measured_peak_gb']:.3f}", f"{r['predicted_gb']:.3f}", f"{r['predicted_over_measured']:.2f}")
+            table.add_row(
+                r["setting"],
+                f"{r['step_s']:.2f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['measured_peak_gb']:.3f}",
+                f"{r['predicted_gb']:.3f}",
+                f"{r['predicted_over_measured']:.2f}",
+            )
     Console().print(table)
     print(f"wrote {out}")
 

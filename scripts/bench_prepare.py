@@ -52,9 +52,14 @@ def sample_tree(proc: psutil.Process, cpu: dict[int, float]) -> int:
 
 def run_prepare(out: Path, budget: int, seq_len: int, workers: int) -> tuple[dict, float, int, float]:
     overrides = {
-        "data.source": "synthetic", "data.tokenizer": TOKENIZER, "data.seq_len": seq_len,
-        "data.token_budget": budget, "data.num_workers": workers, "data.output_dir": str(out),
-        "data.synthetic.num_docs": max(10_000, budget // 300), "data.synthetic.max_words": 200_000,
+        "data.source": "synthetic",
+        "data.tokenizer": TOKENIZER,
+        "data.seq_len": seq_len,
+        "data.token_budget": budget,
+        "data.num_workers": workers,
+        "data.output_dir": str(out),
+        "data.synthetic.num_docs": max(10_000, budget // 300),
+        "data.synthetic.max_words": 200_000,
     }
     cmd = [sys.executable, "-m", "lctrain.cli", "prepare", "--force"]
     for k, v in overrides.items():
@@ -85,16 +90,22 @@ def tokenizer_limit(manifest: dict) -> dict:
     src = manifest["source"]
     tokens, seconds, cpu_seconds, i, n = 0, 0.0, 0.0, 0, src["records_read"]
     while i < n:
-        texts = [generate(manifest["seed"], j, src["median_words"], src["max_words"], src["long_doc_fraction"])[0]
-                 for j in range(i, min(n, i + 2000))]
+        texts = [
+            generate(manifest["seed"], j, src["median_words"], src["max_words"], src["long_doc_fraction"])[0]
+            for j in range(i, min(n, i + 2000))
+        ]
         t0, c0 = time.perf_counter(), time.process_time()
         enc = encoder.encode_batch(texts)
         seconds += time.perf_counter() - t0
         cpu_seconds += time.process_time() - c0
         tokens += sum(len(e) for e in enc)
         i += len(texts)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "tokens_per_cpu_s": tokens / cpu_seconds}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tokens_per_cpu_s": tokens / cpu_seconds,
+    }
 
 
 def real_corpus() -> tuple[list[str], dict[str, int]]:
@@ -104,8 +115,13 @@ def real_corpus() -> tuple[list[str], dict[str, int]]:
     site = Path(sysconfig.get_paths()["purelib"])
     kinds = {
         "stdlib .py": sorted(stdlib.glob("*.py")),
-        "license files": sorted({*site.glob("*.dist-info/LICENSE*"), *site.glob("*.dist-info/COPYING*"),
-                                 *site.glob("*.dist-info/licenses/**/*")}),
+        "license files": sorted(
+            {
+                *site.glob("*.dist-info/LICENSE*"),
+                *site.glob("*.dist-info/COPYING*"),
+                *site.glob("*.dist-info/licenses/**/*"),
+            }
+        ),
         "READMEs": sorted({*site.glob("*.dist-info/METADATA"), *site.glob("**/README*")}),
     }
     docs, counts = [], {}
@@ -143,9 +159,12 @@ def agreement() -> dict:
         converted = backend.encode_batch(docs, add_special_tokens=False)
         tokens = sum(map(len, ref))
         out["tokenizers"][name] = {
-            "tokens": tokens, "equal_lctrain": sum(a.tolist() == b for a, b in zip(ours, ref)),
+            "tokens": tokens,
+            "equal_lctrain": sum(a.tolist() == b for a, b in zip(ours, ref)),
             "equal_converted_fast": sum(a.ids == b for a, b in zip(converted, ref)),
-            "sentencepiece_tokens_per_s": round(tokens / ref_s), "lctrain_tokens_per_s": round(tokens / ours_s)}
+            "sentencepiece_tokens_per_s": round(tokens / ref_s),
+            "lctrain_tokens_per_s": round(tokens / ours_s),
+        }
     return out
 
 
@@ -173,21 +192,30 @@ def main() -> None:
             limit = tokenizer_limit(manifest)
             b = manifest["build"]
             read = manifest["source"]["tokens_read"]
-            results.append({
-                "token_budget": budget, "seq_len": args.seq_len, "num_windows": manifest["num_windows"],
-                "tokens_read": read, "documents_read": manifest["source"]["documents_read"],
-                "prepare_seconds": b["seconds"], "prepare_wall_seconds_with_startup": round(wall, 2),
-                "prepare_tokenized_tokens_per_s": b["tokenized_tokens_per_s"],
-                "prepare_packed_tokens_per_s": b["packed_tokens_per_s"],
-                "tokenizer_limit_tokens_per_s": round(limit["tokens_per_s"]),
-                "fraction_of_limit": b["tokenized_tokens_per_s"] / limit["tokens_per_s"],
-                "prepare_tokens_per_cpu_s": round(read / cpu),
-                "tokenizer_limit_tokens_per_cpu_s": round(limit["tokens_per_cpu_s"]),
-                "cpu_efficiency": read / cpu / limit["tokens_per_cpu_s"],
-                "limit_tokens_checked": limit["tokens"],
-                "peak_rss_bytes": peak, "num_workers": b["num_workers"], "cores": cores,
-                "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
-            })
+            results.append(
+                {
+                    "token_budget": budget,
+                    "seq_len": args.seq_len,
+                    "num_windows": manifest["num_windows"],
+                    "tokens_read": read,
+                    "documents_read": manifest["source"]["documents_read"],
+                    "prepare_seconds": b["seconds"],
+                    "prepare_wall_seconds_with_startup": round(wall, 2),
+                    "prepare_tokenized_tokens_per_s": b["tokenized_tokens_per_s"],
+                    "prepare_packed_tokens_per_s": b["packed_tokens_per_s"],
+                    "tokenizer_limit_tokens_per_s": round(limit["tokens_per_s"]),
+                    "fraction_of_limit": b["tokenized_tokens_per_s"] / limit["tokens_per_s"],
+                    "prepare_tokens_per_cpu_s": round(read / cpu),
+                    "tokenizer_limit_tokens_per_cpu_s": round(limit["tokens_per_cpu_s"]),
+                    "cpu_efficiency": read / cpu / limit["tokens_per_cpu_s"],
+                    "limit_tokens_checked": limit["tokens"],
+                    "peak_rss_bytes": peak,
+                    "num_workers": b["num_workers"],
+                    "cores": cores,
+                    "load_average_before": load_before,
+                    "load_average_after": os.getloadavg()[0],
+                }
+            )
             shutil.rmtree(scratch / f"b{budget}", ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -219,15 +247,21 @@ def main() -> None:
     console.print("agreement with SentencePiece on the installed packages' text ...")
     agree = agreement()
     kinds = ", ".join(f"{n:,} {k}" for k, n in agree["kinds"].items())
-    t = Table(title=f"documents with exactly SentencePiece's ids: {agree['documents']:,} documents ({kinds}), "
-                    f"{agree['characters'] / 1e6:.1f}M characters")
-    for col in ("built-in", "tokens", "lctrain", "converted fast", "SentencePiece tokens/s",
-                "lctrain tokens/s"):
+    t = Table(
+        title=f"documents with exactly SentencePiece's ids: {agree['documents']:,} documents ({kinds}), "
+        f"{agree['characters'] / 1e6:.1f}M characters"
+    )
+    for col in ("built-in", "tokens", "lctrain", "converted fast", "SentencePiece tokens/s", "lctrain tokens/s"):
         t.add_column(col, justify="left" if col == "built-in" else "right")
     for name, r in agree["tokenizers"].items():
-        t.add_row(name, f"{r['tokens']:,}", f"{r['equal_lctrain']:,} / {agree['documents']:,}",
-                  f"{r['equal_converted_fast']:,} / {agree['documents']:,}", f"{r['sentencepiece_tokens_per_s']:,}",
-                  f"{r['lctrain_tokens_per_s']:,}")
+        t.add_row(
+            name,
+            f"{r['tokens']:,}",
+            f"{r['equal_lctrain']:,} / {agree['documents']:,}",
+            f"{r['equal_converted_fast']:,} / {agree['documents']:,}",
+            f"{r['sentencepiece_tokens_per_s']:,}",
+            f"{r['lctrain_tokens_per_s']:,}",
+        )
     console.print(t)
 
     out = Path(args.json)

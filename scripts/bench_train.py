@@ -26,12 +26,26 @@ from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.train.metrics import device_peak_flops, peak_memory_gb, reset_peak_memory
 
 MODELS = {
-    "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, tie_word_embeddings=True),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     # Llama-3.2-1B shape with the 32K Mistral vocabulary of the built-in tokenizer
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, tie_word_embeddings=True),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
 }
+
+
 def bench_mode(mode: str, args, device: torch.device) -> dict:
     from lctrain.compat.transformers import attn_implementation
     from lctrain.parallel.groups import init_topology
@@ -40,16 +54,30 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     gpu = device.type == "cuda"
     zero_stage = 1 if gpu else 0  # bf16 needs ZeRO's fp32 master weights
     arch = {"model_type": "llama", **MODELS[args.model]}
-    cfg = load_config(None, [f"data.seq_len={args.seq_len}", f"attention.mode={mode}", "attention.engine=auto",
-                             f"model.dtype={'bfloat16' if gpu else 'float32'}",
-                             f"model.gradient_checkpointing={str(gpu).lower()}", f"model.arch={json.dumps(arch)}",
-                             f"train.global_batch={args.batch}", f"train.micro_batch={args.batch}",
-                             f"parallel.zero_stage={zero_stage}"])
+    cfg = load_config(
+        None,
+        [
+            f"data.seq_len={args.seq_len}",
+            f"attention.mode={mode}",
+            "attention.engine=auto",
+            f"model.dtype={'bfloat16' if gpu else 'float32'}",
+            f"model.gradient_checkpointing={str(gpu).lower()}",
+            f"model.arch={json.dumps(arch)}",
+            f"train.global_batch={args.batch}",
+            f"train.micro_batch={args.batch}",
+            f"parallel.zero_stage={zero_stage}",
+        ],
+    )
     trainer = Trainer(cfg, init_topology(cfg), vocab_size=32000)
     seg_lens = slimpajama_like_layouts(args.seq_len, args.batch, args.seed)
-    windows = [{"input_ids": window_ids(seg_lens, vocab=32000, anchor=1, seed=args.seed),
-                "seg_lens": [np.array(s) for s in seg_lens], "seg_doc": [np.arange(len(s)) for s in seg_lens],
-                "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens]}]
+    windows = [
+        {
+            "input_ids": window_ids(seg_lens, vocab=32000, anchor=1, seed=args.seed),
+            "seg_lens": [np.array(s) for s in seg_lens],
+            "seg_doc": [np.arange(len(s)) for s in seg_lens],
+            "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens],
+        }
+    ]
     times = []
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
@@ -61,14 +89,20 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
         if gpu:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    step = float(np.median(times[args.warmup:]))
+    step = float(np.median(times[args.warmup :]))
     tokens = args.batch * args.seq_len
     flops = trainer.step_flops(tokens, result.pairs)
     peak = device_peak_flops(device, args.peak_tflops)
-    out = {"mode": mode, "engine": attn_implementation(trainer.lm).removeprefix("lctrain_"), "step_s": step,
-           "tokens_per_s": tokens / step, "tflops_per_gpu": flops / step / 1e12,
-           "mfu": flops / step / peak if peak else None,
-           "peak_mem_gb": peak_memory_gb(device), "docs_per_window": float(np.mean([len(s) for s in seg_lens]))}
+    out = {
+        "mode": mode,
+        "engine": attn_implementation(trainer.lm).removeprefix("lctrain_"),
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+        "tflops_per_gpu": flops / step / 1e12,
+        "mfu": flops / step / peak if peak else None,
+        "peak_mem_gb": peak_memory_gb(device),
+        "docs_per_window": float(np.mean([len(s) for s in seg_lens])),
+    }
     del trainer
     if gpu:
         torch.cuda.empty_cache()
@@ -84,8 +118,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPU "
-                        "table, or a measured fp32 matmul rate on CPU)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="device peak for MFU (default: known GPU table, or a measured fp32 matmul rate on CPU)",
+    )
     parser.add_argument("--out", default="bench_out/bench_train.json")
     args = parser.parse_args()
 
@@ -101,8 +139,10 @@ def main() -> None:
     for mode in args.modes.split(","):
         rows.append(bench_mode(mode, args, device))
         r = rows[-1]
-        print(f"{mode}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_mem_gb']:.2f} GB",
-              flush=True)
+        print(
+            f"{mode}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_mem_gb']:.2f} GB",
+            flush=True,
+        )
         # written after every mode, so a run stopped at a time limit keeps what it measured
         out.write_text(json.dumps({"args": vars(args), "device": str(device), "results": rows}, indent=1))
     full = next((r for r in rows if r["mode"] == "full"), None)
@@ -112,8 +152,15 @@ def main() -> None:
     for r in rows:
         rel = f"{r['step_s'] / full['step_s']:.0%}" if full else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        table.add_row(r["mode"], r["engine"], f"{r['step_s']:.3f}", rel, f"{r['tokens_per_s']:,.0f}", mfu,
-                      f"{r['peak_mem_gb']:.2f}")
+        table.add_row(
+            r["mode"],
+            r["engine"],
+            f"{r['step_s']:.3f}",
+            rel,
+            f"{r['tokens_per_s']:,.0f}",
+            mfu,
+            f"{r['peak_mem_gb']:.2f}",
+        )
     Console().print(table)
     print(f"wrote {out}")
 

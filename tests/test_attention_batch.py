@@ -15,13 +15,16 @@ DOC = [[0, 1, 0]]
 TAGS = [[1, 0, 0]]
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("full", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
-    ("intra_doc", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
-    # positions continue across a document's chunks: the third segment is doc 0's 4th..6th tokens
-    ("intra_doc_reset", [0, 1, 2, 0, 1, 2, 3, 3, 4, 5]),
-    ("anchor", [0, 1, 2, 0, 4, 5, 6, 7, 8, 9]),
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("full", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
+        ("intra_doc", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]),
+        # positions continue across a document's chunks: the third segment is doc 0's 4th..6th tokens
+        ("intra_doc_reset", [0, 1, 2, 0, 1, 2, 3, 3, 4, 5]),
+        ("anchor", [0, 1, 2, 0, 4, 5, 6, 7, 8, 9]),
+    ],
+)
 def test_positions_by_mode(mode, expected):
     batch = make_batch(IDS, SEG, mode, seg_doc=DOC, tag_lens=TAGS)
     assert batch["position_ids"].tolist() == [expected]
@@ -62,16 +65,19 @@ def test_anchor_id_check():
     make_batch(torch.tensor([[1, 5, 6, 9, 7]]), [[3, 2]], "anchor", seg_doc=[[0, 0]], anchor_id=1)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(seg_lens=[[3, 4]]), "sum to 7 but the row has 10"),
-    (dict(seg_lens=[[10, 0]]), "at least one token"),
-    (dict(seg_lens=[[3, 7], [10]]), "2 rows but input_ids has 1"),
-    (dict(seg_lens=[[3, 7]], mode="sliding"), "unknown"),
-    (dict(seg_lens=[[3, 7]], tag_lens=[[3, 0]]), "tag_lens must be in"),
-    (dict(seg_lens=[[3, 7]], seg_doc=[[0]]), "seg_doc has 1 entries for 2 segments"),
-    (dict(seg_lens=[[3, 7]], seg_doc=[[0, -1]]), "seg_doc must be >= 0"),
-    (dict(seg_lens=[[3, 4, 3]], seg_doc=[[0, 1, 0]], tag_lens=[[1, 0, 2]]), "token 7 continues a document"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(seg_lens=[[3, 4]]), "sum to 7 but the row has 10"),
+        (dict(seg_lens=[[10, 0]]), "at least one token"),
+        (dict(seg_lens=[[3, 7], [10]]), "2 rows but input_ids has 1"),
+        (dict(seg_lens=[[3, 7]], mode="sliding"), "unknown"),
+        (dict(seg_lens=[[3, 7]], tag_lens=[[3, 0]]), "tag_lens must be in"),
+        (dict(seg_lens=[[3, 7]], seg_doc=[[0]]), "seg_doc has 1 entries for 2 segments"),
+        (dict(seg_lens=[[3, 7]], seg_doc=[[0, -1]]), "seg_doc must be >= 0"),
+        (dict(seg_lens=[[3, 4, 3]], seg_doc=[[0, 1, 0]], tag_lens=[[1, 0, 2]]), "token 7 continues a document"),
+    ],
+)
 def test_bad_input(kwargs, match):
     args = dict(mode="intra_doc") | kwargs
     with pytest.raises(UserError, match=match):
@@ -146,11 +152,15 @@ def fig5_reference(row):
 def fig5_batch(mode):
     rows = [fig5_reference(r) for r in FIG5]
     ids = torch.tensor([[t["id"] for t in r] for r in rows])
-    seg_lens = [[(0 if d in [c for c, _ in r["chunks"][:i]] else 1 + r["tags"][d]) + n
-                 for i, (d, n) in enumerate(r["chunks"])] for r in FIG5]
+    seg_lens = [
+        [(0 if d in [c for c, _ in r["chunks"][:i]] else 1 + r["tags"][d]) + n for i, (d, n) in enumerate(r["chunks"])]
+        for r in FIG5
+    ]
     seg_doc = [[d for d, _ in r["chunks"]] for r in FIG5]
-    tag_lens = [[0 if d in [c for c, _ in r["chunks"][:i]] else r["tags"][d] for i, (d, _) in enumerate(r["chunks"])]
-                for r in FIG5]
+    tag_lens = [
+        [0 if d in [c for c, _ in r["chunks"][:i]] else r["tags"][d] for i, (d, _) in enumerate(r["chunks"])]
+        for r in FIG5
+    ]
     return rows, make_batch(ids, seg_lens, mode, seg_doc=seg_doc, tag_lens=tag_lens, anchor_id=A)
 
 
@@ -165,15 +175,16 @@ def test_interleaved_window_is_figure_5_in_every_mode(mode):
         for q, tq in enumerate(toks):
             seen = [tk for k, tk in enumerate(toks) if mask[b, q, k]]
             if mode == "full":
-                assert seen == toks[:q + 1]
+                assert seen == toks[: q + 1]
             else:
                 # its document's tokens up to itself, earlier chunks included, and no other document's
-                assert seen == [tk for tk in toks[:q + 1] if tk["doc"] == tq["doc"]]
+                assert seen == [tk for tk in toks[: q + 1] if tk["doc"] == tq["doc"]]
                 # one anchor, its document's own, the document's first token
                 anchors = [tk for tk in seen if tk["id"] == A]
                 assert len(anchors) == 1 and anchors[0]["index"] == 0
-            want_pos = {"full": q, "intra_doc": q, "intra_doc_reset": tq["index"],
-                        "anchor": 0 if tq["anchor"] else q}[mode]
+            want_pos = {"full": q, "intra_doc": q, "intra_doc_reset": tq["index"], "anchor": 0 if tq["anchor"] else q}[
+                mode
+            ]
             assert batch["position_ids"][b, q] == want_pos, (b, q)
             # the label: the document's next token; after a finished document, the next one's anchor; else none
             nxt = toks[q + 1] if q + 1 < len(toks) else None
@@ -182,7 +193,7 @@ def test_interleaved_window_is_figure_5_in_every_mode(mode):
             elif nxt["doc"] == tq["doc"]:
                 want = nxt["id"]
                 assert want == tq["id"] + 1 or tq["anchor"] or tq["tag"]  # the document's text in order
-            elif nxt["anchor"] and tq["ends"] and not any(tk["doc"] == tq["doc"] for tk in toks[q + 1:]):
+            elif nxt["anchor"] and tq["ends"] and not any(tk["doc"] == tq["doc"] for tk in toks[q + 1 :]):
                 want = A
             else:
                 want = -100

@@ -40,8 +40,24 @@ def test_interleaved_layout_keeps_chunk_order_and_window_length(bench):
 
 def test_interleaved_run(bench, tmp_path):
     out = tmp_path / "bench.json"
-    bench.main(["--device", "cpu", "--lengths", "256", "--reps", "1", "--engines", "sdpa", "--modes", "full", "anchor",
-                "--interleave", "--out", str(out)])
+    bench.main(
+        [
+            "--device",
+            "cpu",
+            "--lengths",
+            "256",
+            "--reps",
+            "1",
+            "--engines",
+            "sdpa",
+            "--modes",
+            "full",
+            "anchor",
+            "--interleave",
+            "--out",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in rows] == ["full", "anchor"]
     assert rows[1]["segments"] > 1 and rows[1]["ideal_speedup"] >= 1
@@ -52,8 +68,9 @@ def test_runs_and_writes_json(bench, tmp_path, capsys):
     bench.main(["--device", "cpu", "--lengths", "256", "--reps", "1", "--dtype", "float32", "--out", str(out)])
     data = json.loads(out.read_text())
     rows = {(r["engine"], r["mode"]): r for r in data["results"]}
-    assert set(rows) == {(e, m) for e in ("sdpa", "reference")
-                         for m in ("full", "intra_doc", "intra_doc_reset", "anchor")}
+    assert set(rows) == {
+        (e, m) for e in ("sdpa", "reference") for m in ("full", "intra_doc", "intra_doc_reset", "anchor")
+    }
     assert rows[("sdpa", "full")]["speedup"] == 1.0
     for r in data["results"]:  # the cost model's pairs and FLOPs, not a second formula
         assert r["ideal_speedup"] == pytest.approx(256 * 257 / 2 / r["pairs"])

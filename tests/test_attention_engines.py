@@ -110,8 +110,13 @@ def test_engine_matches_table_forward_backward(engine, mode, dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
     for g, wg, name in zip(grads, want_grads, "qkv"):
         scale = 4 if dtype == torch.bfloat16 else 1  # bf16 gradients accumulate more rounding
-        torch.testing.assert_close(g.double(), wg, atol=TOL[dtype]["atol"] * scale, rtol=TOL[dtype]["rtol"] * scale,
-                                   msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(
+            g.double(),
+            wg,
+            atol=TOL[dtype]["atol"] * scale,
+            rtol=TOL[dtype]["rtol"] * scale,
+            msg=lambda m, name=name: f"grad {name}: {m}",
+        )
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (2, 1)], ids=["mha", "gqa3", "mqa"])
@@ -191,8 +196,9 @@ def per_sequence_causal(with_gqa: bool):
         out = torch.empty_like(q)
         for a, b in zip(bounds, bounds[1:]):
             qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
-            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                                 enable_gqa=gqa)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
+            )
             out[a:b] = o[0].transpose(0, 1)
         return out
 
@@ -253,5 +259,10 @@ def test_gpu_engines_match_table(engine, mode, dtype):
         torch.testing.assert_close(out.double().cpu(), want, **tol)
         for g, wg, name in zip(grads, want_grads, "qkv"):
             k = GPU_GRAD_SCALE[dtype]
-            torch.testing.assert_close(g.double().cpu(), wg, atol=tol["atol"] * k, rtol=tol["rtol"] * k,
-                                       msg=lambda m: f"grad {name}: {m}")
+            torch.testing.assert_close(
+                g.double().cpu(),
+                wg,
+                atol=tol["atol"] * k,
+                rtol=tol["rtol"] * k,
+                msg=lambda m, name=name: f"grad {name}: {m}",
+            )

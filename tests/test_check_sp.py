@@ -19,15 +19,17 @@ from lctrain.config import load_config
 from lctrain.eval.check_sp import allowed_processes, logit_diff, synthetic_window
 
 SEQ_LEN, HIDDEN, INTERMEDIATE, LAYERS = 128, 64, 128, 2
-ARCH = (f"{{model_type: llama, hidden_size: {HIDDEN}, intermediate_size: {INTERMEDIATE}, num_hidden_layers: {LAYERS}, "
-        f"num_attention_heads: 4, num_key_value_heads: 1, tie_word_embeddings: false}}")
+ARCH = (
+    f"{{model_type: llama, hidden_size: {HIDDEN}, intermediate_size: {INTERMEDIATE}, num_hidden_layers: {LAYERS}, "
+    f"num_attention_heads: 4, num_key_value_heads: 1, tie_word_embeddings: false}}"
+)
 OVERRIDES = [f"data.seq_len={SEQ_LEN}", f"model.arch={ARCH}", "model.dtype=float32", "parallel.launcher=torchrun"]
 
 # The bound: Ulysses changes only which process computes what, so the two runs may differ by the order of fp32
 # reductions alone. Reordering a sum of n terms moves it by at most about n·u·Σ|terms| (u = 2^-24, Higham's γ_n);
 # per layer five reductions (q/k/v, attention over at most L keys, o_proj, two MLP matmuls counted as one chain
 # each) of at most n = max(hidden, intermediate, L) terms, plus lm_head, relative to the logits' magnitude.
-FP32_U = 2.0 ** -24
+FP32_U = 2.0**-24
 REDUCTIONS = 5 * LAYERS + 1
 INNER = max(HIDDEN, INTERMEDIATE, SEQ_LEN)
 
@@ -42,11 +44,23 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("check_sp")
-    cmd = [sys.executable, "-m", "lctrain.cli", "check", "sp", "--nproc", "2", "--modes", "full,anchor", "--out",
-           str(out)] + set_args(OVERRIDES + [f"data.output_dir={out / 'no_data'}"])
+    cmd = [
+        sys.executable,
+        "-m",
+        "lctrain.cli",
+        "check",
+        "sp",
+        "--nproc",
+        "2",
+        "--modes",
+        "full,anchor",
+        "--out",
+        str(out),
+    ] + set_args(OVERRIDES + [f"data.output_dir={out / 'no_data'}"])
     # CPU processes over gloo even where a GPU is visible (one GPU cannot hold two nccl ranks)
-    proc = subprocess.run(cmd, env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=300,
-                          cwd=out)
+    proc = subprocess.run(
+        cmd, env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=300, cwd=out
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| full | sdpa | float32 |" in proc.stdout and "| anchor | sdpa | float32 |" in proc.stdout, proc.stdout
     return json.loads((out / "check_sp.json").read_text())
@@ -67,8 +81,7 @@ def test_ulysses_over_two_processes_matches_one_process_in_full_and_anchor(resul
 def test_a_layout_without_the_all_to_all_fails_the_bound(result):
     """The negative control: what Ulysses would compute if the all-to-all were missing (each rank attending only
     within its own slice, true positions) against the 1-process logits, compared by the same function and bound."""
-    from lctrain.model import model_shape
-    from lctrain.model import build_model
+    from lctrain.model import build_model, model_shape
     from lctrain.tokenizer import anchor_token_id, load_tokenizer
 
     cfg = load_config(None, OVERRIDES + ["attention.mode=full"])
@@ -80,8 +93,13 @@ def test_a_layout_without_the_all_to_all_fails_the_bound(result):
     half = SEQ_LEN // 2
     with torch.inference_mode():
         ref = lm(input_ids=ids, position_ids=pos, use_cache=False).logits
-        cut = torch.cat([lm(input_ids=ids[:, s:s + half], position_ids=pos[:, s:s + half], use_cache=False).logits
-                         for s in (0, half)], dim=1)
+        cut = torch.cat(
+            [
+                lm(input_ids=ids[:, s : s + half], position_ids=pos[:, s : s + half], use_cache=False).logits
+                for s in (0, half)
+            ],
+            dim=1,
+        )
     wrong = logit_diff(ref, cut)
     assert wrong["max_abs"] > 100 * rounding_bound(wrong["ref_max_abs"]), wrong
     assert wrong["worst_token"] >= half  # only the second slice lost context
@@ -129,8 +147,12 @@ def test_the_window_comes_from_the_prepared_dataset_when_there_is_one(tmp_path):
     from lctrain.data.prepare import prepare
     from lctrain.eval.check_sp import pick_window
 
-    overrides = OVERRIDES + ["data.token_budget=3000", f"data.output_dir={tmp_path / 'data'}",
-                             "parallel.sequence_parallel=2", "parallel.nproc_per_node=2"]
+    overrides = OVERRIDES + [
+        "data.token_budget=3000",
+        f"data.output_dir={tmp_path / 'data'}",
+        "parallel.sequence_parallel=2",
+        "parallel.nproc_per_node=2",
+    ]
     cfg = load_config(None, overrides)
     prepare(cfg)
     with pa.memory_map(str(tmp_path / "data" / "data" / "shard-00000.arrow")) as f:  # the store, read directly
@@ -153,14 +175,24 @@ def test_more_processes_than_the_machine_allows_ends_in_one_line():
     assert f"this machine has {allowed_processes()}" in line
 
 
-@pytest.mark.parametrize("args, overrides, message", [
-    (["--nproc", "1"], OVERRIDES, "at least 2 processes"),
-    (["--modes", "full,sliding"], OVERRIDES, "unknown mode sliding"),
-    (["--dtype", "float64"], OVERRIDES, "model.dtype"),
-    ([], OVERRIDES + ["model.arch={model_type: llama, hidden_size: 48, intermediate_size: 64, num_hidden_layers: 1, "
-                      "num_attention_heads: 3, num_key_value_heads: 1, head_dim: 16}"], "3 attention heads"),
-    ([], OVERRIDES + ["data.seq_len=127"], "data.seq_len = 127 is not divisible"),
-])
+@pytest.mark.parametrize(
+    "args, overrides, message",
+    [
+        (["--nproc", "1"], OVERRIDES, "at least 2 processes"),
+        (["--modes", "full,sliding"], OVERRIDES, "unknown mode sliding"),
+        (["--dtype", "float64"], OVERRIDES, "model.dtype"),
+        (
+            [],
+            OVERRIDES
+            + [
+                "model.arch={model_type: llama, hidden_size: 48, intermediate_size: 64, num_hidden_layers: 1, "
+                "num_attention_heads: 3, num_key_value_heads: 1, head_dim: 16}"
+            ],
+            "3 attention heads",
+        ),
+        ([], OVERRIDES + ["data.seq_len=127"], "data.seq_len = 127 is not divisible"),
+    ],
+)
 def test_bad_input_ends_in_one_line(args, overrides, message, monkeypatch):
     monkeypatch.setattr("lctrain.eval.check_sp.allowed_processes", lambda: 8)  # the same errors on any machine
     assert message in one_error_line(run_cli(args, overrides))
@@ -190,8 +222,20 @@ def test_weights_that_differ_between_ranks_are_refused(tmp_path):
     script.write_text(WEIGHTS_SCRIPT)
     from lctrain.parallel.groups import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1", "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--nnodes",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+    ]
     proc = subprocess.run(cmd, env=clean_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("refused: the model's weights differ between the processes") == 2, proc.stdout

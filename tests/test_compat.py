@@ -17,8 +17,10 @@ def test_nested_rope_keys_on_the_installed_transformers_and_the_5_17_fallback():
 
     assert nested_rope_keys(AutoConfig.for_model("llama")) == []
     # transformers 5.17 has no nested_rope_parameter_keys: the keys that are layer types mark a nested dict
-    old = SimpleNamespace(rope_parameters={"full_attention": {"rope_theta": 1e6}, "sliding_attention": {}},
-                          layer_types=["sliding_attention", "full_attention"])
+    old = SimpleNamespace(
+        rope_parameters={"full_attention": {"rope_theta": 1e6}, "sliding_attention": {}},
+        layer_types=["sliding_attention", "full_attention"],
+    )
     assert nested_rope_keys(old) == ["full_attention", "sliding_attention"]
     flat = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, layer_types=None)
     assert nested_rope_keys(flat) == []
@@ -50,7 +52,9 @@ def test_wandb_is_optional_with_one_clear_line(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as on a machine without the extra
     cfg = load_config(None, ["logging.wandb=offline"])
-    with pytest.raises(UserError, match=r"logging.wandb = offline needs Weights & Biases \(pip install 'lctrain\[wandb\]'\)"):
+    with pytest.raises(
+        UserError, match=r"logging.wandb = offline needs Weights & Biases \(pip install 'lctrain\[wandb\]'\)"
+    ):
         import_wandb(cfg)
 
 
@@ -63,7 +67,8 @@ def test_deepspeed_is_the_release_the_compat_entries_were_checked_against():
         f"_zero3_consolidated_16bit_state_dict, the gradient averaging rule (tests/test_parallel_equivalence.py) and "
         f"TiledMLP's ready-gradient count (tests/test_tiled_mlp.py), the checkpoint offload context, the "
         f"accelerator it consults and its unpack's `_restore_tensor(cache=...)` (tests/test_offload_activations.py), "
-        f"then update DEEPSPEED_VERSION")
+        f"then update DEEPSPEED_VERSION"
+    )
 
 
 def test_sequence_parallel_state_module_is_what_the_engine_reads_from_mpu():
@@ -73,8 +78,12 @@ def test_sequence_parallel_state_module_is_what_the_engine_reads_from_mpu():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     engine_source = inspect.getsource(DeepSpeedEngine)
-    for name in ("get_sequence_parallel_group", "get_sequence_parallel_world_size",
-                 "get_sequence_data_parallel_group", "get_sequence_data_parallel_world_size"):
+    for name in (
+        "get_sequence_parallel_group",
+        "get_sequence_parallel_world_size",
+        "get_sequence_data_parallel_group",
+        "get_sequence_data_parallel_world_size",
+    ):
         assert callable(getattr(sp_state, name)), name  # the module lctrain passes as mpu has it
         assert f"mpu.{name}" in engine_source or name in engine_source, name  # and the engine asks for it
     assert inspect.signature(sp_state.initialize_sequence_parallel).parameters.keys() >= {"sequence_parallel_size"}
@@ -87,7 +96,9 @@ def test_zero3_full_state_dict_is_what_save_16bit_model_gathers(monkeypatch):
 
     assert "_zero3_consolidated_16bit_state_dict(" in inspect.getsource(DeepSpeedEngine.save_16bit_model)
     assert list(inspect.signature(DeepSpeedEngine._zero3_consolidated_16bit_state_dict).parameters) == [
-        "self", "exclude_frozen_parameters"]
+        "self",
+        "exclude_frozen_parameters",
+    ]
 
 
 def test_gradient_divisor_rule():
@@ -105,8 +116,9 @@ def test_rotary_modules_return_fp32_for_the_probe():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                         num_attention_heads=2, vocab_size=50)).to(torch.bfloat16)
+    model = LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, vocab_size=50)
+    ).to(torch.bfloat16)
     x = torch.randn(1, 8, 32).bfloat16()
     positions = torch.arange(1000, 1008)[None]
     want = model.model.rotary_emb(x.float(), positions)  # what the module computes for an fp32 input

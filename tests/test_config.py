@@ -31,8 +31,15 @@ def test_default_is_the_embedded_tiny_config():
 
 
 def test_overrides_parse_yaml_values_and_create_nested_keys():
-    cfg = load_config(None, ["data.seq_len=2048", "train.betas=[0.8, 0.9]", "attention.mode=full",
-                             "model.rope_scaling={type: linear, factor: 2.0}"])
+    cfg = load_config(
+        None,
+        [
+            "data.seq_len=2048",
+            "train.betas=[0.8, 0.9]",
+            "attention.mode=full",
+            "model.rope_scaling={type: linear, factor: 2.0}",
+        ],
+    )
     assert cfg.data.seq_len == 2048
     assert cfg.train.betas == (0.8, 0.9)
     assert cfg.attention.mode == "full"
@@ -40,10 +47,18 @@ def test_overrides_parse_yaml_values_and_create_nested_keys():
 
 
 def test_base_inheritance_merges_sections_key_by_key(tmp_path):
-    _write(tmp_path / "_base.yaml", {"name": "b", "data": {"seq_len": 4096, "mixture": "upsampled"},
-                                     "model": {"arch": {"model_type": "llama", "hidden_size": 64}}})
-    child = _write(tmp_path / "child.yaml", {"base": "_base.yaml", "name": "c", "data": {"seq_len": 8192},
-                                             "model": {"arch": {"model_type": "mistral"}}})
+    _write(
+        tmp_path / "_base.yaml",
+        {
+            "name": "b",
+            "data": {"seq_len": 4096, "mixture": "upsampled"},
+            "model": {"arch": {"model_type": "llama", "hidden_size": 64}},
+        },
+    )
+    child = _write(
+        tmp_path / "child.yaml",
+        {"base": "_base.yaml", "name": "c", "data": {"seq_len": 8192}, "model": {"arch": {"model_type": "mistral"}}},
+    )
     cfg = load_config(str(child))
     assert cfg.name == "c"
     assert cfg.data.seq_len == 8192 and cfg.data.mixture == "upsampled"
@@ -97,8 +112,10 @@ def test_invalid_yaml_names_file_and_line(tmp_path):
 def test_files_that_are_not_configs(tmp_path):
     cases = {
         "empty.yaml": (b"", r"empty.yaml: the config is empty; give at least 'base: tiny_anchor'"),
-        "dup.yaml": (b"base: tiny_anchor\ntrain:\n  steps: 5\n  steps: 6\n",
-                     r"dup.yaml:4: invalid YAML \(key 'steps' appears twice in one mapping\)"),
+        "dup.yaml": (
+            b"base: tiny_anchor\ntrain:\n  steps: 5\n  steps: 6\n",
+            r"dup.yaml:4: invalid YAML \(key 'steps' appears twice in one mapping\)",
+        ),
         "bytes.yaml": (bytes(range(128, 256)), r"bytes.yaml: not UTF-8 text"),
         "utf16.yaml": ("base: tiny_anchor\n".encode("utf-16"), r"utf16.yaml: not UTF-8 text"),
     }
@@ -156,16 +173,19 @@ def test_cli_show_config_prints_resolved_yaml(capsys):
 UPSAMPLED = "data.mixture=upsampled"
 
 
-@pytest.mark.parametrize("shares, message", [
-    ("{C4: 0.5, Foo: 0.5}", "data.domain_shares: unknown domain 'Foo'; known domains: CommonCrawl, C4, GitHub"),
-    ("{C4: -0.5, GitHub: 1.5}", "data.domain_shares: C4 = -0.5: a share is a number >= 0"),
-    ("{C4: true}", "data.domain_shares: C4 = True: a share is a number >= 0"),
-    ("{C4: '0.5', GitHub: 0.5}", "data.domain_shares: C4 = '0.5': a share is a number >= 0"),
-    ("{C4: .nan, GitHub: 1.0}", "data.domain_shares: C4 = nan: a share is a number >= 0"),
-    ("{C4: 0.5, GitHub: 0.4}", "data.domain_shares: the shares sum to 0.9; they must sum to 1 (within 0.01 for 2"),
-    ("{}", "data.domain_shares: expected a mapping of domain -> token share"),
-    ("0.5", "data.domain_shares = 0.5: expected a mapping of domain -> token share"),
-])
+@pytest.mark.parametrize(
+    "shares, message",
+    [
+        ("{C4: 0.5, Foo: 0.5}", "data.domain_shares: unknown domain 'Foo'; known domains: CommonCrawl, C4, GitHub"),
+        ("{C4: -0.5, GitHub: 1.5}", "data.domain_shares: C4 = -0.5: a share is a number >= 0"),
+        ("{C4: true}", "data.domain_shares: C4 = True: a share is a number >= 0"),
+        ("{C4: '0.5', GitHub: 0.5}", "data.domain_shares: C4 = '0.5': a share is a number >= 0"),
+        ("{C4: .nan, GitHub: 1.0}", "data.domain_shares: C4 = nan: a share is a number >= 0"),
+        ("{C4: 0.5, GitHub: 0.4}", "data.domain_shares: the shares sum to 0.9; they must sum to 1 (within 0.01 for 2"),
+        ("{}", "data.domain_shares: expected a mapping of domain -> token share"),
+        ("0.5", "data.domain_shares = 0.5: expected a mapping of domain -> token share"),
+    ],
+)
 def test_domain_shares_refuses_bad_input_in_one_line(shares, message):
     with pytest.raises(UserError) as err:
         load_config(None, [UPSAMPLED, f"data.domain_shares={shares}"])
@@ -179,19 +199,24 @@ def test_domain_shares_need_the_upsampled_mixture():
 
 def test_domain_shares_accept_rounded_tables():
     # Table 1's whole percents sum to 102% (7 shares, each off by at most 0.5%); Table 9's to 99.98%
-    table1 = ("{CommonCrawl: 0.58, C4: 0.20, GitHub: 0.07, ArXiv: 0.06, Book: 0.05, Wikipedia: 0.04, "
-              "StackExchange: 0.02}")
+    table1 = (
+        "{CommonCrawl: 0.58, C4: 0.20, GitHub: 0.07, ArXiv: 0.06, Book: 0.05, Wikipedia: 0.04, StackExchange: 0.02}"
+    )
     assert load_config(None, [UPSAMPLED, f"data.domain_shares={table1}"]).data.domain_shares["C4"] == 0.20
-    table9 = ("{CommonCrawl: 0.5814, C4: 0.1953, GitHub: 0.0661, ArXiv: 0.0586, Book: 0.0469, Wikipedia: 0.0351, "
-              "StackExchange: 0.0164}")
+    table9 = (
+        "{CommonCrawl: 0.5814, C4: 0.1953, GitHub: 0.0661, ArXiv: 0.0586, Book: 0.0469, Wikipedia: 0.0351, "
+        "StackExchange: 0.0164}"
+    )
     assert load_config(None, [UPSAMPLED, f"data.domain_shares={table9}"]).data.domain_shares["Book"] == 0.0469
     with pytest.raises(UserError, match="sum to 1.08"):
         load_config(None, [UPSAMPLED, "data.domain_shares={C4: 0.58, CommonCrawl: 0.50}"])
 
 
 def test_domain_shares_in_a_config_replace_its_base_shares(tmp_path):
-    base = _write(tmp_path / "base.yaml", {"base": "tiny_anchor", "data": {
-        "mixture": "upsampled", "domain_shares": {"C4": 0.5, "CommonCrawl": 0.5}}})
+    base = _write(
+        tmp_path / "base.yaml",
+        {"base": "tiny_anchor", "data": {"mixture": "upsampled", "domain_shares": {"C4": 0.5, "CommonCrawl": 0.5}}},
+    )
     child = _write(tmp_path / "child.yaml", {"base": str(base), "data": {"domain_shares": {"GitHub": 1.0}}})
     assert load_config(str(child)).data.domain_shares == {"GitHub": 1.0}
 
@@ -204,12 +229,15 @@ def test_weight_decay_of_norms_and_biases_is_opt_in():
 def test_reread_warning_counts_the_steps_that_read_windows_twice():
     # the paper's 128K recipe on a 2.0B-token budget: 2000 x 8 x 131,072 = 2,097,152,000 tokens wanted,
     # 2,000,000,000 // 131,072 = 15,258 windows there; 15,258 // 8 = 1,907 steps read fresh windows
-    cfg = load_config(None, ["data.seq_len=131072", "data.token_budget=2000000000", "train.steps=2000",
-                             "train.global_batch=8"])
+    cfg = load_config(
+        None, ["data.seq_len=131072", "data.token_budget=2000000000", "train.steps=2000", "train.global_batch=8"]
+    )
     line = reread_warning(cfg, 15_258)
-    assert line == ("warning: 2,000 steps x 8 windows x 131,072 tokens = 2,097,152,000 tokens, 97,255,424 more than "
-                    "the data has (15,258 windows, 1,999,896,576 tokens): the last 93 steps re-read windows; set "
-                    "data.token_budget=2097152000 (and prepare again) or lower train.steps")
+    assert line == (
+        "warning: 2,000 steps x 8 windows x 131,072 tokens = 2,097,152,000 tokens, 97,255,424 more than "
+        "the data has (15,258 windows, 1,999,896,576 tokens): the last 93 steps re-read windows; set "
+        "data.token_budget=2097152000 (and prepare again) or lower train.steps"
+    )
     assert reread_warning(cfg, 16_000) is None
     assert "the last 1 steps" in reread_warning(cfg, 15_999)
 

@@ -5,8 +5,15 @@ import torch
 
 from lctrain.attention import SEGMENTS_KEY, make_batch
 from lctrain.attention.modes import MODES, dense_mask
-from lctrain.costmodel import (ModelShape, attention_flops, dense_flops, step_flops, training_passes, visible_pairs,
-                               window_pairs)
+from lctrain.costmodel import (
+    ModelShape,
+    attention_flops,
+    dense_flops,
+    step_flops,
+    training_passes,
+    visible_pairs,
+    window_pairs,
+)
 
 SEG_LENS = [5, 3, 4, 4]
 SEG_DOC = [0, 1, 0, 2]  # document 0 in two interleaved chunks
@@ -46,8 +53,15 @@ def test_dense_and_step_flops():
 def test_model_shape_counts_the_weights_of_a_real_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+    hf = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(hf)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert ModelShape.from_hf_config(hf).linear_params() == linear

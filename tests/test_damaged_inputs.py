@@ -16,8 +16,10 @@ from lctrain.data.store import open_packed
 from lctrain.errors import UserError
 
 SMALL = ["data.seq_len=128", "data.token_budget=6000", "data.synthetic.num_docs=200"]
-ARCH = ("{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2, "
-        "num_key_value_heads: 1, tie_word_embeddings: true}")
+ARCH = (
+    "{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2, "
+    "num_key_value_heads: 1, tie_word_embeddings: true}"
+)
 
 
 def local(path, *extra) -> list[str]:
@@ -31,8 +33,11 @@ def test_truncated_shard_is_named_and_prepare_rebuilds_it(tmp_path):
     shard = out / open_packed(out).manifest["shards"][0]["file"]
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 2])
-    with pytest.raises(UserError, match=rf"the prepared dataset is damaged \(data/shard-00000.arrow is "
-                                        rf"{size // 2:,} bytes, not the {size:,} prepare wrote\)"):
+    with pytest.raises(
+        UserError,
+        match=rf"the prepared dataset is damaged \(data/shard-00000.arrow is "
+        rf"{size // 2:,} bytes, not the {size:,} prepare wrote\)",
+    ):
         open_packed(out)
     assert "damaged" in one_error_line(CliRunner().invoke(app, ["inspect", str(out)]))
     result = CliRunner().invoke(app, ["prepare"] + set_args(over))
@@ -49,8 +54,9 @@ def test_truncated_zst_source_is_an_error_not_a_short_corpus(tmp_path):
         prepare(load_config(None, local(src, f"data.output_dir={tmp_path / 'out'}", "data.token_budget=10000000")))
     # a complete file of two concatenated frames is read whole
     src.write_bytes(whole + zstandard.ZstdCompressor().compress(lines))
-    data = open_packed(prepare(load_config(None, local(src, f"data.output_dir={tmp_path / 'ok'}",
-                                                       "data.token_budget=200000"))))
+    data = open_packed(
+        prepare(load_config(None, local(src, f"data.output_dir={tmp_path / 'ok'}", "data.token_budget=200000")))
+    )
     assert data.manifest["source"]["records_read"] == 6000
 
 
@@ -58,8 +64,9 @@ def test_deep_nesting_and_byte_order_mark(tmp_path):
     src = tmp_path / "c.jsonl"
     good = [json.dumps({"text": "word " * 40}) for _ in range(20)]
     src.write_bytes(b"\xef\xbb\xbf" + "\n".join(good[:10] + ["[" * 200000] + good[10:]).encode() + b"\n")
-    data = open_packed(prepare(load_config(None, local(src, f"data.output_dir={tmp_path / 'out'}",
-                                                       "data.token_budget=1000"))))
+    data = open_packed(
+        prepare(load_config(None, local(src, f"data.output_dir={tmp_path / 'out'}", "data.token_budget=1000")))
+    )
     skipped = data.manifest["skipped"]
     assert skipped["counts"] == {"malformed_json": 1}  # the nested line; the BOM line is a document
     assert skipped["examples"][0]["line"] == 11
@@ -85,8 +92,10 @@ def model_dir(tmp_path):
 def test_damaged_model_directories_in_eval_and_diagnose(model_dir):
     weights = model_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    for cmd in (["eval", str(model_dir), "--tasks", "vt", "--samples", "1", "--lengths", "256"],
-                ["diagnose", "rope", str(model_dir), "--seq-len", "64", "--max-len", "64"]):
+    for cmd in (
+        ["eval", str(model_dir), "--tasks", "vt", "--samples", "1", "--lengths", "256"],
+        ["diagnose", "rope", str(model_dir), "--seq-len", "64", "--max-len", "64"],
+    ):
         assert "cannot" in one_error_line(CliRunner().invoke(app, cmd))
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))

@@ -25,7 +25,7 @@ def _pack(docs, seq_len, tags=None, domains=None, chunk_rng=None):
 
 def _segments(w):
     starts = np.concatenate([[0], np.cumsum(w.seg_lens)[:-1]])
-    return [w.input_ids[s:s + n] for s, n in zip(starts, w.seg_lens)]
+    return [w.input_ids[s : s + n] for s, n in zip(starts, w.seg_lens)]
 
 
 @pytest.mark.parametrize("seq_len", [8, 37, 256])
@@ -45,7 +45,7 @@ def test_windows_are_full_and_concatenate_to_the_documents(seq_len):
     # the independent expectation: all documents back to back; what is missing sits in the unfinished window
     stream = np.concatenate(docs)
     got = np.concatenate(body)
-    assert np.array_equal(got, stream[:len(got)])
+    assert np.array_equal(got, stream[: len(got)])
     assert len(stream) - len(got) < max(packer.filled, 1)
 
 
@@ -59,7 +59,7 @@ def test_document_spilling_over_continues_after_a_fresh_anchor_and_tag():
         w = pw.window
         assert w.seg_lens.tolist() == [10] and w.tag_lens.tolist() == [2]
         assert w.input_ids[:3].tolist() == [ANCHOR, 5, 6]
-        assert w.input_ids[3:].tolist() == doc[7 * i:7 * i + 7].tolist()
+        assert w.input_ids[3:].tolist() == doc[7 * i : 7 * i + 7].tolist()
     assert [len(pw.doc_starts) for pw in windows] == [1, 0, 0, 0]
 
 
@@ -111,8 +111,9 @@ def test_interleaved_windows_are_the_packed_windows_cut_into_chunks_and_shuffled
         pw, mw = p.window, m.window
         assert m.doc_starts == p.doc_starts and mw.seg_lens.sum() == 64 and (mw.seg_lens > 0).all()
         # reference: the packed window's segments, each one document's part of the window with its anchor and tag
-        want = sorted((int(dom), int(tl), tuple(seg.tolist()))
-                      for seg, dom, tl in zip(_segments(pw), pw.seg_domain, pw.tag_lens))
+        want = sorted(
+            (int(dom), int(tl), tuple(seg.tolist())) for seg, dom, tl in zip(_segments(pw), pw.seg_domain, pw.tag_lens)
+        )
         # the interleaved window: a document's first chunk starts with the anchor and tag, later ones are bare text
         # with tag_lens 0; its chunks in window order join up to its packed segment
         docs_seen: dict[int, list] = {}

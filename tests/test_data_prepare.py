@@ -24,8 +24,15 @@ from lctrain.tokenizer import builtin_model_file, load_tokenizer
 
 TOKENIZER = "builtin:mistral-7b-v0.1"
 # SlimPajama's spelling, in the order of DOMAINS
-SET_NAMES = ["RedPajamaCommonCrawl", "RedPajamaC4", "RedPajamaGithub", "RedPajamaArXiv", "RedPajamaBook",
-             "RedPajamaWikipedia", "RedPajamaStackExchange"]
+SET_NAMES = [
+    "RedPajamaCommonCrawl",
+    "RedPajamaC4",
+    "RedPajamaGithub",
+    "RedPajamaArXiv",
+    "RedPajamaBook",
+    "RedPajamaWikipedia",
+    "RedPajamaStackExchange",
+]
 SET_DOMAIN = dict(zip(SET_NAMES, DOMAINS[:7]))
 
 
@@ -71,7 +78,7 @@ def segments(row):
     starts = np.concatenate([[0], np.cumsum(row["seg_lens"])[:-1]])
     seen = set()
     for s, n, t, dom, doc in zip(starts, row["seg_lens"], row["tag_lens"], row["seg_domain"], row["seg_doc"]):
-        yield row["input_ids"][s:s + n], int(t), int(dom), int(doc), int(doc) not in seen
+        yield row["input_ids"][s : s + n], int(t), int(dom), int(doc), int(doc) not in seen
         seen.add(int(doc))
 
 
@@ -94,7 +101,7 @@ def check_layout(data, tok, tags=None):
             expected_tag = tags[dom] if tags else []
             if len(seg) > len(expected_tag) + 1:
                 assert tag_len == len(expected_tag)
-            assert seg[1:1 + tag_len].tolist() == expected_tag[:tag_len]
+            assert seg[1 : 1 + tag_len].tolist() == expected_tag[:tag_len]
 
 
 def reconstruct(data, reference, interleaved=False):
@@ -109,11 +116,11 @@ def reconstruct(data, reference, interleaved=False):
         row = data[w]
         owner = {}
         for s, (seg, tag_len, dom, doc, first) in enumerate(segments(row)):
-            body = seg[1 + tag_len:].tolist() if first else seg.tolist()
+            body = seg[1 + tag_len :].tolist() if first else seg.tolist()
             if not body:
                 continue
             unfinished = [k for k, p in pos.items() if p < len(reference[k][0])]
-            live = [k for k in unfinished if reference[k][0][pos[k]:pos[k] + len(body)] == body]
+            live = [k for k in unfinished if reference[k][0][pos[k] : pos[k] + len(body)] == body]
             if not interleaved:  # one document at a time: nothing starts before the previous one is complete
                 assert live == unfinished and len(live) <= 1, f"window {w} segment {s}: a document was cut short"
             if live:
@@ -121,8 +128,7 @@ def reconstruct(data, reference, interleaved=False):
                 if not interleaved:
                     assert s == 0, "only a window's first segment may continue a document"
             else:
-                cands = [k for k in by_prefix.get(body[0], []) if k not in pos
-                         and reference[k][0][:len(body)] == body]
+                cands = [k for k in by_prefix.get(body[0], []) if k not in pos and reference[k][0][: len(body)] == body]
                 assert cands, f"window {w} segment {s}: not a piece of any source document"
                 k = cands[0]
                 pos[k] = 0
@@ -268,8 +274,9 @@ def test_statistics_match_the_rows(tmp_path, tok, words):
     ref = reference_tokens(tok, docs)
     _, started = reconstruct(data, ref)
     lengths = np.array([len(ref[k][0]) for k in started])
-    expected = [int(((lengths >= lo) & (lengths < hi)).sum())
-                for lo, hi in zip([0, 1024, 2048, 4096], [1024, 2048, 4096, 8192])]
+    expected = [
+        int(((lengths >= lo) & (lengths < hi)).sum()) for lo, hi in zip([0, 1024, 2048, 4096], [1024, 2048, 4096, 8192])
+    ]
     hist = st["length_histogram"]
     assert hist["labels"][:4] == ["<1K", "1K-2K", "2K-4K", "4K-8K"]
     assert hist["counts"][:4] == expected and sum(hist["counts"]) == st["documents"] == len(started)
@@ -286,8 +293,14 @@ def test_upsampled_mixture_hits_domain_shares(tmp_path, tok, words):
         text = words[i] + " " + " ".join(rng.choice(words) for _ in range(k))
         docs.append({"text": text, "meta": {"redpajama_set_name": dom}})
     src = write_jsonl(tmp_path / "c.jsonl", docs)
-    cfg = cfg_for(tmp_path / "up", "data.mixture=upsampled", "data.short_doc_tokens=64", "data.seq_len=256",
-                  "data.token_budget=40960", source=src)
+    cfg = cfg_for(
+        tmp_path / "up",
+        "data.mixture=upsampled",
+        "data.short_doc_tokens=64",
+        "data.seq_len=256",
+        "data.token_budget=40960",
+        source=src,
+    )
     data = open_packed(prepare(cfg))
     assert len(data) == 160
     tokens = np.zeros(len(DOMAINS))
@@ -337,8 +350,9 @@ def test_interleaved_chunks_keep_order_and_share_seg_doc(tmp_path, tok, words):
 def test_older_format_is_refused_in_one_line_and_rebuilt(tmp_path, tok, words):
     src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 40, seed=8, lengths=(3, 60)))
     for interleaved in (False, True):
-        cfg = cfg_for(tmp_path / str(interleaved), f"data.interleave_chunks={interleaved}", "data.token_budget=1280",
-                      source=src)
+        cfg = cfg_for(
+            tmp_path / str(interleaved), f"data.interleave_chunks={interleaved}", "data.token_budget=1280", source=src
+        )
         out = prepare(cfg)
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["format_version"] == FORMAT_VERSION
@@ -352,10 +366,17 @@ def test_older_format_is_refused_in_one_line_and_rebuilt(tmp_path, tok, words):
 
 def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):
     good = make_docs(words, 40, seed=6)
-    lines = [json.dumps(d) for d in good[:20]] + [
-        "{not json", json.dumps({"meta": {}}), json.dumps({"text": "   "}), json.dumps({"text": 5}),
-        json.dumps({"text": "unknown domain doc", "meta": {"redpajama_set_name": "RedPajamaNews"}}),
-    ] + [json.dumps(d) for d in good[20:]]
+    lines = (
+        [json.dumps(d) for d in good[:20]]
+        + [
+            "{not json",
+            json.dumps({"meta": {}}),
+            json.dumps({"text": "   "}),
+            json.dumps({"text": 5}),
+            json.dumps({"text": "unknown domain doc", "meta": {"redpajama_set_name": "RedPajamaNews"}}),
+        ]
+        + [json.dumps(d) for d in good[20:]]
+    )
     src = tmp_path / "c.jsonl"
     src.write_bytes("\n".join(lines).encode() + b"\n\xff\xfe broken utf8\n")
     data = open_packed(prepare(cfg_for(tmp_path / "out", "data.token_budget=100000", source=src)))
@@ -364,24 +385,43 @@ def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):
     assert sk["examples"][0] == {"reason": "malformed_json", "source": str(src), "line": 21}
     assert data.manifest["stats"]["domains"]["other"]["documents"] == 1
 
-    r = CliRunner().invoke(app, ["prepare", "--strict", "--set", f"data.output_dir={tmp_path / 's'}", "--set",
-                                 "data.source=local", "--set", f"data.path={src}", "--set", "data.seq_len=128"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "prepare",
+            "--strict",
+            "--set",
+            f"data.output_dir={tmp_path / 's'}",
+            "--set",
+            "data.source=local",
+            "--set",
+            f"data.path={src}",
+            "--set",
+            "data.seq_len=128",
+        ],
+    )
     assert r.exit_code == 2
     assert r.stderr.strip().count("\n") == 0 and f"{src}:21" in r.stderr and "not a JSON object" in r.stderr
     assert not (tmp_path / "s").exists()
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["data.source=local", "data.path=/nonexistent/corpus.jsonl"], "no such file"),
-    (["data.source=local", "data.path={tmp}/empty"], "no .jsonl"),
-    (["data.source=local", "data.path={tmp}/corrupt.jsonl.zst"], "corrupt.jsonl.zst: unreadable"),
-    (["data.source=local", "data.path={tmp}/corrupt.parquet"], "corrupt.parquet: unreadable as parquet"),
-    (["data.tokenizer=/nonexistent/tokenizer_dir"], "tokenizer '/nonexistent/tokenizer_dir' could not be loaded"),
-    (["data.token_budget=100"], "smaller than one window"),
-    (["data.synthetic.num_docs=1", "data.synthetic.max_words=20"], "not enough for one 128-token window"),
-    (["data.source=local", "data.path={tmp}/bad.jsonl"], "0 usable documents (skipped: 2 malformed_json, 1 no_text)"),
-    (["data.output_dir={tmp}/a_file/out"], "cannot write the dataset to"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["data.source=local", "data.path=/nonexistent/corpus.jsonl"], "no such file"),
+        (["data.source=local", "data.path={tmp}/empty"], "no .jsonl"),
+        (["data.source=local", "data.path={tmp}/corrupt.jsonl.zst"], "corrupt.jsonl.zst: unreadable"),
+        (["data.source=local", "data.path={tmp}/corrupt.parquet"], "corrupt.parquet: unreadable as parquet"),
+        (["data.tokenizer=/nonexistent/tokenizer_dir"], "tokenizer '/nonexistent/tokenizer_dir' could not be loaded"),
+        (["data.token_budget=100"], "smaller than one window"),
+        (["data.synthetic.num_docs=1", "data.synthetic.max_words=20"], "not enough for one 128-token window"),
+        (
+            ["data.source=local", "data.path={tmp}/bad.jsonl"],
+            "0 usable documents (skipped: 2 malformed_json, 1 no_text)",
+        ),
+        (["data.output_dir={tmp}/a_file/out"], "cannot write the dataset to"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, needle):
     (tmp_path / "in" / "empty").mkdir(parents=True)
     (tmp_path / "in" / "corrupt.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd garbage garbage")

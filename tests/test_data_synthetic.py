@@ -53,6 +53,13 @@ def test_text_is_words_and_long_documents_pass_128k_tokens():
 def test_each_domain_has_its_own_style(domain):
     i = next(i for i in range(20_000) if document_shape(1, i, 100, 3000, 0.0)[0] == domain)
     text, _ = generate(1, i, 100, 3000, 0.0)
-    marker = {"GitHub": "def ", "ArXiv": "\\section{", "Book": "CHAPTER", "Wikipedia": "\n\n",
-              "StackExchange": "Q: ", "CommonCrawl": ". ", "C4": ". "}[domain]
+    marker = {
+        "GitHub": "def ",
+        "ArXiv": "\\section{",
+        "Book": "CHAPTER",
+        "Wikipedia": "\n\n",
+        "StackExchange": "Q: ",
+        "CommonCrawl": ". ",
+        "C4": ". ",
+    }[domain]
     assert marker in text

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
+from train_helpers import one_error_line
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -25,7 +26,6 @@ from lctrain.errors import UserError
 from lctrain.eval import rope_drift as rd
 from lctrain.eval.probe_text import packed_document_spans, probe_sequences
 from lctrain.tokenizer import builtin_model_file
-from train_helpers import one_error_line
 
 V, D, LAYERS, H, KV, HD, T = 512, 64, 2, 4, 2, 16, 32
 FAR = 4_000_000  # exactly representable in fp32 (< 2**24); its angle ulp is 0.25 rad
@@ -37,9 +37,18 @@ EPS_WEIGHT = 1e-6
 
 
 def tiny_config(**kw):
-    return AutoConfig.for_model("llama", hidden_size=D, intermediate_size=128, num_hidden_layers=LAYERS,
-                                num_attention_heads=H, num_key_value_heads=KV, vocab_size=V,
-                                max_position_embeddings=64, rope_theta=10000.0, **kw)
+    return AutoConfig.for_model(
+        "llama",
+        hidden_size=D,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=H,
+        num_key_value_heads=KV,
+        vocab_size=V,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        **kw,
+    )
 
 
 def sharp_model(impl=rd.PROBE_IMPL):
@@ -61,8 +70,15 @@ def sequence(n=T, seed=1):
 
 
 def plan(**kw):
-    args = dict(seq_len=T, shifts=SHIFTS, delta2=16, logit_lengths=LENGTHS, vary_delta2=False, shift_batch=2,
-                chunk_bytes=1 << 30)
+    args = dict(
+        seq_len=T,
+        shifts=SHIFTS,
+        delta2=16,
+        logit_lengths=LENGTHS,
+        vary_delta2=False,
+        shift_batch=2,
+        chunk_bytes=1 << 30,
+    )
     return rd.Plan(**{**args, **kw})
 
 
@@ -72,6 +88,7 @@ def measured(model, ids, p):
 
 
 # ---- the references --------------------------------------------------------------------------------------------
+
 
 def eager_attentions(model, ids, shift):
     """[layer][head][i][j] attention weights of the model's eager attention at position ids shift..shift+T-1."""
@@ -99,8 +116,12 @@ def reference_eq4(model, ids, d1, d2):
 def attention_inputs(model, ids, shift):
     """The hidden states each layer's attention receives (after its input norm), in the eager model at `shift`."""
     seen = []
-    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["hidden_states"][0].double()),
-                                                       with_kwargs=True) for layer in model.model.layers]
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, a, kw: seen.append(kw["hidden_states"][0].double()), with_kwargs=True
+        )
+        for layer in model.model.layers
+    ]
     with torch.no_grad():
         model(ids[None], position_ids=(torch.arange(len(ids)) + shift)[None])
     for h in hooks:
@@ -136,10 +157,10 @@ def reference_eq5(model, ids, d1, d2):
             heads = []
             for h in range(H):
                 kv = h // (H // KV)
-                k0 = rotated((wk[kv * HD:(kv + 1) * HD] @ x[0]).tolist(), shift, inv_freq)
+                k0 = rotated((wk[kv * HD : (kv + 1) * HD] @ x[0]).tolist(), shift, inv_freq)
                 row = []
                 for i in range(n):
-                    qi = rotated((wq[h * HD:(h + 1) * HD] @ x[i]).tolist(), shift + i, inv_freq)
+                    qi = rotated((wq[h * HD : (h + 1) * HD] @ x[i]).tolist(), shift + i, inv_freq)
                     row.append(sum(a * b for a, b in zip(qi, k0)))
                 heads.append(row)
             per_layer.append(heads)
@@ -152,6 +173,7 @@ def reference_eq5(model, ids, d1, d2):
 
 
 # ---- Eq. 4 and Eq. 5 against the references --------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def fp32_result():
@@ -200,9 +222,9 @@ def test_eq5_unscaled_and_scaled_match_the_loop_reference(eager):
     # shift moves them by ~1e-2 relative, so agreement to 1e-3 relative separates the formula from rounding
     assert want > 0.1
     assert got == pytest.approx(want, rel=1e-3)
-    assert scaling == HD ** -0.5
+    assert scaling == HD**-0.5
     scaled = rd.summarize([{"D": [0.0], "per_token": [0.0], "D_logit": [got], "logit_scaling": scaling}], True)
-    assert scaled["D_logit"][0] == pytest.approx(want * HD ** -0.5, rel=1e-3)
+    assert scaled["D_logit"][0] == pytest.approx(want * HD**-0.5, rel=1e-3)
 
 
 def test_eq5_against_length_matches_the_reference_per_length(eager):
@@ -228,6 +250,7 @@ def test_per_token_split_is_at_delta1_zero_and_passes_are_counted(shifts, vary):
 
 
 # ---- properties the paper reports --------------------------------------------------------------------------------
+
 
 def bf16_cases(cases=("bf16_rope_bf16", "bf16")):
     model = sharp_model()
@@ -281,9 +304,14 @@ def test_random_case_is_pytorch_default_init():
             assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1), name
     emb = model.model.embed_tokens.weight
     assert emb.mean().abs() < 0.05 and emb.std().item() == pytest.approx(1.0, rel=0.03)  # N(0, 1): 32K draws
-    assert all(torch.equal(n.weight, torch.ones_like(n.weight)) for n in model.model.modules()
-               if type(n).__name__.endswith("RMSNorm"))
-    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"], model.model.layers[0].self_attn.q_proj.weight)
+    assert all(
+        torch.equal(n.weight, torch.ones_like(n.weight))
+        for n in model.model.modules()
+        if type(n).__name__.endswith("RMSNorm")
+    )
+    assert not torch.equal(
+        before["model.layers.0.self_attn.q_proj.weight"], model.model.layers[0].self_attn.q_proj.weight
+    )
     again = sharp_model()
     rd.reinit_random(again, seed=3)
     assert torch.equal(again.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
@@ -300,10 +328,14 @@ def test_probe_accumulates_per_layer_not_per_model():
 
 # ---- probe text ----------------------------------------------------------------------------------------------------
 
+
 def test_packed_document_spans():
     # window 0: doc a (5) | doc b (3); window 1: b continued (4) | header-only tail (1); window 2: a new doc (8)
-    windows = [(np.array([5, 3]), np.array([0, 0])), (np.array([7, 1]), np.array([0, 0])),
-               (np.array([8]), np.array([0]))]
+    windows = [
+        (np.array([5, 3]), np.array([0, 0])),
+        (np.array([7, 1]), np.array([0, 0])),
+        (np.array([8]), np.array([0])),
+    ]
     assert list(packed_document_spans(windows, 8, 4)) == [(0, 0, True), (2, 0, True)]
     assert list(packed_document_spans(windows, 8, 3)) == [(0, 0, True), (0, 5, True), (2, 0, True)]
     assert list(packed_document_spans(windows, 8, 8)) == [(0, 0, False), (2, 0, True)]
@@ -337,8 +369,9 @@ def test_local_text_sequences(stdlib_text, tokenizer):
     assert len(got.sequences) == 6 and len(set(got.origins)) == 6
     for ids, origin in zip(got.sequences, got.origins):
         path, _, line = origin.partition(":") if origin.endswith((":1", ":2")) else (origin, "", "")
-        text = (json.loads(Path(path).read_text().splitlines()[int(line) - 1])["text"] if line
-                else Path(path).read_text())
+        text = (
+            json.loads(Path(path).read_text().splitlines()[int(line) - 1])["text"] if line else Path(path).read_text()
+        )
         want = [tokenizer.bos_token_id] + SPM.encode(text)[:299]  # the reference tokenizer itself
         assert ids.tolist() == want
 
@@ -361,15 +394,43 @@ def test_local_text_errors(stdlib_text, tokenizer, tmp_path):
 
 # ---- the command ---------------------------------------------------------------------------------------------------
 
-TINY = ["--set", "model.arch.num_hidden_layers=1", "--set", "model.arch.hidden_size=32",
-        "--set", "model.arch.intermediate_size=64"]
+TINY = [
+    "--set",
+    "model.arch.num_hidden_layers=1",
+    "--set",
+    "model.arch.hidden_size=32",
+    "--set",
+    "model.arch.intermediate_size=64",
+]
 
 
 def test_cli_end_to_end_on_real_text(stdlib_text, tmp_path):
     out = tmp_path / "diag"
-    r = CliRunner().invoke(app, ["diagnose", "rope", "tiny_anchor", "--text", str(stdlib_text), "--samples", "2",
-                                 "--seq-len", "48", "--max-len", "64", "--shifts", "0,16,200", "--cases", "all",
-                                 "--vary-delta2", "--scaled-logits", "--out", str(out), *TINY])
+    r = CliRunner().invoke(
+        app,
+        [
+            "diagnose",
+            "rope",
+            "tiny_anchor",
+            "--text",
+            str(stdlib_text),
+            "--samples",
+            "2",
+            "--seq-len",
+            "48",
+            "--max-len",
+            "64",
+            "--shifts",
+            "0,16,200",
+            "--cases",
+            "all",
+            "--vary-delta2",
+            "--scaled-logits",
+            "--out",
+            str(out),
+            *TINY,
+        ],
+    )
     assert r.exit_code == 0, r.output
     printed = "".join(r.output.split())  # rich wraps lines at the terminal width
     assert "TFLOPpercase" in printed and "timing:fp32" in printed
@@ -391,42 +452,88 @@ def test_cli_default_text_is_the_prepared_dataset(tmp_path):
     from lctrain.data.prepare import prepare
 
     data = tmp_path / "prepared"
-    overrides = [f"data.output_dir={data}", "data.seq_len=256", "data.token_budget=20000",
-                 "data.synthetic.num_docs=200"]
-    line = one_error_line(CliRunner().invoke(app, ["diagnose", "rope", "tiny_anchor", *sum((["--set", o] for o in
-                                                                                           overrides), [])]))
+    overrides = [
+        f"data.output_dir={data}",
+        "data.seq_len=256",
+        "data.token_budget=20000",
+        "data.synthetic.num_docs=200",
+    ]
+    line = one_error_line(
+        CliRunner().invoke(app, ["diagnose", "rope", "tiny_anchor", *sum((["--set", o] for o in overrides), [])])
+    )
     assert "lctrain prepare -c tiny_anchor" in line and "--text" in line
     prepare(load_config(None, overrides))
     out = tmp_path / "diag"
-    args = ["diagnose", "rope", "tiny_anchor", "--samples", "3", "--seq-len", "64", "--max-len", "64", "--shifts",
-            "0,16", "--cases", "bf16", "--out", str(out), *TINY, *sum((["--set", o] for o in overrides), [])]
+    args = [
+        "diagnose",
+        "rope",
+        "tiny_anchor",
+        "--samples",
+        "3",
+        "--seq-len",
+        "64",
+        "--max-len",
+        "64",
+        "--shifts",
+        "0,16",
+        "--cases",
+        "bf16",
+        "--out",
+        str(out),
+        *TINY,
+        *sum((["--set", o] for o in overrides), []),
+    ]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     text = json.loads((out / "rope_drift.json").read_text())["text"]
     assert text["path"] == str(data) and text["sequences"] == 3 and text["origins"][0] == "window 0, token 0"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--shifts", "0,-4"], "--shifts 0,-4: expected distinct non-negative"),
-    (["--shifts", "0,a"], "--shifts 0,a: expected comma-separated"),
-    (["--shifts", "2,2"], "expected distinct"),
-    (["--cases", "fp16"], "--cases fp16: expected some of"),
-    (["--samples", "0"], "need samples >= 1"),
-    (["--seq-len", "200000"], "need 2 <= seq_len <= 16384"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--shifts", "0,-4"], "--shifts 0,-4: expected distinct non-negative"),
+        (["--shifts", "0,a"], "--shifts 0,a: expected comma-separated"),
+        (["--shifts", "2,2"], "expected distinct"),
+        (["--cases", "fp16"], "--cases fp16: expected some of"),
+        (["--samples", "0"], "need samples >= 1"),
+        (["--seq-len", "200000"], "need 2 <= seq_len <= 16384"),
+    ],
+)
 def test_cli_bad_arguments(args, message):
     line = one_error_line(CliRunner().invoke(app, ["diagnose", "rope", "tiny_anchor", *args]))
     assert message in line
 
 
 def test_cli_model_directory_without_text_and_with_short_text(tmp_path, tokenizer):
-    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=2, num_key_value_heads=1, vocab_size=len(tokenizer))
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=len(tokenizer),
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")
     line = one_error_line(CliRunner().invoke(app, ["diagnose", "rope", str(tmp_path / "m"), "--max-len", "64"]))
     assert "no text to probe" in line and "--text PATH" in line
     (tmp_path / "short.txt").write_text("A sentence far shorter than the sequence asked for.")
-    line = one_error_line(CliRunner().invoke(app, ["diagnose", "rope", str(tmp_path / "m"), "--text",
-                                                   str(tmp_path / "short.txt"), "--seq-len", "64", "--max-len", "64"]))
+    line = one_error_line(
+        CliRunner().invoke(
+            app,
+            [
+                "diagnose",
+                "rope",
+                str(tmp_path / "m"),
+                "--text",
+                str(tmp_path / "short.txt"),
+                "--seq-len",
+                "64",
+                "--max-len",
+                "64",
+            ],
+        )
+    )
     assert "0 of its 1 documents have 64 tokens" in line

@@ -11,13 +11,20 @@ from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.eval.estimate import estimate, read_bench
 
-ARCH = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
-        "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "model.arch.vocab_size=1000"]
+ARCH = [
+    "model.arch.hidden_size=64",
+    "model.arch.intermediate_size=128",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.num_attention_heads=4",
+    "model.arch.num_key_value_heads=2",
+    "model.arch.vocab_size=1000",
+]
 
 
 def test_hand_computed_full_attention_hours(tmp_path):
-    r = estimate(load_config(None, ARCH + ["data.seq_len=1024", f"data.output_dir={tmp_path / 'none'}"]), tflops=50.0,
-                 gpus=2)
+    r = estimate(
+        load_config(None, ARCH + ["data.seq_len=1024", f"data.output_dir={tmp_path / 'none'}"]), tflops=50.0, gpus=2
+    )
     assert r["synthetic"] and "SYNTHETIC" in r["segment_source"]
     L, d, layers, heads, hd, kv, ffn, vocab = 1024, 64, 2, 4, 16, 2, 128, 1000
     params = layers * (2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ffn) + d * vocab
@@ -27,20 +34,30 @@ def test_hand_computed_full_attention_hours(tmp_path):
     assert r["modes"]["full"]["hours_per_1b_tokens"] == pytest.approx(hours)
     assert r["modes"]["anchor"]["speedup_vs_full"] >= 1.0
     # model.tiled_mlp: TiledMLP reruns every MLP's forward in the backward, 2 FLOPs per MLP weight per token more
-    tiled = estimate(load_config(None, ARCH + ["data.seq_len=1024", f"data.output_dir={tmp_path / 'none'}",
-                                               "model.tiled_mlp=4"]), tflops=50.0, gpus=2)
+    tiled = estimate(
+        load_config(None, ARCH + ["data.seq_len=1024", f"data.output_dir={tmp_path / 'none'}", "model.tiled_mlp=4"]),
+        tflops=50.0,
+        gpus=2,
+    )
     extra = 2 * layers * 3 * d * ffn * L
     assert tiled["modes"]["full"]["flops_per_window"] == pytest.approx(flops + extra)
 
 
 def test_from_bench_per_mode(tmp_path):
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"results": [{"mode": "full", "tflops_per_gpu": 100.0},
-                                             {"mode": "anchor", "tflops_per_gpu": 50.0}], "tflops_per_gpu": 80.0}))
+    bench.write_text(
+        json.dumps(
+            {
+                "results": [{"mode": "full", "tflops_per_gpu": 100.0}, {"mode": "anchor", "tflops_per_gpu": 50.0}],
+                "tflops_per_gpu": 80.0,
+            }
+        )
+    )
     assert read_bench(bench) == {"*": 80.0, "full": 100.0, "anchor": 50.0}
     out = tmp_path / "est.json"
-    r = estimate(load_config(None, ARCH + [f"data.output_dir={tmp_path / 'none'}"]), from_bench=str(bench), gpus=1,
-                 out=str(out))
+    r = estimate(
+        load_config(None, ARCH + [f"data.output_dir={tmp_path / 'none'}"]), from_bench=str(bench), gpus=1, out=str(out)
+    )
     assert r["modes"]["intra_doc"]["tflops_per_gpu"] == 80.0 and r["modes"]["anchor"]["tflops_per_gpu"] == 50.0
     assert json.loads(out.read_text())["modes"]["full"]["tflops_per_gpu"] == 100.0
 

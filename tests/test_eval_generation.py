@@ -20,25 +20,42 @@ GIB = 1 << 30
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                               max_position_embeddings=512)
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
 def hf_greedy(model, ids, max_new):
-    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, num_beams=1, use_cache=True, eos_token_id=None,
-                           pad_token_id=0)
+    gen = GenerationConfig(
+        max_new_tokens=max_new, do_sample=False, num_beams=1, use_cache=True, eos_token_id=None, pad_token_id=0
+    )
     x = torch.tensor([ids], device=model.device)
     with torch.no_grad():
-        return model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen)[0, len(ids):].tolist()
+        return model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen)[
+            0, len(ids) :
+        ].tolist()
 
 
 def check_equals_generate(model, chunk, resident):
     ids = torch.randint(3, 256, (50,), generator=torch.Generator().manual_seed(1)).tolist()
-    plan = GenerationPlan(resident_layers=resident, layers=3, prefill_chunk=chunk, tokens=62, device_bytes=0,
-                          host_bytes=0, available_bytes=0)
+    plan = GenerationPlan(
+        resident_layers=resident,
+        layers=3,
+        prefill_chunk=chunk,
+        tokens=62,
+        device_bytes=0,
+        host_bytes=0,
+        available_bytes=0,
+    )
     assert greedy_ids(model, ids, 12, plan) == hf_greedy(model, ids, 12)
 
 
@@ -84,14 +101,21 @@ def test_generation_stops_at_eos_and_stop_condition(tiny):
     ids = list(range(10, 40))
     plan = GenerationPlan(3, 3, 8, 50, 0, 0, 0)
     full = greedy_ids(tiny, ids, 10, plan)
-    assert greedy_ids(tiny, ids, 10, plan, eos=full[3]) == full[:full.index(full[3]) + 1]
+    assert greedy_ids(tiny, ids, 10, plan, eos=full[3]) == full[: full.index(full[3]) + 1]
     assert greedy_ids(tiny, ids, 10, plan, stop=lambda new: len(new) == 4) == full[:4]
     with pytest.raises(ValueError):
         greedy_ids(tiny, [], 4, plan)
 
 
-LLAMA2_7B = AutoConfig.for_model("llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+LLAMA2_7B = AutoConfig.for_model(
+    "llama",
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+)
 
 
 def test_kv_cache_of_llama2_7b_at_128k():

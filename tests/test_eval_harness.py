@@ -28,8 +28,14 @@ from lctrain.eval.harness import (  # noqa: E402
 from lctrain.eval.runner import load_model, resolve_target  # noqa: E402
 from lctrain.tokenizer import builtin_model_file, load_tokenizer  # noqa: E402
 
-TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
-        "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "data.seq_len=128"]
+TINY = [
+    "model.arch.hidden_size=64",
+    "model.arch.intermediate_size=128",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.num_attention_heads=4",
+    "model.arch.num_key_value_heads=2",
+    "data.seq_len=128",
+]
 STEPS = (10, 20)
 MC_DOCS = [
     {"question": "The sky on a clear day is", "choices": [" blue", " green", " made of cheese"], "label": 0},
@@ -47,7 +53,7 @@ def write_tasks(root):
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {root / 'mc.jsonl'}
+    test: {root / "mc.jsonl"}
 test_split: test
 output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
@@ -61,7 +67,7 @@ metric_list:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {root / 'gen.jsonl'}
+    test: {root / "gen.jsonl"}
 test_split: test
 output_type: generate_until
 doc_to_text: "{{{{prompt}}}}"
@@ -133,7 +139,7 @@ def reference_greedy(model, tok, ids: list[int], max_new: int, stops: list[str])
                 break
     text = tok.decode(ids[start:], skip_special_tokens=True)
     cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[:min(cuts)] if cuts else text
+    return text[: min(cuts)] if cuts else text
 
 
 def test_loglikelihood_matches_a_plain_forward(tiny):
@@ -163,8 +169,19 @@ def test_a_continuation_longer_than_max_length_is_one_line(tiny, run_dir):
     model, tok = tiny
     with pytest.raises(UserError, match="longer than the harness max length 4"):
         checkpoint_lm(model, tok, max_length=4).loglikelihood([Req("one", " two three four five six seven")])
-    result = CliRunner().invoke(app, ["eval", str(run_dir), "--harness", "tiny_mc", "--harness-tasks",
-                                      str(run_dir.parent), "--harness-max-len", "0"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            str(run_dir),
+            "--harness",
+            "tiny_mc",
+            "--harness-tasks",
+            str(run_dir.parent),
+            "--harness-max-len",
+            "0",
+        ],
+    )
     assert result.exit_code == 2 and "--harness-max-len 0: need at least 2 tokens" in result.output
 
 
@@ -185,7 +202,7 @@ def test_long_prompts_lose_their_middle(tiny):
     prompt = " ".join(f"w{i}" for i in range(60))
     ids = [tok.bos_token_id] + ids_of(tok, prompt)
     room = 24 - 4
-    kept = ids[:room // 2] + ids[-(room - room // 2):]
+    kept = ids[: room // 2] + ids[-(room - room // 2) :]
     (text,) = lm.generate_until([Req(prompt, {"until": [], "max_gen_toks": 4})])
     assert text == reference_greedy(model, tok, kept, 4, [])
 
@@ -209,10 +226,13 @@ def test_run_scores_every_checkpoint_and_averages(run_dir, capsys):
                 scores.append(reference_logprob(model, [tok.bos_token_id] + whole, len(whole) - n_ctx)[0])
             correct += max(range(len(scores)), key=scores.__getitem__) == d["label"]
         assert report["per_checkpoint"][f"step_{step}"]["tiny_mc"]["acc"] == pytest.approx(correct / len(MC_DOCS))
-        exact = [reference_greedy(model, tok, [tok.bos_token_id] + ids_of(tok, d["prompt"]), 6, ["\n", "."]) == d["answer"]
-                 for d in GEN_DOCS]
+        exact = [
+            reference_greedy(model, tok, [tok.bos_token_id] + ids_of(tok, d["prompt"]), 6, ["\n", "."]) == d["answer"]
+            for d in GEN_DOCS
+        ]
         assert report["per_checkpoint"][f"step_{step}"]["tiny_gen"]["exact_match"] == pytest.approx(
-            sum(exact) / len(GEN_DOCS))
+            sum(exact) / len(GEN_DOCS)
+        )
     for task in ("tiny_mc", "tiny_gen"):
         for metric, value in report["average"][task].items():
             per = [report["per_checkpoint"][f"step_{s}"][task][metric] for s in STEPS]
@@ -221,16 +241,31 @@ def test_run_scores_every_checkpoint_and_averages(run_dir, capsys):
 
 
 def test_cli_harness(run_dir):
-    result = CliRunner().invoke(app, ["eval", str(run_dir), "--harness", "tiny_mc", "--harness-tasks",
-                                      str(run_dir.parent), "--harness-limit", "2", "--out", str(run_dir / "cli")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            str(run_dir),
+            "--harness",
+            "tiny_mc",
+            "--harness-tasks",
+            str(run_dir.parent),
+            "--harness-limit",
+            "2",
+            "--out",
+            str(run_dir / "cli"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads((run_dir / "cli" / "harness.json").read_text())
     assert report["limit"] == 2 and set(report["average"]) == {"tiny_mc"}
 
 
 def test_metrics_and_average_by_hand():
-    raw = {"hellaswag": {"alias": "hellaswag", "acc,none": 0.5, "acc_stderr,none": 0.01, "acc_norm,none": 0.6},
-           "longbench_fewshot": {"score,none": 62.5, "score_stderr,none": "N/A"}}
+    raw = {
+        "hellaswag": {"alias": "hellaswag", "acc,none": 0.5, "acc_stderr,none": 0.01, "acc_norm,none": 0.6},
+        "longbench_fewshot": {"score,none": 62.5, "score_stderr,none": "N/A"},
+    }
     assert numeric_metrics(raw) == {"hellaswag": {"acc": 0.5, "acc_norm": 0.6}, "longbench_fewshot": {"score": 62.5}}
     avg = average_over_checkpoints({"a": {"t": {"acc": 0.5}}, "b": {"t": {"acc": 0.7, "f1": 0.2}}})
     assert avg == {"t": {"acc": pytest.approx(0.6), "f1": pytest.approx(0.2)}}
@@ -241,9 +276,11 @@ def test_bad_input_is_one_line(run_dir, tmp_path, monkeypatch):
         resolve_tasks(["tiny_mcc"], str(run_dir.parent))
     with pytest.raises(UserError, match="not a directory"):
         resolve_tasks(["tiny_mc"], str(tmp_path / "nowhere"))
-    (tmp_path / "hub_task.yaml").write_text("task: hub_task\ndataset_path: lctrain-no-such-org/no-such-dataset\n"
-                                            "test_split: test\noutput_type: generate_until\ndoc_to_text: x\n"
-                                            "doc_to_target: y\n")
+    (tmp_path / "hub_task.yaml").write_text(
+        "task: hub_task\ndataset_path: lctrain-no-such-org/no-such-dataset\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: x\n"
+        "doc_to_target: y\n"
+    )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(UserError, match="a task's dataset could not be loaded"):

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from train_helpers import one_error_line
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -19,14 +20,32 @@ from lctrain.errors import UserError
 from lctrain.eval.ruler import scan_task, select_task_set
 from lctrain.eval.runner import evaluate, resolve_target
 from lctrain.tokenizer import load_tokenizer
-from train_helpers import one_error_line
 
-RULER_13 = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
-            "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
+RULER_13 = [
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+    "qa_1",
+    "qa_2",
+]
 LLAMA2_SET = [t for t in RULER_13 if t not in ("niah_multikey_3", "cwe")]
-TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
-        "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2", "data.seq_len=512",
-        "eval.ppl_windows=0"]
+TINY = [
+    "model.arch.hidden_size=64",
+    "model.arch.intermediate_size=128",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.num_attention_heads=4",
+    "model.arch.num_key_value_heads=2",
+    "data.seq_len=512",
+    "eval.ppl_windows=0",
+]
 STEPS = (10, 20)
 NEW_TOKENS = {"fwe": 50, "qa_1": 32}
 ABSENT = "zq-not-in-any-prediction-qz"
@@ -39,12 +58,25 @@ def _prompt(rec: dict) -> str:
 def _records(task: str, length: int) -> list[dict]:
     filler = " ".join(f"The grass is green and the sky is blue number {i}." for i in range(length // 64))
     if task == "fwe":
-        return [{"index": i, "input": f"Read the following coded text and track the frequency of each coded word. "
-                 f"{filler} ....\nQuestion: What are the three most frequently appeared words in the above coded text?",
-                 "answer_prefix": " Answer: According to the coded text above, the three most frequently appeared "
-                 f"words (set {i}) are:"} for i in range(2)]
-    return [{"index": i, "input": f"Answer the question based on the given documents.\n\nDocument 1:\n{filler}\n\n"
-             f"Question: what is item {i}?", "answer_prefix": " Answer:"} for i in range(2)]
+        return [
+            {
+                "index": i,
+                "input": f"Read the following coded text and track the frequency of each coded word. "
+                f"{filler} ....\nQuestion: What are the three most frequently appeared words in the above coded text?",
+                "answer_prefix": " Answer: According to the coded text above, the three most frequently appeared "
+                f"words (set {i}) are:",
+            }
+            for i in range(2)
+        ]
+    return [
+        {
+            "index": i,
+            "input": f"Answer the question based on the given documents.\n\nDocument 1:\n{filler}\n\n"
+            f"Question: what is item {i}?",
+            "answer_prefix": " Answer:",
+        }
+        for i in range(2)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +110,21 @@ def ruler_run(tmp_path_factory, tok, one_thread):
     def complete(model, prompt, n):
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                 use_cache=True, pad_token_id=tok.eos_token_id)
-        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=tok.eos_token_id,
+            )
+        return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
-    files = {("fwe", 256): data / "256" / "data" / "fwe",
-             ("fwe", 512): data / "512" / "data" / "fwe",
-             ("qa_1", 512): data / "512" / "qa_1"}
+    files = {
+        ("fwe", 256): data / "256" / "data" / "fwe",
+        ("fwe", 512): data / "512" / "data" / "fwe",
+        ("qa_1", 512): data / "512" / "qa_1",
+    }
     completions = {}
     for (task, length), folder in files.items():
         recs = _records(task, length)
@@ -123,8 +163,11 @@ def _ruler_task_score(task: str, preds: list[str], refs: list[list[str]]) -> flo
 def scored(ruler_run, one_thread):
     run, data, _ = ruler_run
     # a wide console: rich would wrap the long paths of the report
-    result = CliRunner().invoke(app, ["eval", str(run), "--ruler-data", str(data), "--tasks", "fwe,vt,qa_1",
-                                      "--lengths", "256,512,1k"], env={"COLUMNS": "400"})
+    result = CliRunner().invoke(
+        app,
+        ["eval", str(run), "--ruler-data", str(data), "--tasks", "fwe,vt,qa_1", "--lengths", "256,512,1k"],
+        env={"COLUMNS": "400"},
+    )
     assert result.exit_code == 0, result.output
     return result.output, json.loads((run / "eval" / "results.json").read_text())
 
@@ -143,9 +186,11 @@ def test_scores_against_rulers_formulas(ruler_run, scored):
     _, results = scored
     assert results["suite"].startswith("RULER (NVIDIA/RULER data in")
     assert results["tasks"] == ["fwe", "qa_1"] and results["lengths"] == [256, 512]
-    files = {("fwe", 256): data / "256/data/fwe/validation.jsonl",
-             ("fwe", 512): data / "512/data/fwe/validation.jsonl",
-             ("qa_1", 512): data / "512/qa_1/validation.jsonl"}
+    files = {
+        ("fwe", 256): data / "256/data/fwe/validation.jsonl",
+        ("fwe", 512): data / "512/data/fwe/validation.jsonl",
+        ("qa_1", 512): data / "512/qa_1/validation.jsonl",
+    }
     expected: dict = {}
     for (task, length), path in files.items():
         refs = [json.loads(line)["outputs"] for line in path.read_text().splitlines()]
@@ -170,10 +215,16 @@ def test_missing_data_heads_the_report(scored):
     output, results = scored
     assert results["not_scored"] == [
         {"task": None, "length": 1024, "why": f"no directory {results['ruler_data']}/1024"},
-        {"task": "vt", "length": None,
-         "why": f"no data at any length (expected {results['ruler_data']}/<length>/data/vt/validation.jsonl)"},
-        {"task": "qa_1", "length": 256,
-         "why": f"no file (expected {results['ruler_data']}/<length>/data/qa_1/validation.jsonl)"},
+        {
+            "task": "vt",
+            "length": None,
+            "why": f"no data at any length (expected {results['ruler_data']}/<length>/data/vt/validation.jsonl)",
+        },
+        {
+            "task": "qa_1",
+            "length": 256,
+            "why": f"no file (expected {results['ruler_data']}/<length>/data/qa_1/validation.jsonl)",
+        },
     ]
     assert list(results)[:2] == ["suite", "not_scored"]
     lines = output.splitlines()
@@ -195,7 +246,9 @@ def test_tokenizer_mismatch_is_noted(scored):
 
 def test_scan_task_limit_and_fields(tmp_path, tok):
     path = tmp_path / "validation.jsonl"
-    recs = [{"index": 7, "input": f"in{i}", "outputs": [f"a{i}", f"b{i}"], "answer_prefix": " Answer:"} for i in range(3)]
+    recs = [
+        {"index": 7, "input": f"in{i}", "outputs": [f"a{i}", f"b{i}"], "answer_prefix": " Answer:"} for i in range(3)
+    ]
     path.write_text(json.dumps(recs[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in recs[1:]))
     scanned = scan_task(path, "vt", 4096, 2, lambda texts: [len(tok(t)["input_ids"]) for t in texts])
     samples = list(scanned)
@@ -207,7 +260,8 @@ def test_scan_task_limit_and_fields(tmp_path, tok):
     assert len(list(qa)) == 3 and {(s.max_new_tokens, s.metric) for s in qa} == {(32, "part")}
     assert scan_task(path, "qa_2", 20, None, lambda texts: [1] * len(texts)).note == (
         "prompts plus generation reach 33 tokens with this tokenizer, over 20: the data was prepared with another "
-        "tokenizer")
+        "tokenizer"
+    )
     # counted in batches: every count still lands on its own sample
     many = [{"input": "w" * (i + 1), "outputs": ["a"], "answer_prefix": "?"} for i in range(19)]
     path.write_text("".join(json.dumps(r) + "\n" for r in many))
@@ -242,24 +296,38 @@ def test_config_task_names_are_checked():
     assert load_config(None, ["eval.qa_path=null"]).eval.squad_path is None  # run dirs written before the split
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"input": "x", "outputs": ["a"]}\n{"input": "y", "outputs": ["b"\n', "validation.jsonl:2: not valid JSON"),
-    ('{"outputs": ["a"]}\n', "validation.jsonl:1: no text field 'input'"),
-    ('{"input": "x", "outputs": "a"}\n', "validation.jsonl:1: 'outputs' must be a non-empty list of strings"),
-    ('{"input": "x", "outputs": []}\n', "validation.jsonl:1: 'outputs' must be a non-empty list of strings"),
-    ('["x", "a"]\n', "validation.jsonl:1: a list, not a JSON object"),
-    ('{"input": "x", "outputs": ["a"], "answer_prefix": 3}\n', "'answer_prefix' must be a string"),
-    ('{"input": "x", "outputs": ["a"], "length": "long"}\n', "'length' must be an integer"),
-    (b'{"input": "\xff", "outputs": ["a"]}\n', "validation.jsonl: not UTF-8 text"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"input": "x", "outputs": ["a"]}\n{"input": "y", "outputs": ["b"\n', "validation.jsonl:2: not valid JSON"),
+        ('{"outputs": ["a"]}\n', "validation.jsonl:1: no text field 'input'"),
+        ('{"input": "x", "outputs": "a"}\n', "validation.jsonl:1: 'outputs' must be a non-empty list of strings"),
+        ('{"input": "x", "outputs": []}\n', "validation.jsonl:1: 'outputs' must be a non-empty list of strings"),
+        ('["x", "a"]\n', "validation.jsonl:1: a list, not a JSON object"),
+        ('{"input": "x", "outputs": ["a"], "answer_prefix": 3}\n', "'answer_prefix' must be a string"),
+        ('{"input": "x", "outputs": ["a"], "length": "long"}\n', "'length' must be an integer"),
+        (b'{"input": "\xff", "outputs": ["a"]}\n', "validation.jsonl: not UTF-8 text"),
+    ],
+)
 def test_malformed_data_is_one_line(ruler_run, tmp_path, content, message):
     run, _, _ = ruler_run
     folder = tmp_path / "synthetic" / "4096" / "data" / "vt"
     folder.mkdir(parents=True)
     path = folder / "validation.jsonl"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    line = one_error_line(CliRunner().invoke(app, ["eval", str(run / "hf" / "step_10"), "--ruler-data",
-                                                   str(tmp_path / "synthetic"), "--out", str(tmp_path / "o")]))
+    line = one_error_line(
+        CliRunner().invoke(
+            app,
+            [
+                "eval",
+                str(run / "hf" / "step_10"),
+                "--ruler-data",
+                str(tmp_path / "synthetic"),
+                "--out",
+                str(tmp_path / "o"),
+            ],
+        )
+    )
     assert message in line and str(path) in line
 
 
@@ -279,8 +347,13 @@ def test_no_usable_data_is_one_line(ruler_run, tmp_path):
 
 def test_offline_suite_says_it_is_not_ruler_and_names_missing_qa(ruler_run, tmp_path, one_thread):
     run, _, _ = ruler_run
-    out = evaluate(resolve_target(run / "hf" / "step_10"), lengths=[512], tasks=["vt", "qa_1", "qa_2"], samples=1,
-                   out=tmp_path / "o")
+    out = evaluate(
+        resolve_target(run / "hf" / "step_10"),
+        lengths=[512],
+        tasks=["vt", "qa_1", "qa_2"],
+        samples=1,
+        out=tmp_path / "o",
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["suite"] == "RULER-style (not comparable with published RULER numbers)"
     assert results["tasks"] == ["vt"] and [e["task"] for e in results["not_scored"]] == ["qa_1", "qa_2"]

@@ -20,8 +20,13 @@ from lctrain.eval.perplexity import heldout_rows, perplexity
 from lctrain.eval.runner import evaluate, load_model, parse_lengths, resolve_target
 from lctrain.tokenizer import load_tokenizer
 
-TINY = ["model.arch.hidden_size=64", "model.arch.intermediate_size=128", "model.arch.num_hidden_layers=2",
-        "model.arch.num_attention_heads=4", "model.arch.num_key_value_heads=2"]
+TINY = [
+    "model.arch.hidden_size=64",
+    "model.arch.intermediate_size=128",
+    "model.arch.num_hidden_layers=2",
+    "model.arch.num_attention_heads=4",
+    "model.arch.num_key_value_heads=2",
+]
 STEPS = (30, 40)
 
 
@@ -33,9 +38,19 @@ def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("evalrun")
     run = root / "run"
     # 20 windows of 256 tokens; 2 steps x 4 windows leave 12 held out
-    cfg = load_config(None, TINY + ["data.seq_len=256", "data.token_budget=5120", f"data.output_dir={root / 'data'}",
-                                    f"train.run_dir={run}", "train.steps=2", "train.global_batch=4",
-                                    "eval.ppl_windows=2"])
+    cfg = load_config(
+        None,
+        TINY
+        + [
+            "data.seq_len=256",
+            "data.token_budget=5120",
+            f"data.output_dir={root / 'data'}",
+            f"train.run_dir={run}",
+            "train.steps=2",
+            "train.global_batch=4",
+            "eval.ppl_windows=2",
+        ],
+    )
     prepare(cfg)
     write_resolved(cfg, run)
     tok = load_tokenizer(cfg.data.tokenizer)
@@ -75,8 +90,10 @@ def test_average_matches_predictions_by_hand(evaluated):
         assert p["score"] == found
     for task in results["tasks"]:
         # RULER rounds each task's score to two decimals (its summary.csv); the paper averages those
-        per_ckpt = [round(100 * np.mean([p["score"] for p in preds if p["task"] == task and p["checkpoint"] == c]), 2)
-                    for c in results["checkpoints"]]
+        per_ckpt = [
+            round(100 * np.mean([p["score"] for p in preds if p["task"] == task and p["checkpoint"] == c]), 2)
+            for c in results["checkpoints"]
+        ]
         assert results["average"][task]["512"] == pytest.approx(np.mean(per_ckpt))
         for c, v in zip(results["checkpoints"], per_ckpt):
             assert results["scores"][c][task]["512"] == v
@@ -90,9 +107,20 @@ def test_perplexity_on_heldout_windows(evaluated, run_dir):
     ppl = results["perplexity"]
     cfg = load_config(str(run_dir / "config.yaml"))
     packed = open_packed(cfg.data.output_dir)
-    trained = {r for s in range(cfg.train.steps) for r in micro_batch_rows(
-        s, 0, 0, dp=1, micro_batch=cfg.train.global_batch, global_batch=cfg.train.global_batch, seed=cfg.seed,
-        n=len(packed))}
+    trained = {
+        r
+        for s in range(cfg.train.steps)
+        for r in micro_batch_rows(
+            s,
+            0,
+            0,
+            dp=1,
+            micro_batch=cfg.train.global_batch,
+            global_batch=cfg.train.global_batch,
+            seed=cfg.seed,
+            n=len(packed),
+        )
+    }
     rows, available = heldout_rows(len(packed), cfg.train.steps * cfg.train.global_batch, cfg.seed, 100)
     assert set(rows).isdisjoint(trained) and available == len(packed) - len(trained) > 0
     assert ppl["windows"] == 2 and set(ppl["per_checkpoint"]) == {f"step_{s}" for s in STEPS}
@@ -106,7 +134,7 @@ def test_perplexity_on_heldout_windows(evaluated, run_dir):
         labels = ids.clone()
         start = 0
         for n, tags in zip(w["seg_lens"], w["tag_lens"]):
-            labels[0, start:start + 1 + tags] = -100
+            labels[0, start : start + 1 + tags] = -100
             start += n
         with torch.no_grad():
             loss = model(input_ids=ids, labels=labels).loss
@@ -122,8 +150,9 @@ def test_no_heldout_windows_says_so():
 
 
 def test_model_dir_and_out(run_dir, tmp_path):
-    out = evaluate(resolve_target(run_dir / "hf" / f"step_{STEPS[1]}"), lengths=[512], tasks=["vt"], samples=1,
-                   out=tmp_path / "o")
+    out = evaluate(
+        resolve_target(run_dir / "hf" / f"step_{STEPS[1]}"), lengths=[512], tasks=["vt"], samples=1, out=tmp_path / "o"
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["kind"] == "model" and results["checkpoints"] == [f"step_{STEPS[1]}"]
     assert results["perplexity"]["note"].startswith("skipped")
@@ -182,8 +211,10 @@ class FakeVllm(types.ModuleType):
         class LLM:
             def __init__(self, model, dtype, max_model_len, seed, skip_tokenizer_init, gpu_memory_utilization):
                 if refuse:
-                    raise ValueError("The model's max seq len (131072) is larger than the maximum number of tokens "
-                                     "that can be stored in KV cache (52000).\nmore")
+                    raise ValueError(
+                        "The model's max seq len (131072) is larger than the maximum number of tokens "
+                        "that can be stored in KV cache (52000).\nmore"
+                    )
                 assert skip_tokenizer_init and 0 < gpu_memory_utilization <= 1
                 fake.calls.append(max_model_len)
                 self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -208,14 +239,20 @@ class FakeVllm(types.ModuleType):
 def test_vllm_backend_gives_the_hf_backends_answers(evaluated, run_dir, tmp_path, monkeypatch):
     fake = FakeVllm()
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    out = evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt", "fwe"], samples=1, backend="vllm",
-                   out=tmp_path / "vllm")
+    out = evaluate(
+        resolve_target(run_dir), lengths=[512], tasks=["vt", "fwe"], samples=1, backend="vllm", out=tmp_path / "vllm"
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["generation_backend"] == "vllm" and "vLLM" in results["generation_memory"]["step_30"]
     hf_out, hf_results = evaluated
     assert results["scores"] == hf_results["scores"]
-    read = lambda path: [{k: r[k] for k in ("checkpoint", "task", "index", "prediction")}  # noqa: E731
-                         for r in map(json.loads, path.read_text().splitlines())]
+
+    def read(path):
+        return [
+            {k: r[k] for k in ("checkpoint", "task", "index", "prediction")}  # noqa: E731
+            for r in map(json.loads, path.read_text().splitlines())
+        ]
+
     assert read(out / "predictions.jsonl") == read(hf_out / "predictions.jsonl")
     assert len(fake.calls) == len(STEPS)
 

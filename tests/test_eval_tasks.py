@@ -95,7 +95,8 @@ def test_word_extraction_answers_are_the_most_frequent(samples):
         freq = {w: words.count(w) for w in set(words)}
         top = sorted(freq, key=freq.get, reverse=True)[:10]
         assert set(top) == set(s.answers) and min(freq[a] for a in s.answers) > max(
-            f for w, f in freq.items() if w not in s.answers)
+            f for w, f in freq.items() if w not in s.answers
+        )
     for s in samples["fwe"]:
         words = s.prompt.split("\n\n")[1].replace("....", " ").split()
         freq = {w: words.count(w) for w in set(words)}
@@ -109,7 +110,9 @@ def test_zipf_counts_strictly_ranked():
 
 
 def test_fit_units_against_linear_search():
-    cost = lambda n: 10 + 3 * n
+    def cost(n):
+        return 10 + 3 * n
+
     for budget in (9, 10, 12, 13, 100, 1001):
         expected = max([n for n in range(400) if cost(n) <= budget], default=-1)
         assert fit_units(cost, budget) == expected
@@ -122,8 +125,21 @@ def test_too_short_length_is_a_user_error(count):
 
 
 def test_every_generated_task_is_rulers_and_qa_needs_its_file():
-    rulers_13 = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
-                 "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
+    rulers_13 = [
+        "niah_single_1",
+        "niah_single_2",
+        "niah_single_3",
+        "niah_multikey_1",
+        "niah_multikey_2",
+        "niah_multikey_3",
+        "niah_multivalue",
+        "niah_multiquery",
+        "vt",
+        "cwe",
+        "fwe",
+        "qa_1",
+        "qa_2",
+    ]
     assert list(task_specs(0)) == rulers_13[:-2]
     # RULER's scripts/data/synthetic/constants.py: tokens_to_generate per base task
     expected = {"vt": 30, "cwe": 120, "fwe": 50, **{t: 128 for t in rulers_13[:8]}}
@@ -134,18 +150,38 @@ def test_every_generated_task_is_rulers_and_qa_needs_its_file():
 
 
 def _squad(tmp_path):
-    data = {"data": [{"title": f"t{i}", "paragraphs": [{
-        "context": f"Paragraph {i}: the river town number {i} was founded by settler {i * 7}.",
-        "qas": [{"question": f"Who founded town {i}?", "answers": [{"text": f"settler {i * 7}"}]},
-                {"question": "unanswerable?", "answers": [], "is_impossible": True}]}]} for i in range(30)]}
+    data = {
+        "data": [
+            {
+                "title": f"t{i}",
+                "paragraphs": [
+                    {
+                        "context": f"Paragraph {i}: the river town number {i} was founded by settler {i * 7}.",
+                        "qas": [
+                            {"question": f"Who founded town {i}?", "answers": [{"text": f"settler {i * 7}"}]},
+                            {"question": "unanswerable?", "answers": [], "is_impossible": True},
+                        ],
+                    }
+                ],
+            }
+            for i in range(30)
+        ]
+    }
     p = tmp_path / "squad.json"
     p.write_text(json.dumps(data))
     return p
 
 
 def _hotpot(tmp_path):
-    hotpot = [{"question": f"q{i}?", "answer": f"a{i}", "supporting_facts": [[f"T{i}", 0]],
-               "context": [[f"T{i}", [f"Fact {i} is a{i}."]], [f"U{i}", ["Noise."]]]} for i in range(5)]
+    hotpot = [
+        {
+            "question": f"q{i}?",
+            "answer": f"a{i}",
+            "supporting_facts": [[f"T{i}", 0]],
+            "context": [[f"T{i}", [f"Fact {i} is a{i}."]], [f"U{i}", ["Noise."]]],
+        }
+        for i in range(5)
+    ]
     p = tmp_path / "hotpot.json"
     p.write_text(json.dumps(hotpot))
     return p

@@ -32,8 +32,9 @@ def test_runs_and_its_path_is_greedy(tmp_path, capsys):
 
     lm = bench.build("tiny", torch.device("cpu"))
     ids = torch.randint(3, 32000, (96,), generator=torch.Generator().manual_seed(0)).tolist()
-    gen = GenerationConfig(max_new_tokens=5, do_sample=False, num_beams=1, use_cache=True, eos_token_id=None,
-                           pad_token_id=0)
+    gen = GenerationConfig(
+        max_new_tokens=5, do_sample=False, num_beams=1, use_cache=True, eos_token_id=None, pad_token_id=0
+    )
     x = torch.tensor([ids])
     with torch.no_grad():
         want = lm.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen)[0, 96:].tolist()

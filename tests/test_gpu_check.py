@@ -33,8 +33,9 @@ def test_report_merges_stages_across_invocations(gc, tmp_path):
     path = tmp_path / "gpu_check.json"
     first = gc.StageResult("tests", seconds=12.0, columns=["result", "count"], rows=[["passed", 24]])
     gc.merge_report(path, [first], {"gpu": "H100", "torch": "2.11"})
-    train = gc.StageResult("train", seconds=99.0, targets=[dict(name="anchor step / full step", value=0.62,
-                                                                goal="<= 0.5", met=False)])
+    train = gc.StageResult(
+        "train", seconds=99.0, targets=[dict(name="anchor step / full step", value=0.62, goal="<= 0.5", met=False)]
+    )
     train.fail("slow")
     report = gc.merge_report(path, [train, gc.StageResult("install")], {"date": "today"})
     assert list(report["stages"]) == ["install", "tests", "train"]  # stage order, the earlier result kept
@@ -48,12 +49,18 @@ def test_report_merges_stages_across_invocations(gc, tmp_path):
     assert "- slow" in md
 
 
-JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
-<testcase classname="tests.test_a" name="test_ok" time="0.1"/>
-<testcase classname="tests.test_a" name="test_bad" time="0.1"><failure message="assert 1 == 2">trace</failure></testcase>
-<testcase classname="tests.test_a" name="test_fa" time="0"><skipped message="optional package flash-attn not installed"/></testcase>
-<testcase classname="tests.test_a" name="test_cuda" time="0"><skipped message="needs CUDA"/></testcase>
-</testsuite></testsuites>"""
+JUNIT = "\n".join(
+    [
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">',
+        '<testcase classname="tests.test_a" name="test_ok" time="0.1"/>',
+        '<testcase classname="tests.test_a" name="test_bad" time="0.1">'
+        '<failure message="assert 1 == 2">trace</failure></testcase>',
+        '<testcase classname="tests.test_a" name="test_fa" time="0">'
+        '<skipped message="optional package flash-attn not installed"/></testcase>',
+        '<testcase classname="tests.test_a" name="test_cuda" time="0"><skipped message="needs CUDA"/></testcase>',
+        "</testsuite></testsuites>",
+    ]
+)
 
 
 def test_judging_gpu_test_results(gc, tmp_path):
@@ -80,8 +87,10 @@ def test_a_timed_out_benchmark_keeps_its_rows_and_kills_its_processes(gc, tmp_pa
     r = gc.StageResult("attention")
     runner = gc.Runner(r, tmp_path, limit=3.0)
     # writes one row, then a child process that would outlive a plain kill of its parent
-    script = (f"import json, subprocess, sys, time; open({str(out)!r}, 'w').write(json.dumps({{'rows': [1]}}));"
-              f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)")
+    script = (
+        f"import json, subprocess, sys, time; open({str(out)!r}, 'w').write(json.dumps({{'rows': [1]}}));"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    )
     data = gc.run_bench(runner, [sys.executable, "-c", script], out)
     assert data == {"rows": [1]}
     assert r.status == "failed" and "time limit (3 s)" in r.notes[0]

@@ -16,8 +16,12 @@ def data(tmp_path_factory):
     from lctrain.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("inspect") / "data"
-    return prepare(load_config(None, ["data.seq_len=256", "data.token_budget=12000", f"data.output_dir={out}",
-                                      "data.interleave_chunks=true"]))
+    return prepare(
+        load_config(
+            None,
+            ["data.seq_len=256", "data.token_budget=12000", f"data.output_dir={out}", "data.interleave_chunks=true"],
+        )
+    )
 
 
 def dense_pairs(seq_len, seg_lens, seg_doc):

@@ -22,8 +22,12 @@ def loop_reference(seg_lens, seg_doc, tag_lens) -> np.ndarray:
 
 def window(seg_lens, seg_doc, tag_lens):
     L = sum(seg_lens)
-    return {"input_ids": np.arange(3, 3 + L), "seg_lens": np.array(seg_lens), "seg_doc": np.array(seg_doc),
-            "tag_lens": np.array(tag_lens)}
+    return {
+        "input_ids": np.arange(3, 3 + L),
+        "seg_lens": np.array(seg_lens),
+        "seg_doc": np.array(seg_doc),
+        "tag_lens": np.array(tag_lens),
+    }
 
 
 def test_plain_packing_leaves_out_anchors_and_tags():

@@ -67,8 +67,11 @@ def survivors(procs: list[psutil.Process], timeout: float = 30) -> list[psutil.P
 
 def test_run_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
     with RunLock(tmp_path / "run", "lctrain train"):
-        with pytest.raises(UserError, match=rf"is being trained by pid {os.getpid()} on .*'lctrain train'.*kill "
-                                            rf"{os.getpid()}"):
+        with pytest.raises(
+            UserError,
+            match=rf"is being trained by pid {os.getpid()} on .*'lctrain train'.*kill "
+            rf"{os.getpid()}",
+        ):
             with RunLock(tmp_path / "run", "lctrain resume"):
                 pass
     with RunLock(tmp_path / "run", "lctrain resume"):  # released when its holder is done
@@ -118,8 +121,12 @@ def test_kill_9_of_the_launching_command_takes_its_workers_along(data_dir, tmp_p
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "kill"])
 def test_a_killed_prepare_takes_its_tokenizer_workers_along(tmp_path, sig):
-    over = [f"data.output_dir={tmp_path / 'big'}", "data.num_workers=2", "data.token_budget=50000000",
-            "data.synthetic.num_docs=200000"]
+    over = [
+        f"data.output_dir={tmp_path / 'big'}",
+        "data.num_workers=2",
+        "data.token_budget=50000000",
+        "data.synthetic.num_docs=200000",
+    ]
     proc = start(lctrain("prepare", *set_args(over)))
     deadline = time.monotonic() + 120
     while len(psutil.Process(proc.pid).children()) < 3:  # the two workers and multiprocessing's resource tracker
@@ -143,8 +150,13 @@ def test_retry_after_a_kill_before_the_first_checkpoint_starts_a_clean_run(data_
     wait_for_steps(run_dir, 3, proc)
     proc.kill()
     proc.wait()
-    retry = subprocess.run(lctrain("train", *set_args(base + ["train.steps=2", "checkpoint.hf_last=0"])),
-                           env=clean_env(), capture_output=True, text=True, timeout=300)
+    retry = subprocess.run(
+        lctrain("train", *set_args(base + ["train.steps=2", "checkpoint.hf_last=0"])),
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert retry.returncode == 0, retry.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]

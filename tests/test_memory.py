@@ -11,24 +11,41 @@ import math
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 from train_helpers import one_error_line
+from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
-from lctrain.memory import Budget, GB, layer_saved_bytes, longest_seq_len, plan_memory
+from lctrain.memory import GB, Budget, layer_saved_bytes, longest_seq_len, plan_memory
 
 VOCAB = 1024
-ARCH = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=False)
+ARCH = dict(
+    model_type="llama",
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 
 
 def config(seq_len, *extra):
-    return load_config(None, [f"data.seq_len={seq_len}", "model.dtype=float32", f"model.arch={json.dumps(ARCH)}",
-                              "train.global_batch=1", "train.micro_batch=1", "parallel.zero_stage=0",
-                              "attention.engine=sdpa", *extra])
+    return load_config(
+        None,
+        [
+            f"data.seq_len={seq_len}",
+            "model.dtype=float32",
+            f"model.arch={json.dumps(ARCH)}",
+            "train.global_batch=1",
+            "train.micro_batch=1",
+            "parallel.zero_stage=0",
+            "attention.engine=sdpa",
+            *extra,
+        ],
+    )
 
 
 def hf_config(dtype=torch.float32, **arch):
@@ -42,14 +59,26 @@ def windows(seq_len):
     from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 
     seg = slimpajama_like_layouts(seq_len, 1, 0)
-    return [{"input_ids": window_ids(seg, vocab=VOCAB, anchor=1, seed=0), "seg_lens": [np.array(s) for s in seg],
-             "seg_doc": [np.arange(len(s)) for s in seg], "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg]}]
+    return [
+        {
+            "input_ids": window_ids(seg, vocab=VOCAB, anchor=1, seed=0),
+            "seg_lens": [np.array(s) for s in seg],
+            "seg_doc": [np.arange(len(s)) for s in seg],
+            "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg],
+        }
+    ]
 
 
-@pytest.mark.parametrize("extra", [[], ["model.gradient_checkpointing=true"],
-                                   ["model.gradient_checkpointing=true", "model.tiled_mlp=auto"],
-                                   ["parallel.zero_stage=1", "model.tiled_mlp=4"]],
-                         ids=["plain", "checkpointing", "checkpointing+tiled", "zero1+tiled4"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["model.gradient_checkpointing=true"],
+        ["model.gradient_checkpointing=true", "model.tiled_mlp=auto"],
+        ["parallel.zero_stage=1", "model.tiled_mlp=4"],
+    ],
+    ids=["plain", "checkpointing", "checkpointing+tiled", "zero1+tiled4"],
+)
 def test_prediction_within_15_percent_of_the_measured_peak(extra):
     from lctrain.parallel.groups import init_topology, release_single_process
     from lctrain.train.metrics import cpu_peak_bytes
@@ -81,8 +110,9 @@ def test_prediction_within_15_percent_of_the_measured_peak(extra):
 
 
 # wide enough that the optimizer partition (100M parameters, 0.4 GB in fp32) outweighs the 1 GB reduce bucket's noise
-WIDE = dict(ARCH, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=8)
+WIDE = dict(
+    ARCH, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8
+)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["zero3", "zero3+offload"])
@@ -95,9 +125,19 @@ def test_optimizer_step_peak_within_15_percent(offload):
     from lctrain.train.metrics import cpu_peak_bytes
     from lctrain.train.trainer import Trainer
 
-    cfg = load_config(None, ["data.seq_len=512", "model.dtype=float32", f"model.arch={json.dumps(WIDE)}",
-                             "train.global_batch=1", "train.micro_batch=1", "parallel.zero_stage=3",
-                             f"parallel.offload_optimizer={str(offload).lower()}", "attention.engine=sdpa"])
+    cfg = load_config(
+        None,
+        [
+            "data.seq_len=512",
+            "model.dtype=float32",
+            f"model.arch={json.dumps(WIDE)}",
+            "train.global_batch=1",
+            "train.micro_batch=1",
+            "parallel.zero_stage=3",
+            f"parallel.offload_optimizer={str(offload).lower()}",
+            "attention.engine=sdpa",
+        ],
+    )
     batch = windows(512)
 
     def setup():
@@ -110,8 +150,9 @@ def test_optimizer_step_peak_within_15_percent(offload):
     finally:
         release_single_process()
     fields = {k: v for k, v in WIDE.items() if k != "model_type"}
-    plan = plan_memory(cfg, ModelShape.from_hf_config(AutoConfig.for_model("llama", vocab_size=VOCAB, **fields)),
-                       gpu=False)
+    plan = plan_memory(
+        cfg, ModelShape.from_hf_config(AutoConfig.for_model("llama", vocab_size=VOCAB, **fields)), gpu=False
+    )
     step = sum(i.bytes for i in plan.items if i.kind == "step")
     assert step > sum(i.bytes for i in plan.items if i.kind in ("saved", "transient"))  # the step's peak is tested
     assert abs((plan.total("device") + plan.total("host")) / peak - 1) <= 0.15, (plan.items, peak, states)
@@ -128,8 +169,13 @@ def test_layer_saved_bytes_match_autograd_saved_tensors(dtype):
     hf._attn_implementation = hf_name("sdpa")
     layer = LlamaDecoderLayer(hf, 0).to(dtype)
     tokens = 1024
-    batch = make_batch(torch.randint(0, VOCAB, (1, tokens)), [np.array([400, 624])], "anchor",
-                       seg_doc=[np.arange(2)], tag_lens=[np.zeros(2, dtype=np.int64)])
+    batch = make_batch(
+        torch.randint(0, VOCAB, (1, tokens)),
+        [np.array([400, 624])],
+        "anchor",
+        seg_doc=[np.arange(2)],
+        tag_lens=[np.zeros(2, dtype=np.int64)],
+    )
     segments = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "shift_labels", "position_ids")}
     x = torch.randn(1, tokens, hf.hidden_size, dtype=dtype, requires_grad=True)
     with torch.no_grad():
@@ -163,8 +209,9 @@ def test_param_count_is_the_models():
 def test_zero2_over_four_ranks_shards_adam_and_gradients():
     shape = ModelShape.from_hf_config(hf_config())
     n = shape.param_count()
-    cfg = config(1024, "parallel.zero_stage=2", "parallel.nproc_per_node=4", "train.global_batch=4",
-                 "model.dtype=bfloat16")
+    cfg = config(
+        1024, "parallel.zero_stage=2", "parallel.nproc_per_node=4", "train.global_batch=4", "model.dtype=bfloat16"
+    )
     items = {i.name: i for i in plan_memory(cfg, shape).items}
     per_rank = math.ceil(n / 4)
     partitions = [min(per_rank, n - r * per_rank) for r in range(4)]  # ZeRO pads the last one to per_rank
@@ -181,8 +228,13 @@ def test_reduce_bucket_is_fp32_under_zero1_and_sequence_parallelism(stage, sp, e
     # Ulysses; measured by tests/test_memory_bench.py's two-rank run, whose peak is mostly this bucket
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    cfg = config(1024, f"parallel.zero_stage={stage}", f"parallel.nproc_per_node={sp}",
-                 f"parallel.sequence_parallel={sp}", "model.dtype=bfloat16")
+    cfg = config(
+        1024,
+        f"parallel.zero_stage={stage}",
+        f"parallel.nproc_per_node={sp}",
+        f"parallel.sequence_parallel={sp}",
+        "model.dtype=bfloat16",
+    )
     items = {i.name: i for i in plan_memory(cfg, ModelShape.from_hf_config(hf_config())).items}
     assert items["DeepSpeed reduce bucket"].bytes == DeepSpeedZeroConfig().reduce_bucket_size * element_bytes
 
@@ -190,26 +242,39 @@ def test_reduce_bucket_is_fp32_under_zero1_and_sequence_parallelism(stage, sp, e
 def test_offload_moves_optimizer_states_to_the_host():
     shape = ModelShape.from_hf_config(hf_config())
     n = shape.param_count()
-    overrides = ["parallel.zero_stage=3", "model.dtype=bfloat16", "parallel.offload_optimizer=true",
-                 "parallel.offload_params=true"]
+    overrides = [
+        "parallel.zero_stage=3",
+        "model.dtype=bfloat16",
+        "parallel.offload_optimizer=true",
+        "parallel.offload_params=true",
+    ]
     on_gpu = plan_memory(config(1024, *overrides), shape)  # the trainer's choice there: DeepSpeed's CPU Adam
     pinned = 2 ** math.ceil(math.log2(4 * n))  # PyTorch's page-locked blocks are powers of two
     assert {i.name: i.bytes for i in on_gpu.items if i.where == "host"} == {
-        "weights (ZeRO-3 shard)": 2 * n, "fp32 gradient partition": pinned, "fp32 gradients of the host step": pinned,
-        "fp32 master weights": 4 * n, "Adam moments (fp32)": 8 * n,
-        "unpinned copy while the engine is built": 4 * n}
+        "weights (ZeRO-3 shard)": 2 * n,
+        "fp32 gradient partition": pinned,
+        "fp32 gradients of the host step": pinned,
+        "fp32 master weights": 4 * n,
+        "Adam moments (fp32)": 8 * n,
+        "unpinned copy while the engine is built": 4 * n,
+    }
     assert not [i for i in on_gpu.items if i.kind == "step"]  # CPU Adam updates in place
     states = sum(i.bytes for i in on_gpu.items if i.where == "host" and i.kind == "state")
     assert on_gpu.total("host") == states + 4 * n  # the construction's copy is this plan's host peak
     with_torch_adam = plan_memory(config(1024, *overrides, "train.torch_adam=true"), shape)
     assert [(i.name, i.bytes, i.where) for i in with_torch_adam.items if i.kind == "step"] == [
-        ("AdamW temporaries", 2 * 4 * n, "host")]  # single-tensor AdamW on host tensors: sqrt(v) and its quotient
-    zero2 = plan_memory(config(1024, "parallel.zero_stage=2", "model.dtype=bfloat16",
-                               "parallel.offload_optimizer=true"), shape)
+        ("AdamW temporaries", 2 * 4 * n, "host")
+    ]  # single-tensor AdamW on host tensors: sqrt(v) and its quotient
+    zero2 = plan_memory(
+        config(1024, "parallel.zero_stage=2", "model.dtype=bfloat16", "parallel.offload_optimizer=true"), shape
+    )
     assert {i.name: i.bytes for i in zero2.items if i.where == "host"} == {  # stage_1_and_2.py's pinned buffers
-        "fp32 gradient partition": pinned, "fp32 master weights": pinned, "Adam moments (fp32)": 8 * n,
+        "fp32 gradient partition": pinned,
+        "fp32 master weights": pinned,
+        "Adam moments (fp32)": 8 * n,
         "model-dtype partition for the upload": 2 ** math.ceil(math.log2(2 * n)),
-        "unpinned copy while the engine is built": 4 * n}
+        "unpinned copy while the engine is built": 4 * n,
+    }
     on_cpu = plan_memory(config(1024, *overrides), shape, gpu=False)  # nothing is page-locked on the CPU
     assert {i.name: i.bytes for i in on_cpu.items}["fp32 gradient partition"] == 4 * n
     assert not [i for i in on_cpu.items if i.kind == "build"]
@@ -234,8 +299,11 @@ def test_fixes_combine_when_none_fits_alone():
     plain = plan_memory(cfg, shape)
     # a device between the plain plan less its optimizer states and less its hidden states too: each alone falls
     # short, both together fit
-    states = sum(i.bytes for i in plain.items if i.name in ("fp32 master weights", "Adam moments (fp32)",
-                                                             "fp32 gradient partition"))
+    states = sum(
+        i.bytes
+        for i in plain.items
+        if i.name in ("fp32 master weights", "Adam moments (fp32)", "fp32 gradient partition")
+    )
     hidden = next(i.bytes for i in plain.items if i.name == "checkpointed hidden states")
     need = Budget(device=1 << 50, host=1 << 50, label="any").need(plain)[0]  # with the runtime overhead
     budget = Budget(device=need - states - hidden // 2, host=1 << 40, label="test")
@@ -271,15 +339,22 @@ def test_plan_cli_prints_a_verdict_and_json(tmp_path):
     assert json.loads(out.read_text())["fits"] is True
 
 
-@pytest.mark.parametrize("args", [["--gpu-mem", "-1"], ["--host-mem", "0"], ["-c", "no_such_config"],
-                                  ["--json", "/proc/no_such_dir/plan.json"]])
+@pytest.mark.parametrize(
+    "args",
+    [["--gpu-mem", "-1"], ["--host-mem", "0"], ["-c", "no_such_config"], ["--json", "/proc/no_such_dir/plan.json"]],
+)
 def test_plan_cli_bad_input_is_one_line(args):
     one_error_line(CliRunner().invoke(app, ["plan", *args]))
 
 
-@pytest.mark.parametrize("name,published", [("meta-llama/Llama-2-7b-hf", 6_738_415_616),
-                                            ("meta-llama/Meta-Llama-3-8B", 8_030_261_248),
-                                            ("mistralai/Mistral-7B-v0.3", 7_248_023_552)])
+@pytest.mark.parametrize(
+    "name,published",
+    [
+        ("meta-llama/Llama-2-7b-hf", 6_738_415_616),
+        ("meta-llama/Meta-Llama-3-8B", 8_030_261_248),
+        ("mistralai/Mistral-7B-v0.3", 7_248_023_552),
+    ],
+)
 def test_known_base_models_have_their_published_parameter_counts(name, published):
     from lctrain.model import model_shape
 

@@ -20,8 +20,21 @@ def load_bench():
 def test_cpu_rows_are_written_and_predicted(tmp_path, monkeypatch):
     bench = load_bench()
     out = tmp_path / "bench.json"
-    monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--seq-len", "1024", "--steps", "1", "--settings",
-                                      "baseline,checkpointing+tiled_mlp", "--out", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_memory.py",
+            "--seq-len",
+            "1024",
+            "--steps",
+            "1",
+            "--settings",
+            "baseline,checkpointing+tiled_mlp",
+            "--out",
+            str(out),
+        ],
+    )
     bench.main()
     rows = json.loads(out.read_text())["results"]
     assert [r["setting"] for r in rows] == ["baseline", "checkpointing+tiled_mlp"]
@@ -34,9 +47,32 @@ def test_the_eight_gpu_preset_ladder_runs_launched_ranks_on_cpu(tmp_path, monkey
     # the llama2-7b-1m preset's path (every length its own launch of Ulysses ranks under ZeRO-3) with two gloo ranks
     # and a small model: each row is the most any rank held, against that rank's plan
     out = tmp_path / "ladder.json"
-    monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--preset", "llama2-7b-1m", "--arch", "small", "--vocab",
-                                      "1024", "--nproc", "2", "--seq-len", "2048", "--ladder", "--ladder-step", "2048",
-                                      "--ladder-max", "4096", "--steps", "1", "--out", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_memory.py",
+            "--preset",
+            "llama2-7b-1m",
+            "--arch",
+            "small",
+            "--vocab",
+            "1024",
+            "--nproc",
+            "2",
+            "--seq-len",
+            "2048",
+            "--ladder",
+            "--ladder-step",
+            "2048",
+            "--ladder-max",
+            "4096",
+            "--steps",
+            "1",
+            "--out",
+            str(out),
+        ],
+    )
     load_bench().main()
     report = json.loads(out.read_text())
     rows = report["results"]
@@ -47,8 +83,11 @@ def test_the_eight_gpu_preset_ladder_runs_launched_ranks_on_cpu(tmp_path, monkey
 
 
 def test_a_layout_the_heads_cannot_split_is_refused_before_launch(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--preset", "llama2-7b-1m", "--arch", "small", "--nproc", "3",
-                                      "--seq-len", "3072"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["bench_memory.py", "--preset", "llama2-7b-1m", "--arch", "small", "--nproc", "3", "--seq-len", "3072"],
+    )
     with pytest.raises(SystemExit, match="4 attention heads are not divisible by parallel.sequence_parallel = 3"):
         load_bench().main()
 
@@ -73,9 +112,28 @@ def test_one_gpu_ladder_keeps_one_trainer_and_stops_at_the_first_out_of_memory(t
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "simulated GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     out = tmp_path / "one.json"
-    monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--preset", "llama2-7b-128k", "--arch", "small", "--vocab",
-                                      "1024", "--seq-len", "1024", "--ladder", "--ladder-step", "1024", "--steps", "1",
-                                      "--out", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_memory.py",
+            "--preset",
+            "llama2-7b-128k",
+            "--arch",
+            "small",
+            "--vocab",
+            "1024",
+            "--seq-len",
+            "1024",
+            "--ladder",
+            "--ladder-step",
+            "1024",
+            "--steps",
+            "1",
+            "--out",
+            str(out),
+        ],
+    )
     bench.main()
     report = json.loads(out.read_text())
     assert [(r["seq_len"], r["oom"]) for r in report["results"]] == [(1024, False), (2048, False), (3072, True)]
@@ -88,8 +146,17 @@ def test_layers_auto_keeps_the_most_layers_whose_host_states_fit():
     from types import SimpleNamespace
 
     bench = load_bench()
-    args = SimpleNamespace(preset="llama2-7b-128k", nproc=None, arch=None, layers="auto", vocab=None, adam="torch",
-                           warmup=1, steps=1, seed=0)
+    args = SimpleNamespace(
+        preset="llama2-7b-128k",
+        nproc=None,
+        arch=None,
+        layers="auto",
+        vocab=None,
+        adam="torch",
+        warmup=1,
+        steps=1,
+        seed=0,
+    )
     spec = bench.preset_spec(args)
     available = 128 * 2**30  # the GPU machines lent to this project
     fitted = bench.fit_layers(spec, 131072, available, gpu=True)
@@ -121,10 +188,15 @@ def test_ulysses_activations_without_checkpointing_match_the_plan_per_rank(tmp_p
     from types import SimpleNamespace
 
     bench = load_bench()
-    settings = ["model.dtype=bfloat16", "parallel.zero_stage=3", "attention.mode=anchor", "parallel.nproc_per_node=2",
-                "parallel.sequence_parallel=2", "train.torch_adam=true"]
-    spec = {"arch": bench.CPU_ARCH, "vocab": 1024, "settings": settings, "nproc": 2, "warmup": 1, "steps": 1,
-            "seed": 0}
+    settings = [
+        "model.dtype=bfloat16",
+        "parallel.zero_stage=3",
+        "attention.mode=anchor",
+        "parallel.nproc_per_node=2",
+        "parallel.sequence_parallel=2",
+        "train.torch_adam=true",
+    ]
+    spec = {"arch": bench.CPU_ARCH, "vocab": 1024, "settings": settings, "nproc": 2, "warmup": 1, "steps": 1, "seed": 0}
     rows = []
     args = SimpleNamespace(ladder=False, ladder_step=None, ladder_max=None, time_limit=None)
     bench.launched_rows(args, spec, 32768, tmp_path / "sp.json", rows, {})

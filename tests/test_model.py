@@ -12,8 +12,15 @@ from lctrain.config import Config, load_config
 from lctrain.errors import UserError
 from lctrain.model import attn_implementation, build_model, default_rope_theta, rotary_in_fp32
 
-ARCH = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2}
+ARCH = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "initializer_range": 0.2,
+}
 
 
 def config(*overrides, arch=ARCH):
@@ -27,8 +34,9 @@ def rotary(model):
     return model.model.rotary_emb
 
 
-@pytest.mark.parametrize("seq_len,theta", [(1024, 1e6), (16384, 1e6), (32768, 1e6), (65536, 5e6), (131072, 1e7),
-                                           (262144, 5e7)])
+@pytest.mark.parametrize(
+    "seq_len,theta", [(1024, 1e6), (16384, 1e6), (32768, 1e6), (65536, 5e6), (131072, 1e7), (262144, 5e7)]
+)
 def test_default_rope_theta_follows_table_1(seq_len, theta):
     assert default_rope_theta(seq_len) == theta
 
@@ -66,8 +74,13 @@ def test_rope_scaling_passes_through():
 
 
 # Llama-2-7B's rotary layout (head_dim 4096 / 32 = 128) and pretraining length (4K) in a model small enough to build
-LLAMA2_ROTARY = {**ARCH, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
-                 "max_position_embeddings": 4096}
+LLAMA2_ROTARY = {
+    **ARCH,
+    "hidden_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
 
 
 def paper_model(name):
@@ -130,19 +143,25 @@ def test_table2_rope_rows_are_plain_rope(row, base):
 def test_dynamic_ntk_within_the_training_length_is_plain_rope_and_says_so(caplog):
     plain = build_model(config("model.rope_theta=10000"), vocab_size=100)
     with caplog.at_level(logging.WARNING, logger="lctrain.model"):
-        dynamic = build_model(config("model.rope_theta=10000", "model.rope_scaling={rope_type: dynamic, factor: 16}"),
-                              vocab_size=100)
+        dynamic = build_model(
+            config("model.rope_theta=10000", "model.rope_scaling={rope_type: dynamic, factor: 16}"), vocab_size=100
+        )
     assert "the paper's NTK-aware scaling is rope_type: ntk" in caplog.text
     assert torch.equal(rotary(dynamic).inv_freq, rotary(plain).inv_freq)
 
 
-@pytest.mark.parametrize("scaling,match", [
-    ("{rope_type: ntk}", "factor = None: rope_type 'ntk' needs a factor >= 1"),
-    ("{rope_type: ntk, factor: 0.5}", "factor = 0.5: rope_type 'ntk' needs a factor >= 1"),
-    ("{rope_type: ntk, factor: true}", "factor = True: rope_type 'ntk' needs a factor >= 1"),
-    ("{rope_type: ntk, factor: 16, original_max_position_embeddings: 4096}",
-     "rope_type 'ntk' takes only factor .* not original_max_position_embeddings"),
-])
+@pytest.mark.parametrize(
+    "scaling,match",
+    [
+        ("{rope_type: ntk}", "factor = None: rope_type 'ntk' needs a factor >= 1"),
+        ("{rope_type: ntk, factor: 0.5}", "factor = 0.5: rope_type 'ntk' needs a factor >= 1"),
+        ("{rope_type: ntk, factor: true}", "factor = True: rope_type 'ntk' needs a factor >= 1"),
+        (
+            "{rope_type: ntk, factor: 16, original_max_position_embeddings: 4096}",
+            "rope_type 'ntk' takes only factor .* not original_max_position_embeddings",
+        ),
+    ],
+)
 def test_ntk_user_errors(scaling, match):
     with pytest.raises(UserError, match=match):
         build_model(config(f"model.rope_scaling={scaling}"), vocab_size=100)
@@ -238,21 +257,27 @@ def test_rope_fp32_model_is_closer_to_fp32_than_plain_bf16():
     assert errs["rope_fp32"] < errs["plain"], errs
 
 
-@pytest.mark.parametrize("overrides,arch,match", [
-    (["attention.engine=varlen"], ARCH, "needs a CUDA GPU"),
-    ([], {k: v for k, v in ARCH.items() if k != "model_type"}, "needs a model_type"),
-    ([], {**ARCH, "attention_dropout": 0.1}, "attention dropout"),
-    ([], {**ARCH, "model_type": "no-such-model"}, "'no-such-model' is not a transformers model type"),
-    ([], {**ARCH, "model_type": "lama"}, "did you mean llama"),
-    ([], {**ARCH, "num_hidden_layer": 3}, "model.arch.num_hidden_layer is not a 'llama' configuration key; did you "
-                                          "mean num_hidden_layers"),
-    ([], {**ARCH, "num_attention_heads": 5, "num_key_value_heads": 5}, "not a multiple of the number of attention"),
-    ([], {**ARCH, "hidden_size": "abc"}, "hidden_size = 'abc' must be a positive integer"),
-    ([], {**ARCH, "hidden_size": -8}, "hidden_size = -8 must be a positive integer"),
-    ([], {**ARCH, "num_attention_heads": 0}, "num_attention_heads = 0 must be a positive integer"),
-    ([], {**ARCH, "num_hidden_layers": True}, "num_hidden_layers = True must be a positive integer"),
-    ([], {**ARCH, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads = 3"),
-])
+@pytest.mark.parametrize(
+    "overrides,arch,match",
+    [
+        (["attention.engine=varlen"], ARCH, "needs a CUDA GPU"),
+        ([], {k: v for k, v in ARCH.items() if k != "model_type"}, "needs a model_type"),
+        ([], {**ARCH, "attention_dropout": 0.1}, "attention dropout"),
+        ([], {**ARCH, "model_type": "no-such-model"}, "'no-such-model' is not a transformers model type"),
+        ([], {**ARCH, "model_type": "lama"}, "did you mean llama"),
+        (
+            [],
+            {**ARCH, "num_hidden_layer": 3},
+            "model.arch.num_hidden_layer is not a 'llama' configuration key; did you mean num_hidden_layers",
+        ),
+        ([], {**ARCH, "num_attention_heads": 5, "num_key_value_heads": 5}, "not a multiple of the number of attention"),
+        ([], {**ARCH, "hidden_size": "abc"}, "hidden_size = 'abc' must be a positive integer"),
+        ([], {**ARCH, "hidden_size": -8}, "hidden_size = -8 must be a positive integer"),
+        ([], {**ARCH, "num_attention_heads": 0}, "num_attention_heads = 0 must be a positive integer"),
+        ([], {**ARCH, "num_hidden_layers": True}, "num_hidden_layers = True must be a positive integer"),
+        ([], {**ARCH, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads = 3"),
+    ],
+)
 def test_user_errors(overrides, arch, match):
     with pytest.raises(UserError, match=match):
         build_model(config(*overrides, arch=arch), vocab_size=100)

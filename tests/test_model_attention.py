@@ -11,16 +11,23 @@ from lctrain.attention import make_batch
 from lctrain.config import load_config
 from lctrain.model import build_model
 
-ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            initializer_range=0.2)
+ARCH = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+)
 VOCAB = 1000
 # Qwen has no BOS: its anchor is EOS.
 ANCHOR = {"llama": 1, "mistral": 1, "qwen2": 2}
 
 
 def tiny(model_type, mode, engine="sdpa", seq_len=64, **model_overrides):
-    cfg = load_config(None, [f"data.seq_len={seq_len}", "model.dtype=float32", f"attention.mode={mode}",
-                             f"attention.engine={engine}"])
+    cfg = load_config(
+        None, [f"data.seq_len={seq_len}", "model.dtype=float32", f"attention.mode={mode}", f"attention.engine={engine}"]
+    )
     extra = {"bos_token_id": None, "eos_token_id": 2} if model_type == "qwen2" else {}
     cfg.model.arch = {"model_type": model_type, **ARCH, **extra}
     for key, value in model_overrides.items():
@@ -43,8 +50,11 @@ def stock(model, ids, positions):
     impl = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        return model(input_ids=ids[None], position_ids=torch.as_tensor(positions)[None],
-                     attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0]
+        return model(
+            input_ids=ids[None],
+            position_ids=torch.as_tensor(positions)[None],
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        ).logits[0]
     finally:
         model.set_attn_implementation(impl)
 
@@ -63,8 +73,8 @@ def test_anchor_mode_is_one_shared_anchor_per_document(model_type, engine):
     got = packed(model, make_batch(ids, [seg_lens], "anchor", tag_lens=[tags], anchor_id=ANCHOR[model_type]))
     for s, n in zip(starts, seg_lens):
         # [A] d_i alone: the anchor at position 0, the document at its window positions
-        want = stock(model, ids[0, s:s + n], [0] + list(range(s + 1, s + n)))
-        torch.testing.assert_close(got[s:s + n], want, atol=1e-4, rtol=1e-4)
+        want = stock(model, ids[0, s : s + n], [0] + list(range(s + 1, s + n)))
+        torch.testing.assert_close(got[s : s + n], want, atol=1e-4, rtol=1e-4)
 
 
 def test_anchor_mode_interleaved_chunk_sees_its_document_and_one_anchor():
@@ -90,9 +100,9 @@ def test_intra_doc_modes_are_documents_alone_and_differ_only_in_positions(model_
     reset_batch = make_batch(ids, [seg_lens], "intra_doc_reset")
     reset = packed(model, reset_batch)
     for s, n in zip(starts, seg_lens):
-        doc = ids[0, s:s + n]
-        torch.testing.assert_close(intra[s:s + n], stock(model, doc, list(range(s, s + n))), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(reset[s:s + n], stock(model, doc, list(range(n))), atol=1e-4, rtol=1e-4)
+        doc = ids[0, s : s + n]
+        torch.testing.assert_close(intra[s : s + n], stock(model, doc, list(range(s, s + n))), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(reset[s : s + n], stock(model, doc, list(range(n))), atol=1e-4, rtol=1e-4)
     # the two modes share the mask: intra_doc with reset positions is intra_doc_reset
     intra_with_reset_positions = make_batch(ids, [seg_lens], "intra_doc")
     intra_with_reset_positions["position_ids"] = reset_batch["position_ids"]
@@ -130,9 +140,10 @@ def test_batched_rows_with_different_layouts_and_loss_uses_preshifted_labels():
     want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
     torch.testing.assert_close(out.loss, want)
     for b, seg_lens in enumerate([[10, 22], [3, 4, 25]]):
-        single = make_batch(ids[b:b + 1], [seg_lens], "anchor")
+        single = make_batch(ids[b : b + 1], [seg_lens], "anchor")
         with torch.no_grad():
-            torch.testing.assert_close(model(**single, use_cache=False).logits[0], out.logits[b].detach(),
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                model(**single, use_cache=False).logits[0], out.logits[b].detach(), atol=1e-5, rtol=1e-5
+            )
     out.loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

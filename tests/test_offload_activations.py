@@ -27,8 +27,10 @@ from lctrain.train.loss import CausalLMLossSum
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LAYERS = 3
-ARCH = ("{model_type: llama, hidden_size: 32, intermediate_size: 88, num_hidden_layers: %d, num_attention_heads: 4, "
-        "num_key_value_heads: 2, tie_word_embeddings: false}" % LAYERS)
+ARCH = (
+    f"{{model_type: llama, hidden_size: 32, intermediate_size: 88, num_hidden_layers: {LAYERS}, "
+    "num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: false}"
+)
 STEPS = 3
 
 
@@ -55,8 +57,10 @@ def as_if_asynchronous(monkeypatch):
 
 
 def _model():
-    cfg = load_config(None, [f"model.arch={ARCH}", "model.dtype=float32", "model.gradient_checkpointing=true",
-                             "attention.mode=anchor"])
+    cfg = load_config(
+        None,
+        [f"model.arch={ARCH}", "model.dtype=float32", "model.gradient_checkpointing=true", "attention.mode=anchor"],
+    )
     return CausalLMLossSum(build_model(cfg, vocab_size=100).train())
 
 
@@ -95,7 +99,9 @@ def test_offloaded_hidden_states_give_identical_gradients(as_if_asynchronous):
     assert context.stats.marked_tensors == LAYERS
     assert context.stats.offloaded_tensors == context.stats.restored_tensors == LAYERS - 1
     assert context.stats.kept_last_tensors == 1
-    _assert_same(_grads(model, batch, context), want)  # the trainer's reuse of one context, micro-batch after micro-batch
+    _assert_same(
+        _grads(model, batch, context), want
+    )  # the trainer's reuse of one context, micro-batch after micro-batch
 
 
 def test_on_cpu_the_hidden_states_stay_and_nothing_changes():
@@ -108,15 +114,18 @@ def test_on_cpu_the_hidden_states_stay_and_nothing_changes():
 
 
 def test_without_gradient_checkpointing_is_one_line():
-    with pytest.raises(UserError, match=r"model: offload_activations .* needs model.gradient_checkpointing=true") \
-            as err:
+    with pytest.raises(
+        UserError, match=r"model: offload_activations .* needs model.gradient_checkpointing=true"
+    ) as err:
         load_config(None, ["model.offload_activations=true", "model.gradient_checkpointing=false"])
     assert "\n" not in str(err.value)
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:
     return equivalence_run(data_dir, run_dir, steps=STEPS, micro_batch=1, arch=ARCH) + [
-        "model.dtype=float32", "model.gradient_checkpointing=true"]
+        "model.dtype=float32",
+        "model.gradient_checkpointing=true",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +164,13 @@ def test_training_with_offload_has_identical_losses(workdir, tiled, as_if_asynch
     assert context.stats.offloaded_tensors == context.stats.restored_tensors == LAYERS - 1  # the last micro-batch
 
 
-SP2 = ["parallel.nproc_per_node=2", "parallel.sequence_parallel=2", "parallel.zero_stage=3",
-       "parallel.launcher=torchrun", "model.tiled_mlp=auto"]
+SP2 = [
+    "parallel.nproc_per_node=2",
+    "parallel.sequence_parallel=2",
+    "parallel.zero_stage=3",
+    "parallel.launcher=torchrun",
+    "model.tiled_mlp=auto",
+]
 
 
 @pytest.fixture(scope="module")
@@ -194,10 +208,14 @@ def test_each_restored_hidden_state_is_freed_after_its_layer(as_if_asynchronous)
     from lctrain.train.metrics import cpu_peak_bytes
 
     layers, batch_rows, length, hidden = 8, 2, 512, 64
-    arch = (f"{{model_type: llama, hidden_size: {hidden}, intermediate_size: 96, num_hidden_layers: {layers}, "
-            f"num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: false}}")
-    cfg = load_config(None, [f"model.arch={arch}", "model.dtype=float32", "model.gradient_checkpointing=true",
-                             "attention.mode=intra_doc"])
+    arch = (
+        f"{{model_type: llama, hidden_size: {hidden}, intermediate_size: 96, num_hidden_layers: {layers}, "
+        f"num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: false}}"
+    )
+    cfg = load_config(
+        None,
+        [f"model.arch={arch}", "model.dtype=float32", "model.gradient_checkpointing=true", "attention.mode=intra_doc"],
+    )
     ids = torch.randint(3, 50, (batch_rows, length), generator=torch.Generator().manual_seed(0))
     batch = make_batch(ids, [[length]] * batch_rows, "intra_doc")
     hidden_state = batch_rows * length * hidden * 4

@@ -22,11 +22,23 @@ def shares_run(tmp_path_factory):
     """64 windows of 512 tokens from the synthetic source (all 7 domains), upsampled to SHARES; 20 steps of 4
     windows want 80 windows, 16 more than there are."""
     out = tmp_path_factory.mktemp("shares") / "data"
-    cfg = load_config(None, [
-        "data.mixture=upsampled", "data.down_sample_ratio=1.0", f"data.domain_shares={SHARES}",
-        "data.seq_len=512", "data.token_budget=32768", "data.synthetic.num_docs=3000",
-        *(f"data.synthetic.{k}={v}" for k, v in SYNTHETIC.items() if k != "seed"), f"data.output_dir={out}",
-        "data.num_workers=1", "train.steps=20", "train.global_batch=4", "train.micro_batch=1"])
+    cfg = load_config(
+        None,
+        [
+            "data.mixture=upsampled",
+            "data.down_sample_ratio=1.0",
+            f"data.domain_shares={SHARES}",
+            "data.seq_len=512",
+            "data.token_budget=32768",
+            "data.synthetic.num_docs=3000",
+            *(f"data.synthetic.{k}={v}" for k, v in SYNTHETIC.items() if k != "seed"),
+            f"data.output_dir={out}",
+            "data.num_workers=1",
+            "train.steps=20",
+            "train.global_batch=4",
+            "train.micro_batch=1",
+        ],
+    )
     return cfg, open_packed(prepare(cfg))
 
 
@@ -53,9 +65,11 @@ def test_prepared_token_shares_approach_the_targets(shares_run):
 def test_prepare_and_train_say_when_steps_re_read_windows(shares_run, capsys):
     cfg, _ = shares_run
     # 20 x 4 = 80 windows wanted, 64 there: 16 x 512 = 8,192 tokens more; 64 // 4 = 16 steps read fresh windows
-    line = ("warning: 20 steps x 4 windows x 512 tokens = 40,960 tokens, 8,192 more than the data has (64 windows, "
-            "32,768 tokens): the last 4 steps re-read windows; set data.token_budget=40960 (and prepare again) or "
-            "lower train.steps")
+    line = (
+        "warning: 20 steps x 4 windows x 512 tokens = 40,960 tokens, 8,192 more than the data has (64 windows, "
+        "32,768 tokens): the last 4 steps re-read windows; set data.token_budget=40960 (and prepare again) or "
+        "lower train.steps"
+    )
     prepare(cfg)  # already prepared: says so, and warns again
     preflight(cfg)
     out = capsys.readouterr().out
@@ -68,10 +82,19 @@ def test_prepare_and_train_say_when_steps_re_read_windows(shares_run, capsys):
 
 @pytest.mark.parametrize("decay_all", [False, True])
 def test_param_groups(decay_all):
-    arch = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True}
-    cfg = load_config(None, ["data.seq_len=64", "model.dtype=float32", f"model.arch={arch}",
-                             "model.arch.tie_word_embeddings=false"])
+    arch = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "attention_bias": True,
+        "mlp_bias": True,
+    }
+    cfg = load_config(
+        None, ["data.seq_len=64", "model.dtype=float32", f"model.arch={arch}", "model.arch.tie_word_embeddings=false"]
+    )
     model = build_model(cfg, vocab_size=100)
     names = {id(p): n for n, p in model.named_parameters()}
     # Llama's norms and biases by name: the decoder layers' two RMSNorms, the final norm, every projection's bias

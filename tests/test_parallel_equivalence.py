@@ -15,16 +15,29 @@ from train_helpers import metric_records, prepared_workdir, reference_run, run_c
 
 STEPS = 4
 LR = 3e-3
-ARCH = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 1, tie_word_embeddings: false}")
+ARCH = (
+    "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+    "num_key_value_heads: 1, tie_word_embeddings: false}"
+)
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:
-    return ["data.seq_len=128", "data.token_budget=12000", f"data.output_dir={data_dir}",
-            f"train.run_dir={run_dir}", f"train.steps={STEPS}", "train.global_batch=4", "train.micro_batch=1",
-            "train.warmup_steps=0", f"train.lr={LR}", "train.grad_clip=0", "checkpoint.every_steps=4",
-            "checkpoint.hf_every=2", "checkpoint.hf_last=4",
-            f"model.arch={ARCH}"]
+    return [
+        "data.seq_len=128",
+        "data.token_budget=12000",
+        f"data.output_dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        f"train.steps={STEPS}",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+        "train.warmup_steps=0",
+        f"train.lr={LR}",
+        "train.grad_clip=0",
+        "checkpoint.every_steps=4",
+        "checkpoint.hf_every=2",
+        "checkpoint.hf_last=4",
+        f"model.arch={ARCH}",
+    ]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -80,10 +93,15 @@ def assert_matches(run_dir: Path, ref_dir: Path) -> None:
     got, want = metric_records(run_dir), metric_records(ref_dir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["valid_labels"] for r in got] == [r["valid_labels"] for r in want]
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in got]), torch.tensor([r["loss"] for r in want]),
-                               rtol=LOSS_RTOL, atol=0)
-    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in got]),
-                               torch.tensor([r["grad_norm"] for r in want]), rtol=GRAD_NORM_RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in got]), torch.tensor([r["loss"] for r in want]), rtol=LOSS_RTOL, atol=0
+    )
+    torch.testing.assert_close(
+        torch.tensor([r["grad_norm"] for r in got]),
+        torch.tensor([r["grad_norm"] for r in want]),
+        rtol=GRAD_NORM_RTOL,
+        atol=0,
+    )
     assert not weight_mismatches(run_dir, ref_dir)
 
 
@@ -117,20 +135,33 @@ def test_a_wrong_sequence_layout_fails_the_comparison(reference, workdir, monkey
 
     wrong = train(load_config(None, overrides(workdir / "data", workdir / "wrong_layout")))
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(torch.tensor([r["loss"] for r in metric_records(wrong)][:1]),
-                                   torch.tensor([r["loss"] for r in metric_records(reference)][:1]), rtol=LOSS_RTOL, atol=0)
+        torch.testing.assert_close(
+            torch.tensor([r["loss"] for r in metric_records(wrong)][:1]),
+            torch.tensor([r["loss"] for r in metric_records(reference)][:1]),
+            rtol=LOSS_RTOL,
+            atol=0,
+        )
     assert weight_mismatches(wrong, reference)
 
 
 def test_ulysses_sp2_with_zero3_matches_one_process(reference, workdir):
-    run_dir = run_cli(workdir, "sp2_zero3", ["parallel.nproc_per_node=2", "parallel.sequence_parallel=2",
-                                             "parallel.zero_stage=3", "parallel.launcher=torchrun"])
+    run_dir = run_cli(
+        workdir,
+        "sp2_zero3",
+        [
+            "parallel.nproc_per_node=2",
+            "parallel.sequence_parallel=2",
+            "parallel.zero_stage=3",
+            "parallel.launcher=torchrun",
+        ],
+    )
     assert json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())["sp"] == 2
     assert len(list((run_dir / "checkpoints" / "step_00000004").glob("zero_pp_rank_*_optim_states.pt"))) == 2
     assert_matches(run_dir, reference)
 
 
 def test_data_parallel_zero2_under_deepspeed_launcher_matches_one_process(reference, workdir):
-    run_dir = run_cli(workdir, "dp2_zero2", ["parallel.nproc_per_node=2", "parallel.zero_stage=2",
-                                             "parallel.launcher=deepspeed"])
+    run_dir = run_cli(
+        workdir, "dp2_zero2", ["parallel.nproc_per_node=2", "parallel.zero_stage=2", "parallel.launcher=deepspeed"]
+    )
     assert_matches(run_dir, reference)

@@ -37,8 +37,11 @@ def test_several_nodes_without_a_hostfile_is_a_user_error():
     with pytest.raises(UserError, match="parallel.hostfile"):
         launcher_command(cfg, Path("runs/z"), resume=False)
     with pytest.raises(UserError, match="torchrun cannot start other nodes"):
-        launcher_command(load_config("llama2_128k_anchor", ["parallel.num_nodes=2", "parallel.launcher=torchrun"]),
-                         Path("runs/z"), resume=False)
+        launcher_command(
+            load_config("llama2_128k_anchor", ["parallel.num_nodes=2", "parallel.launcher=torchrun"]),
+            Path("runs/z"),
+            resume=False,
+        )
 
 
 def test_variables_set_for_a_single_process_run_are_not_a_launcher():

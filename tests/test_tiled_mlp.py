@@ -12,15 +12,17 @@ import torch
 import torch.nn.functional as F
 from train_helpers import equivalence_run, losses, prepared_workdir, reference_run, run_cli_train
 
+from lctrain.compat.deepspeed import exact_shards
 from lctrain.config import load_config
 from lctrain.errors import UserError
-from lctrain.compat.deepspeed import exact_shards
 from lctrain.model import auto_mlp_shards, build_model, tile_mlps
 
 STEPS = 3
 # hidden 32: `auto` cuts a rank's micro-batch of 2 x 64 tokens (SP=2 of 128) into ceil(128 / 32) = 4 shards
-ARCH = ("{model_type: llama, hidden_size: 32, intermediate_size: 88, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, tie_word_embeddings: false}")
+ARCH = (
+    "{model_type: llama, hidden_size: 32, intermediate_size: 88, num_hidden_layers: 2, num_attention_heads: 4, "
+    "num_key_value_heads: 2, tie_word_embeddings: false}"
+)
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:
@@ -66,8 +68,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 def test_one_mlp_matches_the_formula_forward_and_backward(shards):
     """20 rows (batch 2 x 10 tokens): 3 and 6 do not divide them (6 asks are really 5 pieces), 64 exceeds them."""
     mlp = llama_mlp()
-    gate, up, down = (p.detach().clone().requires_grad_() for p in
-                      (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+    gate, up, down = (
+        p.detach().clone().requires_grad_() for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    )
     x = torch.randn(2, 10, 32)
     grad_out = torch.randn(2, 10, 32)
     x_ref, x_tiled = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -102,16 +105,23 @@ def test_auto_shards_is_tokens_over_hidden_rounded_up():
 
 @pytest.mark.parametrize("value", ["-1", "2.5", "true", "many"])
 def test_bad_values_end_in_one_line(value):
-    with pytest.raises(UserError, match=r"model\.tiled_mlp.*expected 0 \(off\), a number of shards >= 1, or auto") \
-            as err:
+    with pytest.raises(
+        UserError, match=r"model\.tiled_mlp.*expected 0 \(off\), a number of shards >= 1, or auto"
+    ) as err:
         load_config(None, [f"model.tiled_mlp={value}"])
     assert "\n" not in str(err.value)
 
 
 def test_a_model_without_a_gated_mlp_is_refused():
-    cfg = load_config(None, ["model.arch={model_type: phi, hidden_size: 32, intermediate_size: 64, "
-                             "num_hidden_layers: 1, num_attention_heads: 4, vocab_size: 64}",
-                             "attention.mode=full", "model.tiled_mlp=2"])
+    cfg = load_config(
+        None,
+        [
+            "model.arch={model_type: phi, hidden_size: 32, intermediate_size: 64, "
+            "num_hidden_layers: 1, num_attention_heads: 4, vocab_size: 64}",
+            "attention.mode=full",
+            "model.tiled_mlp=2",
+        ],
+    )
     with pytest.raises(UserError, match=r"model.tiled_mlp: PhiForCausalLM has no Llama-style gated MLP") as err:
         build_model(cfg)
     assert "\n" not in str(err.value)
@@ -156,8 +166,18 @@ def test_sp2_zero3_with_automatic_tiled_mlp_has_the_same_losses(reference, workd
     on both ranks; ZeRO-3 gathers the MLP weights in every shard's forward, so a disagreement would hang, not pass)
     against the untiled 1-process run: SP=2 equals one process untiled (tests/test_parallel_equivalence.py, same
     tolerance), so this is tiled on vs off under SP=2 in one launch instead of two."""
-    run_dir = run_cli_train(overrides, workdir, "sp2_auto", ["parallel.nproc_per_node=2", "parallel.sequence_parallel=2",
-                                                             "parallel.zero_stage=3", "parallel.launcher=torchrun",
-                                                             "model.tiled_mlp=auto"], timeout=300)
+    run_dir = run_cli_train(
+        overrides,
+        workdir,
+        "sp2_auto",
+        [
+            "parallel.nproc_per_node=2",
+            "parallel.sequence_parallel=2",
+            "parallel.zero_stage=3",
+            "parallel.launcher=torchrun",
+            "model.tiled_mlp=auto",
+        ],
+        timeout=300,
+    )
     assert len(losses(run_dir)) == STEPS
     torch.testing.assert_close(torch.tensor(losses(run_dir)), torch.tensor(losses(reference)), rtol=LOSS_RTOL, atol=0)

@@ -23,8 +23,8 @@ from lctrain.data.store import FORMAT_VERSION, open_packed, read_manifest, write
 from lctrain.errors import UserError
 from lctrain.tokenizer import (
     SPM_FILE,
-    builtin_model_file,
     anchor_token_id,
+    builtin_model_file,
     load_encoder,
     load_tokenizer,
     save_tokenizer,
@@ -46,8 +46,9 @@ def real_text(limit: int = SAMPLE_CHARS) -> list[str]:
     `MAX_DOC` characters in a fixed order, about `limit` characters in all."""
     stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     site = Path(sysconfig.get_paths()["purelib"])
-    licenses = sorted(p for pat in ("*.dist-info/LICENSE*", "*.dist-info/licenses/*") for p in site.glob(pat)
-                      if p.is_file())
+    licenses = sorted(
+        p for pat in ("*.dist-info/LICENSE*", "*.dist-info/licenses/*") for p in site.glob(pat) if p.is_file()
+    )
     docs, size = [], 0
     for group, share in ((stdlib, 3 * limit // 4), (licenses, limit)):
         for path in group:
@@ -169,7 +170,8 @@ def test_tokenizer_without_sentencepiece_keeps_its_own_pipeline(tmp_path):
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="[UNK]").save_pretrained(
-        str(tmp_path / "wl"))
+        str(tmp_path / "wl")
+    )
     load_tokenizer.cache_clear()
     encoder = load_encoder(str(tmp_path / "wl"))
     reference = Tokenizer.from_file(str(tmp_path / "wl" / "tokenizer.json"))
@@ -185,9 +187,8 @@ def test_prepare_workers_encode_exactly(corpus):
     encoder = load_encoder("builtin:mistral-7b-v0.1")
     assert pickle.loads(pickle.dumps(encoder)).encode(TEXT) == encoder.encode(TEXT)
     lines = [json.dumps({"text": t}).encode() for t in corpus]
-    batches = [RawBatch("jsonl", "real.jsonl", i + 1, lines[i:i + 16]) for i in range(0, len(lines), 16)]
-    got = [ids.tolist() for _, recs in prepare_mod._encoded(iter(batches), encoder, workers=2)
-           for _, _, ids, _ in recs]
+    batches = [RawBatch("jsonl", "real.jsonl", i + 1, lines[i : i + 16]) for i in range(0, len(lines), 16)]
+    got = [ids.tolist() for _, recs in prepare_mod._encoded(iter(batches), encoder, workers=2) for _, _, ids, _ in recs]
     reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file("mistral-7b-v0.1")))
     assert got == reference.encode(corpus)
 
@@ -198,9 +199,18 @@ def test_prepared_windows_hold_sentencepiece_ids(tmp_path, corpus):
     another. A dataset of the previous format (the converted tokenizer's ids) is rebuilt, not reused."""
     src = tmp_path / "real.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus))
-    cfg = load_config(None, ["data.source=local", f"data.path={src}", "data.seq_len=1024", "data.token_budget=40960",
-                             "data.shuffle_buffer_tokens=0", "data.num_workers=2",
-                             f"data.output_dir={tmp_path / 'out'}"])
+    cfg = load_config(
+        None,
+        [
+            "data.source=local",
+            f"data.path={src}",
+            "data.seq_len=1024",
+            "data.token_budget=40960",
+            "data.shuffle_buffer_tokens=0",
+            "data.num_workers=2",
+            f"data.output_dir={tmp_path / 'out'}",
+        ],
+    )
     out = prepare_mod.prepare(cfg)
     data = open_packed(out)
     assert data.manifest["tokenizer"]["encoder"] == "sentencepiece" and len(data) == 40
@@ -209,10 +219,10 @@ def test_prepared_windows_hold_sentencepiece_ids(tmp_path, corpus):
         row = data[w]
         for start, n in zip([0, *row["seg_lens"].cumsum()[:-1]], row["seg_lens"]):
             assert row["input_ids"][start] == 1  # every segment opens with the anchor (BOS)
-            body += row["input_ids"][start + 1:start + n].tolist()
+            body += row["input_ids"][start + 1 : start + n].tolist()
     reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file("mistral-7b-v0.1")))
     expected = [i for ids in reference.encode(corpus) for i in ids]
-    assert body == expected[:len(body)] and len(body) > 35 * 1024
+    assert body == expected[: len(body)] and len(body) > 35 * 1024
 
     old = {**read_manifest(out), "format_version": FORMAT_VERSION - 1, "stale": True}
     write_manifest(out, old)
@@ -249,7 +259,8 @@ def test_unreadable_cache_dir_still_loads(tmp_path, monkeypatch):
     load_tokenizer.cache_clear()
     try:
         assert load_encoder("builtin:mistral-7b-v0.1").encode(TEXT) == spm.SentencePieceProcessor(
-            model_file=str(builtin_model_file("mistral-7b-v0.1"))).encode(TEXT)
+            model_file=str(builtin_model_file("mistral-7b-v0.1"))
+        ).encode(TEXT)
     finally:
         load_tokenizer.cache_clear()
         load_encoder.cache_clear()

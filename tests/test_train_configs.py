@@ -17,8 +17,13 @@ HEADS = {
     "mistralai/Mistral-7B-v0.3": (32, 8),
     "Qwen/Qwen1.5-1.8B": (16, 16),
 }
-MODES = {"full": ("full", False), "intra_doc": ("intra_doc", False), "intra_doc_reset": ("intra_doc_reset", False),
-         "anchor": ("anchor", False), "anchor_tag": ("anchor", True)}
+MODES = {
+    "full": ("full", False),
+    "intra_doc": ("intra_doc", False),
+    "intra_doc_reset": ("intra_doc_reset", False),
+    "anchor": ("anchor", False),
+    "anchor_tag": ("anchor", True),
+}
 
 
 @pytest.mark.parametrize("name", bundled_config_names())
@@ -46,8 +51,10 @@ def test_bundled_config_is_valid_and_runnable(name):
     kv_replication(heads, kv, cfg.parallel.sequence_parallel, name)
 
 
-@pytest.mark.parametrize("data, seq_len, mixture", [("64k", 65536, "slimpajama"), ("128k", 131072, "slimpajama"),
-                                                     ("upsampled128k", 131072, "upsampled")])
+@pytest.mark.parametrize(
+    "data, seq_len, mixture",
+    [("64k", 65536, "slimpajama"), ("128k", 131072, "slimpajama"), ("upsampled128k", 131072, "upsampled")],
+)
 def test_table1_has_every_cell(data, seq_len, mixture):
     for key, (mode, tags) in MODES.items():
         cfg = load_config(f"llama2_{data}_{key}")
@@ -82,26 +89,46 @@ def test_table5_slimpajama_64k_interleaved_rows():
 
 
 # Paper Table 9, UpSampledMix-128K "Token Ratio", typed from the paper
-TABLE9 = {"CommonCrawl": 58.14, "C4": 19.53, "GitHub": 6.61, "ArXiv": 5.86, "Book": 4.69, "Wikipedia": 3.51,
-          "StackExchange": 1.64}
+TABLE9 = {
+    "CommonCrawl": 58.14,
+    "C4": 19.53,
+    "GitHub": 6.61,
+    "ArXiv": 5.86,
+    "Book": 4.69,
+    "Wikipedia": 3.51,
+    "StackExchange": 1.64,
+}
 
 
 def test_upsampled_paper_configs_target_table9_shares():
     for key in MODES:
         cfg = load_config(f"llama2_upsampled128k_{key}")
-        m = Mixture(cfg.data.mixture, 10**9, cfg.data.short_doc_tokens, cfg.data.down_sample_ratio,
-                    np.random.default_rng(0), cfg.data.domain_shares)
+        m = Mixture(
+            cfg.data.mixture,
+            10**9,
+            cfg.data.short_doc_tokens,
+            cfg.data.down_sample_ratio,
+            np.random.default_rng(0),
+            cfg.data.domain_shares,
+        )
         total = sum(TABLE9.values())
-        assert m.target_shares() == pytest.approx({**{d: v / total for d, v in TABLE9.items()}, "other": 0.0},
-                                                  rel=1e-12)
+        assert m.target_shares() == pytest.approx(
+            {**{d: v / total for d, v in TABLE9.items()}, "other": 0.0}, rel=1e-12
+        )
         assert m.targets.sum() == pytest.approx(10**9, rel=1e-12)
 
 
 # Table 2 (section 4.3): Llama-2-7B, SlimPajama-64K, 1B tokens; NTK-aware and YaRN with s = 16 from 4K
-TABLE2 = {"rope": [("1m", 1e6), ("5m", 5e6), ("10m", 1e7)], "yarn": [("1m", 1e6), ("5m", 5e6), ("10m", 1e7)],
-          "ntk": [("10k", 1e4), ("1m", 1e6), ("5m", 5e6), ("10m", 1e7)]}
-SCALING = {"rope": None, "yarn": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096},
-           "ntk": {"rope_type": "ntk", "factor": 16.0}}
+TABLE2 = {
+    "rope": [("1m", 1e6), ("5m", 5e6), ("10m", 1e7)],
+    "yarn": [("1m", 1e6), ("5m", 5e6), ("10m", 1e7)],
+    "ntk": [("10k", 1e4), ("1m", 1e6), ("5m", 5e6), ("10m", 1e7)],
+}
+SCALING = {
+    "rope": None,
+    "yarn": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096},
+    "ntk": {"rope_type": "ntk", "factor": 16.0},
+}
 
 
 def test_table2_grid():
@@ -136,8 +163,12 @@ def test_table3_grid_and_figure4():
         # 1B tokens at 8 x 32,768 = 262,144 tokens per step: 3815 steps, the budget exactly what they read
         assert cfg.train.steps == 3815 and cfg.data.token_budget == 3815 * 8 * 32768 == 1_000_079_360
     fig4 = load_config("llama2_16k_fig4_full")
-    assert (fig4.data.seq_len, fig4.attention.mode, fig4.data.mixture, fig4.model.rope_theta) == \
-        (16384, "full", "slimpajama", 1e6)
+    assert (fig4.data.seq_len, fig4.attention.mode, fig4.data.mixture, fig4.model.rope_theta) == (
+        16384,
+        "full",
+        "slimpajama",
+        1e6,
+    )
     assert fig4.eval.lengths == [16384]
     assert hf_checkpoint_steps(fig4.train.steps, fig4.checkpoint) == list(range(100, 2001, 100))
 

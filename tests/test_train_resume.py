@@ -15,8 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import (clean_env, cli_train_command, killed_in_checkpoint_command, losses, metric_records,
-                           prepared_workdir, reference_run, set_args)
+from train_helpers import (
+    clean_env,
+    cli_train_command,
+    killed_in_checkpoint_command,
+    losses,
+    metric_records,
+    prepared_workdir,
+    reference_run,
+    set_args,
+)
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -24,15 +32,28 @@ from lctrain.config import load_config
 from lctrain.train import checkpoint as ckpt
 
 STEPS = 8
-TINY_ARCH = ("{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-             "num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: true}")
+TINY_ARCH = (
+    "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+    "num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: true}"
+)
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:
-    return ["data.seq_len=128", "data.token_budget=12000", f"data.output_dir={data_dir}", f"train.run_dir={run_dir}",
-            f"train.steps={STEPS}", "train.global_batch=2", "train.micro_batch=1", "train.warmup_steps=2",
-            "checkpoint.every_steps=2", "checkpoint.keep=2", "checkpoint.hf_every=2", "checkpoint.hf_last=4",
-            f"model.arch={TINY_ARCH}"]
+    return [
+        "data.seq_len=128",
+        "data.token_budget=12000",
+        f"data.output_dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        f"train.steps={STEPS}",
+        "train.global_batch=2",
+        "train.micro_batch=1",
+        "train.warmup_steps=2",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=2",
+        "checkpoint.hf_every=2",
+        "checkpoint.hf_last=4",
+        f"model.arch={TINY_ARCH}",
+    ]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,13 +94,21 @@ def assert_same_end(run_dir: Path, ref_dir: Path) -> None:
 
 
 def start_cli_train(workdir: Path, run_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen(cli_train_command(overrides, workdir, run_dir), env=clean_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        cli_train_command(overrides, workdir, run_dir),
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def start_killed_in_checkpoint(workdir: Path, run_dir: Path, step: int) -> subprocess.Popen:
-    return subprocess.Popen(killed_in_checkpoint_command(overrides, workdir, run_dir, step), env=clean_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        killed_in_checkpoint_command(overrides, workdir, run_dir, step),
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_run_directory_metrics_and_checkpoints(reference):
@@ -118,8 +147,9 @@ def test_hf_checkpoint_loads_and_matches_the_training_loss(reference, workdir):
     window = open_packed(workdir / "data")[0]
     batch = make_batch(window["input_ids"][None], [window["seg_lens"]], "full")
     with torch.no_grad():
-        hf_loss = model(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["shift_labels"],
-                        use_cache=False).loss
+        hf_loss = model(
+            input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["shift_labels"], use_cache=False
+        ).loss
         ours = CausalLMLossSum(model, chunk_tokens=100)(**batch) / (batch["labels"] != -100).sum()
     torch.testing.assert_close(ours, hf_loss)
 
@@ -183,8 +213,12 @@ def test_resume_from_another_directory_and_refuses_incompatible_edits(reference,
     in a way the checkpoint cannot continue with is refused in one line naming the keys."""
     monkeypatch.chdir(workdir)
     rel = ["data.output_dir=data", "train.run_dir=relative_run"]
-    proc = subprocess.Popen(killed_in_checkpoint_command(lambda d, r: overrides(d, r) + rel, Path("."), Path("x"), 6),
-                            env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        killed_in_checkpoint_command(lambda d, r: overrides(d, r) + rel, Path("."), Path("x"), 6),
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     run_dir = workdir / "relative_run"
     config = run_dir / "config.yaml"
@@ -192,8 +226,7 @@ def test_resume_from_another_directory_and_refuses_incompatible_edits(reference,
     assert "output_dir: data\n" in original  # relative, as the user wrote it
 
     monkeypatch.chdir(tmp_path)  # elsewhere
-    config.write_text(original.replace("hidden_size: 64", "hidden_size: 128").replace("zero_stage: 0",
-                                                                                      "zero_stage: 1"))
+    config.write_text(original.replace("hidden_size: 64", "hidden_size: 128").replace("zero_stage: 0", "zero_stage: 1"))
     msg = _cli_error(["resume", str(run_dir)])
     assert "model.arch.hidden_size 64 -> 128, parallel.zero_stage 0 -> 1 changed since checkpoint step_00000004" in msg
     # the optimizer state restores its groups' weight decay, so a new decay would not take effect: refused too
@@ -234,19 +267,25 @@ def test_resume_without_checkpoints_is_a_user_error(tmp_path):
     assert "not a run directory" in _cli_error(["resume", str(tmp_path)])
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["train.global_batch=3", "train.micro_batch=2"], "train.global_batch = 3 is not divisible"),
-    (["parallel.nproc_per_node=8", "parallel.sequence_parallel=8", "data.seq_len=132"],
-     "data.seq_len = 132 is not divisible by parallel.sequence_parallel = 8"),
-    (["parallel.nproc_per_node=8", "parallel.sequence_parallel=8"],
-     "4 attention heads are not divisible by parallel.sequence_parallel = 8"),
-    (["data.seed=7"], "prepared with different data settings"),
-])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["train.global_batch=3", "train.micro_batch=2"], "train.global_batch = 3 is not divisible"),
+        (
+            ["parallel.nproc_per_node=8", "parallel.sequence_parallel=8", "data.seq_len=132"],
+            "data.seq_len = 132 is not divisible by parallel.sequence_parallel = 8",
+        ),
+        (
+            ["parallel.nproc_per_node=8", "parallel.sequence_parallel=8"],
+            "4 attention heads are not divisible by parallel.sequence_parallel = 8",
+        ),
+        (["data.seed=7"], "prepared with different data settings"),
+    ],
+)
 def test_bad_configs_fail_before_training(workdir, tmp_path, extra, expected):
     msg = _cli_error(["train"] + set_args(overrides(workdir / "data", tmp_path / "run") + extra))
     assert expected in msg
     assert not (tmp_path / "run" / "checkpoints").exists()
-
 
 
 def test_unwritable_checkpoint_is_one_line(workdir, tmp_path):
@@ -271,13 +310,16 @@ class _FailingEngine:
         raise self.error
 
 
-@pytest.mark.parametrize("error,damaged", [
-    (RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory"), True),
-    (EOFError("Ran out of input"), True),
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
-    (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"), False),
-    (PermissionError(13, "Permission denied"), False),
-])
+@pytest.mark.parametrize(
+    "error,damaged",
+    [
+        (RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory"), True),
+        (EOFError("Ran out of input"), True),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+        (RuntimeError("NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"), False),
+        (PermissionError(13, "Permission denied"), False),
+    ],
+)
 def test_a_failing_machine_is_not_taken_for_a_damaged_checkpoint(tmp_path, error, damaged):
     """Only a damaged checkpoint makes resume fall back to an older one; out of memory, a collective error or a
     permission error while loading propagates (falling back would hide it and end in advice to start over)."""

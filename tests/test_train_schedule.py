@@ -11,8 +11,8 @@ from lctrain.config import CheckpointConfig, TrainConfig, load_config
 from lctrain.errors import UserError
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import kv_replication
-from lctrain.train.loss import chunked_loss_sum
 from lctrain.train.data import micro_batch_rows, stream_rows
+from lctrain.train.loss import chunked_loss_sum
 from lctrain.train.metrics import truncate_metrics
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
@@ -47,8 +47,12 @@ def test_each_step_reads_its_global_batch_once_split_over_ranks_and_micro_batche
     n, G, mb, dp = 10, 4, 1, 2
     gas = G // (mb * dp)
     for step in range(7):
-        got = sorted(r for m in range(gas) for rank in range(dp)
-                     for r in micro_batch_rows(step, m, rank, dp=dp, micro_batch=mb, global_batch=G, seed=3, n=n))
+        got = sorted(
+            r
+            for m in range(gas)
+            for rank in range(dp)
+            for r in micro_batch_rows(step, m, rank, dp=dp, micro_batch=mb, global_batch=G, seed=3, n=n)
+        )
         assert got == sorted(stream_rows(3, n, step * G, G))
     # every epoch is a permutation of all windows, and epochs differ
     e0, e1 = stream_rows(3, n, 0, n), stream_rows(3, n, n, n)
@@ -57,9 +61,9 @@ def test_each_step_reads_its_global_batch_once_split_over_ranks_and_micro_batche
     layout = ParallelLayout(world=4, sp=2, micro_batch=mb, global_batch=G, seq_len=8, zero_stage=0)
     assert layout.grad_accum == gas
     for rank in range(4):
-        assert layout.micro_batch_rows(3, 1, rank, seed=3, n=n) == micro_batch_rows(3, 1, rank // 2, dp=dp,
-                                                                                     micro_batch=mb, global_batch=G,
-                                                                                     seed=3, n=n)
+        assert layout.micro_batch_rows(3, 1, rank, seed=3, n=n) == micro_batch_rows(
+            3, 1, rank // 2, dp=dp, micro_batch=mb, global_batch=G, seed=3, n=n
+        )
     # the same global batch whatever the layout: 1 rank x 4 micro-batches == 2 ranks x 2 micro-batches
     one = [r for m in range(4) for r in micro_batch_rows(5, m, 0, dp=1, micro_batch=1, global_batch=4, seed=3, n=n)]
     assert sorted(one) == sorted(stream_rows(3, n, 20, 4))
@@ -97,17 +101,33 @@ def test_layout_errors_name_the_keys():
     with pytest.raises(UserError, match="train.global_batch = 6 is not divisible"):
         ParallelLayout.from_config(_tiny(**{"train.global_batch": 6, "train.micro_batch": 4}))
     with pytest.raises(UserError, match="data.seq_len = 1000 is not divisible by parallel.sequence_parallel = 16"):
-        ParallelLayout.from_config(_tiny(**{"data.seq_len": 1000, "parallel.nproc_per_node": 16,
-                                            "parallel.sequence_parallel": 16, "train.global_batch": 2,
-                                            "train.micro_batch": 2}))
+        ParallelLayout.from_config(
+            _tiny(
+                **{
+                    "data.seq_len": 1000,
+                    "parallel.nproc_per_node": 16,
+                    "parallel.sequence_parallel": 16,
+                    "train.global_batch": 2,
+                    "train.micro_batch": 2,
+                }
+            )
+        )
     with pytest.raises(UserError, match="world size 3"):
         ParallelLayout.from_config(_tiny(**{"parallel.nproc_per_node": 3, "parallel.sequence_parallel": 2}))
 
 
 def test_deepspeed_config_follows_the_yaml():
-    cfg = _tiny(**{"parallel.nproc_per_node": 8, "parallel.sequence_parallel": 4, "parallel.zero_stage": 3,
-                   "parallel.offload_optimizer": True, "model.dtype": "bfloat16", "train.global_batch": 8,
-                   "train.micro_batch": 1})
+    cfg = _tiny(
+        **{
+            "parallel.nproc_per_node": 8,
+            "parallel.sequence_parallel": 4,
+            "parallel.zero_stage": 3,
+            "parallel.offload_optimizer": True,
+            "model.dtype": "bfloat16",
+            "train.global_batch": 8,
+            "train.micro_batch": 1,
+        }
+    )
     layout = ParallelLayout.from_config(cfg)
     ds = layout.deepspeed_config(cfg, use_torch_adam=False)
     assert layout.world == 8 and layout.dp == 2 and layout.grad_accum == 4
@@ -132,8 +152,9 @@ def test_deepspeeds_cpu_adam_only_for_an_offloaded_optimizer_on_a_gpu_unless_tor
     assert not uses_torch_adam(offloaded, gpu=True)
     assert uses_torch_adam(offloaded, gpu=False)  # the CPU run has nothing to offload from
     assert uses_torch_adam(_tiny(**{"parallel.zero_stage": 3}), gpu=True)  # the optimizer on the GPU: torch's AdamW
-    assert uses_torch_adam(_tiny(**{"parallel.zero_stage": 3, "parallel.offload_optimizer": True,
-                                    "train.torch_adam": True}), gpu=True)
+    assert uses_torch_adam(
+        _tiny(**{"parallel.zero_stage": 3, "parallel.offload_optimizer": True, "train.torch_adam": True}), gpu=True
+    )
 
 
 def test_chunked_loss_equals_full_logits_cross_entropy():

@@ -16,7 +16,8 @@ PY312 = {Tag("py3", "none", "any"), Tag("cp312", "cp312", "manylinux_2_17_x86_64
 def make_wheel(folder: Path, name: str, version: str, requires=(), tag="py3-none-any") -> Path:
     path = folder / f"{name}-{version}-{tag}.whl"
     meta = "Metadata-Version: 2.1\nName: {}\nVersion: {}\n{}".format(
-        name, version, "".join(f"Requires-Dist: {r}\n" for r in requires))
+        name, version, "".join(f"Requires-Dist: {r}\n" for r in requires)
+    )
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(f"{name}-{version}.dist-info/METADATA", meta)
         zf.writestr(f"{name}/__init__.py", "")
@@ -46,11 +47,19 @@ def test_missing_come_from_the_wheelhouse_with_their_requirements(house):
     installed = {"torch": "2.11.0", "numpy": "2.5.2", "typing-extensions": "4.16.0"}
     plan = plan_install(["deepspeed>=0.16", "mistral-common>=1.5"], installed, wheel_finder(house, PY312))
     # pycountry arrives through the [pycountry] extra; colorama's marker is false on Linux; torch is never installed
-    assert names(plan) == ["deepspeed", "hjson", "mistral-common", "pycountry", "pydantic", "pydantic-core",
-                           "pydantic-extra-types"]
+    assert names(plan) == [
+        "deepspeed",
+        "hjson",
+        "mistral-common",
+        "pycountry",
+        "pydantic",
+        "pydantic-core",
+        "pydantic-extra-types",
+    ]
     assert {w.name: str(w.version) for w in plan.install}["pydantic"] == "2.13.4"  # the highest that fits
     assert [w.path.name for w in plan.install if w.name == "pydantic-core"] == [
-        "pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.whl"]  # the build for this interpreter
+        "pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.whl"
+    ]  # the build for this interpreter
     assert plan.present == {"torch": "2.11.0", "numpy": "2.5.2", "typing-extensions": "4.16.0"}
     assert plan.kept == ["numpy 2.5.2 (wanted <2.4,>=1.25)"]  # the machine's numpy stays
     assert plan.ok
@@ -76,15 +85,24 @@ def test_unavailable_requirements_are_reported(house):
 def test_markers_use_the_target_environment(house):
     reqs = ['hjson; python_version >= "3.12"']
     assert names(plan_install(reqs, {}, wheel_finder(house, PY312), environment={"python_version": "3.12"})) == [
-        "hjson"]
+        "hjson"
+    ]
     assert names(plan_install(reqs, {}, wheel_finder(house, PY312), environment={"python_version": "3.11"})) == []
 
 
 def test_read_wheel_and_freeze(house):
     w = read_wheel(house / "hjson-3.1.0-py3-none-any.whl")
     assert (w.name, str(w.version), w.requires) == ("hjson", "3.1.0", ('colorama; sys_platform == "win32"',))
-    freeze = read_freeze(["# comment", "Pydantic_Core==2.46.4", "-e git+https://x/y#egg=z", "mylib @ file:///src",
-                          "", "torch==2.11.0+cu130"])
+    freeze = read_freeze(
+        [
+            "# comment",
+            "Pydantic_Core==2.46.4",
+            "-e git+https://x/y#egg=z",
+            "mylib @ file:///src",
+            "",
+            "torch==2.11.0+cu130",
+        ]
+    )
     assert freeze == {"pydantic-core": "2.46.4", "mylib": None, "torch": "2.11.0+cu130"}
     bad = house / "broken-1.0-py3-none-any.whl"
     with zipfile.ZipFile(bad, "w") as zf:

@@ -4,8 +4,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from lctrain.config import load_config
 
@@ -18,10 +18,21 @@ Overrides = Callable[[Path, Path], list[str]]  # (data_dir, run_dir) -> --set it
 def equivalence_run(data_dir: Path, run_dir: Path, *, steps: int, micro_batch: int, arch: str) -> list[str]:
     """A short run for comparing a setting with its absence: 2 windows of 128 tokens per step, lr 3e-3 from the first
     step and no clipping (so a wrong gradient moves the loss at once), no checkpoints."""
-    return ["data.seq_len=128", "data.token_budget=12000", f"data.output_dir={data_dir}", f"train.run_dir={run_dir}",
-            f"train.steps={steps}", "train.global_batch=2", f"train.micro_batch={micro_batch}",
-            "train.warmup_steps=0", "train.lr=3e-3", "train.grad_clip=0", "checkpoint.save_final=false",
-            "checkpoint.hf_last=0", f"model.arch={arch}"]
+    return [
+        "data.seq_len=128",
+        "data.token_budget=12000",
+        f"data.output_dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        f"train.steps={steps}",
+        "train.global_batch=2",
+        f"train.micro_batch={micro_batch}",
+        "train.warmup_steps=0",
+        "train.lr=3e-3",
+        "train.grad_clip=0",
+        "checkpoint.save_final=false",
+        "checkpoint.hf_last=0",
+        f"model.arch={arch}",
+    ]
 
 
 def set_args(items: list[str]) -> list[str]:
@@ -56,8 +67,13 @@ def prepared_workdir(tmp_path_factory, name: str, overrides: Overrides) -> Path:
 def run_cli_train(overrides: Overrides, workdir: Path, name: str, extra: list[str], timeout: float = 400) -> Path:
     """`lctrain train` in a subprocess (the launcher path) into `workdir/name`; fails the test with its stderr."""
     run_dir = workdir / name
-    proc = subprocess.run(cli_train_command(overrides, workdir, run_dir, extra), env=clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        cli_train_command(overrides, workdir, run_dir, extra),
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -76,7 +92,6 @@ def reference_run(workdir: Path, overrides: Overrides) -> Path:
     from lctrain.train.trainer import train
 
     return train(load_config(None, overrides(workdir / "data", workdir / "ref")))
-
 
 
 def one_error_line(result) -> str:

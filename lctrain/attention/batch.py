@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -14,7 +14,7 @@ from lctrain.errors import UserError
 # The keys sequence parallelism shards along the sequence; every other key is replicated unchanged.
 PER_TOKEN_KEYS = ("input_ids", "position_ids", "labels", "shift_labels")
 
-Ragged = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
+Ragged = torch.Tensor | np.ndarray | Sequence[Sequence[int]]
 
 
 def _rows(value: Ragged, batch: int, name: str) -> list[torch.Tensor]:
@@ -22,8 +22,10 @@ def _rows(value: Ragged, batch: int, name: str) -> list[torch.Tensor]:
     later, against seg_lens)."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         if value.ndim != 2:
-            raise UserError(f"make_batch: {name} must be a list of {batch} sequences or a [B, n] array, "
-                            f"got shape {tuple(value.shape)}")
+            raise UserError(
+                f"make_batch: {name} must be a list of {batch} sequences or a [B, n] array, "
+                f"got shape {tuple(value.shape)}"
+            )
         rows = list(torch.as_tensor(value))
     else:
         rows = [torch.as_tensor(np.asarray(r, dtype=np.int64)) for r in value]
@@ -36,10 +38,10 @@ def make_batch(
     input_ids,
     seg_lens: Ragged,
     mode: str,
-    seg_doc: Optional[Ragged] = None,
-    tag_lens: Optional[Ragged] = None,
+    seg_doc: Ragged | None = None,
+    tag_lens: Ragged | None = None,
     *,
-    anchor_id: Optional[int] = None,
+    anchor_id: int | None = None,
 ) -> dict:
     """Model kwargs for packed windows: `input_ids`, `position_ids`, `labels` (pre-shifted; -100 at each row's last
     token, before tag tokens and wherever the next token is not the document's own, see `lctrain.attention.modes`),
@@ -67,8 +69,9 @@ def make_batch(
             raise UserError(f"make_batch: row {b}: seg_lens has zero padding before its last segment: {lens.tolist()}")
         lens = lens[:n]
         if n == 0 or bool((lens <= 0).any()):
-            raise UserError(f"make_batch: row {b}: every segment needs at least one token (its anchor); "
-                            f"seg_lens = {lens.tolist()}")
+            raise UserError(
+                f"make_batch: row {b}: every segment needs at least one token (its anchor); seg_lens = {lens.tolist()}"
+            )
         if int(lens.sum()) != L:
             raise UserError(f"make_batch: row {b}: seg_lens sum to {int(lens.sum())} but the row has {L} tokens")
         docs = _segment_values(doc_rows, b, n, "seg_doc", default=torch.arange(n))
@@ -76,8 +79,10 @@ def make_batch(
         if bool((docs < 0).any()):
             raise UserError(f"make_batch: row {b}: seg_doc must be >= 0, got {docs.tolist()}")
         if bool((tags < 0).any()) or bool((tags >= lens).any()):
-            raise UserError(f"make_batch: row {b}: tag_lens must be in [0, segment length - 1] (the anchor comes "
-                            f"first); tag_lens = {tags.tolist()}, seg_lens = {lens.tolist()}")
+            raise UserError(
+                f"make_batch: row {b}: tag_lens must be in [0, segment length - 1] (the anchor comes "
+                f"first); tag_lens = {tags.tolist()}, seg_lens = {lens.tolist()}"
+            )
         seg_len.append(lens)
         seg_row.append(torch.full((n,), b, dtype=torch.long))
         seg_docs.append(docs)
@@ -87,17 +92,21 @@ def make_batch(
     chunk_tags = torch.nonzero(~layout.seg_head & (layout.seg_tags != 0))
     if chunk_tags.numel():
         s = int(chunk_tags[0])
-        raise UserError(f"make_batch: row {int(layout.seg_row[s])}: the segment at token {_column(layout, s, L)} "
-                        f"continues a document of the window (a later chunk: no anchor, no tag) but has tag_lens "
-                        f"{int(layout.seg_tags[s])}; only a document's first segment in a window carries a tag")
+        raise UserError(
+            f"make_batch: row {int(layout.seg_row[s])}: the segment at token {_column(layout, s, L)} "
+            f"continues a document of the window (a later chunk: no anchor, no tag) but has tag_lens "
+            f"{int(layout.seg_tags[s])}; only a document's first segment in a window carries a tag"
+        )
     if anchor_id is not None:
         starts = ids.view(-1)[layout.seg_start]
         bad = torch.nonzero(layout.seg_head & (starts != anchor_id))
         if bad.numel():
             s = int(bad[0])
-            raise UserError(f"make_batch: row {int(layout.seg_row[s])}: the segment at token {_column(layout, s, L)} "
-                            f"starts with token id {int(starts[s])}, not the anchor id {anchor_id}; re-run "
-                            f"`lctrain prepare` with the tokenizer the model uses")
+            raise UserError(
+                f"make_batch: row {int(layout.seg_row[s])}: the segment at token {_column(layout, s, L)} "
+                f"starts with token id {int(starts[s])}, not the anchor id {anchor_id}; re-run "
+                f"`lctrain prepare` with the tokenizer the model uses"
+            )
     labels = shifted_labels(ids, layout)
     return {
         "input_ids": ids,

@@ -161,6 +161,7 @@ def mask_mod(layout: Layout, mode: str, device=None):
     """The mode's visibility rule as `visible(b, h, q, k)` over `[B, L]` id tensors: FlexAttention's `mask_mod`, and
     evaluated on broadcast index grids, the dense mask. The three document modes share one mask (module docstring)."""
     if mode == "full":
+
         def visible(b, h, q, k):
             return q >= k
     elif mode in ("intra_doc", "intra_doc_reset", "anchor"):
@@ -188,6 +189,7 @@ def parse_modes(modes: str | None) -> list[str]:
     chosen = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in MODES]
     if unknown or not chosen:
-        raise UserError(f"--modes {modes!r}: unknown mode {', '.join(unknown) or '(none given)'}; choose from "
-                        f"{', '.join(MODES)}")
+        raise UserError(
+            f"--modes {modes!r}: unknown mode {', '.join(unknown) or '(none given)'}; choose from {', '.join(MODES)}"
+        )
     return list(dict.fromkeys(chosen))

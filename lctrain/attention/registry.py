@@ -7,7 +7,7 @@ passed through. No mask interface is registered, so Hugging Face builds no dense
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -66,15 +66,22 @@ def resolve_engine(engine: str, mode: str, device, *, dtype) -> str:
         raise UserError(f"attention.engine = '{engine}' is unknown; expected auto or one of {', '.join(ENGINES)}")
     if engine == "varlen":
         if not gpu:
-            raise UserError(f"attention.engine = 'varlen' needs a CUDA GPU (device is {device_type}); "
-                            f"use 'sdpa' or 'auto'")
+            raise UserError(
+                f"attention.engine = 'varlen' needs a CUDA GPU (device is {device_type}); use 'sdpa' or 'auto'"
+            )
         if not half:
-            raise UserError(f"attention.engine = 'varlen' (FlashAttention) runs in bfloat16 or float16, not {dtype}; "
-                            f"set model.dtype or use 'flex' or 'sdpa'")
+            raise UserError(
+                f"attention.engine = 'varlen' (FlashAttention) runs in bfloat16 or float16, not {dtype}; "
+                f"set model.dtype or use 'flex' or 'sdpa'"
+            )
         if not (flash_attn_available() or torch_varlen_available()):
-            raise UserError("attention.engine = 'varlen' needs flash-attn (pip install flash-attn) or a PyTorch "
-                            "with torch.nn.attention.varlen; use 'flex' or 'sdpa'")
+            raise UserError(
+                "attention.engine = 'varlen' needs flash-attn (pip install flash-attn) or a PyTorch "
+                "with torch.nn.attention.varlen; use 'flex' or 'sdpa'"
+            )
     if engine == "flex" and not gpu:
-        raise UserError(f"attention.engine = 'flex' cannot train on {device_type}: FlexAttention has no CPU "
-                        f"backward; use 'sdpa' or 'auto'")
+        raise UserError(
+            f"attention.engine = 'flex' cannot train on {device_type}: FlexAttention has no CPU "
+            f"backward; use 'sdpa' or 'auto'"
+        )
     return engine

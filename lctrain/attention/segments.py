@@ -8,7 +8,8 @@ work is done once per batch, not once per layer, and gradient-checkpoint recompu
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lctrain.attention.modes import Layout
 
@@ -38,10 +39,12 @@ class Segments:
             self._cache[key] = build()
         return self._cache[key]
 
-    def to(self, *args, **kwargs) -> "Segments":
+    def to(self, *args, **kwargs) -> Segments:
         """Device-agnostic: engines move what they need, once per device, so moving the batch leaves this as is."""
         return self
 
     def __repr__(self) -> str:
-        return (f"Segments(mode={self.mode!r}, batch={self.batch}, length={self.length}, "
-                f"segments={self.layout.seg_len.numel()}, documents={self.layout.num_docs})")
+        return (
+            f"Segments(mode={self.mode!r}, batch={self.batch}, length={self.length}, "
+            f"segments={self.layout.seg_len.numel()}, documents={self.layout.num_docs})"
+        )

@@ -86,7 +86,9 @@ def checkpoint_offload_context():
     backpropagates each graph once, so here a restored hidden state is handed over (`cache=False`) and freed once its
     layer's recomputation has used it; a second unpack of one tensor fails loudly ("no longer tracked")."""
     from deepspeed.runtime.activation_checkpointing.offload_activations import (
-        CheckpointHiddenStatesOffload, _OffloadedTensorRef)
+        CheckpointHiddenStatesOffload,
+        _OffloadedTensorRef,
+    )
 
     class HandOverOffload(CheckpointHiddenStatesOffload):
         def _unpack_tensor(self, maybe_ref):

@@ -21,8 +21,12 @@ from lctrain.tokenizer import TextEncoder
 OTHER = DOMAINS.index("other")
 # SlimPajama's `meta.redpajama_set_name` values; bare domain names are accepted too
 REDPAJAMA_SET_NAMES = {
-    "RedPajamaCommonCrawl": "CommonCrawl", "RedPajamaC4": "C4", "RedPajamaGithub": "GitHub",
-    "RedPajamaArXiv": "ArXiv", "RedPajamaBook": "Book", "RedPajamaWikipedia": "Wikipedia",
+    "RedPajamaCommonCrawl": "CommonCrawl",
+    "RedPajamaC4": "C4",
+    "RedPajamaGithub": "GitHub",
+    "RedPajamaArXiv": "ArXiv",
+    "RedPajamaBook": "Book",
+    "RedPajamaWikipedia": "Wikipedia",
     "RedPajamaStackExchange": "StackExchange",
 }
 _DOMAIN_IDS = {name: i for i, name in enumerate(DOMAINS)}

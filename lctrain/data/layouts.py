@@ -10,9 +10,15 @@ from __future__ import annotations
 import numpy as np
 
 # domain -> (SlimPajama token share, median document length in tokens, log-normal sigma)
-DOMAIN_LENGTHS = {"CommonCrawl": (0.522, 700, 1.2), "C4": (0.267, 400, 0.9), "GitHub": (0.052, 900, 1.4),
-                  "ArXiv": (0.046, 9000, 0.7), "Book": (0.042, 90000, 0.8), "Wikipedia": (0.038, 600, 1.2),
-                  "StackExchange": (0.033, 500, 1.0)}
+DOMAIN_LENGTHS = {
+    "CommonCrawl": (0.522, 700, 1.2),
+    "C4": (0.267, 400, 0.9),
+    "GitHub": (0.052, 900, 1.4),
+    "ArXiv": (0.046, 9000, 0.7),
+    "Book": (0.042, 90000, 0.8),
+    "Wikipedia": (0.038, 600, 1.2),
+    "StackExchange": (0.033, 500, 1.0),
+}
 
 
 def slimpajama_like_layouts(seq_len: int, windows: int, seed: int) -> list[list[int]]:

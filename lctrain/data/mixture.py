@@ -16,14 +16,26 @@ from lctrain.config import DOMAINS
 # SlimPajama-627B's token shares per domain, as its release publishes them (Soboleva et al. 2023); Fu et al. (2024)
 # upsample long documents while keeping these overall shares. `data.domain_shares` selects them.
 SLIMPAJAMA_TOKEN_SHARES = {
-    "CommonCrawl": 0.522, "C4": 0.267, "GitHub": 0.052, "ArXiv": 0.046, "Book": 0.042, "Wikipedia": 0.038,
-    "StackExchange": 0.033, "other": 0.0,
+    "CommonCrawl": 0.522,
+    "C4": 0.267,
+    "GitHub": 0.052,
+    "ArXiv": 0.046,
+    "Book": 0.042,
+    "Wikipedia": 0.038,
+    "StackExchange": 0.033,
+    "other": 0.0,
 }
 # The paper's UpSampledMix-128K, Table 9 "Token Ratio" ("the token count of each domain divided by the total token
 # count of the dataset"); Table 1 rounds them to 58/20/7/6/5/4/2. They sum to 99.98%: `Mixture` normalizes.
 UPSAMPLED_MIX_128K_TOKEN_SHARES = {
-    "CommonCrawl": 0.5814, "C4": 0.1953, "GitHub": 0.0661, "ArXiv": 0.0586, "Book": 0.0469, "Wikipedia": 0.0351,
-    "StackExchange": 0.0164, "other": 0.0,
+    "CommonCrawl": 0.5814,
+    "C4": 0.1953,
+    "GitHub": 0.0661,
+    "ArXiv": 0.0586,
+    "Book": 0.0469,
+    "Wikipedia": 0.0351,
+    "StackExchange": 0.0164,
+    "other": 0.0,
 }
 
 
@@ -38,8 +50,15 @@ def target_shares(domain_shares: dict[str, float] | None) -> dict[str, float]:
 class Mixture:
     """Decides per document whether it is used; counts what it turned away and why."""
 
-    def __init__(self, kind: str, budget_tokens: int, short_doc_tokens: int, down_sample_ratio: float,
-                 rng: np.random.Generator, domain_shares: dict[str, float] | None = None):
+    def __init__(
+        self,
+        kind: str,
+        budget_tokens: int,
+        short_doc_tokens: int,
+        down_sample_ratio: float,
+        rng: np.random.Generator,
+        domain_shares: dict[str, float] | None = None,
+    ):
         self.kind = kind
         self.rng = rng
         self.short = short_doc_tokens

@@ -48,8 +48,13 @@ class Packer:
     """Fills windows of `seq_len` tokens with segments `[anchor] + tag(domain) + tokens`; with `chunk_rng`, each
     full window's segments are then cut into interleaved chunks (module docstring)."""
 
-    def __init__(self, seq_len: int, anchor_id: int, tags: dict[int, np.ndarray] | None = None,
-                 chunk_rng: np.random.Generator | None = None):
+    def __init__(
+        self,
+        seq_len: int,
+        anchor_id: int,
+        tags: dict[int, np.ndarray] | None = None,
+        chunk_rng: np.random.Generator | None = None,
+    ):
         self.seq_len = seq_len
         self._headers = {}
         self._anchor = np.array([anchor_id], dtype=np.int32)
@@ -116,7 +121,7 @@ class Packer:
         while pos < n:
             room = self.seq_len - self._filled
             take = max(0, min(room - len(header), n - pos))
-            self._segments.append((header[:room], tokens[pos:pos + take], domain))
+            self._segments.append((header[:room], tokens[pos : pos + take], domain))
             self._filled += min(room, len(header)) + take
             if take and pos == 0:
                 self._starts.append((domain, n))

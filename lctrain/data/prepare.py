@@ -25,8 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from lctrain import __version__
-from lctrain.config import (DOMAINS, Config, config_fingerprint, data_dir, data_fingerprint, reread_warning,
-                            write_resolved)
+from lctrain.config import (
+    DOMAINS,
+    Config,
+    config_fingerprint,
+    data_dir,
+    data_fingerprint,
+    reread_warning,
+    write_resolved,
+)
 from lctrain.data import encode
 from lctrain.data.mixture import Mixture
 from lctrain.data.packing import Packer, ShuffleBuffer
@@ -39,7 +46,9 @@ SHARD_TOKENS = 1 << 28  # ~1 GiB of int32 tokens per Arrow shard
 SKIP_EXAMPLES = 5
 SMALL_BUDGET = 2_000_000
 _SKIP_TEXT = {
-    "malformed_json": "not a JSON object", "no_text": "no string 'text' field", "empty_text": "empty text",
+    "malformed_json": "not a JSON object",
+    "no_text": "no string 'text' field",
+    "empty_text": "empty text",
     "undecodable": "not valid UTF-8",
 }
 
@@ -87,8 +96,12 @@ def _batches(data, files: list[Path] | None):
     """`files`: the resolved local files (resolved once, in `prepare`), None for the other sources."""
     if data.source == "synthetic":
         s = data.synthetic
-        params = {"seed": data.seed, "median_words": s.median_words, "max_words": s.max_words,
-                  "long_doc_fraction": s.long_doc_fraction}
+        params = {
+            "seed": data.seed,
+            "median_words": s.median_words,
+            "max_words": s.max_words,
+            "long_doc_fraction": s.long_doc_fraction,
+        }
         return synthetic_batches(s.num_docs, params)
     if data.source == "hub":
         return hub_batches(data.hub_name, data.hub_split, data.seed)
@@ -105,11 +118,18 @@ class _Builder:
         # a buffer larger than the dataset shuffles no better and only delays the first window
         buffer_tokens = min(d.shuffle_buffer_tokens, self.num_windows * d.seq_len)
         self.buffer = ShuffleBuffer(buffer_tokens, np.random.default_rng(shuffle_seed))
-        self.mixture = Mixture(d.mixture, self.num_windows * d.seq_len, d.short_doc_tokens,
-                               d.down_sample_ratio, np.random.default_rng(mix_seed), d.domain_shares)
+        self.mixture = Mixture(
+            d.mixture,
+            self.num_windows * d.seq_len,
+            d.short_doc_tokens,
+            d.down_sample_ratio,
+            np.random.default_rng(mix_seed),
+            d.domain_shares,
+        )
         self.tag_len = {i: len(tags[i]) if tags else 0 for i in range(len(DOMAINS))}
-        self.packer = Packer(d.seq_len, anchor_id, tags,
-                             chunk_rng=np.random.default_rng(chunk_seed) if d.interleave_chunks else None)
+        self.packer = Packer(
+            d.seq_len, anchor_id, tags, chunk_rng=np.random.default_rng(chunk_seed) if d.interleave_chunks else None
+        )
         self.writer = ShardWriter(out, d.seq_len, shard_windows=max(1, SHARD_TOKENS // d.seq_len))
         self.stats = DatasetStats()
 
@@ -137,8 +157,10 @@ class _Skips:
 
     def add(self, reason: str, source: str, line: int) -> None:
         if self.strict and reason in encode.MALFORMED:
-            raise UserError(f"{source}:{line}: {_SKIP_TEXT[reason]} (--strict stops at the first bad record; "
-                            f"without it such records are skipped and counted)")
+            raise UserError(
+                f"{source}:{line}: {_SKIP_TEXT[reason]} (--strict stops at the first bad record; "
+                f"without it such records are skipped and counted)"
+            )
         self.counts[reason] += 1
         if len(self.examples) < SKIP_EXAMPLES:
             self.examples.append({"reason": reason, "source": source, "line": line})
@@ -151,11 +173,15 @@ def _progress(console):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     return Progress(
-        TextColumn("[bold]prepare"), BarColumn(),
+        TextColumn("[bold]prepare"),
+        BarColumn(),
         TextColumn("{task.completed:,}/{task.total:,} tokens"),
         TextColumn("{task.fields[docs]:,} docs ({task.fields[docs_per_s]:,.0f}/s)"),
-        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        console=console, transient=False,
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
     )
 
 
@@ -169,14 +195,17 @@ def _existing_is_current(out: Path, fingerprint: str, force: bool) -> bool:
     if manifest is None:
         if (out / MANIFEST).exists() or not any(out.iterdir()):
             return False  # an empty directory or a broken dataset of ours: rebuild it
-        raise UserError(f"{out} exists, is not empty and is not a prepared dataset; remove it or choose another "
-                        f"data.output_dir")
+        raise UserError(
+            f"{out} exists, is not empty and is not a prepared dataset; remove it or choose another data.output_dir"
+        )
     if manifest.get("data_fingerprint") == fingerprint:
         return not force  # read_manifest already turned away an older format, which is rebuilt
     if not force:
         theirs = str(manifest.get("data_fingerprint", "?"))[:12]
-        raise UserError(f"{out} holds a dataset with another data fingerprint ({theirs}, this config "
-                        f"{fingerprint[:12]}); rerun with --force to replace it or set data.output_dir")
+        raise UserError(
+            f"{out} holds a dataset with another data fingerprint ({theirs}, this config "
+            f"{fingerprint[:12]}); rerun with --force to replace it or set data.output_dir"
+        )
     return False
 
 
@@ -208,8 +237,10 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def _write_error(out: Path, e: OSError) -> UserError:
-    return UserError(f"cannot write the dataset to {out} ({e.strerror or e}); check free space and permissions, or "
-                     f"set data.output_dir to a writable place")
+    return UserError(
+        f"cannot write the dataset to {out} ({e.strerror or e}); check free space and permissions, or "
+        f"set data.output_dir to a writable place"
+    )
 
 
 def _tokenizer_info(spec: str, tok, encoder, anchor_id: int) -> dict:
@@ -217,8 +248,15 @@ def _tokenizer_info(spec: str, tok, encoder, anchor_id: int) -> dict:
 
     builtin = spec.startswith(BUILTIN_PREFIX)
     name = spec.removeprefix(BUILTIN_PREFIX) if builtin else str(getattr(tok, "name_or_path", spec))
-    return {"spec": spec, "name": name, "vocab_size": len(tok), "encoder": encoder.kind,
-            "anchor_id": anchor_id, "bos_id": tok.bos_token_id, "eos_id": tok.eos_token_id}
+    return {
+        "spec": spec,
+        "name": name,
+        "vocab_size": len(tok),
+        "encoder": encoder.kind,
+        "anchor_id": anchor_id,
+        "bos_id": tok.bos_token_id,
+        "eos_id": tok.eos_token_id,
+    }
 
 
 def prepare(cfg: Config, force: bool = False) -> Path:
@@ -231,8 +269,10 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     fingerprint = data_fingerprint(d)
     num_windows = d.token_budget // d.seq_len
     if num_windows < 1:
-        raise UserError(f"data.token_budget = {d.token_budget} is smaller than one window (data.seq_len = "
-                        f"{d.seq_len}); set data.token_budget to at least {d.seq_len}")
+        raise UserError(
+            f"data.token_budget = {d.token_budget} is smaller than one window (data.seq_len = "
+            f"{d.seq_len}); set data.token_budget to at least {d.seq_len}"
+        )
     reread = reread_warning(cfg, num_windows)
     if reread:
         console.print(reread, markup=False)
@@ -250,8 +290,10 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         tags = {i: np.array(encoder.encode(name), dtype=np.int32) for i, name in enumerate(DOMAINS)}
         longest = max(len(t) for t in tags.values())
         if d.seq_len < longest + 2:
-            raise UserError(f"data.seq_len = {d.seq_len} cannot hold an anchor, a {longest}-token domain tag and "
-                            f"text; raise data.seq_len or set data.domain_tags=false")
+            raise UserError(
+                f"data.seq_len = {d.seq_len} cannot hold an anchor, a {longest}-token domain tag and "
+                f"text; raise data.seq_len or set data.domain_tags=false"
+            )
     workers = _num_workers(d.num_workers, num_windows * d.seq_len)
 
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -261,8 +303,10 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         tmp.mkdir()
     except OSError as e:
         raise _write_error(out, e) from None
-    console.print(f"preparing {out}: {source['kind']} source, tokenizer {d.tokenizer}, {num_windows:,} windows of "
-                  f"{d.seq_len:,} tokens, mixture {d.mixture}, {workers} worker(s)")
+    console.print(
+        f"preparing {out}: {source['kind']} source, tokenizer {d.tokenizer}, {num_windows:,} windows of "
+        f"{d.seq_len:,} tokens, mixture {d.mixture}, {workers} worker(s)"
+    )
     builder = None
     try:
         builder = _Builder(cfg, anchor_id, tags, tmp)
@@ -272,9 +316,11 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         if builder.writer.num_windows == 0:
             # no manifest is written, so the skip table is never shown: say here why records were not usable
             skipped = ", ".join(f"{n:,} {reason}" for reason, n in read["skipped"]["counts"].items())
-            raise UserError(f"the {source['kind']} source yielded {read['tokens']:,} tokens in {read['documents']:,} "
-                            f"usable documents{f' (skipped: {skipped})' if skipped else ''}, not enough for one "
-                            f"{d.seq_len:,}-token window; add data or lower data.seq_len")
+            raise UserError(
+                f"the {source['kind']} source yielded {read['tokens']:,} tokens in {read['documents']:,} "
+                f"usable documents{f' (skipped: {skipped})' if skipped else ''}, not enough for one "
+                f"{d.seq_len:,}-token window; add data or lower data.seq_len"
+            )
         shards = builder.writer.close()
         stats = builder.stats.to_dict(builder.mixture.target_shares())
         packed = builder.writer.num_windows * d.seq_len
@@ -300,14 +346,22 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             "stats": stats,
             "skipped": read["skipped"],
             "mixture_dropped": builder.mixture.dropped,
-            "source": {**source, "records_read": read["records"], "documents_read": read["documents"],
-                       "tokens_read": read["tokens"]},
+            "source": {
+                **source,
+                "records_read": read["records"],
+                "documents_read": read["documents"],
+                "tokens_read": read["tokens"],
+            },
             "source_exhausted": read["exhausted"],
             "dropped_tail_tokens": read["tail"],
             "shards": shards,
-            "build": {"seconds": round(elapsed, 3), "packed_tokens_per_s": round(packed / max(elapsed, 1e-9)),
-                      "tokenized_tokens_per_s": round(read["tokens"] / max(elapsed, 1e-9)),
-                      "num_workers": workers, "lctrain_version": __version__},
+            "build": {
+                "seconds": round(elapsed, 3),
+                "packed_tokens_per_s": round(packed / max(elapsed, 1e-9)),
+                "tokenized_tokens_per_s": round(read["tokens"] / max(elapsed, 1e-9)),
+                "num_workers": workers,
+                "lctrain_version": __version__,
+            },
         }
         write_resolved(cfg, tmp)
         write_manifest(tmp, manifest)
@@ -322,10 +376,14 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         raise
     render(console, stats, read["skipped"])
     if read["exhausted"]:
-        console.print(f"[yellow]the source ran out before the budget: {manifest['num_windows']:,} of "
-                      f"{num_windows:,} windows ({packed:,} tokens) written[/yellow]")
-    console.print(f"wrote {manifest['num_windows']:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s "
-                  f"({manifest['build']['packed_tokens_per_s']:,} tokens/s)")
+        console.print(
+            f"[yellow]the source ran out before the budget: {manifest['num_windows']:,} of "
+            f"{num_windows:,} windows ({packed:,} tokens) written[/yellow]"
+        )
+    console.print(
+        f"wrote {manifest['num_windows']:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s "
+        f"({manifest['build']['packed_tokens_per_s']:,} tokens/s)"
+    )
     return out
 
 
@@ -350,8 +408,12 @@ def _read(d, builder: _Builder, batches, encoder, workers: int, console) -> dict
                 tokens += len(ids)
                 for item in builder.buffer.add((ids, domain), len(ids)):
                     builder.take(*item)
-            bar.update(task, completed=builder.writer.num_windows * d.seq_len, docs=documents,
-                       docs_per_s=documents / max(time.perf_counter() - t0, 1e-9))
+            bar.update(
+                task,
+                completed=builder.writer.num_windows * d.seq_len,
+                docs=documents,
+                docs_per_s=documents / max(time.perf_counter() - t0, 1e-9),
+            )
             if builder.done:
                 break
         encoded.close()  # stops the workers now when the budget is full before the source ends
@@ -361,5 +423,11 @@ def _read(d, builder: _Builder, batches, encoder, workers: int, console) -> dict
                 builder.take(*item)
             exhausted = not builder.done
         bar.update(task, completed=builder.writer.num_windows * d.seq_len)
-    return {"skipped": skips.to_dict(), "records": records, "documents": documents, "tokens": tokens,
-            "exhausted": exhausted, "tail": builder.packer.filled if exhausted else 0}
+    return {
+        "skipped": skips.to_dict(),
+        "records": records,
+        "documents": documents,
+        "tokens": tokens,
+        "exhausted": exhausted,
+        "tail": builder.packer.filled if exhausted else 0,
+    }

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import glob
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -138,11 +138,13 @@ def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
                     yield RawBatch("jsonl", src, first, lines)
                     lines, size = [], 0
         except TruncatedSource as e:
-            raise UserError(f"{path}: {e} after line {lineno}; re-download the file or remove it from "
-                            f"data.path") from None
+            raise UserError(
+                f"{path}: {e} after line {lineno}; re-download the file or remove it from data.path"
+            ) from None
         except Exception as e:  # zstandard raises ZstdError, plain files OSError
-            raise UserError(f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e}); "
-                            f"re-download or remove the file") from None
+            raise UserError(
+                f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e}); re-download or remove the file"
+            ) from None
         if lines:
             yield RawBatch("jsonl", src, first, lines)
 
@@ -161,8 +163,9 @@ def _parquet_batches(path: Path) -> Iterator[RawBatch]:
             yield RawBatch("rows", str(path), row, records)
             row += len(records)
     except (OSError, pa.ArrowException) as e:
-        raise UserError(f"{path}: unreadable as parquet at row {row} ({type(e).__name__}: {e}); re-download or "
-                        f"remove the file") from None
+        raise UserError(
+            f"{path}: unreadable as parquet at row {row} ({type(e).__name__}: {e}); re-download or remove the file"
+        ) from None
 
 
 def local_batches(files: list[Path]) -> Iterator[RawBatch]:
@@ -177,8 +180,10 @@ def hub_batches(name: str, split: str, seed: int) -> Iterator[RawBatch]:
     try:
         ds = load_dataset(name, split=split, streaming=True)
     except Exception as e:  # the hub client raises many types (connection, not found, gated)
-        raise UserError(f"data.hub_name = '{name}' (split '{split}'): cannot stream it ({type(e).__name__}); "
-                        f"check the name and network, or download it and use data.source=local") from None
+        raise UserError(
+            f"data.hub_name = '{name}' (split '{split}'): cannot stream it ({type(e).__name__}); "
+            f"check the name and network, or download it and use data.source=local"
+        ) from None
     ds = ds.shuffle(seed=seed, buffer_size=1000)
     rows, row, size = [], 1, 0
     stream = iter(ds)
@@ -188,8 +193,10 @@ def hub_batches(name: str, split: str, seed: int) -> Iterator[RawBatch]:
         except StopIteration:
             break
         except Exception as e:  # a dropped connection mid-stream surfaces as whatever the transport raises
-            raise UserError(f"data.hub_name = '{name}': streaming failed after {row + len(rows) - 1} rows "
-                            f"({type(e).__name__}: {e}); rerun, or download it and use data.source=local") from None
+            raise UserError(
+                f"data.hub_name = '{name}': streaming failed after {row + len(rows) - 1} rows "
+                f"({type(e).__name__}: {e}); rerun, or download it and use data.source=local"
+            ) from None
         rows.append(record)
         text = record.get("text") if isinstance(record, dict) else None
         size += len(text) if isinstance(text, str) else 0
@@ -203,8 +210,9 @@ def hub_batches(name: str, split: str, seed: int) -> Iterator[RawBatch]:
 
 def synthetic_batches(num_docs: int, params: dict, batch_docs: int = 64) -> Iterator[RawBatch]:
     for start in range(0, num_docs, batch_docs):
-        yield RawBatch("synthetic", "synthetic", start + 1, list(range(start, min(num_docs, start + batch_docs))),
-                       params)
+        yield RawBatch(
+            "synthetic", "synthetic", start + 1, list(range(start, min(num_docs, start + batch_docs))), params
+        )
 
 
 def describe_source(data, files: list[Path] | None) -> dict:

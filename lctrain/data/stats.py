@@ -55,7 +55,7 @@ class DatasetStats:
             "domains": domains,
             "length_histogram": {
                 "unit": "tokens per document (the whole document, also when it spans windows); edges are the "
-                        "lower bounds of the bins, the last bin is open-ended",
+                "lower bounds of the bins, the last bin is open-ended",
                 "edges": LENGTH_EDGES,
                 "labels": [_bin_label(i) for i in range(len(LENGTH_EDGES))],
                 "counts": [int(c) for c in self.hist.sum(axis=0)],
@@ -77,13 +77,25 @@ def render(console, stats: dict, skipped: dict) -> None:
     for name, e in stats["domains"].items():
         if not e["documents"] and not e["tokens"]:
             continue
-        row = [name, f"{e['documents']:,}", f"{100 * e['documents_share']:.1f}", f"{e['tokens']:,}",
-               f"{100 * e['tokens_share']:.1f}"]
+        row = [
+            name,
+            f"{e['documents']:,}",
+            f"{100 * e['documents_share']:.1f}",
+            f"{e['tokens']:,}",
+            f"{100 * e['tokens_share']:.1f}",
+        ]
         if has_target:
             row.append(f"{100 * e['target_tokens_share']:.1f}")
         t.add_row(*row)
-    t.add_row("total", f"{stats['documents']:,}", "100.0", f"{stats['tokens']:,}", "100.0",
-              *(["100.0"] if has_target else []), style="bold")
+    t.add_row(
+        "total",
+        f"{stats['documents']:,}",
+        "100.0",
+        f"{stats['tokens']:,}",
+        "100.0",
+        *(["100.0"] if has_target else []),
+        style="bold",
+    )
     console.print(t)
 
     h = stats["length_histogram"]

@@ -22,8 +22,13 @@ from lctrain.errors import UserError
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 DATA_SUBDIR = "data"
-_COLUMN_DTYPES = {"input_ids": np.int32, "seg_lens": np.int32, "seg_doc": np.int32, "seg_domain": np.int8,
-                  "tag_lens": np.int32}
+_COLUMN_DTYPES = {
+    "input_ids": np.int32,
+    "seg_lens": np.int32,
+    "seg_doc": np.int32,
+    "seg_domain": np.int8,
+    "tag_lens": np.int32,
+}
 COLUMNS = tuple(_COLUMN_DTYPES)
 
 
@@ -31,8 +36,12 @@ def features(seq_len: int):
     from datasets import Features, List, Value
 
     # input_ids is fixed-length (one window), the per-segment columns ragged
-    return Features({k: List(Value(np.dtype(t).name), length=seq_len if k == "input_ids" else -1)
-                     for k, t in _COLUMN_DTYPES.items()})
+    return Features(
+        {
+            k: List(Value(np.dtype(t).name), length=seq_len if k == "input_ids" else -1)
+            for k, t in _COLUMN_DTYPES.items()
+        }
+    )
 
 
 @dataclass
@@ -155,8 +164,10 @@ def outdated(manifest: dict) -> str | None:
     if version == FORMAT_VERSION:
         return None
     if isinstance(version, int) and version < FORMAT_VERSION:
-        return (f"it is of dataset format {version}, whose token ids (SentencePiece tokenizers) or interleaved-chunk "
-                f"layout this lctrain no longer trains on")
+        return (
+            f"it is of dataset format {version}, whose token ids (SentencePiece tokenizers) or interleaved-chunk "
+            f"layout this lctrain no longer trains on"
+        )
     return f"dataset format version {version} is not {FORMAT_VERSION}"
 
 
@@ -203,16 +214,22 @@ def open_packed(path) -> PackedData:
         raise UserError(f"{path}: no prepared dataset here; run 'lctrain prepare' with the same config first")
     manifest = _complete_manifest(path)
     if manifest is None:
-        raise UserError(f"{path}: incomplete or not a prepared dataset (no complete {MANIFEST}); "
-                        f"run 'lctrain prepare --force' with the same config to rebuild it")
+        raise UserError(
+            f"{path}: incomplete or not a prepared dataset (no complete {MANIFEST}); "
+            f"run 'lctrain prepare --force' with the same config to rebuild it"
+        )
     bad = damaged_shards(path, manifest)
     if bad:
-        raise UserError(f"{path}: the prepared dataset is damaged ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); "
-                        f"run 'lctrain prepare' with the same config to rebuild it")
+        raise UserError(
+            f"{path}: the prepared dataset is damaged ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); "
+            f"run 'lctrain prepare' with the same config to rebuild it"
+        )
     reason = outdated(manifest)
     if reason:
         raise UserError(f"{path}: {reason}; run 'lctrain prepare' with the same config to rebuild it")
     if manifest["num_windows"] == 0 or not manifest.get("shards"):
-        raise UserError(f"{path}: the prepared dataset holds no windows; use a larger corpus or a smaller "
-                        f"data.seq_len and run 'lctrain prepare --force'")
+        raise UserError(
+            f"{path}: the prepared dataset holds no windows; use a larger corpus or a smaller "
+            f"data.seq_len and run 'lctrain prepare --force'"
+        )
     return PackedData(path, manifest)

@@ -49,12 +49,18 @@ wanted department voice center woman control common policy necessary following f
 further land run students provide feel party able mother music education university model data energy research
 method results analysis function value process theory network training language learning sequence attention""".split()
 
-_SYLLABLES = ("ka ro mi ta le su no ve pi da re lo ni ma to ke sa ri mu po ja ze fi gu ba the ion ent ter str con "
-              "pro ex ment ing ly al ic").split()
-_FILLER = ("def return class import self for in if else while try except with yield lambda None True False int "
-           "str list dict len range print value index result data").split()
-_LATEX = (r"\frac{a}{b} x_{i} \alpha \beta \sum_{i=1}^{n} \mathbb{R} \int_0^1 f(x)\,dx \lambda \theta_{t} "
-          r"\mathcal{O}(n) \leq \geq \nabla \cdot").split()
+_SYLLABLES = (
+    "ka ro mi ta le su no ve pi da re lo ni ma to ke sa ri mu po ja ze fi gu ba the ion ent ter str con "
+    "pro ex ment ing ly al ic"
+).split()
+_FILLER = (
+    "def return class import self for in if else while try except with yield lambda None True False int "
+    "str list dict len range print value index result data"
+).split()
+_LATEX = (
+    r"\frac{a}{b} x_{i} \alpha \beta \sum_{i=1}^{n} \mathbb{R} \int_0^1 f(x)\,dx \lambda \theta_{t} "
+    r"\mathcal{O}(n) \leq \geq \nabla \cdot"
+).split()
 
 
 def _vocabulary() -> tuple[np.ndarray, np.ndarray]:
@@ -150,13 +156,19 @@ def _stackexchange(rng: np.random.Generator, n: int) -> str:
 
 
 _STYLES = {
-    "CommonCrawl": _prose, "C4": _prose, "GitHub": _code, "ArXiv": _latex, "Book": _book,
-    "Wikipedia": _wikipedia, "StackExchange": _stackexchange,
+    "CommonCrawl": _prose,
+    "C4": _prose,
+    "GitHub": _code,
+    "ArXiv": _latex,
+    "Book": _book,
+    "Wikipedia": _wikipedia,
+    "StackExchange": _stackexchange,
 }
 
 
-def document_length_words(rng: np.random.Generator, domain: str, median_words: int, max_words: int,
-                          long_doc_fraction: float) -> int:
+def document_length_words(
+    rng: np.random.Generator, domain: str, median_words: int, max_words: int, long_doc_fraction: float
+) -> int:
     _, rel, sigma, long_weight = DOMAIN_PROFILE[domain]
     median = median_words * rel
     if rng.random() < min(1.0, long_doc_fraction * long_weight):
@@ -174,8 +186,9 @@ def _shape(rng: np.random.Generator, median_words: int, max_words: int, long_doc
     return domain, document_length_words(rng, domain, median_words, max_words, long_doc_fraction)
 
 
-def document_shape(seed: int, index: int, median_words: int, max_words: int,
-                   long_doc_fraction: float) -> tuple[str, int]:
+def document_shape(
+    seed: int, index: int, median_words: int, max_words: int, long_doc_fraction: float
+) -> tuple[str, int]:
     """`(domain, length in words)` of document `index`, without generating its text."""
     return _shape(np.random.default_rng([seed, index]), median_words, max_words, long_doc_fraction)
 

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -51,8 +50,9 @@ REQUEST_FILE = "request.json"
 WINDOW_FILE = "window.npz"
 
 
-def synthetic_window(seq_len: int, vocab: int, anchor_id: int, sp: int, seed: int,
-                     docs: int = SYNTHETIC_DOCS) -> dict[str, np.ndarray]:
+def synthetic_window(
+    seq_len: int, vocab: int, anchor_id: int, sp: int, seed: int, docs: int = SYNTHETIC_DOCS
+) -> dict[str, np.ndarray]:
     """A seeded window of `docs` documents (fewer when too short), each starting with the anchor, random token ids
     after it. No document boundary falls on a slice boundary of `sp` ranks, so documents span the slices and a
     layout error at a boundary shows."""
@@ -66,8 +66,12 @@ def synthetic_window(seq_len: int, vocab: int, anchor_id: int, sp: int, seed: in
     ids = rng.integers(0, vocab, size=seq_len, dtype=np.int64)
     ids[ids == anchor_id] = (anchor_id + 1) % vocab  # the anchor appears only where a document starts
     ids[starts] = anchor_id
-    return {"input_ids": ids, "seg_lens": seg_lens, "seg_doc": np.arange(len(seg_lens), dtype=np.int64),
-            "tag_lens": np.zeros(len(seg_lens), dtype=np.int64)}
+    return {
+        "input_ids": ids,
+        "seg_lens": seg_lens,
+        "seg_doc": np.arange(len(seg_lens), dtype=np.int64),
+        "tag_lens": np.zeros(len(seg_lens), dtype=np.int64),
+    }
 
 
 def logit_diff(ref: torch.Tensor, got: torch.Tensor, chunk_tokens: int = DIFF_CHUNK_TOKENS) -> dict:
@@ -78,16 +82,15 @@ def logit_diff(ref: torch.Tensor, got: torch.Tensor, chunk_tokens: int = DIFF_CH
     ref2, got2 = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
     max_abs, total, ref_max, worst_token = 0.0, 0.0, 0.0, 0
     for start in range(0, ref2.shape[0], chunk_tokens):
-        r = ref2[start:start + chunk_tokens].float()
-        d = (r - got2[start:start + chunk_tokens].float()).abs()
+        r = ref2[start : start + chunk_tokens].float()
+        d = (r - got2[start : start + chunk_tokens].float()).abs()
         per_token = d.amax(dim=-1)
         chunk_max = float(per_token.max())
         if chunk_max > max_abs:
             max_abs, worst_token = chunk_max, start + int(per_token.argmax())
         total += float(d.double().sum())
         ref_max = max(ref_max, float(r.abs().max()))
-    return {"max_abs": max_abs, "mean_abs": total / ref2.numel(), "ref_max_abs": ref_max,
-            "worst_token": worst_token}
+    return {"max_abs": max_abs, "mean_abs": total / ref2.numel(), "ref_max_abs": ref_max, "worst_token": worst_token}
 
 
 def allowed_processes() -> int:
@@ -97,7 +100,7 @@ def allowed_processes() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def check_config(cfg: Config, nproc: int, dtype: Optional[str]) -> Config:
+def check_config(cfg: Config, nproc: int, dtype: str | None) -> Config:
     """`cfg` laid out for a P-process Ulysses run of one window, refusing what cannot run before any process
     starts."""
     from lctrain.model import load_hf_config
@@ -126,8 +129,10 @@ def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]
 
         packed = open_checked(cfg)
         if not 0 <= row < len(packed):
-            raise UserError(f"--window {row}: the prepared dataset {data_dir(cfg)} has {len(packed)} windows; "
-                            f"choose 0 .. {len(packed) - 1}")
+            raise UserError(
+                f"--window {row}: the prepared dataset {data_dir(cfg)} has {len(packed)} windows; "
+                f"choose 0 .. {len(packed) - 1}"
+            )
         item = packed[row]
         window = {k: np.asarray(item[k], dtype=np.int64) for k in ("input_ids", "seg_lens", "seg_doc", "tag_lens")}
         vocab = int(packed.manifest["tokenizer"]["vocab_size"])
@@ -138,12 +143,25 @@ def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]
     anchor = anchor_token_id(load_tokenizer(cfg.data.tokenizer))
     vocab = model_shape(cfg).vocab
     window = synthetic_window(cfg.data.seq_len, vocab, anchor, cfg.parallel.sequence_parallel, seed=cfg.seed + row)
-    return window, (f"synthetic (no prepared dataset at {data_dir(cfg)}): {len(window['seg_lens'])} documents, "
-                    f"seed {cfg.seed + row}"), vocab
+    return (
+        window,
+        (
+            f"synthetic (no prepared dataset at {data_dir(cfg)}): {len(window['seg_lens'])} documents, "
+            f"seed {cfg.seed + row}"
+        ),
+        vocab,
+    )
 
 
-def check_sp(cfg: Config, *, nproc: int = 2, modes: Optional[list[str]] = None, dtype: Optional[str] = None,
-             window: int = 0, out: Optional[str] = None) -> dict:
+def check_sp(
+    cfg: Config,
+    *,
+    nproc: int = 2,
+    modes: list[str] | None = None,
+    dtype: str | None = None,
+    window: int = 0,
+    out: str | None = None,
+) -> dict:
     """Launch P workers on one window, print the per-mode table and return (and write) the JSON result; `modes`
     default to all four."""
     from lctrain.attention import MODES
@@ -165,21 +183,32 @@ def check_sp(cfg: Config, *, nproc: int = 2, modes: Optional[list[str]] = None, 
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{result['config']}: one process vs DeepSpeed-Ulysses over {result['world']} processes "
-             f"({result['backend']}, {result['device']}), {result['seq_len']} tokens, {result['window_source']}",
-             "", "| mode | engine | dtype | max |Δ logits| | mean |Δ logits| | max |logit| |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"{result['config']}: one process vs DeepSpeed-Ulysses over {result['world']} processes "
+        f"({result['backend']}, {result['device']}), {result['seq_len']} tokens, {result['window_source']}",
+        "",
+        "| mode | engine | dtype | max |Δ logits| | mean |Δ logits| | max |logit| |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["modes"]:
-        lines.append(f"| {r['mode']} | {r['engine']} | {result['dtype']} | {r['max_abs']:.3g} | {r['mean_abs']:.3g} "
-                     f"| {r['ref_max_abs']:.3g} |")
-    lines += ["", "0 = bit-identical logits. The paper's Table 8 (32K, 8 GPUs): 0 for DeepSpeed-Ulysses "
-                  "(AnchorContext), 0.75 for zigzag ring attention in full attention."]
+        lines.append(
+            f"| {r['mode']} | {r['engine']} | {result['dtype']} | {r['max_abs']:.3g} | {r['mean_abs']:.3g} "
+            f"| {r['ref_max_abs']:.3g} |"
+        )
+    lines += [
+        "",
+        "0 = bit-identical logits. The paper's Table 8 (32K, 8 GPUs): 0 for DeepSpeed-Ulysses "
+        "(AnchorContext), 0.75 for zigzag ring attention in full attention.",
+    ]
     return "\n".join(lines)
 
 
 def _forward_logits(lm, batch: dict, device: torch.device) -> torch.Tensor:
-    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-              if k not in ("labels", "shift_labels")}
+    kwargs = {
+        k: v.to(device) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+        if k not in ("labels", "shift_labels")
+    }
     return lm(**kwargs, use_cache=False).logits
 
 
@@ -193,11 +222,13 @@ def _check_same_weights(lm) -> None:
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     if not torch.equal(low, high):
-        raise UserError("the model's weights differ between the processes, so their logits cannot be compared; "
-                        "build the model from model.name_or_path, or from model.arch with a fixed seed")
+        raise UserError(
+            "the model's weights differ between the processes, so their logits cannot be compared; "
+            "build the model from model.name_or_path, or from model.arch with a fixed seed"
+        )
 
 
-def _gather_sequence(local: torch.Tensor, topo) -> Optional[torch.Tensor]:
+def _gather_sequence(local: torch.Tensor, topo) -> torch.Tensor | None:
     """The sequence-parallel group's slices of `[B, L/P, V]` concatenated in rank order on rank 0; None elsewhere."""
     import deepspeed.comm as dist
 
@@ -226,8 +257,13 @@ def run_worker(out_dir: Path) -> None:
         lm = build_model(cfg, vocab_size=request["vocab_size"], device=topo.device).eval()
         _check_same_weights(lm)
         rows = []
-        progress = Progress(TextColumn("[bold]check sp"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), disable=not topo.is_main)
+        progress = Progress(
+            TextColumn("[bold]check sp"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            disable=not topo.is_main,
+        )
         with progress:
             task = progress.add_task("check", total=len(request["modes"]), info="")
             for mode in request["modes"]:
@@ -235,8 +271,13 @@ def run_worker(out_dir: Path) -> None:
                 mode_cfg = cfg.model_copy(deep=True)
                 mode_cfg.attention.mode = mode
                 single = attn_implementation(mode_cfg, topo.device)
-                batch = make_batch(win["input_ids"][None], [win["seg_lens"]], mode, seg_doc=[win["seg_doc"]],
-                                   tag_lens=[win["tag_lens"]])
+                batch = make_batch(
+                    win["input_ids"][None],
+                    [win["seg_lens"]],
+                    mode,
+                    seg_doc=[win["seg_doc"]],
+                    tag_lens=[win["tag_lens"]],
+                )
                 lm.set_attn_implementation(single)
                 ref = _forward_logits(lm, batch, topo.device) if topo.is_main else None
                 engine = single.removeprefix(HF_PREFIX)
@@ -244,15 +285,23 @@ def run_worker(out_dir: Path) -> None:
                 local = _forward_logits(lm, topo.layout.shard(batch, topo.rank), topo.device)
                 gathered = _gather_sequence(local, topo)
                 if topo.is_main:
-                    rows.append({"mode": mode, "engine": engine, "shard_tokens": local.shape[1],
-                                 **logit_diff(ref, gathered)})
+                    rows.append(
+                        {"mode": mode, "engine": engine, "shard_tokens": local.shape[1], **logit_diff(ref, gathered)}
+                    )
                     del ref, gathered  # two [L, V] logits: free them before the next mode's forwards
                 progress.advance(task)
         if topo.is_main:
-            result = {"config": cfg.name, "world": topo.world, "backend": pick_backend(cfg),
-                      "device": torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else "cpu",
-                      "dtype": cfg.model.dtype, "seq_len": int(len(win["input_ids"])),
-                      "documents": int(len(win["seg_lens"])), "window_source": request["window_source"], "modes": rows}
+            result = {
+                "config": cfg.name,
+                "world": topo.world,
+                "backend": pick_backend(cfg),
+                "device": torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else "cpu",
+                "dtype": cfg.model.dtype,
+                "seq_len": int(len(win["input_ids"])),
+                "documents": int(len(win["seg_lens"])),
+                "window_source": request["window_source"],
+                "modes": rows,
+            }
             (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
     finally:
         release_single_process()

@@ -16,9 +16,9 @@ import math
 from pathlib import Path
 
 from lctrain.config import Config, data_dir
-from lctrain.errors import UserError
 from lctrain.costmodel import attention_flops, dense_flops, training_passes, window_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
+from lctrain.errors import UserError
 from lctrain.eval.inspect_data import MODES, dataset_stats
 from lctrain.model import model_shape
 
@@ -43,8 +43,10 @@ def mean_pairs(cfg: Config) -> tuple[dict[str, float], str]:
     for w in wins:
         for k, v in window_pairs(L, w, list(range(len(w)))).items():
             totals[k] += v
-    source = (f"SYNTHETIC: {why} (run `lctrain prepare` for the real layout); SlimPajama-like document lengths per "
-              f"domain, packed as prepare packs (lctrain.data.layouts)")
+    source = (
+        f"SYNTHETIC: {why} (run `lctrain prepare` for the real layout); SlimPajama-like document lengths per "
+        f"domain, packed as prepare packs (lctrain.data.layouts)"
+    )
     return {m: v / len(wins) for m, v in totals.items()}, source
 
 
@@ -68,13 +70,16 @@ def read_bench(path: str | Path) -> dict[str, float]:
         if isinstance(r, dict) and isinstance(r.get("tflops_per_gpu"), (int, float)) and r.get("mode") in MODES:
             found[r["mode"]] = float(r["tflops_per_gpu"])
     if not found or any(not (math.isfinite(v) and v > 0) for v in found.values()):
-        raise UserError(f"--from-bench {p}: no positive 'tflops_per_gpu' found (top level, per mode, or in "
-                        f"'results' entries with a 'mode'); pass --tflops instead")
+        raise UserError(
+            f"--from-bench {p}: no positive 'tflops_per_gpu' found (top level, per mode, or in "
+            f"'results' entries with a 'mode'); pass --tflops instead"
+        )
     return found
 
 
-def predict(cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | None = None,
-            modes=MODES) -> tuple[dict[str, dict], str]:
+def predict(
+    cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | None = None, modes=MODES
+) -> tuple[dict[str, dict], str]:
     """The FLOP model's hours per 1B tokens for each of `modes` at `rate` TFLOP/s per GPU ({mode or "*": rate}),
     and where the segment layout came from."""
     shape = model_shape(cfg)
@@ -92,8 +97,12 @@ def predict(cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | 
         if r is None:
             raise UserError(f"--from-bench {from_bench}: no throughput for mode '{mode}' and no overall one")
         flops = linear + per_pair * pairs[mode]
-        rows[mode] = {"flops_per_window": flops, "attention_share": per_pair * pairs[mode] / flops,
-                      "tflops_per_gpu": r, "hours_per_1b_tokens": windows_per_b * flops / (r * 1e12 * n_gpus) / 3600}
+        rows[mode] = {
+            "flops_per_window": flops,
+            "attention_share": per_pair * pairs[mode] / flops,
+            "tflops_per_gpu": r,
+            "hours_per_1b_tokens": windows_per_b * flops / (r * 1e12 * n_gpus) / 3600,
+        }
     if "full" in rows:
         full = rows["full"]["hours_per_1b_tokens"]
         for v in rows.values():
@@ -101,8 +110,14 @@ def predict(cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | 
     return rows, source
 
 
-def estimate(cfg: Config, *, tflops: float | None = None, from_bench: str | None = None, gpus: int | None = None,
-             out: str | None = None) -> dict:
+def estimate(
+    cfg: Config,
+    *,
+    tflops: float | None = None,
+    from_bench: str | None = None,
+    gpus: int | None = None,
+    out: str | None = None,
+) -> dict:
     """Hours per 1B training tokens per attention mode; prints a table, writes JSON when `out` is given."""
     if (tflops is None) == (from_bench is None):
         raise UserError("give exactly one of --tflops (achieved TFLOP/s per GPU) and --from-bench FILE")
@@ -113,8 +128,15 @@ def estimate(cfg: Config, *, tflops: float | None = None, from_bench: str | None
     if n_gpus < 1:
         raise UserError(f"--gpus {gpus}: must be at least 1")
     rows, source = predict(cfg, rate, n_gpus, from_bench)
-    result = {"config": cfg.name, "seq_len": cfg.data.seq_len, "gpus": n_gpus, "segment_source": source,
-              "synthetic": source.startswith("SYNTHETIC"), "model": model_shape(cfg).__dict__, "modes": rows}
+    result = {
+        "config": cfg.name,
+        "seq_len": cfg.data.seq_len,
+        "gpus": n_gpus,
+        "segment_source": source,
+        "synthetic": source.startswith("SYNTHETIC"),
+        "model": model_shape(cfg).__dict__,
+        "modes": rows,
+    }
     _print(result)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -127,14 +149,21 @@ def _print(result: dict) -> None:
     from rich.table import Table
 
     console = Console()
-    t = Table(title=f"{result['config']}: predicted hours per 1B tokens at {result['seq_len']} tokens on "
-                    f"{result['gpus']} GPU(s)")
+    t = Table(
+        title=f"{result['config']}: predicted hours per 1B tokens at {result['seq_len']} tokens on "
+        f"{result['gpus']} GPU(s)"
+    )
     t.add_column("mode")
     for c in ("TFLOP/s/GPU", "attention FLOPs", "hours / 1B tok", "vs full"):
         t.add_column(c, justify="right")
     for mode, v in result["modes"].items():
-        t.add_row(mode, f"{v['tflops_per_gpu']:.1f}", f"{100 * v['attention_share']:.1f}%",
-                  f"{v['hours_per_1b_tokens']:.3g}", f"{v['speedup_vs_full']:.2f}x")
+        t.add_row(
+            mode,
+            f"{v['tflops_per_gpu']:.1f}",
+            f"{100 * v['attention_share']:.1f}%",
+            f"{v['hours_per_1b_tokens']:.3g}",
+            f"{v['speedup_vs_full']:.2f}x",
+        )
     console.print(t)
     style = "bold yellow" if result["synthetic"] else ""
     console.print(f"segment layout: {result['segment_source']}", style=style)

@@ -26,8 +26,8 @@ attention mask). Host memory: the cache of the offloaded layers. If even the mos
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
@@ -69,11 +69,17 @@ class GenerationPlan:
 
     def describe(self) -> str:
         gb = 1e9
-        where = (f"KV cache of {self.layers - self.resident_layers} of {self.layers} layers offloaded to host memory "
-                 f"({self.host_bytes / gb:.1f} GB)" if self.offload else "KV cache on the device")
-        return (f"{self.tokens} tokens: {where}, prefill in chunks of {self.prefill_chunk}; "
-                f"{self.device_bytes / gb:.1f} GB on the device beside the weights "
-                f"(of {self.available_bytes / gb:.1f} GB free)")
+        where = (
+            f"KV cache of {self.layers - self.resident_layers} of {self.layers} layers offloaded to host memory "
+            f"({self.host_bytes / gb:.1f} GB)"
+            if self.offload
+            else "KV cache on the device"
+        )
+        return (
+            f"{self.tokens} tokens: {where}, prefill in chunks of {self.prefill_chunk}; "
+            f"{self.device_bytes / gb:.1f} GB on the device beside the weights "
+            f"(of {self.available_bytes / gb:.1f} GB free)"
+        )
 
 
 STAGING_LAYERS = 2  # an offloaded layer computes in one staging buffer while the next is copied into the other
@@ -85,12 +91,15 @@ def _needs(config, tokens: int, chunk: int, dtype_bytes: int, resident: int) -> 
     offloaded = layers - resident
     on_device = resident + (STAGING_LAYERS if offloaded else 0)
     act = prefill_activation_bytes(config, min(chunk, tokens), tokens, dtype_bytes)
-    return (kv_cache_bytes(config, tokens, dtype_bytes, layers=on_device) + act,
-            kv_cache_bytes(config, tokens, dtype_bytes, layers=offloaded))
+    return (
+        kv_cache_bytes(config, tokens, dtype_bytes, layers=on_device) + act,
+        kv_cache_bytes(config, tokens, dtype_bytes, layers=offloaded),
+    )
 
 
-def _most_resident(config, tokens: int, dtype_bytes: int, device_free: int, chunk: int,
-                   can_offload: bool) -> tuple[int, int, int] | None:
+def _most_resident(
+    config, tokens: int, dtype_bytes: int, device_free: int, chunk: int, can_offload: bool
+) -> tuple[int, int, int] | None:
     """(resident layers, device bytes, host bytes) keeping the most layers on the device within its free memory
     (less HEADROOM), or None when not even the fully offloaded cache fits."""
     layers = ModelShape.from_hf_config(config).layers
@@ -101,8 +110,9 @@ def _most_resident(config, tokens: int, dtype_bytes: int, device_free: int, chun
     return None
 
 
-def _fitting(config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None,
-             chunk: int) -> GenerationPlan | None:
+def _fitting(
+    config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None, chunk: int
+) -> GenerationPlan | None:
     """The plan for `tokens` with the fewest layers offloaded, or None. Offloading more layers only needs more host
     memory, so the most resident plan that fits the device decides."""
     best = _most_resident(config, tokens, dtype_bytes, device_free, chunk, host_free is not None)
@@ -114,8 +124,9 @@ def _fitting(config, tokens: int, dtype_bytes: int, device_free: int, host_free:
     return GenerationPlan(resident, ModelShape.from_hf_config(config).layers, chunk, tokens, device, host, device_free)
 
 
-def plan_generation(config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None,
-                    prefill_chunk: int = PREFILL_CHUNK) -> GenerationPlan:
+def plan_generation(
+    config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None, prefill_chunk: int = PREFILL_CHUNK
+) -> GenerationPlan:
     """The plan that fits `tokens` (prompt + generated) into `device_free` bytes beside the weights with the fewest
     layers offloaded; `host_free` None means the device is the host (CPU), where offloading saves nothing."""
     plan = _fitting(config, tokens, dtype_bytes, device_free, host_free, prefill_chunk)
@@ -132,14 +143,20 @@ def plan_generation(config, tokens: int, dtype_bytes: int, device_free: int, hos
     best = _most_resident(config, tokens, dtype_bytes, device_free, prefill_chunk, offload)
     if best is not None:  # the device has room: host memory for the offloaded layers ran out
         resident, _, host = best
-        short = (f"its KV cache, {layers - resident} of {layers} layers offloaded, needs {host / 1e9:.1f} GB of host "
-                 f"memory and {host_free / 1e9:.1f} GB are available")
+        short = (
+            f"its KV cache, {layers - resident} of {layers} layers offloaded, needs {host / 1e9:.1f} GB of host "
+            f"memory and {host_free / 1e9:.1f} GB are available"
+        )
     else:
         device, _ = _needs(config, tokens, prefill_chunk, dtype_bytes, 0 if offload else layers)
-        short = (f"it needs {device / 1e9:.1f} GB beside the weights (KV cache{' offloaded' if offload else ''} and "
-                 f"one prefill chunk) and {device_free / 1e9:.1f} GB are free")
-    raise UserError(f"a {tokens}-token prompt does not fit for generation: {short}; the longest that fits here is "
-                    f"{lo} tokens: evaluate shorter lengths (--lengths) or on a machine with more memory")
+        short = (
+            f"it needs {device / 1e9:.1f} GB beside the weights (KV cache{' offloaded' if offload else ''} and "
+            f"one prefill chunk) and {device_free / 1e9:.1f} GB are free"
+        )
+    raise UserError(
+        f"a {tokens}-token prompt does not fit for generation: {short}; the longest that fits here is "
+        f"{lo} tokens: evaluate shorter lengths (--lengths) or on a machine with more memory"
+    )
 
 
 def free_memory(device) -> tuple[int, int | None]:
@@ -175,10 +192,12 @@ def _host_buffer(shape: tuple[int, ...], dtype, pin: bool):
         return torch.empty(shape, dtype=dtype), None
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % PAGE
-    region = raw[start:start + nbytes]
+    region = raw[start : start + nbytes]
     if int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), nbytes, 0)) != 0:
-        raise UserError(f"cannot page-lock {nbytes / 1e9:.1f} GB of host memory for the offloaded KV cache "
-                        f"(cudaHostRegister failed; see `ulimit -l`); evaluate shorter lengths (--lengths)")
+        raise UserError(
+            f"cannot page-lock {nbytes / 1e9:.1f} GB of host memory for the offloaded KV cache "
+            f"(cudaHostRegister failed; see `ulimit -l`); evaluate shorter lengths (--lengths)"
+        )
     return region.view(dtype).view(shape), region.data_ptr()
 
 
@@ -230,15 +249,20 @@ def planned_cache(model, plan: GenerationPlan):
             self.store = []
             for i in range(m.layers):
                 if i < plan.resident_layers:
-                    self.store.append(_BufferLayer(torch.empty(shape, dtype=dtype, device=device),
-                                                   torch.empty(shape, dtype=dtype, device=device)))
+                    self.store.append(
+                        _BufferLayer(
+                            torch.empty(shape, dtype=dtype, device=device),
+                            torch.empty(shape, dtype=dtype, device=device),
+                        )
+                    )
                     continue
                 (k, pk), (v, pv) = (_host_buffer(streamed, dtype, stream) for _ in range(2))
                 self.registered += [p for p in (pk, pv) if p is not None]
                 self.store.append(_BufferLayer(k, v))
-            self.staging = [(torch.empty(streamed, dtype=dtype, device=device),
-                             torch.empty(streamed, dtype=dtype, device=device))
-                            for _ in range(min(STAGING_LAYERS, plan.layers - plan.resident_layers))]
+            self.staging = [
+                (torch.empty(streamed, dtype=dtype, device=device), torch.empty(streamed, dtype=dtype, device=device))
+                for _ in range(min(STAGING_LAYERS, plan.layers - plan.resident_layers))
+            ]
             self.copy_stream = torch.cuda.Stream(device) if stream and plan.offload else None
             self.prefetched: set[int] = set()
             self.plan = plan
@@ -258,8 +282,8 @@ def planned_cache(model, plan: GenerationPlan):
         def _fetch(self, layer: int) -> None:
             """Copy the cached prefix of an offloaded layer into its staging buffers."""
             b, (k, v) = self.store[layer], self._slot(layer)
-            k[:b.length].copy_(b.keys[:b.length], non_blocking=True)
-            v[:b.length].copy_(b.values[:b.length], non_blocking=True)
+            k[: b.length].copy_(b.keys[: b.length], non_blocking=True)
+            v[: b.length].copy_(b.values[: b.length], non_blocking=True)
 
         def _prefetch_after(self, layer: int) -> None:
             """Start copying the next offloaded layer (the first one of the next forward, after the last) while
@@ -283,10 +307,10 @@ def planned_cache(model, plan: GenerationPlan):
             if n + new > plan.tokens:
                 raise ValueError(f"the cache was planned for {plan.tokens} tokens; {n + new} asked")
             if layer_idx < plan.resident_layers:
-                b.keys[..., n:n + new, :].copy_(key_states)
-                b.values[..., n:n + new, :].copy_(value_states)
+                b.keys[..., n : n + new, :].copy_(key_states)
+                b.values[..., n : n + new, :].copy_(value_states)
                 b.length = n + new
-                return b.keys[..., :n + new, :], b.values[..., :n + new, :]
+                return b.keys[..., : n + new, :], b.values[..., : n + new, :]
             keys, values = self._slot(layer_idx)
             if layer_idx in self.prefetched:
                 if self.copy_stream is not None:
@@ -296,12 +320,12 @@ def planned_cache(model, plan: GenerationPlan):
                 self._fetch(layer_idx)
             b.length = n + new
             new_keys, new_values = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
-            b.keys[n:n + new].copy_(new_keys, non_blocking=True)
-            b.values[n:n + new].copy_(new_values, non_blocking=True)
-            keys[n:n + new].copy_(new_keys)
-            values[n:n + new].copy_(new_values)
+            b.keys[n : n + new].copy_(new_keys, non_blocking=True)
+            b.values[n : n + new].copy_(new_values, non_blocking=True)
+            keys[n : n + new].copy_(new_keys)
+            values[n : n + new].copy_(new_values)
             self._prefetch_after(layer_idx)
-            return keys[:n + new].permute(1, 0, 2)[None], values[:n + new].permute(1, 0, 2)[None]
+            return keys[: n + new].permute(1, 0, 2)[None], values[: n + new].permute(1, 0, 2)[None]
 
         def close(self) -> None:
             if self.registered:
@@ -313,8 +337,16 @@ def planned_cache(model, plan: GenerationPlan):
     return PlannedCache()
 
 
-def greedy_ids(model, ids: list[int], max_new: int, plan: GenerationPlan, *, cache=None, eos: int | None = None,
-               stop: Callable[[list[int]], bool] | None = None) -> list[int]:
+def greedy_ids(
+    model,
+    ids: list[int],
+    max_new: int,
+    plan: GenerationPlan,
+    *,
+    cache=None,
+    eos: int | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
+) -> list[int]:
     """Greedy continuation of `ids` under `plan`: up to `max_new` tokens, ending after `eos` or once `stop(new ids)`
     is true (the stop strings of a task). `cache`: a `planned_cache` of this plan to reuse (the caller closes it);
     without one, a cache is made for this call and closed after it."""
@@ -334,15 +366,23 @@ def greedy_ids(model, ids: list[int], max_new: int, plan: GenerationPlan, *, cac
     try:
         with torch.inference_mode():
             for start in range(0, len(ids), plan.prefill_chunk):
-                out = model(input_ids=x[:, start:start + plan.prefill_chunk], past_key_values=cache, use_cache=True,
-                            logits_to_keep=1)
+                out = model(
+                    input_ids=x[:, start : start + plan.prefill_chunk],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             while True:
                 nxt = int(out.logits[0, -1].argmax())
                 new.append(nxt)
                 if len(new) >= max_new or nxt == eos or (stop is not None and stop(new)):
                     break
-                out = model(input_ids=torch.tensor([[nxt]], device=model.device), past_key_values=cache,
-                            use_cache=True, logits_to_keep=1)
+                out = model(
+                    input_ids=torch.tensor([[nxt]], device=model.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
     finally:
         if own:
             cache.close()
@@ -364,22 +404,34 @@ class VllmGenerator:
             raise UserError("--backend vllm needs vLLM: pip install vllm (or use the default --backend hf)") from None
         self.vllm, self.eos, self.max_len = vllm, eos, max_len
         try:
-            self.llm = vllm.LLM(model=str(model_dir), dtype="bfloat16", max_model_len=max_len, seed=seed,
-                                skip_tokenizer_init=True, gpu_memory_utilization=self.GPU_MEMORY_UTILIZATION)
+            self.llm = vllm.LLM(
+                model=str(model_dir),
+                dtype="bfloat16",
+                max_model_len=max_len,
+                seed=seed,
+                skip_tokenizer_init=True,
+                gpu_memory_utilization=self.GPU_MEMORY_UTILIZATION,
+            )
         except ValueError as e:  # vLLM's refusal of a max_model_len whose cache does not fit
-            raise UserError(f"{model_dir}: vLLM cannot serve {max_len}-token sequences on this GPU "
-                            f"({str(e).splitlines()[0][:300]}); evaluate shorter lengths or use --backend hf, whose "
-                            f"offloaded cache fits longer prompts") from None
+            raise UserError(
+                f"{model_dir}: vLLM cannot serve {max_len}-token sequences on this GPU "
+                f"({str(e).splitlines()[0][:300]}); evaluate shorter lengths or use --backend hf, whose "
+                f"offloaded cache fits longer prompts"
+            ) from None
 
     def describe(self) -> str:
-        return (f"{self.max_len} tokens: vLLM, paged KV cache in {self.GPU_MEMORY_UTILIZATION:.0%} of the GPU's "
-                f"memory, continuous batching")
+        return (
+            f"{self.max_len} tokens: vLLM, paged KV cache in {self.GPU_MEMORY_UTILIZATION:.0%} of the GPU's "
+            f"memory, continuous batching"
+        )
 
     def greedy(self, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
         """The greedy continuation of each prompt, up to its `max_new` tokens, ending after EOS."""
         stops = [self.eos] if self.eos is not None else []
-        params = [self.vllm.SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=stops, detokenize=False)
-                  for n in max_new]
+        params = [
+            self.vllm.SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=stops, detokenize=False)
+            for n in max_new
+        ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 

@@ -30,8 +30,11 @@ from lctrain.errors import UserError
 TABLE7 = {"longbench": "longbench", "hellaswag": "hellaswag", "mmlu": "mmlu"}
 # LongBench's category groups in the harness -> the paper's Appendix E column (Table 12); "ICL" is Table 7's column.
 LONGBENCH_CATEGORIES = {
-    "longbench_code": "Code Completion", "longbench_fewshot": "ICL", "longbench_multi": "Multi-Doc QA",
-    "longbench_single": "Single-Doc QA", "longbench_summarization": "Summarization",
+    "longbench_code": "Code Completion",
+    "longbench_fewshot": "ICL",
+    "longbench_multi": "Multi-Doc QA",
+    "longbench_single": "Single-Doc QA",
+    "longbench_summarization": "Summarization",
     "longbench_synthetic": "Synthetic",
 }
 # The metric shown for a task in the table; every numeric metric the harness returns is kept in the JSON.
@@ -85,23 +88,26 @@ def _make_lm_class():
             continuation ids) pairs; each sequence keeps its last `max_length` tokens."""
             out: list[tuple[float, bool]] = []
             for start in range(0, len(pairs), self.batch_size):
-                chunk = pairs[start:start + self.batch_size]
+                chunk = pairs[start : start + self.batch_size]
                 longest = max(len(cont) for _, cont in chunk)
                 if longest > self.max_length:
-                    raise UserError(f"a harness continuation of {longest} tokens is longer than the harness max "
-                                    f"length {self.max_length}; raise --harness-max-len")
-                rows = [(ctx + cont)[-(self.max_length + 1):][:-1] for ctx, cont in chunk]
+                    raise UserError(
+                        f"a harness continuation of {longest} tokens is longer than the harness max "
+                        f"length {self.max_length}; raise --harness-max-len"
+                    )
+                rows = [(ctx + cont)[-(self.max_length + 1) :][:-1] for ctx, cont in chunk]
                 width = max(len(r) for r in rows)
                 ids = torch.full((len(rows), width), self.eot_token_id or 0, dtype=torch.long)
                 mask = torch.zeros_like(ids)
                 for i, r in enumerate(rows):
-                    ids[i, :len(r)] = torch.tensor(r)
-                    mask[i, :len(r)] = 1
+                    ids[i, : len(r)] = torch.tensor(r)
+                    mask[i, : len(r)] = 1
                 with torch.inference_mode():
-                    logits = self.model(input_ids=ids.to(self.model.device),
-                                        attention_mask=mask.to(self.model.device)).logits.float()
+                    logits = self.model(
+                        input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device)
+                    ).logits.float()
                 for i, (r, (_, cont)) in enumerate(zip(rows, chunk)):
-                    logp = F.log_softmax(logits[i, len(r) - len(cont):len(r)], dim=-1)
+                    logp = F.log_softmax(logits[i, len(r) - len(cont) : len(r)], dim=-1)
                     target = torch.tensor(cont, device=logp.device)
                     total = float(logp.gather(1, target[:, None]).sum())
                     out.append((total, bool((logp.argmax(-1) == target).all())))
@@ -123,8 +129,12 @@ def _make_lm_class():
             out = []
             for req in requests:
                 (text,) = req.args
-                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                    token_list=self.encode(text), prefix_token=self.bos, max_seq_len=self.max_length, context_len=1)]
+                windows = [
+                    make_disjoint_window(w)
+                    for w in get_rolling_token_windows(
+                        token_list=self.encode(text), prefix_token=self.bos, max_seq_len=self.max_length, context_len=1
+                    )
+                ]
                 out.append(sum(lp for lp, _ in self._logprobs([(list(c), list(t)) for c, t in windows])))
             return out
 
@@ -139,10 +149,12 @@ def _make_lm_class():
                 ids = [self.bos] + self.encode(context)
                 room = self.max_length - max_new
                 if room < 2:
-                    raise UserError(f"harness max length {self.max_length} leaves no room for a prompt before "
-                                    f"{max_new} generated tokens; raise --harness-max-len")
+                    raise UserError(
+                        f"harness max length {self.max_length} leaves no room for a prompt before "
+                        f"{max_new} generated tokens; raise --harness-max-len"
+                    )
                 if len(ids) > room:
-                    ids = ids[:room // 2] + ids[len(ids) - (room - room // 2):]
+                    ids = ids[: room // 2] + ids[len(ids) - (room - room // 2) :]
                 out.append(_cut_at_stops(self._greedy(ids, max_new, stops), stops))
                 self._done()
             return out
@@ -153,8 +165,14 @@ def _make_lm_class():
             def decode(new: list[int]) -> str:
                 return self.tokenizer.decode(new, skip_special_tokens=True)
 
-            new = greedy_ids(self.model, ids, max_new, plan_for(self.model, len(ids) + max_new),
-                             eos=self.eot_token_id, stop=(lambda n: any(s in decode(n) for s in stops)) if stops else None)
+            new = greedy_ids(
+                self.model,
+                ids,
+                max_new,
+                plan_for(self.model, len(ids) + max_new),
+                eos=self.eot_token_id,
+                stop=(lambda n: any(s in decode(n) for s in stops)) if stops else None,
+            )
             return decode(new)
 
     return CheckpointLM
@@ -197,9 +215,11 @@ def resolve_tasks(names: list[str], include_path: str | None):
         return manager, manager.load(wanted)
     except Exception as e:  # the harness surfaces hub, cache and format errors of `datasets` as many types
         first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        raise UserError(f"--harness {','.join(names)}: a task's dataset could not be loaded ({type(e).__name__}: "
-                        f"{first}); the harness downloads it from the hub on first use: run once with network "
-                        f"access, or point HF_DATASETS_CACHE at a cache that has it") from None
+        raise UserError(
+            f"--harness {','.join(names)}: a task's dataset could not be loaded ({type(e).__name__}: "
+            f"{first}); the harness downloads it from the hub on first use: run once with network "
+            f"access, or point HF_DATASETS_CACHE at a cache that has it"
+        ) from None
 
 
 def numeric_metrics(results: dict) -> dict[str, dict[str, float]]:
@@ -245,8 +265,9 @@ class HarnessSettings:
     batch_size: int = 1
 
 
-def evaluate_harness(tgt, settings: HarnessSettings, *, out: str | Path | None = None,
-                     device: str | None = None) -> dict:
+def evaluate_harness(
+    tgt, settings: HarnessSettings, *, out: str | Path | None = None, device: str | None = None
+) -> dict:
     """`lctrain eval TARGET --harness ...`: score a resolved run or model (`runner.resolve_target`, see
     `run_harness`)."""
     from lctrain.eval.runner import pick_device
@@ -273,23 +294,38 @@ def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -
     tokenizer = load_eval_tokenizer(target.checkpoints[0][1], target.cfg)
     per_checkpoint: dict[str, dict[str, dict[str, float]]] = {}
     # the harness builds its requests inside simple_evaluate, so the bar counts requests answered, without a total
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} requests"),
-                  TimeElapsedColumn()) as bar:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} requests"), TimeElapsedColumn()
+    ) as bar:
         job = bar.add_task("harness", total=None)
         for name, path in target.checkpoints:
             bar.update(job, description=f"harness {name}", completed=0)
             model = load_model(path, device)
-            lm = checkpoint_lm(model, tokenizer, max_length, settings.batch_size,
-                               progress=lambda n: bar.advance(job, n))
-            res = lm_eval.simple_evaluate(model=lm, tasks=wanted, num_fewshot=settings.num_fewshot,
-                                          limit=settings.limit, task_manager=manager, log_samples=False,
-                                          bootstrap_iters=0, verbosity="ERROR")
+            lm = checkpoint_lm(
+                model, tokenizer, max_length, settings.batch_size, progress=lambda n: bar.advance(job, n)
+            )
+            res = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=wanted,
+                num_fewshot=settings.num_fewshot,
+                limit=settings.limit,
+                task_manager=manager,
+                log_samples=False,
+                bootstrap_iters=0,
+                verbosity="ERROR",
+            )
             per_checkpoint[name] = numeric_metrics(res["results"])
             del model, lm
     report = {
-        "target": str(target.path), "checkpoints": [c for c, _ in target.checkpoints], "device": device,
-        "tasks": wanted, "num_fewshot": settings.num_fewshot, "limit": settings.limit, "max_length": max_length,
-        "harness_version": getattr(lm_eval, "__version__", None), "per_checkpoint": per_checkpoint,
+        "target": str(target.path),
+        "checkpoints": [c for c, _ in target.checkpoints],
+        "device": device,
+        "tasks": wanted,
+        "num_fewshot": settings.num_fewshot,
+        "limit": settings.limit,
+        "max_length": max_length,
+        "harness_version": getattr(lm_eval, "__version__", None),
+        "per_checkpoint": per_checkpoint,
         "average": average_over_checkpoints(per_checkpoint),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -303,8 +339,9 @@ def print_harness_report(report: dict, out_dir: Path) -> None:
     from rich.table import Table
 
     n = len(report["checkpoints"])
-    table = Table(title=f"lm-evaluation-harness, averaged over {n} checkpoint{'s' * (n > 1)} "
-                        f"({', '.join(report['checkpoints'])})")
+    table = Table(
+        title=f"lm-evaluation-harness, averaged over {n} checkpoint{'s' * (n > 1)} ({', '.join(report['checkpoints'])})"
+    )
     table.add_column("task")
     table.add_column("paper column")
     table.add_column("metric")

@@ -48,8 +48,12 @@ def dataset_stats(packed) -> dict:
     counts, _ = np.histogram(all_lengths, bins=edges)
     total_seg, total_tok = int(seg_count.sum()), int(tok_count.sum())
     domain_rows = {
-        d: {"segments": int(seg_count[i]), "segment_share": seg_count[i] / total_seg if total_seg else 0.0,
-            "tokens": int(tok_count[i]), "token_share": tok_count[i] / total_tok if total_tok else 0.0}
+        d: {
+            "segments": int(seg_count[i]),
+            "segment_share": seg_count[i] / total_seg if total_seg else 0.0,
+            "tokens": int(tok_count[i]),
+            "token_share": tok_count[i] / total_tok if total_tok else 0.0,
+        }
         for i, d in enumerate(domains)
     }
     # Whole documents (also those spanning windows) are only known to prepare: take them from its manifest.
@@ -68,8 +72,10 @@ def dataset_stats(packed) -> dict:
         "tokens": total_tok,
         "segments": total_seg,
         "documents": manifest_stats.get("documents"),
-        "segments_per_window": {"mean": float(np.mean(per_window)) if per_window else 0.0,
-                                "max": int(max(per_window, default=0))},
+        "segments_per_window": {
+            "mean": float(np.mean(per_window)) if per_window else 0.0,
+            "max": int(max(per_window, default=0)),
+        },
         "domains": domain_rows,
         "length_histogram": hist,
         "segment_length_histogram": {"edges": edges, "counts": counts.tolist()},
@@ -93,8 +99,10 @@ def inspect(data_dir: str | Path, out: str | Path | None = None) -> Path:
     (out_dir / "dataset_stats.json").write_text(json.dumps(stats, indent=2))
     plot_dataset(stats, out_dir / "dataset.png")
     console = Console()
-    t = Table(title=f"{data_dir}: {stats['windows']} windows of {stats['seq_len']} tokens, {stats['segments']} segments "
-                    f"({stats['segments_per_window']['mean']:.1f} per window, max {stats['segments_per_window']['max']})")
+    t = Table(
+        title=f"{data_dir}: {stats['windows']} windows of {stats['seq_len']} tokens, {stats['segments']} segments "
+        f"({stats['segments_per_window']['mean']:.1f} per window, max {stats['segments_per_window']['max']})"
+    )
     t.add_column("domain")
     for c in ("documents", "share of documents", "segments", "tokens", "share of tokens"):
         t.add_column(c, justify="right")

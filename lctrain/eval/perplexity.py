@@ -72,8 +72,13 @@ def select_heldout(tgt, ppl_data: str | None) -> Heldout:
     consumed = cfg.train.steps * cfg.train.global_batch if own else 0
     rows, available = heldout_rows(n, consumed, cfg.seed, limit)
     if not rows:
-        return Heldout(packed, [], 0, f"none held out: training consumed {consumed} window reads of the {n} windows in "
-                                    f"{path}; prepare a larger token budget or pass --ppl-data DIR")
+        return Heldout(
+            packed,
+            [],
+            0,
+            f"none held out: training consumed {consumed} window reads of the {n} windows in "
+            f"{path}; prepare a larger token budget or pass --ppl-data DIR",
+        )
     return Heldout(packed, rows, available)
 
 
@@ -100,14 +105,15 @@ def window_nll(model, window: dict, chunk: int = 4096) -> tuple[float, int]:
     L = ids.shape[1]
     keep = torch.as_tensor(target_mask(window), device=model.device)
     with torch.inference_mode():
-        hidden = model.get_decoder()(input_ids=ids, position_ids=torch.arange(L, device=model.device)[None],
-                                     use_cache=False).last_hidden_state[0]
+        hidden = model.get_decoder()(
+            input_ids=ids, position_ids=torch.arange(L, device=model.device)[None], use_cache=False
+        ).last_hidden_state[0]
         head = model.get_output_embeddings()
         total = 0.0
         for lo in range(0, L - 1, chunk):
             hi = min(lo + chunk, L - 1)
             logits = head(hidden[lo:hi]).float()
-            nll = torch.nn.functional.cross_entropy(logits, ids[0, lo + 1:hi + 1], reduction="none")
+            nll = torch.nn.functional.cross_entropy(logits, ids[0, lo + 1 : hi + 1], reduction="none")
             total += float(nll[keep[lo:hi]].sum())
     return total, int(keep.sum())
 

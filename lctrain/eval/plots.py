@@ -95,8 +95,11 @@ def plot_rope_figure1(results: dict, path: Path) -> Path:
     right.set_ylabel(f"first-token logit difference D_logit (Eq. 5, {results['logits'].split(' (')[0]})")
     right.legend(fontsize=7)
     right.grid(alpha=0.3)
-    fig.suptitle(f"RoPE under a positional shift: {results['model']}, T = {results['seq_len']}, mean of "
-                 f"{results['samples']} sequences", fontsize=10)
+    fig.suptitle(
+        f"RoPE under a positional shift: {results['model']}, T = {results['seq_len']}, mean of "
+        f"{results['samples']} sequences",
+        fontsize=10,
+    )
     return _save(fig, path)
 
 
@@ -135,8 +138,9 @@ def plot_dataset(stats: dict, path: Path) -> Path:
     if all(v is not None for v in docs):
         bars.bar([i - w / 2 for i in x], [100 * v for v in docs], w, label="documents")
     else:
-        bars.bar([i - w / 2 for i in x], [100 * stats["domains"][d]["segment_share"] for d in domains], w,
-                 label="segments")
+        bars.bar(
+            [i - w / 2 for i in x], [100 * stats["domains"][d]["segment_share"] for d in domains], w, label="segments"
+        )
     bars.bar([i + w / 2 for i in x], [100 * stats["domains"][d]["token_share"] for d in domains], w, label="tokens")
     bars.set_xticks(list(x), domains, rotation=30)
     bars.set_ylabel("share (%)")
@@ -164,8 +168,14 @@ def plot_figure6(results: dict, path: Path) -> Path:
         xs = [x[p["seq_len"]] for p in pts]
         color = f"C{i}"
         ax.plot(xs, [p["days_per_1b_tokens"] for p in pts], "-o", color=color, label=f"{mode} (measured)")
-        ax.plot(xs, [p["predicted_days_per_1b_tokens"] for p in pts], "--", color=color, alpha=0.6,
-                label=f"{mode} (FLOP model)")
+        ax.plot(
+            xs,
+            [p["predicted_days_per_1b_tokens"] for p in pts],
+            "--",
+            color=color,
+            alpha=0.6,
+            label=f"{mode} (FLOP model)",
+        )
     ax.set_xticks(range(len(lengths)), [length_label(L) for L in lengths])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("days per 1B tokens")

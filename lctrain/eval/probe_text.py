@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -36,12 +36,17 @@ class ProbeText:
     single_document: int  # how many of the sequences lie inside one document
 
     def describe(self, path: Path) -> dict:
-        return {"path": str(path), "sequences": len(self.sequences), "single_document": self.single_document,
-                "origins": self.origins}
+        return {
+            "path": str(path),
+            "sequences": len(self.sequences),
+            "single_document": self.single_document,
+            "origins": self.origins,
+        }
 
 
-def packed_document_spans(windows: Iterable[tuple[np.ndarray, np.ndarray]], window_len: int,
-                          length: int) -> Iterator[tuple[int, int, bool]]:
+def packed_document_spans(
+    windows: Iterable[tuple[np.ndarray, np.ndarray]], window_len: int, length: int
+) -> Iterator[tuple[int, int, bool]]:
     """(window, offset, inside one document) for every segment of a packed dataset that begins a document and has
     `length` tokens of its window from its anchor on. Segments after the first of a window begin documents; the first
     segment of a window continues the previous window's last document, unless that one held only an anchor (and tag)
@@ -61,12 +66,15 @@ def _from_packed(path: Path, length: int, count: int, vocab_size: int) -> ProbeT
 
     data = open_packed(path)
     if data.manifest.get("interleave_chunks"):
-        raise UserError(f"{path}: a dataset prepared with data.interleave_chunks does not record where documents "
-                        f"start; pass one prepared without it, or text files with --text")
+        raise UserError(
+            f"{path}: a dataset prepared with data.interleave_chunks does not record where documents "
+            f"start; pass one prepared without it, or text files with --text"
+        )
     window_len = int(data.manifest["seq_len"])
     columns = data.rows.select_columns(["seg_lens", "tag_lens"]).iter(batch_size=256)
-    windows = ((np.asarray(s), np.asarray(t))
-               for batch in columns for s, t in zip(batch["seg_lens"], batch["tag_lens"]))
+    windows = (
+        (np.asarray(s), np.asarray(t)) for batch in columns for s, t in zip(batch["seg_lens"], batch["tag_lens"])
+    )
     whole, crossing = [], []
     for w, offset, inside in packed_document_spans(windows, window_len, length):
         (whole if inside else crossing).append((w, offset))
@@ -74,16 +82,21 @@ def _from_packed(path: Path, length: int, count: int, vocab_size: int) -> ProbeT
             break
     chosen = (whole + crossing)[:count]
     if len(chosen) < count:
-        raise UserError(f"{path}: only {len(chosen)} document starts with {length:,} tokens of their window after "
-                        f"them ({window_len:,}-token windows), need {count}; lower --samples, --seq-len or "
-                        f"--max-len, or pass more text with --text")
-    sequences = [data[w]["input_ids"][offset:offset + length].astype(np.int64) for w, offset in chosen]
+        raise UserError(
+            f"{path}: only {len(chosen)} document starts with {length:,} tokens of their window after "
+            f"them ({window_len:,}-token windows), need {count}; lower --samples, --seq-len or "
+            f"--max-len, or pass more text with --text"
+        )
+    sequences = [data[w]["input_ids"][offset : offset + length].astype(np.int64) for w, offset in chosen]
     top = max(int(s.max()) for s in sequences)
     if top >= vocab_size:
-        raise UserError(f"{path}: token id {top} is outside the model's vocabulary of {vocab_size}; the dataset was "
-                        f"tokenized for another model ({data.manifest.get('tokenizer', {}).get('name', '?')})")
-    return ProbeText(sequences, [f"window {w}, token {offset}" for w, offset in chosen],
-                     sum(1 for s in chosen if s in whole))
+        raise UserError(
+            f"{path}: token id {top} is outside the model's vocabulary of {vocab_size}; the dataset was "
+            f"tokenized for another model ({data.manifest.get('tokenizer', {}).get('name', '?')})"
+        )
+    return ProbeText(
+        sequences, [f"window {w}, token {offset}" for w, offset in chosen], sum(1 for s in chosen if s in whole)
+    )
 
 
 def _documents(path: Path, seed: int) -> Iterator[tuple[str, str]]:
@@ -99,8 +112,10 @@ def _documents(path: Path, seed: int) -> Iterator[tuple[str, str]]:
         elif f.suffix in TEXT_SUFFIXES:
             yield str(f), f.read_text(encoding="utf-8", errors="replace")
         else:
-            raise UserError(f"{f}: --text takes a prepared dataset directory, a {'/'.join(TEXT_SUFFIXES)} or "
-                            f"{JSONL_SUFFIX} file, or a folder of them")
+            raise UserError(
+                f"{f}: --text takes a prepared dataset directory, a {'/'.join(TEXT_SUFFIXES)} or "
+                f"{JSONL_SUFFIX} file, or a folder of them"
+            )
 
 
 def _jsonl_documents(f: Path) -> Iterator[tuple[str, str]]:
@@ -127,14 +142,16 @@ def _from_local(path: Path, tokenizer, length: int, count: int, seed: int) -> Pr
         seen += 1
         if len(text) < length - 1:  # every token covers at least one character
             continue
-        ids = encoder.encode(text[:_CHARS_PER_TOKEN_BOUND * length])[:length - 1]
+        ids = encoder.encode(text[: _CHARS_PER_TOKEN_BOUND * length])[: length - 1]
         if len(ids) == length - 1:
             sequences.append(np.array([anchor, *ids], dtype=np.int64))
             origins.append(origin)
             if len(sequences) == count:
                 return ProbeText(sequences, origins, count)
-    raise UserError(f"{path}: {len(sequences)} of its {seen} documents have {length:,} tokens (with the anchor), need "
-                    f"{count}; pass more or longer text, or lower --samples, --seq-len or --max-len")
+    raise UserError(
+        f"{path}: {len(sequences)} of its {seen} documents have {length:,} tokens (with the anchor), need "
+        f"{count}; pass more or longer text, or lower --samples, --seq-len or --max-len"
+    )
 
 
 def probe_sequences(path: str | Path, tokenizer, length: int, count: int, vocab_size: int, seed: int = 0) -> ProbeText:

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -147,11 +147,17 @@ def _run(model, ids: torch.Tensor, shifts: list[int], probe: DriftProbe) -> Drif
     """One pass of the decoder (the vocabulary projection is not measured) over `ids` at each of `shifts`."""
     n = ids.shape[0]
     pos = torch.arange(n, device=ids.device)
-    model.get_decoder()(input_ids=ids.expand(len(shifts), n), position_ids=torch.stack([pos + s for s in shifts]),
-                        use_cache=False, rope_probe=probe)
+    model.get_decoder()(
+        input_ids=ids.expand(len(shifts), n),
+        position_ids=torch.stack([pos + s for s in shifts]),
+        use_cache=False,
+        rope_probe=probe,
+    )
     if probe.layers == 0:
-        raise UserError(f"{type(model).__name__}: its attention layers do not go through the Hugging Face attention "
-                        f"interface, so the RoPE diagnostic cannot observe them")
+        raise UserError(
+            f"{type(model).__name__}: its attention layers do not go through the Hugging Face attention "
+            f"interface, so the RoPE diagnostic cannot observe them"
+        )
     return probe
 
 
@@ -170,7 +176,7 @@ class Plan:
     def groups(self, reference: int, shifts) -> list[list[int]]:
         """Indices of `shifts` per forward pass; a shift equal to the reference needs none."""
         todo = [i for i, s in enumerate(shifts) if s != reference]
-        return [todo[i:i + self.shift_batch] for i in range(0, len(todo), self.shift_batch)]
+        return [todo[i : i + self.shift_batch] for i in range(0, len(todo), self.shift_batch)]
 
     def sweeps(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """The attention-weight sweeps on each sequence, name -> (reference shift, compared shifts): Δ1 against Δ2
@@ -189,8 +195,9 @@ class Plan:
 
     def tokens(self) -> int:
         """Tokens (batch elements x length) through the decoder per sequence."""
-        return (sum((len(g) + 1) * self.seq_len for sweep in self.sweeps().values() for g in self.groups(*sweep))
-                + 2 * sum(self.logit_lengths))
+        return sum(
+            (len(g) + 1) * self.seq_len for sweep in self.sweeps().values() for g in self.groups(*sweep)
+        ) + 2 * sum(self.logit_lengths)
 
 
 def key_sums(model, ids: torch.Tensor, reference: int, shifts, plan: Plan, advance: Callable[[], None]) -> torch.Tensor:
@@ -211,7 +218,7 @@ def first_logit_difference(model, ids: torch.Tensor, delta1: int, delta2: int, c
 
 def measure_sequence(model, ids: torch.Tensor, plan: Plan, advance: Callable[[], None] = lambda: None) -> dict:
     """Every quantity for one sequence `ids` (at least max(seq_len, logit lengths) tokens, on the model's device)."""
-    x = ids[:plan.seq_len]
+    x = ids[: plan.seq_len]
     sums = {name: key_sums(model, x, *sweep, plan, advance) for name, sweep in plan.sweeps().items()}
     at_zero = sums["per_token"][0] if "per_token" in sums else sums["D"][plan.shifts.index(0)]
     result = {"D": attention_difference(sums["D"]).tolist(), "per_token": per_key_difference(at_zero).tolist()}
@@ -233,6 +240,7 @@ def first_token_share(per_token: list[float]) -> float:
 
 def summarize(per_sequence: list[dict], scaled: bool) -> dict:
     """Means over the sequences, with the per-sequence values kept (Figure 7)."""
+
     def mean(key):
         return torch.tensor([r[key] for r in per_sequence], dtype=torch.float64).mean(0).tolist()
 
@@ -306,8 +314,10 @@ class ModelSource:
         path = data_dir(self.cfg) if self.cfg is not None else None
         if path is None or not path.exists():
             prepare = f"run 'lctrain prepare -c {self.spec}' first, or " if self.cfg is not None else ""
-            raise UserError(f"no text to probe {self.name} with: {prepare}pass --text PATH (a prepared dataset "
-                            f"directory, a .txt/.jsonl file or a folder of them)")
+            raise UserError(
+                f"no text to probe {self.name} with: {prepare}pass --text PATH (a prepared dataset "
+                f"directory, a .txt/.jsonl file or a folder of them)"
+            )
         return path
 
     def load(self, dtype: str, device: str):
@@ -319,9 +329,11 @@ class ModelSource:
             try:
                 model = AutoModelForCausalLM.from_pretrained(self.spec, dtype=getattr(torch, dtype))
             except load_errors() as e:
-                raise UserError(f"'{self.spec}' cannot be loaded as a Hugging Face model ({type(e).__name__}: "
-                                f"{' '.join(str(e).split())[:160]}); pass a local model directory, a hub name that is "
-                                f"cached, or an lctrain config") from None
+                raise UserError(
+                    f"'{self.spec}' cannot be loaded as a Hugging Face model ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:160]}); pass a local model directory, a hub name that is "
+                    f"cached, or an lctrain config"
+                ) from None
             return model.to(device).eval()
         from lctrain.model import build_model
 
@@ -351,7 +363,7 @@ def case_models(model, cases, seed: int) -> Iterator[tuple[str, object, dict]]:
     from lctrain.model import rotary_in_fp32
 
     last = max(_CASE_ORDER.index(c) for c in cases)
-    for name in _CASE_ORDER[:last + 1]:
+    for name in _CASE_ORDER[: last + 1]:
         notes = {}
         if name == "bf16_rope_bf16":
             for p in model.parameters():  # not model.to(): the rotary frequencies stay fp32, as HF loads them
@@ -390,11 +402,15 @@ def parse_cases(text: str | None) -> tuple[str, ...]:
 
 def _check(seq_len: int, max_len: int, samples: int, delta2: int, shift_batch: int) -> None:
     if not (2 <= seq_len <= MAX_SEQ_LEN) or max_len < 64:
-        raise UserError(f"--seq-len {seq_len} / --max-len {max_len}: need 2 <= seq_len <= {MAX_SEQ_LEN} (the paper "
-                        f"uses 4096) and max_len >= 64")
+        raise UserError(
+            f"--seq-len {seq_len} / --max-len {max_len}: need 2 <= seq_len <= {MAX_SEQ_LEN} (the paper "
+            f"uses 4096) and max_len >= 64"
+        )
     if samples < 1 or shift_batch < 1 or delta2 < 0:
-        raise UserError(f"--samples {samples}, --shift-batch {shift_batch}, --delta2 {delta2}: need samples >= 1, "
-                        f"shift-batch >= 1 and delta2 >= 0")
+        raise UserError(
+            f"--samples {samples}, --shift-batch {shift_batch}, --delta2 {delta2}: need samples >= 1, "
+            f"shift-batch >= 1 and delta2 >= 0"
+        )
 
 
 def estimate_flops(model, plan: Plan) -> float:
@@ -408,17 +424,42 @@ def estimate_flops(model, plan: Plan) -> float:
 
 
 def _progress():
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), transient=False)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+    )
 
 
-def diagnose_rope(src: ModelSource, *, text: str | None = None, samples: int = SAMPLES,
-                  seq_len: int = SEQ_LEN, max_len: int = 8192, shifts=SHIFTS, delta2: int = DELTA2,
-                  cases=DEFAULT_CASES, scaled_logits: bool = False, vary_delta2: bool = False, shift_batch: int = 4,
-                  device: str | None = None, out: str | None = None, seed: int = 0) -> Path:
+def diagnose_rope(
+    src: ModelSource,
+    *,
+    text: str | None = None,
+    samples: int = SAMPLES,
+    seq_len: int = SEQ_LEN,
+    max_len: int = 8192,
+    shifts=SHIFTS,
+    delta2: int = DELTA2,
+    cases=DEFAULT_CASES,
+    scaled_logits: bool = False,
+    vary_delta2: bool = False,
+    shift_batch: int = 4,
+    device: str | None = None,
+    out: str | None = None,
+    seed: int = 0,
+) -> Path:
     """Run the cases on one model (`model_source`: a Hugging Face model, or an lctrain config); write rope_drift.json,
     rope_figure1.png and rope_figure7.png to `out` (default diagnose/<name>) and print tables. Returns the output
     directory."""
@@ -439,12 +480,21 @@ def diagnose_rope(src: ModelSource, *, text: str | None = None, samples: int = S
     length = max(seq_len, *logit_lengths)
     vocab = model.get_input_embeddings().num_embeddings
     probe_text = probe_sequences(text_path, src.tokenizer(), length, samples, vocab, seed)
-    plan = Plan(seq_len, tuple(shifts), delta2, logit_lengths, vary_delta2, shift_batch,
-                _CHUNK_BYTES["cuda" if dev.startswith("cuda") else "cpu"])
+    plan = Plan(
+        seq_len,
+        tuple(shifts),
+        delta2,
+        logit_lengths,
+        vary_delta2,
+        shift_batch,
+        _CHUNK_BYTES["cuda" if dev.startswith("cuda") else "cpu"],
+    )
     flops = estimate_flops(model, plan) * samples
-    console.print(f"{src.name} on {dev} (loaded in {loaded:.1f} s): {len(cases)} case(s) x {samples} sequences of "
-                  f"{length:,} tokens from {text_path} x {plan.passes()} forward passes ({plan.tokens():,} tokens) = "
-                  f"{flops / 1e12:,.1f} TFLOP per case")
+    console.print(
+        f"{src.name} on {dev} (loaded in {loaded:.1f} s): {len(cases)} case(s) x {samples} sequences of "
+        f"{length:,} tokens from {text_path} x {plan.passes()} forward passes ({plan.tokens():,} tokens) = "
+        f"{flops / 1e12:,.1f} TFLOP per case"
+    )
     _register()
     model.set_attn_implementation(PROBE_IMPL)
     ids = [torch.from_numpy(s).to(dev) for s in probe_text.sequences]
@@ -455,7 +505,7 @@ def diagnose_rope(src: ModelSource, *, text: str | None = None, samples: int = S
             if dev.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
-            per_sequence = [measure_sequence(m, x, plan, lambda: bar.advance(jobs[name])) for x in ids]
+            per_sequence = [measure_sequence(m, x, plan, lambda name=name: bar.advance(jobs[name])) for x in ids]
             seconds = time.perf_counter() - t0
             timing[name] = {"seconds": round(seconds, 3), "tflops_per_s": round(flops / seconds / 1e12, 3)}
             if dev.startswith("cuda"):
@@ -479,11 +529,11 @@ def diagnose_rope(src: ModelSource, *, text: str | None = None, samples: int = S
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "definitions": {
             "D": "Eq. 4: sum over layers l and heads h of sum_j n_j sum_i |ATTN_ij(X, Δ1) - ATTN_ij(X, Δ2)|, n_j = "
-                 "1/(L-j+1) for key j = 1..L; mean over the sequences (D_per_sample: each); at Δ1 = Δ2 exactly 0",
+            "1/(L-j+1) for key j = 1..L; mean over the sequences (D_per_sample: each); at Δ1 = Δ2 exactly 0",
             "per_token": "d_j, the key-j term of D at Δ1 = 0 (sum_j d_j = D); mean over the sequences",
             "first_token_share": "per_token[0] / sum(per_token)",
             "D_logit": "Eq. 5: (1/T) sum over l, h, i of |A_i1(Δ1=0) - A_i1(Δ2)| for each T in logit_lengths, "
-                       "A = q·k (times logit_scaling when logits are scaled)",
+            "A = q·k (times logit_scaling when logits are scaled)",
             "D_vary_delta2": "Figure 7 (right): D(X, Δ1 = 0, Δ2) for Δ2 in shifts",
         },
     }
@@ -502,8 +552,10 @@ def print_rope_table(results: dict, out_dir: Path, console) -> None:
 
     v = results["cases"]
     names = list(v)
-    table = Table(title=f"RoPE drift of {results['model']}: D(X, Δ1, Δ2={results['delta2']}) (Eq. 4), T="
-                        f"{results['seq_len']}, mean of {results['samples']} sequences")
+    table = Table(
+        title=f"RoPE drift of {results['model']}: D(X, Δ1, Δ2={results['delta2']}) (Eq. 4), T="
+        f"{results['seq_len']}, mean of {results['samples']} sequences"
+    )
     table.add_column("Δ1", justify="right")
     for n in names:
         table.add_column(n, justify="right")
@@ -512,8 +564,7 @@ def print_rope_table(results: dict, out_dir: Path, console) -> None:
     table.add_row("first-token share", *(f"{100 * v[n]['first_token_share']:.1f}%" for n in names))
     table.add_row("first token / others", *(f"{v[n]['first_token_vs_others']:.1f}x" for n in names))
     console.print(table)
-    lt = Table(title=f"first-token logit difference D_logit (Eq. 5, Δ1=0, Δ2={results['delta2']}, "
-                     f"{results['logits']})")
+    lt = Table(title=f"first-token logit difference D_logit (Eq. 5, Δ1=0, Δ2={results['delta2']}, {results['logits']})")
     lt.add_column("T", justify="right")
     for n in names:
         lt.add_column(n, justify="right")
@@ -521,8 +572,13 @@ def print_rope_table(results: dict, out_dir: Path, console) -> None:
         lt.add_row(str(length), *(f"{v[n]['D_logit'][i]:.4g}" for n in names))
     console.print(lt)
     t = results["timing"]
-    console.print("timing: " + ", ".join(
-        f"{n} {t[n]['seconds']:.1f} s ({t[n]['tflops_per_s']:.2f} TFLOP/s"
-        + (f", peak {t[n]['peak_memory_gb']:.1f} GiB)" if "peak_memory_gb" in t[n] else ")") for n in names)
-        + f"; model load {t['load_seconds']:.1f} s")
+    console.print(
+        "timing: "
+        + ", ".join(
+            f"{n} {t[n]['seconds']:.1f} s ({t[n]['tflops_per_s']:.2f} TFLOP/s"
+            + (f", peak {t[n]['peak_memory_gb']:.1f} GiB)" if "peak_memory_gb" in t[n] else ")")
+            for n in names
+        )
+        + f"; model load {t['load_seconds']:.1f} s"
+    )
     console.print(f"wrote {out_dir}/rope_drift.json, rope_figure1.png, rope_figure7.png")

@@ -46,11 +46,19 @@ class RulerTask:
 TASKS = {
     name: RulerTask(name, base, *_BASE_TASKS[base])
     for name, base in (
-        ("niah_single_1", "niah"), ("niah_single_2", "niah"), ("niah_single_3", "niah"),
-        ("niah_multikey_1", "niah"), ("niah_multikey_2", "niah"), ("niah_multikey_3", "niah"),
-        ("niah_multivalue", "niah"), ("niah_multiquery", "niah"),
-        ("vt", "variable_tracking"), ("cwe", "common_words_extraction"), ("fwe", "freq_words_extraction"),
-        ("qa_1", "qa"), ("qa_2", "qa"),
+        ("niah_single_1", "niah"),
+        ("niah_single_2", "niah"),
+        ("niah_single_3", "niah"),
+        ("niah_multikey_1", "niah"),
+        ("niah_multikey_2", "niah"),
+        ("niah_multikey_3", "niah"),
+        ("niah_multivalue", "niah"),
+        ("niah_multiquery", "niah"),
+        ("vt", "variable_tracking"),
+        ("cwe", "common_words_extraction"),
+        ("fwe", "freq_words_extraction"),
+        ("qa_1", "qa"),
+        ("qa_2", "qa"),
     )
 }
 TASK_NAMES = tuple(TASKS)
@@ -91,8 +99,10 @@ SUBSET_FILE = "validation.jsonl"
 def data_lengths(root: Path) -> list[int]:
     """The sequence lengths prepared under `root` (its numeric subdirectories)."""
     if not root.is_dir():
-        raise UserError(f"--ruler-data {root}: no such directory; pass the folder RULER's scripts/run.sh fills "
-                        f"(<ROOT_DIR>/<model>/synthetic, holding <length>/data/<task>/{SUBSET_FILE})")
+        raise UserError(
+            f"--ruler-data {root}: no such directory; pass the folder RULER's scripts/run.sh fills "
+            f"(<ROOT_DIR>/<model>/synthetic, holding <length>/data/<task>/{SUBSET_FILE})"
+        )
     return sorted(int(d.name) for d in root.iterdir() if d.is_dir() and d.name.isdigit() and int(d.name) > 0)
 
 
@@ -145,8 +155,16 @@ class TaskFile:
     def __iter__(self) -> Iterator[Sample]:
         spec = TASKS[self.task]
         for (lineno, rec), tokens in zip(_records(self.path, len(self.lines)), self.num_tokens):
-            yield Sample(self.task, self.length, lineno, _prompt(rec), tuple(rec["outputs"]), spec.max_new_tokens,
-                         spec.metric, tokens)
+            yield Sample(
+                self.task,
+                self.length,
+                lineno,
+                _prompt(rec),
+                tuple(rec["outputs"]),
+                spec.max_new_tokens,
+                spec.metric,
+                tokens,
+            )
 
 
 def _prompt(rec: dict) -> str:
@@ -171,8 +189,9 @@ def _records(path: Path, limit: int | None) -> Iterator[tuple[int, dict]]:
 _COUNT_BATCH = 8  # prompts tokenized together: fast tokenizers spread a batch over the cores
 
 
-def scan_task(path: Path, task: str, length: int, limit: int | None,
-              count_tokens: Callable[[list[str]], list[int]]) -> TaskFile:
+def scan_task(
+    path: Path, task: str, length: int, limit: int | None, count_tokens: Callable[[list[str]], list[int]]
+) -> TaskFile:
     """Check the first `limit` samples (all when None) of one RULER data file and count their prompt tokens
     (`count_tokens`: prompts -> token counts); the note says when the evaluated tokenizer counts them differently from
     the tokenizer that prepared them (RULER sizes its haystacks with it, so a different tokenizer makes a '128K'
@@ -196,12 +215,16 @@ def _length_note(totals: list[int], recorded: list[int], length: int) -> str | N
     if not totals:
         return None
     if max(totals) > length:
-        return (f"prompts plus generation reach {max(totals)} tokens with this tokenizer, over {length}: "
-                f"the data was prepared with another tokenizer")
+        return (
+            f"prompts plus generation reach {max(totals)} tokens with this tokenizer, over {length}: "
+            f"the data was prepared with another tokenizer"
+        )
     if len(recorded) == len(totals):
         ratio = sum(totals) / sum(recorded)
         # a tokenizer's BOS or a differently split space moves a count by a token or two, never by 2%
         if abs(ratio - 1) > 0.02:
-            return (f"this tokenizer counts {ratio:.0%} of the tokens RULER recorded ('length'): the data was "
-                    f"prepared with another tokenizer")
+            return (
+                f"this tokenizer counts {ratio:.0%} of the tokens RULER recorded ('length'): the data was "
+                f"prepared with another tokenizer"
+            )
     return None

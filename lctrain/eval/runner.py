@@ -88,11 +88,14 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
         cfg = load_config(str(path / "config.yaml"), overrides)
         ckpts = find_checkpoints(path)
         if not ckpts:
-            raise UserError(f"{path}/hf: no evaluation checkpoints (hf/step_N/ with config.json); they are written in "
-                            f"the last checkpoint.hf_last steps of training, or pass a model directory instead")
+            raise UserError(
+                f"{path}/hf: no evaluation checkpoints (hf/step_N/ with config.json); they are written in "
+                f"the last checkpoint.hf_last steps of training, or pass a model directory instead"
+            )
         return Target("run", path, cfg, ckpts)
-    raise UserError(f"{path}: neither a run directory (config.yaml, hf/step_N/) nor a Hugging Face model directory "
-                    f"(config.json)")
+    raise UserError(
+        f"{path}: neither a run directory (config.yaml, hf/step_N/) nor a Hugging Face model directory (config.json)"
+    )
 
 
 def load_eval_tokenizer(model_dir: Path, cfg: Config):
@@ -130,7 +133,9 @@ def load_model(model_dir: Path, device: str):
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
     except load_errors() as e:
-        raise UserError(f"{model_dir}: cannot load the model ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        raise UserError(
+            f"{model_dir}: cannot load the model ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
     return model.to(device).eval()
 
 
@@ -155,8 +160,14 @@ def _progress():
         TimeRemainingColumn,
     )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), transient=False)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+    )
 
 
 @dataclass
@@ -181,8 +192,9 @@ def _batch_counter(encoder):
     return lambda texts: [len(ids) + specials for ids in encoder.encode_batch(texts)]
 
 
-def offline_suite(names: list[str], lengths: list[int], num_samples: int, seed: int, encoder,
-                  qa_paths: dict[str, str | None]) -> Suite:
+def offline_suite(
+    names: list[str], lengths: list[int], num_samples: int, seed: int, encoder, qa_paths: dict[str, str | None]
+) -> Suite:
     """The built-in generator's samples; qa_1/qa_2 only with their local SQuAD/HotpotQA files."""
     missing = unscorable_qa(names, qa_paths)
     runnable = [t for t in names if t not in missing]
@@ -198,8 +210,9 @@ def offline_suite(names: list[str], lengths: list[int], num_samples: int, seed: 
                 sources.append(generate(specs[name], length, num_samples, seed, count))
                 bar.advance(job)
     longest = max(s.num_tokens + s.max_new_tokens for src in sources for s in src)
-    return Suite(OFFLINE_LABEL, sources, lengths, longest,
-                 [{"task": t, "length": None, "why": w} for t, w in missing.items()])
+    return Suite(
+        OFFLINE_LABEL, sources, lengths, longest, [{"task": t, "length": None, "why": w} for t, w in missing.items()]
+    )
 
 
 def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: int | None, encoder) -> Suite:
@@ -208,15 +221,19 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
     found = ruler.data_lengths(root)
     wanted = lengths or found
     if not wanted:
-        raise UserError(f"--ruler-data {root}: no length directories (<length>/data/<task>/{ruler.SUBSET_FILE}); "
-                        f"pass the folder RULER's scripts/run.sh fills, <ROOT_DIR>/<model>/synthetic")
+        raise UserError(
+            f"--ruler-data {root}: no length directories (<length>/data/<task>/{ruler.SUBSET_FILE}); "
+            f"pass the folder RULER's scripts/run.sh fills, <ROOT_DIR>/<model>/synthetic"
+        )
     count = _batch_counter(encoder)
     files: list[ruler.TaskFile] = []
     not_scored: list[dict] = []
     notes: dict[str, str] = {}
     absent: dict[str, list[int]] = {}
     present = [L for L in wanted if L in found]
-    not_scored += [{"task": None, "length": L, "why": f"no directory {root / str(L)}"} for L in wanted if L not in found]
+    not_scored += [
+        {"task": None, "length": L, "why": f"no directory {root / str(L)}"} for L in wanted if L not in found
+    ]
     with _progress() as bar:
         job = bar.add_task("reading RULER data", total=len(names) * len(present))
         for length in present:
@@ -240,11 +257,16 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
         else:
             not_scored += [{"task": task, "length": L, "why": f"no file (expected {where})"} for L in missing]
     if not files:
-        raise UserError(f"--ruler-data {root}: no RULER data for tasks {', '.join(names)} at lengths "
-                        f"{', '.join(map(str, wanted))}; expected <length>/data/<task>/{ruler.SUBSET_FILE}")
+        raise UserError(
+            f"--ruler-data {root}: no RULER data for tasks {', '.join(names)} at lengths "
+            f"{', '.join(map(str, wanted))}; expected <length>/data/<task>/{ruler.SUBSET_FILE}"
+        )
     scored_lengths = sorted({f.length for f in files})
-    not_scored += [{"task": None, "length": L, "why": "no data for any task of the set"}
-                   for L in present if L not in scored_lengths]
+    not_scored += [
+        {"task": None, "length": L, "why": "no data for any task of the set"}
+        for L in present
+        if L not in scored_lengths
+    ]
     longest = max(max(f.num_tokens) + ruler.TASKS[f.task].max_new_tokens for f in files)
     return Suite(f"RULER (NVIDIA/RULER data in {root})", files, scored_lengths, longest, not_scored, notes)
 
@@ -256,21 +278,24 @@ def _json_table(table: dict) -> dict:
 def _hf_answers(model, tokenizer, encoder, plan, cache):
     """Answers a batch of samples one by one (lazily, so each is recorded as soon as it is made) with the HF model
     under a generation plan, in one cache allocated for the checkpoint."""
-    return lambda batch: (greedy_generate(model, tokenizer, encoder, s.prompt, s.max_new_tokens, plan, cache)
-                          for s in batch)
+    return lambda batch: (
+        greedy_generate(model, tokenizer, encoder, s.prompt, s.max_new_tokens, plan, cache) for s in batch
+    )
 
 
 def _vllm_answers(generator, tokenizer, encoder):
     def answer(batch):
-        new = generator.greedy([encoder.encode(s.prompt, specials=True) for s in batch],
-                               [s.max_new_tokens for s in batch])
+        new = generator.greedy(
+            [encoder.encode(s.prompt, specials=True) for s in batch], [s.max_new_tokens for s in batch]
+        )
         return [tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
 
     return answer
 
 
-def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str, heldout,
-                      predictions_path: Path, backend: str = "hf"):
+def score_checkpoints(
+    tgt: Target, suite: Suite, tokenizer, encoder, device: str, heldout, predictions_path: Path, backend: str = "hf"
+):
     """Greedy answers of every checkpoint to every sample: ({checkpoint: {task: {length: [metric]}}}, perplexity per
     checkpoint, notes, how generation held its memory per checkpoint); every prediction goes to `predictions_path`
     as it is made. `backend`: "hf" (the planned generation of lctrain.eval.generation) or "vllm"."""
@@ -301,16 +326,29 @@ def score_checkpoints(tgt: Target, suite: Suite, tokenizer, encoder, device: str
             limit = getattr(model_config, "max_position_embeddings", None)
             if limit and suite.longest > limit:
                 notes[f"{ckpt_name}: max_position_embeddings"] = (
-                    f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation")
+                    f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation"
+                )
             table = per_sample.setdefault(ckpt_name, {})
             for src in suite.sources:
                 batch = list(src)  # one task file at a time: vLLM batches within it, the HF path goes one by one
                 for s, pred in zip(batch, answer(batch)):
                     value = scoring.METRICS[s.metric](scoring.postprocess(pred), s.answers)
                     table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
-                    pred_file.write(json.dumps({"checkpoint": ckpt_name, "task": s.task, "length": s.length,
-                                                "index": s.index, "tokens": s.num_tokens, "answers": list(s.answers),
-                                                "prediction": pred, "score": value}) + "\n")
+                    pred_file.write(
+                        json.dumps(
+                            {
+                                "checkpoint": ckpt_name,
+                                "task": s.task,
+                                "length": s.length,
+                                "index": s.index,
+                                "tokens": s.num_tokens,
+                                "answers": list(s.answers),
+                                "prediction": pred,
+                                "score": value,
+                            }
+                        )
+                        + "\n"
+                    )
                     bar.advance(job)
             if generator is not None:
                 generator.close()
@@ -357,16 +395,24 @@ def evaluate(
     if data_dir:
         suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
     else:
-        suite = offline_suite(names, lengths or sorted(set(ev.lengths)),
-                              samples if samples is not None else ev.samples_per_task, ev.seed, encoder,
-                              {"qa_1": squad or ev.squad_path, "qa_2": hotpotqa or ev.hotpotqa_path})
+        suite = offline_suite(
+            names,
+            lengths or sorted(set(ev.lengths)),
+            samples if samples is not None else ev.samples_per_task,
+            ev.seed,
+            encoder,
+            {"qa_1": squad or ev.squad_path, "qa_2": hotpotqa or ev.hotpotqa_path},
+        )
     heldout = select_heldout(tgt, ppl_data)
     out_dir.mkdir(parents=True, exist_ok=True)
-    per_sample, ppl, notes, memory = score_checkpoints(tgt, suite, tokenizer, encoder, dev, heldout,
-                                                       out_dir / "predictions.jsonl", backend)
+    per_sample, ppl, notes, memory = score_checkpoints(
+        tgt, suite, tokenizer, encoder, dev, heldout, out_dir / "predictions.jsonl", backend
+    )
 
-    scores = {c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}
-              for c, tb in per_sample.items()}
+    scores = {
+        c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}
+        for c, tb in per_sample.items()
+    }
     average = scoring.average_checkpoints(scores)
     task_mean = {c: scoring.mean_over_tasks(tb) for c, tb in scores.items()}
     task_mean["average"] = scoring.mean_over_tasks(average)
@@ -392,9 +438,14 @@ def evaluate(
         "task_mean": _json_table(task_mean),
         "overall": sum(task_mean["average"].values()) / len(task_mean["average"]),
     }
-    results["perplexity"] = {"data": str(heldout.path) if heldout.path else None, "windows": len(heldout.rows),
-                             "heldout_available": heldout.available, "per_checkpoint": ppl,
-                             "average": sum(ppl.values()) / len(ppl) if ppl else None, "note": heldout.note}
+    results["perplexity"] = {
+        "data": str(heldout.path) if heldout.path else None,
+        "windows": len(heldout.rows),
+        "heldout_available": heldout.available,
+        "per_checkpoint": ppl,
+        "average": sum(ppl.values()) / len(ppl) if ppl else None,
+        "note": heldout.note,
+    }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     from lctrain.eval.plots import plot_ruler
 
@@ -429,8 +480,10 @@ def print_report(results: dict, out_dir: Path) -> None:
     console.print(f"task set: {len(task_set)} of RULER's 13 tasks{excluded}")
     missing = not_scored_lines(results)
     if missing:
-        console.print(f"[bold red]NOT SCORED: {len(missing)} part{'s' * (len(missing) > 1)} of the task set; the means "
-                      f"below leave {'them' if len(missing) > 1 else 'it'} out:[/bold red]")
+        console.print(
+            f"[bold red]NOT SCORED: {len(missing)} part{'s' * (len(missing) > 1)} of the task set; the means "
+            f"below leave {'them' if len(missing) > 1 else 'it'} out:[/bold red]"
+        )
         for line in missing:
             console.print(f"[red]  {escape(line)}[/red]")
     lengths = [str(L) for L in results["lengths"]]
@@ -445,8 +498,10 @@ def print_report(results: dict, out_dir: Path) -> None:
         table.add_row(t, *(f"{row[L]:.2f}" if L in row else "-" for L in lengths))
     table.add_row("[bold]mean[/bold]", *(f"[bold]{results['task_mean']['average'][L]:.2f}[/bold]" for L in lengths))
     if missing:
-        table.add_row("tasks in the mean", *(f"{sum(L in results['average'][t] for t in results['tasks'])}/{len(task_set)}"
-                                             for L in lengths))
+        table.add_row(
+            "tasks in the mean",
+            *(f"{sum(L in results['average'][t] for t in results['tasks'])}/{len(task_set)}" for L in lengths),
+        )
     console.print(table)
     if n > 1:
         per = Table(title="mean over tasks, per checkpoint")

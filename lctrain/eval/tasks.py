@@ -25,14 +25,76 @@ from lctrain.eval.filler import NOISE_PARAGRAPH, Essay, pseudo_words
 from lctrain.eval.ruler import TASKS, Sample
 
 _ADJECTIVES = (
-    "amber", "bold", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen", "lively",
-    "mellow", "narrow", "odd", "pale", "quick", "rusty", "silent", "tidy", "upbeat", "vivid", "wary", "young",
-    "zesty", "brisk", "crisp", "dim", "fierce", "grand", "humble", "lucky", "noble", "proud", "rapid", "sharp",
+    "amber",
+    "bold",
+    "calm",
+    "dusty",
+    "eager",
+    "faint",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "keen",
+    "lively",
+    "mellow",
+    "narrow",
+    "odd",
+    "pale",
+    "quick",
+    "rusty",
+    "silent",
+    "tidy",
+    "upbeat",
+    "vivid",
+    "wary",
+    "young",
+    "zesty",
+    "brisk",
+    "crisp",
+    "dim",
+    "fierce",
+    "grand",
+    "humble",
+    "lucky",
+    "noble",
+    "proud",
+    "rapid",
+    "sharp",
 )
 _NOUNS = (
-    "anchor", "badger", "candle", "dolphin", "engine", "falcon", "garden", "harbor", "island", "jacket", "kettle",
-    "lantern", "meadow", "needle", "orchard", "pebble", "quarry", "ribbon", "saddle", "tunnel", "violin", "walnut",
-    "canyon", "beacon", "cobbler", "ferret", "glacier", "hammock", "magnet", "oyster", "parrot", "rocket",
+    "anchor",
+    "badger",
+    "candle",
+    "dolphin",
+    "engine",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchard",
+    "pebble",
+    "quarry",
+    "ribbon",
+    "saddle",
+    "tunnel",
+    "violin",
+    "walnut",
+    "canyon",
+    "beacon",
+    "cobbler",
+    "ferret",
+    "glacier",
+    "hammock",
+    "magnet",
+    "oyster",
+    "parrot",
+    "rocket",
 )
 
 
@@ -157,7 +219,9 @@ def _niah(haystack: str, key_type: str, value_type: str, num_k: int = 1, num_v: 
 
 def _vt(num_hops: int = 4):
     def build(rng: random.Random, n: int, depth: float, length: int) -> Built:
-        names = _distinct(rng, lambda r: "".join(r.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)), num_hops + 1)
+        names = _distinct(
+            rng, lambda r: "".join(r.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)), num_hops + 1
+        )
         value = str(rng.randint(10_000, 99_999))
         chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, len(names))]
         # the chain must be read in order: its first link at `depth`, the others at sorted later depths
@@ -211,7 +275,7 @@ def _fwe(top: int = 3):
         words = pseudo_words(rng, len(counts), syllables=(2, 2))
         seq = [w for w, c in zip(words, counts) for _ in range(c)]
         rng.shuffle(seq)
-        lines = [" ".join(seq[i:i + 12]) for i in range(0, len(seq), 12)]
+        lines = [" ".join(seq[i : i + 12]) for i in range(0, len(seq), 12)]
         context = " ....\n".join(lines)
         prompt = (
             "Read the following coded text and track how often each coded word occurs. Find the three most "
@@ -260,7 +324,9 @@ def _parse_hotpot(raw: list) -> QAData:
         docs = {title: " ".join(sents) for title, sents in ex["context"]}
         data.documents.extend(docs.values())
         gold_titles = dict.fromkeys(t for t, _ in ex.get("supporting_facts", [])) or docs
-        data.items.append(QAItem(ex["question"], (str(ex["answer"]),), tuple(docs[t] for t in gold_titles if t in docs)))
+        data.items.append(
+            QAItem(ex["question"], (str(ex["answer"]),), tuple(docs[t] for t in gold_titles if t in docs))
+        )
     return data
 
 
@@ -285,8 +351,10 @@ def load_qa(path: str | Path, task: str) -> QAData:
     elif isinstance(raw, list) and raw and isinstance(raw[0], dict) and "context" in raw[0] and "question" in raw[0]:
         fmt, parse = "HotpotQA", _parse_hotpot
     else:
-        raise UserError(f"{path}: neither SQuAD ('data' -> 'paragraphs' -> 'qas') nor HotpotQA (a list of "
-                        f"{{question, answer, context}}) format; {hint}")
+        raise UserError(
+            f"{path}: neither SQuAD ('data' -> 'paragraphs' -> 'qas') nor HotpotQA (a list of "
+            f"{{question, answer, context}}) format; {hint}"
+        )
     if fmt != want:
         raise UserError(f"{path}: a {fmt} file, but {task} is RULER's {want} task; {hint}")
     try:
@@ -309,10 +377,13 @@ def _qa(data: QAData):
         for g in item.gold:
             docs.insert(round(depth * len(docs)), g)
         body = "\n\n".join(f"Document {i + 1}:\n{d}" for i, d in enumerate(docs))
-        instruction = ("Answer the question based on the given documents. Only give the answer and do not output "
-                       "any other words.")
-        prompt = (f"{instruction}\n\nThe following are the given documents.\n\n{body}\n\n{instruction}\n\n"
-                  f"Question: {item.question}\nAnswer:")
+        instruction = (
+            "Answer the question based on the given documents. Only give the answer and do not output any other words."
+        )
+        prompt = (
+            f"{instruction}\n\nThe following are the given documents.\n\n{body}\n\n{instruction}\n\n"
+            f"Question: {item.question}\nAnswer:"
+        )
         return Built(prompt, item.answers, tuple((g, depth) for g in item.gold))
 
     return build
@@ -327,23 +398,37 @@ def task_specs(seed: int = 0, qa: dict[str, QAData] | None = None) -> dict[str, 
         TaskSpec("niah_single_1", _niah("noise", "words", "numbers", seed=seed), description="noise haystack, number"),
         TaskSpec("niah_single_2", _niah("essay", "words", "numbers", seed=seed), description="essay haystack, number"),
         TaskSpec("niah_single_3", _niah("essay", "words", "uuids", seed=seed), description="essay haystack, uuid"),
-        TaskSpec("niah_multikey_1", _niah("essay", "words", "numbers", num_k=4, seed=seed),
-                 description="4 keys, 1 queried"),
-        TaskSpec("niah_multikey_2", _niah("needle", "words", "numbers", seed=seed),
-                 description="haystack of distractor needles"),
-        TaskSpec("niah_multikey_3", _niah("needle", "uuids", "uuids", seed=seed),
-                 description="needle haystack, uuid keys and values"),
-        TaskSpec("niah_multivalue", _niah("essay", "words", "numbers", num_v=4, seed=seed),
-                 description="4 values for one key"),
-        TaskSpec("niah_multiquery", _niah("essay", "words", "numbers", num_k=4, num_q=4, seed=seed),
-                 description="4 keys queried"),
+        TaskSpec(
+            "niah_multikey_1", _niah("essay", "words", "numbers", num_k=4, seed=seed), description="4 keys, 1 queried"
+        ),
+        TaskSpec(
+            "niah_multikey_2",
+            _niah("needle", "words", "numbers", seed=seed),
+            description="haystack of distractor needles",
+        ),
+        TaskSpec(
+            "niah_multikey_3",
+            _niah("needle", "uuids", "uuids", seed=seed),
+            description="needle haystack, uuid keys and values",
+        ),
+        TaskSpec(
+            "niah_multivalue",
+            _niah("essay", "words", "numbers", num_v=4, seed=seed),
+            description="4 values for one key",
+        ),
+        TaskSpec(
+            "niah_multiquery",
+            _niah("essay", "words", "numbers", num_k=4, num_q=4, seed=seed),
+            description="4 keys queried",
+        ),
         TaskSpec("vt", _vt(), description="variable tracking, 1 chain of 4 hops"),
         TaskSpec("cwe", _cwe(), description="common words extraction"),
         TaskSpec("fwe", _fwe(), description="frequent words extraction"),
     ]
     for task, data in (qa or {}).items():
-        specs.append(TaskSpec(task, _qa(data), max_units=len(data.documents),
-                              description=f"question answering ({data.format})"))
+        specs.append(
+            TaskSpec(task, _qa(data), max_units=len(data.documents), description=f"question answering ({data.format})")
+        )
     return {s.name: s for s in specs}
 
 
@@ -399,7 +484,9 @@ def fit_units(count: Callable[[int], int], budget: int, max_units: int | None = 
     return lo
 
 
-def generate(spec: TaskSpec, length: int, num_samples: int, seed: int, count_tokens: Callable[[str], int]) -> list[Sample]:
+def generate(
+    spec: TaskSpec, length: int, num_samples: int, seed: int, count_tokens: Callable[[str], int]
+) -> list[Sample]:
     """`num_samples` samples of one task whose prompts fit in `length - spec.max_new_tokens` tokens."""
     budget = length - spec.max_new_tokens
 
@@ -410,8 +497,10 @@ def generate(spec: TaskSpec, length: int, num_samples: int, seed: int, count_tok
         n = fit_units(lambda k: count_tokens(build(index, k).prompt), budget, spec.max_units, start)
         if n < 0:
             need = count_tokens(build(index, 0).prompt) + spec.max_new_tokens
-            raise UserError(f"--lengths {length}: too short for task {spec.name}, which needs at least {need} tokens "
-                            f"with an empty haystack; use longer lengths or --exclude {spec.name}")
+            raise UserError(
+                f"--lengths {length}: too short for task {spec.name}, which needs at least {need} tokens "
+                f"with an empty haystack; use longer lengths or --exclude {spec.name}"
+            )
         return n
 
     n0 = fit(0)
@@ -423,6 +512,17 @@ def generate(spec: TaskSpec, length: int, num_samples: int, seed: int, count_tok
             # this sample's keys or words tokenize longer or shorter than sample 0's: fit it on its own
             built = build(i, fit(i, start=n0))
             tokens = count_tokens(built.prompt)
-        samples.append(Sample(spec.name, length, i, built.prompt, built.answers, spec.max_new_tokens, spec.metric,
-                              tokens, built.needles))
+        samples.append(
+            Sample(
+                spec.name,
+                length,
+                i,
+                built.prompt,
+                built.answers,
+                spec.max_new_tokens,
+                spec.metric,
+                tokens,
+                built.needles,
+            )
+        )
     return samples

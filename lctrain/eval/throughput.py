@@ -50,12 +50,23 @@ def point_config(cfg: Config, mode: str, seq_len: int, steps: int, warmup: int, 
     """The config of one measured point: the user's, at `seq_len` and `mode`, just enough data for its steps, no
     checkpoints, its own data and run directories under `work`."""
     total = warmup + steps
-    return with_overrides(cfg, [
-        f"data.seq_len={seq_len}", f"attention.mode={mode}", f"train.steps={total}",
-        f"data.token_budget={total * cfg.train.global_batch * seq_len}", f"data.output_dir={work / f'data_{seq_len}'}",
-        f"train.run_dir={work / f'{mode}_{seq_len}'}", "checkpoint.save_final=false", "checkpoint.hf_last=0",
-        f"checkpoint.every_steps={total + 1}", "logging.wandb=disabled", "train.warmup_steps=0",
-    ], f"measured at {seq_len} tokens, {mode}")
+    return with_overrides(
+        cfg,
+        [
+            f"data.seq_len={seq_len}",
+            f"attention.mode={mode}",
+            f"train.steps={total}",
+            f"data.token_budget={total * cfg.train.global_batch * seq_len}",
+            f"data.output_dir={work / f'data_{seq_len}'}",
+            f"train.run_dir={work / f'{mode}_{seq_len}'}",
+            "checkpoint.save_final=false",
+            "checkpoint.hf_last=0",
+            f"checkpoint.every_steps={total + 1}",
+            "logging.wandb=disabled",
+            "train.warmup_steps=0",
+        ],
+        f"measured at {seq_len} tokens, {mode}",
+    )
 
 
 def timed_steps(run_dir: Path, warmup: int) -> list[float]:
@@ -67,8 +78,16 @@ def timed_steps(run_dir: Path, warmup: int) -> list[float]:
     return [r["step_time_s"] for r in records if r["step"] > warmup]
 
 
-def measure(cfg: Config, *, lengths: list[int], modes: list[str], steps: int, warmup: int, work: Path,
-            tflops: float | None = None) -> dict:
+def measure(
+    cfg: Config,
+    *,
+    lengths: list[int],
+    modes: list[str],
+    steps: int,
+    warmup: int,
+    work: Path,
+    tflops: float | None = None,
+) -> dict:
     """Train each (length, mode) point for `warmup + steps` steps and time the last `steps`; write figure6.json and
     figure6.png in `work`, print the table. Returns the results."""
     from lctrain.data.prepare import prepare
@@ -82,8 +101,10 @@ def measure(cfg: Config, *, lengths: list[int], modes: list[str], steps: int, wa
     if tflops is None:
         peak = device_peak_flops(_local_device(), cfg.logging.peak_tflops)
         if peak is None:
-            raise UserError("this GPU's peak is not in lctrain's table; pass --tflops (the per-GPU rate for the "
-                            "prediction) or set logging.peak_tflops")
+            raise UserError(
+                "this GPU's peak is not in lctrain's table; pass --tflops (the per-GPU rate for the "
+                "prediction) or set logging.peak_tflops"
+            )
         tflops = peak / 1e12
     points: list[Point] = []
     for seq_len in lengths:
@@ -98,10 +119,26 @@ def measure(cfg: Config, *, lengths: list[int], modes: list[str], steps: int, wa
                 raise UserError(f"{run}: no step after the {warmup} warm-up steps was logged")
             tokens = pcfg.train.global_batch * seq_len
             step_time = statistics.fmean(times)
-            points.append(Point(mode, seq_len, step_time, len(times), tokens, days_per_billion(tokens, step_time),
-                                predicted[mode]["hours_per_1b_tokens"] / 24, str(run)))
-    results = {"config": cfg.name, "gpus": n_gpus, "tflops_for_prediction": tflops, "steps": steps, "warmup": warmup,
-               "points": [asdict(p) | {"ratio": p.ratio} for p in points]}
+            points.append(
+                Point(
+                    mode,
+                    seq_len,
+                    step_time,
+                    len(times),
+                    tokens,
+                    days_per_billion(tokens, step_time),
+                    predicted[mode]["hours_per_1b_tokens"] / 24,
+                    str(run),
+                )
+            )
+    results = {
+        "config": cfg.name,
+        "gpus": n_gpus,
+        "tflops_for_prediction": tflops,
+        "steps": steps,
+        "warmup": warmup,
+        "points": [asdict(p) | {"ratio": p.ratio} for p in points],
+    }
     work.mkdir(parents=True, exist_ok=True)
     (work / "figure6.json").write_text(json.dumps(results, indent=2))
     from lctrain.eval.plots import plot_figure6
@@ -123,14 +160,22 @@ def _print(results: dict, work: Path) -> None:
 
     from lctrain.eval.plots import length_label
 
-    t = Table(title=f"{results['config']}: days per 1B tokens on {results['gpus']} GPU(s), measured "
-                    f"({results['steps']} steps after {results['warmup']} warm-up) and predicted by the FLOP model at "
-                    f"{results['tflops_for_prediction']:.3g} TFLOP/s per GPU")
+    t = Table(
+        title=f"{results['config']}: days per 1B tokens on {results['gpus']} GPU(s), measured "
+        f"({results['steps']} steps after {results['warmup']} warm-up) and predicted by the FLOP model at "
+        f"{results['tflops_for_prediction']:.3g} TFLOP/s per GPU"
+    )
     for c in ("length", "mode", "step s", "days / 1B tok", "predicted", "measured / predicted"):
         t.add_column(c, justify="right")
     for p in results["points"]:
-        t.add_row(length_label(p["seq_len"]), p["mode"], f"{p['step_time_s']:.3f}", f"{p['days_per_1b_tokens']:.3g}",
-                  f"{p['predicted_days_per_1b_tokens']:.3g}", f"{p['ratio']:.2f}")
+        t.add_row(
+            length_label(p["seq_len"]),
+            p["mode"],
+            f"{p['step_time_s']:.3f}",
+            f"{p['days_per_1b_tokens']:.3g}",
+            f"{p['predicted_days_per_1b_tokens']:.3g}",
+            f"{p['ratio']:.2f}",
+        )
     console = Console()
     console.print(t)
     console.print(f"wrote {work}/figure6.json, figure6.png")

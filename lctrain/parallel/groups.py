@@ -72,8 +72,14 @@ def pick_backend(cfg: Config) -> str:
 def _single_process_env() -> None:
     """A bare `lctrain train` with one process still needs the launcher's variables (DeepSpeed reads LOCAL_RANK)
     and a rendezvous address for torch.distributed."""
-    values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": str(free_port())}
+    values = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     for key, value in values.items():
         if key not in os.environ:
             os.environ[key] = value
@@ -100,8 +106,9 @@ def init_topology(cfg: Config) -> Topology:
             disable_cpu_shm_comm_op()  # gloo does the job; no op probe, no C++ build
         deepspeed.init_distributed(dist_backend=pick_backend(cfg), auto_mpi_discovery=False)
     sp_group, mpu = sequence_parallel_groups(layout.sp) if layout.sp > 1 else (None, None)
-    return Topology(rank=dist.get_rank(), local_rank=local_rank, device=device, layout=layout, sp_group=sp_group,
-                    mpu=mpu)
+    return Topology(
+        rank=dist.get_rank(), local_rank=local_rank, device=device, layout=layout, sp_group=sp_group, mpu=mpu
+    )
 
 
 def release_single_process() -> None:

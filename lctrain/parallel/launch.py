@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from lctrain.config import Config
 from lctrain.errors import UserError, environment_error_message
@@ -19,16 +19,32 @@ def worker_command(cfg: Config, worker: list[str]) -> list[str]:
     p = cfg.parallel
     if p.launcher == "torchrun":
         if p.num_nodes > 1:
-            raise UserError(f"{cfg.source_file or 'config'}: parallel.launcher = torchrun cannot start other nodes; "
-                            f"run 'torchrun --nnodes {p.num_nodes} ... -m lctrain.cli train' on every node, or set "
-                            f"parallel.launcher: deepspeed with parallel.hostfile")
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(p.nproc_per_node),
-                "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m"] + worker
+            raise UserError(
+                f"{cfg.source_file or 'config'}: parallel.launcher = torchrun cannot start other nodes; "
+                f"run 'torchrun --nnodes {p.num_nodes} ... -m lctrain.cli train' on every node, or set "
+                f"parallel.launcher: deepspeed with parallel.hostfile"
+            )
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(p.nproc_per_node),
+            "--nnodes",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            "-m",
+        ] + worker
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
     if p.num_nodes > 1:
         if not p.hostfile or not Path(p.hostfile).is_file():
-            raise UserError(f"{cfg.source_file or 'config'}: parallel.num_nodes = {p.num_nodes} needs "
-                            f"parallel.hostfile naming the hosts (DeepSpeed hostfile: 'host slots=8' per line)")
+            raise UserError(
+                f"{cfg.source_file or 'config'}: parallel.num_nodes = {p.num_nodes} needs "
+                f"parallel.hostfile naming the hosts (DeepSpeed hostfile: 'host slots=8' per line)"
+            )
         cmd += ["--hostfile", p.hostfile, "--num_nodes", str(p.num_nodes), "--num_gpus", str(p.nproc_per_node)]
     else:
         cmd += ["--num_gpus", str(p.nproc_per_node)]

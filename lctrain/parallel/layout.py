@@ -26,8 +26,10 @@ def check_precision(cfg: Config) -> None:
     """DeepSpeed keeps fp32 master weights for bf16/fp16 models only inside its ZeRO optimizers; stage 0 would
     update bf16 weights directly, which loses the small updates of continual pretraining (lr 2e-5)."""
     if cfg.model.dtype != "float32" and cfg.parallel.zero_stage == 0:
-        raise UserError(f"{cfg.source_file or 'config'}: model.dtype = {cfg.model.dtype} needs parallel.zero_stage "
-                        f">= 1 (fp32 master weights); set parallel.zero_stage: 1, or model.dtype: float32")
+        raise UserError(
+            f"{cfg.source_file or 'config'}: model.dtype = {cfg.model.dtype} needs parallel.zero_stage "
+            f">= 1 (fp32 master weights); set parallel.zero_stage: 1, or model.dtype: float32"
+        )
 
 
 def uses_torch_adam(cfg: Config, gpu: bool) -> bool:
@@ -46,26 +48,37 @@ class ParallelLayout:
     zero_stage: int
 
     @classmethod
-    def from_config(cls, cfg: Config, world: int | None = None) -> "ParallelLayout":
+    def from_config(cls, cfg: Config, world: int | None = None) -> ParallelLayout:
         """The layout of `cfg` on `world` processes (default: the processes it asks for), refusing one that cannot
         run in one line naming the keys and a fix."""
         p, t = cfg.parallel, cfg.train
-        layout = cls(world=world or p.nproc_per_node * p.num_nodes, sp=p.sequence_parallel, micro_batch=t.micro_batch,
-                     global_batch=t.global_batch, seq_len=cfg.data.seq_len, zero_stage=p.zero_stage)
+        layout = cls(
+            world=world or p.nproc_per_node * p.num_nodes,
+            sp=p.sequence_parallel,
+            micro_batch=t.micro_batch,
+            global_batch=t.global_batch,
+            seq_len=cfg.data.seq_len,
+            zero_stage=p.zero_stage,
+        )
         layout.validate(cfg.source_file or "config")
         return layout
 
     def validate(self, source: str) -> None:
         if self.world % self.sp:
-            raise UserError(f"{source}: world size {self.world} (parallel.nproc_per_node x parallel.num_nodes) is not "
-                            f"divisible by parallel.sequence_parallel = {self.sp}")
+            raise UserError(
+                f"{source}: world size {self.world} (parallel.nproc_per_node x parallel.num_nodes) is not "
+                f"divisible by parallel.sequence_parallel = {self.sp}"
+            )
         if self.global_batch % (self.micro_batch * self.dp):
-            raise UserError(f"{source}: train.global_batch = {self.global_batch} is not divisible by train.micro_batch "
-                            f"x data-parallel size = {self.micro_batch} x {self.dp}; change train.global_batch or "
-                            f"train.micro_batch")
+            raise UserError(
+                f"{source}: train.global_batch = {self.global_batch} is not divisible by train.micro_batch "
+                f"x data-parallel size = {self.micro_batch} x {self.dp}; change train.global_batch or "
+                f"train.micro_batch"
+            )
         if self.seq_len % self.sp:
-            raise UserError(f"{source}: data.seq_len = {self.seq_len} is not divisible by parallel.sequence_parallel "
-                            f"= {self.sp}")
+            raise UserError(
+                f"{source}: data.seq_len = {self.seq_len} is not divisible by parallel.sequence_parallel = {self.sp}"
+            )
 
     @property
     def dp(self) -> int:
@@ -111,8 +124,13 @@ class ParallelLayout:
             "zero_optimization": zero,
             "optimizer": {
                 "type": "AdamW",
-                "params": {"lr": t.lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay,
-                           "torch_adam": use_torch_adam},
+                "params": {
+                    "lr": t.lr,
+                    "betas": list(t.betas),
+                    "eps": t.eps,
+                    "weight_decay": t.weight_decay,
+                    "torch_adam": use_torch_adam,
+                },
             },
             "steps_per_print": _QUIET_STEPS,
             "wall_clock_breakdown": False,
@@ -134,8 +152,16 @@ class ParallelLayout:
         sequence-parallel group read the same windows."""
         from lctrain.train.data import micro_batch_rows
 
-        return micro_batch_rows(step_index, micro, self.dp_rank(rank), dp=self.dp, micro_batch=self.micro_batch,
-                                global_batch=self.global_batch, seed=seed, n=n)
+        return micro_batch_rows(
+            step_index,
+            micro,
+            self.dp_rank(rank),
+            dp=self.dp,
+            micro_batch=self.micro_batch,
+            global_batch=self.global_batch,
+            seed=seed,
+            n=n,
+        )
 
     def shard(self, batch: dict, rank: int) -> dict:
         """`rank`'s contiguous 1/sp slice of the per-token tensors; every other entry is shared unchanged."""
@@ -150,7 +176,7 @@ class ParallelLayout:
             if key in PER_TOKEN_KEYS and isinstance(value, torch.Tensor):
                 step = value.shape[1] // self.sp
                 lo = self.sp_rank(rank) * step
-                out[key] = value[:, lo:lo + step]
+                out[key] = value[:, lo : lo + step]
             else:
                 out[key] = value
         return out
@@ -161,9 +187,8 @@ class ParallelLayout:
             return
         from lctrain.attention.registry import HF_PREFIX
         from lctrain.compat.transformers import attn_implementation
-        from lctrain.parallel.ulysses import register_ulysses
-
         from lctrain.costmodel import ModelShape
+        from lctrain.parallel.ulysses import register_ulysses
 
         shape = ModelShape.from_hf_config(lm.config)
         engine = attn_implementation(lm).removeprefix(HF_PREFIX)

@@ -19,8 +19,10 @@ def kv_replication(num_heads: int, num_kv_heads: int, sp: int, source: str = "co
     """How many copies of each KV head make the KV heads split evenly over `sp` ranks (grouped-query attention with
     fewer KV heads than ranks); 1 when they already do. Raises UserError when the query heads cannot be split."""
     if num_heads % sp:
-        raise UserError(f"{source}: the model's {num_heads} attention heads are not divisible by "
-                        f"parallel.sequence_parallel = {sp}; use a sequence-parallel size that divides {num_heads}")
+        raise UserError(
+            f"{source}: the model's {num_heads} attention heads are not divisible by "
+            f"parallel.sequence_parallel = {sp}; use a sequence-parallel size that divides {num_heads}"
+        )
     if num_heads % num_kv_heads:
         raise UserError(f"{source}: {num_heads} attention heads are not a multiple of {num_kv_heads} KV heads")
     if num_kv_heads % sp == 0:
@@ -42,12 +44,21 @@ def register_ulysses(engine: str, sp_group, num_heads: int, num_kv_heads: int) -
     local_engine = engine_fn(engine)
 
     def local_attention(query, key, value, module, attention_mask, scaling, dropout, kwargs):
-        out, _ = local_engine(module, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                              attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        out, _ = local_engine(
+            module,
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            **kwargs,
+        )
         return out.contiguous()
 
-    dist_attn = DistributedAttention(local_attention, sp_group, scatter_idx=2, gather_idx=1,
-                                     num_kv_heads=num_kv_heads * rep)
+    dist_attn = DistributedAttention(
+        local_attention, sp_group, scatter_idx=2, gather_idx=1, num_kv_heads=num_kv_heads * rep
+    )
 
     def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         q = query.transpose(1, 2).contiguous()

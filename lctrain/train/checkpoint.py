@@ -18,8 +18,8 @@ import os
 import pickle
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ def resume_candidates(run_dir: Path) -> list[Path]:
     return ([latest] if latest is not None else []) + rest
 
 
-def readable_state(path: Path) -> Optional[dict]:
+def readable_state(path: Path) -> dict | None:
     """The trainer state of a checkpoint, or None if it cannot be read (empty, torn, edited)."""
     try:
         state = read_state(path)
@@ -102,7 +102,7 @@ def readable_state(path: Path) -> Optional[dict]:
         return None
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint `latest` names; if that file is missing or stale, the newest complete checkpoint."""
     root = checkpoints_dir(run_dir)
     marker = root / LATEST
@@ -139,8 +139,16 @@ def _barrier() -> None:
     dist.barrier()
 
 
-def save_resume(engine, run_dir: Path, step: int, state: dict, *, rank: int, keep: int,
-                before_complete: Optional[Callable[[int], None]] = None) -> Path:
+def save_resume(
+    engine,
+    run_dir: Path,
+    step: int,
+    state: dict,
+    *,
+    rank: int,
+    keep: int,
+    before_complete: Callable[[int], None] | None = None,
+) -> Path:
     """Write the resume checkpoint of `step` (all ranks call this) and prune older ones. `before_complete(step)`
     runs on rank 0 once every rank's files are written and before the checkpoint is complete (fault injection)."""
     root = checkpoints_dir(run_dir)
@@ -186,19 +194,23 @@ DAMAGED = (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.Unpickl
 def _not_damage(e: BaseException) -> bool:
     """Failures of the machine while loading (out of memory, a device or collective error, permissions, a full disk),
     which DAMAGED's broad types also catch."""
-    return (isinstance(e, torch.OutOfMemoryError) or is_environment_error(e)
-            or (isinstance(e, RuntimeError) and any(k in str(e) for k in ("CUDA", "NCCL", "out of memory"))))
+    return (
+        isinstance(e, torch.OutOfMemoryError)
+        or is_environment_error(e)
+        or (isinstance(e, RuntimeError) and any(k in str(e) for k in ("CUDA", "NCCL", "out of memory")))
+    )
 
 
-def load_resume(engine, path: Path, *, rank: int) -> tuple[Optional[dict], str]:
+def load_resume(engine, path: Path, *, rank: int) -> tuple[dict | None, str]:
     """Restore DeepSpeed state and this rank's RNG from a complete checkpoint: (trainer state, "") or, if this
     rank's part cannot be loaded, (None, why)."""
     state = readable_state(path)
     if state is None:
         return None, f"{STATE_FILE} is unreadable"
     try:
-        loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                           load_lr_scheduler_states=True)
+        loaded, _ = engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         rng_file = path / f"rng_rank{rank}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))

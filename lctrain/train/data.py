@@ -38,11 +38,15 @@ def open_checked(cfg: Config):
         raise UserError(f"{path}: no prepared dataset for this config; {prepare_hint(cfg)}")
     packed = open_packed(path)
     if packed.manifest.get("data_fingerprint") != data_fingerprint(cfg.data):
-        raise UserError(f"{path}/manifest.json: the dataset was prepared with different data settings "
-                        f"(data_fingerprint differs); {prepare_hint(cfg)} --force")
+        raise UserError(
+            f"{path}/manifest.json: the dataset was prepared with different data settings "
+            f"(data_fingerprint differs); {prepare_hint(cfg)} --force"
+        )
     if int(packed.manifest.get("seq_len", -1)) != cfg.data.seq_len:
-        raise UserError(f"{path}/manifest.json: seq_len {packed.manifest.get('seq_len')} != data.seq_len "
-                        f"{cfg.data.seq_len}; {prepare_hint(cfg)}")
+        raise UserError(
+            f"{path}/manifest.json: seq_len {packed.manifest.get('seq_len')} != data.seq_len "
+            f"{cfg.data.seq_len}; {prepare_hint(cfg)}"
+        )
     if len(packed) == 0:
         raise UserError(f"{path}: the prepared dataset has no windows; raise data.token_budget and re-run prepare")
     return packed
@@ -62,8 +66,9 @@ def stream_rows(seed: int, n: int, start: int, count: int) -> list[int]:
     return out
 
 
-def micro_batch_rows(step_index: int, micro: int, dp_rank: int, *, dp: int, micro_batch: int, global_batch: int,
-                     seed: int, n: int) -> list[int]:
+def micro_batch_rows(
+    step_index: int, micro: int, dp_rank: int, *, dp: int, micro_batch: int, global_batch: int, seed: int, n: int
+) -> list[int]:
     """Rows of micro-batch `micro` of update `step_index` (0-based) for data-parallel rank `dp_rank`."""
     start = step_index * global_batch + (micro * dp + dp_rank) * micro_batch
     return stream_rows(seed, n, start, micro_batch)

@@ -27,8 +27,9 @@ DEFAULT_CHUNK_TOKENS = 8192
 
 def _chunk_loss_sum(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = lm_head(hidden).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def positions_per_chunk(rows: int, length: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
@@ -36,8 +37,9 @@ def positions_per_chunk(rows: int, length: int, chunk_tokens: int = DEFAULT_CHUN
     return min(length, max(1, chunk_tokens // rows))
 
 
-def chunked_loss_sum(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+def chunked_loss_sum(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> torch.Tensor:
     """Sum of cross-entropy over `labels != -100`; `hidden` [B, S, d], `labels` [B, S] already shifted."""
     per_chunk = positions_per_chunk(hidden.shape[0], hidden.shape[1], chunk_tokens)
     if per_chunk == hidden.shape[1]:
@@ -45,8 +47,8 @@ def chunked_loss_sum(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: tor
         return _chunk_loss_sum(lm_head, hidden, labels)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[1], per_chunk):
-        h = hidden[:, start:start + per_chunk]
-        y = labels[:, start:start + per_chunk]
+        h = hidden[:, start : start + per_chunk]
+        y = labels[:, start : start + per_chunk]
         if torch.is_grad_enabled():
             total = total + checkpoint(_chunk_loss_sum, lm_head, h, y, use_reentrant=False)
         else:

@@ -12,17 +12,28 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
 from lctrain.errors import UserError
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-                 "A6000": 155e12, "4090": 165e12, "B200": 2250e12, "MI300X": 1307e12, "MI250X": 383e12}
+GPU_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A6000": 155e12,
+    "4090": 165e12,
+    "B200": 2250e12,
+    "MI300X": 1307e12,
+    "MI250X": 383e12,
+}
 
 
 @lru_cache(maxsize=1)
@@ -41,7 +52,7 @@ def _cpu_matmul_peak() -> float:
     return 2 * n**3 / best
 
 
-def device_peak_flops(device: torch.device, override_tflops: Optional[float] = None) -> Optional[float]:
+def device_peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
     if override_tflops:
         return override_tflops * 1e12
     if device.type == "cuda":
@@ -87,8 +98,11 @@ def cpu_peak_bytes(setup: Callable[[], object], measured: Callable[[object], Non
         events = json.loads(trace.read_text())["traceEvents"]
     region = next(e for e in events if e.get("name") == _MEASURED)
     start, end = region["ts"], region["ts"] + region["dur"]
-    memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
-                    if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
+    memory = sorted(
+        (e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"])
+        for e in events
+        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
+    )
     # the running total also counts what earlier profiled code left alive: measure from the first event on
     offset = memory[0][1] - memory[0][2] if memory else 0
     before = [total - offset for ts, total, _ in memory if ts < start]
@@ -102,8 +116,10 @@ def import_wandb(cfg):
     try:
         import wandb
     except ImportError:
-        raise UserError(f"{cfg.source_file or 'config'}: logging.wandb = {cfg.logging.wandb} needs Weights & Biases "
-                        f"(pip install 'lctrain[wandb]'); or set logging.wandb: disabled") from None
+        raise UserError(
+            f"{cfg.source_file or 'config'}: logging.wandb = {cfg.logging.wandb} needs Weights & Biases "
+            f"(pip install 'lctrain[wandb]'); or set logging.wandb: disabled"
+        ) from None
     return wandb
 
 
@@ -115,24 +131,38 @@ class StepLogger:
 
         self.path = Path(run_dir) / "metrics.jsonl"
         self.every = cfg.logging.log_every
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                 TextColumn("{task.fields[info]}"), transient=False)
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            transient=False,
+        )
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
         self.progress.start()
         self.wandb = None
         if cfg.logging.wandb != "disabled":
             wandb = import_wandb(cfg)
 
-            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.name, id=wandb_id, resume="allow",
-                                    mode=cfg.logging.wandb, dir=str(run_dir),
-                                    config=cfg.model_dump(mode="json", exclude={"source_file"}))
+            self.wandb = wandb.init(
+                project=cfg.logging.wandb_project,
+                name=cfg.name,
+                id=wandb_id,
+                resume="allow",
+                mode=cfg.logging.wandb,
+                dir=str(run_dir),
+                config=cfg.model_dump(mode="json", exclude={"source_file"}),
+            )
 
     def log(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
-        info = (f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu}  "
-                f"mem {record['peak_mem_gb']:.1f} GB")
+        info = (
+            f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu}  "
+            f"mem {record['peak_mem_gb']:.1f} GB"
+        )
         self.progress.update(self.task, completed=record["step"], info=info)
         if self.wandb is not None and record["step"] % self.every == 0:
             self.wandb.log({k: v for k, v in record.items() if v is not None}, step=record["step"])

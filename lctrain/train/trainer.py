@@ -21,16 +21,24 @@ import random
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from lctrain.config import (Config, config_fingerprint, load_config, reread_warning, run_dir as config_run_dir,
-                            write_resolved)
+from lctrain.config import (
+    Config,
+    config_fingerprint,
+    load_config,
+    reread_warning,
+    write_resolved,
+)
+from lctrain.config import (
+    run_dir as config_run_dir,
+)
 from lctrain.costmodel import ModelShape, dense_params, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
 from lctrain.lifetime import RunLock
@@ -40,8 +48,14 @@ from lctrain.parallel.layout import ParallelLayout, check_precision, uses_torch_
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.checkpoint import write_atomic
 from lctrain.train.data import collate, open_checked
-from lctrain.train.metrics import (StepLogger, device_peak_flops, import_wandb, peak_memory_gb, reset_peak_memory,
-                                   truncate_metrics)
+from lctrain.train.metrics import (
+    StepLogger,
+    device_peak_flops,
+    import_wandb,
+    peak_memory_gb,
+    reset_peak_memory,
+    truncate_metrics,
+)
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
 # The module launchers start on every process: `python -m lctrain.train.worker RUN_DIR [--resume]`.
@@ -51,7 +65,7 @@ WORKER_MODULE = "lctrain.train.worker"
 CheckpointHook = Callable[[int], None]
 
 
-def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Optional[CheckpointHook] = None) -> Path:
+def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
     """Start a run in `run_dir(cfg)`; refuses a directory that already has checkpoints unless `force`."""
     rd = config_run_dir(cfg)
     leader = _leader()
@@ -60,8 +74,10 @@ def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Optio
     with _run_lock(rd, "lctrain train", leader):
         if leader:
             if ckpt.complete_checkpoints(rd) and not force:
-                raise UserError(f"{rd}: this run already has checkpoints; continue it with 'lctrain resume {rd}', "
-                                f"or start over with 'lctrain train --force'")
+                raise UserError(
+                    f"{rd}: this run already has checkpoints; continue it with 'lctrain resume {rd}', "
+                    f"or start over with 'lctrain train --force'"
+                )
             # A new run: what an earlier attempt left without a complete checkpoint to resume from (its metrics,
             # evaluation exports, partial checkpoints) belongs to no run, and would mix into this one.
             shutil.rmtree(rd / "checkpoints", ignore_errors=True)
@@ -73,7 +89,7 @@ def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Optio
         return rd
 
 
-def resume(run_dir: str | Path, *, before_checkpoint_complete: Optional[CheckpointHook] = None) -> Path:
+def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
     """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory: relative
     paths in its config (the prepared data, a local model or tokenizer) resolve against the directory `train`
     was started from, whatever the current one."""
@@ -84,19 +100,26 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: Optional[Checkpoi
     leader = _leader()
     with _run_lock(rd, "lctrain resume", leader), _working_directory(_origin(rd)):
         if ckpt.latest_checkpoint(rd) is None:
-            raise UserError(f"{rd}: no complete checkpoint to resume from; start the run again with "
-                            f"'lctrain train --config {config_file} --force'")
+            raise UserError(
+                f"{rd}: no complete checkpoint to resume from; start the run again with "
+                f"'lctrain train --config {config_file} --force'"
+            )
         cfg = load_config(str(config_file))
         states = [(p, ckpt.readable_state(p)) for p in ckpt.resume_candidates(rd)]
         states = [(p, s) for p, s in states if s is not None]
         if not states:  # before any process builds a model: none of them could resume
-            raise UserError(f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with "
-                            f"'lctrain train --config {config_file} --force'")
+            raise UserError(
+                f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with "
+                f"'lctrain train --config {config_file} --force'"
+            )
         done = max((int(s["step"]) for _, s in states), default=0)
         if done >= cfg.train.steps:
             if leader:
-                print(f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (raise train.steps in "
-                      f"{config_file} to train further)", flush=True)
+                print(
+                    f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (raise train.steps in "
+                    f"{config_file} to train further)",
+                    flush=True,
+                )
             return rd
         if leader:
             check_resumable(cfg, states[0][1], f"{config_file}", states[0][0].name)
@@ -110,7 +133,7 @@ def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
     return worker_command(cfg, [WORKER_MODULE, str(run_dir)] + (["--resume"] if resume else []))
 
 
-def _start(cfg: Config, rd: Path, resuming: bool, before_checkpoint_complete: Optional[CheckpointHook]) -> None:
+def _start(cfg: Config, rd: Path, resuming: bool, before_checkpoint_complete: CheckpointHook | None) -> None:
     """The one place that decides who trains: this process, or the workers a launcher starts (when the layout asks
     for several processes and no launcher started this one)."""
     if ParallelLayout.from_config(cfg).world > 1 and not under_launcher():
@@ -125,7 +148,7 @@ def _start(cfg: Config, rd: Path, resuming: bool, before_checkpoint_complete: Op
 ORIGIN_FILE = "origin.json"
 
 
-def _origin(rd: Path) -> Optional[Path]:
+def _origin(rd: Path) -> Path | None:
     try:
         cwd = Path(json.loads((rd / ORIGIN_FILE).read_text())["cwd"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -134,7 +157,7 @@ def _origin(rd: Path) -> Optional[Path]:
 
 
 @contextlib.contextmanager
-def _working_directory(path: Optional[Path]):
+def _working_directory(path: Path | None):
     if path is None:
         yield
         return
@@ -150,13 +173,30 @@ def _working_directory(path: Optional[Path]):
 # and the weight decay of the optimizer's parameter groups (loading the optimizer state restores the saved groups'
 # decay, so a new value would be silently ignored). Anything else (steps, learning rate, logging, checkpoint and eval
 # schedule, engine) may change on resume.
-_FIXED_BY_CHECKPOINT = ("seed", "model.", "data.", "attention.mode", "train.global_batch", "train.micro_batch",
-                        "train.weight_decay", "train.decay_norms_and_biases",
-                        "parallel.zero_stage", "parallel.sequence_parallel", "parallel.nproc_per_node",
-                        "parallel.num_nodes", "parallel.offload_optimizer", "parallel.offload_params")
+_FIXED_BY_CHECKPOINT = (
+    "seed",
+    "model.",
+    "data.",
+    "attention.mode",
+    "train.global_batch",
+    "train.micro_batch",
+    "train.weight_decay",
+    "train.decay_norms_and_biases",
+    "parallel.zero_stage",
+    "parallel.sequence_parallel",
+    "parallel.nproc_per_node",
+    "parallel.num_nodes",
+    "parallel.offload_optimizer",
+    "parallel.offload_params",
+)
 # ...except these, which change how the same computation runs (or where a dataset is found), not what it computes.
-_FREE_KEYS = ("data.num_workers", "data.strict", "data.output_dir", "model.gradient_checkpointing",
-              "model.offload_activations")
+_FREE_KEYS = (
+    "data.num_workers",
+    "data.strict",
+    "data.output_dir",
+    "model.gradient_checkpointing",
+    "model.offload_activations",
+)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -175,14 +215,19 @@ def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> N
     if saved is None:
         return  # a checkpoint from before configs were stored: the fingerprint warning in `run` is all there is
     before, now = _flatten(saved), _flatten(cfg.model_dump(mode="json", exclude={"source_file"}))
-    changed = [k for k in sorted(set(before) | set(now))
-               if before.get(k) != now.get(k) and k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_KEYS]
+    changed = [
+        k
+        for k in sorted(set(before) | set(now))
+        if before.get(k) != now.get(k) and k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_KEYS
+    ]
     if changed:
         shown = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
-        raise UserError(f"{source}: {shown}{more} changed since checkpoint {checkpoint}; a checkpoint resumes only "
-                        f"with the model, data, batch and parallel layout it was written with: restore them, or start "
-                        f"over with 'lctrain train --config {source} --force'")
+        raise UserError(
+            f"{source}: {shown}{more} changed since checkpoint {checkpoint}; a checkpoint resumes only "
+            f"with the model, data, batch and parallel layout it was written with: restore them, or start "
+            f"over with 'lctrain train --config {source} --force'"
+        )
 
 
 def _leader() -> bool:
@@ -235,8 +280,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_norms_and_bi
     for p in model.parameters():
         if p.requires_grad:
             (matrices if p.ndim >= 2 else vectors).append(p)
-    return [{"params": matrices, "weight_decay": weight_decay},
-            {"params": vectors, "weight_decay": weight_decay if decay_norms_and_biases else 0.0}]
+    return [
+        {"params": matrices, "weight_decay": weight_decay},
+        {"params": vectors, "weight_decay": weight_decay if decay_norms_and_biases else 0.0},
+    ]
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -251,18 +298,25 @@ def _new_wandb_id() -> str:
 class TrainState:
     """What a resume checkpoint restores beyond DeepSpeed's state and the RNG: the optimizer steps taken (which is
     also the data cursor, train/data.py) and the Weights & Biases run to continue."""
+
     step: int = 0
     wandb_id: str = field(default_factory=_new_wandb_id)
 
     def record(self, cfg: Config, layout: ParallelLayout) -> dict:
         """The checkpoint's trainer_state.json: this state, plus what `resume` checks the config against."""
-        return {"step": self.step, "windows_consumed": self.step * cfg.train.global_batch,
-                "config_fingerprint": config_fingerprint(cfg), "world_size": layout.world, "sp": layout.sp,
-                "wandb_id": self.wandb_id, "time": time.time(),
-                "config": cfg.model_dump(mode="json", exclude={"source_file"})}
+        return {
+            "step": self.step,
+            "windows_consumed": self.step * cfg.train.global_batch,
+            "config_fingerprint": config_fingerprint(cfg),
+            "world_size": layout.world,
+            "sp": layout.sp,
+            "wandb_id": self.wandb_id,
+            "time": time.time(),
+            "config": cfg.model_dump(mode="json", exclude={"source_file"}),
+        }
 
     @classmethod
-    def from_record(cls, record: dict) -> "TrainState":
+    def from_record(cls, record: dict) -> TrainState:
         return cls(step=int(record["step"]), wandb_id=record.get("wandb_id") or _new_wandb_id())
 
 
@@ -270,12 +324,11 @@ class TrainState:
 class StepResult:
     loss: float  # mean token loss of the step over every rank
     valid_labels: int
-    grad_norm: Optional[float]  # rank 0 only
+    grad_norm: float | None  # rank 0 only
     pairs: int  # visible attention pairs of the step's windows, for MFU
 
 
-def run(cfg: Config, rd: Path, resuming: bool, *,
-        before_checkpoint_complete: Optional[CheckpointHook] = None) -> Path:
+def run(cfg: Config, rd: Path, resuming: bool, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
     """The worker body: every rank runs this, under a launcher or as the only process."""
     topo = init_topology(cfg)
     try:
@@ -283,9 +336,14 @@ def run(cfg: Config, rd: Path, resuming: bool, *,
 
         _seed_everything(cfg.seed)
         packed = open_checked(cfg)
-        trainer = Trainer(cfg, topo, vocab_size=int(packed.manifest["tokenizer"]["vocab_size"]),
-                          tokenizer=load_tokenizer(cfg.data.tokenizer), run_dir=rd,
-                          before_checkpoint_complete=before_checkpoint_complete)
+        trainer = Trainer(
+            cfg,
+            topo,
+            vocab_size=int(packed.manifest["tokenizer"]["vocab_size"]),
+            tokenizer=load_tokenizer(cfg.data.tokenizer),
+            run_dir=rd,
+            before_checkpoint_complete=before_checkpoint_complete,
+        )
         if resuming:
             trainer.load_checkpoint()
         trainer.fit(packed)
@@ -302,8 +360,16 @@ class Trainer:
     engine with AdamW and the learning-rate schedule. `run_dir` and `tokenizer` are needed only by `fit` and the
     checkpoints (a benchmark calls `train_step` alone)."""
 
-    def __init__(self, cfg: Config, topo: Topology, *, vocab_size: int, tokenizer=None, run_dir: Optional[Path] = None,
-                 before_checkpoint_complete: Optional[CheckpointHook] = None):
+    def __init__(
+        self,
+        cfg: Config,
+        topo: Topology,
+        *,
+        vocab_size: int,
+        tokenizer=None,
+        run_dir: Path | None = None,
+        before_checkpoint_complete: CheckpointHook | None = None,
+    ):
         import deepspeed
 
         from lctrain.model import build_model
@@ -326,8 +392,12 @@ class Trainer:
         model = CausalLMLossSum(self.lm)
         self.n_dense = dense_params(self.lm)
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=param_groups(model, cfg.train.weight_decay, cfg.train.decay_norms_and_biases),
-            config=ds_config, mpu=topo.mpu, lr_scheduler=partial(_lambda_lr, train_cfg=cfg.train))
+            model=model,
+            model_parameters=param_groups(model, cfg.train.weight_decay, cfg.train.decay_norms_and_biases),
+            config=ds_config,
+            mpu=topo.mpu,
+            lr_scheduler=partial(_lambda_lr, train_cfg=cfg.train),
+        )
         del hf_ds_config
         # DeepSpeed reports the gradient norm for ZeRO and mixed precision only; plain fp32 without ZeRO keeps the
         # reduced gradients in .grad, where we can measure it before the step.
@@ -341,9 +411,12 @@ class Trainer:
 
     def read_windows(self, packed, step_index: int) -> list[dict]:
         """This rank's micro-batches of update `step_index`: collated windows, before `make_batch`."""
-        return [collate(packed, self.layout.micro_batch_rows(step_index, m, self.topo.rank, seed=self.cfg.seed,
-                                                            n=len(packed)))
-                for m in range(self.layout.grad_accum)]
+        return [
+            collate(
+                packed, self.layout.micro_batch_rows(step_index, m, self.topo.rank, seed=self.cfg.seed, n=len(packed))
+            )
+            for m in range(self.layout.grad_accum)
+        ]
 
     def train_step(self, windows: list[dict]) -> StepResult:
         """One optimizer step over this rank's micro-batches (collated windows, `train.data.collate`)."""
@@ -355,15 +428,21 @@ class Trainer:
         micro, pairs = [], 0
         for raw in windows:
             if topo.sp_rank == 0:  # the group's other ranks hold the same windows: count each window once
-                pairs += sum(visible_pairs(sl, sd, cfg.attention.mode, cfg.data.seq_len)
-                             for sl, sd in zip(raw["seg_lens"], raw["seg_doc"]))
-            batch = make_batch(raw["input_ids"], raw["seg_lens"], cfg.attention.mode, seg_doc=raw["seg_doc"],
-                               tag_lens=raw["tag_lens"])
+                pairs += sum(
+                    visible_pairs(sl, sd, cfg.attention.mode, cfg.data.seq_len)
+                    for sl, sd in zip(raw["seg_lens"], raw["seg_doc"])
+                )
+            batch = make_batch(
+                raw["input_ids"], raw["seg_lens"], cfg.attention.mode, seg_doc=raw["seg_doc"], tag_lens=raw["tag_lens"]
+            )
             micro.append(_to_device(self.layout.shard(batch, topo.rank), topo.device))
         # one all-reduce: valid labels of the whole step (the loss denominator) and attention pairs (for MFU).
         # Reduced tensors live on the device: an nccl process group has no CPU backend.
-        counts = torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in micro)), float(pairs)],
-                              dtype=torch.float64, device=topo.device)
+        counts = torch.tensor(
+            [float(sum(int((b["labels"] != -100).sum()) for b in micro)), float(pairs)],
+            dtype=torch.float64,
+            device=topo.device,
+        )
         dist.all_reduce(counts)
         n_valid = max(counts[0].item(), 1.0)
         scale = self.layout.grad_divisor / n_valid
@@ -382,22 +461,31 @@ class Trainer:
         dist.all_reduce(loss_sum)
         if topo.is_main and grad_norm is None:
             grad_norm = self.engine.get_global_grad_norm()
-        return StepResult(loss=loss_sum.item() / n_valid, valid_labels=int(n_valid),
-                          grad_norm=float(grad_norm) if grad_norm is not None else None, pairs=int(counts[1].item()))
+        return StepResult(
+            loss=loss_sum.item() / n_valid,
+            valid_labels=int(n_valid),
+            grad_norm=float(grad_norm) if grad_norm is not None else None,
+            pairs=int(counts[1].item()),
+        )
 
     def step_flops(self, tokens: int, pairs: int) -> float:
         shape = ModelShape.from_hf_config(self.lm.config)
         return step_flops(self.n_dense, shape.layers, shape.width, tokens, pairs)
 
-    def metrics(self, step_index: int, result: StepResult, seconds: float, peak: Optional[float]) -> dict:
+    def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None) -> dict:
         """The metrics.jsonl record of update `step_index`."""
         cfg = self.cfg
         tokens = cfg.train.global_batch * cfg.data.seq_len
         step = step_index + 1
         return {
-            "step": step, "loss": result.loss, "lr": cfg.train.lr * lr_factor(step_index, cfg.train),
-            "grad_norm": result.grad_norm, "tokens": step * tokens, "valid_labels": result.valid_labels,
-            "step_time_s": seconds, "tokens_per_s": tokens / seconds,
+            "step": step,
+            "loss": result.loss,
+            "lr": cfg.train.lr * lr_factor(step_index, cfg.train),
+            "grad_norm": result.grad_norm,
+            "tokens": step * tokens,
+            "valid_labels": result.valid_labels,
+            "step_time_s": seconds,
+            "tokens_per_s": tokens / seconds,
             "mfu": self.step_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
             "peak_mem_gb": peak_memory_gb(self.topo.device),
         }
@@ -428,15 +516,28 @@ class Trainer:
     def export_hf(self) -> None:
         """The evaluation checkpoint of the current step (all ranks call: ZeRO-3 gathers the shards)."""
         with _checkpoint_write(self.run_dir, self.state.step):
-            ckpt.save_hf(self.engine, self.lm, self.tokenizer, self.run_dir, self.state.step, rank=self.topo.rank,
-                         zero_stage=self.cfg.parallel.zero_stage)
+            ckpt.save_hf(
+                self.engine,
+                self.lm,
+                self.tokenizer,
+                self.run_dir,
+                self.state.step,
+                rank=self.topo.rank,
+                zero_stage=self.cfg.parallel.zero_stage,
+            )
 
     def save_checkpoint(self) -> None:
         """The resume checkpoint of the current step: DeepSpeed's state, every rank's RNG and the `TrainState`."""
         with _checkpoint_write(self.run_dir, self.state.step):
-            ckpt.save_resume(self.engine, self.run_dir, self.state.step, self.state.record(self.cfg, self.layout),
-                             rank=self.topo.rank, keep=self.cfg.checkpoint.keep,
-                             before_complete=self.before_checkpoint_complete)
+            ckpt.save_resume(
+                self.engine,
+                self.run_dir,
+                self.state.step,
+                self.state.record(self.cfg, self.layout),
+                rank=self.topo.rank,
+                keep=self.cfg.checkpoint.keep,
+                before_complete=self.before_checkpoint_complete,
+            )
 
     def load_checkpoint(self) -> None:
         """Restore the newest checkpoint every rank can load; a damaged one is reported and the one before it tried.
@@ -451,21 +552,31 @@ class Trainer:
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if failed.item() == 0:
                 if tried and topo.is_main:
-                    print(f"warning: resuming from {path.name}: the newer {', '.join(tried)} could not be loaded",
-                          flush=True)
+                    print(
+                        f"warning: resuming from {path.name}: the newer {', '.join(tried)} could not be loaded",
+                        flush=True,
+                    )
                 self.state = TrainState.from_record(record)
                 if topo.is_main:
                     if record.get("config_fingerprint") != config_fingerprint(self.cfg):
-                        print(f"warning: {rd}/config.yaml changed since checkpoint {path.name}; continuing with the "
-                              f"new values", flush=True)
+                        print(
+                            f"warning: {rd}/config.yaml changed since checkpoint {path.name}; continuing with the "
+                            f"new values",
+                            flush=True,
+                        )
                     truncate_metrics(rd, self.state.step)
                 return
             if topo.is_main:
-                print(f"warning: checkpoint {path.name} is damaged ({why or 'on another rank'}); trying the one "
-                      f"before it", flush=True)
+                print(
+                    f"warning: checkpoint {path.name} is damaged ({why or 'on another rank'}); trying the one "
+                    f"before it",
+                    flush=True,
+                )
             tried.append(path.name)
-        raise UserError(f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run "
-                        f"again with 'lctrain train --config {rd / 'config.yaml'} --force'")
+        raise UserError(
+            f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run "
+            f"again with 'lctrain train --config {rd / 'config.yaml'} --force'"
+        )
 
 
 @contextlib.contextmanager
@@ -478,8 +589,10 @@ def _checkpoint_write(rd: Path, step: int):
         if not is_environment_error(e):
             raise
         why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed; is the disk full?"
-        raise UserError(f"{rd}: cannot write the step {step} checkpoint ({why}); free disk space or fix "
-                        f"permissions, then 'lctrain resume {rd}' continues from the last complete checkpoint") from None
+        raise UserError(
+            f"{rd}: cannot write the step {step} checkpoint ({why}); free disk space or fix "
+            f"permissions, then 'lctrain resume {rd}' continues from the last complete checkpoint"
+        ) from None
 
 
 def _grad_norm(module: torch.nn.Module) -> float:

@@ -19,8 +19,10 @@ def unify_dtypes(query, key, value):
 
 def check_dropout(dropout: float) -> None:
     if dropout:
-        raise UserError(f"attention dropout {dropout} is not supported by the lctrain engines; "
-                        f"set attention_dropout: 0.0 in model.arch")
+        raise UserError(
+            f"attention dropout {dropout} is not supported by the lctrain engines; "
+            f"set attention_dropout: 0.0 in model.arch"
+        )
 
 
 def segments_of(kwargs: dict, query: torch.Tensor) -> Segments | None:
@@ -29,8 +31,10 @@ def segments_of(kwargs: dict, query: torch.Tensor) -> Segments | None:
         return None
     B, _, S, _ = query.shape
     if (seg.batch, seg.length) != (B, S):
-        raise ValueError(f"{SEGMENTS_KEY} describes a [{seg.batch}, {seg.length}] batch but the attention input is "
-                         f"[{B}, {S}]; pass the make_batch output of this very batch")
+        raise ValueError(
+            f"{SEGMENTS_KEY} describes a [{seg.batch}, {seg.length}] batch but the attention input is "
+            f"[{B}, {S}]; pass the make_batch output of this very batch"
+        )
     return seg
 
 
@@ -56,7 +60,7 @@ def sdpa_lower_right(query, key, value, scale):
     if query.device.type != "cpu":
         return sdpa(query, key, value, attn_mask=causal_lower_right(S, K), scale=scale)
     pad = query.new_zeros(*query.shape[:-2], K - S, query.shape[-1])
-    return sdpa(torch.cat([pad, query], dim=-2), key, value, is_causal=True, scale=scale)[..., K - S:, :]
+    return sdpa(torch.cat([pad, query], dim=-2), key, value, is_causal=True, scale=scale)[..., K - S :, :]
 
 
 def plain_causal(query, key, value, scaling):

@@ -8,7 +8,7 @@ Interleaved chunks are just another mask here, so this is the GPU engine for the
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -17,7 +17,7 @@ from lctrain.attention.engines.common import hf_attention
 from lctrain.attention.modes import Layout, mask_mod
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compiled(fn):
     return torch.compile(fn)
 

@@ -28,7 +28,7 @@ class SdpaPlan:
     inverse: torch.Tensor
     causal: list[tuple[int, int]]
 
-    def to(self, device) -> "SdpaPlan":
+    def to(self, device) -> SdpaPlan:
         return SdpaPlan(self.order.to(device), self.inverse.to(device), self.causal)
 
 

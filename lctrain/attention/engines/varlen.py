@@ -74,8 +74,10 @@ def varlen_engine(query, key, value, seg, scaling):
     if not query.is_cuda:
         raise UserError("attention engine 'varlen' needs a CUDA GPU; set attention.engine to 'sdpa' on CPU")
     if value.dtype not in (torch.bfloat16, torch.float16):
-        raise UserError(f"attention engine 'varlen' (FlashAttention) runs in bfloat16 or float16, not {value.dtype}; "
-                        f"set model.dtype to bfloat16 or attention.engine to 'flex' or 'sdpa'")
+        raise UserError(
+            f"attention engine 'varlen' (FlashAttention) runs in bfloat16 or float16, not {value.dtype}; "
+            f"set model.dtype to bfloat16 or attention.engine to 'flex' or 'sdpa'"
+        )
     plan = seg.cached(("varlen", query.device), lambda: build_varlen_plan(seg.layout, seg.mode, query.device))
     return varlen_from_plan(query, key, value, plan, scaling)
 
