@@ -66,6 +66,7 @@ def result(tmp_path_factory):
     return json.loads((out / "check_sp.json").read_text())
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_ulysses_over_two_processes_matches_one_process_in_full_and_anchor(result):
     assert result["world"] == 2 and result["backend"] == "gloo" and result["dtype"] == "float32"
     assert result["seq_len"] == SEQ_LEN and result["documents"] >= 2
@@ -78,6 +79,7 @@ def test_ulysses_over_two_processes_matches_one_process_in_full_and_anchor(resul
         assert 0 <= r["mean_abs"] <= r["max_abs"]
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_a_layout_without_the_all_to_all_fails_the_bound(result):
     """The negative control: what Ulysses would compute if the all-to-all were missing (each rank attending only
     within its own slice, true positions) against the 1-process logits, compared by the same function and bound."""

@@ -271,6 +271,7 @@ def test_metrics_and_average_by_hand():
     assert avg == {"t": {"acc": pytest.approx(0.6), "f1": pytest.approx(0.2)}}
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_bad_input_is_one_line(run_dir, tmp_path, monkeypatch):
     with pytest.raises(UserError, match="not a task or group of lm-evaluation-harness; did you mean tiny_mc"):
         resolve_tasks(["tiny_mcc"], str(run_dir.parent))

@@ -92,6 +92,7 @@ def start_sp2_run(data_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, list
     return proc, tree, args
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["kill", "ctrl-c"])
 def test_multiprocess_run_is_locked_and_a_signal_stops_every_process_quietly(data_dir, tmp_path, sig, code):
     run_dir = tmp_path / "sp2"
@@ -109,6 +110,7 @@ def test_multiprocess_run_is_locked_and_a_signal_stops_every_process_quietly(dat
     assert not survivors(tree)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_kill_9_of_the_launching_command_takes_its_workers_along(data_dir, tmp_path):
     run_dir = tmp_path / "sp2"
     proc, tree, _ = start_sp2_run(data_dir, run_dir)
@@ -143,6 +145,7 @@ def test_a_killed_prepare_takes_its_tokenizer_workers_along(tmp_path, sig):
         assert not list(tmp_path.glob(".big.partial-*")) and not (tmp_path / "big").exists()
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_retry_after_a_kill_before_the_first_checkpoint_starts_a_clean_run(data_dir, tmp_path):
     run_dir = tmp_path / "one"
     base = [f"data.output_dir={data_dir}", f"train.run_dir={run_dir}"]

@@ -115,6 +115,7 @@ WIDE = dict(
 )
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 @pytest.mark.parametrize("offload", [False, True], ids=["zero3", "zero3+offload"])
 def test_optimizer_step_peak_within_15_percent(offload):
     # short windows: the peak is the optimizer step's (ZeRO-3's flattened gradients, AdamW's temporaries, with the

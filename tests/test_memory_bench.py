@@ -43,6 +43,7 @@ def test_cpu_rows_are_written_and_predicted(tmp_path, monkeypatch):
         assert abs(r["predicted_over_measured"] - 1) <= 0.15, r
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_the_eight_gpu_preset_ladder_runs_launched_ranks_on_cpu(tmp_path, monkeypatch):
     # the llama2-7b-1m preset's path (every length its own launch of Ulysses ranks under ZeRO-3) with two gloo ranks
     # and a small model: each row is the most any rank held, against that rank's plan
@@ -182,6 +183,7 @@ def test_a_length_that_would_outrun_the_time_limit_is_not_started():
     assert not bench.out_of_time(SimpleNamespace(time_limit=None), now, rows, 1 << 20, 1, 2, build=True)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_ulysses_activations_without_checkpointing_match_the_plan_per_rank(tmp_path):
     # two ranks, 16K tokens each, every layer's saved tensors and the all-to-all copies kept: a third of each rank's
     # peak is activations (the rest mostly the fp32 reduce bucket), and the plan holds within 15% per rank

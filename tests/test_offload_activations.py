@@ -185,6 +185,7 @@ def sp2_offload(workdir):
 LOSS_RTOL = 1e-5
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_sp2_zero3_with_offload_and_tiled_mlp_matches_one_process(workdir, sp2_offload):
     want = _train(workdir, "one_process", [])
     assert len(losses(sp2_offload)) == STEPS

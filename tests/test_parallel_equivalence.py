@@ -144,6 +144,7 @@ def test_a_wrong_sequence_layout_fails_the_comparison(reference, workdir, monkey
     assert weight_mismatches(wrong, reference)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_ulysses_sp2_with_zero3_matches_one_process(reference, workdir):
     run_dir = run_cli(
         workdir,
@@ -160,6 +161,7 @@ def test_ulysses_sp2_with_zero3_matches_one_process(reference, workdir):
     assert_matches(run_dir, reference)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_data_parallel_zero2_under_deepspeed_launcher_matches_one_process(reference, workdir):
     run_dir = run_cli(
         workdir, "dp2_zero2", ["parallel.nproc_per_node=2", "parallel.zero_stage=2", "parallel.launcher=deepspeed"]

@@ -161,6 +161,7 @@ def test_training_with_tiled_mlp_has_the_same_losses(reference, workdir, monkeyp
     torch.testing.assert_close(torch.tensor(losses(tiled)), torch.tensor(losses(reference)), rtol=LOSS_RTOL, atol=0)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_sp2_zero3_with_automatic_tiled_mlp_has_the_same_losses(reference, workdir):
     """Ulysses SP=2 with ZeRO-3 and `auto` (each rank cuts its 64 tokens x 2 windows into 4 shards, the same count
     on both ranks; ZeRO-3 gathers the MLP weights in every shard's forward, so a disagreement would hang, not pass)
