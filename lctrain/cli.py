@@ -269,8 +269,8 @@ def diagnose_rope(
 ):
     """The paper's Figures 1 and 7: attention difference D (Eq. 4) under a positional shift, its per-token split, and
     the first-token logit difference (Eq. 5) against length, for fp32, bf16 and a random init. Table, JSON, PNGs."""
-    from lctrain.eval.rope_drift import diagnose_rope as run_diagnose
-    from lctrain.eval.rope_drift import model_source, parse_cases, parse_shifts
+    from lctrain.diagnostics.rope_drift import diagnose_rope as run_diagnose
+    from lctrain.diagnostics.rope_drift import model_source, parse_cases, parse_shifts
 
     run_diagnose(
         model_source(model, list(set_ or [])),
@@ -307,7 +307,7 @@ def check_sp(
     """The paper's Table 8: max |Δ logits| between one process and DeepSpeed-Ulysses over --nproc processes on the
     same window, per attention mode. Table and check_sp.json."""
     from lctrain.attention.modes import parse_modes
-    from lctrain.eval.check_sp import check_sp as run_check
+    from lctrain.diagnostics.check_sp import check_sp as run_check
 
     chosen = parse_modes(modes)
     run_check(load_config(config, list(set_ or [])), nproc=nproc, modes=chosen, dtype=dtype, window=window, out=out)
@@ -321,7 +321,7 @@ def inspect_(
 ):
     """Per-domain shares of documents and tokens, the length histogram, segment counts and the attention work each
     mode does on this dataset. Table, JSON and PNG."""
-    from lctrain.eval.inspect_data import inspect as run_inspect
+    from lctrain.reports.inspect_data import inspect as run_inspect
 
     run_inspect(data_dir, out=out)
 
@@ -364,7 +364,7 @@ def estimate(
 
         from lctrain.attention.modes import parse_modes
         from lctrain.eval.runner import parse_lengths
-        from lctrain.eval.throughput import measure as run_measure
+        from lctrain.reports.throughput import measure as run_measure
 
         if from_bench is not None or gpus is not None:
             raise UserError("--measure times the config's own layout: --from-bench and --gpus do not apply")
@@ -379,7 +379,7 @@ def estimate(
             tflops=tflops,
         )
         return
-    from lctrain.eval.estimate import estimate as run_estimate
+    from lctrain.reports.estimate import estimate as run_estimate
 
     run_estimate(load_config(config, list(set_ or [])), tflops=tflops, from_bench=from_bench, gpus=gpus, out=out)
 

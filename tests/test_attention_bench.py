@@ -1,19 +1,15 @@
-"""scripts/bench_attention.py runs end to end on a tiny size and reports the FLOP-ideal speedups correctly."""
+"""lctrain.bench.attention (scripts/bench_attention.py) runs end to end on a tiny size and reports the FLOP-ideal
+speedups correctly."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    import lctrain.bench.attention as module
+
     return module
 
 

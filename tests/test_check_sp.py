@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
-from lctrain.eval.check_sp import allowed_processes, logit_diff, synthetic_window
+from lctrain.diagnostics.check_sp import allowed_processes, logit_diff, synthetic_window
 
 SEQ_LEN, HIDDEN, INTERMEDIATE, LAYERS = 128, 64, 128, 2
 ARCH = (
@@ -147,7 +147,7 @@ def test_the_window_comes_from_the_prepared_dataset_when_there_is_one(tmp_path):
     import pyarrow as pa
 
     from lctrain.data.prepare import prepare
-    from lctrain.eval.check_sp import pick_window
+    from lctrain.diagnostics.check_sp import pick_window
 
     overrides = OVERRIDES + [
         "data.token_budget=3000",
@@ -196,7 +196,7 @@ def test_more_processes_than_the_machine_allows_ends_in_one_line():
     ],
 )
 def test_bad_input_ends_in_one_line(args, overrides, message, monkeypatch):
-    monkeypatch.setattr("lctrain.eval.check_sp.allowed_processes", lambda: 8)  # the same errors on any machine
+    monkeypatch.setattr("lctrain.diagnostics.check_sp.allowed_processes", lambda: 8)  # the same errors on any machine
     assert message in one_error_line(run_cli(args, overrides))
 
 
@@ -204,7 +204,7 @@ WEIGHTS_SCRIPT = """
 import deepspeed, torch
 from lctrain.compat.deepspeed import disable_cpu_shm_comm_op
 from lctrain.errors import UserError
-from lctrain.eval.check_sp import _check_same_weights
+from lctrain.diagnostics.check_sp import _check_same_weights
 disable_cpu_shm_comm_op()
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 rank = torch.distributed.get_rank()

@@ -22,9 +22,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from lctrain.cli import app
+from lctrain.diagnostics import rope_drift as rd
+from lctrain.diagnostics.probe_text import packed_document_spans, probe_sequences
 from lctrain.errors import UserError
-from lctrain.eval import rope_drift as rd
-from lctrain.eval.probe_text import packed_document_spans, probe_sequences
 from lctrain.tokenizer import builtin_model_file
 
 V, D, LAYERS, H, KV, HD, T = 512, 64, 2, 4, 2, 16, 32

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.errors import UserError
-from lctrain.eval.estimate import estimate, read_bench
+from lctrain.reports.estimate import estimate, read_bench
 
 ARCH = [
     "model.arch.hidden_size=64",

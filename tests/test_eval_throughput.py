@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
-from lctrain.eval.estimate import estimate
+from lctrain.reports.estimate import estimate
 
 TINY = [
     "model.arch.hidden_size=64",

@@ -1,25 +1,16 @@
-"""scripts/bench_generation.py runs the planned generation path end to end on a tiny CPU model: the plan it reports
-is the one eval uses, its answers equal transformers' own greedy generate, and it writes its JSON."""
+"""lctrain.bench.generation (scripts/bench_generation.py) runs the planned generation path end to end on a tiny CPU
+model: the plan it reports is the one eval uses, its answers equal transformers' own greedy generate, and it writes
+its JSON."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_generation.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("bench_generation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import lctrain.bench.generation as bench
 
 
 def test_runs_and_its_path_is_greedy(tmp_path, capsys):
-    bench = load()
     out = tmp_path / "gen.json"
     bench.main(["--device", "cpu", "--lengths", "96", "--new-tokens", "5", "--out", str(out)])
     (row,) = json.loads(out.read_text())["results"]

@@ -1,25 +1,18 @@
-"""scripts/gpu_check.py without a GPU: stage selection, the merged report, test-result judging, time limits that
+"""devtools/gpu_check.py without a GPU: stage selection, the merged report, test-result judging, time limits that
 keep partial benchmark results, and the loss comparison of the kill-and-resume check."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-
 
 @pytest.fixture(scope="module")
 def gc():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through the module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    from devtools import gpu_check
+
+    return gpu_check
 
 
 def test_stage_selection(gc):

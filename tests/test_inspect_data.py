@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
-from lctrain.eval.inspect_data import inspect, window_pairs
+from lctrain.reports.inspect_data import inspect, window_pairs
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,15 @@
-"""scripts/bench_memory.py runs end to end on a micro size and its predictions stay within 15% of its measurements."""
+"""lctrain.bench.memory (scripts/bench_memory.py) runs end to end on a micro size and its predictions stay within 15%
+of its measurements."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_memory.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_memory", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+import lctrain.bench.memory as bench
 
 
 def test_cpu_rows_are_written_and_predicted(tmp_path, monkeypatch):
-    bench = load_bench()
     out = tmp_path / "bench.json"
     monkeypatch.setattr(
         sys,
@@ -74,7 +65,7 @@ def test_the_eight_gpu_preset_ladder_runs_launched_ranks_on_cpu(tmp_path, monkey
             str(out),
         ],
     )
-    load_bench().main()
+    bench.main()
     report = json.loads(out.read_text())
     rows = report["results"]
     assert [(r["seq_len"], r["oom"]) for r in rows] == [(2048, False), (4096, False)]
@@ -90,7 +81,7 @@ def test_a_layout_the_heads_cannot_split_is_refused_before_launch(monkeypatch):
         ["bench_memory.py", "--preset", "llama2-7b-1m", "--arch", "small", "--nproc", "3", "--seq-len", "3072"],
     )
     with pytest.raises(SystemExit, match="4 attention heads are not divisible by parallel.sequence_parallel = 3"):
-        load_bench().main()
+        bench.main()
 
 
 def test_one_gpu_ladder_keeps_one_trainer_and_stops_at_the_first_out_of_memory(tmp_path, monkeypatch):
@@ -98,7 +89,6 @@ def test_one_gpu_ladder_keeps_one_trainer_and_stops_at_the_first_out_of_memory(t
     # by one that runs the real step and reports fixed peaks, out of memory beyond 2048 tokens
     import torch
 
-    bench = load_bench()
     stepped = []
 
     def step_peak(trainer, windows, warmup, steps):
@@ -146,7 +136,6 @@ def test_one_gpu_ladder_keeps_one_trainer_and_stops_at_the_first_out_of_memory(t
 def test_layers_auto_keeps_the_most_layers_whose_host_states_fit():
     from types import SimpleNamespace
 
-    bench = load_bench()
     args = SimpleNamespace(
         preset="llama2-7b-128k",
         nproc=None,
@@ -173,7 +162,6 @@ def test_a_length_that_would_outrun_the_time_limit_is_not_started():
     import time
     from types import SimpleNamespace
 
-    bench = load_bench()
     rows = [{"seq_len": 1024, "oom": False, "step_s": 10.0, "build_s": 50.0}]
     now = time.perf_counter()
     limited = SimpleNamespace(time_limit=100.0)
@@ -189,7 +177,6 @@ def test_ulysses_activations_without_checkpointing_match_the_plan_per_rank(tmp_p
     # peak is activations (the rest mostly the fp32 reduce bucket), and the plan holds within 15% per rank
     from types import SimpleNamespace
 
-    bench = load_bench()
     settings = [
         "model.dtype=bfloat16",
         "parallel.zero_stage=3",
@@ -212,5 +199,5 @@ def test_ulysses_activations_without_checkpointing_match_the_plan_per_rank(tmp_p
 def test_a_bad_layer_count_is_a_usage_error(monkeypatch, capsys, layers):
     monkeypatch.setattr(sys, "argv", ["bench_memory.py", "--preset", "llama2-7b-128k", "--layers", layers])
     with pytest.raises(SystemExit) as stop:
-        load_bench().main()
+        bench.main()
     assert stop.value.code == 2 and "expected 'auto' or a number of layers >= 1" in capsys.readouterr().err

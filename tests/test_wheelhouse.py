@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from packaging.tags import Tag
 
-from lctrain.wheelhouse import plan_install, project_requirements, read_freeze, read_wheel, wheel_finder
+from devtools.wheelhouse import plan_install, project_requirements, read_freeze, read_wheel, wheel_finder
 
 ROOT = Path(__file__).resolve().parents[1]
 PY312 = {Tag("py3", "none", "any"), Tag("cp312", "cp312", "manylinux_2_17_x86_64")}

@@ -1,3 +1,3 @@
-"""Evaluation and diagnostics: RULER on its own data (`ruler`) or the offline RULER-style suite (`tasks`), averaged
-over checkpoints (`runner`), held-out perplexity, the RoPE-drift diagnostic of the paper's Section 2 (`rope_drift`),
-dataset inspection and the training-time estimate. Each command's stage function is imported lazily by the CLI."""
+"""Evaluation of trained checkpoints: RULER on its own data (`ruler`) or the offline RULER-style suite (`tasks`),
+averaged over checkpoints (`runner`), held-out perplexity, lm-evaluation-harness tasks (`harness`), and the planned
+long-context generation they decode with (`generation`)."""

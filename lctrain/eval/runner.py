@@ -447,7 +447,7 @@ def evaluate(
         "note": heldout.note,
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-    from lctrain.eval.plots import plot_ruler
+    from lctrain.reports.plots import plot_ruler
 
     plot_ruler(results, out_dir / "ruler.png")
     print_report(results, out_dir)
@@ -456,7 +456,7 @@ def evaluate(
 
 def not_scored_lines(results: dict) -> list[str]:
     """What of the task set the scores leave out, one line each: the top of the report."""
-    from lctrain.eval.plots import length_label
+    from lctrain.reports.plots import length_label
 
     lines = []
     for e in results["not_scored"]:
@@ -471,7 +471,7 @@ def print_report(results: dict, out_dir: Path) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from lctrain.eval.plots import length_label
+    from lctrain.reports.plots import length_label
 
     console = Console()
     console.print(f"[bold]{escape(results['suite'])}[/bold]")

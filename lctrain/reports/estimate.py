@@ -19,8 +19,8 @@ from lctrain.config import Config, data_dir
 from lctrain.costmodel import attention_flops, dense_flops, training_passes, window_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.errors import UserError
-from lctrain.eval.inspect_data import MODES, dataset_stats
 from lctrain.model import model_shape
+from lctrain.reports.inspect_data import MODES, dataset_stats
 
 SYNTHETIC_WINDOWS = 64  # windows of the fallback layout when no prepared dataset has the config's length
 

@@ -465,9 +465,9 @@ def diagnose_rope(
     directory."""
     from rich.console import Console
 
-    from lctrain.eval.plots import plot_rope_figure1, plot_rope_figure7
-    from lctrain.eval.probe_text import probe_sequences
+    from lctrain.diagnostics.probe_text import probe_sequences
     from lctrain.eval.runner import pick_device
+    from lctrain.reports.plots import plot_rope_figure1, plot_rope_figure7
 
     _check(seq_len, max_len, samples, delta2, shift_batch)
     dev = pick_device(device)

@@ -175,7 +175,7 @@ def check_sp(
     np.savez(out_dir / WINDOW_FILE, **win)
     (out_dir / REQUEST_FILE).write_text(json.dumps({"modes": chosen, "window_source": source, "vocab_size": vocab}))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
-    run_workers(worker_command(cfg, ["lctrain.eval.check_sp", str(out_dir)]))
+    run_workers(worker_command(cfg, ["lctrain.diagnostics.check_sp", str(out_dir)]))
     result = json.loads((out_dir / RESULT_FILE).read_text())
     print(format_table(result), flush=True)
     print(f"wrote {out_dir / RESULT_FILE}", flush=True)
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     from lctrain.parallel.launch import worker_main
 
     exit_with_supervisor()
-    parser = argparse.ArgumentParser(prog="python -m lctrain.eval.check_sp")
+    parser = argparse.ArgumentParser(prog="python -m lctrain.diagnostics.check_sp")
     parser.add_argument("out_dir")
     parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
     args = parser.parse_args(argv)

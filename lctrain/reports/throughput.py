@@ -8,7 +8,7 @@ checkpoints. The mean `step_time_s` of the last `steps` steps in the run's `metr
 
     days per 1B tokens = 1e9 / (global_batch x seq_len / step time) / 86400
 
-and the FLOP model (`lctrain.eval.estimate.predict`) gives the same quantity at `--tflops` per GPU (default: the
+and the FLOP model (`lctrain.reports.estimate.predict`) gives the same quantity at `--tflops` per GPU (default: the
 device's peak, so its prediction is the time at 100% MFU), over the segment layout of the data each run trained on.
 The ratio measured / predicted is printed beside each point.
 """
@@ -91,7 +91,7 @@ def measure(
     """Train each (length, mode) point for `warmup + steps` steps and time the last `steps`; write figure6.json and
     figure6.png in `work`, print the table. Returns the results."""
     from lctrain.data.prepare import prepare
-    from lctrain.eval.estimate import predict
+    from lctrain.reports.estimate import predict
     from lctrain.train.metrics import device_peak_flops
     from lctrain.train.trainer import train
 
@@ -141,7 +141,7 @@ def measure(
     }
     work.mkdir(parents=True, exist_ok=True)
     (work / "figure6.json").write_text(json.dumps(results, indent=2))
-    from lctrain.eval.plots import plot_figure6
+    from lctrain.reports.plots import plot_figure6
 
     plot_figure6(results, work / "figure6.png")
     _print(results, work)
@@ -158,7 +158,7 @@ def _print(results: dict, work: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from lctrain.eval.plots import length_label
+    from lctrain.reports.plots import length_label
 
     t = Table(
         title=f"{results['config']}: days per 1B tokens on {results['gpus']} GPU(s), measured "

@@ -90,7 +90,7 @@ def inspect(data_dir: str | Path, out: str | Path | None = None) -> Path:
     from rich.table import Table
 
     from lctrain.data.store import open_packed
-    from lctrain.eval.plots import plot_dataset
+    from lctrain.reports.plots import plot_dataset
 
     packed = open_packed(data_dir)
     stats = dataset_stats(packed)

@@ -1,0 +1,169 @@
+"""Training-step benchmark per attention mode: tokens/s, MFU and peak memory of the trainer's own step
+(`Trainer.train_step`: make_batch -> HF model with the lctrain engine -> chunked loss -> DeepSpeed step) on
+SlimPajama-like windows.
+
+    python scripts/bench_train.py                                   # CPU: tiny Llama, 1K windows
+    python scripts/bench_train.py --model llama-1b --seq-len 65536  # one GPU: Llama-shaped 1B at 64K, bf16
+
+Windows are packed from document lengths drawn from SlimPajama's per-domain mix (`lctrain.data.layouts`, shared with
+scripts/bench_attention.py: most documents short, a few book-length), so `anchor`/`intra_doc` skip the attention a
+real batch would let them skip.
+Prints a table and writes JSON (default bench_out/bench_train.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lctrain.config import load_config
+from lctrain.data.layouts import slimpajama_like_layouts, window_ids
+from lctrain.train.metrics import device_peak_flops, peak_memory_gb, reset_peak_memory
+
+MODELS = {
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    # Llama-3.2-1B shape with the 32K Mistral vocabulary of the built-in tokenizer
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def bench_mode(mode: str, args, device: torch.device) -> dict:
+    from lctrain.compat.transformers import attn_implementation
+    from lctrain.parallel.groups import init_topology
+    from lctrain.train.trainer import Trainer
+
+    gpu = device.type == "cuda"
+    zero_stage = 1 if gpu else 0  # bf16 needs ZeRO's fp32 master weights
+    arch = {"model_type": "llama", **MODELS[args.model]}
+    cfg = load_config(
+        None,
+        [
+            f"data.seq_len={args.seq_len}",
+            f"attention.mode={mode}",
+            "attention.engine=auto",
+            f"model.dtype={'bfloat16' if gpu else 'float32'}",
+            f"model.gradient_checkpointing={str(gpu).lower()}",
+            f"model.arch={json.dumps(arch)}",
+            f"train.global_batch={args.batch}",
+            f"train.micro_batch={args.batch}",
+            f"parallel.zero_stage={zero_stage}",
+        ],
+    )
+    trainer = Trainer(cfg, init_topology(cfg), vocab_size=32000)
+    seg_lens = slimpajama_like_layouts(args.seq_len, args.batch, args.seed)
+    windows = [
+        {
+            "input_ids": window_ids(seg_lens, vocab=32000, anchor=1, seed=args.seed),
+            "seg_lens": [np.array(s) for s in seg_lens],
+            "seg_doc": [np.arange(len(s)) for s in seg_lens],
+            "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens],
+        }
+    ]
+    times = []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            reset_peak_memory(device)
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = trainer.train_step(windows)
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step = float(np.median(times[args.warmup :]))
+    tokens = args.batch * args.seq_len
+    flops = trainer.step_flops(tokens, result.pairs)
+    peak = device_peak_flops(device, args.peak_tflops)
+    out = {
+        "mode": mode,
+        "engine": attn_implementation(trainer.lm).removeprefix("lctrain_"),
+        "step_s": step,
+        "tokens_per_s": tokens / step,
+        "tflops_per_gpu": flops / step / 1e12,
+        "mfu": flops / step / peak if peak else None,
+        "peak_mem_gb": peak_memory_gb(device),
+        "docs_per_window": float(np.mean([len(s) for s in seg_lens])),
+    }
+    del trainer
+    if gpu:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=1, help="windows per step")
+    parser.add_argument("--modes", default="full,intra_doc,intra_doc_reset,anchor")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="device peak for MFU (default: known GPU table, or a measured fp32 matmul rate on CPU)",
+    )
+    parser.add_argument("--out", default="bench_out/bench_train.json")
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from lctrain.parallel.groups import init_topology
+
+    device = init_topology(load_config(None, [])).device
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for mode in args.modes.split(","):
+        rows.append(bench_mode(mode, args, device))
+        r = rows[-1]
+        print(
+            f"{mode}: {r['step_s']:.3f} s/step, {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_mem_gb']:.2f} GB",
+            flush=True,
+        )
+        # written after every mode, so a run stopped at a time limit keeps what it measured
+        out.write_text(json.dumps({"args": vars(args), "device": str(device), "results": rows}, indent=1))
+    full = next((r for r in rows if r["mode"] == "full"), None)
+    table = Table(title=f"train step, {args.model}, {args.batch} x {args.seq_len} tokens, {device.type}")
+    for col in ("mode", "engine", "step s", "vs full", "tokens/s", "MFU", "peak mem GB"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        rel = f"{r['step_s'] / full['step_s']:.0%}" if full else "-"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        table.add_row(
+            r["mode"],
+            r["engine"],
+            f"{r['step_s']:.3f}",
+            rel,
+            f"{r['tokens_per_s']:,.0f}",
+            mfu,
+            f"{r['peak_mem_gb']:.2f}",
+        )
+    Console().print(table)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
