@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
 from lctrain.model import auto_mlp_shards
-from lctrain.parallel.layout import ParallelLayout, uses_torch_adam
+from lctrain.parallel.layout import ParallelLayout, layout_of
+from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
 from lctrain.train.loss import positions_per_chunk
 
 GB = 1e9
@@ -266,14 +267,15 @@ def optimizer_step_items(shape: ModelShape, cfg: Config, world: int, gpu: bool, 
 def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> list[Item]:
     m = cfg.model
     b = dtype_bytes(m.dtype)
-    seq_tokens = layout.seq_len // layout.sp
-    tokens = seq_tokens * layout.micro_batch
+    seq_tokens = cfg.data.seq_len // layout.sp
+    micro_batch = cfg.train.micro_batch
+    tokens = seq_tokens * micro_batch
     shards = auto_mlp_shards(tokens, shape.hidden) if m.tiled_mlp == "auto" else m.tiled_mlp
     shard_tokens = math.ceil(tokens / shards) if shards else tokens
     # the engine's whole-sequence q, k, v and output under Ulysses, beside the local ones the projections keep
     all_to_all = 4 * tokens * shape.width * b if layout.sp > 1 else 0
     final_norm = tokens * (shape.hidden * (FP32 + b) + FP32)
-    logits = logits_bytes(shape, layout.micro_batch * positions_per_chunk(layout.micro_batch, seq_tokens), b)
+    logits = logits_bytes(shape, micro_batch * positions_per_chunk(micro_batch, seq_tokens), b)
     items = [Item("loss chunk logits", logits, "device", TRANSIENT), Item("final norm", final_norm, "device", SAVED)]
     if m.gradient_checkpointing:
         items += [
@@ -309,9 +311,9 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
 
 def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
     """The memory of one rank of `cfg` (a model of `shape`) on a GPU, or with `gpu=False` on the CPU."""
-    layout = ParallelLayout.from_config(cfg)
+    layout = layout_of(cfg)
     torch_adam = uses_torch_adam(cfg, gpu)
-    ds_config = layout.deepspeed_config(cfg, use_torch_adam=torch_adam)
+    ds_config = deepspeed_config(cfg, layout, gpu=gpu)
     items = (
         model_state_items(
             shape,

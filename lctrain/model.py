@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from lctrain.attention import Engine, resolve_engine
 from lctrain.compat.transformers import nested_rope_keys, set_attn_implementation
 from lctrain.compat.transformers import rotary_in_fp32 as compat_rotary_in_fp32
 from lctrain.config import Config
@@ -73,14 +74,6 @@ def _ntk_parameters(hf_config, current: dict, scaling: dict, theta: float) -> di
     params["rope_theta"] = ntk_rope_theta(theta, factor, _rotary_dim(hf_config, params))
     log.info("RoPE: static NTK-aware x%s, base %s -> %s", factor, theta, params["rope_theta"])
     return params
-
-
-def attn_implementation(cfg: Config, device="cpu") -> str:
-    """The Hugging Face attention implementation name for this config on this device."""
-    from lctrain.attention import hf_name, resolve_engine
-
-    engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
-    return hf_name(engine)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -269,12 +262,21 @@ def _check_anchor(cfg: Config, vocab: int) -> None:
         )
 
 
-def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | torch.device = "cpu"):
+class BuiltModel(NamedTuple):
+    """A model configured for training and the attention engine it runs (resolved once, here)."""
+
+    model: torch.nn.Module
+    engine: Engine
+
+
+def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | torch.device = "cpu") -> BuiltModel:
     """Random init from `cfg.model.arch` (vocabulary `vocab_size`, normally the tokenizer's) or
-    `from_pretrained(cfg.model.name_or_path)`, configured for long-context training with the resolved engine."""
+    `from_pretrained(cfg.model.name_or_path)`, configured for long-context training with the engine resolved for
+    `device` (returned with it)."""
     from transformers import AutoModelForCausalLM
 
-    impl = attn_implementation(cfg, device)
+    engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
+    impl = engine.hf_name
     hf_config = _configure(load_hf_config(cfg), cfg, vocab_size, impl)
     dtype = _dtype(cfg.model.dtype)
     if cfg.model.arch is not None:
@@ -310,7 +312,7 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     # Under ZeRO-3 (`HfDeepSpeedConfig`) the weights are already partitioned onto the device: leave them there.
     if any(p.device != torch.device(device) for p in model.parameters()):
         model = model.to(device)
-    return model
+    return BuiltModel(model, engine)
 
 
 def rotary_in_fp32(model) -> int:

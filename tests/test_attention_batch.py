@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from lctrain.attention import PER_TOKEN_KEYS, SEGMENTS_KEY, make_batch, resolve_engine
+from lctrain.attention import SEGMENTS_KEY, make_batch, resolve_engine
 from lctrain.errors import UserError
 
 # One row of 10 tokens: segments of 3 (doc 0: anchor, tag, text), 4 (doc 1: anchor, text), 3 (doc 0 again: an
@@ -27,21 +27,23 @@ TAGS = [[1, 0, 0]]
 )
 def test_positions_by_mode(mode, expected):
     batch = make_batch(IDS, SEG, mode, seg_doc=DOC, tag_lens=TAGS)
-    assert batch["position_ids"].tolist() == [expected]
+    assert batch.position_ids.tolist() == [expected]
 
 
 def test_intra_doc_reset_without_chunks_restarts_each_segment():
     batch = make_batch(torch.zeros(1, 7, dtype=torch.long), [[2, 1, 4]], "intra_doc_reset")
-    assert batch["position_ids"].tolist() == [[0, 1, 0, 0, 1, 2, 3]]
+    assert batch.position_ids.tolist() == [[0, 1, 0, 0, 1, 2, 3]]
 
 
 def test_labels_shifted_with_tags_and_last_masked():
     batch = make_batch(IDS, SEG, "anchor", seg_doc=DOC, tag_lens=TAGS)
     # masked: the target at 0 (the tag at 1), at 2 (doc 1's anchor while doc 0 goes on), at 6 (doc 0's chunk), and
     # the last token
-    assert batch["labels"].tolist() == [[-100, 102, -100, 104, 105, 106, -100, 108, 109, -100]]
-    assert batch["shift_labels"] is batch["labels"]
-    assert batch["input_ids"].dtype == torch.long
+    assert batch.labels.tolist() == [[-100, 102, -100, 104, 105, 106, -100, 108, 109, -100]]
+    kwargs = batch.model_kwargs(labels=True)  # the model's own loss must not shift the labels again
+    assert kwargs["shift_labels"] is kwargs["labels"] is batch.labels
+    assert set(batch.model_kwargs()) == {"input_ids", "position_ids", SEGMENTS_KEY}
+    assert batch.input_ids.dtype == torch.long
 
 
 def test_batch_rows_with_different_layouts_and_padded_arrays():
@@ -50,10 +52,10 @@ def test_batch_rows_with_different_layouts_and_padded_arrays():
     seg_doc = np.array([[0, 0, 0], [0, 1, 2]], dtype=np.int32)
     tag_lens = np.array([[2, 0, 0], [0, 1, 0]], dtype=np.int32)
     batch = make_batch(ids, seg_lens, "anchor", seg_doc=seg_doc, tag_lens=tag_lens)
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5], [0, 0, 2, 0, 4, 5]]
-    assert batch["labels"].tolist() == [[-100, -100, 3, 4, 5, -100], [7, -100, 9, 10, 11, -100]]
-    assert set(PER_TOKEN_KEYS) <= set(batch) and SEGMENTS_KEY in batch
-    assert all(batch[k].shape == (2, 6) for k in PER_TOKEN_KEYS)
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 0, 2, 0, 4, 5]]
+    assert batch.labels.tolist() == [[-100, -100, 3, 4, 5, -100], [7, -100, 9, 10, 11, -100]]
+    assert all(t.shape == (2, 6) for t in (batch.input_ids, batch.position_ids, batch.labels))
+    assert batch.valid_labels() == 7
 
 
 def test_anchor_id_check():
@@ -85,10 +87,10 @@ def test_bad_input(kwargs, match):
 
 
 def test_engine_resolution():
-    assert resolve_engine("auto", "anchor", "cpu", dtype="float32") == "sdpa"
-    assert resolve_engine("auto", "anchor", "cuda", dtype="bfloat16") == "varlen"
-    assert resolve_engine("reference", "anchor", "cpu", dtype="float32") == "reference"
-    assert resolve_engine("auto", "anchor", "cuda", dtype="float32") == "flex"
+    assert resolve_engine("auto", "anchor", "cpu", dtype="float32").name == "sdpa"
+    assert resolve_engine("auto", "anchor", "cuda", dtype="bfloat16").name == "varlen"
+    assert resolve_engine("reference", "anchor", "cpu", dtype="float32").name == "reference"
+    assert resolve_engine("auto", "anchor", "cuda", dtype="float32").name == "flex"
     with pytest.raises(UserError, match="bfloat16 or float16"):
         resolve_engine("varlen", "anchor", "cuda", dtype=torch.float32)
     with pytest.raises(UserError, match="needs a CUDA GPU"):
@@ -102,7 +104,7 @@ def test_engine_resolution():
 def test_varlen_plan_joins_interleaved_chunks():
     from lctrain.attention.engines.varlen import build_varlen_plan
 
-    seg = make_batch(IDS, SEG, "anchor", seg_doc=DOC)[SEGMENTS_KEY]
+    seg = make_batch(IDS, SEG, "anchor", seg_doc=DOC).segments
     plan = build_varlen_plan(seg.layout, "anchor", "cpu")
     # written by hand from SEG and DOC: each document's tokens in window order, documents by first appearance
     docs: dict[int, list[int]] = {}
@@ -115,7 +117,7 @@ def test_varlen_plan_joins_interleaved_chunks():
     lens = [len(docs[d]) for d in sorted(docs)]
     assert plan.cu_seqlens.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)] and plan.max_seqlen == max(lens)
     assert build_varlen_plan(seg.layout, "full", "cpu").cu_seqlens.tolist() == [0, 10]
-    plain = build_varlen_plan(make_batch(IDS, SEG, "anchor")[SEGMENTS_KEY].layout, "anchor", "cpu")
+    plain = build_varlen_plan(make_batch(IDS, SEG, "anchor").segments.layout, "anchor", "cpu")
     assert plain.cu_seqlens.tolist() == [0, 3, 7, 10] and plain.max_seqlen == 4 and plain.order is None
 
 
@@ -170,7 +172,7 @@ def test_interleaved_window_is_figure_5_in_every_mode(mode):
 
     rows, batch = fig5_batch(mode)
     assert all(len(r) == 16 for r in rows)
-    mask = dense_mask(batch[SEGMENTS_KEY].layout, mode)
+    mask = dense_mask(batch.segments.layout, mode)
     for b, toks in enumerate(rows):
         for q, tq in enumerate(toks):
             seen = [tk for k, tk in enumerate(toks) if mask[b, q, k]]
@@ -185,7 +187,7 @@ def test_interleaved_window_is_figure_5_in_every_mode(mode):
             want_pos = {"full": q, "intra_doc": q, "intra_doc_reset": tq["index"], "anchor": 0 if tq["anchor"] else q}[
                 mode
             ]
-            assert batch["position_ids"][b, q] == want_pos, (b, q)
+            assert batch.position_ids[b, q] == want_pos, (b, q)
             # the label: the document's next token; after a finished document, the next one's anchor; else none
             nxt = toks[q + 1] if q + 1 < len(toks) else None
             if nxt is None or nxt["tag"]:
@@ -197,8 +199,8 @@ def test_interleaved_window_is_figure_5_in_every_mode(mode):
                 want = A
             else:
                 want = -100
-            assert batch["labels"][b, q] == want, (b, q)
+            assert batch.labels[b, q] == want, (b, q)
     # the anchor mode's positions: every anchor at 0, so each document sees its one anchor at position 0
     if mode == "anchor":
         is_anchor = torch.tensor([[t["anchor"] for t in r] for r in rows])
-        assert (batch["position_ids"][is_anchor] == 0).all() and int(is_anchor.sum()) == 6
+        assert (batch.position_ids[is_anchor] == 0).all() and int(is_anchor.sum()) == 6

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from lctrain.attention import MODES, SEGMENTS_KEY, engine_fn, make_batch
+from lctrain.attention import ENGINES, MODES, make_batch
 from lctrain.errors import UserError
 
 
@@ -85,7 +85,7 @@ def make_case(mode, dtype, heads=(4, 2), L=48, seed=0, kinds=LAYOUT_KINDS):
 
 def run_engine(name, batch, qkv, w, dtype, backward=True):
     leaves = [t.to(dtype).requires_grad_(backward) for t in qkv]
-    out, weights = engine_fn(name)(None, *leaves, None, scaling=0.25, **batch)
+    out, weights = ENGINES[name].attention(None, *leaves, None, scaling=0.25, **batch.attention_kwargs())
     assert weights is None
     grads = torch.autograd.grad((out.double() * w).sum(), leaves) if backward else None
     return out.double(), grads
@@ -131,7 +131,7 @@ def test_sdpa_plan_covers_every_token_once_and_is_built_once_per_batch():
     from lctrain.attention.engines.sdpa import build_sdpa_plan
 
     batch, _, qkv, w = make_case("anchor", torch.float32, seed=5)
-    seg = batch[SEGMENTS_KEY]
+    seg = batch.segments
     assert seg.multi_segment_docs  # the interleaved row: a document's chunks gathered into one job
     plan = build_sdpa_plan(seg.layout)
     assert sorted(plan.order.tolist()) == list(range(seg.batch * seg.length))
@@ -156,29 +156,30 @@ def test_flex_forward_on_cpu(mode):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_no_segments_is_causal_attention_including_cached_decoding():
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 9, 8, generator=gen) for h in (4, 2, 2))
-    causal = torch.ones(9, 9, dtype=torch.bool).tril().expand(2, 9, 9)
-    want = dense_attention(q.double(), k.double(), v.double(), causal, 0.5)
-    for name in ("sdpa", "reference", "flex"):
-        out, _ = engine_fn(name)(None, q, k, v, None, scaling=0.5)
-        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-        for n in (3, 1):  # prefill continuation, then one-token decoding (each its own path in common)
-            last, _ = engine_fn(name)(None, q[:, :, -n:], k, v, None, scaling=0.5)
-            torch.testing.assert_close(last.double(), want[:, -n:], atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("name", ["sdpa", "reference", "flex", "varlen"])
+def test_no_segments_fails_closed(name):
+    """Without the batch's segments an engine refuses to run, naming the caller, instead of guessing causal
+    attention (which would train a document mode as `full` without a word)."""
+    q, k, v = (torch.randn(1, h, 9, 8) for h in (4, 2, 2))
+
+    class SomeAttention(torch.nn.Module):
+        pass
+
+    with pytest.raises(UserError, match="got no segment metadata .* from SomeAttention"):
+        ENGINES[name].attention(SomeAttention(), q, k, v, None, scaling=0.5)
 
 
 def test_mismatched_segments_are_rejected():
     batch, _, qkv, w = make_case("anchor", torch.float32)
     with pytest.raises(ValueError, match="describes a"):
-        engine_fn("sdpa")(None, *(t[:, :, :10].float() for t in qkv), None, **batch)
+        ENGINES["sdpa"].attention(None, *(t[:, :, :10].float() for t in qkv), None, **batch.attention_kwargs())
 
 
 def test_fp32_rotated_qk_are_cast_to_value_dtype():
     batch, masks, (q, k, v), w = make_case("intra_doc", torch.bfloat16)
-    out, _ = engine_fn("sdpa")(None, q.float(), k.float(), v.bfloat16(), None, scaling=0.25, **batch)
+    out, _ = ENGINES["sdpa"].attention(
+        None, q.float(), k.float(), v.bfloat16(), None, scaling=0.25, **batch.attention_kwargs()
+    )
     assert out.dtype == torch.bfloat16
 
 
@@ -225,7 +226,7 @@ def test_varlen_plan_on_cpu_matches_table(mode, with_gqa, monkeypatch):
     engine.torch_varlen_takes_gqa.cache_clear()
     try:
         batch, masks, qkv, w = make_case(mode, torch.float32, heads=(6, 2), seed=7)
-        seg = batch[SEGMENTS_KEY]
+        seg = batch.segments
         plan = engine.build_varlen_plan(seg.layout, mode, "cpu")
         want, _ = reference(masks, qkv, w)
         got = engine.varlen_from_plan(*(t.float() for t in qkv), plan, 0.25)
@@ -247,13 +248,15 @@ def test_gpu_engines_match_table(engine, mode, dtype):
     if engine == "varlen" and dtype == torch.float32:
         batch, _, qkv, _ = make_case(mode, dtype, L=64)
         with pytest.raises(UserError, match="bfloat16 or float16"):
-            engine_fn(engine)(None, *(t.to("cuda", dtype) for t in qkv), None, scaling=0.25, **batch)
+            ENGINES[engine].attention(
+                None, *(t.to("cuda", dtype) for t in qkv), None, scaling=0.25, **batch.attention_kwargs()
+            )
         return
     for seed, heads in ((0, (8, 2)), (1, (4, 4))):  # grouped-query and multi-head
         batch, masks, qkv, w = make_case(mode, dtype, L=256, seed=seed, heads=heads)
         want, want_grads = reference(masks, qkv, w)
         leaves = [t.to("cuda", dtype).requires_grad_(True) for t in qkv]
-        out, _ = engine_fn(engine)(None, *leaves, None, scaling=0.25, **batch)
+        out, _ = ENGINES[engine].attention(None, *leaves, None, scaling=0.25, **batch.attention_kwargs())
         grads = torch.autograd.grad((out.double() * w.cuda()).sum(), leaves)
         tol = GPU_TOL[dtype]
         torch.testing.assert_close(out.double().cpu(), want, **tol)

@@ -89,7 +89,7 @@ def test_a_layout_without_the_all_to_all_fails_the_bound(result):
     cfg = load_config(None, OVERRIDES + ["attention.mode=full"])
     vocab = model_shape(cfg).vocab
     win = synthetic_window(SEQ_LEN, vocab, anchor_token_id(load_tokenizer(cfg.data.tokenizer)), 2, seed=cfg.seed)
-    lm = build_model(cfg, vocab_size=vocab).eval()
+    lm = build_model(cfg, vocab_size=vocab).model.eval()
     ids = torch.as_tensor(win["input_ids"])[None]
     pos = torch.arange(SEQ_LEN)[None]
     half = SEQ_LEN // 2

@@ -4,9 +4,10 @@ library (and, for the version differences, against a stand-in of the older API).
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lctrain.compat.deepspeed import DEEPSPEED_VERSION, disable_cpu_shm_comm_op
-from lctrain.compat.transformers import attn_implementation, nested_rope_keys, rotary_in_fp32, set_attn_implementation
+from lctrain.compat.transformers import nested_rope_keys, rotary_in_fp32, set_attn_implementation
 from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.train.metrics import import_wandb
@@ -26,13 +27,20 @@ def test_nested_rope_keys_on_the_installed_transformers_and_the_5_17_fallback():
     assert nested_rope_keys(flat) == []
 
 
-def test_attn_implementation_round_trip():
-    from transformers import AutoConfig
+def test_the_attention_implementation_set_on_a_config_is_the_one_the_model_runs():
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama")
-    set_attn_implementation(config, "lctrain_sdpa")
-    assert attn_implementation(config) == "lctrain_sdpa"
-    assert attn_implementation(SimpleNamespace(config=config)) == "lctrain_sdpa"
+    from lctrain.attention import ENGINES
+    from lctrain.errors import UserError
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=10
+    )
+    set_attn_implementation(config, ENGINES["sdpa"].hf_name)
+    model = AutoModelForCausalLM.from_config(config)
+    # lctrain's engine runs, and fails closed without the batch's segments
+    with pytest.raises(UserError, match="got no segment metadata"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_cpu_runs_skip_deepspeeds_op_probe(monkeypatch):

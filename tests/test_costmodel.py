@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lctrain.attention import SEGMENTS_KEY, make_batch
+from lctrain.attention import make_batch
 from lctrain.attention.modes import MODES, dense_mask
 from lctrain.costmodel import (
     ModelShape,
@@ -33,7 +33,7 @@ def loop_forward_flops(mask: torch.Tensor, width: int) -> int:
 @pytest.mark.parametrize("mode", MODES)
 def test_pairs_and_attention_flops_follow_the_dense_mask(mode):
     batch = make_batch(torch.zeros(1, 16, dtype=torch.long), [SEG_LENS], mode, seg_doc=[SEG_DOC])
-    layout = batch[SEGMENTS_KEY].layout
+    layout = batch.segments.layout
     mask = dense_mask(layout, mode)[0]
     assert visible_pairs(SEG_LENS, SEG_DOC, mode, 16) == int(mask.sum())
     assert window_pairs(16, SEG_LENS, SEG_DOC)[mode] == int(mask.sum())

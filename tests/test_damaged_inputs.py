@@ -85,7 +85,7 @@ def model_dir(tmp_path):
     from lctrain.model import build_model
 
     path = tmp_path / "model"
-    build_model(load_config(None, [f"model.arch={ARCH}"]), vocab_size=32000).save_pretrained(path)
+    build_model(load_config(None, [f"model.arch={ARCH}"]), vocab_size=32000).model.save_pretrained(path)
     return path
 
 

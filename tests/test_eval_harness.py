@@ -93,7 +93,7 @@ def run_dir(tmp_path_factory):
     tok = load_tokenizer(cfg.data.tokenizer)
     for step in STEPS:
         cfg.seed = step
-        model = build_model(cfg, vocab_size=len(tok))
+        model = build_model(cfg, vocab_size=len(tok)).model
         model.save_pretrained(run / "hf" / f"step_{step}")
         tok.save_pretrained(run / "hf" / f"step_{step}")
     write_tasks(root)

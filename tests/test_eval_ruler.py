@@ -102,8 +102,9 @@ def ruler_run(tmp_path_factory, tok, one_thread):
     models = {}
     for step in STEPS:
         cfg.seed = step
-        model = build_model(cfg, vocab_size=len(tok)).eval()
+        model = build_model(cfg, vocab_size=len(tok)).model.eval()
         model.save_pretrained(run / "hf" / f"step_{step}")
+        model.set_attn_implementation("sdpa")  # as `lctrain eval` loads a checkpoint: one causal prompt
         tok.save_pretrained(run / "hf" / f"step_{step}")
         models[f"step_{step}"] = model
 

@@ -28,13 +28,13 @@ def dense_pairs(seq_len, seg_lens, seg_doc):
     """Visible pairs counted on the boolean masks the reference attention engine uses (DESIGN §3)."""
     import torch
 
-    from lctrain.attention import SEGMENTS_KEY, make_batch
+    from lctrain.attention import make_batch
     from lctrain.attention.modes import MODES, dense_mask
 
     out = {}
     for mode in MODES:
         batch = make_batch(torch.zeros(1, seq_len, dtype=torch.long), [seg_lens], mode, seg_doc=[seg_doc])
-        out[mode] = int(dense_mask(batch[SEGMENTS_KEY].layout, mode).sum())
+        out[mode] = int(dense_mask(batch.segments.layout, mode).sum())
     return out
 
 

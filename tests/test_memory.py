@@ -164,10 +164,10 @@ def test_layer_saved_bytes_match_autograd_saved_tensors(dtype):
     """Every distinct storage autograd keeps of one decoder layer, weights excluded."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from lctrain.attention import hf_name, make_batch
+    from lctrain.attention import ENGINES, make_batch
 
     hf = hf_config(dtype)
-    hf._attn_implementation = hf_name("sdpa")
+    hf._attn_implementation = ENGINES["sdpa"].hf_name
     layer = LlamaDecoderLayer(hf, 0).to(dtype)
     tokens = 1024
     batch = make_batch(
@@ -177,10 +177,9 @@ def test_layer_saved_bytes_match_autograd_saved_tensors(dtype):
         seg_doc=[np.arange(2)],
         tag_lens=[np.zeros(2, dtype=np.int64)],
     )
-    segments = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "shift_labels", "position_ids")}
     x = torch.randn(1, tokens, hf.hidden_size, dtype=dtype, requires_grad=True)
     with torch.no_grad():
-        cos_sin = LlamaRotaryEmbedding(hf)(x, batch["position_ids"])
+        cos_sin = LlamaRotaryEmbedding(hf)(x, batch.position_ids)
     weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     saved = {}
 
@@ -191,7 +190,7 @@ def test_layer_saved_bytes_match_autograd_saved_tensors(dtype):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, position_embeddings=cos_sin, position_ids=batch["position_ids"], **segments)
+        layer(x, position_embeddings=cos_sin, position_ids=batch.position_ids, **batch.attention_kwargs())
     # the layer input is the caller's tensor (a checkpointed hidden state), counted apart from the layer
     expected = layer_saved_bytes(ModelShape.from_hf_config(hf), tokens, tokens, dtype.itemsize)
     assert sum(saved.values()) == pytest.approx(expected, rel=0.03)

@@ -10,7 +10,7 @@ import torch
 from lctrain.attention import make_batch
 from lctrain.config import Config, load_config
 from lctrain.errors import UserError
-from lctrain.model import attn_implementation, build_model, default_rope_theta, rotary_in_fp32
+from lctrain.model import build_model, default_rope_theta, rotary_in_fp32
 
 ARCH = {
     "model_type": "llama",
@@ -42,32 +42,32 @@ def test_default_rope_theta_follows_table_1(seq_len, theta):
 
 
 def test_rope_theta_and_context_length_defaults_and_overrides():
-    model = build_model(config("data.seq_len=131072"), vocab_size=100)
+    model = build_model(config("data.seq_len=131072"), vocab_size=100).model
     assert model.config.rope_parameters["rope_theta"] == 1e7
     assert model.config.max_position_embeddings == 131072
     head_dim = 64 // 4
     want = 1.0 / (1e7 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     torch.testing.assert_close(rotary(model).inv_freq.double(), want, rtol=1e-6, atol=0)
 
-    model = build_model(config("model.rope_theta=12345", "model.max_position_embeddings=4096"), vocab_size=100)
+    model = build_model(config("model.rope_theta=12345", "model.max_position_embeddings=4096"), vocab_size=100).model
     assert model.config.rope_parameters["rope_theta"] == 12345
     assert model.config.max_position_embeddings == 4096
 
 
 def test_rope_scaling_passes_through():
-    plain = build_model(config(), vocab_size=100)
-    linear = build_model(config("model.rope_scaling={rope_type: linear, factor: 4.0}"), vocab_size=100)
+    plain = build_model(config(), vocab_size=100).model
+    linear = build_model(config("model.rope_scaling={rope_type: linear, factor: 4.0}"), vocab_size=100).model
     assert linear.config.rope_parameters["rope_type"] == "linear"
     torch.testing.assert_close(rotary(linear).inv_freq, rotary(plain).inv_freq / 4)
 
     arch = {**ARCH, "max_position_embeddings": 32}
-    yarn = build_model(config("model.rope_scaling={rope_type: yarn, factor: 2.0}", arch=arch), vocab_size=100)
+    yarn = build_model(config("model.rope_scaling={rope_type: yarn, factor: 2.0}", arch=arch), vocab_size=100).model
     params = yarn.config.rope_parameters
     assert params["rope_type"] == "yarn" and params["factor"] == 2.0
     assert params["original_max_position_embeddings"] == 32  # the model's own length, not the training length
     assert rotary(yarn).rope_type == "yarn"
 
-    dynamic = build_model(config("model.rope_scaling={type: dynamic, factor: 2.0}"), vocab_size=100)
+    dynamic = build_model(config("model.rope_scaling={type: dynamic, factor: 2.0}"), vocab_size=100).model
     assert dynamic.config.rope_parameters["rope_type"] == "dynamic"
     with pytest.raises(UserError, match="rope_scaling.rope_type = 'ntk-magic' is unknown"):
         build_model(config("model.rope_scaling={rope_type: ntk-magic, factor: 2.0}"), vocab_size=100)
@@ -87,7 +87,7 @@ def paper_model(name):
     """The model of a bundled paper config, with Llama-2's rotary layout instead of its 7B weights."""
     raw = load_config(name).model_dump(mode="json", exclude={"source_file"})
     raw["model"].update(name_or_path=None, arch=LLAMA2_ROTARY, dtype="float32", gradient_checkpointing=False)
-    return build_model(Config.model_validate(raw), vocab_size=100)
+    return build_model(Config.model_validate(raw), vocab_size=100).model
 
 
 def rope_inv_freq(base, dim):
@@ -141,11 +141,11 @@ def test_table2_rope_rows_are_plain_rope(row, base):
 
 
 def test_dynamic_ntk_within_the_training_length_is_plain_rope_and_says_so(caplog):
-    plain = build_model(config("model.rope_theta=10000"), vocab_size=100)
+    plain = build_model(config("model.rope_theta=10000"), vocab_size=100).model
     with caplog.at_level(logging.WARNING, logger="lctrain.model"):
         dynamic = build_model(
             config("model.rope_theta=10000", "model.rope_scaling={rope_type: dynamic, factor: 16}"), vocab_size=100
-        )
+        ).model
     assert "the paper's NTK-aware scaling is rope_type: ntk" in caplog.text
     assert torch.equal(rotary(dynamic).inv_freq, rotary(plain).inv_freq)
 
@@ -168,13 +168,12 @@ def test_ntk_user_errors(scaling, match):
 
 
 def test_dtype_engine_and_seeded_init():
-    model = build_model(config("model.dtype=bfloat16"), vocab_size=100)
+    model, engine = build_model(config("model.dtype=bfloat16"), vocab_size=100)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.config._attn_implementation == "lctrain_sdpa"
-    assert attn_implementation(config("attention.engine=auto"), "cpu") == "lctrain_sdpa"
-    again = build_model(config("model.dtype=bfloat16"), vocab_size=100)
+    assert engine.name == "sdpa" and model.config._attn_implementation == engine.hf_name == "lctrain_sdpa"
+    again = build_model(config("model.dtype=bfloat16"), vocab_size=100).model
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
-    other = build_model(config("model.dtype=bfloat16", "seed=1"), vocab_size=100)
+    other = build_model(config("model.dtype=bfloat16", "seed=1"), vocab_size=100).model
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
 
 
@@ -183,12 +182,12 @@ def test_dtype_engine_and_seeded_init():
 def test_random_init_on_the_gpu_is_seeded_and_leaves_the_callers_rng_alone():
     # the weights are drawn on the device (a random 7B takes minutes on a host's cores): same seed, same weights
     state = torch.cuda.get_rng_state()
-    model = build_model(config("model.dtype=bfloat16"), vocab_size=100, device="cuda")
+    model = build_model(config("model.dtype=bfloat16"), vocab_size=100, device="cuda").model
     assert torch.equal(torch.cuda.get_rng_state(), state)
     assert {p.device.type for p in model.parameters()} == {"cuda"}
-    again = build_model(config("model.dtype=bfloat16"), vocab_size=100, device="cuda")
+    again = build_model(config("model.dtype=bfloat16"), vocab_size=100, device="cuda").model
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
-    other = build_model(config("model.dtype=bfloat16", "seed=1"), vocab_size=100, device="cuda")
+    other = build_model(config("model.dtype=bfloat16", "seed=1"), vocab_size=100, device="cuda").model
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
 
 
@@ -198,10 +197,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     batch = make_batch(ids, [[17, 23, 24], [17, 23, 24]], "anchor", seg_doc=[[0, 1, 2], [0, 1, 0]])
     grads = []
     for ckpt in (False, True):
-        model = build_model(config(f"model.gradient_checkpointing={ckpt}"), vocab_size=100).train()
+        model = build_model(config(f"model.gradient_checkpointing={ckpt}"), vocab_size=100).model.train()
         enabled = [m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")]
         assert any(enabled) == ckpt
-        model(**batch, use_cache=False).loss.backward()
+        model(**batch.model_kwargs(labels=True), use_cache=False).loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
@@ -214,7 +213,7 @@ def _rotate(q, cos, sin):
 
 
 def test_rope_fp32_rotation_matches_fp32_computation():
-    model = build_model(config("model.dtype=bfloat16"), vocab_size=100)
+    model = build_model(config("model.dtype=bfloat16"), vocab_size=100).model
     fp32_rope = copy.deepcopy(model)
     assert rotary_in_fp32(fp32_rope) == 1
     positions = torch.arange(100_000, 100_064)[None]
@@ -240,18 +239,19 @@ def test_rope_fp32_rotation_matches_fp32_computation():
 
 
 def test_rope_fp32_model_is_closer_to_fp32_than_plain_bf16():
-    model = build_model(config("attention.mode=full"), vocab_size=1000).eval()
+    model = build_model(config("attention.mode=full"), vocab_size=1000).model.eval()
     plain = copy.deepcopy(model).to(torch.bfloat16)
     fp32_rope = copy.deepcopy(model).to(torch.bfloat16)
     rotary_in_fp32(fp32_rope)
     ids = torch.randint(3, 1000, (1, 64), generator=torch.Generator().manual_seed(0))
     errs = {"plain": 0.0, "rope_fp32": 0.0}
+    segments = make_batch(ids, [[64]], "full").attention_kwargs()  # one causal window, at shifted positions below
     with torch.no_grad():
         for offset in (30_000, 100_000):
             pos = torch.arange(offset, offset + 64)[None]
-            want = model(input_ids=ids, position_ids=pos).logits
+            want = model(input_ids=ids, position_ids=pos, **segments).logits
             for name, m in (("plain", plain), ("rope_fp32", fp32_rope)):
-                got = m(input_ids=ids, position_ids=pos).logits
+                got = m(input_ids=ids, position_ids=pos, **segments).logits
                 assert got.dtype == torch.bfloat16
                 errs[name] += (got.float() - want).abs().mean().item()
     assert errs["rope_fp32"] < errs["plain"], errs
@@ -291,9 +291,11 @@ def test_anchor_outside_vocabulary_is_a_user_error():
 
 
 def test_from_pretrained_directory(tmp_path):
-    saved = build_model(config(), vocab_size=100)
+    saved = build_model(config(), vocab_size=100).model
     saved.save_pretrained(tmp_path)
-    loaded = build_model(config("data.seq_len=65536", "model.arch=null", f"model.name_or_path={tmp_path}", arch=None))
+    loaded = build_model(
+        config("data.seq_len=65536", "model.arch=null", f"model.name_or_path={tmp_path}", arch=None)
+    ).model
     assert loaded.config.rope_parameters["rope_theta"] == 5e6
     assert loaded.config.max_position_embeddings == 65536
     assert loaded.config._attn_implementation == "lctrain_sdpa"

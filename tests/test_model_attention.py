@@ -4,6 +4,8 @@ The independent reference is the stock model (eager attention) run on each docum
 other documents, and in `anchor` mode it sees exactly one anchor at position 0 (the paper's Figure 2, right).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ def tiny(model_type, mode, engine="sdpa", seq_len=64, **model_overrides):
     cfg.model.arch = {"model_type": model_type, **ARCH, **extra}
     for key, value in model_overrides.items():
         setattr(cfg.model, key, value)
-    return build_model(cfg, vocab_size=VOCAB).eval()
+    return build_model(cfg, vocab_size=VOCAB).model.eval()
 
 
 def window(seg_lens, anchor, seed=0):
@@ -61,7 +63,7 @@ def stock(model, ids, positions):
 
 @torch.no_grad()
 def packed(model, batch):
-    return model(**batch, use_cache=False).logits[0]
+    return model(**batch.model_kwargs(), use_cache=False).logits[0]
 
 
 @pytest.mark.parametrize("engine", ["sdpa", "reference"])
@@ -104,8 +106,9 @@ def test_intra_doc_modes_are_documents_alone_and_differ_only_in_positions(model_
         torch.testing.assert_close(intra[s : s + n], stock(model, doc, list(range(s, s + n))), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(reset[s : s + n], stock(model, doc, list(range(n))), atol=1e-4, rtol=1e-4)
     # the two modes share the mask: intra_doc with reset positions is intra_doc_reset
-    intra_with_reset_positions = make_batch(ids, [seg_lens], "intra_doc")
-    intra_with_reset_positions["position_ids"] = reset_batch["position_ids"]
+    intra_with_reset_positions = replace(
+        make_batch(ids, [seg_lens], "intra_doc"), position_ids=reset_batch.position_ids
+    )
     torch.testing.assert_close(packed(model, intra_with_reset_positions), reset, atol=1e-5, rtol=1e-5)
 
 
@@ -135,15 +138,38 @@ def test_batched_rows_with_different_layouts_and_loss_uses_preshifted_labels():
     model = tiny("llama", "anchor").train()
     ids = torch.cat([window([10, 22], 1, seed=4)[0], window([3, 4, 25], 1, seed=5)[0]])
     batch = make_batch(ids, [[10, 22], [3, 4, 25]], "anchor", tag_lens=[[1, 0], [0, 2, 0]])
-    out = model(**batch, use_cache=False)
+    out = model(**batch.model_kwargs(labels=True), use_cache=False)
     # the loss is the mean cross-entropy of logits[t] against labels[t], no second shift
-    want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
+    want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), batch.labels.reshape(-1))
     torch.testing.assert_close(out.loss, want)
     for b, seg_lens in enumerate([[10, 22], [3, 4, 25]]):
         single = make_batch(ids[b : b + 1], [seg_lens], "anchor")
         with torch.no_grad():
             torch.testing.assert_close(
-                model(**single, use_cache=False).logits[0], out.logits[b].detach(), atol=1e-5, rtol=1e-5
+                model(**single.model_kwargs(), use_cache=False).logits[0], out.logits[b].detach(), atol=1e-5, rtol=1e-5
             )
     out.loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("mode", ["anchor", "full"])
+def test_a_model_class_that_drops_attention_kwargs_fails_closed(mode):
+    """Training calls the decoder with the batch's segments; a decoder class that does not pass its keyword
+    arguments down would leave the engines without a mask. They refuse in one line instead of computing plain causal
+    attention, which would train an `anchor` run as `full` without a word."""
+    from lctrain.errors import UserError
+    from lctrain.train.loss import CausalLMLossSum
+
+    model = tiny("llama", mode).train()
+    decoder = model.get_decoder()
+
+    class DropsKwargs(type(decoder)):
+        def forward(self, input_ids=None, position_ids=None, use_cache=None, **kwargs):
+            return super().forward(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+
+    decoder.__class__ = DropsKwargs
+    ids, _ = window([20, 12], 1)
+    batch = make_batch(ids, [[20, 12]], mode)
+    with pytest.raises(UserError, match="got no segment metadata .* from LlamaAttention") as err:
+        CausalLMLossSum(model)(batch)
+    assert "\n" not in str(err.value)

@@ -61,7 +61,7 @@ def _model():
         None,
         [f"model.arch={ARCH}", "model.dtype=float32", "model.gradient_checkpointing=true", "attention.mode=anchor"],
     )
-    return CausalLMLossSum(build_model(cfg, vocab_size=100).train())
+    return CausalLMLossSum(build_model(cfg, vocab_size=100).model.train())
 
 
 def _batch():
@@ -74,11 +74,11 @@ def _batch():
 def _grads(model, batch, context=None):
     model.zero_grad(set_to_none=True)
     if context is None:
-        loss = model(**batch)
+        loss = model(batch)
         loss.backward()
     else:
         with context:
-            loss = model(**batch)
+            loss = model(batch)
             loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -223,11 +223,11 @@ def test_each_restored_hidden_state_is_freed_after_its_layer(as_if_asynchronous)
 
     def peak(context):
         def setup():
-            return CausalLMLossSum(build_model(cfg, vocab_size=50).train())
+            return CausalLMLossSum(build_model(cfg, vocab_size=50).model.train())
 
         def step(model):
             with context:
-                model(**batch).backward()
+                model(batch).backward()
 
         return cpu_peak_bytes(setup, step)[0]
 

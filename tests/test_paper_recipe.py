@@ -95,7 +95,7 @@ def test_param_groups(decay_all):
     cfg = load_config(
         None, ["data.seq_len=64", "model.dtype=float32", f"model.arch={arch}", "model.arch.tie_word_embeddings=false"]
     )
-    model = build_model(cfg, vocab_size=100)
+    model = build_model(cfg, vocab_size=100).model
     names = {id(p): n for n, p in model.named_parameters()}
     # Llama's norms and biases by name: the decoder layers' two RMSNorms, the final norm, every projection's bias
     vectors = {"model.norm.weight"}

@@ -108,9 +108,9 @@ def assert_matches(run_dir: Path, ref_dir: Path) -> None:
 def test_a_wrong_sequence_layout_fails_the_comparison(reference, workdir, monkeypatch):
     """The negative control for the tolerances: the 1-process run with what a broken Ulysses layout computes (each
     half of a window attending only to itself, as if the all-to-all were missing) must fail every check."""
-    import lctrain.attention as attention
+    import lctrain.train.trainer as trainer
 
-    real = attention.make_batch
+    real = trainer.make_batch
 
     def halves_only(input_ids, seg_lens, mode, seg_doc=None, tag_lens=None, **kw):
         half = input_ids.shape[1] // 2
@@ -129,7 +129,7 @@ def test_a_wrong_sequence_layout_fails_the_comparison(reference, workdir, monkey
             cut_lens.append(new_lens), cut_docs.append(new_docs), cut_tags.append(new_tags)
         return real(input_ids, cut_lens, mode, seg_doc=cut_docs, tag_lens=cut_tags, **kw)
 
-    monkeypatch.setattr(attention, "make_batch", halves_only)
+    monkeypatch.setattr(trainer, "make_batch", halves_only)  # where the trainer looks it up
     from lctrain.config import load_config
     from lctrain.train.trainer import train
 

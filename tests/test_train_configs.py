@@ -6,8 +6,9 @@ from transformers import AutoConfig
 
 from lctrain.config import bundled_config_names, data_fingerprint, load_config
 from lctrain.data.mixture import Mixture
-from lctrain.parallel.layout import ParallelLayout
-from lctrain.parallel.ulysses import kv_replication
+from lctrain.parallel.layout import kv_replication, layout_of
+from lctrain.train.data import BatchPlan
+from lctrain.train.deepspeed_config import deepspeed_config
 from lctrain.train.schedule import hf_checkpoint_steps
 
 # (query heads, KV heads) of the paper's models, from their published config.json files (no hub access in tests).
@@ -31,10 +32,10 @@ def test_bundled_config_is_valid_and_runnable(name):
     cfg = load_config(name)
     assert cfg.name == name
     assert cfg.description and "\n" not in cfg.description
-    layout = ParallelLayout.from_config(cfg)
-    ds = layout.deepspeed_config(cfg, use_torch_adam=True)
+    layout = layout_of(cfg)
+    ds = deepspeed_config(cfg, layout, gpu=True)
     assert ds["train_batch_size"] == cfg.train.global_batch
-    assert layout.grad_accum >= 1
+    assert BatchPlan.of(cfg, layout).grad_accum >= 1
     if cfg.model.arch is not None:
         arch = dict(cfg.model.arch)
         mc = AutoConfig.for_model(arch.pop("model_type"), **arch)

@@ -142,15 +142,13 @@ def test_hf_checkpoint_loads_and_matches_the_training_loss(reference, workdir):
     assert tok.bos_token_id == 1 and model.config.vocab_size == 32000
     trained = final_state(reference)["module"]
     for name, value in model.state_dict().items():
-        torch.testing.assert_close(value, trained["lm." + name], rtol=0, atol=0)
+        torch.testing.assert_close(value, CausalLMLossSum.lm_state_dict(trained)[name], rtol=0, atol=0)
     # Hugging Face's own loss on make_batch's labels equals our chunked token-sum / valid labels
     window = open_packed(workdir / "data")[0]
     batch = make_batch(window["input_ids"][None], [window["seg_lens"]], "full")
     with torch.no_grad():
-        hf_loss = model(
-            input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["shift_labels"], use_cache=False
-        ).loss
-        ours = CausalLMLossSum(model, chunk_tokens=100)(**batch) / (batch["labels"] != -100).sum()
+        hf_loss = model(input_ids=batch.input_ids, labels=batch.labels, shift_labels=batch.labels, use_cache=False).loss
+        ours = CausalLMLossSum(model, chunk_tokens=100)(batch) / batch.valid_labels()
     torch.testing.assert_close(ours, hf_loss)
 
 

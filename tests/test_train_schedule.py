@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lctrain.attention import PER_TOKEN_KEYS, make_batch
+from lctrain.attention import make_batch
 from lctrain.config import CheckpointConfig, TrainConfig, load_config
 from lctrain.errors import UserError
-from lctrain.parallel.layout import ParallelLayout
-from lctrain.parallel.ulysses import kv_replication
-from lctrain.train.data import micro_batch_rows, stream_rows
+from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
+from lctrain.train.data import BatchPlan, micro_batch_rows, stream_rows
+from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
 from lctrain.train.loss import chunked_loss_sum
 from lctrain.train.metrics import truncate_metrics
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
@@ -58,10 +58,11 @@ def test_each_step_reads_its_global_batch_once_split_over_ranks_and_micro_batche
     e0, e1 = stream_rows(3, n, 0, n), stream_rows(3, n, n, n)
     assert sorted(e0) == sorted(e1) == list(range(n)) and e0 != e1
     # the layout reads the same rows on every rank of a sequence-parallel group: world 4 = SP 2 x DP 2
-    layout = ParallelLayout(world=4, sp=2, micro_batch=mb, global_batch=G, seq_len=8, zero_stage=0)
-    assert layout.grad_accum == gas
+    layout = ParallelLayout(world=4, sp=2)
+    plan = BatchPlan(global_batch=G, micro_batch=mb, dp=layout.dp)
+    assert plan.grad_accum == gas
     for rank in range(4):
-        assert layout.micro_batch_rows(3, 1, rank, seed=3, n=n) == micro_batch_rows(
+        assert plan.rows(3, 1, layout.dp_rank(rank), seed=3, n=n) == micro_batch_rows(
             3, 1, rank // 2, dp=dp, micro_batch=mb, global_batch=G, seed=3, n=n
         )
     # the same global batch whatever the layout: 1 rank x 4 micro-batches == 2 ranks x 2 micro-batches
@@ -72,15 +73,18 @@ def test_each_step_reads_its_global_batch_once_split_over_ranks_and_micro_batche
 def test_shards_are_contiguous_and_metadata_is_shared():
     ids = torch.arange(2 * 12).view(2, 12)
     batch = make_batch(ids, [[5, 7], [12]], "anchor")
-    layout = ParallelLayout(world=3, sp=3, micro_batch=2, global_batch=2, seq_len=12, zero_stage=0)
-    shards = [layout.shard(batch, r) for r in range(3)]
-    for key in PER_TOKEN_KEYS:
-        assert torch.equal(torch.cat([s[key] for s in shards], 1), batch[key])
-    assert torch.equal(shards[1]["input_ids"], ids[:, 4:8])
-    for key in set(batch) - set(PER_TOKEN_KEYS):
-        assert all(s[key] is batch[key] for s in shards)
+    layout = ParallelLayout(world=3, sp=3)
+    shards = [batch.shard(layout.sp, layout.sp_rank(r)) for r in range(3)]
+    for field in ("input_ids", "position_ids", "labels"):
+        assert torch.equal(torch.cat([getattr(s, field) for s in shards], 1), getattr(batch, field))
+    assert torch.equal(shards[1].input_ids, ids[:, 4:8])
+    assert all(s.segments is batch.segments for s in shards)
     # labels were shifted before sharding: a shard's last label is the next shard's first token
-    assert torch.equal(shards[0]["labels"][:, -1], ids[:, 4])
+    assert torch.equal(shards[0].labels[:, -1], ids[:, 4])
+    assert sum(s.valid_labels() for s in shards) == batch.valid_labels()
+    assert batch.shard(1, 0) is batch
+    with pytest.raises(ValueError, match="cannot cut 12 tokens into 5"):
+        batch.shard(5, 0)
 
 
 def test_kv_head_replication_for_ulysses():
@@ -99,9 +103,10 @@ def _tiny(**over):
 
 def test_layout_errors_name_the_keys():
     with pytest.raises(UserError, match="train.global_batch = 6 is not divisible"):
-        ParallelLayout.from_config(_tiny(**{"train.global_batch": 6, "train.micro_batch": 4}))
+        cfg = _tiny(**{"train.global_batch": 6, "train.micro_batch": 4})
+        BatchPlan.of(cfg, layout_of(cfg))
     with pytest.raises(UserError, match="data.seq_len = 1000 is not divisible by parallel.sequence_parallel = 16"):
-        ParallelLayout.from_config(
+        layout_of(
             _tiny(
                 **{
                     "data.seq_len": 1000,
@@ -113,7 +118,7 @@ def test_layout_errors_name_the_keys():
             )
         )
     with pytest.raises(UserError, match="world size 3"):
-        ParallelLayout.from_config(_tiny(**{"parallel.nproc_per_node": 3, "parallel.sequence_parallel": 2}))
+        layout_of(_tiny(**{"parallel.nproc_per_node": 3, "parallel.sequence_parallel": 2}))
 
 
 def test_deepspeed_config_follows_the_yaml():
@@ -128,9 +133,9 @@ def test_deepspeed_config_follows_the_yaml():
             "train.micro_batch": 1,
         }
     )
-    layout = ParallelLayout.from_config(cfg)
-    ds = layout.deepspeed_config(cfg, use_torch_adam=False)
-    assert layout.world == 8 and layout.dp == 2 and layout.grad_accum == 4
+    layout = layout_of(cfg)
+    ds = deepspeed_config(cfg, layout, gpu=True)
+    assert layout.world == 8 and layout.dp == 2 and BatchPlan.of(cfg, layout).grad_accum == 4
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
     assert ds["train_micro_batch_size_per_gpu"] == 1
     # DeepSpeed's own consistency rule, with data-parallel size 8 / 4
@@ -141,13 +146,11 @@ def test_deepspeed_config_follows_the_yaml():
     assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
     assert ds["optimizer"]["params"]["weight_decay"] == 0.1
     assert ds["gradient_clipping"] == 1.0
-    fp32 = ParallelLayout.from_config(_tiny()).deepspeed_config(_tiny(), use_torch_adam=True)
+    fp32 = deepspeed_config(_tiny(), layout_of(_tiny()), gpu=False)
     assert "bf16" not in fp32 and fp32["optimizer"]["params"]["torch_adam"] is True
 
 
 def test_deepspeeds_cpu_adam_only_for_an_offloaded_optimizer_on_a_gpu_unless_torch_adam():
-    from lctrain.parallel.layout import uses_torch_adam
-
     offloaded = _tiny(**{"parallel.zero_stage": 3, "parallel.offload_optimizer": True})
     assert not uses_torch_adam(offloaded, gpu=True)
     assert uses_torch_adam(offloaded, gpu=False)  # the CPU run has nothing to offload from
@@ -179,3 +182,20 @@ def test_truncate_metrics_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line
     truncate_metrics(tmp_path, 2)
     assert (tmp_path / "metrics.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
     truncate_metrics(tmp_path / "missing", 2)  # no metrics yet: nothing to do
+
+
+def test_the_loss_wrappers_state_dict_unwraps_to_the_models_own():
+    """ZeRO-3 gathers the state dict of the module DeepSpeed holds (the loss wrapper); the export needs the model's
+    own keys and tensors, which `lm_state_dict` recovers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lctrain.train.loss import CausalLMLossSum
+
+    hf = AutoConfig.for_model(
+        "llama", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=10
+    )
+    lm = AutoModelForCausalLM.from_config(hf)
+    unwrapped = CausalLMLossSum.lm_state_dict(CausalLMLossSum(lm).state_dict())
+    own = lm.state_dict()
+    assert unwrapped.keys() == own.keys()
+    assert all(unwrapped[k] is own[k] or torch.equal(unwrapped[k], own[k]) for k in own)

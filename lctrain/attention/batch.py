@@ -1,18 +1,77 @@
-"""`make_batch`: packed rows (DESIGN §2) -> model kwargs (input ids, positions, pre-shifted labels, segments)."""
+"""`Batch`, the one typed joint between packed rows and the model, and `make_batch`, which builds it.
+
+A `Batch` holds the per-token tensors (input ids, positions, pre-shifted labels) and the `Segments` of its windows. It
+is the only place that knows how they travel: `model_kwargs()` is what a Hugging Face model takes (the segments under
+their forward keyword, `SEGMENTS_KEY`), `shard(sp, rank)` is a rank's slice under sequence parallelism, `to(device)`
+moves the tensors. Everything downstream (the trainer, the loss, `check sp`, the benchmarks) takes a `Batch`, never a
+dict of keys.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from lctrain.attention.modes import MODES, build_layout, position_ids, shifted_labels
+from lctrain.attention.modes import IGNORE_INDEX, MODES, build_layout, position_ids, shifted_labels
 from lctrain.attention.segments import SEGMENTS_KEY, Segments
 from lctrain.errors import UserError
 
-# The keys sequence parallelism shards along the sequence; every other key is replicated unchanged.
-PER_TOKEN_KEYS = ("input_ids", "position_ids", "labels", "shift_labels")
+
+@dataclass(frozen=True)
+class Batch:
+    """`[B, S]` input ids, position ids and labels, and the segment layout of the whole `[B, L]` windows.
+
+    `labels[:, t]` is the target of token t (already shifted, see `lctrain.attention.modes.shifted_labels`), so a
+    sequence-parallel slice holds its own targets. `segments` always describes the whole windows: under sequence
+    parallelism every rank keeps the full layout, since after Ulysses' all-to-all each rank attends over all L
+    tokens."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    segments: Segments
+
+    @property
+    def mode(self) -> str:
+        return self.segments.mode
+
+    def valid_labels(self) -> int:
+        """Targets the loss counts (labels other than IGNORE_INDEX)."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def shard(self, sp: int, rank: int) -> Batch:
+        """Sequence-parallel rank `rank`'s contiguous `S / sp` slice of the per-token tensors; the segments are
+        shared. Labels were shifted before slicing, so a slice's last label is the next slice's first token."""
+        if sp == 1:
+            return self
+        length = self.input_ids.shape[1]
+        if length % sp or not 0 <= rank < sp:
+            raise ValueError(f"cannot cut {length} tokens into {sp} slices and take slice {rank}")
+        step = length // sp
+        return replace(self, **{f: getattr(self, f)[:, rank * step : (rank + 1) * step] for f in _PER_TOKEN})
+
+    def to(self, device, non_blocking: bool = True) -> Batch:
+        """The tensors on `device`; the segments stay on the CPU (each engine moves what it derives, once)."""
+        return replace(self, **{f: getattr(self, f).to(device, non_blocking=non_blocking) for f in _PER_TOKEN})
+
+    def attention_kwargs(self) -> dict:
+        """What an engine's attention function reads from the keyword arguments the model passes down to it."""
+        return {SEGMENTS_KEY: self.segments}
+
+    def model_kwargs(self, *, labels: bool = False) -> dict:
+        """Keyword arguments of a Hugging Face causal LM's forward. With `labels`, also the labels for the model's own
+        loss, passed as `shift_labels` too so that it does not shift them a second time."""
+        kwargs = {"input_ids": self.input_ids, "position_ids": self.position_ids, **self.attention_kwargs()}
+        if labels:
+            kwargs.update(labels=self.labels, shift_labels=self.labels)
+        return kwargs
+
+
+# The fields that run along the sequence: sharded under sequence parallelism, moved to the device.
+_PER_TOKEN = ("input_ids", "position_ids", "labels")
 
 Ragged = torch.Tensor | np.ndarray | Sequence[Sequence[int]]
 
@@ -42,13 +101,12 @@ def make_batch(
     tag_lens: Ragged | None = None,
     *,
     anchor_id: int | None = None,
-) -> dict:
-    """Model kwargs for packed windows: `input_ids`, `position_ids`, `labels` (pre-shifted; -100 at each row's last
+) -> Batch:
+    """The `Batch` of packed windows: `input_ids`, `position_ids`, `labels` (pre-shifted; -100 at each row's last
     token, before tag tokens and wherever the next token is not the document's own, see `lctrain.attention.modes`),
-    `shift_labels` (the same tensor, so HF's loss does not shift again), all `[B, L]`, and the segment metadata under
-    `lctrain_segments`. A segment whose `seg_doc` appeared earlier in its row is a later chunk of that document
-    (interleaved chunks) and has no anchor or tag. With `anchor_id`, checks that every document's first segment in
-    a row starts with it."""
+    all `[B, L]`, and the `Segments` of the mode. A segment whose `seg_doc` appeared earlier in its row is a later
+    chunk of that document (interleaved chunks) and has no anchor or tag. With `anchor_id`, checks that every
+    document's first segment in a row starts with it."""
     if mode not in MODES:
         raise UserError(f"attention mode '{mode}' is unknown; expected one of {', '.join(MODES)}")
     ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids)
@@ -107,14 +165,7 @@ def make_batch(
                 f"starts with token id {int(starts[s])}, not the anchor id {anchor_id}; re-run "
                 f"`lctrain prepare` with the tokenizer the model uses"
             )
-    labels = shifted_labels(ids, layout)
-    return {
-        "input_ids": ids,
-        "position_ids": position_ids(layout, mode),
-        "labels": labels,
-        "shift_labels": labels,
-        SEGMENTS_KEY: Segments(layout, mode),
-    }
+    return Batch(ids, position_ids(layout, mode), shifted_labels(ids, layout), Segments(layout, mode))
 
 
 def _column(layout, s: int, L: int) -> int:

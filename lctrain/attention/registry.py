@@ -8,8 +8,10 @@ passed through. No mask interface is registered, so Hugging Face builds no dense
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from transformers import AttentionInterface
 
 from lctrain.attention.engines.flex import flex_engine
 from lctrain.attention.engines.reference import reference_attention
@@ -17,40 +19,54 @@ from lctrain.attention.engines.sdpa import sdpa_attention
 from lctrain.attention.engines.varlen import flash_attn_available, torch_varlen_available, varlen_engine
 from lctrain.errors import UserError
 
-ENGINES: dict[str, Callable] = {
-    "reference": reference_attention,
-    "sdpa": sdpa_attention,
-    "flex": flex_engine,
-    "varlen": varlen_engine,
-}
 HF_PREFIX = "lctrain_"
 
 
-def hf_name(engine: str) -> str:
-    return HF_PREFIX + engine
+@dataclass(frozen=True)
+class Engine:
+    """An attention engine: `attention` has Hugging Face's attention-function signature and is registered under
+    `hf_name`. `build_model` returns the one it resolved, and whatever wraps or reports the engine (Ulysses, `check
+    sp`, the benchmarks) takes this object rather than reading a name back from the model's config."""
+
+    name: str
+    attention: Callable
+
+    @property
+    def hf_name(self) -> str:
+        return HF_PREFIX + self.name
+
+
+ENGINES: dict[str, Engine] = {
+    e.name: e
+    for e in (
+        Engine("reference", reference_attention),
+        Engine("sdpa", sdpa_attention),
+        Engine("flex", flex_engine),
+        Engine("varlen", varlen_engine),
+    )
+}
+
+
+def register(engine: Engine) -> Engine:
+    """Make `engine` a Hugging Face attention implementation (idempotent: a name registered again is replaced)."""
+    AttentionInterface.register(engine.hf_name, engine.attention)
+    return engine
 
 
 def register_all() -> None:
-    """Idempotent: registering a name again replaces it with the same function."""
-    from transformers import AttentionInterface
-
-    for name, fn in ENGINES.items():
-        AttentionInterface.register(hf_name(name), fn)
+    for engine in ENGINES.values():
+        register(engine)
 
 
-def engine_fn(name: str) -> Callable:
-    """The engine as a plain function with the HF attention signature (for wrappers such as Ulysses)."""
-    name = name.removeprefix(HF_PREFIX)
-    if name not in ENGINES:
-        raise UserError(f"attention engine '{name}' is unknown; expected one of {', '.join(ENGINES)}")
-    return ENGINES[name]
-
-
-def resolve_engine(engine: str, mode: str, device, *, dtype) -> str:
+def resolve_engine(engine: str, mode: str, device, *, dtype) -> Engine:
     """`auto` -> the fastest engine for this mode, device and dtype; a named engine is checked to be able to run it.
-    Called once per model (`lctrain.model.attn_implementation`); everything else reads the engine off the model.
+    Called once per model (`lctrain.model.build_model`, which hands the result to whoever needs it).
 
     `dtype`: the model's dtype (a name such as "float32" or a torch dtype): FlashAttention runs in 16 bits only."""
+    return ENGINES[_engine_name(engine, mode, device, dtype)]
+
+
+def _engine_name(engine: str, mode: str, device, dtype) -> str:
     device_type = torch.device(device).type
     gpu = device_type == "cuda"
     half = str(dtype).removeprefix("torch.") in ("bfloat16", "float16")

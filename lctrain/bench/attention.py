@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from lctrain.attention import MODES, engine_fn, make_batch
+from lctrain.attention import ENGINES, MODES, Batch, make_batch
 from lctrain.costmodel import attention_flops, visible_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.packing import chunk_order, split_into_chunks
@@ -58,17 +58,17 @@ def interleave(seg_lens: list[int], rng: np.random.Generator) -> tuple[list[int]
     return lens, docs
 
 
-def time_engine(engine: str, batch: dict, heads: int, kv_heads: int, head_dim: int, dtype, device, reps: int):
-    L = batch["input_ids"].shape[1]
+def time_engine(engine: str, batch: Batch, heads: int, kv_heads: int, head_dim: int, dtype, device, reps: int):
+    L = batch.input_ids.shape[1]
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (
         torch.randn(1, h, L, head_dim, generator=gen).to(device, dtype).requires_grad_(True)
         for h in (heads, kv_heads, kv_heads)
     )
-    fn = engine_fn(engine)
+    fn = ENGINES[engine].attention
 
     def step():
-        out, _ = fn(None, q, k, v, None, scaling=head_dim**-0.5, **batch)
+        out, _ = fn(None, q, k, v, None, scaling=head_dim**-0.5, **batch.attention_kwargs())
         out.backward(torch.ones_like(out))
 
     def sync():

@@ -47,7 +47,6 @@ MODELS = {
 
 
 def bench_mode(mode: str, args, device: torch.device) -> dict:
-    from lctrain.compat.transformers import attn_implementation
     from lctrain.parallel.groups import init_topology
     from lctrain.train.trainer import Trainer
 
@@ -95,7 +94,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     peak = device_peak_flops(device, args.peak_tflops)
     out = {
         "mode": mode,
-        "engine": attn_implementation(trainer.lm).removeprefix("lctrain_"),
+        "engine": trainer.attention.name,
         "step_s": step,
         "tokens_per_s": tokens / step,
         "tflops_per_gpu": flops / step / 1e12,

@@ -25,12 +25,6 @@ def set_attn_implementation(hf_config, impl: str) -> None:
     hf_config._attn_implementation = impl
 
 
-def attn_implementation(model_or_config) -> str:
-    """The attention implementation a model or config runs (transformers 5.17-5.23: `_attn_implementation`)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    return config._attn_implementation
-
-
 def _fp32_rotary_inputs(module, args, kwargs):
     import torch
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lctrain.attention import Batch
 from lctrain.config import Config, data_dir, load_config, with_overrides, write_resolved
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
@@ -104,8 +105,7 @@ def check_config(cfg: Config, nproc: int, dtype: str | None) -> Config:
     """`cfg` laid out for a P-process Ulysses run of one window, refusing what cannot run before any process
     starts."""
     from lctrain.model import load_hf_config
-    from lctrain.parallel.layout import ParallelLayout
-    from lctrain.parallel.ulysses import kv_replication
+    from lctrain.parallel.layout import kv_replication, layout_of
 
     if nproc < 2:
         raise UserError(f"--nproc {nproc}: sequence parallelism needs at least 2 processes")
@@ -117,7 +117,7 @@ def check_config(cfg: Config, nproc: int, dtype: str | None) -> Config:
     cfg = with_overrides(cfg, layout + ([f"model.dtype={dtype}"] if dtype else []), f"--nproc {nproc}")
     shape = ModelShape.from_hf_config(load_hf_config(cfg))
     kv_replication(shape.heads, shape.kv_heads, nproc, f"{cfg.source_file or 'config'} with --nproc {nproc}")
-    ParallelLayout.from_config(cfg, nproc)
+    layout_of(cfg, nproc)
     return cfg
 
 
@@ -203,13 +203,8 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _forward_logits(lm, batch: dict, device: torch.device) -> torch.Tensor:
-    kwargs = {
-        k: v.to(device) if isinstance(v, torch.Tensor) else v
-        for k, v in batch.items()
-        if k not in ("labels", "shift_labels")
-    }
-    return lm(**kwargs, use_cache=False).logits
+def _forward_logits(lm, batch: Batch, device: torch.device) -> torch.Tensor:
+    return lm(**batch.to(device).model_kwargs(), use_cache=False).logits
 
 
 def _check_same_weights(lm) -> None:
@@ -243,10 +238,10 @@ def run_worker(out_dir: Path) -> None:
     """Every rank: build the model, and per mode the 1-process logits (rank 0) and the Ulysses logits (all ranks)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from lctrain.attention import make_batch
-    from lctrain.attention.registry import HF_PREFIX
-    from lctrain.model import attn_implementation, build_model
+    from lctrain.attention import make_batch, resolve_engine
+    from lctrain.model import build_model
     from lctrain.parallel.groups import init_topology, pick_backend, release_single_process
+    from lctrain.parallel.ulysses import wrap_model
 
     cfg = load_config(str(out_dir / "config.yaml"))
     request = json.loads((out_dir / REQUEST_FILE).read_text())
@@ -254,7 +249,7 @@ def run_worker(out_dir: Path) -> None:
         win = {k: f[k] for k in f.files}
     topo = init_topology(cfg)
     try:
-        lm = build_model(cfg, vocab_size=request["vocab_size"], device=topo.device).eval()
+        lm = build_model(cfg, vocab_size=request["vocab_size"], device=topo.device).model.eval()
         _check_same_weights(lm)
         rows = []
         progress = Progress(
@@ -268,9 +263,7 @@ def run_worker(out_dir: Path) -> None:
             task = progress.add_task("check", total=len(request["modes"]), info="")
             for mode in request["modes"]:
                 progress.update(task, info=mode)
-                mode_cfg = cfg.model_copy(deep=True)
-                mode_cfg.attention.mode = mode
-                single = attn_implementation(mode_cfg, topo.device)
+                single = resolve_engine(cfg.attention.engine, mode, topo.device, dtype=cfg.model.dtype)
                 batch = make_batch(
                     win["input_ids"][None],
                     [win["seg_lens"]],
@@ -278,15 +271,19 @@ def run_worker(out_dir: Path) -> None:
                     seg_doc=[win["seg_doc"]],
                     tag_lens=[win["tag_lens"]],
                 )
-                lm.set_attn_implementation(single)
+                lm.set_attn_implementation(single.hf_name)
                 ref = _forward_logits(lm, batch, topo.device) if topo.is_main else None
-                engine = single.removeprefix(HF_PREFIX)
-                topo.layout.wrap_attention(lm, topo.sp_group)
-                local = _forward_logits(lm, topo.layout.shard(batch, topo.rank), topo.device)
+                wrap_model(lm, single, topo.sp_group)
+                local = _forward_logits(lm, batch.shard(topo.sp, topo.sp_rank), topo.device)
                 gathered = _gather_sequence(local, topo)
                 if topo.is_main:
                     rows.append(
-                        {"mode": mode, "engine": engine, "shard_tokens": local.shape[1], **logit_diff(ref, gathered)}
+                        {
+                            "mode": mode,
+                            "engine": single.name,
+                            "shard_tokens": local.shape[1],
+                            **logit_diff(ref, gathered),
+                        }
                     )
                     del ref, gathered  # two [L, V] logits: free them before the next mode's forwards
                 progress.advance(task)

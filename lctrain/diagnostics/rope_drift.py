@@ -340,7 +340,7 @@ class ModelSource:
         cfg = self.cfg.model_copy(deep=True)
         cfg.model.dtype = dtype
         cfg.model.rope_fp32 = False
-        return build_model(cfg, device=device).eval()
+        return build_model(cfg, device=device).model.eval()
 
 
 def model_source(spec: str, overrides: list[str] | tuple = ()) -> ModelSource:

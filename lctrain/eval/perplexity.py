@@ -88,12 +88,12 @@ def target_mask(window: dict) -> np.ndarray:
     other documents' chunks are left out)."""
     import torch
 
-    from lctrain.attention import SEGMENTS_KEY, make_batch
+    from lctrain.attention import IGNORE_INDEX, make_batch
     from lctrain.attention.modes import shifted_labels
 
     ids = torch.as_tensor(np.asarray(window["input_ids"], dtype=np.int64))[None]
     batch = make_batch(ids, [window["seg_lens"]], "full", seg_doc=[window["seg_doc"]], tag_lens=[window["tag_lens"]])
-    return (shifted_labels(ids, batch[SEGMENTS_KEY].layout, anchor_targets=False)[0] != -100).numpy()
+    return (shifted_labels(ids, batch.segments.layout, anchor_targets=False)[0] != IGNORE_INDEX).numpy()
 
 
 def window_nll(model, window: dict, chunk: int = 4096) -> tuple[float, int]:

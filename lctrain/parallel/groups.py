@@ -12,7 +12,7 @@ import torch
 
 from lctrain.compat.deepspeed import disable_cpu_shm_comm_op, sequence_parallel_groups
 from lctrain.config import Config
-from lctrain.parallel.layout import ParallelLayout
+from lctrain.parallel.layout import ParallelLayout, layout_of
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -94,7 +94,7 @@ def init_topology(cfg: Config) -> Topology:
 
     if not under_launcher():
         _single_process_env()
-    layout = ParallelLayout.from_config(cfg, int(os.environ["WORLD_SIZE"]))
+    layout = layout_of(cfg, int(os.environ["WORLD_SIZE"]))
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

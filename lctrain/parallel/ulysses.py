@@ -8,40 +8,22 @@ the local slice with its true positions, so nothing about the modes changes unde
 
 from __future__ import annotations
 
-import math
+import deepspeed.comm as dist
+from deepspeed.sequence.layer import DistributedAttention
 
-from lctrain.errors import UserError
+from lctrain.attention import Engine, register
+from lctrain.costmodel import ModelShape
+from lctrain.parallel.layout import kv_replication
 
-PREFIX = "lctrain_ulysses_"
-
-
-def kv_replication(num_heads: int, num_kv_heads: int, sp: int, source: str = "config") -> int:
-    """How many copies of each KV head make the KV heads split evenly over `sp` ranks (grouped-query attention with
-    fewer KV heads than ranks); 1 when they already do. Raises UserError when the query heads cannot be split."""
-    if num_heads % sp:
-        raise UserError(
-            f"{source}: the model's {num_heads} attention heads are not divisible by "
-            f"parallel.sequence_parallel = {sp}; use a sequence-parallel size that divides {num_heads}"
-        )
-    if num_heads % num_kv_heads:
-        raise UserError(f"{source}: {num_heads} attention heads are not a multiple of {num_kv_heads} KV heads")
-    if num_kv_heads % sp == 0:
-        return 1
-    # Smallest r with (kv*r) % sp == 0; kv*r = lcm(kv, sp) divides the query-head count as kv and sp both do.
-    return sp // math.gcd(num_kv_heads, sp)
+ULYSSES_PREFIX = "ulysses_"
 
 
-def register_ulysses(engine: str, sp_group, num_heads: int, num_kv_heads: int) -> str:
-    """Register `lctrain_ulysses_<engine>` for this process's sequence-parallel group and return its name."""
-    import deepspeed.comm as dist
-    from deepspeed.sequence.layer import DistributedAttention
-    from transformers import AttentionInterface
-
-    from lctrain.attention import engine_fn
-
+def register_ulysses(engine: Engine, sp_group, num_heads: int, num_kv_heads: int) -> Engine:
+    """`engine` inside DeepSpeed-Ulysses for this process's sequence-parallel group, registered as
+    `lctrain_ulysses_<engine>`."""
     sp = dist.get_world_size(group=sp_group)
     rep = kv_replication(num_heads, num_kv_heads, sp)
-    local_engine = engine_fn(engine)
+    local_engine = engine.attention
 
     def local_attention(query, key, value, module, attention_mask, scaling, dropout, kwargs):
         out, _ = local_engine(
@@ -71,6 +53,12 @@ def register_ulysses(engine: str, sp_group, num_heads: int, num_kv_heads: int) -
         out = dist_attn(q, k.contiguous(), v.contiguous(), 0, None, module, attention_mask, scaling, dropout, kwargs)
         return out, None
 
-    name = PREFIX + engine
-    AttentionInterface.register(name, ulysses_attention)
-    return name
+    return register(Engine(ULYSSES_PREFIX + engine.name, ulysses_attention))
+
+
+def wrap_model(lm, engine: Engine, sp_group) -> Engine:
+    """Switch `lm` (built with `engine`) to `engine` inside DeepSpeed-Ulysses; returns the wrapped engine."""
+    shape = ModelShape.from_hf_config(lm.config)
+    ulysses = register_ulysses(engine, sp_group, shape.heads, shape.kv_heads)
+    lm.set_attn_implementation(ulysses.hf_name)
+    return ulysses

@@ -27,6 +27,7 @@ import torch
 from lctrain.compat.deepspeed import zero3_full_state_dict
 from lctrain.errors import is_environment_error
 from lctrain.tokenizer import save_tokenizer
+from lctrain.train.loss import CausalLMLossSum
 
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
@@ -246,7 +247,7 @@ def save_hf(engine, lm, tokenizer, run_dir: Path, step: int, *, rank: int, zero_
     tmp = final.with_name(TMP_PREFIX + final.name)
     if zero_stage == 3:
         full = zero3_full_state_dict(engine)
-        state_dict = {k.removeprefix("lm."): v for k, v in full.items()} if rank == 0 else None
+        state_dict = CausalLMLossSum.lm_state_dict(full) if rank == 0 else None
     else:
         state_dict = None
     if rank == 0:

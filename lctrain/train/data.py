@@ -8,6 +8,7 @@ The data cursor of a checkpoint is therefore the number of steps taken; no loade
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from lctrain.config import DEFAULT_CONFIG, Config, bundled_config_dir, data_dir, data_fingerprint
 from lctrain.errors import UserError
+from lctrain.parallel.layout import ParallelLayout
 
 
 def prepare_hint(cfg: Config) -> str:
@@ -72,6 +74,46 @@ def micro_batch_rows(
     """Rows of micro-batch `micro` of update `step_index` (0-based) for data-parallel rank `dp_rank`."""
     start = step_index * global_batch + (micro * dp + dp_rank) * micro_batch
     return stream_rows(seed, n, start, micro_batch)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What one optimizer step reads: `global_batch` windows, `grad_accum` micro-batches of `micro_batch` windows on
+    each of the `dp` data-parallel ranks (every rank of a sequence-parallel group reads the same windows)."""
+
+    global_batch: int
+    micro_batch: int
+    dp: int
+
+    @classmethod
+    def of(cls, cfg: Config, layout: ParallelLayout) -> BatchPlan:
+        """`cfg`'s batch on `layout`, refusing in one line a global batch the ranks cannot split evenly."""
+        t = cfg.train
+        if t.global_batch % (t.micro_batch * layout.dp):
+            raise UserError(
+                f"{cfg.source_file or 'config'}: train.global_batch = {t.global_batch} is not divisible by "
+                f"train.micro_batch x data-parallel size = {t.micro_batch} x {layout.dp}; change train.global_batch "
+                f"or train.micro_batch"
+            )
+        return cls(global_batch=t.global_batch, micro_batch=t.micro_batch, dp=layout.dp)
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    def rows(self, step_index: int, micro: int, dp_rank: int, *, seed: int, n: int) -> list[int]:
+        """Rows of micro-batch `micro` of update `step_index` (0-based) that data-parallel rank `dp_rank` reads."""
+        return micro_batch_rows(
+            step_index,
+            micro,
+            dp_rank,
+            dp=self.dp,
+            micro_batch=self.micro_batch,
+            global_batch=self.global_batch,
+            seed=seed,
+            n=n,
+        )
 
 
 def collate(packed, rows: list[int]) -> dict:

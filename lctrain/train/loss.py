@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lctrain.attention import Batch
+
 IGNORE_INDEX = -100
 # Tokens per logits chunk: 8K x 32K vocab x 4 B = 1 GB of fp32 logits at most.
 DEFAULT_CHUNK_TOKENS = 8192
@@ -57,14 +59,22 @@ def chunked_loss_sum(
 
 
 class CausalLMLossSum(torch.nn.Module):
-    """Wraps a Hugging Face causal LM so DeepSpeed sees one module whose forward returns the token-loss sum."""
+    """Wraps a Hugging Face causal LM so DeepSpeed sees one module whose forward takes a `Batch` and returns the
+    token-loss sum over its labels."""
+
+    # The wrapped model's state-dict entries start with its attribute name: `lm_state_dict` strips it.
+    _LM_PREFIX = "lm."
 
     def __init__(self, lm: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, input_ids, position_ids, labels, shift_labels=None, **segments):
-        body = self.lm.get_decoder()
-        hidden = body(input_ids=input_ids, position_ids=position_ids, use_cache=False, **segments).last_hidden_state
-        return chunked_loss_sum(self.lm.get_output_embeddings(), hidden, labels, self.chunk_tokens)
+    def forward(self, batch: Batch) -> torch.Tensor:
+        hidden = self.lm.get_decoder()(**batch.model_kwargs(), use_cache=False).last_hidden_state
+        return chunked_loss_sum(self.lm.get_output_embeddings(), hidden, batch.labels, self.chunk_tokens)
+
+    @classmethod
+    def lm_state_dict(cls, state: dict) -> dict:
+        """The wrapped model's own state dict from one of this module (ZeRO-3 gathers the wrapper's)."""
+        return {k.removeprefix(cls._LM_PREFIX): v for k, v in state.items()}

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lctrain.attention import make_batch
 from lctrain.config import (
     Config,
     config_fingerprint,
@@ -44,10 +45,12 @@ from lctrain.errors import UserError, is_environment_error
 from lctrain.lifetime import RunLock
 from lctrain.parallel.groups import Topology, init_topology, release_single_process, under_launcher
 from lctrain.parallel.launch import run_workers, worker_command
-from lctrain.parallel.layout import ParallelLayout, check_precision, uses_torch_adam
+from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
+from lctrain.parallel.ulysses import wrap_model
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.checkpoint import write_atomic
-from lctrain.train.data import collate, open_checked
+from lctrain.train.data import BatchPlan, collate, open_checked
+from lctrain.train.deepspeed_config import check_precision, deepspeed_config, grad_divisor
 from lctrain.train.metrics import (
     StepLogger,
     device_peak_flops,
@@ -136,7 +139,7 @@ def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
 def _start(cfg: Config, rd: Path, resuming: bool, before_checkpoint_complete: CheckpointHook | None) -> None:
     """The one place that decides who trains: this process, or the workers a launcher starts (when the layout asks
     for several processes and no launcher started this one)."""
-    if ParallelLayout.from_config(cfg).world > 1 and not under_launcher():
+    if layout_of(cfg).world > 1 and not under_launcher():
         if before_checkpoint_complete is not None:
             raise ValueError("fault injection reaches only a run in this process, not launched workers")
         run_workers(launcher_command(cfg, rd, resuming))
@@ -242,7 +245,7 @@ def _run_lock(rd: Path, command: str, leader: bool):
 
 def preflight(cfg: Config) -> None:
     """Everything that can be checked before any process starts, so the user gets one line and exit code 2."""
-    ParallelLayout.from_config(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None)
+    BatchPlan.of(cfg, layout_of(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None))
     check_precision(cfg)
     reread = reread_warning(cfg, len(open_checked(cfg)))
     if reread:
@@ -251,7 +254,6 @@ def preflight(cfg: Config) -> None:
         import_wandb(cfg)
     if cfg.model.arch is not None:
         from lctrain.model import load_hf_config
-        from lctrain.parallel.ulysses import kv_replication
 
         shape = ModelShape.from_hf_config(load_hf_config(cfg))  # a bad model.arch is refused here, before any launch
         if cfg.parallel.sequence_parallel > 1:
@@ -284,10 +286,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_norms_and_bi
         {"params": matrices, "weight_decay": weight_decay},
         {"params": vectors, "weight_decay": weight_decay if decay_norms_and_biases else 0.0},
     ]
-
-
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def _new_wandb_id() -> str:
@@ -376,10 +374,11 @@ class Trainer:
         from lctrain.train.loss import CausalLMLossSum
 
         self.cfg, self.topo, self.layout = cfg, topo, topo.layout
+        self.batches = BatchPlan.of(cfg, self.layout)
         self.run_dir, self.tokenizer = run_dir, tokenizer
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
-        ds_config = self.layout.deepspeed_config(cfg, use_torch_adam=uses_torch_adam(cfg, topo.device.type == "cuda"))
+        ds_config = deepspeed_config(cfg, self.layout, gpu=topo.device.type == "cuda")
         hf_ds_config = None
         if cfg.parallel.zero_stage == 3 and cfg.model.name_or_path:
             # Keeps the reference alive while from_pretrained runs: transformers then loads the weights straight
@@ -387,8 +386,9 @@ class Trainer:
             from transformers.integrations import HfDeepSpeedConfig
 
             hf_ds_config = HfDeepSpeedConfig(ds_config)
-        self.lm = build_model(cfg, vocab_size=vocab_size, device=topo.device)
-        self.layout.wrap_attention(self.lm, topo.sp_group)
+        self.lm, self.attention = build_model(cfg, vocab_size=vocab_size, device=topo.device)
+        if self.layout.sp > 1:
+            self.attention = wrap_model(self.lm, self.attention, topo.sp_group)
         model = CausalLMLossSum(self.lm)
         self.n_dense = dense_params(self.lm)
         self.engine, _, _, _ = deepspeed.initialize(
@@ -411,18 +411,15 @@ class Trainer:
 
     def read_windows(self, packed, step_index: int) -> list[dict]:
         """This rank's micro-batches of update `step_index`: collated windows, before `make_batch`."""
+        dp_rank = self.layout.dp_rank(self.topo.rank)
         return [
-            collate(
-                packed, self.layout.micro_batch_rows(step_index, m, self.topo.rank, seed=self.cfg.seed, n=len(packed))
-            )
-            for m in range(self.layout.grad_accum)
+            collate(packed, self.batches.rows(step_index, m, dp_rank, seed=self.cfg.seed, n=len(packed)))
+            for m in range(self.batches.grad_accum)
         ]
 
     def train_step(self, windows: list[dict]) -> StepResult:
         """One optimizer step over this rank's micro-batches (collated windows, `train.data.collate`)."""
         import deepspeed.comm as dist
-
-        from lctrain.attention import make_batch
 
         cfg, topo = self.cfg, self.topo
         micro, pairs = [], 0
@@ -435,24 +432,24 @@ class Trainer:
             batch = make_batch(
                 raw["input_ids"], raw["seg_lens"], cfg.attention.mode, seg_doc=raw["seg_doc"], tag_lens=raw["tag_lens"]
             )
-            micro.append(_to_device(self.layout.shard(batch, topo.rank), topo.device))
+            micro.append(batch.shard(topo.sp, topo.sp_rank).to(topo.device))
         # one all-reduce: valid labels of the whole step (the loss denominator) and attention pairs (for MFU).
         # Reduced tensors live on the device: an nccl process group has no CPU backend.
         counts = torch.tensor(
-            [float(sum(int((b["labels"] != -100).sum()) for b in micro)), float(pairs)],
+            [float(sum(b.valid_labels() for b in micro)), float(pairs)],
             dtype=torch.float64,
             device=topo.device,
         )
         dist.all_reduce(counts)
         n_valid = max(counts[0].item(), 1.0)
-        scale = self.layout.grad_divisor / n_valid
+        scale = grad_divisor(cfg, self.layout) / n_valid
         loss_sum = torch.zeros((), dtype=torch.float64, device=topo.device)
         grad_norm = None
         for i, b in enumerate(micro):
             # Offloaded hidden states come back only while the context is active, so it spans the forward and the
             # backward of each micro-batch, which only this loop holds together (not the loss module, not the model).
             with self.offload:
-                token_loss_sum = self.engine(**b)
+                token_loss_sum = self.engine(b)
                 self.engine.backward(token_loss_sum * scale, scale_wrt_gas=False)
             if i == len(micro) - 1 and self.own_grad_norm:
                 grad_norm = _grad_norm(self.engine.module)

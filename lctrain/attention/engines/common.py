@@ -6,7 +6,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from lctrain.attention.segments import SEGMENTS_KEY, Segments
 from lctrain.errors import UserError
@@ -25,10 +24,18 @@ def check_dropout(dropout: float) -> None:
         )
 
 
-def segments_of(kwargs: dict, query: torch.Tensor) -> Segments | None:
+def segments_of(module, kwargs: dict, query: torch.Tensor) -> Segments:
+    """The batch's `Segments`, which every call must carry: the engines never guess the mask. A model class that
+    does not pass its forward keyword arguments down to attention would otherwise train plain causal attention in a
+    run configured for a document mode, without a word."""
     seg = kwargs.get(SEGMENTS_KEY)
     if seg is None:
-        return None
+        raise UserError(
+            f"the lctrain attention engine got no segment metadata ({SEGMENTS_KEY}) from "
+            f"{type(module).__name__ if module is not None else 'its caller'}: pass `batch.model_kwargs()` to the "
+            f"model; a model class that does not forward its keyword arguments to attention cannot train with lctrain "
+            f"(Llama, Mistral and Qwen2 do)"
+        )
     B, _, S, _ = query.shape
     if (seg.batch, seg.length) != (B, S):
         raise ValueError(
@@ -52,43 +59,21 @@ def sdpa(query, key, value, **kwargs):
     return F.scaled_dot_product_attention(query, key, value, enable_gqa=key.shape[1] != query.shape[1], **kwargs)
 
 
-def sdpa_lower_right(query, key, value, scale):
-    """Causal attention where the S queries are the last S of the K keys. On CUDA the kernels take the lower-right
-    mask directly; on CPU a lower-right mask falls back to the unfused math path, so the queries are left-padded to a
-    square causal problem (the padding rows are dropped) and the fused CPU kernel runs instead."""
-    S, K = query.shape[-2], key.shape[-2]
-    if query.device.type != "cpu":
-        return sdpa(query, key, value, attn_mask=causal_lower_right(S, K), scale=scale)
-    pad = query.new_zeros(*query.shape[:-2], K - S, query.shape[-1])
-    return sdpa(torch.cat([pad, query], dim=-2), key, value, is_causal=True, scale=scale)[..., K - S :, :]
-
-
-def plain_causal(query, key, value, scaling):
-    """Without segment metadata (generation, evaluation) the engines compute ordinary causal attention; the
-    queries are the last `S` of the `K` cached positions."""
-    S, K = query.shape[2], key.shape[2]
-    if S == K:
-        out = sdpa(query, key, value, is_causal=True, scale=scaling)
-    elif S == 1:
-        out = sdpa(query, key, value, scale=scaling)
-    else:
-        out = sdpa_lower_right(query, key, value, scaling)
-    return out.transpose(1, 2).contiguous()
+def causal_rows(query, key, value, scaling):
+    """Causal attention over each whole row: `full` mode."""
+    return sdpa(query, key, value, is_causal=True, scale=scaling).transpose(1, 2).contiguous()
 
 
 def hf_attention(kernel):
     """Give a kernel `(query, key, value, seg, scaling) -> out [B, S, H, D]` Hugging Face's attention signature,
-    with what every engine shares: the dropout check, the rope_fp32 dtype cast, the default scale, and plain causal
-    attention when no segment metadata is passed (generation, evaluation)."""
+    with what every engine shares: the dropout check, the rope_fp32 dtype cast, the default scale, and the batch's
+    segments, without which it refuses to run."""
 
     @functools.wraps(kernel)
     def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
         check_dropout(dropout)
         query, key, value = unify_dtypes(query, key, value)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        seg = segments_of(kwargs, query)
-        if seg is None:
-            return plain_causal(query, key, value, scaling), None
-        return kernel(query, key, value, seg, scaling), None
+        return kernel(query, key, value, segments_of(module, kwargs, query), scaling), None
 
     return attention

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lctrain.attention.engines.common import expand_kv_heads, hf_attention, plain_causal, sdpa
+from lctrain.attention.engines.common import causal_rows, expand_kv_heads, hf_attention, sdpa
 from lctrain.attention.modes import Layout, document_order
 
 
@@ -47,7 +47,7 @@ def build_sdpa_plan(layout: Layout) -> SdpaPlan:
 @hf_attention
 def sdpa_attention(query, key, value, seg, scaling):
     if seg.mode == "full":
-        return plain_causal(query, key, value, scaling)
+        return causal_rows(query, key, value, scaling)
     plan = seg.cached(("sdpa", query.device), lambda: build_sdpa_plan(seg.layout).to(query.device))
     B, H, L, D = query.shape
     k = key.transpose(1, 2).reshape(B * L, key.shape[1], D)

@@ -1,0 +1,84 @@
+"""The DeepSpeed config of a run, derived from the lctrain YAML so nobody writes DeepSpeed JSON by hand; the one
+function the trainer builds its engine from and the memory planner sizes DeepSpeed's buffers from."""
+
+from __future__ import annotations
+
+from lctrain.compat.deepspeed import grad_divisor as compat_grad_divisor
+from lctrain.config import Config
+from lctrain.errors import UserError
+from lctrain.parallel.layout import ParallelLayout
+from lctrain.train.data import BatchPlan
+
+# Never let DeepSpeed print its own per-step lines: the trainer's progress bar and metrics.jsonl report steps.
+_QUIET_STEPS = 10**9
+
+
+def check_precision(cfg: Config) -> None:
+    """DeepSpeed keeps fp32 master weights for bf16/fp16 models only inside its ZeRO optimizers; stage 0 would
+    update bf16 weights directly, which loses the small updates of continual pretraining (lr 2e-5)."""
+    if cfg.model.dtype != "float32" and cfg.parallel.zero_stage == 0:
+        raise UserError(
+            f"{cfg.source_file or 'config'}: model.dtype = {cfg.model.dtype} needs parallel.zero_stage "
+            f">= 1 (fp32 master weights); set parallel.zero_stage: 1, or model.dtype: float32"
+        )
+
+
+def uses_torch_adam(cfg: Config, gpu: bool) -> bool:
+    """torch's AdamW, unless the optimizer is offloaded from a GPU: then DeepSpeed's CPU Adam (a C++ op built on first
+    use, in place and faster), except with `train.torch_adam`."""
+    return cfg.train.torch_adam or not (gpu and cfg.parallel.offload_optimizer)
+
+
+def grad_divisor(cfg: Config, layout: ParallelLayout) -> int:
+    """What DeepSpeed divides the summed gradients by; the trainer multiplies the loss by it so that the ranks'
+    gradient contributions simply add up."""
+    return compat_grad_divisor(cfg.parallel.zero_stage, layout.dp, layout.world)
+
+
+def deepspeed_config(cfg: Config, layout: ParallelLayout, *, gpu: bool) -> dict:
+    """The DeepSpeed config of `cfg` on `layout`; `gpu` decides the optimizer (`uses_torch_adam`: torch's AdamW needs no
+    op compilation and runs on CPU)."""
+    check_precision(cfg)
+    batches = BatchPlan.of(cfg, layout)
+    torch_adam = uses_torch_adam(cfg, gpu)
+    t, p = cfg.train, cfg.parallel
+    zero: dict = {"stage": p.zero_stage}
+    if p.zero_stage >= 1:
+        # reduce_scatter fixes how ZeRO-3 averages gradients (compat/deepspeed.py: grad_divisor)
+        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_scatter=True)
+    if p.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if p.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if p.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True)
+    ds: dict = {
+        "train_batch_size": batches.global_batch,  # = micro_batch x grad_accum x dp (BatchPlan.of)
+        "train_micro_batch_size_per_gpu": batches.micro_batch,
+        "gradient_accumulation_steps": batches.grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": list(t.betas),
+                "eps": t.eps,
+                "weight_decay": t.weight_decay,
+                "torch_adam": torch_adam,
+            },
+        },
+        "steps_per_print": _QUIET_STEPS,
+        "wall_clock_breakdown": False,
+    }
+    if torch_adam and p.offload_optimizer:
+        ds["zero_force_ds_cpu_optimizer"] = False
+    if cfg.model.dtype == "bfloat16":
+        # fp32 master weights and fp32 gradient accumulation: bf16 only in the forward/backward math.
+        ds["bf16"] = {"enabled": True}
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+    elif cfg.model.dtype == "float16":
+        ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    if layout.sp > 1:
+        ds["sequence_parallel_size"] = layout.sp
+    return ds
