@@ -7,6 +7,7 @@ query heads and 1 KV head, so the run also exercises the KV-head replication of 
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 from train_helpers import clean_env, one_error_line, set_args
 from typer.testing import CliRunner
 
+from lctrain.attention import make_batch
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.diagnostics.check_sp import allowed_processes, logit_diff, synthetic_window
@@ -91,17 +93,14 @@ def test_a_layout_without_the_all_to_all_fails_the_bound(result):
     win = synthetic_window(SEQ_LEN, vocab, anchor_token_id(load_tokenizer(cfg.data.tokenizer)), 2, seed=cfg.seed)
     lm = build_model(cfg, vocab_size=vocab).model.eval()
     ids = torch.as_tensor(win["input_ids"])[None]
-    pos = torch.arange(SEQ_LEN)[None]
     half = SEQ_LEN // 2
+    whole = make_batch(ids, [[SEQ_LEN]], "full")
+    # Each slice on its own: a one-segment window of `half` tokens that keeps its true positions.
+    slices = [replace(make_batch(ids[:, s : s + half], [[half]], "full"), position_ids=whole.position_ids[:, s : s + half])
+              for s in (0, half)]
     with torch.inference_mode():
-        ref = lm(input_ids=ids, position_ids=pos, use_cache=False).logits
-        cut = torch.cat(
-            [
-                lm(input_ids=ids[:, s : s + half], position_ids=pos[:, s : s + half], use_cache=False).logits
-                for s in (0, half)
-            ],
-            dim=1,
-        )
+        ref = lm(**whole.model_kwargs(), use_cache=False).logits
+        cut = torch.cat([lm(**b.model_kwargs(), use_cache=False).logits for b in slices], dim=1)
     wrong = logit_diff(ref, cut)
     assert wrong["max_abs"] > 100 * rounding_bound(wrong["ref_max_abs"]), wrong
     assert wrong["worst_token"] >= half  # only the second slice lost context
