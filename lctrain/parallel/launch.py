@@ -1,11 +1,22 @@
-"""Starting workers under DeepSpeed's or torch's launcher, and a launched worker's one-line errors: shared by
-training (`lctrain.train.worker`) and `lctrain check sp`; this module knows neither."""
+"""Running work on every process of a config's layout under DeepSpeed's or torch's launcher.
+
+`run_on_ranks(cfg, "package.module:function", request, workdir)` starts `lctrain.parallel.rank` on every process; each
+calls `function(request)` and rank 0's return value comes back as `Finished(result)`. The ranks report through files
+in `workdir` (shared by every node, as a run directory is), so the caller gets typed outcomes instead of exit codes:
+an out-of-memory on any rank is `OutOfMemory`, a rank's UserError is raised here as that UserError, anything else is
+`RanksFailed` with the launcher's exit code. This module knows none of its callers (`lctrain check sp`, the memory
+benchmark, training).
+
+`worker_command`, `run_workers` and `worker_main` are training's own launch (`lctrain.train.worker`) until it runs on
+`run_on_ranks` too."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from lctrain.config import Config
@@ -71,3 +82,60 @@ def worker_main(body: Callable[[], object]) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(UserError.exit_code) from None
+
+
+RANK_MODULE = "lctrain.parallel.rank"
+REQUEST_FILE = "ranks.request.json"
+RESULT_FILE = "ranks.result.json"
+FAILURE_PREFIX = "ranks.failure."  # + rank + ".json", written by a rank that ended in a failure it can name
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Every rank returned; `result` is rank 0's return value (after a JSON round trip)."""
+
+    result: object
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """A rank ran out of device or host memory (the lowest such rank, with its exception's message)."""
+
+    rank: int
+    message: str
+
+
+class RanksFailed(SystemExit):
+    """The ranks failed otherwise (their output is above). A SystemExit with the launcher's exit code, so that, not
+    handled, the command ends with that code and no traceback, as a launcher's failure always has."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(exit_code)
+        self.exit_code = exit_code
+
+
+def failure_file(workdir: Path, rank: int) -> Path:
+    return workdir / f"{FAILURE_PREFIX}{rank}.json"
+
+
+def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path) -> Finished | OutOfMemory:
+    """Call `function(request)` ("package.module:function", importable by every rank; `request` JSON-able) on every
+    process of `cfg`'s layout and wait. Ctrl-C or SIGTERM stops them all (lifetime.supervise); a kill of this process
+    ends them too (the ranks exit with their supervisor)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for stale in [workdir / RESULT_FILE, *workdir.glob(f"{FAILURE_PREFIX}*.json")]:
+        stale.unlink(missing_ok=True)
+    (workdir / REQUEST_FILE).write_text(json.dumps({"function": function, "request": request}))
+    rc = supervise(worker_command(cfg, [RANK_MODULE, str(workdir.resolve())]), env=launcher_free_env())
+    if rc == 0:
+        return Finished(json.loads((workdir / RESULT_FILE).read_text())["result"])
+    failures = sorted(
+        (json.loads(f.read_text()) for f in workdir.glob(f"{FAILURE_PREFIX}*.json")), key=lambda f: f["rank"]
+    )
+    oom = next((f for f in failures if f["kind"] == "out_of_memory"), None)
+    if oom is not None:
+        return OutOfMemory(rank=oom["rank"], message=oom["message"])
+    if failures:
+        raise UserError(failures[0]["message"])
+    raise RanksFailed(rc)

@@ -1,0 +1,66 @@
+"""What a launcher starts on every process for `lctrain.parallel.launch.run_on_ranks`:
+`python -m lctrain.parallel.rank WORKDIR`. It calls the requested function with the request and reports through
+files in WORKDIR: rank 0's return value, or the failure a rank can name (out of memory, a UserError or an environment
+failure such as a full disk)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from lctrain.errors import UserError, environment_error_message
+from lctrain.lifetime import exit_with_supervisor
+from lctrain.parallel.launch import REQUEST_FILE, RESULT_FILE, failure_file
+
+# PyTorch's CPU allocator reports a failed allocation as a plain RuntimeError with this text.
+_CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and _CPU_ALLOCATOR_FAILED in str(e)
+    )
+
+
+def resolve(function: str):
+    module, _, name = function.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def report_failure(workdir: Path, rank: int, kind: str, message: str) -> None:
+    failure_file(workdir, rank).write_text(json.dumps({"rank": rank, "kind": kind, "message": message}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    exit_with_supervisor()
+    parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
+    parser.add_argument("workdir", type=Path)
+    parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    spec = json.loads((args.workdir / REQUEST_FILE).read_text())
+    try:
+        result = resolve(spec["function"])(spec["request"])
+    except Exception as e:
+        if is_out_of_memory(e):
+            report_failure(args.workdir, rank, "out_of_memory", " ".join(str(e).split()))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)  # no teardown: the other ranks wait in a collective this rank never joins
+        message = str(e) if isinstance(e, UserError) else environment_error_message(e)
+        if message is None:
+            raise
+        report_failure(args.workdir, rank, "user_error", message)
+        raise SystemExit(UserError.exit_code) from None
+    if rank == 0:
+        (args.workdir / RESULT_FILE).write_text(json.dumps({"result": result}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Functions tests/test_run_on_ranks.py runs on launched ranks (importable by them: the test puts tests/ on their
+PYTHONPATH)."""
+
+import os
+
+import torch
+
+from lctrain.errors import UserError
+
+
+def rank_and_world(request: dict) -> dict:
+    """Every rank's (rank, request value) gathered over gloo, returned by rank 0 only."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        mine = torch.tensor([int(os.environ["RANK"]), request["value"]])
+        parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+    finally:
+        dist.destroy_process_group()
+    return {"gathered": [p.tolist() for p in parts]} if dist_rank() == 0 else None
+
+
+def dist_rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def refuse(request: dict) -> None:
+    raise UserError(f"rank {dist_rank()} refuses {request['what']}")
+
+
+def out_of_memory_on_rank_1(request: dict) -> None:
+    if dist_rank() == 1:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+    import time
+
+    time.sleep(60)  # rank 0 waits as in a collective: the launcher must end it
+
+
+def crash(request: dict) -> None:
+    if dist_rank() == 1:
+        raise ValueError("a bug, not a user's mistake")
+    return {"never": "read"}
+
+
+def returns_nothing(request: dict) -> None:
+    return None

@@ -1,0 +1,59 @@
+"""lctrain.parallel.launch.run_on_ranks: a function on 2 gloo ranks under torchrun, and each typed outcome (the
+functions are in rank_functions.py)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lctrain.config import load_config
+from lctrain.errors import UserError
+from lctrain.parallel.launch import Finished, OutOfMemory, RanksFailed, run_on_ranks
+
+TESTS = Path(__file__).resolve().parent
+CFG = ["parallel.nproc_per_node=2", "parallel.launcher=torchrun"]
+
+
+@pytest.fixture
+def ranks_env(monkeypatch):
+    """The ranks import rank_functions from tests/ and run on the CPU, one thread each."""
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def run(function: str, request: dict, workdir: Path):
+    return run_on_ranks(load_config(None, CFG), f"rank_functions:{function}", request, workdir)
+
+
+@pytest.mark.usefixtures("ranks_env")
+def test_rank_0s_return_value_comes_back(tmp_path):
+    assert run("rank_and_world", {"value": 7}, tmp_path) == Finished({"gathered": [[0, 7], [1, 7]]})
+    assert run("returns_nothing", {}, tmp_path) == Finished(None)  # training's kind of function
+
+
+@pytest.mark.usefixtures("ranks_env")
+def test_a_user_error_in_a_rank_is_one_user_error_here(tmp_path, capfd):
+    with pytest.raises(UserError) as raised:
+        run("refuse", {"what": "this window"}, tmp_path)
+    assert str(raised.value) == "rank 0 refuses this window"  # the lowest rank's line, once
+    assert "refuses" not in capfd.readouterr().err  # the ranks print nothing of it themselves
+
+
+@pytest.mark.usefixtures("ranks_env")
+def test_out_of_memory_on_any_rank_is_the_typed_outcome(tmp_path):
+    # rank 0 sleeps as if in a collective: the launcher ends it once rank 1 has exited
+    outcome = run("out_of_memory_on_rank_1", {}, tmp_path)
+    assert isinstance(outcome, OutOfMemory) and outcome.rank == 1
+    assert "CUDA out of memory. Tried to allocate 2.00 GiB (simulated)" in outcome.message
+
+
+@pytest.mark.usefixtures("ranks_env")
+def test_a_crash_is_ranks_failed_with_the_launchers_exit_code(tmp_path, capfd):
+    with pytest.raises(RanksFailed) as raised:
+        run("crash", {}, tmp_path)
+    assert raised.value.exit_code == raised.value.code != 0
+    assert "ValueError: a bug, not a user's mistake" in capfd.readouterr().err  # the rank's traceback, above
