@@ -96,8 +96,10 @@ def test_a_layout_without_the_all_to_all_fails_the_bound(result):
     half = SEQ_LEN // 2
     whole = make_batch(ids, [[SEQ_LEN]], "full")
     # Each slice on its own: a one-segment window of `half` tokens that keeps its true positions.
-    slices = [replace(make_batch(ids[:, s : s + half], [[half]], "full"), position_ids=whole.position_ids[:, s : s + half])
-              for s in (0, half)]
+    slices = [
+        replace(make_batch(ids[:, s : s + half], [[half]], "full"), position_ids=whole.position_ids[:, s : s + half])
+        for s in (0, half)
+    ]
     with torch.inference_mode():
         ref = lm(**whole.model_kwargs(), use_cache=False).logits
         cut = torch.cat([lm(**b.model_kwargs(), use_cache=False).logits for b in slices], dim=1)

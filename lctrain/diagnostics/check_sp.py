@@ -29,7 +29,6 @@ by four orders of magnitude.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -47,7 +46,6 @@ SYNTHETIC_DOCS = 8
 # Tokens per chunk when comparing logits: keeps the fp32 difference of an [L, V] pair at 8K x V at a time.
 DIFF_CHUNK_TOKENS = 8192
 RESULT_FILE = "check_sp.json"
-REQUEST_FILE = "request.json"
 WINDOW_FILE = "window.npz"
 
 
@@ -162,10 +160,10 @@ def check_sp(
     window: int = 0,
     out: str | None = None,
 ) -> dict:
-    """Launch P workers on one window, print the per-mode table and return (and write) the JSON result; `modes`
-    default to all four."""
+    """Run the comparison on P ranks for one window, print the per-mode table and return (and write) the JSON
+    result; `modes` default to all four."""
     from lctrain.attention import MODES
-    from lctrain.parallel.launch import run_workers, worker_command
+    from lctrain.parallel.launch import OutOfMemory, run_on_ranks
 
     chosen = list(modes or MODES)
     cfg = check_config(cfg, nproc, dtype)
@@ -173,10 +171,16 @@ def check_sp(
     out_dir = Path(out) if out else Path("check_sp") / cfg.name
     write_resolved(cfg, out_dir)
     np.savez(out_dir / WINDOW_FILE, **win)
-    (out_dir / REQUEST_FILE).write_text(json.dumps({"modes": chosen, "window_source": source, "vocab_size": vocab}))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
-    run_workers(worker_command(cfg, ["lctrain.diagnostics.check_sp", str(out_dir)]))
-    result = json.loads((out_dir / RESULT_FILE).read_text())
+    request = {"out_dir": str(out_dir.resolve()), "modes": chosen, "window_source": source, "vocab_size": vocab}
+    outcome = run_on_ranks(cfg, f"{__name__}:compare_on_ranks", request, out_dir)
+    if isinstance(outcome, OutOfMemory):
+        raise UserError(
+            f"rank {outcome.rank} ran out of memory comparing {cfg.data.seq_len} tokens ({outcome.message}); "
+            f"use more processes (--nproc) or a shorter data.seq_len"
+        )
+    result = outcome.result
+    (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
     print(format_table(result), flush=True)
     print(f"wrote {out_dir / RESULT_FILE}", flush=True)
     return result
@@ -234,8 +238,9 @@ def _gather_sequence(local: torch.Tensor, topo) -> torch.Tensor | None:
 
 
 @torch.inference_mode()
-def run_worker(out_dir: Path) -> None:
-    """Every rank: build the model, and per mode the 1-process logits (rank 0) and the Ulysses logits (all ranks)."""
+def compare_on_ranks(request: dict) -> dict | None:
+    """Every rank (`run_on_ranks`): build the model, and per mode the 1-process logits (rank 0) and the Ulysses
+    logits (all ranks); rank 0 returns the result."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from lctrain.attention import make_batch, resolve_engine
@@ -243,8 +248,8 @@ def run_worker(out_dir: Path) -> None:
     from lctrain.parallel.groups import init_topology, pick_backend, release_single_process
     from lctrain.parallel.ulysses import wrap_model
 
+    out_dir = Path(request["out_dir"])
     cfg = load_config(str(out_dir / "config.yaml"))
-    request = json.loads((out_dir / REQUEST_FILE).read_text())
     with np.load(out_dir / WINDOW_FILE) as f:
         win = {k: f[k] for k in f.files}
     topo = init_topology(cfg)
@@ -287,34 +292,18 @@ def run_worker(out_dir: Path) -> None:
                     )
                     del ref, gathered  # two [L, V] logits: free them before the next mode's forwards
                 progress.advance(task)
-        if topo.is_main:
-            result = {
-                "config": cfg.name,
-                "world": topo.world,
-                "backend": pick_backend(cfg),
-                "device": torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else "cpu",
-                "dtype": cfg.model.dtype,
-                "seq_len": int(len(win["input_ids"])),
-                "documents": int(len(win["seg_lens"])),
-                "window_source": request["window_source"],
-                "modes": rows,
-            }
-            (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+        if not topo.is_main:
+            return None
+        return {
+            "config": cfg.name,
+            "world": topo.world,
+            "backend": pick_backend(cfg),
+            "device": torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else "cpu",
+            "dtype": cfg.model.dtype,
+            "seq_len": int(len(win["input_ids"])),
+            "documents": int(len(win["seg_lens"])),
+            "window_source": request["window_source"],
+            "modes": rows,
+        }
     finally:
         release_single_process()
-
-
-def main(argv: list[str] | None = None) -> None:
-    from lctrain.lifetime import exit_with_supervisor
-    from lctrain.parallel.launch import worker_main
-
-    exit_with_supervisor()
-    parser = argparse.ArgumentParser(prog="python -m lctrain.diagnostics.check_sp")
-    parser.add_argument("out_dir")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
-    args = parser.parse_args(argv)
-    worker_main(lambda: run_worker(Path(args.out_dir)))
-
-
-if __name__ == "__main__":
-    main()
