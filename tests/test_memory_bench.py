@@ -201,3 +201,29 @@ def test_a_bad_layer_count_is_a_usage_error(monkeypatch, capsys, layers):
     with pytest.raises(SystemExit) as stop:
         bench.main()
     assert stop.value.code == 2 and "expected 'auto' or a number of layers >= 1" in capsys.readouterr().err
+
+
+def test_out_of_memory_on_the_launched_ranks_ends_the_ladder(tmp_path, monkeypatch):
+    # run_on_ranks's typed outcome drives the ladder: the ranks themselves are replaced (test_run_on_ranks.py runs
+    # real ones), out of memory beyond 2048 tokens
+    from types import SimpleNamespace
+
+    from lctrain.parallel.launch import Finished, OutOfMemory
+
+    launched = []
+
+    def ranks(cfg, function, request, workdir):
+        launched.append((function, request["seq_len"], cfg.data.seq_len))
+        if request["seq_len"] > 2048:
+            return OutOfMemory(rank=1, message="CUDA out of memory (simulated)")
+        row = bench.length_row(request, request["seq_len"], 1.0, 2**30, 2**30, 2**30, gpu=False)
+        return Finished({**row, "build_s": 1.0, "device": "simulated"})
+
+    monkeypatch.setattr("lctrain.parallel.launch.run_on_ranks", ranks)
+    spec = {"arch": bench.CPU_ARCH, "vocab": 1024, "settings": [], "nproc": 2, "warmup": 1, "steps": 1, "seed": 0}
+    args = SimpleNamespace(ladder=True, ladder_step=1024, ladder_max=8192, time_limit=None)
+    rows, meta = [], {}
+    bench.launched_rows(args, spec, 1024, tmp_path / "l.json", rows, meta)
+    assert [(r["seq_len"], r["oom"]) for r in rows] == [(1024, False), (2048, False), (3072, True)]
+    assert launched == [("lctrain.bench.memory:measure_length", n, n) for n in (1024, 2048, 3072)]
+    assert meta["device"] == "simulated" and json.loads((tmp_path / "l.json").read_text())["results"] == rows

@@ -10,7 +10,7 @@
     python scripts/bench_memory.py --preset llama2-7b-1m --ladder    # 8 GPUs (the paper's layout): 1M tokens and up
 
 A preset's rows are per rank. One rank on a GPU keeps one trainer for every length of its ladder; several ranks are
-launched afresh for every length (parallel.launcher, this script's --worker), the row holding the most any rank used.
+launched afresh for every length (parallel.launcher, `run_on_ranks`), the row holding the most any rank used.
 
 CPU: the peak is the most bytes of tensor storage alive during one step (`cpu_peak_bytes`, the allocator totals the
 profiler records), counted from before the model is built; the prediction is the plan's device plus host items.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -397,37 +396,30 @@ def in_this_process(spec: dict) -> bool:
     return spec["nproc"] == 1 and torch.cuda.is_available()
 
 
-# A worker that ran out of memory says so in a file beside its row and exits with this code; the launcher then stops
-# the other ranks (which would wait for it in the next collective).
-OOM_EXIT = 3
-
-
 def launched_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dict) -> None:
-    """Several ranks: every length is its own launch of `spec['nproc']` workers (this script with --worker), because
-    one rank out of memory leaves the others waiting in a collective; a failed launch that left the out-of-memory
-    marker ends the ladder, any other failure ends the benchmark with the workers' output above."""
+    """Several ranks: every length is its own `run_on_ranks` of `measure_length`, because one rank out of memory
+    leaves the others waiting in a collective; out of memory on any rank ends the ladder, any other failure ends the
+    benchmark with the ranks' output above."""
     import tempfile
 
-    from lctrain.lifetime import supervise
-    from lctrain.parallel.groups import launcher_free_env
-    from lctrain.parallel.launch import worker_command
+    from lctrain.parallel.launch import OutOfMemory, RanksFailed, run_on_ranks
 
     started = time.perf_counter()
-    env = launcher_free_env()
     for length in ladder(args, first):
         if out_of_time(args, started, rows, length, spec["warmup"], spec["steps"], build=True):
             break
+        cfg = make_config(spec["arch"], length, spec["settings"])
         with tempfile.TemporaryDirectory() as tmp:
-            spec_file, row_file = Path(tmp) / "spec.json", Path(tmp) / "row.json"
-            spec_file.write_text(json.dumps({**spec, "seq_len": length}))
-            cfg = make_config(spec["arch"], length, spec["settings"])
-            rc = supervise(worker_command(cfg, [__name__, "--worker", str(spec_file), "--row", str(row_file)]), env=env)
-            if rc and not row_file.with_suffix(".oom").exists():
+            try:
+                outcome = run_on_ranks(cfg, f"{__name__}:measure_length", {**spec, "seq_len": length}, tmp)
+            except RanksFailed as e:
                 raise SystemExit(
-                    f"error: the {spec['nproc']} workers at {length} tokens exited with code {rc} "
+                    f"error: the {spec['nproc']} workers at {length} tokens exited with code {e.exit_code} "
                     f"(their output is above)"
-                )
-            row = {"seq_len": length, "oom": True} if rc else json.loads(row_file.read_text())
+                ) from None
+            except UserError as e:
+                raise SystemExit(f"error: {e}") from None
+        row = {"seq_len": length, "oom": True} if isinstance(outcome, OutOfMemory) else outcome.result
         meta["device"] = row.pop("device", meta.get("device"))
         rows.append(row)
         print_length(row)
@@ -436,16 +428,15 @@ def launched_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dic
             break
 
 
-def worker(spec_file: Path, row_file: Path) -> None:
-    """One rank of one ladder length: build the trainer, step, and (rank 0) write the group's peak, the most of any
-    rank (all-reduced), as the row."""
+def measure_length(spec: dict) -> dict | None:
+    """One rank of one ladder length (`run_on_ranks`): build the trainer, step, and (rank 0) return the group's peak,
+    the most of any rank (all-reduced), as the row."""
     import deepspeed.comm as dist
 
     from lctrain.parallel.groups import init_topology
     from lctrain.train.metrics import cpu_peak_bytes
     from lctrain.train.trainer import Trainer
 
-    spec = json.loads(spec_file.read_text())
     length = spec["seq_len"]
     cfg = make_config(spec["arch"], length, spec["settings"])
     topo = init_topology(cfg)
@@ -461,23 +452,18 @@ def worker(spec_file: Path, row_file: Path) -> None:
             kept["trainer"].train_step(windows)
         return kept["trainer"]
 
-    try:
-        if gpu:
-            step, peak, reserved = gpu_step_peak(setup(), windows, spec["warmup"], spec["steps"])
-        else:
-            peak, _ = cpu_peak_bytes(setup, lambda trainer: trainer.train_step(windows))
-            reserved, step = peak, timed_steps(kept["trainer"], windows, spec["steps"], gpu=False)
-    except torch.OutOfMemoryError:
-        row_file.with_suffix(".oom").write_text(f"rank {topo.rank}\n")
-        os._exit(OOM_EXIT)  # no teardown: the other ranks are inside a collective this rank never joins
+    if gpu:
+        step, peak, reserved = gpu_step_peak(setup(), windows, spec["warmup"], spec["steps"])
+    else:
+        peak, _ = cpu_peak_bytes(setup, lambda trainer: trainer.train_step(windows))
+        reserved, step = peak, timed_steps(kept["trainer"], windows, spec["steps"], gpu=False)
     group = torch.tensor([peak, reserved, peak_rss(), step, kept["build_s"]], dtype=torch.float64, device=topo.device)
     dist.all_reduce(group, op=dist.ReduceOp.MAX)
     peak, reserved, rss, step, build_s = group.tolist()
-    if topo.rank == 0:
-        row = length_row(spec, length, step, int(peak), int(reserved), int(rss), gpu)
-        row_file.write_text(
-            json.dumps({**row, "build_s": build_s, "device": torch.cuda.get_device_name(topo.device) if gpu else "cpu"})
-        )
+    if topo.rank != 0:
+        return None
+    row = length_row(spec, length, step, int(peak), int(reserved), int(rss), gpu)
+    return {**row, "build_s": build_s, "device": torch.cuda.get_device_name(topo.device) if gpu else "cpu"}
 
 
 def main() -> None:
@@ -526,13 +512,7 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_out/bench_memory.json")
-    parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--row", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # DeepSpeed's launcher adds it
     args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.row)
-        return
 
     from rich.console import Console
     from rich.table import Table
