@@ -20,6 +20,7 @@ from lctrain.compat.transformers import nested_rope_keys, set_attn_implementatio
 from lctrain.compat.transformers import rotary_in_fp32 as compat_rotary_in_fp32
 from lctrain.config import Config
 from lctrain.errors import UserError
+from lctrain.shapes import HUB_NAMES, SHAPES
 
 log = logging.getLogger(__name__)
 
@@ -149,20 +150,10 @@ def load_hf_config(cfg: Config):
         ) from None
 
 
-# The paper's base models as their config.json describes them, so that `plan` and `estimate` need neither the hub
-# nor a login (Llama-2 and Llama-3 are gated): (layers, hidden, heads, kv heads, head dim, intermediate, vocab).
-KNOWN_SHAPES = {
-    "meta-llama/Llama-2-7b-hf": (32, 4096, 32, 32, 128, 11008, 32000),
-    "meta-llama/Meta-Llama-3-8B": (32, 4096, 32, 8, 128, 14336, 128256),
-    "mistralai/Mistral-7B-v0.3": (32, 4096, 32, 8, 128, 14336, 32768),
-    "Qwen/Qwen1.5-1.8B": (24, 2048, 16, 16, 128, 5504, 151936),
-}
-
-
 def shape_without_download(cfg: Config) -> bool:
     """Whether the model's shape is known here: `model.arch`, a local directory or a known base model."""
     name = cfg.model.name_or_path
-    return cfg.model.arch is not None or Path(name).is_dir() or name in KNOWN_SHAPES
+    return cfg.model.arch is not None or Path(name).is_dir() or name in HUB_NAMES
 
 
 def model_shape(cfg: Config):
@@ -171,8 +162,8 @@ def model_shape(cfg: Config):
     from lctrain.costmodel import ModelShape
 
     name = cfg.model.name_or_path
-    if name in KNOWN_SHAPES and not Path(name).exists():
-        return ModelShape(*KNOWN_SHAPES[name], tied=False)
+    if name in HUB_NAMES and not Path(name).exists():
+        return SHAPES[HUB_NAMES[name]]
     hf = load_hf_config(cfg)
     if cfg.model.arch is not None and "vocab_size" not in cfg.model.arch:
         from lctrain.tokenizer import load_tokenizer

@@ -20,30 +20,18 @@ from pathlib import Path
 
 import torch
 
-MODELS = {
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=32000,
-    ),
-    "llama2-7b": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-    ),
-}
+from lctrain.shapes import SHAPES, hf_arch
+
+MODELS = ("tiny", "llama2-7b")  # lctrain.shapes names
 
 
 def build(model: str, device: torch.device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("llama", max_position_embeddings=1 << 20, rope_theta=1e7, **MODELS[model])
+    shape = SHAPES[model]
+    # untied output embeddings, as Llama-2's, at every size
+    arch = {k: v for k, v in hf_arch(shape).items() if k not in ("model_type", "tie_word_embeddings")}
+    cfg = AutoConfig.for_model("llama", max_position_embeddings=1 << 20, rope_theta=1e7, vocab_size=shape.vocab, **arch)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):

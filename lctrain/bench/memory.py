@@ -35,36 +35,10 @@ from lctrain.costmodel import ModelShape
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.errors import UserError
 from lctrain.memory import GB, HOST_RUNTIME_BYTES, WARN_FRACTION, plan_memory
+from lctrain.shapes import SHAPES, hf_arch
 
-CPU_ARCH = dict(
-    model_type="llama",
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=False,
-)
-# Llama-3.2-1B's shape with the 32K vocabulary of the built-in tokenizer (scripts/bench_train.py's llama-1b)
-LLAMA_1B = dict(
-    model_type="llama",
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    tie_word_embeddings=True,
-)
-ROW_ARCHS = {"small": CPU_ARCH, "llama-1b": LLAMA_1B}
-LLAMA2_7B = dict(
-    model_type="llama",
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    tie_word_embeddings=False,
-)
+ROW_ARCHS = {name: hf_arch(SHAPES[name]) for name in ("small", "llama-1b")}
+LLAMA2_7B = hf_arch(SHAPES["llama2-7b"])
 # CPU rows: the memory settings, one alone or combined
 CPU_SETTINGS = {
     "baseline": [],
@@ -78,7 +52,7 @@ PRESETS = {
     # the single-GPU goal: ZeRO-3 with the optimizer states on the host
     "llama2-7b-128k": dict(
         arch=LLAMA2_7B,
-        vocab=32000,
+        vocab=SHAPES["llama2-7b"].vocab,
         seq_len=131072,
         nproc=1,
         settings=[
@@ -94,7 +68,7 @@ PRESETS = {
     # from the 8-GPU goal of 1M tokens up
     "llama2-7b-1m": dict(
         arch=LLAMA2_7B,
-        vocab=32000,
+        vocab=SHAPES["llama2-7b"].vocab,
         seq_len=1 << 20,
         nproc=8,
         settings=[

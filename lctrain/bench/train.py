@@ -23,27 +23,10 @@ import torch
 
 from lctrain.config import load_config
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
+from lctrain.shapes import SHAPES, hf_arch
 from lctrain.train.metrics import device_peak_flops, peak_memory_gb, reset_peak_memory
 
-MODELS = {
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    # Llama-3.2-1B shape with the 32K Mistral vocabulary of the built-in tokenizer
-    "llama-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-}
+MODELS = ("tiny", "llama-1b")  # lctrain.shapes names
 
 
 def bench_mode(mode: str, args, device: torch.device) -> dict:
@@ -52,7 +35,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
 
     gpu = device.type == "cuda"
     zero_stage = 1 if gpu else 0  # bf16 needs ZeRO's fp32 master weights
-    arch = {"model_type": "llama", **MODELS[args.model]}
+    shape = SHAPES[args.model]
     cfg = load_config(
         None,
         [
@@ -61,17 +44,17 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
             "attention.engine=auto",
             f"model.dtype={'bfloat16' if gpu else 'float32'}",
             f"model.gradient_checkpointing={str(gpu).lower()}",
-            f"model.arch={json.dumps(arch)}",
+            f"model.arch={json.dumps(hf_arch(shape))}",
             f"train.global_batch={args.batch}",
             f"train.micro_batch={args.batch}",
             f"parallel.zero_stage={zero_stage}",
         ],
     )
-    trainer = Trainer(cfg, init_topology(cfg), vocab_size=32000)
+    trainer = Trainer(cfg, init_topology(cfg), vocab_size=shape.vocab)
     seg_lens = slimpajama_like_layouts(args.seq_len, args.batch, args.seed)
     windows = [
         {
-            "input_ids": window_ids(seg_lens, vocab=32000, anchor=1, seed=args.seed),
+            "input_ids": window_ids(seg_lens, vocab=shape.vocab, anchor=1, seed=args.seed),
             "seg_lens": [np.array(s) for s in seg_lens],
             "seg_doc": [np.arange(len(s)) for s in seg_lens],
             "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens],
