@@ -185,7 +185,15 @@ def test_ulysses_activations_without_checkpointing_match_the_plan_per_rank(tmp_p
         "parallel.sequence_parallel=2",
         "train.torch_adam=true",
     ]
-    spec = {"arch": bench.ROW_ARCHS["small"], "vocab": 1024, "settings": settings, "nproc": 2, "warmup": 1, "steps": 1, "seed": 0}
+    spec = {
+        "arch": bench.ROW_ARCHS["small"],
+        "vocab": 1024,
+        "settings": settings,
+        "nproc": 2,
+        "warmup": 1,
+        "steps": 1,
+        "seed": 0,
+    }
     rows = []
     args = SimpleNamespace(ladder=False, ladder_step=None, ladder_max=None, time_limit=None)
     bench.launched_rows(args, spec, 32768, tmp_path / "sp.json", rows, {})
@@ -220,7 +228,15 @@ def test_out_of_memory_on_the_launched_ranks_ends_the_ladder(tmp_path, monkeypat
         return Finished({**row, "build_s": 1.0, "device": "simulated"})
 
     monkeypatch.setattr("lctrain.parallel.launch.run_on_ranks", ranks)
-    spec = {"arch": bench.ROW_ARCHS["small"], "vocab": 1024, "settings": [], "nproc": 2, "warmup": 1, "steps": 1, "seed": 0}
+    spec = {
+        "arch": bench.ROW_ARCHS["small"],
+        "vocab": 1024,
+        "settings": [],
+        "nproc": 2,
+        "warmup": 1,
+        "steps": 1,
+        "seed": 0,
+    }
     args = SimpleNamespace(ladder=True, ladder_step=1024, ladder_max=8192, time_limit=None)
     rows, meta = [], {}
     bench.launched_rows(args, spec, 1024, tmp_path / "l.json", rows, meta)

@@ -27,7 +27,8 @@ def test_a_head_dim_other_than_hidden_over_heads_is_kept():
 
 
 def test_base_models_are_known_by_their_hub_names():
-    llama2 = load_config(None, ["model.name_or_path=meta-llama/Llama-2-7b-hf"])
+    llama2 = load_config("llama2_128k_anchor")
+    assert llama2.model.name_or_path == "meta-llama/Llama-2-7b-hf"
     assert shape_without_download(llama2)
     assert model_shape(llama2) == ModelShape(32, 4096, 32, 32, 128, 11008, 32000)  # its config.json
     assert set(HUB_NAMES.values()) <= set(SHAPES)
