@@ -1,0 +1,94 @@
+"""Every GPU-side check and benchmark of lctrain on one CUDA GPU, in stages of at most ~10 minutes, into one report.
+
+    python scripts/gpu_check.py                          # every stage, in order (about 45 minutes on an H100)
+    python scripts/gpu_check.py install tests attention  # some stages; the report keeps the other stages' results
+    python scripts/gpu_check.py --wheels .whl install    # on an offline machine: install what it lacks from wheels
+    python scripts/gpu_check.py wheels --have freeze.txt --dest .whl   # on a connected machine: build that wheelhouse
+
+Stages:
+  install    lctrain and the dependencies the machine lacks, from --wheels (never replacing its torch, numpy, ...)
+  tests      the `-m gpu` tests: every engine against the dense reference, every mode, fwd+bwd, bf16/fp32, GQA
+  attention  scripts/bench_attention.py at 8K/32K/128K, Llama-2-7B head layout: time and fraction of FLOP ideal
+  train      scripts/bench_train.py, a 1B Llama-shaped model at 64K, every mode, bf16, activation checkpointing
+  cli        lctrain prepare + train (ZeRO-1 and ZeRO-3, nccl) + kill -9 + resume to the same losses + eval +
+             diagnose rope, with the bundled config gpu_small_16k
+  rope       the paper's Figure 1 on a Llama-2-7B-shaped model: lctrain diagnose rope at 4096 tokens, fp32 / bf16 /
+             random init, real text (Python's standard library)
+  generation scripts/bench_generation.py, Llama-2-7B shape at 32K/64K/128K prompts: the eval memory plan against the
+             measured peak, prefill and decode time
+  figure6    lctrain estimate --measure with gpu_small_16k at 4K/8K/16K, full and anchor (Figure 6 measured)
+  memory     scripts/bench_memory.py --preset llama2-7b-128k --layers auto --ladder: Llama-2-7B, anchor, bf16 at 128K
+             on one GPU (ZeRO-3, optimizer offloaded, checkpointing, tiled MLP), with as many of its layers as the
+             host holds the optimizer states of, then longer windows until out of memory; the planner's prediction
+             against the measured peak
+
+The report is `--out`/gpu_check.json (merged across invocations, newest result per stage) and gpu_check.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from devtools.gpu_check.report import gpu_meta, merge_report, render_markdown
+from devtools.gpu_check.stages import STAGE_LIMIT_S, STAGES, run_stage, select_stages
+from devtools.gpu_check.wheels import build_wheelhouse
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["wheels"]:
+        ap = argparse.ArgumentParser(
+            prog="gpu_check.py wheels",
+            description="build the wheelhouse for an offline machine from its `pip freeze` (run here, with internet)",
+        )
+        ap.add_argument("--have", required=True, help="the target machine's `python -m pip freeze` output")
+        ap.add_argument("--dest", default=".whl")
+        ap.add_argument("--python-version", default="3.12")
+        ap.add_argument(
+            "--platform",
+            nargs="+",
+            default=["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "linux_x86_64"],
+        )
+        build_wheelhouse(ap.parse_args(argv[1:]))
+        return 0
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("stages", nargs="*", help=f"'all' (default) or some of: {', '.join(STAGES)}")
+    ap.add_argument("--out", default="gpu_report", help="report directory (logs, JSON, markdown)")
+    ap.add_argument("--wheels", default=None, help="wheelhouse for the install stage on an offline machine")
+    ap.add_argument("--stage-limit", type=float, default=STAGE_LIMIT_S, help="seconds per stage")
+    ap.add_argument("--attention-lengths", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--attention-engines", nargs="+", default=["varlen", "sdpa", "flex"])
+    ap.add_argument("--train-seq-len", type=int, default=65536)
+    ap.add_argument("--cli-config", default="gpu_small_16k")
+    ap.add_argument("--kill-step", type=int, default=12)
+    ap.add_argument("--rope-samples", type=int, default=4, help="rope stage: text sequences per case")
+    ap.add_argument("--generation-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
+    ap.add_argument("--memory-steps", type=int, default=2, help="memory stage: timed steps per length")
+    ap.add_argument(
+        "--work",
+        default=None,
+        help="where the cli stage prepares and trains (default OUT/cli_work; a few GB of checkpoints)",
+    )
+    args = ap.parse_args(argv)
+    stages = select_stages(args.stages)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for stage in stages:
+        print(f"[gpu_check] {stage} ...", flush=True)
+        results.append(run_stage(stage, args, out))
+        print(f"[gpu_check] {stage}: {results[-1].status} in {results[-1].seconds:.0f} s", flush=True)
+        report = merge_report(out / "gpu_check.json", results, gpu_meta())
+        (out / "gpu_check.md").write_text(render_markdown(report))
+    print((out / "gpu_check.md").read_text())
+    return 0 if all(r.status == "passed" for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

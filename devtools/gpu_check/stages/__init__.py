@@ -1,0 +1,62 @@
+"""The stages by name, and running one into its StageResult."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from devtools.gpu_check.result import STAGES, StageResult
+from devtools.gpu_check.runner import Runner
+from devtools.gpu_check.stages.benchmarks import (
+    stage_attention,
+    stage_figure6,
+    stage_generation,
+    stage_memory,
+    stage_train,
+)
+from devtools.gpu_check.stages.end_to_end import stage_cli
+from devtools.gpu_check.stages.gpu_tests import stage_tests
+from devtools.gpu_check.stages.install import stage_install
+from devtools.gpu_check.stages.rope import stage_rope
+
+STAGE_LIMIT_S = 570  # one stage fits a 10-minute slot with room for the interpreter start and the report
+
+
+def select_stages(names: list[str]) -> list[str]:
+    """Stage names (or 'all', or none) -> the stages to run, in their canonical order."""
+    if not names or names == ["all"]:
+        return list(STAGES)
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        raise SystemExit(
+            f"gpu_check: unknown stage {', '.join(unknown)}; expected 'all' or some of {', '.join(STAGES)}"
+        )
+    return [s for s in STAGES if s in names]
+
+
+STAGE_FNS: dict[str, Callable] = {
+    "install": stage_install,
+    "tests": stage_tests,
+    "attention": stage_attention,
+    "train": stage_train,
+    "cli": stage_cli,
+    "rope": stage_rope,
+    "generation": stage_generation,
+    "figure6": stage_figure6,
+    "memory": stage_memory,
+}
+
+
+def run_stage(stage: str, args, out: Path) -> StageResult:
+    result = StageResult(stage)
+    runner = Runner(result, out, args.stage_limit)
+    runner.log.write_text("")
+    t0 = time.monotonic()
+    try:
+        STAGE_FNS[stage](runner, args)
+    except Exception as e:  # a stage that breaks is reported, and the next stage still runs
+        result.status = "error"
+        result.notes.append(f"{type(e).__name__}: {e}")
+    result.seconds = time.monotonic() - t0
+    return result

@@ -1,0 +1,123 @@
+"""The cli stage: lctrain prepare, train (ZeRO-1 and ZeRO-3), kill -9 and resume to the same losses, eval and
+diagnose rope, with a bundled config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from devtools.gpu_check.runner import Runner, lctrain_cli
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+            out[int(rec["step"])] = float(rec["loss"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def compare_losses(a: dict[int, float], b: dict[int, float]) -> dict:
+    """Steps both runs logged, how many agree bit for bit, and the largest relative difference."""
+    steps = sorted(set(a) & set(b))
+    rel = [abs(a[s] - b[s]) / max(abs(a[s]), 1e-12) for s in steps]
+    return {"steps": len(steps), "identical": sum(a[s] == b[s] for s in steps), "max_rel_diff": max(rel, default=0.0)}
+
+
+def kill_after_step(run: Runner, cmd: list[str], run_dir: Path, step: int, cwd: Path) -> bool:
+    """Start a training command, SIGKILL its whole process group once `step` is in metrics.jsonl. False if it ended
+    before that."""
+    proc = run.start(cmd, cwd)
+    while proc.poll() is None:
+        if max(read_losses(run_dir), default=0) >= step:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        if run.remaining() < 0:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise TimeoutError(run.timeout_note())
+        time.sleep(0.5)
+    return False
+
+
+# Losses of the same config on the same GPU: bf16 kernels with atomics (FlashAttention's backward) are not
+# bit-reproducible, so a resumed run is held to run-to-run noise, and ZeRO-3 (other reduction order) likewise.
+RESUME_MAX_REL = 1e-2
+
+
+def stage_cli(run: Runner, args) -> None:
+    r = run.result
+    work = Path(args.work) if args.work else run.log.parent / "cli_work"
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = ["-c", args.cli_config, "--set", f"data.output_dir={work / 'prepared'}"]
+    run.run(lctrain_cli() + ["prepare", *cfg], cwd=work)
+    runs = {z: work / f"zero{z}" for z in ("1", "3")}
+    for z, rd in runs.items():
+        run.run(
+            lctrain_cli()
+            + ["train", *cfg, "--set", f"parallel.zero_stage={z}", "--set", f"train.run_dir={rd}", "--force"],
+            cwd=work,
+        )
+    killed = work / "zero1_killed"
+    cmd = lctrain_cli() + [
+        "train",
+        *cfg,
+        "--set",
+        "parallel.zero_stage=1",
+        "--set",
+        f"train.run_dir={killed}",
+        "--force",
+    ]
+    if not kill_after_step(run, cmd, killed, args.kill_step, work):
+        r.fail(f"the run to kill finished before step {args.kill_step}")
+    run.run(lctrain_cli() + ["resume", str(killed)], cwd=work)
+    losses = {name: read_losses(rd) for name, rd in [("zero1", runs["1"]), ("zero3", runs["3"]), ("resumed", killed)]}
+    r.columns = ["comparison", "steps", "bit-identical", "max rel diff", "limit"]
+    for name, other in (
+        (f"zero1 killed at step {args.kill_step} + resumed vs uninterrupted", "resumed"),
+        ("zero3 vs zero1", "zero3"),
+    ):
+        c = compare_losses(losses["zero1"], losses[other])
+        r.rows.append([name, c["steps"], c["identical"], c["max_rel_diff"], RESUME_MAX_REL])
+        if c["steps"] == 0 or c["max_rel_diff"] > RESUME_MAX_REL:
+            r.fail(f"{name}: {c}")
+    r.data["losses"] = losses
+    last = max(losses["zero1"], default=None)
+    r.notes.append(f"zero1 loss: step 1 {losses['zero1'].get(1)}, step {last} {losses['zero1'].get(last)}")
+    metrics = [json.loads(x) for x in (runs["1"] / "metrics.jsonl").read_text().splitlines()]
+    r.notes.append(
+        f"zero1 last step: {metrics[-1]['tokens_per_s']:,.0f} tokens/s, peak {metrics[-1]['peak_mem_gb']:.2f} GB"
+    )
+    run.run(lctrain_cli() + ["eval", str(runs["1"])], cwd=work)
+    results = json.loads((runs["1"] / "eval" / "results.json").read_text())
+    r.data["eval"] = {k: v for k, v in results.items() if k != "predictions"}
+    hf = sorted((runs["1"] / "hf").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    run.run(
+        lctrain_cli()
+        + [
+            "diagnose",
+            "rope",
+            str(hf[-1]),
+            "--text",
+            str(work / "prepared"),
+            "--samples",
+            "4",
+            "--seq-len",
+            "1024",
+            "--max-len",
+            "4096",
+            "--out",
+            str(work / "diagnose"),
+        ],
+        cwd=work,
+    )
+    r.notes.append(f"eval and diagnose rope ran; outputs in {work}")
