@@ -4,11 +4,10 @@
 calls `function(request)` and rank 0's return value comes back as `Finished(result)`. The ranks report through files
 in `workdir` (shared by every node, as a run directory is), so the caller gets typed outcomes instead of exit codes:
 an out-of-memory on any rank is `OutOfMemory`, a rank's UserError is raised here as that UserError, anything else is
-`RanksFailed` with the launcher's exit code. This module knows none of its callers (`lctrain check sp`, the memory
-benchmark, training).
+`RanksFailed` with the launcher's exit code. This module knows none of its callers.
 
-`worker_command`, `run_workers` and `worker_main` are training's own launch (`lctrain.train.worker`) until it runs on
-`run_on_ranks` too."""
+`run_workers` and `worker_main` serve training's launch of `lctrain.train.worker` until training, too, runs on
+`run_on_ranks`."""
 
 from __future__ import annotations
 
