@@ -19,6 +19,7 @@ from lctrain.config import bundled_config_names, load_config, write_resolved
 from lctrain.errors import UserError
 from lctrain.eval.ruler import scan_task, select_task_set
 from lctrain.eval.runner import evaluate, resolve_target
+from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer
 
 RULER_13 = [
@@ -103,9 +104,9 @@ def ruler_run(tmp_path_factory, tok, one_thread):
     for step in STEPS:
         cfg.seed = step
         model = build_model(cfg, vocab_size=len(tok)).model.eval()
-        model.save_pretrained(run / "hf" / f"step_{step}")
+        model.save_pretrained(RunDir(run).export(step))
         model.set_attn_implementation("sdpa")  # as `lctrain eval` loads a checkpoint: one causal prompt
-        tok.save_pretrained(run / "hf" / f"step_{step}")
+        tok.save_pretrained(RunDir(run).export(step))
         models[f"step_{step}"] = model
 
     def complete(model, prompt, n):
