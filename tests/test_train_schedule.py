@@ -1,6 +1,5 @@
 """Pure parts of training: schedules, the data order, sequence sharding, the DeepSpeed config, the chunked loss."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
