@@ -322,7 +322,7 @@ def test_malformed_data_is_one_line(ruler_run, tmp_path, content, message):
             app,
             [
                 "eval",
-                str(run / "hf" / "step_10"),
+                str(RunDir(run).export(10)),
                 "--ruler-data",
                 str(tmp_path / "synthetic"),
                 "--out",
@@ -335,7 +335,7 @@ def test_malformed_data_is_one_line(ruler_run, tmp_path, content, message):
 
 def test_no_usable_data_is_one_line(ruler_run, tmp_path):
     run, data, _ = ruler_run
-    model = str(run / "hf" / "step_10")
+    model = str(RunDir(run).export(10))
     (tmp_path / "empty").mkdir()
     cases = [
         ([model, "--ruler-data", str(tmp_path / "nowhere")], "no such directory"),
@@ -350,7 +350,7 @@ def test_no_usable_data_is_one_line(ruler_run, tmp_path):
 def test_offline_suite_says_it_is_not_ruler_and_names_missing_qa(ruler_run, tmp_path, one_thread):
     run, _, _ = ruler_run
     out = evaluate(
-        resolve_target(run / "hf" / "step_10"),
+        resolve_target(RunDir(run).export(10)),
         lengths=[512],
         tasks=["vt", "qa_1", "qa_2"],
         samples=1,
