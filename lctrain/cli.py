@@ -83,7 +83,7 @@ def train(
 ):
     """Train with DeepSpeed (ZeRO, Ulysses sequence parallel); relaunches itself when the config asks for several
     processes. Writes config.yaml, metrics.jsonl, checkpoints/ and hf/step_N/ into the run directory."""
-    from lctrain.train.trainer import train as run_train
+    from lctrain.train.command import train as run_train
 
     run_train(load_config(config, list(set_ or [])), force=force)
 
@@ -92,7 +92,7 @@ def train(
 @user_errors
 def resume(run_dir: Annotated[str, typer.Argument(help="run directory written by `lctrain train`")]):
     """Continue a stopped or killed run from its last complete checkpoint; needs nothing but the run directory."""
-    from lctrain.train.trainer import resume as run_resume
+    from lctrain.train.command import resume as run_resume
 
     run_resume(run_dir)
 

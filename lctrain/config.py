@@ -260,7 +260,26 @@ class Config(_Section):
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
     source_file: str | None = Field(None, description="where this config was loaded from (set by the loader)")
+    workdir: str | None = Field(
+        None,
+        description="the directory relative paths in this config resolve against; None = the current one. A run "
+        "directory's config.yaml records where `lctrain train` ran, so the run resumes from anywhere",
+    )
 
+    def resolve_path(self, value: str | Path) -> Path:
+        """A path setting of this config (data.path, data.output_dir, parallel.hostfile, ...), relative to `workdir`."""
+        path = Path(value)
+        return path if path.is_absolute() or self.workdir is None else Path(self.workdir) / path
+
+    def resolve_source(self, spec: str) -> str:
+        """A tokenizer or model setting: the local file or directory it names when there is one (relative to
+        `workdir`), else the setting itself (a hub name, a `builtin:` tokenizer)."""
+        local = self.resolve_path(spec)
+        return str(local) if self.workdir is not None and local.exists() else spec
+
+
+# Fields about a config rather than settings of the run: in no fingerprint, no comparison, no printed config.
+NOT_SETTINGS = frozenset({"source_file", "workdir"})
 
 # ---------------------------------------------------------------- loading
 
@@ -392,7 +411,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     loc = tuple(p for p in e["loc"])
     key = ".".join(str(p) for p in loc) or "(top level)"
     if e["type"] == "extra_forbidden":
-        allowed = ", ".join(k for k in _allowed_keys(Config, loc) if k != "source_file")
+        allowed = ", ".join(k for k in _allowed_keys(Config, loc) if k not in NOT_SETTINGS)
         return f"{source}: unknown key '{key}'; allowed keys here: {allowed}"
     if e["type"] == "literal_error":
         return f"{source}: {key} = {e.get('input')!r} is not allowed; expected {e['ctx']['expected']}"
@@ -423,10 +442,11 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
 
 def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...], why: str) -> Config:
     """`cfg` with `--set`-style overrides applied and validated again (a stage deriving the config it runs: a measured
-    point, a sequence-parallel check); `why` names the derivation in error messages. Keeps `source_file`."""
-    raw = apply_overrides(cfg.model_dump(mode="json", exclude={"source_file"}), overrides)
+    point, a sequence-parallel check); `why` names the derivation in error messages. Keeps `source_file` and
+    `workdir`."""
+    raw = apply_overrides(settings(cfg), overrides)
     derived = validate(raw, f"{cfg.source_file or 'config'} ({why})")
-    derived.source_file = cfg.source_file
+    derived.source_file, derived.workdir = cfg.source_file, cfg.workdir
     return derived
 
 
@@ -440,8 +460,13 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def settings(cfg: Config) -> dict:
+    """The run's settings as JSON values: what fingerprints, checkpoints and comparisons see."""
+    return cfg.model_dump(mode="json", exclude=set(NOT_SETTINGS))
+
+
 def config_fingerprint(cfg: Config) -> str:
-    return _digest(cfg.model_dump(mode="json", exclude={"source_file"}))
+    return _digest(settings(cfg))
 
 
 def data_fingerprint(data: DataConfig) -> str:
@@ -452,8 +477,8 @@ def data_dir(cfg: Config) -> Path:
     """Where the prepared dataset of this config lives: `data.output_dir`, else one directory per data fingerprint,
     so configs that differ only in training settings share one prepared dataset."""
     if cfg.data.output_dir:
-        return Path(cfg.data.output_dir)
-    return Path("prepared") / data_fingerprint(cfg.data)[:12]
+        return cfg.resolve_path(cfg.data.output_dir)
+    return cfg.resolve_path("prepared") / data_fingerprint(cfg.data)[:12]
 
 
 def reread_warning(cfg: Config, windows: int) -> str | None:
@@ -474,11 +499,14 @@ def reread_warning(cfg: Config, windows: int) -> str | None:
 
 
 def run_dir(cfg: Config) -> Path:
-    return Path(cfg.train.run_dir) if cfg.train.run_dir else Path("runs") / cfg.name
+    return cfg.resolve_path(cfg.train.run_dir) if cfg.train.run_dir else cfg.resolve_path("runs") / cfg.name
 
 
-def to_yaml(cfg: Config) -> str:
-    body = yaml.safe_dump(cfg.model_dump(mode="json", exclude={"source_file"}), sort_keys=False)
+def to_yaml(cfg: Config, *, workdir: bool = False) -> str:
+    """The resolved config; with `workdir`, also where its relative paths resolve (a run directory's copy)."""
+    body = yaml.safe_dump(settings(cfg), sort_keys=False)
+    if workdir:
+        body += yaml.safe_dump({"workdir": str(Path(cfg.workdir or ".").absolute())})
     return f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n{body}"
 
 

@@ -41,9 +41,10 @@ from dataclasses import dataclass
 from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
 from lctrain.model import auto_mlp_shards
-from lctrain.parallel.layout import ParallelLayout, layout_of
+from lctrain.parallel.layout import ParallelLayout
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
 from lctrain.train.loss import positions_per_chunk
+from lctrain.train.runplan import RunPlan
 
 GB = 1e9
 # The CUDA context (about 0.5 GB on Hopper with lazy module loading), cuBLAS workspaces and the NCCL communicators'
@@ -311,9 +312,10 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
 
 def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
     """The memory of one rank of `cfg` (a model of `shape`) on a GPU, or with `gpu=False` on the CPU."""
-    layout = layout_of(cfg)
+    plan = RunPlan.of(cfg)
+    layout = plan.layout
     torch_adam = uses_torch_adam(cfg, gpu)
-    ds_config = deepspeed_config(cfg, layout, gpu=gpu)
+    ds_config = deepspeed_config(cfg, plan, gpu=gpu)
     items = (
         model_state_items(
             shape,

@@ -141,7 +141,7 @@ def load_hf_config(cfg: Config):
         except (ValueError, TypeError, ZeroDivisionError, StrictDataclassError) as e:
             raise UserError(f"model.arch: cannot build a '{model_type}' config ({' '.join(str(e).split())})") from None
     try:
-        return AutoConfig.from_pretrained(cfg.model.name_or_path)
+        return AutoConfig.from_pretrained(cfg.resolve_source(cfg.model.name_or_path))
     except (OSError, ValueError, StrictDataclassError) as e:
         raise UserError(
             f"model.name_or_path = '{cfg.model.name_or_path}' cannot be loaded as a Hugging Face model "
@@ -153,7 +153,7 @@ def load_hf_config(cfg: Config):
 def shape_without_download(cfg: Config) -> bool:
     """Whether the model's shape is known here: `model.arch`, a local directory or a known base model."""
     name = cfg.model.name_or_path
-    return cfg.model.arch is not None or Path(name).is_dir() or name in HUB_NAMES
+    return cfg.model.arch is not None or Path(cfg.resolve_source(name)).is_dir() or name in HUB_NAMES
 
 
 def model_shape(cfg: Config):
@@ -162,13 +162,13 @@ def model_shape(cfg: Config):
     from lctrain.costmodel import ModelShape
 
     name = cfg.model.name_or_path
-    if name in HUB_NAMES and not Path(name).exists():
+    if name in HUB_NAMES and not cfg.resolve_path(name).exists():
         return SHAPES[HUB_NAMES[name]]
     hf = load_hf_config(cfg)
     if cfg.model.arch is not None and "vocab_size" not in cfg.model.arch:
         from lctrain.tokenizer import load_tokenizer
 
-        hf.vocab_size = len(load_tokenizer(cfg.data.tokenizer))  # as build_model sizes it
+        hf.vocab_size = len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))  # as build_model sizes it
     return ModelShape.from_hf_config(hf)
 
 
@@ -245,7 +245,7 @@ def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str):
 def _check_anchor(cfg: Config, vocab: int) -> None:
     from lctrain.tokenizer import anchor_token_id, load_tokenizer
 
-    anchor = anchor_token_id(load_tokenizer(cfg.data.tokenizer))
+    anchor = anchor_token_id(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))
     if not 0 <= anchor < vocab:
         raise UserError(
             f"the anchor token id {anchor} of data.tokenizer '{cfg.data.tokenizer}' is outside the "
@@ -274,7 +274,7 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
         if vocab_size is None and "vocab_size" not in cfg.model.arch:
             from lctrain.tokenizer import load_tokenizer
 
-            hf_config.vocab_size = len(load_tokenizer(cfg.data.tokenizer))
+            hf_config.vocab_size = len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))
         # A seeded init that leaves the caller's RNG streams untouched: every rank builds the same weights. It runs on
         # the training device: a random Llama-2-7B takes minutes to initialise on a host's cores, milliseconds on a GPU.
         device = torch.device(device)
@@ -284,7 +284,7 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.model.name_or_path, config=hf_config, dtype=dtype, attn_implementation=impl
+                cfg.resolve_source(cfg.model.name_or_path), config=hf_config, dtype=dtype, attn_implementation=impl
             )
         except OSError as e:  # a directory with a config.json but no (complete) weights
             raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}': cannot load the weights ({e})") from None

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from lctrain.config import load_config
-from lctrain.train.trainer import train
+from lctrain.train.command import train
 
 
 def main(argv: list[str]) -> None:

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.errors import environment_error_message
+from lctrain.rundir import RunDir
 
 TINY = [
     "data.seq_len=128",
@@ -63,7 +64,7 @@ def test_train_on_a_full_disk_names_the_step_and_resume(data_dir, tmp_path, monk
 
 def test_unwritable_metrics_is_one_line(data_dir, tmp_path):
     run_dir = tmp_path / "run"
-    (run_dir / "metrics.jsonl").mkdir(parents=True)  # cannot be appended to (as a read-only file cannot)
+    RunDir(run_dir).metrics_file.mkdir(parents=True)  # cannot be appended to (as a read-only file cannot)
     line = one_error_line(
         CliRunner().invoke(
             app, ["train"] + set_args(TINY + [f"data.output_dir={data_dir}", f"train.run_dir={run_dir}"])

@@ -26,6 +26,7 @@ from lctrain.eval.harness import (  # noqa: E402
     run_harness,
 )
 from lctrain.eval.runner import load_model, resolve_target  # noqa: E402
+from lctrain.rundir import RunDir  # noqa: E402
 from lctrain.tokenizer import builtin_model_file, load_tokenizer  # noqa: E402
 
 TINY = [
@@ -94,8 +95,8 @@ def run_dir(tmp_path_factory):
     for step in STEPS:
         cfg.seed = step
         model = build_model(cfg, vocab_size=len(tok)).model
-        model.save_pretrained(run / "hf" / f"step_{step}")
-        tok.save_pretrained(run / "hf" / f"step_{step}")
+        model.save_pretrained(RunDir(run).export(step))
+        tok.save_pretrained(RunDir(run).export(step))
     write_tasks(root)
     return run
 
@@ -103,7 +104,7 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny(run_dir):
     tok = load_tokenizer(load_config(str(run_dir / "config.yaml")).data.tokenizer)
-    return load_model(run_dir / "hf" / f"step_{STEPS[0]}", "cpu"), tok
+    return load_model(RunDir(run_dir).export(STEPS[0]), "cpu"), tok
 
 
 def ids_of(tok, text: str) -> list[int]:
@@ -216,7 +217,7 @@ def test_run_scores_every_checkpoint_and_averages(run_dir, capsys):
     assert report["checkpoints"] == [f"step_{s}" for s in STEPS]
     tok = load_tokenizer(target.cfg.data.tokenizer)
     for step in STEPS:
-        model = load_model(run_dir / "hf" / f"step_{step}", "cpu")
+        model = load_model(RunDir(run_dir).export(step), "cpu")
         correct = 0
         for d in MC_DOCS:
             scores = []

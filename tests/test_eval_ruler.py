@@ -19,6 +19,7 @@ from lctrain.config import bundled_config_names, load_config, write_resolved
 from lctrain.errors import UserError
 from lctrain.eval.ruler import scan_task, select_task_set
 from lctrain.eval.runner import evaluate, resolve_target
+from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer
 
 RULER_13 = [
@@ -103,9 +104,9 @@ def ruler_run(tmp_path_factory, tok, one_thread):
     for step in STEPS:
         cfg.seed = step
         model = build_model(cfg, vocab_size=len(tok)).model.eval()
-        model.save_pretrained(run / "hf" / f"step_{step}")
+        model.save_pretrained(RunDir(run).export(step))
         model.set_attn_implementation("sdpa")  # as `lctrain eval` loads a checkpoint: one causal prompt
-        tok.save_pretrained(run / "hf" / f"step_{step}")
+        tok.save_pretrained(RunDir(run).export(step))
         models[f"step_{step}"] = model
 
     def complete(model, prompt, n):
@@ -321,7 +322,7 @@ def test_malformed_data_is_one_line(ruler_run, tmp_path, content, message):
             app,
             [
                 "eval",
-                str(run / "hf" / "step_10"),
+                str(RunDir(run).export(10)),
                 "--ruler-data",
                 str(tmp_path / "synthetic"),
                 "--out",
@@ -334,7 +335,7 @@ def test_malformed_data_is_one_line(ruler_run, tmp_path, content, message):
 
 def test_no_usable_data_is_one_line(ruler_run, tmp_path):
     run, data, _ = ruler_run
-    model = str(run / "hf" / "step_10")
+    model = str(RunDir(run).export(10))
     (tmp_path / "empty").mkdir()
     cases = [
         ([model, "--ruler-data", str(tmp_path / "nowhere")], "no such directory"),
@@ -349,7 +350,7 @@ def test_no_usable_data_is_one_line(ruler_run, tmp_path):
 def test_offline_suite_says_it_is_not_ruler_and_names_missing_qa(ruler_run, tmp_path, one_thread):
     run, _, _ = ruler_run
     out = evaluate(
-        resolve_target(run / "hf" / "step_10"),
+        resolve_target(RunDir(run).export(10)),
         lengths=[512],
         tasks=["vt", "qa_1", "qa_2"],
         samples=1,

@@ -18,6 +18,7 @@ from lctrain.config import load_config, write_resolved
 from lctrain.errors import UserError
 from lctrain.eval.perplexity import heldout_rows, perplexity
 from lctrain.eval.runner import evaluate, load_model, parse_lengths, resolve_target
+from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer
 
 TINY = [
@@ -57,8 +58,8 @@ def run_dir(tmp_path_factory):
     for step in STEPS:
         cfg.seed = step  # distinct weights per checkpoint
         model = build_model(cfg, vocab_size=len(tok)).model
-        model.save_pretrained(run / "hf" / f"step_{step}")
-        tok.save_pretrained(run / "hf" / f"step_{step}")
+        model.save_pretrained(RunDir(run).export(step))
+        tok.save_pretrained(RunDir(run).export(step))
     return run
 
 
@@ -126,7 +127,7 @@ def test_perplexity_on_heldout_windows(evaluated, run_dir):
     assert ppl["windows"] == 2 and set(ppl["per_checkpoint"]) == {f"step_{s}" for s in STEPS}
 
     # independent reference: HF's own shifted loss with anchors and tags masked in the labels
-    model = load_model(run_dir / "hf" / f"step_{STEPS[0]}", "cpu")
+    model = load_model(RunDir(run_dir).export(STEPS[0]), "cpu")
     nll, count = 0.0, 0
     for r in rows[:2]:
         w = packed[r]
@@ -151,7 +152,7 @@ def test_no_heldout_windows_says_so():
 
 def test_model_dir_and_out(run_dir, tmp_path):
     out = evaluate(
-        resolve_target(run_dir / "hf" / f"step_{STEPS[1]}"), lengths=[512], tasks=["vt"], samples=1, out=tmp_path / "o"
+        resolve_target(RunDir(run_dir).export(STEPS[1])), lengths=[512], tasks=["vt"], samples=1, out=tmp_path / "o"
     )
     results = json.loads((out / "results.json").read_text())
     assert results["kind"] == "model" and results["checkpoints"] == [f"step_{STEPS[1]}"]
@@ -187,8 +188,8 @@ def test_resolve_target_orders_steps(tmp_path):
     run = tmp_path / "r"
     write_resolved(load_config(None), run)
     for s in (100, 20, 3):
-        (run / "hf" / f"step_{s}").mkdir(parents=True)
-        (run / "hf" / f"step_{s}" / "config.json").write_text("{}")
+        RunDir(run).export(s).mkdir(parents=True)
+        (RunDir(run).export(s) / "config.json").write_text("{}")
     (run / "hf" / "step_x").mkdir()
     assert [c for c, _ in resolve_target(run).checkpoints] == ["step_3", "step_20", "step_100"]
 

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.reports.estimate import estimate
+from lctrain.rundir import RunDir
 
 TINY = [
     "model.arch.hidden_size=64",
@@ -64,13 +65,13 @@ def test_every_point_is_a_real_run_timed_from_its_metrics(measured):
     ]
     for p in res["points"]:
         run = work / f"{p['mode']}_{p['seq_len']}"
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in RunDir(run).metrics_file.read_text().splitlines()]
         assert [r["step"] for r in records] == [1, 2, 3]
         step_time = statistics.fmean(r["step_time_s"] for r in records[1:])
         tokens = 2 * p["seq_len"]
         assert p["tokens_per_step"] == tokens and p["steps_timed"] == 2
         assert p["days_per_1b_tokens"] == pytest.approx(1e9 * step_time / tokens / 86400)
-        assert not (run / "checkpoints").exists() and not (run / "hf").exists()
+        assert not RunDir(run).checkpoints.exists() and not RunDir(run).exports_dir.exists()
         assert p["ratio"] == pytest.approx(p["days_per_1b_tokens"] / p["predicted_days_per_1b_tokens"])
     assert (work / "figure6.png").stat().st_size > 0
 

@@ -15,6 +15,7 @@ from train_helpers import clean_env, set_args
 
 from lctrain.errors import UserError
 from lctrain.lifetime import RunLock
+from lctrain.rundir import RunDir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LONG = ["train.steps=500", "checkpoint.every_steps=1000", "checkpoint.hf_last=0"]
@@ -39,7 +40,7 @@ def start(cmd: list[str]) -> subprocess.Popen:
 
 
 def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunDir(run_dir).metrics_file
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= n:
@@ -161,5 +162,5 @@ def test_retry_after_a_kill_before_the_first_checkpoint_starts_a_clean_run(data_
         timeout=300,
     )
     assert retry.returncode == 0, retry.stderr[-3000:]
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in RunDir(run_dir).metrics_file.read_text().splitlines()]
     assert steps == [1, 2]

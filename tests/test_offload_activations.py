@@ -134,7 +134,7 @@ def workdir(tmp_path_factory):
 
 
 def _train(workdir: Path, name: str, extra: list[str]) -> list[float]:
-    from lctrain.train.trainer import train
+    from lctrain.train.command import train
 
     return losses(train(load_config(None, overrides(workdir / "data", workdir / name) + extra)))
 

@@ -11,7 +11,8 @@ from lctrain.data.store import open_packed
 from lctrain.data.synthetic import generate
 from lctrain.model import build_model
 from lctrain.tokenizer import builtin_model_file
-from lctrain.train.trainer import param_groups, preflight
+from lctrain.train.command import preflight
+from lctrain.train.trainer import param_groups
 
 SHARES = {"CommonCrawl": 0.35, "C4": 0.25, "GitHub": 0.15, "Wikipedia": 0.15, "StackExchange": 0.1}
 SYNTHETIC = dict(seed=0, median_words=10, max_words=200, long_doc_fraction=0.01)

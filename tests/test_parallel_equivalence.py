@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import metric_records, prepared_workdir, reference_run, run_cli_train
 
+from lctrain.rundir import RunDir
+
 STEPS = 4
 LR = 3e-3
 ARCH = (
@@ -74,9 +76,9 @@ LOSS_RTOL, GRAD_NORM_RTOL, UPDATE_RTOL = 1e-5, 1e-3, 1e-2
 
 def weight_mismatches(run_dir: Path, ref_dir: Path) -> list[str]:
     """Tensors of the final HF checkpoint whose difference from the reference exceeds the bounds above."""
-    a = load_file(run_dir / "hf" / f"step_{STEPS}" / "model.safetensors")
-    b = load_file(ref_dir / "hf" / f"step_{STEPS}" / "model.safetensors")
-    before = load_file(ref_dir / "hf" / f"step_{STEPS - 2}" / "model.safetensors")
+    a = load_file(RunDir(run_dir).export(STEPS) / "model.safetensors")
+    b = load_file(RunDir(ref_dir).export(STEPS) / "model.safetensors")
+    before = load_file(RunDir(ref_dir).export(STEPS - 2) / "model.safetensors")
     assert a.keys() == b.keys()
     bad = []
     for k in b:
@@ -131,7 +133,7 @@ def test_a_wrong_sequence_layout_fails_the_comparison(reference, workdir, monkey
 
     monkeypatch.setattr(trainer, "make_batch", halves_only)  # where the trainer looks it up
     from lctrain.config import load_config
-    from lctrain.train.trainer import train
+    from lctrain.train.command import train
 
     wrong = train(load_config(None, overrides(workdir / "data", workdir / "wrong_layout")))
     with pytest.raises(AssertionError):
@@ -156,8 +158,9 @@ def test_ulysses_sp2_with_zero3_matches_one_process(reference, workdir):
             "parallel.launcher=torchrun",
         ],
     )
-    assert json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())["sp"] == 2
-    assert len(list((run_dir / "checkpoints" / "step_00000004").glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    checkpoint = RunDir(run_dir).checkpoint(4)
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["sp"] == 2
+    assert len(list(checkpoint.glob("zero_pp_rank_*_optim_states.pt"))) == 2
     assert_matches(run_dir, reference)
 
 

@@ -10,7 +10,7 @@ import pytest
 from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.parallel import groups
-from lctrain.train.trainer import launcher_command
+from lctrain.train.command import launcher_command
 
 
 def test_torchrun_command_runs_the_worker_module_on_every_process():

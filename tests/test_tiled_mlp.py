@@ -146,7 +146,7 @@ LOSS_RTOL = 1e-5
 def test_training_with_tiled_mlp_has_the_same_losses(reference, workdir, monkeypatch):
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
-    from lctrain.train.trainer import train
+    from lctrain.train.command import train
 
     shard_counts = []
     apply = TiledMLP.apply

@@ -9,6 +9,7 @@ from lctrain.data.mixture import Mixture
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.train.data import BatchPlan
 from lctrain.train.deepspeed_config import deepspeed_config
+from lctrain.train.runplan import RunPlan
 from lctrain.train.schedule import hf_checkpoint_steps
 
 # (query heads, KV heads) of the paper's models, from their published config.json files (no hub access in tests).
@@ -33,7 +34,7 @@ def test_bundled_config_is_valid_and_runnable(name):
     assert cfg.name == name
     assert cfg.description and "\n" not in cfg.description
     layout = layout_of(cfg)
-    ds = deepspeed_config(cfg, layout, gpu=True)
+    ds = deepspeed_config(cfg, RunPlan.of(cfg, layout), gpu=True)
     assert ds["train_batch_size"] == cfg.train.global_batch
     assert BatchPlan.of(cfg, layout).grad_accum >= 1
     if cfg.model.arch is not None:

@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
+from lctrain.rundir import RunDir, step_name
 from lctrain.train import checkpoint as ckpt
 
 STEPS = 8
@@ -70,7 +71,7 @@ def reference(workdir):
 
 
 def final_state(run_dir: Path) -> dict:
-    path = ckpt.checkpoints_dir(run_dir) / ckpt.step_name(STEPS)
+    path = RunDir(run_dir).checkpoint(STEPS)
     return torch.load(path / "mp_rank_00_model_states.pt", weights_only=False)
 
 
@@ -88,8 +89,8 @@ def assert_same_end(run_dir: Path, ref_dir: Path) -> None:
     from safetensors.torch import load_file
 
     for step in (6, 8):
-        a = load_file(run_dir / "hf" / f"step_{step}" / "model.safetensors")
-        b = load_file(ref_dir / "hf" / f"step_{step}" / "model.safetensors")
+        a = load_file(RunDir(run_dir).export(step) / "model.safetensors")
+        b = load_file(RunDir(ref_dir).export(step) / "model.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in b)
 
 
@@ -112,21 +113,21 @@ def start_killed_in_checkpoint(workdir: Path, run_dir: Path, step: int) -> subpr
 
 
 def test_run_directory_metrics_and_checkpoints(reference):
-    rd = reference
-    assert load_config(str(rd / "config.yaml")).train.steps == STEPS
-    records = metric_records(rd)
+    rd = RunDir(reference)
+    assert load_config(str(rd.config_file)).train.steps == STEPS
+    records = metric_records(reference)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_mem_gb"):
         assert all(r[key] is not None for r in records), key
     assert records[0]["lr"] == pytest.approx(0.5e-3) and records[-1]["lr"] == pytest.approx(1e-3)
     assert records[-1]["tokens"] == STEPS * 2 * 128
     # keep=2: only the two newest resume checkpoints survive; `latest` names the last
-    names = sorted(p.name for p in ckpt.checkpoints_dir(rd).glob("step_*"))
-    assert names == [ckpt.step_name(6), ckpt.step_name(8)]
-    assert (ckpt.checkpoints_dir(rd) / "latest").read_text().strip() == ckpt.step_name(8)
+    names = sorted(p.name for p in rd.checkpoints.glob("step_*"))
+    assert names == [step_name(6), step_name(8)] == ["step_6", "step_8"]
+    assert (rd.checkpoints / "latest").read_text().strip() == step_name(8)
     state = ckpt.read_state(ckpt.latest_checkpoint(rd))
     assert state["step"] == STEPS and state["windows_consumed"] == STEPS * 2
-    assert sorted(p.name for p in (rd / "hf").iterdir()) == ["step_6", "step_8"]
+    assert sorted(p.name for p in rd.exports_dir.iterdir()) == ["step_6", "step_8"]
 
 
 def test_hf_checkpoint_loads_and_matches_the_training_loss(reference, workdir):
@@ -136,7 +137,7 @@ def test_hf_checkpoint_loads_and_matches_the_training_loss(reference, workdir):
     from lctrain.data.store import open_packed
     from lctrain.train.loss import CausalLMLossSum
 
-    hf = reference / "hf" / f"step_{STEPS}"
+    hf = RunDir(reference).export(STEPS)
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(hf)
     assert tok.bos_token_id == 1 and model.config.vocab_size == 32000
@@ -156,7 +157,7 @@ def test_sigkill_at_a_random_step_then_resume_matches(reference, workdir):
     run_dir = workdir / "killed_random"
     kill_after = random.Random().randint(3, 6)
     proc = start_cli_train(workdir, run_dir)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunDir(run_dir).metrics_file
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_after:
@@ -173,10 +174,10 @@ def test_sigkill_inside_a_checkpoint_write_then_resume_matches(reference, workdi
     run_dir = workdir / "killed_in_checkpoint"
     proc = start_killed_in_checkpoint(workdir, run_dir, 4)
     assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
-    root = ckpt.checkpoints_dir(run_dir)
-    assert (root / ckpt.LATEST).read_text().strip() == ckpt.step_name(2)
-    assert (root / (ckpt.TMP_PREFIX + ckpt.step_name(4))).is_dir()  # the half-written one
-    assert ckpt.latest_checkpoint(run_dir).name == ckpt.step_name(2)
+    root = RunDir(run_dir).checkpoints
+    assert (root / ckpt.LATEST).read_text().strip() == step_name(2)
+    assert (root / (ckpt.TMP_PREFIX + step_name(4))).is_dir()  # the half-written one
+    assert ckpt.latest_checkpoint(RunDir(run_dir)).name == step_name(2)
     result = CliRunner().invoke(app, ["resume", str(run_dir)])
     assert result.exit_code == 0, result.output
     assert not list(root.glob(ckpt.TMP_PREFIX + "*"))
@@ -197,12 +198,12 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(reference, wor
     run_dir = workdir / f"damaged_{damage.__name__}"
     proc = start_killed_in_checkpoint(workdir, run_dir, 6)  # dies writing step 6: step 2 and 4 complete
     assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
-    latest = ckpt.latest_checkpoint(run_dir)
-    assert latest.name == ckpt.step_name(4)
+    latest = ckpt.latest_checkpoint(RunDir(run_dir))
+    assert latest.name == step_name(4)
     damage(latest)
     result = CliRunner().invoke(app, ["resume", str(run_dir)])
     assert result.exit_code == 0, result.output
-    assert f"checkpoint {ckpt.step_name(4)} is damaged" in result.output
+    assert f"checkpoint {step_name(4)} is damaged" in result.output
     assert_same_end(run_dir, reference)  # from step 2, exactly as if nothing had happened
 
 
@@ -219,14 +220,14 @@ def test_resume_from_another_directory_and_refuses_incompatible_edits(reference,
     )
     assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     run_dir = workdir / "relative_run"
-    config = run_dir / "config.yaml"
+    config = RunDir(run_dir).config_file
     original = config.read_text()
     assert "output_dir: data\n" in original  # relative, as the user wrote it
 
     monkeypatch.chdir(tmp_path)  # elsewhere
     config.write_text(original.replace("hidden_size: 64", "hidden_size: 128").replace("zero_stage: 0", "zero_stage: 1"))
     msg = _cli_error(["resume", str(run_dir)])
-    assert "model.arch.hidden_size 64 -> 128, parallel.zero_stage 0 -> 1 changed since checkpoint step_00000004" in msg
+    assert "model.arch.hidden_size 64 -> 128, parallel.zero_stage 0 -> 1 changed since checkpoint step_4" in msg
     # the optimizer state restores its groups' weight decay, so a new decay would not take effect: refused too
     assert "decay_norms_and_biases: false" in original
     config.write_text(original.replace("decay_norms_and_biases: false", "decay_norms_and_biases: true"))
@@ -235,6 +236,35 @@ def test_resume_from_another_directory_and_refuses_incompatible_edits(reference,
     result = CliRunner().invoke(app, ["resume", str(run_dir)])
     assert result.exit_code == 0, result.output
     assert_same_end(run_dir, reference)
+
+
+def test_a_run_from_before_step_n_names_and_workdir_resumes(reference, workdir, tmp_path, monkeypatch):
+    """An older run directory: zero-padded checkpoint names, `latest` naming one, and a relative data directory in a
+    config.yaml without `workdir`, which resolves where its `origin.json` says `train` ran; resumed from elsewhere,
+    and without changing directory, it ends where the uninterrupted run ends."""
+    import os
+    import shutil
+
+    rd = RunDir(tmp_path / "legacy")
+    shutil.copytree(reference, rd.path)
+    shutil.rmtree(rd.checkpoint(8))
+    rd.checkpoint(6).rename(rd.checkpoints / "step_00000006")
+    (rd.checkpoints / ckpt.LATEST).write_text("step_00000006\n")
+    lines = rd.config_file.read_text().splitlines(keepends=True)
+    text = "".join(line for line in lines if not line.startswith("workdir:"))
+    assert f"output_dir: {workdir / 'data'}\n" in text
+    rd.config_file.write_text(text.replace(f"output_dir: {workdir / 'data'}\n", "output_dir: data\n"))
+    (rd.path / "origin.json").write_text(json.dumps({"cwd": str(workdir)}))
+    monkeypatch.chdir(tmp_path)  # no data/ here
+
+    def no_chdir(path):
+        raise AssertionError(f"os.chdir({path})")
+
+    monkeypatch.setattr(os, "chdir", no_chdir)
+    result = CliRunner().invoke(app, ["resume", str(rd.path)])
+    assert result.exit_code == 0, result.output
+    assert "resuming from step_00000006" not in result.output  # the checkpoint `latest` names, not a fallback
+    assert_same_end(rd.path, reference)
 
 
 def _cli_error(args: list[str]) -> str:
@@ -255,10 +285,10 @@ def test_resume_of_a_finished_run_says_it_is_complete(reference):
 
     from lctrain.cli import app
 
-    before = (reference / "metrics.jsonl").read_text()
+    before = RunDir(reference).metrics_file.read_text()
     result = CliRunner().invoke(app, ["resume", str(reference)])
     assert result.exit_code == 0 and f"{reference} is complete: step {STEPS} of {STEPS}" in result.output
-    assert (reference / "metrics.jsonl").read_text() == before
+    assert RunDir(reference).metrics_file.read_text() == before
 
 
 def test_resume_without_checkpoints_is_a_user_error(tmp_path):
@@ -283,14 +313,14 @@ def test_resume_without_checkpoints_is_a_user_error(tmp_path):
 def test_bad_configs_fail_before_training(workdir, tmp_path, extra, expected):
     msg = _cli_error(["train"] + set_args(overrides(workdir / "data", tmp_path / "run") + extra))
     assert expected in msg
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not RunDir(tmp_path / "run").checkpoints.exists()
 
 
 def test_unwritable_checkpoint_is_one_line(workdir, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     # a file where the evaluation checkpoints go: the write fails with an OSError, as on a full disk
-    (run_dir / "hf").write_text("not a directory")
+    RunDir(run_dir).exports_dir.write_text("not a directory")
     result = CliRunner().invoke(app, ["train"] + set_args(overrides(workdir / "data", run_dir)))
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
@@ -321,7 +351,7 @@ class _FailingEngine:
 def test_a_failing_machine_is_not_taken_for_a_damaged_checkpoint(tmp_path, error, damaged):
     """Only a damaged checkpoint makes resume fall back to an older one; out of memory, a collective error or a
     permission error while loading propagates (falling back would hide it and end in advice to start over)."""
-    path = tmp_path / ckpt.step_name(4)
+    path = tmp_path / step_name(4)
     path.mkdir()
     (path / ckpt.STATE_FILE).write_text(json.dumps({"step": 4}))
     if damaged:
@@ -337,7 +367,7 @@ def test_resume_with_no_readable_checkpoint_state_is_one_line(reference, tmp_pat
 
     run_dir = tmp_path / "copy"
     shutil.copytree(reference, run_dir)
-    for path in ckpt.resume_candidates(run_dir):
+    for path in ckpt.resume_candidates(RunDir(run_dir)):
         (path / ckpt.STATE_FILE).write_text("")
     msg = _cli_error(["resume", str(run_dir)])
     assert "no checkpoint has a readable trainer_state.json" in msg and "--force" in msg

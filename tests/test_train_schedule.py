@@ -1,7 +1,5 @@
 """Pure parts of training: schedules, the data order, sequence sharding, the DeepSpeed config, the chunked loss."""
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +11,7 @@ from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
 from lctrain.train.data import BatchPlan, micro_batch_rows, stream_rows
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
 from lctrain.train.loss import chunked_loss_sum
-from lctrain.train.metrics import truncate_metrics
+from lctrain.train.runplan import RunPlan
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
 
@@ -134,7 +132,7 @@ def test_deepspeed_config_follows_the_yaml():
         }
     )
     layout = layout_of(cfg)
-    ds = deepspeed_config(cfg, layout, gpu=True)
+    ds = deepspeed_config(cfg, RunPlan.of(cfg, layout), gpu=True)
     assert layout.world == 8 and layout.dp == 2 and BatchPlan.of(cfg, layout).grad_accum == 4
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 4
     assert ds["train_micro_batch_size_per_gpu"] == 1
@@ -146,7 +144,7 @@ def test_deepspeed_config_follows_the_yaml():
     assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
     assert ds["optimizer"]["params"]["weight_decay"] == 0.1
     assert ds["gradient_clipping"] == 1.0
-    fp32 = deepspeed_config(_tiny(), layout_of(_tiny()), gpu=False)
+    fp32 = deepspeed_config(_tiny(), RunPlan.of(_tiny(), layout_of(_tiny())), gpu=False)
     assert "bf16" not in fp32 and fp32["optimizer"]["params"]["torch_adam"] is True
 
 
@@ -174,14 +172,6 @@ def test_chunked_loss_equals_full_logits_cross_entropy():
         torch.testing.assert_close(got, ref)
         for g, r in zip(got_grads, ref_grads):
             torch.testing.assert_close(g, r)
-
-
-def test_truncate_metrics_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
-    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4)]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": 5, "lo')
-    truncate_metrics(tmp_path, 2)
-    assert (tmp_path / "metrics.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
-    truncate_metrics(tmp_path / "missing", 2)  # no metrics yet: nothing to do
 
 
 def test_the_loss_wrappers_state_dict_unwraps_to_the_models_own():

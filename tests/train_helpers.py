@@ -1,6 +1,5 @@
 """Shared by the end-to-end training tests: a prepared dataset, a 1-process reference run, and CLI subprocesses."""
 
-import json
 import os
 import subprocess
 import sys
@@ -8,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lctrain.config import load_config
+from lctrain.rundir import RunDir
 
 # Variables a launcher sets; a child `lctrain train` must not inherit them from the test process.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -80,7 +80,7 @@ def run_cli_train(overrides: Overrides, workdir: Path, name: str, extra: list[st
 
 def metric_records(run_dir: Path) -> list[dict]:
     """The run's metrics.jsonl, one dict per step."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return RunDir(run_dir).read_metrics()
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -89,7 +89,7 @@ def losses(run_dir: Path) -> list[float]:
 
 def reference_run(workdir: Path, overrides: Overrides) -> Path:
     """The uninterrupted 1-process run in this process, in `workdir/ref`."""
-    from lctrain.train.trainer import train
+    from lctrain.train.command import train
 
     return train(load_config(None, overrides(workdir / "data", workdir / "ref")))
 

@@ -280,9 +280,9 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         return out
     # resolving validates local paths before the slow tokenizer load; done once, a SlimPajama tree is large
-    files = resolve_local_files(d.path, d.hub_split, d.seed) if d.source == "local" else None
+    files = resolve_local_files(str(cfg.resolve_path(d.path)), d.hub_split, d.seed) if d.source == "local" else None
     source = describe_source(d, files)
-    tok = load_tokenizer(d.tokenizer)
+    tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
     encoder = text_encoder(tok)
     anchor_id = anchor_token_id(tok)
     tags = None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lctrain.errors import UserError
+from lctrain.rundir import RunDir
 
 # Names a user types -> the harness task or group. Any other harness task name passes through unchanged.
 TABLE7 = {"longbench": "longbench", "hellaswag": "hellaswag", "mmlu": "mmlu"}
@@ -278,7 +279,7 @@ def evaluate_harness(
         raise UserError(f"--harness-batch {settings.batch_size}: need at least 1")
     if settings.max_length is not None and settings.max_length < 2:
         raise UserError(f"--harness-max-len {settings.max_length}: need at least 2 tokens (default data.seq_len)")
-    return run_harness(tgt, settings, Path(out) if out else tgt.path / "eval", pick_device(device))
+    return run_harness(tgt, settings, Path(out) if out else RunDir(tgt.path).eval_dir, pick_device(device))
 
 
 def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -> dict:

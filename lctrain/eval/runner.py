@@ -25,10 +25,10 @@ from lctrain.eval import score as scoring
 from lctrain.eval.perplexity import perplexity, select_heldout
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
+from lctrain.rundir import RunDir
 from lctrain.tokenizer import text_encoder
 
 OFFLINE_LABEL = "RULER-style (not comparable with published RULER numbers)"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -63,16 +63,9 @@ def _is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
-def find_checkpoints(run: Path) -> list[tuple[str, Path]]:
+def find_checkpoints(run: RunDir) -> list[tuple[str, Path]]:
     """The run's evaluation checkpoints `hf/step_N/`, in step order."""
-    hf = run / "hf"
-    found = []
-    if hf.is_dir():
-        for d in hf.iterdir():
-            m = _STEP_DIR.match(d.name)
-            if m and _is_model_dir(d):
-                found.append((int(m.group(1)), d))
-    return [(d.name, d) for _, d in sorted(found)]
+    return [(d.name, d) for d in run.exports() if _is_model_dir(d)]
 
 
 def resolve_target(target: str | Path, config: str | None = None, overrides: list[str] | tuple = ()) -> Target:
@@ -82,11 +75,12 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
     if _is_model_dir(path):
         cfg = load_config(config, overrides) if config else validate(apply_overrides({}, overrides), "--set")
         return Target("model", path, cfg, [(path.name or str(path), path)])
-    if (path / "config.yaml").is_file() or (path / "hf").is_dir():
-        if not (path / "config.yaml").is_file():
-            raise UserError(f"{path}/config.yaml: missing; a run directory written by `lctrain train` has one")
-        cfg = load_config(str(path / "config.yaml"), overrides)
-        ckpts = find_checkpoints(path)
+    rd = RunDir(path)
+    if rd.is_run() or rd.exports_dir.is_dir():
+        if not rd.is_run():
+            raise UserError(f"{rd.config_file}: missing; a run directory written by `lctrain train` has one")
+        cfg = rd.read_config(overrides)
+        ckpts = find_checkpoints(rd)
         if not ckpts:
             raise UserError(
                 f"{path}/hf: no evaluation checkpoints (hf/step_N/ with config.json); they are written in "
@@ -98,6 +92,11 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
     )
 
 
+def _setting_path(cfg: Config, value: str | None) -> str | None:
+    """A path from the config (not the command line): relative to where its run was trained."""
+    return str(cfg.resolve_path(value)) if value else None
+
+
 def load_eval_tokenizer(model_dir: Path, cfg: Config):
     """The checkpoint's own tokenizer; a checkpoint saved without one falls back to the run's `data.tokenizer`."""
     if any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
@@ -106,7 +105,7 @@ def load_eval_tokenizer(model_dir: Path, cfg: Config):
         return AutoTokenizer.from_pretrained(str(model_dir))
     from lctrain.tokenizer import load_tokenizer
 
-    return load_tokenizer(cfg.data.tokenizer)
+    return load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
 
 
 def pick_device(device: str | None) -> str:
@@ -386,8 +385,8 @@ def evaluate(
     if samples is not None and samples < 1:
         raise UserError(f"--samples {samples}: need at least 1 sample per task and length")
     names, excluded = ruler.select_task_set(tasks or ev.tasks, exclude if exclude is not None else list(ev.exclude))
-    data_dir = ruler_data or ev.ruler_data
-    out_dir = Path(out) if out else tgt.path / "eval"
+    data_dir = ruler_data or _setting_path(tgt.cfg, ev.ruler_data)
+    out_dir = Path(out) if out else RunDir(tgt.path).eval_dir
     dev = pick_device(device)
 
     tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
@@ -401,7 +400,10 @@ def evaluate(
             samples if samples is not None else ev.samples_per_task,
             ev.seed,
             encoder,
-            {"qa_1": squad or ev.squad_path, "qa_2": hotpotqa or ev.hotpotqa_path},
+            {
+                "qa_1": squad or _setting_path(tgt.cfg, ev.squad_path),
+                "qa_2": hotpotqa or _setting_path(tgt.cfg, ev.hotpotqa_path),
+            },
         )
     heldout = select_heldout(tgt, ppl_data)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -86,15 +86,15 @@ def _single_process_env() -> None:
             _SELF_SET.add(key)
 
 
-def init_topology(cfg: Config) -> Topology:
+def init_topology(cfg: Config, layout: ParallelLayout | None = None) -> Topology:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU) and the sequence-parallel groups of `cfg`'s layout
-    on the processes the launcher started."""
+    on the processes the launcher started; `layout`: the one this process already checked on this world."""
     import deepspeed
     import deepspeed.comm as dist
 
     if not under_launcher():
         _single_process_env()
-    layout = layout_of(cfg, int(os.environ["WORLD_SIZE"]))
+    layout = layout or layout_of(cfg, int(os.environ["WORLD_SIZE"]))
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

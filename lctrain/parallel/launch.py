@@ -50,12 +50,13 @@ def worker_command(cfg: Config, worker: list[str]) -> list[str]:
         ] + worker
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
     if p.num_nodes > 1:
-        if not p.hostfile or not Path(p.hostfile).is_file():
+        hostfile = cfg.resolve_path(p.hostfile) if p.hostfile else None
+        if hostfile is None or not hostfile.is_file():
             raise UserError(
                 f"{cfg.source_file or 'config'}: parallel.num_nodes = {p.num_nodes} needs "
                 f"parallel.hostfile naming the hosts (DeepSpeed hostfile: 'host slots=8' per line)"
             )
-        cmd += ["--hostfile", p.hostfile, "--num_nodes", str(p.num_nodes), "--num_gpus", str(p.nproc_per_node)]
+        cmd += ["--hostfile", str(hostfile), "--num_nodes", str(p.num_nodes), "--num_gpus", str(p.nproc_per_node)]
     else:
         cmd += ["--num_gpus", str(p.nproc_per_node)]
     return cmd + ["--module"] + worker

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lctrain.config import Config, with_overrides
 from lctrain.errors import UserError
+from lctrain.rundir import RunDir
 
 SECONDS_PER_DAY = 86400.0
 
@@ -71,11 +72,10 @@ def point_config(cfg: Config, mode: str, seq_len: int, steps: int, warmup: int, 
 
 def timed_steps(run_dir: Path, warmup: int) -> list[float]:
     """`step_time_s` of the steps after the first `warmup` in the run's metrics.jsonl."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(f"{path}: missing; the measured run wrote no step metrics")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["step_time_s"] for r in records if r["step"] > warmup]
+    rd = RunDir(run_dir)
+    if not rd.metrics_file.is_file():
+        raise UserError(f"{rd.metrics_file}: missing; the measured run wrote no step metrics")
+    return [r["step_time_s"] for r in rd.read_metrics() if r["step"] > warmup]
 
 
 def measure(
@@ -92,8 +92,8 @@ def measure(
     figure6.png in `work`, print the table. Returns the results."""
     from lctrain.data.prepare import prepare
     from lctrain.reports.estimate import predict
+    from lctrain.train.command import train
     from lctrain.train.metrics import device_peak_flops
-    from lctrain.train.trainer import train
 
     if steps < 1 or warmup < 0:
         raise UserError(f"--steps {steps} --warmup {warmup}: need at least 1 timed step and no negative warmup")

@@ -5,9 +5,11 @@ Crash safety: every checkpoint is written under a temporary name in the same dir
 are pruned only after that. A kill at any moment therefore leaves the previous complete checkpoint and a stale
 temporary directory, which the next save or resume removes.
 
-    run_dir/checkpoints/step_00000020/   DeepSpeed files, trainer_state.json, rng_rank<R>.pt
-    run_dir/checkpoints/latest           "step_00000020"
-    run_dir/hf/step_20/                  save_pretrained weights + tokenizer
+    run_dir/checkpoints/step_20/   DeepSpeed files, trainer_state.json, rng_rank<R>.pt
+    run_dir/checkpoints/latest     "step_20"
+    run_dir/hf/step_20/            save_pretrained weights + tokenizer
+
+(the paths are `lctrain.rundir.RunDir`'s.)
 """
 
 from __future__ import annotations
@@ -26,20 +28,13 @@ import torch
 
 from lctrain.compat.deepspeed import zero3_full_state_dict
 from lctrain.errors import is_environment_error
+from lctrain.rundir import RunDir, by_step
 from lctrain.tokenizer import save_tokenizer
 from lctrain.train.loss import CausalLMLossSum
 
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -78,18 +73,18 @@ def _is_complete(path: Path) -> bool:
     return path.is_dir() and not path.name.startswith(TMP_PREFIX) and (path / STATE_FILE).is_file()
 
 
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
+def complete_checkpoints(run: RunDir) -> list[Path]:
+    """The complete checkpoints, oldest step first."""
+    if not run.checkpoints.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if _is_complete(p))
+    return by_step(p for p in run.checkpoints.iterdir() if _is_complete(p))
 
 
-def resume_candidates(run_dir: Path) -> list[Path]:
+def resume_candidates(run: RunDir) -> list[Path]:
     """Complete checkpoints to resume from, best first: the one `latest` names, then the others newest first. A
     checkpoint damaged after it was completed (a truncated file, an emptied state) is skipped for the next."""
-    latest = latest_checkpoint(run_dir)
-    rest = [p for p in reversed(complete_checkpoints(run_dir)) if p != latest]
+    latest = latest_checkpoint(run)
+    rest = [p for p in reversed(complete_checkpoints(run)) if p != latest]
     return ([latest] if latest is not None else []) + rest
 
 
@@ -103,15 +98,14 @@ def readable_state(path: Path) -> dict | None:
         return None
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def latest_checkpoint(run: RunDir) -> Path | None:
     """The checkpoint `latest` names; if that file is missing or stale, the newest complete checkpoint."""
-    root = checkpoints_dir(run_dir)
-    marker = root / LATEST
+    marker = run.checkpoints / LATEST
     if marker.is_file():
-        named = root / marker.read_text().strip()
+        named = run.checkpoints / marker.read_text().strip()
         if _is_complete(named):
             return named
-    done = complete_checkpoints(run_dir)
+    done = complete_checkpoints(run)
     return done[-1] if done else None
 
 
@@ -142,7 +136,7 @@ def _barrier() -> None:
 
 def save_resume(
     engine,
-    run_dir: Path,
+    run: RunDir,
     step: int,
     state: dict,
     *,
@@ -152,9 +146,8 @@ def save_resume(
 ) -> Path:
     """Write the resume checkpoint of `step` (all ranks call this) and prune older ones. `before_complete(step)`
     runs on rank 0 once every rank's files are written and before the checkpoint is complete (fault injection)."""
-    root = checkpoints_dir(run_dir)
-    name = step_name(step)
-    tmp = root / (TMP_PREFIX + name)
+    root, final = run.checkpoints, run.checkpoint(step)
+    tmp = root / (TMP_PREFIX + final.name)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -166,23 +159,21 @@ def save_resume(
         if before_complete is not None:
             before_complete(step)
         write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1))
-        final = root / name
         _replace_dir(tmp, final)
-        write_atomic(root / LATEST, name + "\n")
-        prune(run_dir, keep)
+        write_atomic(root / LATEST, final.name + "\n")
+        prune(run, keep)
     _barrier()
-    return root / name
+    return final
 
 
-def prune(run_dir: Path, keep: int) -> None:
+def prune(run: RunDir, keep: int) -> None:
     """Remove all but the `keep` newest complete checkpoints, and leftovers of interrupted writes."""
-    root = checkpoints_dir(run_dir)
-    for stale in root.glob(TMP_PREFIX + "*"):
+    for stale in run.checkpoints.glob(TMP_PREFIX + "*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
         else:
             stale.unlink(missing_ok=True)
-    done = complete_checkpoints(run_dir)
+    done = complete_checkpoints(run)
     for old in done[:-keep] if keep else []:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -224,10 +215,6 @@ def load_resume(engine, path: Path, *, rank: int) -> tuple[dict | None, str]:
     return state, ""
 
 
-def hf_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "hf" / f"step_{step}"
-
-
 @contextlib.contextmanager
 def _quiet_hf_progress():
     from transformers.utils import logging as hf_logging
@@ -241,9 +228,9 @@ def _quiet_hf_progress():
             hf_logging.enable_progress_bar()
 
 
-def save_hf(engine, lm, tokenizer, run_dir: Path, step: int, *, rank: int, zero_stage: int) -> Path:
+def save_hf(engine, lm, tokenizer, run: RunDir, step: int, *, rank: int, zero_stage: int) -> Path:
     """Export weights + tokenizer with `save_pretrained` (all ranks call: ZeRO-3 gathers the shards)."""
-    final = hf_dir(run_dir, step)
+    final = run.export(step)
     tmp = final.with_name(TMP_PREFIX + final.name)
     if zero_stage == 3:
         full = zero3_full_state_dict(engine)

@@ -5,22 +5,11 @@ from __future__ import annotations
 
 from lctrain.compat.deepspeed import grad_divisor as compat_grad_divisor
 from lctrain.config import Config
-from lctrain.errors import UserError
 from lctrain.parallel.layout import ParallelLayout
-from lctrain.train.data import BatchPlan
+from lctrain.train.runplan import RunPlan
 
 # Never let DeepSpeed print its own per-step lines: the trainer's progress bar and metrics.jsonl report steps.
 _QUIET_STEPS = 10**9
-
-
-def check_precision(cfg: Config) -> None:
-    """DeepSpeed keeps fp32 master weights for bf16/fp16 models only inside its ZeRO optimizers; stage 0 would
-    update bf16 weights directly, which loses the small updates of continual pretraining (lr 2e-5)."""
-    if cfg.model.dtype != "float32" and cfg.parallel.zero_stage == 0:
-        raise UserError(
-            f"{cfg.source_file or 'config'}: model.dtype = {cfg.model.dtype} needs parallel.zero_stage "
-            f">= 1 (fp32 master weights); set parallel.zero_stage: 1, or model.dtype: float32"
-        )
 
 
 def uses_torch_adam(cfg: Config, gpu: bool) -> bool:
@@ -35,11 +24,10 @@ def grad_divisor(cfg: Config, layout: ParallelLayout) -> int:
     return compat_grad_divisor(cfg.parallel.zero_stage, layout.dp, layout.world)
 
 
-def deepspeed_config(cfg: Config, layout: ParallelLayout, *, gpu: bool) -> dict:
-    """The DeepSpeed config of `cfg` on `layout`; `gpu` decides the optimizer (`uses_torch_adam`: torch's AdamW needs no
-    op compilation and runs on CPU)."""
-    check_precision(cfg)
-    batches = BatchPlan.of(cfg, layout)
+def deepspeed_config(cfg: Config, plan: RunPlan, *, gpu: bool) -> dict:
+    """The DeepSpeed config of `cfg` on its checked `plan`; `gpu` decides the optimizer (`uses_torch_adam`: torch's
+    AdamW needs no op compilation and runs on CPU)."""
+    batches = plan.batches
     torch_adam = uses_torch_adam(cfg, gpu)
     t, p = cfg.train, cfg.parallel
     zero: dict = {"stage": p.zero_stage}
@@ -79,6 +67,6 @@ def deepspeed_config(cfg: Config, layout: ParallelLayout, *, gpu: bool) -> dict:
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
     elif cfg.model.dtype == "float16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
-    if layout.sp > 1:
-        ds["sequence_parallel_size"] = layout.sp
+    if plan.layout.sp > 1:
+        ds["sequence_parallel_size"] = plan.layout.sp
     return ds

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from lctrain.config import settings
 from lctrain.errors import UserError
+from lctrain.rundir import RunDir
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
 GPU_PEAK_BF16 = {
@@ -126,10 +128,10 @@ def import_wandb(cfg):
 class StepLogger:
     """Rank 0 only: appends one JSON line per step, drives the progress bar and Weights & Biases."""
 
-    def __init__(self, run_dir: Path, cfg, start_step: int, total_steps: int, wandb_id: str):
+    def __init__(self, run: RunDir, cfg, start_step: int, total_steps: int, wandb_id: str):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.run = run
         self.every = cfg.logging.log_every
         self.progress = Progress(
             TextColumn("[bold]train"),
@@ -151,13 +153,12 @@ class StepLogger:
                 id=wandb_id,
                 resume="allow",
                 mode=cfg.logging.wandb,
-                dir=str(run_dir),
-                config=cfg.model_dump(mode="json", exclude={"source_file"}),
+                dir=str(run.path),
+                config=settings(cfg),
             )
 
     def log(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.run.append_metrics(record)
         mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
         info = (
             f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu}  "
@@ -171,18 +172,3 @@ class StepLogger:
         self.progress.stop()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Drop lines of steps after `last_step` (written before a crash, redone after resume)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= last_step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            pass  # blank, or the torn last line of a run killed while appending it
-    path.write_text("".join(line + "\n" for line in kept))

@@ -1,10 +1,8 @@
-"""`train(cfg)` and `resume(run_dir)`, and the `Trainer` every worker runs.
+"""The `Trainer` every worker runs, and `run`, the worker body.
 
-`train` and `resume` are the edge: they check what can be checked before any process starts, hold the run
-directory's lock, and decide once whether this process trains or starts its workers under a launcher
-(`python -m lctrain.train.worker RUN_DIR`, which calls `run`). `run` is the worker body on every rank: the process
-groups, then a `Trainer` whose `train_step` does one optimizer step and whose `TrainState` the resume checkpoints
-hold.
+`run` is what every rank executes, under a launcher or as the only process (the command edge, train/command.py,
+decides which): the process groups, then a `Trainer` whose `train_step` does one optimizer step and whose
+`TrainState` the resume checkpoints hold.
 
 One optimizer step = `global_batch` windows: each data-parallel rank reads `grad_accum` micro-batches, each
 sequence-parallel rank keeps its contiguous slice of the tokens (parallel/layout.py), and the step's loss is the sum
@@ -15,257 +13,39 @@ computes the same update as one process.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import random
-import shutil
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from lctrain.attention import make_batch
-from lctrain.config import (
-    Config,
-    config_fingerprint,
-    load_config,
-    reread_warning,
-    write_resolved,
-)
-from lctrain.config import (
-    run_dir as config_run_dir,
-)
+from lctrain.config import Config, config_fingerprint, settings
 from lctrain.costmodel import ModelShape, dense_params, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
-from lctrain.lifetime import RunLock
-from lctrain.parallel.groups import Topology, init_topology, release_single_process, under_launcher
-from lctrain.parallel.launch import run_workers, worker_command
-from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
+from lctrain.parallel.groups import Topology, init_topology, release_single_process
+from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
+from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
-from lctrain.train.checkpoint import write_atomic
-from lctrain.train.data import BatchPlan, collate, open_checked
-from lctrain.train.deepspeed_config import check_precision, deepspeed_config, grad_divisor
+from lctrain.train.data import collate
+from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
 from lctrain.train.metrics import (
     StepLogger,
     device_peak_flops,
-    import_wandb,
     peak_memory_gb,
     reset_peak_memory,
-    truncate_metrics,
 )
+from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
-# The module launchers start on every process: `python -m lctrain.train.worker RUN_DIR [--resume]`.
-WORKER_MODULE = "lctrain.train.worker"
 # Fault injection for tests: called on rank 0 with the step after DeepSpeed has written its files of that step's
 # resume checkpoint and before the checkpoint is complete.
 CheckpointHook = Callable[[int], None]
-
-
-def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
-    """Start a run in `run_dir(cfg)`; refuses a directory that already has checkpoints unless `force`."""
-    rd = config_run_dir(cfg)
-    leader = _leader()
-    if leader:
-        preflight(cfg)
-    with _run_lock(rd, "lctrain train", leader):
-        if leader:
-            if ckpt.complete_checkpoints(rd) and not force:
-                raise UserError(
-                    f"{rd}: this run already has checkpoints; continue it with 'lctrain resume {rd}', "
-                    f"or start over with 'lctrain train --force'"
-                )
-            # A new run: what an earlier attempt left without a complete checkpoint to resume from (its metrics,
-            # evaluation exports, partial checkpoints) belongs to no run, and would mix into this one.
-            shutil.rmtree(rd / "checkpoints", ignore_errors=True)
-            shutil.rmtree(rd / "hf", ignore_errors=True)
-            (rd / "metrics.jsonl").unlink(missing_ok=True)
-            write_resolved(cfg, rd)
-            write_atomic(rd / ORIGIN_FILE, json.dumps({"cwd": os.getcwd()}))
-        _start(cfg, rd, resuming=False, before_checkpoint_complete=before_checkpoint_complete)
-        return rd
-
-
-def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
-    """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory: relative
-    paths in its config (the prepared data, a local model or tokenizer) resolve against the directory `train`
-    was started from, whatever the current one."""
-    rd = Path(run_dir).absolute()
-    config_file = rd / "config.yaml"
-    if not config_file.is_file():
-        raise UserError(f"{run_dir}: not a run directory (no config.yaml); start a run with 'lctrain train'")
-    leader = _leader()
-    with _run_lock(rd, "lctrain resume", leader), _working_directory(_origin(rd)):
-        if ckpt.latest_checkpoint(rd) is None:
-            raise UserError(
-                f"{rd}: no complete checkpoint to resume from; start the run again with "
-                f"'lctrain train --config {config_file} --force'"
-            )
-        cfg = load_config(str(config_file))
-        states = [(p, ckpt.readable_state(p)) for p in ckpt.resume_candidates(rd)]
-        states = [(p, s) for p, s in states if s is not None]
-        if not states:  # before any process builds a model: none of them could resume
-            raise UserError(
-                f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with "
-                f"'lctrain train --config {config_file} --force'"
-            )
-        done = max((int(s["step"]) for _, s in states), default=0)
-        if done >= cfg.train.steps:
-            if leader:
-                print(
-                    f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (raise train.steps in "
-                    f"{config_file} to train further)",
-                    flush=True,
-                )
-            return rd
-        if leader:
-            check_resumable(cfg, states[0][1], f"{config_file}", states[0][0].name)
-            preflight(cfg)
-        _start(cfg, rd, resuming=True, before_checkpoint_complete=before_checkpoint_complete)
-        return rd
-
-
-def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
-    """The command that starts the worker module on every process of `cfg`'s layout."""
-    return worker_command(cfg, [WORKER_MODULE, str(run_dir)] + (["--resume"] if resume else []))
-
-
-def _start(cfg: Config, rd: Path, resuming: bool, before_checkpoint_complete: CheckpointHook | None) -> None:
-    """The one place that decides who trains: this process, or the workers a launcher starts (when the layout asks
-    for several processes and no launcher started this one)."""
-    if layout_of(cfg).world > 1 and not under_launcher():
-        if before_checkpoint_complete is not None:
-            raise ValueError("fault injection reaches only a run in this process, not launched workers")
-        run_workers(launcher_command(cfg, rd, resuming))
-    else:
-        run(cfg, rd, resuming, before_checkpoint_complete=before_checkpoint_complete)
-
-
-# Where `train` was started, so that `resume` resolves the run's relative paths as `train` did.
-ORIGIN_FILE = "origin.json"
-
-
-def _origin(rd: Path) -> Path | None:
-    try:
-        cwd = Path(json.loads((rd / ORIGIN_FILE).read_text())["cwd"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # a run started before this file existed: the current directory, as before
-    return cwd if cwd.is_dir() else None
-
-
-@contextlib.contextmanager
-def _working_directory(path: Path | None):
-    if path is None:
-        yield
-        return
-    before = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(before)
-
-
-# Settings a checkpoint fixes: the model it holds, the data order it continues, how DeepSpeed partitioned its state,
-# and the weight decay of the optimizer's parameter groups (loading the optimizer state restores the saved groups'
-# decay, so a new value would be silently ignored). Anything else (steps, learning rate, logging, checkpoint and eval
-# schedule, engine) may change on resume.
-_FIXED_BY_CHECKPOINT = (
-    "seed",
-    "model.",
-    "data.",
-    "attention.mode",
-    "train.global_batch",
-    "train.micro_batch",
-    "train.weight_decay",
-    "train.decay_norms_and_biases",
-    "parallel.zero_stage",
-    "parallel.sequence_parallel",
-    "parallel.nproc_per_node",
-    "parallel.num_nodes",
-    "parallel.offload_optimizer",
-    "parallel.offload_params",
-)
-# ...except these, which change how the same computation runs (or where a dataset is found), not what it computes.
-_FREE_KEYS = (
-    "data.num_workers",
-    "data.strict",
-    "data.output_dir",
-    "model.gradient_checkpointing",
-    "model.offload_activations",
-)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> None:
-    """Refuse, in one line naming the keys, a config edited since the checkpoint in a way it cannot resume with."""
-    saved = state.get("config")
-    if saved is None:
-        return  # a checkpoint from before configs were stored: the fingerprint warning in `run` is all there is
-    before, now = _flatten(saved), _flatten(cfg.model_dump(mode="json", exclude={"source_file"}))
-    changed = [
-        k
-        for k in sorted(set(before) | set(now))
-        if before.get(k) != now.get(k) and k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_KEYS
-    ]
-    if changed:
-        shown = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])
-        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
-        raise UserError(
-            f"{source}: {shown}{more} changed since checkpoint {checkpoint}; a checkpoint resumes only "
-            f"with the model, data, batch and parallel layout it was written with: restore them, or start "
-            f"over with 'lctrain train --config {source} --force'"
-        )
-
-
-def _leader() -> bool:
-    """The process that checks, writes the run directory and holds its lock: the only one, or rank 0 of a
-    launcher the user started (the workers lctrain launches itself run `run`, under their parent's lock)."""
-    return not under_launcher() or int(os.environ.get("RANK", "0")) == 0
-
-
-def _run_lock(rd: Path, command: str, leader: bool):
-    return RunLock(rd, command) if leader else contextlib.nullcontext()
-
-
-def preflight(cfg: Config) -> None:
-    """Everything that can be checked before any process starts, so the user gets one line and exit code 2."""
-    BatchPlan.of(cfg, layout_of(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None))
-    check_precision(cfg)
-    reread = reread_warning(cfg, len(open_checked(cfg)))
-    if reread:
-        print(reread, flush=True)
-    if cfg.logging.wandb != "disabled":
-        import_wandb(cfg)
-    if cfg.model.arch is not None:
-        from lctrain.model import load_hf_config
-
-        shape = ModelShape.from_hf_config(load_hf_config(cfg))  # a bad model.arch is refused here, before any launch
-        if cfg.parallel.sequence_parallel > 1:
-            kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
-    from lctrain.model import shape_without_download
-
-    if shape_without_download(cfg):  # an unknown hub name is not downloaded just to plan
-        from lctrain.plan import memory_warning
-
-        warning = memory_warning(cfg)  # refuses a plan beyond a known GPU's memory
-        if warning:
-            print(warning, flush=True)
 
 
 def _seed_everything(seed: int) -> None:
@@ -310,7 +90,7 @@ class TrainState:
             "sp": layout.sp,
             "wandb_id": self.wandb_id,
             "time": time.time(),
-            "config": cfg.model_dump(mode="json", exclude={"source_file"}),
+            "config": settings(cfg),
         }
 
     @classmethod
@@ -326,19 +106,29 @@ class StepResult:
     pairs: int  # visible attention pairs of the step's windows, for MFU
 
 
-def run(cfg: Config, rd: Path, resuming: bool, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
-    """The worker body: every rank runs this, under a launcher or as the only process."""
-    topo = init_topology(cfg)
+def run(
+    cfg: Config,
+    rd: RunDir,
+    resuming: bool,
+    prepared: Prepared | None = None,
+    *,
+    before_checkpoint_complete: CheckpointHook | None = None,
+) -> RunDir:
+    """The worker body: every rank runs this, under a launcher or as the only process. `prepared`: what the command
+    edge of this process checked (preflight); a launched worker, which has none, checks its own here."""
+    topo = init_topology(cfg, prepared.plan.layout if prepared is not None else None)
     try:
         from lctrain.tokenizer import load_tokenizer
 
         _seed_everything(cfg.seed)
-        packed = open_checked(cfg)
+        prepared = prepared or Prepared.of(cfg, topo.layout)
+        packed = prepared.packed
         trainer = Trainer(
             cfg,
             topo,
             vocab_size=int(packed.manifest["tokenizer"]["vocab_size"]),
-            tokenizer=load_tokenizer(cfg.data.tokenizer),
+            plan=prepared.plan,
+            tokenizer=load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)),
             run_dir=rd,
             before_checkpoint_complete=before_checkpoint_complete,
         )
@@ -355,7 +145,8 @@ class Trainer:
 
     Construction is the setup: the DeepSpeed config of the layout, the model with the attention engine resolved
     once (`lctrain.model.build_model`), wrapped in DeepSpeed-Ulysses under sequence parallelism, and the DeepSpeed
-    engine with AdamW and the learning-rate schedule. `run_dir` and `tokenizer` are needed only by `fit` and the
+    engine with AdamW and the learning-rate schedule. `plan`: the layout and batch split this process checked (by
+    default checked here, on the topology's layout). `run_dir` and `tokenizer` are needed only by `fit` and the
     checkpoints (a benchmark calls `train_step` alone)."""
 
     def __init__(
@@ -364,8 +155,9 @@ class Trainer:
         topo: Topology,
         *,
         vocab_size: int,
+        plan: RunPlan | None = None,
         tokenizer=None,
-        run_dir: Path | None = None,
+        run_dir: RunDir | None = None,
         before_checkpoint_complete: CheckpointHook | None = None,
     ):
         import deepspeed
@@ -374,11 +166,12 @@ class Trainer:
         from lctrain.train.loss import CausalLMLossSum
 
         self.cfg, self.topo, self.layout = cfg, topo, topo.layout
-        self.batches = BatchPlan.of(cfg, self.layout)
+        plan = plan or RunPlan.of(cfg, self.layout)
+        self.batches = plan.batches
         self.run_dir, self.tokenizer = run_dir, tokenizer
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
-        ds_config = deepspeed_config(cfg, self.layout, gpu=topo.device.type == "cuda")
+        ds_config = deepspeed_config(cfg, plan, gpu=topo.device.type == "cuda")
         hf_ds_config = None
         if cfg.parallel.zero_stage == 3 and cfg.model.name_or_path:
             # Keeps the reference alive while from_pretrained runs: transformers then loads the weights straight
@@ -557,11 +350,11 @@ class Trainer:
                 if topo.is_main:
                     if record.get("config_fingerprint") != config_fingerprint(self.cfg):
                         print(
-                            f"warning: {rd}/config.yaml changed since checkpoint {path.name}; continuing with the "
-                            f"new values",
+                            f"warning: {rd.config_file} changed since checkpoint {path.name}; continuing with "
+                            f"the new values",
                             flush=True,
                         )
-                    truncate_metrics(rd, self.state.step)
+                    rd.truncate_metrics(self.state.step)
                 return
             if topo.is_main:
                 print(
@@ -572,12 +365,12 @@ class Trainer:
             tried.append(path.name)
         raise UserError(
             f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run "
-            f"again with 'lctrain train --config {rd / 'config.yaml'} --force'"
+            f"again with 'lctrain train --config {rd.config_file} --force'"
         )
 
 
 @contextlib.contextmanager
-def _checkpoint_write(rd: Path, step: int):
+def _checkpoint_write(rd: RunDir, step: int):
     """A full disk or a lost permission while writing a checkpoint is the user's to fix, not a crash: the last
     complete checkpoint is intact (checkpoints are renamed into place), so say so in one line."""
     try:

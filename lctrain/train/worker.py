@@ -10,12 +10,11 @@ torchrun, run the same `lctrain train` on each node under `torchrun --nnodes ...
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from lctrain.config import load_config
 from lctrain.lifetime import exit_with_supervisor
 from lctrain.parallel.launch import worker_main
-from lctrain.train.trainer import run
+from lctrain.rundir import RunDir
+from lctrain.train.command import run_worker
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,8 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
     args = parser.parse_args(argv)
-    run_dir = Path(args.run_dir)
-    worker_main(lambda: run(load_config(str(run_dir / "config.yaml")), run_dir, resuming=args.resume))
+    worker_main(lambda: run_worker(RunDir(args.run_dir), resuming=args.resume))
 
 
 if __name__ == "__main__":

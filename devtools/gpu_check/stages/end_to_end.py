@@ -13,17 +13,9 @@ from devtools.gpu_check.runner import Runner, lctrain_cli
 
 
 def read_losses(run_dir: Path) -> dict[int, float]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-            out[int(rec["step"])] = float(rec["loss"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return out
+    from lctrain.rundir import RunDir  # the install stage runs before lctrain is installed: import it in the stages
+
+    return {int(rec["step"]): float(rec["loss"]) for rec in RunDir(run_dir).read_metrics()}
 
 
 def compare_losses(a: dict[int, float], b: dict[int, float]) -> dict:
@@ -55,6 +47,8 @@ RESUME_MAX_REL = 1e-2
 
 
 def stage_cli(run: Runner, args) -> None:
+    from lctrain.rundir import RunDir  # the install stage runs before lctrain is installed: import it in the stages
+
     r = run.result
     work = Path(args.work) if args.work else run.log.parent / "cli_work"
     work.mkdir(parents=True, exist_ok=True)
@@ -93,14 +87,14 @@ def stage_cli(run: Runner, args) -> None:
     r.data["losses"] = losses
     last = max(losses["zero1"], default=None)
     r.notes.append(f"zero1 loss: step 1 {losses['zero1'].get(1)}, step {last} {losses['zero1'].get(last)}")
-    metrics = [json.loads(x) for x in (runs["1"] / "metrics.jsonl").read_text().splitlines()]
+    metrics = RunDir(runs["1"]).read_metrics()
     r.notes.append(
         f"zero1 last step: {metrics[-1]['tokens_per_s']:,.0f} tokens/s, peak {metrics[-1]['peak_mem_gb']:.2f} GB"
     )
     run.run(lctrain_cli() + ["eval", str(runs["1"])], cwd=work)
-    results = json.loads((runs["1"] / "eval" / "results.json").read_text())
+    results = json.loads((RunDir(runs["1"]).eval_dir / "results.json").read_text())
     r.data["eval"] = {k: v for k, v in results.items() if k != "predictions"}
-    hf = sorted((runs["1"] / "hf").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    hf = RunDir(runs["1"]).exports()
     run.run(
         lctrain_cli()
         + [

@@ -1,0 +1,171 @@
+"""The run directory: every path of a run and the format of its files, in one value.
+
+    RUN/config.yaml          the resolved config, with `workdir`: where its relative paths resolve
+    RUN/.lctrain.lock        held while anything trains the run (lctrain.lifetime.RunLock)
+    RUN/metrics.jsonl        one JSON record per optimizer step, appended
+    RUN/checkpoints/step_N/  resume checkpoints (lctrain.train.checkpoint: their files and `latest`)
+    RUN/hf/step_N/           evaluation checkpoints (save_pretrained weights + tokenizer)
+    RUN/eval/                `lctrain eval`'s report
+
+Runs written by earlier versions name checkpoints `step_00000020` and keep the directory `train` ran in in
+`origin.json` (their config.yaml has no `workdir`); both are still read, so such a run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from lctrain.config import Config, load_config, run_dir, to_yaml
+from lctrain.errors import UserError
+from lctrain.lifetime import RunLock
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def step_name(step: int) -> str:
+    """The directory name of step `step`'s checkpoint and evaluation export."""
+    return f"step_{step}"
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step a `step_N` directory holds (an older run's `step_00000020` too); None for any other name."""
+    m = _STEP.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def by_step(paths: Iterable[Path]) -> list[Path]:
+    """The `step_N` directories among `paths`, oldest step first; of an older run's `step_00000020` and a `step_20`
+    written after it resumed, the current name counts as the newer."""
+    stepped = [(step_of(p), p) for p in paths]
+    return [p for s, p in sorted((sp for sp in stepped if sp[0] is not None), key=lambda sp: _age(*sp))]
+
+
+def _age(step: int, path: Path) -> tuple[int, bool]:
+    return step, path.name == step_name(step)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+
+    @classmethod
+    def of(cls, cfg: Config) -> RunDir:
+        """The run directory `cfg` trains into: `train.run_dir`, else runs/<name>."""
+        return cls(run_dir(cfg))
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    # ------------------------------------------------------------ config
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.yaml"
+
+    def is_run(self) -> bool:
+        return self.config_file.is_file()
+
+    def write_config(self, cfg: Config) -> Path:
+        """The resolved config, with the directory its relative paths resolve against, so that `read_config` from any
+        directory (a resume, a launched worker, another node) means the same files."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.config_file.write_text(to_yaml(cfg, workdir=True))
+        return self.config_file
+
+    def read_config(self, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+        cfg = load_config(str(self.config_file), overrides)
+        if cfg.workdir is None:
+            cfg.workdir = self._origin()
+        return cfg
+
+    def _origin(self) -> str | None:
+        """Where `train` ran, for a run written before config.yaml recorded it; None (the current directory, as
+        then) when that is not known either."""
+        try:
+            cwd = Path(json.loads((self.path / "origin.json").read_text())["cwd"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return str(cwd) if cwd.is_dir() else None
+
+    def lock(self, command: str) -> RunLock:
+        return RunLock(self.path, command)
+
+    # ------------------------------------------------------------ checkpoints and exports
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / step_name(step)
+
+    @property
+    def exports_dir(self) -> Path:
+        return self.path / "hf"
+
+    def export(self, step: int) -> Path:
+        return self.exports_dir / step_name(step)
+
+    def exports(self) -> list[Path]:
+        """The evaluation exports `hf/step_N/`, in step order."""
+        return by_step(self.exports_dir.iterdir()) if self.exports_dir.is_dir() else []
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.path / "eval"
+
+    def clear_outputs(self) -> None:
+        """Remove what a new run in this directory replaces: checkpoints, exports and metrics."""
+        shutil.rmtree(self.checkpoints, ignore_errors=True)
+        shutil.rmtree(self.exports_dir, ignore_errors=True)
+        self.metrics_file.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ metrics
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    def append_metrics(self, record: dict) -> None:
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict]:
+        """The step records, in file order; none when there is no file yet."""
+        return [record for _, record in self._metric_lines()]
+
+    def truncate_metrics(self, last_step: int) -> None:
+        """Drop the records of steps after `last_step` (written before a crash, redone after resume)."""
+        if self.metrics_file.is_file():
+            kept = [line for line, record in self._metric_lines() if record["step"] <= last_step]
+            self.metrics_file.write_text("".join(line + "\n" for line in kept))
+
+    def _metric_lines(self) -> list[tuple[str, dict]]:
+        """(line, record) of each record. The last line may be torn (a run killed while appending it) and is then
+        left out; a damaged line before it is an error."""
+        if not self.metrics_file.is_file():
+            return []
+        lines = self.metrics_file.read_text().splitlines()
+        out = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                if i == len(lines) - 1:
+                    break
+                raise UserError(
+                    f"{self.metrics_file}:{i + 1}: not a step record; remove the line or restore the file"
+                ) from None
+            out.append((line, record))
+        return out

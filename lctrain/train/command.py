@@ -1,0 +1,211 @@
+"""`train(cfg)` and `resume(run_dir)`: the command edge of training.
+
+They check what can be checked before any process starts (`preflight`, whose `Prepared` the worker body then uses
+as it is), hold the run directory's lock, and decide once whether this process trains or starts its workers under
+a launcher (`python -m lctrain.train.worker RUN_DIR`, which calls `lctrain.train.trainer.run`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from lctrain.config import Config, reread_warning, settings
+from lctrain.costmodel import ModelShape
+from lctrain.errors import UserError
+from lctrain.parallel.groups import under_launcher
+from lctrain.parallel.launch import run_workers, worker_command
+from lctrain.parallel.layout import kv_replication, layout_of
+from lctrain.rundir import RunDir
+from lctrain.train import checkpoint as ckpt
+from lctrain.train.metrics import import_wandb
+from lctrain.train.runplan import Prepared
+from lctrain.train.trainer import CheckpointHook, run
+
+# The module launchers start on every process: `python -m lctrain.train.worker RUN_DIR [--resume]`.
+WORKER_MODULE = "lctrain.train.worker"
+
+
+def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
+    """Start a run in `RunDir.of(cfg)`; refuses a directory that already has checkpoints unless `force`."""
+    rd = RunDir.of(cfg)
+    leader = _leader()
+    prepared = preflight(cfg) if leader else None
+    with _run_lock(rd, "lctrain train", leader):
+        if leader:
+            if ckpt.complete_checkpoints(rd) and not force:
+                raise UserError(
+                    f"{rd}: this run already has checkpoints; continue it with 'lctrain resume {rd}', "
+                    f"or start over with 'lctrain train --force'"
+                )
+            # A new run: what an earlier attempt left without a complete checkpoint to resume from (its metrics,
+            # evaluation exports, partial checkpoints) belongs to no run, and would mix into this one.
+            rd.clear_outputs()
+            rd.write_config(cfg)
+        _start(cfg, rd, prepared, resuming=False, before_checkpoint_complete=before_checkpoint_complete)
+        return rd.path
+
+
+def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
+    """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory: relative
+    paths in its config (the prepared data, a local model or tokenizer) resolve against the directory `train`
+    was started from, whatever the current one."""
+    rd = RunDir(Path(run_dir).absolute())
+    if not rd.is_run():
+        raise UserError(f"{run_dir}: not a run directory (no config.yaml); start a run with 'lctrain train'")
+    leader = _leader()
+    with _run_lock(rd, "lctrain resume", leader):
+        if ckpt.latest_checkpoint(rd) is None:
+            raise UserError(
+                f"{rd}: no complete checkpoint to resume from; start the run again with "
+                f"'lctrain train --config {rd.config_file} --force'"
+            )
+        cfg = rd.read_config()
+        states = [(p, ckpt.readable_state(p)) for p in ckpt.resume_candidates(rd)]
+        states = [(p, s) for p, s in states if s is not None]
+        if not states:  # before any process builds a model: none of them could resume
+            raise UserError(
+                f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with "
+                f"'lctrain train --config {rd.config_file} --force'"
+            )
+        done = max((int(s["step"]) for _, s in states), default=0)
+        if done >= cfg.train.steps:
+            if leader:
+                print(
+                    f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (raise train.steps in "
+                    f"{rd.config_file} to train further)",
+                    flush=True,
+                )
+            return rd.path
+        prepared = None
+        if leader:
+            check_resumable(cfg, states[0][1], f"{rd.config_file}", states[0][0].name)
+            prepared = preflight(cfg)
+        _start(cfg, rd, prepared, resuming=True, before_checkpoint_complete=before_checkpoint_complete)
+        return rd.path
+
+
+def run_worker(rd: RunDir, resuming: bool) -> None:
+    """A launched worker: the run directory's config, checked in this process by `run`."""
+    run(rd.read_config(), rd, resuming)
+
+
+def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
+    """The command that starts the worker module on every process of `cfg`'s layout."""
+    return worker_command(cfg, [WORKER_MODULE, str(run_dir)] + (["--resume"] if resume else []))
+
+
+def _start(
+    cfg: Config,
+    rd: RunDir,
+    prepared: Prepared | None,
+    resuming: bool,
+    before_checkpoint_complete: CheckpointHook | None,
+) -> None:
+    """The one place that decides who trains: this process, or the workers a launcher starts (when the layout asks
+    for several processes and no launcher started this one). `prepared` is None only for the ranks of a launcher
+    the user started that are not its leader: they check their own."""
+    if under_launcher() or prepared.plan.layout.world == 1:
+        run(cfg, rd, resuming, prepared, before_checkpoint_complete=before_checkpoint_complete)
+    else:
+        if before_checkpoint_complete is not None:
+            raise ValueError("fault injection reaches only a run in this process, not launched workers")
+        run_workers(launcher_command(cfg, rd.path, resuming))
+
+
+# Settings a checkpoint fixes: the model it holds, the data order it continues, how DeepSpeed partitioned its state,
+# and the weight decay of the optimizer's parameter groups (loading the optimizer state restores the saved groups'
+# decay, so a new value would be silently ignored). Anything else (steps, learning rate, logging, checkpoint and eval
+# schedule, engine) may change on resume.
+_FIXED_BY_CHECKPOINT = (
+    "seed",
+    "model.",
+    "data.",
+    "attention.mode",
+    "train.global_batch",
+    "train.micro_batch",
+    "train.weight_decay",
+    "train.decay_norms_and_biases",
+    "parallel.zero_stage",
+    "parallel.sequence_parallel",
+    "parallel.nproc_per_node",
+    "parallel.num_nodes",
+    "parallel.offload_optimizer",
+    "parallel.offload_params",
+)
+# ...except these, which change how the same computation runs (or where a dataset is found), not what it computes.
+_FREE_KEYS = (
+    "data.num_workers",
+    "data.strict",
+    "data.output_dir",
+    "model.gradient_checkpointing",
+    "model.offload_activations",
+)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> None:
+    """Refuse, in one line naming the keys, a config edited since the checkpoint in a way it cannot resume with."""
+    saved = state.get("config")
+    if saved is None:
+        return  # a checkpoint from before configs were stored: the fingerprint warning in `run` is all there is
+    before, now = _flatten(saved), _flatten(settings(cfg))
+    changed = [
+        k
+        for k in sorted(set(before) | set(now))
+        if before.get(k) != now.get(k) and k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_KEYS
+    ]
+    if changed:
+        shown = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise UserError(
+            f"{source}: {shown}{more} changed since checkpoint {checkpoint}; a checkpoint resumes only "
+            f"with the model, data, batch and parallel layout it was written with: restore them, or start "
+            f"over with 'lctrain train --config {source} --force'"
+        )
+
+
+def _leader() -> bool:
+    """The process that checks, writes the run directory and holds its lock: the only one, or rank 0 of a
+    launcher the user started (the workers lctrain launches itself run `run`, under their parent's lock)."""
+    return not under_launcher() or int(os.environ.get("RANK", "0")) == 0
+
+
+def _run_lock(rd: RunDir, command: str, leader: bool):
+    return rd.lock(command) if leader else contextlib.nullcontext()
+
+
+def preflight(cfg: Config) -> Prepared:
+    """Everything that can be checked before any process starts, so the user gets one line and exit code 2; the
+    checked plan and dataset, for a run in this process."""
+    prepared = Prepared.of(cfg, layout_of(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None))
+    reread = reread_warning(cfg, len(prepared.packed))
+    if reread:
+        print(reread, flush=True)
+    if cfg.logging.wandb != "disabled":
+        import_wandb(cfg)
+    if cfg.model.arch is not None:
+        from lctrain.model import load_hf_config
+
+        shape = ModelShape.from_hf_config(load_hf_config(cfg))  # a bad model.arch is refused here, before any launch
+        if cfg.parallel.sequence_parallel > 1:
+            kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
+    from lctrain.model import shape_without_download
+
+    if shape_without_download(cfg):  # an unknown hub name is not downloaded just to plan
+        from lctrain.plan import memory_warning
+
+        warning = memory_warning(cfg)  # refuses a plan beyond a known GPU's memory
+        if warning:
+            print(warning, flush=True)
+    return prepared
