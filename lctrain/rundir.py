@@ -119,6 +119,11 @@ class RunDir:
         return by_step(self.exports_dir.iterdir()) if self.exports_dir.is_dir() else []
 
     @property
+    def ranks_dir(self) -> Path:
+        """Where the launched processes of a multi-process run take their request and report their outcome."""
+        return self.path / "ranks"
+
+    @property
     def eval_dir(self) -> Path:
         return self.path / "eval"
 

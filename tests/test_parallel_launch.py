@@ -3,44 +3,42 @@ them)."""
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
 from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.parallel import groups
-from lctrain.train.command import launcher_command
+from lctrain.parallel.launch import RANK_MODULE, worker_command
 
 
-def test_torchrun_command_runs_the_worker_module_on_every_process():
+def test_torchrun_command_runs_the_rank_module_on_every_process():
     cfg = load_config("tiny_anchor_sp2")
-    cmd = launcher_command(cfg, Path("runs/x"), resume=True)
+    cmd = worker_command(cfg, [RANK_MODULE, "runs/x/ranks"])
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc_per_node") + 1] == "2"
-    assert cmd[-4:] == ["-m", "lctrain.train.worker", "runs/x", "--resume"]
+    assert cmd[-3:] == ["-m", "lctrain.parallel.rank", "runs/x/ranks"]
 
 
 def test_deepspeed_command_uses_the_hostfile_for_several_nodes(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=8\nnode2 slots=8\n")
     cfg = load_config("llama2_128k_anchor", ["parallel.num_nodes=2", f"parallel.hostfile={hostfile}"])
-    cmd = launcher_command(cfg, Path("runs/y"), resume=False)
+    cmd = worker_command(cfg, [RANK_MODULE, "runs/y/ranks"])
     assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
     assert cmd[cmd.index("--hostfile") + 1] == str(hostfile)
     assert cmd[cmd.index("--num_nodes") + 1] == "2" and cmd[cmd.index("--num_gpus") + 1] == "8"
-    assert cmd[-3:] == ["--module", "lctrain.train.worker", "runs/y"]
+    assert cmd[-3:] == ["--module", "lctrain.parallel.rank", "runs/y/ranks"]
 
 
 def test_several_nodes_without_a_hostfile_is_a_user_error():
     cfg = load_config("llama2_128k_anchor", ["parallel.num_nodes=2"])
     with pytest.raises(UserError, match="parallel.hostfile"):
-        launcher_command(cfg, Path("runs/z"), resume=False)
+        worker_command(cfg, [RANK_MODULE, "runs/z/ranks"])
     with pytest.raises(UserError, match="torchrun cannot start other nodes"):
-        launcher_command(
+        worker_command(
             load_config("llama2_128k_anchor", ["parallel.num_nodes=2", "parallel.launcher=torchrun"]),
-            Path("runs/z"),
-            resume=False,
+            [RANK_MODULE, "runs/z/ranks"],
         )
 
 

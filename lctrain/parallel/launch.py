@@ -4,22 +4,17 @@
 calls `function(request)` and rank 0's return value comes back as `Finished(result)`. The ranks report through files
 in `workdir` (shared by every node, as a run directory is), so the caller gets typed outcomes instead of exit codes:
 an out-of-memory on any rank is `OutOfMemory`, a rank's UserError is raised here as that UserError, anything else is
-`RanksFailed` with the launcher's exit code. This module knows none of its callers.
-
-`run_workers` and `worker_main` serve training's launch of `lctrain.train.worker` until training, too, runs on
-`run_on_ranks`."""
+`RanksFailed` with the launcher's exit code. This module knows none of its callers."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from lctrain.config import Config
-from lctrain.errors import UserError, environment_error_message
+from lctrain.errors import UserError
 from lctrain.lifetime import supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 
@@ -60,28 +55,6 @@ def worker_command(cfg: Config, worker: list[str]) -> list[str]:
     else:
         cmd += ["--num_gpus", str(p.nproc_per_node)]
     return cmd + ["--module"] + worker
-
-
-def run_workers(cmd: list[str]) -> None:
-    """Run the workers and wait; their exit status becomes ours (a worker's UserError is already printed). Ctrl-C
-    or SIGTERM stops them all (lifetime.supervise); a kill of this process ends them too (exit_with_supervisor)."""
-    rc = supervise(cmd, env=launcher_free_env())
-    if rc:
-        raise SystemExit(rc)
-
-
-def worker_main(body: Callable[[], object]) -> None:
-    """Run a launched worker's body: a UserError or an environment failure (full disk) ends it with one line,
-    printed by rank 0 only, and exit code 2."""
-    try:
-        body()
-    except (UserError, OSError, RuntimeError) as e:
-        message = str(e) if isinstance(e, UserError) else environment_error_message(e)
-        if message is None:
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(UserError.exit_code) from None
 
 
 RANK_MODULE = "lctrain.parallel.rank"

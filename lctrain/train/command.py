@@ -2,7 +2,7 @@
 
 They check what can be checked before any process starts (`preflight`, whose `Prepared` the worker body then uses
 as it is), hold the run directory's lock, and decide once whether this process trains or starts its workers under
-a launcher (`python -m lctrain.train.worker RUN_DIR`, which calls `lctrain.train.trainer.run`).
+a launcher (`run_on_ranks` of `train_on_rank`, which calls `lctrain.train.trainer.run` on every process).
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from lctrain.config import Config, reread_warning, settings
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.parallel.groups import under_launcher
-from lctrain.parallel.launch import run_workers, worker_command
+from lctrain.parallel.launch import OutOfMemory, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.metrics import import_wandb
 from lctrain.train.runplan import Prepared
 from lctrain.train.trainer import CheckpointHook, run
-
-# The module launchers start on every process: `python -m lctrain.train.worker RUN_DIR [--resume]`.
-WORKER_MODULE = "lctrain.train.worker"
 
 
 def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
@@ -86,14 +83,10 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | 
         return rd.path
 
 
-def run_worker(rd: RunDir, resuming: bool) -> None:
-    """A launched worker: the run directory's config, checked in this process by `run`."""
-    run(rd.read_config(), rd, resuming)
-
-
-def launcher_command(cfg: Config, run_dir: Path, resume: bool) -> list[str]:
-    """The command that starts the worker module on every process of `cfg`'s layout."""
-    return worker_command(cfg, [WORKER_MODULE, str(run_dir)] + (["--resume"] if resume else []))
+def train_on_rank(request: dict) -> None:
+    """What every launched process runs: the run directory's config, checked in this process by `run`."""
+    rd = RunDir(request["run_dir"])
+    run(rd.read_config(), rd, request["resume"])
 
 
 def _start(
@@ -111,7 +104,13 @@ def _start(
     else:
         if before_checkpoint_complete is not None:
             raise ValueError("fault injection reaches only a run in this process, not launched workers")
-        run_workers(launcher_command(cfg, rd.path, resuming))
+        request = {"run_dir": str(rd.path.resolve()), "resume": resuming}
+        outcome = run_on_ranks(cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir)
+        if isinstance(outcome, OutOfMemory):
+            raise UserError(
+                f"rank {outcome.rank} ran out of memory ({outcome.message}); `lctrain plan` shows what fits, "
+                f"`lctrain resume {rd.path}` continues from the last checkpoint"
+            )
 
 
 # Settings a checkpoint fixes: the model it holds, the data order it continues, how DeepSpeed partitioned its state,
