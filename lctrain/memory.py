@@ -44,8 +44,8 @@ from lctrain.model import auto_mlp_shards
 from lctrain.parallel.layout import ParallelLayout, layout_of
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
 from lctrain.train.loss import positions_per_chunk
+from lctrain.units import GB as GB  # re-exported for lctrain.bench.memory, which imports it from here
 
-GB = 1e9
 # The CUDA context (about 0.5 GB on Hopper with lazy module loading), cuBLAS workspaces and the NCCL communicators'
 # buffers: device memory a training process holds outside PyTorch's allocator.
 DEVICE_RUNTIME_BYTES = 2**30
@@ -55,23 +55,6 @@ HOST_RUNTIME_BYTES = 2**30
 # Fraction of the device memory above which `train` warns: PyTorch's caching allocator fragments, so a plan this
 # close to the limit may still run out of memory.
 WARN_FRACTION = 0.9
-# Device memory of known accelerators, GB, by a substring of torch.cuda.get_device_name(), most specific first.
-GPU_MEMORY_GB = (
-    ("H200", 141),
-    ("H100", 80),
-    ("H800", 80),
-    ("A100-SXM4-40GB", 40),
-    ("A100-PCIE-40GB", 40),
-    ("A100", 80),
-    ("A800", 80),
-    ("L40S", 48),
-    ("A6000", 48),
-    ("A10G", 24),
-    ("L4", 24),
-    ("4090", 24),
-    ("B200", 180),
-    ("MI300X", 192),
-)
 FP32 = 4
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -18,7 +18,8 @@ from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
-from lctrain.memory import GB, Budget, layer_saved_bytes, longest_seq_len, plan_memory
+from lctrain.memory import Budget, layer_saved_bytes, longest_seq_len, plan_memory
+from lctrain.units import GB
 
 VOCAB = 1024
 ARCH = dict(

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from lctrain.config import load_config
 from lctrain.costmodel import ModelShape
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.errors import UserError
+from lctrain.measure import host_peak_bytes, timed
 from lctrain.memory import GB, HOST_RUNTIME_BYTES, WARN_FRACTION, plan_memory
 
 CPU_ARCH = dict(
@@ -151,16 +151,8 @@ def predicted(cfg, arch: dict, vocab: int, gpu: bool):
 
 
 def timed_steps(trainer, windows, steps: int, gpu: bool) -> float:
-    times = []
-    for _ in range(steps):
-        if gpu:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        trainer.train_step(windows)
-        if gpu:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    device = torch.device("cuda" if gpu else "cpu")
+    return float(np.median([timed(lambda: trainer.train_step(windows), device)[1] for _ in range(steps)]))
 
 
 def settings_row(name: str, settings: list[str], args) -> dict:
@@ -332,7 +324,7 @@ def length_row(spec: dict, seq_len: int, step: float, peak: int, reserved: int, 
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return host_peak_bytes()
 
 
 def print_length(r: dict) -> None:

@@ -91,8 +91,8 @@ def measure(
     """Train each (length, mode) point for `warmup + steps` steps and time the last `steps`; write figure6.json and
     figure6.png in `work`, print the table. Returns the results."""
     from lctrain.data.prepare import prepare
+    from lctrain.hardware import device_peak_flops
     from lctrain.reports.estimate import predict
-    from lctrain.train.metrics import device_peak_flops
     from lctrain.train.trainer import train
 
     if steps < 1 or warmup < 0:

@@ -42,7 +42,9 @@ from lctrain.config import (
 )
 from lctrain.costmodel import ModelShape, dense_params, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
+from lctrain.hardware import device_peak_flops
 from lctrain.lifetime import RunLock
+from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.parallel.groups import Topology, init_topology, release_single_process, under_launcher
 from lctrain.parallel.launch import run_workers, worker_command
 from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
@@ -51,15 +53,9 @@ from lctrain.train import checkpoint as ckpt
 from lctrain.train.checkpoint import write_atomic
 from lctrain.train.data import BatchPlan, collate, open_checked
 from lctrain.train.deepspeed_config import check_precision, deepspeed_config, grad_divisor
-from lctrain.train.metrics import (
-    StepLogger,
-    device_peak_flops,
-    import_wandb,
-    peak_memory_gb,
-    reset_peak_memory,
-    truncate_metrics,
-)
+from lctrain.train.metrics import StepLogger, import_wandb, truncate_metrics
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
+from lctrain.units import to_gb
 
 # The module launchers start on every process: `python -m lctrain.train.worker RUN_DIR [--resume]`.
 WORKER_MODULE = "lctrain.train.worker"
@@ -469,8 +465,9 @@ class Trainer:
         shape = ModelShape.from_hf_config(self.lm.config)
         return step_flops(self.n_dense, shape.layers, shape.width, tokens, pairs)
 
-    def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None) -> dict:
-        """The metrics.jsonl record of update `step_index`."""
+    def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None, mem_scope: str) -> dict:
+        """The metrics.jsonl record of update `step_index`: `peak_mem_gb` in GB (10^9 bytes), the peak since
+        `reset_peak` returned `mem_scope` (the step, or the process's life where the host's peak cannot be reset)."""
         cfg = self.cfg
         tokens = cfg.train.global_batch * cfg.data.seq_len
         step = step_index + 1
@@ -484,7 +481,8 @@ class Trainer:
             "step_time_s": seconds,
             "tokens_per_s": tokens / seconds,
             "mfu": self.step_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
-            "peak_mem_gb": peak_memory_gb(self.topo.device),
+            "peak_mem_gb": to_gb(peak_bytes(self.topo.device)),
+            "peak_mem_scope": mem_scope,
         }
 
     def fit(self, packed) -> None:
@@ -496,12 +494,11 @@ class Trainer:
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
         try:
             for step_index in range(self.state.step, total):
-                t0 = time.perf_counter()
-                reset_peak_memory(topo.device)
-                result = self.train_step(self.read_windows(packed, step_index))
+                mem_scope = reset_peak(topo.device)
+                result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
                 self.state.step = step_index + 1
                 if logger is not None:
-                    logger.log(self.metrics(step_index, result, time.perf_counter() - t0, peak))
+                    logger.log(self.metrics(step_index, result, seconds, peak, mem_scope))
                 if self.state.step in hf_steps:
                     self.export_hf()
                 if resume_checkpoint_due(self.state.step, total, cfg.checkpoint):
