@@ -42,6 +42,7 @@ from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
 from lctrain.model import auto_mlp_shards
 from lctrain.parallel.layout import ParallelLayout, layout_of
+from lctrain.search import longest_fitting
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
 from lctrain.train.loss import positions_per_chunk
 from lctrain.units import GB as GB  # re-exported for lctrain.bench.memory, which imports it from here
@@ -313,23 +314,16 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
 
 
 def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int = 1 << 24) -> int | None:
-    """The longest data.seq_len, a multiple of sequence_parallel x 1024, whose plan fits; None if none does."""
+    """The longest data.seq_len below `limit`, a multiple of sequence_parallel x 1024, whose plan fits; None if none
+    does."""
     step = cfg.parallel.sequence_parallel * 1024
 
-    def fits(k: int) -> bool:
+    def fits(seq_len: int) -> bool:
         return budget.fits(
-            plan_memory(with_overrides(cfg, [f"data.seq_len={k * step}"], "longest length"), shape, budget.gpu)
+            plan_memory(with_overrides(cfg, [f"data.seq_len={seq_len}"], "longest length"), shape, budget.gpu)
         )
 
-    if not fits(1):
-        return None
-    lo, hi = 1, 2  # memory grows with the length: double, then bisect
-    while fits(hi) and hi * step < limit:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * step
+    return longest_fitting(fits, step, limit - 1, step)
 
 
 def candidate_fixes(cfg: Config) -> list[list[str]]:

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lctrain.train.loss import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, chunked_loss_sum
+from lctrain.attention import IGNORE_INDEX
+from lctrain.train.loss import DEFAULT_CHUNK_TOKENS, chunked_loss_sum
 
 METHODS = ("lctrain", "deepspeed", "full_logits")
 

@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lctrain.attention import Batch
+from lctrain.attention import IGNORE_INDEX, Batch
 
-IGNORE_INDEX = -100
 # Tokens per logits chunk: 8K x 32K vocab x 4 B = 1 GB of fp32 logits at most.
 DEFAULT_CHUNK_TOKENS = 8192
 
@@ -42,7 +41,7 @@ def positions_per_chunk(rows: int, length: int, chunk_tokens: int = DEFAULT_CHUN
 def chunked_loss_sum(
     lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 ) -> torch.Tensor:
-    """Sum of cross-entropy over `labels != -100`; `hidden` [B, S, d], `labels` [B, S] already shifted."""
+    """Sum of cross-entropy over `labels != IGNORE_INDEX`; `hidden` [B, S, d], `labels` [B, S] already shifted."""
     per_chunk = positions_per_chunk(hidden.shape[0], hidden.shape[1], chunk_tokens)
     if per_chunk == hidden.shape[1]:
         # one chunk: its logits are the peak either way, so recomputing them would only cost time
