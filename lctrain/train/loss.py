@@ -9,7 +9,7 @@ in the whole optimizer step (all micro-batches, all ranks), so sequence- and dat
 and gradients as one process.
 
 Kept over DeepSpeed's `TiledFusedLogitsLoss` (`python scripts/bench_loss.py --threads 1`: 16K/32K tokens, vocab 32000,
-hidden 512, fp32 CPU): same peak, 3.0 GB (full logits: 5.9 GB at 16K), at 1.37x its time (28.4/57.5 vs 20.8/42.2 CPU
+hidden 512, fp32 CPU): same peak, 3.0 GiB (full logits: 5.9 GiB at 16K), at 1.37x its time (28.4/57.5 vs 20.8/42.2 CPU
 s; it runs each chunk's backward in the forward instead of recomputing logits), but it takes lm_head's incoming
 gradient as 1, so the trainer's `(loss * scale).backward()` leaves lm_head's gradient 1/scale times too large.
 """
