@@ -4,8 +4,8 @@ matmul rate, and the CPU cores this process may use.
 GPUs are matched on their exact model name as `torch.cuda.get_device_name()` reports it (case and spacing aside, the
 "NVIDIA " prefix optional): variants of one chip differ in memory and peak (an H100 PCIe has 756 dense bf16 TFLOP/s,
 an H100 SXM 989), and a substring would give one the other's. A GPU not in the table gets no number: MFU is not
-reported and `lctrain plan` reads the memory from the device. Peaks are dense (the datasheets' sparsity figures
-halved); memory is the datasheet's GB per GPU.
+reported and `lctrain plan` reads the memory from the device. Peaks are dense (half the figure with sparsity where
+that is all a datasheet gives); memory is the datasheet's GB per GPU.
 """
 
 from __future__ import annotations
