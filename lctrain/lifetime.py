@@ -104,17 +104,23 @@ def _read_holder(fd: int) -> tuple[str, str]:
         return "another process", "it"
 
 
+def is_alive(process: psutil.Process | int) -> bool:
+    """Whether a process (a `psutil.Process`, or a pid) still runs. A killed process stays a zombie until its parent
+    reaps it: it is gone all the same. A `psutil.Process` also notices its pid reused by a newer process."""
+    try:
+        p = process if isinstance(process, psutil.Process) else psutil.Process(process)
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # it exists, as another user's
+
+
 def exit_with(process: psutil.Process, code: int = 1) -> None:
     """End this process (`os._exit(code)`) once `process` is no longer running."""
 
-    def gone() -> bool:
-        try:  # a killed parent stays a zombie until its own parent reaps it: it is gone all the same
-            return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
     def watch():
-        while not gone():
+        while is_alive(process):
             time.sleep(POLL_S)
         os._exit(code)
 

@@ -42,11 +42,11 @@ from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
 from lctrain.model import auto_mlp_shards
 from lctrain.parallel.layout import ParallelLayout
+from lctrain.search import longest_fitting
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
 from lctrain.train.loss import positions_per_chunk
 from lctrain.train.runplan import RunPlan
 
-GB = 1e9
 # The CUDA context (about 0.5 GB on Hopper with lazy module loading), cuBLAS workspaces and the NCCL communicators'
 # buffers: device memory a training process holds outside PyTorch's allocator.
 DEVICE_RUNTIME_BYTES = 2**30
@@ -56,23 +56,6 @@ HOST_RUNTIME_BYTES = 2**30
 # Fraction of the device memory above which `train` warns: PyTorch's caching allocator fragments, so a plan this
 # close to the limit may still run out of memory.
 WARN_FRACTION = 0.9
-# Device memory of known accelerators, GB, by a substring of torch.cuda.get_device_name(), most specific first.
-GPU_MEMORY_GB = (
-    ("H200", 141),
-    ("H100", 80),
-    ("H800", 80),
-    ("A100-SXM4-40GB", 40),
-    ("A100-PCIE-40GB", 40),
-    ("A100", 80),
-    ("A800", 80),
-    ("L40S", 48),
-    ("A6000", 48),
-    ("A10G", 24),
-    ("L4", 24),
-    ("4090", 24),
-    ("B200", 180),
-    ("MI300X", 192),
-)
 FP32 = 4
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -332,23 +315,16 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
 
 
 def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int = 1 << 24) -> int | None:
-    """The longest data.seq_len, a multiple of sequence_parallel x 1024, whose plan fits; None if none does."""
+    """The longest data.seq_len below `limit`, a multiple of sequence_parallel x 1024, whose plan fits; None if none
+    does."""
     step = cfg.parallel.sequence_parallel * 1024
 
-    def fits(k: int) -> bool:
+    def fits(seq_len: int) -> bool:
         return budget.fits(
-            plan_memory(with_overrides(cfg, [f"data.seq_len={k * step}"], "longest length"), shape, budget.gpu)
+            plan_memory(with_overrides(cfg, [f"data.seq_len={seq_len}"], "longest length"), shape, budget.gpu)
         )
 
-    if not fits(1):
-        return None
-    lo, hi = 1, 2  # memory grows with the length: double, then bisect
-    while fits(hi) and hi * step < limit:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * step
+    return longest_fitting(fits, step, limit - 1, step)
 
 
 def candidate_fixes(cfg: Config) -> list[list[str]]:

@@ -8,22 +8,16 @@ from pathlib import Path
 
 from lctrain.config import Config
 from lctrain.errors import UserError
-from lctrain.memory import GB, GPU_MEMORY_GB, WARN_FRACTION, Budget, fixes, longest_seq_len, plan_memory
+from lctrain.hardware import known_gpu
+from lctrain.memory import WARN_FRACTION, Budget, fixes, longest_seq_len, plan_memory
 from lctrain.model import model_shape
-
-
-def known_gpu_bytes(name: str) -> int | None:
-    """Device memory of a GPU named like torch.cuda.get_device_name() reports it, if it is in the table."""
-    for key, gb in GPU_MEMORY_GB:
-        if key in name:
-            return int(gb * GB)
-    return None
+from lctrain.units import GB, gb_to_bytes
 
 
 def _positive(value: float | None, option: str) -> int | None:
     if value is not None and not value > 0:
         raise UserError(f"{option} = {value}: expected a memory size in GB > 0")
-    return None if value is None else int(value * GB)
+    return None if value is None else gb_to_bytes(value)
 
 
 def local_budget(gpu_mem_gb: float | None = None, host_mem_gb: float | None = None) -> tuple[Budget, bool]:
@@ -37,8 +31,8 @@ def local_budget(gpu_mem_gb: float | None = None, host_mem_gb: float | None = No
         return Budget(device, host, f"{gpu_mem_gb:g} GB per GPU (--gpu-mem)"), True
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
-        known = known_gpu_bytes(name)
-        size = known or torch.cuda.get_device_properties(0).total_memory
+        known = known_gpu(name)
+        size = gb_to_bytes(known.memory_gb) if known else torch.cuda.get_device_properties(0).total_memory
         return Budget(size, host, f"{name}, {size / GB:.0f} GB"), known is not None
     return Budget(None, host, f"CPU: {host / GB:.1f} GB of host memory available"), False
 

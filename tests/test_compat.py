@@ -1,13 +1,19 @@
 """The compat modules: each library internal or version difference lctrain relies on, checked against the installed
 library (and, for the version differences, against a stand-in of the older API)."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from lctrain.compat.deepspeed import DEEPSPEED_VERSION, disable_cpu_shm_comm_op
-from lctrain.compat.transformers import nested_rope_keys, rotary_in_fp32, set_attn_implementation
+from lctrain.compat.transformers import TRANSFORMERS_RELEASES, nested_rope_keys, rotary_in_fp32, set_attn_implementation
 from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.train.metrics import import_wandb
@@ -134,3 +140,52 @@ def test_rotary_modules_return_fp32_for_the_probe():
     got = model.model.rotary_emb(x, positions)
     for g, w in zip(got, want):
         assert g.dtype == torch.float32 and torch.equal(g, w)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def declared_ranges() -> dict[str, SpecifierSet]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    return {canonicalize_name(r.name): r.specifier for r in reqs}
+
+
+def test_pyproject_admits_exactly_the_releases_compat_was_checked_against():
+    ranges = declared_ranges()
+    # DeepSpeed: the one release whose internals compat/deepspeed.py names, nothing beside it
+    pinned = Version(DEEPSPEED_VERSION)
+    assert ranges["deepspeed"].contains(DEEPSPEED_VERSION)
+    major, minor, micro = pinned.release
+    for other in (f"{major}.{minor}.{micro - 1}", f"{major}.{minor}.{micro + 1}", f"{major}.{minor + 1}.0"):
+        assert not ranges["deepspeed"].contains(other), other
+    # transformers: every minor release from the first to the last compat/transformers.py was checked against
+    first, last = (Version(v).release for v in TRANSFORMERS_RELEASES)
+    assert first[0] == last[0] and first[1] <= last[1]
+    for minor in range(first[1], last[1] + 1):
+        for patch in (0, 9):
+            assert ranges["transformers"].contains(f"{first[0]}.{minor}.{patch}"), (minor, patch)
+    for outside in (f"{first[0]}.{first[1] - 1}.9", f"{first[0]}.{last[1] + 1}.0", f"{first[0] + 1}.0.0"):
+        assert not ranges["transformers"].contains(outside), outside
+    # torch: from the GPU image's 2.11 on
+    assert ranges["torch"].contains("2.11.0") and not ranges["torch"].contains("2.10.9")
+
+
+def test_the_tested_lock_lies_inside_the_declared_ranges():
+    # constraints.txt pins what the suite passes with: each pin must be installable under pyproject's ranges
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version.strip()
+    for name, spec in declared_ranges().items():
+        if name in pins:
+            assert spec.contains(pins[name], prereleases=True), (name, pins[name], str(spec))
+    assert {"torch", "transformers", "deepspeed"} <= pins.keys()
+
+
+def test_the_installed_transformers_is_one_compat_supports():
+    import transformers
+
+    first, last = (Version(v).release for v in TRANSFORMERS_RELEASES)
+    assert first <= Version(transformers.__version__).release[:2] <= last, transformers.__version__

@@ -14,7 +14,7 @@ import pytest
 from train_helpers import clean_env, set_args
 
 from lctrain.errors import UserError
-from lctrain.lifetime import RunLock
+from lctrain.lifetime import RunLock, is_alive
 from lctrain.rundir import RunDir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,6 +81,21 @@ def test_run_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
     with pytest.raises(UserError, match="cannot create the run directory's lock file"):
         with RunLock(tmp_path / "file" / "run", "lctrain train"):
             pass
+
+
+def test_is_alive_sees_running_zombie_reaped_and_reused_processes():
+    assert is_alive(os.getpid()) and is_alive(psutil.Process())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    handle = psutil.Process(child.pid)
+    deadline = time.monotonic() + 30
+    while handle.status() != psutil.STATUS_ZOMBIE:  # exited, not yet reaped: a zombie, gone all the same
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not is_alive(child.pid) and not is_alive(handle)
+    child.wait()  # reaped: the pid is free
+    assert not is_alive(handle)
+    assert not is_alive(2**22 + 1)  # above Linux's largest pid
+    assert is_alive(1)  # another user's process (init) exists all the same
 
 
 def start_sp2_run(data_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process], list[str]]:

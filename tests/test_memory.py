@@ -18,7 +18,8 @@ from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
-from lctrain.memory import GB, Budget, layer_saved_bytes, longest_seq_len, plan_memory
+from lctrain.memory import Budget, layer_saved_bytes, longest_seq_len, plan_memory
+from lctrain.units import GB
 
 VOCAB = 1024
 ARCH = dict(
@@ -80,8 +81,8 @@ def windows(seq_len):
     ids=["plain", "checkpointing", "checkpointing+tiled", "zero1+tiled4"],
 )
 def test_prediction_within_15_percent_of_the_measured_peak(extra):
+    from lctrain.measure import cpu_peak_bytes
     from lctrain.parallel.groups import init_topology, release_single_process
-    from lctrain.train.metrics import cpu_peak_bytes
     from lctrain.train.trainer import Trainer
 
     cfg = config(2048, *extra)
@@ -122,8 +123,8 @@ def test_optimizer_step_peak_within_15_percent(offload):
     # offloaded optimizer's second fp32 gradient buffer), not the backward's
     from transformers import AutoConfig
 
+    from lctrain.measure import cpu_peak_bytes
     from lctrain.parallel.groups import init_topology, release_single_process
-    from lctrain.train.metrics import cpu_peak_bytes
     from lctrain.train.trainer import Trainer
 
     cfg = load_config(

@@ -206,7 +206,7 @@ def test_each_restored_hidden_state_is_freed_after_its_layer(as_if_asynchronous)
     `max_fwd_stash_count`) and one restored copy in flight, i.e. within 4 hidden states (3.2 measured). Keeping the
     restored ones adds one per offloaded layer on top (7 here; 10.2 hidden states over the plain step measured with
     DeepSpeed's own unpack)."""
-    from lctrain.train.metrics import cpu_peak_bytes
+    from lctrain.measure import cpu_peak_bytes
 
     layers, batch_rows, length, hidden = 8, 2, 512, 64
     arch = (

@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
+from lctrain.measure import reset_host_peak
 from lctrain.rundir import RunDir, step_name
 from lctrain.train import checkpoint as ckpt
 
@@ -119,6 +120,8 @@ def test_run_directory_metrics_and_checkpoints(reference):
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_mem_gb"):
         assert all(r[key] is not None for r in records), key
+    # each step's own peak where the platform can reset it (Linux), the process's so far elsewhere
+    assert {r["peak_mem_scope"] for r in records} == {"step" if reset_host_peak() else "lifetime"}
     assert records[0]["lr"] == pytest.approx(0.5e-3) and records[-1]["lr"] == pytest.approx(1e-3)
     assert records[-1]["tokens"] == STEPS * 2 * 128
     # keep=2: only the two newest resume checkpoints survive; `latest` names the last

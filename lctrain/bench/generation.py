@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 from pathlib import Path
 
 import torch
 
+from lctrain.measure import host_peak_bytes, peak_bytes, reset_peak, synchronize
 from lctrain.shapes import SHAPES, hf_arch
+from lctrain.units import to_gb
 
 MODELS = ("tiny", "llama2-7b")  # lctrain.shapes names
 
@@ -46,9 +47,9 @@ def measure(lm, length: int, new_tokens: int, seed: int) -> dict:
     plan = plan_for(lm, length + new_tokens)
     ids = torch.randint(3, lm.config.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
     weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    synchronize(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_peak(device)
     marks = []
 
     def first_token(new: list[int]) -> bool:  # called after each token; the argmax read has synchronized the device
@@ -58,11 +59,10 @@ def measure(lm, length: int, new_tokens: int, seed: int) -> dict:
 
     t0 = time.perf_counter()
     out = greedy_ids(lm, ids, new_tokens, plan, stop=first_token)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     total = time.perf_counter() - t0
     prefill = (marks[0] if marks else time.perf_counter()) - t0
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    peak = peak_bytes(device) if device.type == "cuda" else None
     return {
         "length": length,
         "new_tokens": len(out),
@@ -70,11 +70,11 @@ def measure(lm, length: int, new_tokens: int, seed: int) -> dict:
         "offload": plan.offload,
         "prefill_s": prefill,
         "decode_s_per_token": max(total - prefill, 0.0) / max(len(out) - 1, 1),
-        "weights_gb": weights / 1e9,
-        "predicted_peak_gb": (weights + plan.device_bytes) / 1e9,
-        "measured_peak_gb": peak / 1e9 if peak is not None else None,
-        "host_cache_gb": plan.host_bytes / 1e9,
-        "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "weights_gb": to_gb(weights),
+        "predicted_peak_gb": to_gb(weights + plan.device_bytes),
+        "measured_peak_gb": to_gb(peak) if peak is not None else None,
+        "host_cache_gb": to_gb(plan.host_bytes),
+        "host_peak_rss_gb": to_gb(host_peak_bytes()),
     }
 
 

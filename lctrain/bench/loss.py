@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lctrain.train.loss import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, chunked_loss_sum
+from lctrain.attention import IGNORE_INDEX
+from lctrain.measure import host_peak_bytes, reset_host_peak
+from lctrain.train.loss import DEFAULT_CHUNK_TOKENS, chunked_loss_sum
+from lctrain.units import to_gb
 
 METHODS = ("lctrain", "deepspeed", "full_logits")
 
@@ -95,13 +98,6 @@ def correctness() -> list[dict]:
     return rows
 
 
-def _rss(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def measure_one(method: str, tokens: int, vocab: int, hidden_size: int, chunk: int, reps: int, threads: int) -> dict:
     """Run in a fresh process: a warm-up forward + backward, then the peak bytes of the next, then `reps - 1` more
     for the time."""
@@ -111,18 +107,19 @@ def measure_one(method: str, tokens: int, vocab: int, hidden_size: int, chunk: i
     for _ in range(max(reps, 1) + 1):
         lm_head.weight.grad, hidden.grad = None, None
         if len(times) == 1:
-            base = _rss("VmRSS")
-            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+            if not reset_host_peak():
+                raise SystemExit("error: the loss benchmark measures the peak resident set of one step: Linux only")
+            base = host_peak_bytes()  # just reset: the current resident set
         t0, c0 = time.perf_counter(), time.process_time()
         loss_sum(method, lm_head, hidden, labels, chunk).backward()
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
         if len(times) == 2:
-            peak = _rss("VmHWM") - base
+            peak = host_peak_bytes() - base
     return {
         "method": method,
         "tokens": tokens,
-        "peak_gb": peak / 2**30,
+        "peak_gb": to_gb(peak),
         "time_s": min(times),
         "cpu_s": min(cpu_times),
         "loss": float(loss_sum(method, lm_head, hidden.detach(), labels, chunk)),

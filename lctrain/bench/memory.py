@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 from pathlib import Path
 
@@ -34,8 +33,10 @@ from lctrain.config import load_config
 from lctrain.costmodel import ModelShape
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.errors import UserError
-from lctrain.memory import GB, HOST_RUNTIME_BYTES, WARN_FRACTION, plan_memory
+from lctrain.measure import host_peak_bytes, timed
+from lctrain.memory import HOST_RUNTIME_BYTES, WARN_FRACTION, plan_memory
 from lctrain.shapes import SHAPES, hf_arch
+from lctrain.units import GB
 
 ROW_ARCHS = {name: hf_arch(SHAPES[name]) for name in ("small", "llama-1b")}
 LLAMA2_7B = hf_arch(SHAPES["llama2-7b"])
@@ -124,24 +125,16 @@ def predicted(cfg, arch: dict, vocab: int, gpu: bool):
 
 
 def timed_steps(trainer, windows, steps: int, gpu: bool) -> float:
-    times = []
-    for _ in range(steps):
-        if gpu:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        trainer.train_step(windows)
-        if gpu:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    device = torch.device("cuda" if gpu else "cpu")
+    return float(np.median([timed(lambda: trainer.train_step(windows), device)[1] for _ in range(steps)]))
 
 
 def settings_row(name: str, settings: list[str], args) -> dict:
     """One memory setting through the trainer's step: on the CPU the profiler's peak of tensor storage (fp32, ZeRO
     off), on a GPU (`--device cuda`, bf16 under ZeRO-1) torch's peak allocation during one step after a warm-up,
     each against the plan (device plus host items on the CPU, where both are one memory; device items on a GPU)."""
+    from lctrain.measure import cpu_peak_bytes
     from lctrain.parallel.groups import init_topology, release_single_process
-    from lctrain.train.metrics import cpu_peak_bytes
     from lctrain.train.trainer import Trainer
 
     gpu = args.device == "cuda"
@@ -305,7 +298,7 @@ def length_row(spec: dict, seq_len: int, step: float, peak: int, reserved: int, 
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return host_peak_bytes()
 
 
 def print_length(r: dict) -> None:
@@ -407,8 +400,8 @@ def measure_length(spec: dict) -> dict | None:
     the most of any rank (all-reduced), as the row."""
     import deepspeed.comm as dist
 
+    from lctrain.measure import cpu_peak_bytes
     from lctrain.parallel.groups import init_topology
-    from lctrain.train.metrics import cpu_peak_bytes
     from lctrain.train.trainer import Trainer
 
     length = spec["seq_len"]

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import psutil
 
+from lctrain.hardware import usable_cpus
+
 TOKENIZER = "builtin:mistral-7b-v0.1"
 
 
@@ -180,7 +182,7 @@ def main() -> None:
     from rich.table import Table
 
     console = Console()
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cpus()
     results = []
     scratch = Path(tempfile.mkdtemp(prefix="bench_prepare_"))
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +23,10 @@ import torch
 
 from lctrain.config import load_config
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
+from lctrain.hardware import device_peak_flops
+from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.shapes import SHAPES, hf_arch
-from lctrain.train.metrics import device_peak_flops, peak_memory_gb, reset_peak_memory
+from lctrain.units import to_gb
 
 MODELS = ("tiny", "llama-1b")  # lctrain.shapes names
 
@@ -60,17 +62,12 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
             "tag_lens": [np.zeros(len(s), dtype=np.int64) for s in seg_lens],
         }
     ]
-    times = []
+    times, mem_scope = [], None
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            reset_peak_memory(device)
-        if gpu:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        result = trainer.train_step(windows)
-        if gpu:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+            mem_scope = reset_peak(device)
+        result, seconds = timed(partial(trainer.train_step, windows), device)
+        times.append(seconds)
     step = float(np.median(times[args.warmup :]))
     tokens = args.batch * args.seq_len
     flops = trainer.step_flops(tokens, result.pairs)
@@ -82,7 +79,8 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
         "tokens_per_s": tokens / step,
         "tflops_per_gpu": flops / step / 1e12,
         "mfu": flops / step / peak if peak else None,
-        "peak_mem_gb": peak_memory_gb(device),
+        "peak_mem_gb": to_gb(peak_bytes(device)),
+        "peak_mem_scope": mem_scope,
         "docs_per_window": float(np.mean([len(s) for s in seg_lens])),
     }
     del trainer

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# The first and the last minor release each entry here was checked against; pyproject.toml admits exactly these.
+TRANSFORMERS_RELEASES = ("5.17", "5.23")
+
 
 def nested_rope_keys(hf_config) -> list[str]:
     """The keys `rope_parameters` is nested under (per-layer-type RoPE, e.g. Gemma-style sliding/full layers), or []

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
-# domain -> (SlimPajama token share, median document length in tokens, log-normal sigma)
+from lctrain.data.mixture import SLIMPAJAMA_TOKEN_SHARES
+
+# domain -> (median document length in tokens, log-normal sigma); the domains' token shares are SlimPajama's
 DOMAIN_LENGTHS = {
-    "CommonCrawl": (0.522, 700, 1.2),
-    "C4": (0.267, 400, 0.9),
-    "GitHub": (0.052, 900, 1.4),
-    "ArXiv": (0.046, 9000, 0.7),
-    "Book": (0.042, 90000, 0.8),
-    "Wikipedia": (0.038, 600, 1.2),
-    "StackExchange": (0.033, 500, 1.0),
+    "CommonCrawl": (700, 1.2),
+    "C4": (400, 0.9),
+    "GitHub": (900, 1.4),
+    "ArXiv": (9000, 0.7),
+    "Book": (90000, 0.8),
+    "Wikipedia": (600, 1.2),
+    "StackExchange": (500, 1.0),
 }
 
 
@@ -25,8 +27,8 @@ def slimpajama_like_layouts(seq_len: int, windows: int, seed: int) -> list[list[
     """Segment lengths of `windows` consecutive windows of `seq_len` tokens; each sums to `seq_len`."""
     rng = np.random.default_rng(seed)
     names = list(DOMAIN_LENGTHS)
-    token_share = np.array([DOMAIN_LENGTHS[n][0] for n in names])
-    mean_len = np.array([DOMAIN_LENGTHS[n][1] * np.exp(DOMAIN_LENGTHS[n][2] ** 2 / 2) for n in names])
+    token_share = np.array([SLIMPAJAMA_TOKEN_SHARES[n] for n in names])
+    mean_len = np.array([DOMAIN_LENGTHS[n][0] * np.exp(DOMAIN_LENGTHS[n][1] ** 2 / 2) for n in names])
     doc_prob = token_share / mean_len  # documents drawn in proportion to token share / mean length
     doc_prob /= doc_prob.sum()
     out, carry = [], 0
@@ -35,7 +37,7 @@ def slimpajama_like_layouts(seq_len: int, windows: int, seed: int) -> list[list[
         while room:
             if not carry:
                 d = rng.choice(len(names), p=doc_prob)
-                _, median, sigma = DOMAIN_LENGTHS[names[d]]
+                median, sigma = DOMAIN_LENGTHS[names[d]]
                 carry = max(2, int(rng.lognormal(np.log(median), sigma)))
             take = min(carry + 1, room)  # +1: the anchor that starts every segment
             lens.append(take)

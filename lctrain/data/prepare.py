@@ -41,6 +41,8 @@ from lctrain.data.sources import describe_source, hub_batches, local_batches, re
 from lctrain.data.stats import DatasetStats, render
 from lctrain.data.store import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, write_manifest
 from lctrain.errors import UserError, is_environment_error
+from lctrain.hardware import usable_cpus
+from lctrain.lifetime import is_alive
 
 SHARD_TOKENS = 1 << 28  # ~1 GiB of int32 tokens per Arrow shard
 SKIP_EXAMPLES = 5
@@ -64,10 +66,7 @@ def _num_workers(requested: int, budget_tokens: int) -> int:
         return requested
     if budget_tokens < SMALL_BUDGET:
         return 1  # starting worker processes costs more than they save
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return usable_cpus()
 
 
 def _encoded(batches, encoder, workers: int):
@@ -209,22 +208,12 @@ def _existing_is_current(out: Path, fingerprint: str, force: bool) -> bool:
     return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale(out: Path) -> None:
     """Remove what killed runs left behind (their process is gone)."""
     pattern = re.compile(rf"^\.{re.escape(out.name)}\.(partial|old)-(\d+)$")
     for p in out.parent.iterdir():
         m = pattern.match(p.name)
-        if m and (int(m.group(2)) == os.getpid() or not _alive(int(m.group(2)))):
+        if m and (int(m.group(2)) == os.getpid() or not is_alive(int(m.group(2)))):
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -30,7 +30,6 @@ by four orders of magnitude.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +39,7 @@ from lctrain.attention import Batch
 from lctrain.config import Config, data_dir, load_config, with_overrides, write_resolved
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
+from lctrain.hardware import usable_cpus
 
 # Documents in a synthetic window: enough that the document masks and anchor positions differ from full attention.
 SYNTHETIC_DOCS = 8
@@ -96,7 +96,7 @@ def allowed_processes() -> int:
     """Processes this machine can give one device each: its GPUs, else the CPU cores this process may use."""
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return usable_cpus()
 
 
 def check_config(cfg: Config, nproc: int, dtype: str | None) -> Config:

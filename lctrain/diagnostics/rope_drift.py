@@ -41,12 +41,15 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from lctrain.config import Config
 from lctrain.errors import UserError
+from lctrain.measure import peak_bytes, reset_peak, timed
+from lctrain.units import to_gb
 
 SHIFTS = (0, 2, 4, 6, 8, 10, 12, 14, 15, 17, 18, 20, 22, 50, 100, 200, 500, 1000, 2000)
 DELTA2 = 16
@@ -498,18 +501,20 @@ def diagnose_rope(
     _register()
     model.set_attn_implementation(PROBE_IMPL)
     ids = [torch.from_numpy(s).to(dev) for s in probe_text.sequences]
+    probe_device = torch.device(dev)
+
+    def measure_all(m, advance: Callable[[], None]) -> list[dict]:
+        return [measure_sequence(m, x, plan, advance) for x in ids]
+
     results_cases, timing = {}, {}
     with _progress() as bar, torch.inference_mode():
         jobs = {c: bar.add_task(c, total=samples * plan.passes()) for c in cases}
         for name, m, notes in case_models(model, cases, seed):
-            if dev.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats(dev)
-            t0 = time.perf_counter()
-            per_sequence = [measure_sequence(m, x, plan, lambda name=name: bar.advance(jobs[name])) for x in ids]
-            seconds = time.perf_counter() - t0
+            reset_peak(probe_device)
+            per_sequence, seconds = timed(partial(measure_all, m, partial(bar.advance, jobs[name])), probe_device)
             timing[name] = {"seconds": round(seconds, 3), "tflops_per_s": round(flops / seconds / 1e12, 3)}
-            if dev.startswith("cuda"):
-                timing[name]["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+            if probe_device.type == "cuda":
+                timing[name]["peak_memory_gb"] = round(to_gb(peak_bytes(probe_device)), 2)
             results_cases[name] = {"label": CASES[name], **summarize(per_sequence, scaled_logits), **notes}
     del model
     results = {
@@ -576,7 +581,7 @@ def print_rope_table(results: dict, out_dir: Path, console) -> None:
         "timing: "
         + ", ".join(
             f"{n} {t[n]['seconds']:.1f} s ({t[n]['tflops_per_s']:.2f} TFLOP/s"
-            + (f", peak {t[n]['peak_memory_gb']:.1f} GiB)" if "peak_memory_gb" in t[n] else ")")
+            + (f", peak {t[n]['peak_memory_gb']:.1f} GB)" if "peak_memory_gb" in t[n] else ")")
             for n in names
         )
         + f"; model load {t['load_seconds']:.1f} s"

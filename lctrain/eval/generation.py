@@ -31,10 +31,13 @@ from dataclasses import dataclass
 
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
+from lctrain.search import longest_fitting
 
 PREFILL_CHUNK = 8192
 # what the plan leaves free for the allocator's fragmentation and the kernels' own workspaces
 HEADROOM = 0.10
+# A prompt that does not fit names the longest that does, searched below this many tokens (beyond any model here).
+MAX_TOKENS = 1 << 26
 
 
 def kv_cache_bytes(config, tokens: int, dtype_bytes: int, layers: int | None = None) -> int:
@@ -132,12 +135,14 @@ def plan_generation(
     plan = _fitting(config, tokens, dtype_bytes, device_free, host_free, prefill_chunk)
     if plan is not None:
         return plan
-    lo, hi = 0, 1  # the longest that fits, by doubling then bisection
-    while _fitting(config, hi, dtype_bytes, device_free, host_free, prefill_chunk) and hi < 1 << 26:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _fitting(config, mid, dtype_bytes, device_free, host_free, prefill_chunk) else (lo, mid)
+    longest = (
+        longest_fitting(
+            lambda n: _fitting(config, n, dtype_bytes, device_free, host_free, prefill_chunk) is not None,
+            0,
+            MAX_TOKENS - 1,
+        )
+        or 0
+    )
     layers = ModelShape.from_hf_config(config).layers
     offload = host_free is not None
     best = _most_resident(config, tokens, dtype_bytes, device_free, prefill_chunk, offload)
@@ -155,7 +160,7 @@ def plan_generation(
         )
     raise UserError(
         f"a {tokens}-token prompt does not fit for generation: {short}; the longest that fits here is "
-        f"{lo} tokens: evaluate shorter lengths (--lengths) or on a machine with more memory"
+        f"{longest} tokens: evaluate shorter lengths (--lengths) or on a machine with more memory"
     )
 
 

@@ -91,9 +91,9 @@ def measure(
     """Train each (length, mode) point for `warmup + steps` steps and time the last `steps`; write figure6.json and
     figure6.png in `work`, print the table. Returns the results."""
     from lctrain.data.prepare import prepare
+    from lctrain.hardware import device_peak_flops
     from lctrain.reports.estimate import predict
     from lctrain.train.command import train
-    from lctrain.train.metrics import device_peak_flops
 
     if steps < 1 or warmup < 0:
         raise UserError(f"--steps {steps} --warmup {warmup}: need at least 1 timed step and no negative warmup")

@@ -9,7 +9,7 @@ in the whole optimizer step (all micro-batches, all ranks), so sequence- and dat
 and gradients as one process.
 
 Kept over DeepSpeed's `TiledFusedLogitsLoss` (`python scripts/bench_loss.py --threads 1`: 16K/32K tokens, vocab 32000,
-hidden 512, fp32 CPU): same peak, 3.0 GB (full logits: 5.9 GB at 16K), at 1.37x its time (28.4/57.5 vs 20.8/42.2 CPU
+hidden 512, fp32 CPU): same peak, 3.0 GiB (full logits: 5.9 GiB at 16K), at 1.37x its time (28.4/57.5 vs 20.8/42.2 CPU
 s; it runs each chunk's backward in the forward instead of recomputing logits), but it takes lm_head's incoming
 gradient as 1, so the trainer's `(loss * scale).backward()` leaves lm_head's gradient 1/scale times too large.
 """
@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lctrain.attention import Batch
+from lctrain.attention import IGNORE_INDEX, Batch
 
-IGNORE_INDEX = -100
 # Tokens per logits chunk: 8K x 32K vocab x 4 B = 1 GB of fp32 logits at most.
 DEFAULT_CHUNK_TOKENS = 8192
 
@@ -42,7 +41,7 @@ def positions_per_chunk(rows: int, length: int, chunk_tokens: int = DEFAULT_CHUN
 def chunked_loss_sum(
     lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 ) -> torch.Tensor:
-    """Sum of cross-entropy over `labels != -100`; `hidden` [B, S, d], `labels` [B, S] already shifted."""
+    """Sum of cross-entropy over `labels != IGNORE_INDEX`; `hidden` [B, S, d], `labels` [B, S] already shifted."""
     per_chunk = positions_per_chunk(hidden.shape[0], hidden.shape[1], chunk_tokens)
     if per_chunk == hidden.shape[1]:
         # one chunk: its logits are the peak either way, so recomputing them would only cost time

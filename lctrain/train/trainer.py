@@ -27,6 +27,8 @@ from lctrain.attention import make_batch
 from lctrain.config import Config, config_fingerprint, settings
 from lctrain.costmodel import ModelShape, dense_params, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
+from lctrain.hardware import device_peak_flops
+from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.parallel.groups import Topology, init_topology, release_single_process
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
@@ -34,14 +36,10 @@ from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import collate
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
-from lctrain.train.metrics import (
-    StepLogger,
-    device_peak_flops,
-    peak_memory_gb,
-    reset_peak_memory,
-)
+from lctrain.train.metrics import StepLogger
 from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
+from lctrain.units import to_gb
 
 # Fault injection for tests: called on rank 0 with the step after DeepSpeed has written its files of that step's
 # resume checkpoint and before the checkpoint is complete.
@@ -262,8 +260,9 @@ class Trainer:
         shape = ModelShape.from_hf_config(self.lm.config)
         return step_flops(self.n_dense, shape.layers, shape.width, tokens, pairs)
 
-    def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None) -> dict:
-        """The metrics.jsonl record of update `step_index`."""
+    def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None, mem_scope: str) -> dict:
+        """The metrics.jsonl record of update `step_index`: `peak_mem_gb` in GB (10^9 bytes), the peak since
+        `reset_peak` returned `mem_scope` (the step, or the process's life where the host's peak cannot be reset)."""
         cfg = self.cfg
         tokens = cfg.train.global_batch * cfg.data.seq_len
         step = step_index + 1
@@ -277,7 +276,8 @@ class Trainer:
             "step_time_s": seconds,
             "tokens_per_s": tokens / seconds,
             "mfu": self.step_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
-            "peak_mem_gb": peak_memory_gb(self.topo.device),
+            "peak_mem_gb": to_gb(peak_bytes(self.topo.device)),
+            "peak_mem_scope": mem_scope,
         }
 
     def fit(self, packed) -> None:
@@ -289,12 +289,11 @@ class Trainer:
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
         try:
             for step_index in range(self.state.step, total):
-                t0 = time.perf_counter()
-                reset_peak_memory(topo.device)
-                result = self.train_step(self.read_windows(packed, step_index))
+                mem_scope = reset_peak(topo.device)
+                result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
                 self.state.step = step_index + 1
                 if logger is not None:
-                    logger.log(self.metrics(step_index, result, time.perf_counter() - t0, peak))
+                    logger.log(self.metrics(step_index, result, seconds, peak, mem_scope))
                 if self.state.step in hf_steps:
                     self.export_hf()
                 if resume_checkpoint_due(self.state.step, total, cfg.checkpoint):
