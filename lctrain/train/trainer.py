@@ -43,10 +43,12 @@ from lctrain.config import (
 from lctrain.costmodel import ModelShape, dense_params, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
 from lctrain.lifetime import RunLock
+from lctrain.model import changes_text, write_model_changes
 from lctrain.parallel.groups import Topology, init_topology, release_single_process, under_launcher
 from lctrain.parallel.launch import run_workers, worker_command
 from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
 from lctrain.parallel.ulysses import wrap_model
+from lctrain.tokenizer import resolve_anchor, write_anchor
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.checkpoint import write_atomic
 from lctrain.train.data import BatchPlan, collate, open_checked
@@ -342,6 +344,12 @@ def run(cfg: Config, rd: Path, resuming: bool, *, before_checkpoint_complete: Ch
             run_dir=rd,
             before_checkpoint_complete=before_checkpoint_complete,
         )
+        if topo.is_main:
+            print(
+                f"{changes_text(trainer.changes)}\nanchor: {trainer.anchor.token} (id {trainer.anchor.id})", flush=True
+            )
+            write_model_changes(rd, trainer.changes)
+            write_anchor(rd, trainer.anchor)
         if resuming:
             trainer.load_checkpoint()
         trainer.fit(packed)
@@ -376,6 +384,7 @@ class Trainer:
         self.cfg, self.topo, self.layout = cfg, topo, topo.layout
         self.batches = BatchPlan.of(cfg, self.layout)
         self.run_dir, self.tokenizer = run_dir, tokenizer
+        self.anchor = resolve_anchor(tokenizer, cfg.data.anchor) if tokenizer is not None else None
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
         ds_config = deepspeed_config(cfg, self.layout, gpu=topo.device.type == "cuda")
@@ -386,7 +395,7 @@ class Trainer:
             from transformers.integrations import HfDeepSpeedConfig
 
             hf_ds_config = HfDeepSpeedConfig(ds_config)
-        self.lm, self.attention = build_model(cfg, vocab_size=vocab_size, device=topo.device)
+        self.lm, self.attention, self.changes = build_model(cfg, vocab_size=vocab_size, device=topo.device)
         if self.layout.sp > 1:
             self.attention = wrap_model(self.lm, self.attention, topo.sp_group)
         model = CausalLMLossSum(self.lm)
@@ -517,6 +526,7 @@ class Trainer:
                 self.engine,
                 self.lm,
                 self.tokenizer,
+                self.anchor,
                 self.run_dir,
                 self.state.step,
                 rank=self.topo.rank,
