@@ -499,9 +499,19 @@ def run_dir(cfg: Config) -> Path:
     return Path(cfg.train.run_dir) if cfg.train.run_dir else Path("runs") / cfg.name
 
 
-def to_yaml(cfg: Config) -> str:
-    body = yaml.safe_dump(cfg.model_dump(mode="json", exclude={"source_file"}), sort_keys=False)
-    return f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n{body}"
+def to_yaml(cfg: Config, used: dict[str, Any] | None = None, notes: list[str] | tuple[str, ...] = ()) -> str:
+    """The config as YAML; `used` replaces values by dotted key (what a null or `auto` resolves to: `show-config`)
+    and `notes` become comment lines after the header. The fingerprint is the config's own."""
+    tree = cfg.model_dump(mode="json", exclude={"source_file"})
+    for key, value in (used or {}).items():
+        *sections, name = key.split(".")
+        node = tree
+        for section in sections:
+            node = node[section]
+        node[name] = value
+    body = yaml.safe_dump(tree, sort_keys=False)
+    header = "".join(f"# {line}\n" for line in notes)
+    return f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n{header}{body}"
 
 
 def write_resolved(cfg: Config, directory: Path, filename: str = "config.yaml") -> Path:

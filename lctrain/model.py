@@ -412,14 +412,61 @@ def _arch_vocab_size(cfg: Config, vocab_size: int | None) -> int | None:
     return vocab_size
 
 
-def planned_changes(cfg: Config, device: str | torch.device = "cpu", vocab_size: int | None = None):
-    """`config_changes` of the model `cfg` trains on `device`, without loading its weights (`show-config`)."""
-    engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
-    hf_config = load_hf_config(cfg)
-    _check_rope(hf_config)
-    return config_changes(
-        hf_config, cfg, vocab_size=_arch_vocab_size(cfg, vocab_size), attn_implementation=engine.hf_name
-    )
+def _local_copy(name: str, probe: str, prefix: str | None = None) -> str | None:
+    """`name` when it is a local path (or starts with `prefix`), the directory of its hub-cache copy when the cache
+    holds its `probe` file, else None: `show-config` resolves without going to the hub."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if Path(name).exists() or (prefix and name.startswith(prefix)):
+        return name
+    try:
+        cached = try_to_load_from_cache(name, probe)
+    except ValueError:  # not a repository id
+        return None
+    return str(Path(cached).parent) if isinstance(cached, str) else None
+
+
+def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
+    """What training on `device` uses where `cfg` leaves a value to the model or the tokenizer (`model.rope_theta`,
+    `model.rope_scaling`, `model.max_position_embeddings`, `data.anchor`), by dotted key, and comment lines: the
+    changes to the model's config, or why a value cannot be resolved here (a hub model not downloaded)."""
+    from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor
+
+    used: dict[str, Any] = {}
+    notes: list[str] = []
+    tokenizer = _local_copy(cfg.data.tokenizer, "tokenizer_config.json", BUILTIN_PREFIX)
+    try:
+        if tokenizer is None:
+            raise UserError(f"'{cfg.data.tokenizer}' is not downloaded here")
+        anchor = resolve_anchor(load_tokenizer(tokenizer), cfg.data.anchor)
+        used["data.anchor"] = anchor.token
+        notes.append(f"data.anchor: {anchor.token} (id {anchor.id}; {anchor.why})")
+    except UserError as e:
+        notes.append(f"data.anchor = {cfg.data.anchor}: resolved when the tokenizer is loaded ({e})")
+    try:
+        local = cfg
+        if cfg.model.name_or_path is not None:
+            path = _local_copy(cfg.model.name_or_path, "config.json")
+            if path is None:
+                raise UserError(f"'{cfg.model.name_or_path}' is not downloaded here")
+            local = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": path})})
+        hf_config = load_hf_config(local)
+        _check_rope(hf_config)
+        engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
+        changes = config_changes(
+            hf_config, cfg, vocab_size=_arch_vocab_size(cfg, None), attn_implementation=engine.hf_name
+        )
+    except UserError as e:
+        return used, [*notes, f"model settings left null: resolved when the model is loaded ({e})"]
+    params = rope_parameters(hf_config, cfg)
+    if cfg.model.rope_theta is None:
+        used["model.rope_theta"] = params["rope_theta"]
+    if cfg.model.rope_scaling is None:
+        used["model.rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    if cfg.model.max_position_embeddings is None:
+        used["model.max_position_embeddings"] = max_position_embeddings(hf_config, cfg)
+    notes += changes_text(changes).splitlines()
+    return used, notes
 
 
 def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | torch.device = "cpu") -> BuiltModel:
