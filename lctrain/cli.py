@@ -109,8 +109,15 @@ def configs():
 @app.command("show-config")
 @user_errors
 def show_config(config: ConfigOpt = None, set_: SetOpt = None):
-    """Print the resolved config (after `base:` inheritance and overrides) with its fingerprint."""
-    typer.echo(to_yaml(load_config(config, list(set_ or []))), nl=False)
+    """Print the resolved config (after `base:` inheritance and overrides) with its fingerprint, the values the
+    model and tokenizer give to what it leaves null or auto, and the changes training makes to the model's config."""
+    import torch
+
+    from lctrain.model import used_values
+
+    cfg = load_config(config, list(set_ or []))
+    used, notes = used_values(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    typer.echo(to_yaml(cfg, used, notes), nl=False)
 
 
 @app.command("eval")

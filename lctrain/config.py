@@ -73,6 +73,15 @@ class DataConfig(_Section):
     hub_name: str = "cerebras/SlimPajama-627B"
     hub_split: str = "train"
     tokenizer: str = "builtin:mistral-7b-v0.1"
+    anchor: str = Field(
+        "auto",
+        min_length=1,
+        description="the token that starts every segment and every prompt: bos, eos, one token of the vocabulary "
+        "(e.g. '<|endoftext|>'), or auto = the tokenizer's BOS if it puts it before every text (Llama, Mistral, "
+        "Llama-3), else <|endoftext|> if the vocabulary has it (Qwen, SmolLM2), else EOS; a BOS the tokenizer does "
+        "not add to plain text is a chat marker (SmolLM2's <|im_start|>), not what a base model saw between "
+        "documents",
+    )
     seq_len: int = Field(1024, ge=8)
     token_budget: int = Field(2_000_000, ge=1)
     mixture: Literal["slimpajama", "upsampled"] = "slimpajama"
@@ -119,9 +128,22 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     name_or_path: str | None = None
     arch: dict[str, Any] | None = None
-    rope_theta: float | None = Field(None, gt=0)
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int | None = Field(None, ge=1)
+    rope_theta: float | None = Field(
+        None,
+        gt=0,
+        description="RoPE base; None keeps a pretrained model's own (model.arch: the paper's Table 1 base for "
+        "data.seq_len, unless the arch sets one)",
+    )
+    rope_scaling: dict[str, Any] | None = Field(
+        None,
+        description="RoPE scaling (rope_type: linear, dynamic, yarn, llama3, ... or lctrain's static ntk, with its "
+        "parameters); None keeps the model's own",
+    )
+    max_position_embeddings: int | None = Field(
+        None,
+        ge=1,
+        description="the model's context length; None keeps the model's own, raised to data.seq_len if smaller",
+    )
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     gradient_checkpointing: bool = False
     rope_fp32: bool = False
@@ -502,12 +524,28 @@ def run_dir(cfg: Config) -> Path:
     return cfg.resolve_path(cfg.train.run_dir) if cfg.train.run_dir else cfg.resolve_path("runs") / cfg.name
 
 
-def to_yaml(cfg: Config, *, workdir: bool = False) -> str:
-    """The resolved config; with `workdir`, also where its relative paths resolve (a run directory's copy)."""
-    body = yaml.safe_dump(settings(cfg), sort_keys=False)
+def to_yaml(
+    cfg: Config,
+    used: dict[str, Any] | None = None,
+    notes: list[str] | tuple[str, ...] = (),
+    *,
+    workdir: bool = False,
+) -> str:
+    """The config as YAML; `used` replaces values by dotted key (what a null or `auto` resolves to: `show-config`)
+    and `notes` become comment lines after the header. With `workdir`, also where its relative paths resolve (a run
+    directory's copy). The fingerprint is the config's own."""
+    tree = settings(cfg)
+    for key, value in (used or {}).items():
+        *sections, name = key.split(".")
+        node = tree
+        for section in sections:
+            node = node[section]
+        node[name] = value
+    body = yaml.safe_dump(tree, sort_keys=False)
     if workdir:
         body += yaml.safe_dump({"workdir": str(Path(cfg.workdir or ".").absolute())})
-    return f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n{body}"
+    header = "".join(f"# {line}\n" for line in notes)
+    return f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n{header}{body}"
 
 
 def write_resolved(cfg: Config, directory: Path, filename: str = "config.yaml") -> Path:

@@ -8,6 +8,7 @@ MLP, and the attention engine (`lctrain_<engine>`).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lctrain.attention import Engine, resolve_engine
-from lctrain.compat.transformers import nested_rope_keys, set_attn_implementation
+from lctrain.compat.transformers import attn_implementation_of, nested_rope_keys, set_attn_implementation
 from lctrain.compat.transformers import rotary_in_fp32 as compat_rotary_in_fp32
 from lctrain.config import Config
 from lctrain.errors import UserError
@@ -172,11 +173,24 @@ def model_shape(cfg: Config):
     return ModelShape.from_hf_config(hf)
 
 
+def _rope_theta(hf_config, cfg: Config, current: dict) -> tuple[float, str]:
+    """The RoPE base and why: the config's, else a pretrained model's own (and a `model.arch` that names one), else
+    the paper's Table 1 base for `data.seq_len`."""
+    if cfg.model.rope_theta is not None:
+        return cfg.model.rope_theta, "model.rope_theta"
+    own = current.get("rope_theta")
+    arch = cfg.model.arch
+    if own is not None and (arch is None or "rope_theta" in arch or "rope_parameters" in arch):
+        return own, "the model's own"
+    return default_rope_theta(cfg.data.seq_len), f"the paper's Table 1 base for data.seq_len = {cfg.data.seq_len}"
+
+
 def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
-    """The `rope_parameters` dict (transformers 5) for this config: theta, and the scaling passed through, except
-    lctrain's `ntk`, which becomes plain RoPE at the NTK-aware base."""
-    theta = cfg.model.rope_theta if cfg.model.rope_theta is not None else default_rope_theta(cfg.data.seq_len)
+    """The `rope_parameters` dict (transformers 5) for this config: theta (`_rope_theta`), and the scaling passed
+    through, except lctrain's `ntk`, which becomes plain RoPE at the NTK-aware base. Without `model.rope_scaling` the
+    model's own scaling stays."""
     current = dict(getattr(hf_config, "rope_parameters", None) or {})
+    theta, _ = _rope_theta(hf_config, cfg, current)
     if cfg.model.rope_scaling is None:
         params = {**current, "rope_theta": theta}
         params.setdefault("rope_type", "default")
@@ -188,7 +202,7 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     known = ["default", NTK_ROPE_TYPE, *ROPE_INIT_FUNCTIONS]
-    if rope_type == "dynamic" and (cfg.model.max_position_embeddings or cfg.data.seq_len) >= cfg.data.seq_len:
+    if rope_type == "dynamic" and max_position_embeddings(hf_config, cfg) >= cfg.data.seq_len:
         log.warning(
             "model.rope_scaling: 'dynamic' NTK rescales only past max_position_embeddings, so training at "
             "data.seq_len uses plain RoPE at rope_theta; the paper's NTK-aware scaling is rope_type: ntk"
@@ -202,9 +216,120 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
     return params
 
 
-def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str):
-    from lctrain.attention.engines.common import check_dropout
+def max_position_embeddings(hf_config, cfg: Config) -> int:
+    """The config's context length, else the model's own raised to `data.seq_len` (never lowered); a `model.arch`
+    that names none gets `data.seq_len`."""
+    if cfg.model.max_position_embeddings is not None:
+        return cfg.model.max_position_embeddings
+    arch = cfg.model.arch
+    if arch is not None and "max_position_embeddings" not in arch:
+        return cfg.data.seq_len
+    return max(hf_config.max_position_embeddings, cfg.data.seq_len)
 
+
+class ConfigChange(NamedTuple):
+    """One value lctrain sets on the model's Hugging Face config: `key` (a `rope_parameters` entry as
+    `rope_parameters.NAME`), the model's value (`old`, None when absent), the value trained with (`new`) and why."""
+
+    key: str
+    old: Any
+    new: Any
+    why: str
+
+    def describe(self) -> str:
+        return f"{self.key}: {self.old!r} -> {self.new!r} ({self.why})"
+
+
+_ROPE_PREFIX = "rope_parameters."
+
+
+def _dtype_name(value) -> str | None:
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+def config_changes(hf_config, cfg: Config, *, vocab_size: int | None, attn_implementation: str) -> list[ConfigChange]:
+    """Every change lctrain makes to the model's config `hf_config` (not modified) for training `cfg`: RoPE base and
+    scaling, context length, sliding window, vocabulary (`model.arch`, `vocab_size`: the tokenizer's), dtype, KV
+    cache and attention implementation. The one place that decides them; `build_model` applies them, the trainer
+    prints and records them, `show-config` shows them."""
+    changes = []
+    current = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params = rope_parameters(hf_config, cfg)
+    _, theta_why = _rope_theta(hf_config, cfg, current)
+    scaling = cfg.model.rope_scaling or {}
+    scaling_type = scaling.get("rope_type") or scaling.get("type")
+    for key in sorted(set(current) | set(params)):
+        old, new = current.get(key), params.get(key)
+        if old == new:
+            continue
+        if key == "rope_theta":
+            why = theta_why
+            if scaling_type == NTK_ROPE_TYPE:
+                why = f"static NTK-aware x{scaling.get('factor')} of the base from {theta_why}"
+        else:
+            why = f"model.rope_scaling (rope_type {scaling_type})"
+        changes.append(ConfigChange(_ROPE_PREFIX + key, old, new, why))
+    max_pos = max_position_embeddings(hf_config, cfg)
+    if max_pos != hf_config.max_position_embeddings:
+        if cfg.model.max_position_embeddings is not None:
+            why = "model.max_position_embeddings"
+        elif cfg.model.arch is not None and "max_position_embeddings" not in cfg.model.arch:
+            why = "data.seq_len (model.arch names no context length)"
+        else:
+            why = f"raised to data.seq_len = {cfg.data.seq_len}"
+        changes.append(ConfigChange("max_position_embeddings", hf_config.max_position_embeddings, max_pos, why))
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and window < cfg.data.seq_len:
+        # The lctrain engines compute full-window attention masks; long-context continual pretraining of Mistral-style
+        # models trains without the sliding window (Mistral-7B-v0.2/0.3 ship without one).
+        changes.append(ConfigChange("sliding_window", window, None, f"shorter than data.seq_len = {cfg.data.seq_len}"))
+    if vocab_size is not None and cfg.model.arch is not None and vocab_size != hf_config.vocab_size:
+        changes.append(ConfigChange("vocab_size", hf_config.vocab_size, vocab_size, "the tokenizer's vocabulary"))
+    if _dtype_name(getattr(hf_config, "dtype", None)) != cfg.model.dtype:
+        changes.append(
+            ConfigChange("dtype", _dtype_name(getattr(hf_config, "dtype", None)), cfg.model.dtype, "model.dtype")
+        )
+    if getattr(hf_config, "use_cache", False):
+        changes.append(ConfigChange("use_cache", True, False, "training keeps no KV cache"))
+    old_impl = attn_implementation_of(hf_config)
+    if old_impl != attn_implementation:
+        why = f"attention.mode = {cfg.attention.mode}, attention.engine = {cfg.attention.engine}"
+        changes.append(ConfigChange("attn_implementation", old_impl, attn_implementation, why))
+    return changes
+
+
+def changes_text(changes: list[ConfigChange]) -> str:
+    """What a run prints at start: every change to the model's config, one a line."""
+    if not changes:
+        return "model config: as given, no changes"
+    return "model config changes:\n" + "\n".join(f"  {c.describe()}" for c in changes)
+
+
+def write_model_changes(out: Path, changes: list[ConfigChange]) -> Path:
+    """The changes as `[{key, from, to, why}]` in the file `out` (`RunDir.model_changes_file`)."""
+    rows = [{"key": c.key, "from": c.old, "to": c.new, "why": c.why} for c in changes]
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    return out
+
+
+def apply_changes(hf_config, changes: list[ConfigChange]) -> None:
+    """Set `config_changes` on `hf_config`."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    for change in changes:
+        if change.key.startswith(_ROPE_PREFIX):
+            name = change.key.removeprefix(_ROPE_PREFIX)
+            if change.new is None:
+                rope.pop(name, None)
+            else:
+                rope[name] = change.new
+        elif change.key == "attn_implementation":
+            set_attn_implementation(hf_config, change.new)
+        else:
+            setattr(hf_config, change.key, change.new)
+    hf_config.rope_parameters = rope
+
+
+def _check_rope(hf_config) -> None:
     if getattr(hf_config, "rope_parameters", None) is None:
         raise UserError(
             f"model type '{hf_config.model_type}' has no rotary position embedding; lctrain trains "
@@ -216,48 +341,118 @@ def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str):
             f"model type '{hf_config.model_type}' uses per-layer RoPE parameters ({', '.join(nested)}), "
             f"which lctrain does not set"
         )
-    hf_config.rope_parameters = rope_parameters(hf_config, cfg)
-    hf_config.max_position_embeddings = cfg.model.max_position_embeddings or cfg.data.seq_len
+
+
+def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str) -> list[ConfigChange]:
+    """Apply `config_changes` to `hf_config` after checking the model can be trained; returns the changes."""
+    from lctrain.attention.engines.common import check_dropout
+
+    _check_rope(hf_config)
+    changes = config_changes(hf_config, cfg, vocab_size=vocab_size, attn_implementation=impl)
+    apply_changes(hf_config, changes)
     hf_config.standardize_rope_params()
     try:
         hf_config.validate_rope()
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"model.rope_scaling = {cfg.model.rope_scaling}: {e}") from None
-    if vocab_size is not None and cfg.model.arch is not None:
-        hf_config.vocab_size = vocab_size
-    window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < cfg.data.seq_len:
-        # The lctrain engines compute full-window attention masks; long-context continual pretraining of Mistral-style
-        # models trains without the sliding window (Mistral-7B-v0.2/0.3 ship without one).
-        log.warning(
-            "model sliding_window=%s < data.seq_len=%s: training without a sliding window", window, cfg.data.seq_len
-        )
-        hf_config.sliding_window = None
+    for change in changes:
+        if change.key == "sliding_window":
+            log.warning(
+                "model sliding_window=%s < data.seq_len=%s: training without a sliding window",
+                change.old,
+                cfg.data.seq_len,
+            )
     heads, kv_heads = getattr(hf_config, "num_attention_heads", None), getattr(hf_config, "num_key_value_heads", None)
     if heads and kv_heads and heads % kv_heads:  # transformers accepts it; the first attention call would fail
         raise UserError(f"model num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}")
     check_dropout(getattr(hf_config, "attention_dropout", 0.0))  # at build time, not at the first forward
-    hf_config.use_cache = False
-    set_attn_implementation(hf_config, impl)
-    return hf_config
+    return changes
 
 
 def _check_anchor(cfg: Config, vocab: int) -> None:
-    from lctrain.tokenizer import anchor_token_id, load_tokenizer
+    from lctrain.tokenizer import load_tokenizer, resolve_anchor
 
-    anchor = anchor_token_id(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))
-    if not 0 <= anchor < vocab:
+    anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
+    if not 0 <= anchor.id < vocab:
         raise UserError(
-            f"the anchor token id {anchor} of data.tokenizer '{cfg.data.tokenizer}' is outside the "
+            f"the anchor token id {anchor.id} of data.tokenizer '{cfg.data.tokenizer}' is outside the "
             f"model's vocabulary of {vocab}; use the tokenizer that belongs to the model"
         )
 
 
 class BuiltModel(NamedTuple):
-    """A model configured for training and the attention engine it runs (resolved once, here)."""
+    """A model configured for training, the attention engine it runs (resolved once, here) and the changes made
+    to its config (`config_changes`)."""
 
     model: torch.nn.Module
     engine: Engine
+    changes: list[ConfigChange]
+
+
+def _arch_vocab_size(cfg: Config, vocab_size: int | None) -> int | None:
+    # a random init gets the tokenizer's vocabulary unless its arch names one
+    if cfg.model.arch is not None and vocab_size is None and "vocab_size" not in cfg.model.arch:
+        from lctrain.tokenizer import load_tokenizer
+
+        return len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))
+    return vocab_size
+
+
+def _local_copy(name: str, probe: str, prefix: str | None = None) -> str | None:
+    """`name` when it is a local path (or starts with `prefix`), the directory of its hub-cache copy when the cache
+    holds its `probe` file, else None: `show-config` resolves without going to the hub."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if Path(name).exists() or (prefix and name.startswith(prefix)):
+        return name
+    try:
+        cached = try_to_load_from_cache(name, probe)
+    except ValueError:  # not a repository id
+        return None
+    return str(Path(cached).parent) if isinstance(cached, str) else None
+
+
+def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
+    """What training on `device` uses where `cfg` leaves a value to the model or the tokenizer (`model.rope_theta`,
+    `model.rope_scaling`, `model.max_position_embeddings`, `data.anchor`), by dotted key, and comment lines: the
+    changes to the model's config, or why a value cannot be resolved here (a hub model not downloaded)."""
+    from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor
+
+    used: dict[str, Any] = {}
+    notes: list[str] = []
+    tokenizer = _local_copy(cfg.resolve_source(cfg.data.tokenizer), "tokenizer_config.json", BUILTIN_PREFIX)
+    try:
+        if tokenizer is None:
+            raise UserError(f"'{cfg.data.tokenizer}' is not downloaded here")
+        anchor = resolve_anchor(load_tokenizer(tokenizer), cfg.data.anchor)
+        used["data.anchor"] = anchor.token
+        notes.append(f"data.anchor: {anchor.token} (id {anchor.id}; {anchor.why})")
+    except UserError as e:
+        notes.append(f"data.anchor = {cfg.data.anchor}: resolved when the tokenizer is loaded ({e})")
+    try:
+        local = cfg
+        if cfg.model.name_or_path is not None:
+            path = _local_copy(cfg.resolve_source(cfg.model.name_or_path), "config.json")
+            if path is None:
+                raise UserError(f"'{cfg.model.name_or_path}' is not downloaded here")
+            local = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": path})})
+        hf_config = load_hf_config(local)
+        _check_rope(hf_config)
+        engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
+        changes = config_changes(
+            hf_config, cfg, vocab_size=_arch_vocab_size(cfg, None), attn_implementation=engine.hf_name
+        )
+    except UserError as e:
+        return used, [*notes, f"model settings left null: resolved when the model is loaded ({e})"]
+    params = rope_parameters(hf_config, cfg)
+    if cfg.model.rope_theta is None:
+        used["model.rope_theta"] = params["rope_theta"]
+    if cfg.model.rope_scaling is None:
+        used["model.rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    if cfg.model.max_position_embeddings is None:
+        used["model.max_position_embeddings"] = max_position_embeddings(hf_config, cfg)
+    notes += changes_text(changes).splitlines()
+    return used, notes
 
 
 def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | torch.device = "cpu") -> BuiltModel:
@@ -268,13 +463,10 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
 
     engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
     impl = engine.hf_name
-    hf_config = _configure(load_hf_config(cfg), cfg, vocab_size, impl)
+    hf_config = load_hf_config(cfg)
+    changes = _configure(hf_config, cfg, _arch_vocab_size(cfg, vocab_size), impl)
     dtype = _dtype(cfg.model.dtype)
     if cfg.model.arch is not None:
-        if vocab_size is None and "vocab_size" not in cfg.model.arch:
-            from lctrain.tokenizer import load_tokenizer
-
-            hf_config.vocab_size = len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))
         # A seeded init that leaves the caller's RNG streams untouched: every rank builds the same weights. It runs on
         # the training device: a random Llama-2-7B takes minutes to initialise on a host's cores, milliseconds on a GPU.
         device = torch.device(device)
@@ -303,7 +495,7 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     # Under ZeRO-3 (`HfDeepSpeedConfig`) the weights are already partitioned onto the device: leave them there.
     if any(p.device != torch.device(device) for p in model.parameters()):
         model = model.to(device)
-    return BuiltModel(model, engine)
+    return BuiltModel(model, engine, changes)
 
 
 def rotary_in_fp32(model) -> int:

@@ -119,6 +119,11 @@ class RunDir:
         return by_step(self.exports_dir.iterdir()) if self.exports_dir.is_dir() else []
 
     @property
+    def model_changes_file(self) -> Path:
+        """What lctrain changed in the model's config (`lctrain.model.config_changes`), written at start."""
+        return self.path / "model_changes.json"
+
+    @property
     def ranks_dir(self) -> Path:
         """Where the launched processes of a multi-process run take their request and report their outcome."""
         return self.path / "ranks"

@@ -14,10 +14,12 @@ SentencePiece itself whenever the tokenizer comes with a SentencePiece model (DE
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import shutil
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -126,13 +128,91 @@ def load_tokenizer(spec: str):
         ) from None
 
 
-def anchor_token_id(tokenizer) -> int:
-    """The anchor that starts every segment: BOS, or EOS for tokenizers without BOS (Qwen)."""
-    if tokenizer.bos_token_id is not None:
-        return int(tokenizer.bos_token_id)
-    if tokenizer.eos_token_id is not None:
-        return int(tokenizer.eos_token_id)
-    raise UserError(f"tokenizer '{tokenizer.name_or_path}' has neither a BOS nor an EOS token to use as the anchor")
+ANCHOR_AUTO = "auto"
+# The document separator of GPT-2-style byte-level BPE vocabularies (GPT-2, Qwen, SmolLM2, StarCoder): the token
+# their base models were pretrained with between documents.
+END_OF_TEXT = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """The token that starts every training segment and every prompt lctrain builds (`data.anchor` resolved)."""
+
+    token: str
+    id: int
+    why: str
+
+    def record(self) -> dict:
+        """What the manifest, the run directory and the checkpoints keep."""
+        return {"token": self.token, "id": self.id}
+
+
+ANCHOR_FILE = "anchor.json"
+
+
+def write_anchor(directory: Path, anchor: Anchor) -> Path:
+    """`directory/anchor.json`: the anchor a run trained with, in its run directory and each evaluation checkpoint."""
+    out = Path(directory) / ANCHOR_FILE
+    out.write_text(json.dumps(anchor.record()) + "\n")
+    return out
+
+
+def recorded_anchor(directory: Path) -> Anchor | None:
+    """The anchor `write_anchor` recorded in `directory`, or None when there is none (a model not trained here)."""
+    path = Path(directory) / ANCHOR_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        return Anchor(str(record["token"]), int(record["id"]), f"recorded in {path}")
+    except (ValueError, KeyError, TypeError):
+        raise UserError(
+            f'{path}: not an anchor record ({{"token": ..., "id": ...}}); delete it or restore it'
+        ) from None
+
+
+def _vocabulary_id(tokenizer, token: str) -> int | None:
+    return tokenizer.get_vocab().get(token)
+
+
+def resolve_anchor(tokenizer, spec: str = ANCHOR_AUTO) -> Anchor:
+    """`data.anchor` for `tokenizer`: "auto" (the rule `config.DataConfig.anchor` describes), "bos", "eos", or one
+    token of its vocabulary."""
+    name = getattr(tokenizer, "name_or_path", "?")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if spec in ("bos", "eos"):
+        token_id = bos if spec == "bos" else eos
+        if token_id is None:
+            raise UserError(
+                f"data.anchor = {spec}: tokenizer '{name}' has no {spec.upper()} token; use auto or a token"
+            )
+        return Anchor(tokenizer.convert_ids_to_tokens(int(token_id)), int(token_id), f"data.anchor = {spec}")
+    if spec != ANCHOR_AUTO:
+        token_id = _vocabulary_id(tokenizer, spec)
+        if token_id is None:
+            raise UserError(
+                f"data.anchor = {spec!r} is not a token of tokenizer '{name}'; use auto, bos, eos or one token of "
+                f"its vocabulary (e.g. {END_OF_TEXT})"
+            )
+        return Anchor(spec, int(token_id), "data.anchor")
+    if bos is not None and int(bos) in _special_affixes(tokenizer)[0]:
+        return Anchor(tokenizer.bos_token, int(bos), "auto: the BOS the tokenizer puts before every text")
+    separator = _vocabulary_id(tokenizer, END_OF_TEXT)
+    declared = f"; its BOS {tokenizer.bos_token} is not put before text" if bos is not None else ""
+    if separator is not None:
+        return Anchor(END_OF_TEXT, int(separator), f"auto: the byte-level BPE document separator{declared}")
+    if eos is not None:
+        return Anchor(tokenizer.eos_token, int(eos), f"auto: the EOS{declared}")
+    if bos is not None:
+        return Anchor(tokenizer.bos_token, int(bos), "auto: the BOS (the tokenizer has no EOS)")
+    raise UserError(
+        f"tokenizer '{name}' has neither a BOS nor an EOS token to use as the anchor; set data.anchor to a token"
+    )
+
+
+def anchor_token_id(tokenizer, spec: str = ANCHOR_AUTO) -> int:
+    """The id of `resolve_anchor(tokenizer, spec)`."""
+    return resolve_anchor(tokenizer, spec).id
 
 
 def _sentencepiece_model(tok) -> bytes | None:
@@ -184,6 +264,11 @@ class TextEncoder:
 
     def with_threads(self, threads: int) -> TextEncoder:
         return TextEncoder(self.kind, self.blob, self.prefix, self.suffix, threads)
+
+    def prompted(self, anchor: Anchor) -> TextEncoder:
+        """This encoder with `specials=True` putting `anchor` before a text and nothing after it: a prompt starts
+        as every training segment did (for Llama and Mistral the same ids as the tokenizer's own BOS)."""
+        return TextEncoder(self.kind, self.blob, [anchor.id], [], self.threads)
 
     @property
     def backend(self):

@@ -170,6 +170,20 @@ def test_cli_show_config_prints_resolved_yaml(capsys):
     assert shown["data"]["seq_len"] == 4096
 
 
+def test_cli_show_config_shows_the_values_used(capsys):
+    """What a null or auto resolves to (a random init's Table 1 base and training length, the tokenizer's anchor),
+    and the changes training makes to the model's config as comments."""
+    with pytest.raises(SystemExit) as exc:
+        main(["show-config", "--set", "data.seq_len=65536", "--set", "model.rope_theta=null"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    shown = yaml.safe_load(out)
+    assert shown["model"]["rope_theta"] == 5e6 and shown["model"]["max_position_embeddings"] == 65536
+    assert shown["model"]["rope_scaling"] == {"rope_type": "default"} and shown["data"]["anchor"] == "<s>"
+    assert "#   rope_parameters.rope_theta: 10000.0 -> 5000000.0 (the paper's Table 1 base for data.seq_len" in out
+    assert "# data.anchor: <s> (id 1; auto: the BOS the tokenizer puts before every text)" in out
+
+
 UPSAMPLED = "data.mixture=upsampled"
 
 

@@ -496,3 +496,23 @@ def test_domains_from_slimpajama_meta():
         assert DOMAINS[domain_of(json.dumps({"redpajama_set_name": set_name}))] == domain  # meta stored as a string
     for meta in (None, {}, {"redpajama_set_name": "RedPajamaNews"}, "not json", 3):
         assert DOMAINS[domain_of(meta)] == "other"
+
+
+def test_explicit_anchor_is_used_recorded_and_checked_at_train(tmp_path, tok, words):
+    """data.anchor=eos: every segment opens with </s> (id 2), the manifest records it, and training refuses the
+    dataset once its recorded anchor differs from what the config's resolves to."""
+    from lctrain.data.store import read_manifest, write_manifest
+    from lctrain.train.data import open_checked
+
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 40, seed=11))
+    cfg = cfg_for(tmp_path / "out", "data.anchor=eos", source=src)
+    data = open_packed(prepare(cfg))
+    assert data.manifest["anchor"] == {"token": "</s>", "id": 2} and tok.eos_token_id == 2
+    for w in range(len(data)):
+        assert all(seg[0] == 2 for seg, _, _, _, _ in segments(data[w]))
+    assert len(open_checked(cfg)) == len(data)
+    write_manifest(tmp_path / "out", {**read_manifest(tmp_path / "out"), "anchor": {"token": "<s>", "id": 1}})
+    with pytest.raises(UserError, match=r"segments start with anchor <s> \(id 1\), data.anchor = eos is </s> \(id 2\)"):
+        open_checked(cfg)
+    with pytest.raises(UserError, match="data.anchor = 'nope' is not a token of tokenizer"):
+        prepare(cfg_for(tmp_path / "other", "data.anchor=nope", source=src))

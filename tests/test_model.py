@@ -24,7 +24,8 @@ ARCH = {
 
 
 def config(*overrides, arch=ARCH):
-    cfg = load_config(None, ["data.seq_len=64", "model.dtype=float32", *overrides])
+    # without the demo's explicit base: the random-init default is what is tested
+    cfg = load_config(None, ["data.seq_len=64", "model.dtype=float32", "model.rope_theta=null", *overrides])
     if arch is not None:
         cfg.model.arch = dict(arch)
     return cfg
@@ -168,7 +169,7 @@ def test_ntk_user_errors(scaling, match):
 
 
 def test_dtype_engine_and_seeded_init():
-    model, engine = build_model(config("model.dtype=bfloat16"), vocab_size=100)
+    model, engine, _ = build_model(config("model.dtype=bfloat16"), vocab_size=100)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert engine.name == "sdpa" and model.config._attn_implementation == engine.hf_name == "lctrain_sdpa"
     again = build_model(config("model.dtype=bfloat16"), vocab_size=100).model
@@ -291,15 +292,22 @@ def test_anchor_outside_vocabulary_is_a_user_error():
 
 
 def test_from_pretrained_directory(tmp_path):
-    saved = build_model(config(), vocab_size=100).model
+    saved = build_model(config("model.rope_theta=10000"), vocab_size=100).model
     saved.save_pretrained(tmp_path)
-    loaded = build_model(
-        config("data.seq_len=65536", "model.arch=null", f"model.name_or_path={tmp_path}", arch=None)
-    ).model
-    assert loaded.config.rope_parameters["rope_theta"] == 5e6
+    pretrained = ("model.arch=null", f"model.name_or_path={tmp_path}")
+    loaded, _, changes = build_model(config("data.seq_len=65536", *pretrained, arch=None))
+    # the model's own base, its context length raised to the training length
+    assert loaded.config.rope_parameters["rope_theta"] == 10000
     assert loaded.config.max_position_embeddings == 65536
     assert loaded.config._attn_implementation == "lctrain_sdpa"
     assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), loaded.parameters()))
+    assert [(c.key, c.old, c.new) for c in changes] == [
+        ("max_position_embeddings", 64, 65536),
+        ("attn_implementation", None, "lctrain_sdpa"),
+    ]
+    # the paper's base only when the config sets it
+    theta = build_model(config("data.seq_len=65536", "model.rope_theta=5000000", *pretrained, arch=None)).model
+    assert theta.config.rope_parameters["rope_theta"] == 5e6
 
     missing = config("model.arch=null", f"model.name_or_path={tmp_path / 'absent'}", arch=None)
     with pytest.raises(UserError, match="cannot be loaded"):

@@ -23,12 +23,16 @@ from lctrain.data.store import FORMAT_VERSION, open_packed, read_manifest, write
 from lctrain.errors import UserError
 from lctrain.tokenizer import (
     SPM_FILE,
+    Anchor,
     anchor_token_id,
     builtin_model_file,
     load_encoder,
     load_tokenizer,
+    recorded_anchor,
+    resolve_anchor,
     save_tokenizer,
     text_encoder,
+    write_anchor,
 )
 
 TEXT = "AnchorAttention keeps one shared anchor; bf16 RoPE drifts.\nThe 12345 ünïcödé words: f(x) = x ** 2.\n\tDone."
@@ -239,17 +243,56 @@ def test_bad_specs_are_user_errors(private_cache, tmp_path):
         load_tokenizer(str(empty))
 
 
-def test_anchor_is_eos_without_bos():
-    class NoBos:
-        bos_token_id, eos_token_id, name_or_path = None, 151643, "qwen-like"
+def _word_tokenizer(vocab: list[str], **specials) -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=vocab[-1]))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token=vocab[-1], **specials)
 
-    class Neither:
-        bos_token_id = eos_token_id = None
-        name_or_path = "broken"
 
-    assert anchor_token_id(NoBos()) == 151643
+CHAT_VOCAB = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "hello", "[UNK]"]
+
+
+def test_anchor_rule():
+    """auto: a BOS the tokenizer puts before text (Llama/Mistral); else <|endoftext|> (byte-level BPE base models:
+    Qwen, SmolLM2, even when BOS/EOS are declared as chat markers); else EOS; explicit bos / eos / a token."""
+    llama = load_tokenizer("builtin:mistral-7b-v0.1")
+    assert resolve_anchor(llama) == Anchor("<s>", 1, resolve_anchor(llama).why) and llama("a").input_ids[0] == 1
+    smollm = _word_tokenizer(CHAT_VOCAB, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    assert smollm("hello").input_ids == [3]  # the declared BOS is not put before text
+    auto = resolve_anchor(smollm)
+    assert (auto.token, auto.id) == ("<|endoftext|>", 0) and "<|im_start|> is not put before text" in auto.why
+    assert anchor_token_id(smollm, "bos") == 1 and anchor_token_id(smollm, "eos") == 2
+    assert anchor_token_id(smollm, "<|im_end|>") == 2
+    qwen = _word_tokenizer(CHAT_VOCAB, eos_token="<|im_end|>")
+    assert anchor_token_id(qwen) == 0
+    with pytest.raises(UserError, match="data.anchor = bos: tokenizer .* has no BOS token"):
+        resolve_anchor(qwen, "bos")
+    no_separator = _word_tokenizer(["<eos>", "hello", "[UNK]"], eos_token="<eos>")
+    assert resolve_anchor(no_separator).token == "<eos>"
+    with pytest.raises(UserError, match="data.anchor = 'nope' is not a token of tokenizer"):
+        resolve_anchor(no_separator, "nope")
     with pytest.raises(UserError, match="neither a BOS nor an EOS"):
-        anchor_token_id(Neither())
+        resolve_anchor(_word_tokenizer(["hello", "[UNK]"]))
+
+
+def test_anchor_record_round_trip(tmp_path):
+    anchor = Anchor("<|endoftext|>", 0, "auto")
+    write_anchor(tmp_path, anchor)
+    assert recorded_anchor(tmp_path).record() == {"token": "<|endoftext|>", "id": 0}
+    assert recorded_anchor(tmp_path / "absent") is None
+    (tmp_path / "anchor.json").write_text("[1]")
+    with pytest.raises(UserError, match="not an anchor record"):
+        recorded_anchor(tmp_path)
+
+
+def test_prompted_encoder_starts_with_the_anchor():
+    smollm = _word_tokenizer(CHAT_VOCAB, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    encoder = text_encoder(smollm)
+    assert encoder.encode("hello hello", specials=True) == [3, 3]  # the tokenizer's own: no special token
+    assert encoder.prompted(resolve_anchor(smollm)).encode("hello hello", specials=True) == [0, 3, 3]
+    llama = text_encoder(load_tokenizer("builtin:mistral-7b-v0.1"))
+    anchored = llama.prompted(resolve_anchor(load_tokenizer("builtin:mistral-7b-v0.1")))
+    assert anchored.encode(TEXT, specials=True) == llama.encode(TEXT, specials=True)  # BOS: unchanged
 
 
 def test_unreadable_cache_dir_still_loads(tmp_path, monkeypatch):

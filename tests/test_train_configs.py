@@ -6,6 +6,7 @@ from transformers import AutoConfig
 
 from lctrain.config import bundled_config_names, data_fingerprint, load_config
 from lctrain.data.mixture import Mixture
+from lctrain.model import default_rope_theta
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.train.data import BatchPlan
 from lctrain.train.deepspeed_config import deepspeed_config
@@ -61,7 +62,8 @@ def test_table1_has_every_cell(data, seq_len, mixture):
     for key, (mode, tags) in MODES.items():
         cfg = load_config(f"llama2_{data}_{key}")
         assert (cfg.data.seq_len, cfg.data.mixture) == (seq_len, mixture)
-        assert cfg.train.steps == 2000 and cfg.model.rope_theta is None  # Table 1's base by length (test_model.py)
+        # Table 1's base by length, set explicitly: a pretrained model otherwise keeps its own (test_model.py)
+        assert cfg.train.steps == 2000 and cfg.model.rope_theta == default_rope_theta(seq_len)
         # "2 billion token dataset"; at 128K the 2000 steps read 2000 x 8 x 131,072 tokens, so exactly those
         assert cfg.data.token_budget == (2_000_000_000 if seq_len == 65536 else 2_097_152_000)
         assert (cfg.attention.mode, cfg.data.domain_tags) == (mode, tags)
@@ -79,6 +81,7 @@ def test_table5_and_table6_cells():
         for key in ("full", "anchor", "anchor_tag"):
             cfg = load_config(f"{model}_128k_{key}")
             assert cfg.data.seq_len == 131072 and cfg.data.domain_tags == MODES[key][1]
+            assert cfg.model.rope_theta == default_rope_theta(131072) == 1e7
 
 
 def test_table5_slimpajama_64k_interleaved_rows():

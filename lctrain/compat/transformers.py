@@ -28,6 +28,12 @@ def set_attn_implementation(hf_config, impl: str) -> None:
     hf_config._attn_implementation = impl
 
 
+def attn_implementation_of(hf_config) -> str | None:
+    """The attention implementation a config names (None: transformers picks one when the model is built), read
+    where `set_attn_implementation` writes it."""
+    return hf_config._attn_implementation
+
+
 def _fp32_rotary_inputs(module, args, kwargs):
     import torch
 

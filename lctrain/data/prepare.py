@@ -250,7 +250,7 @@ def _tokenizer_info(spec: str, tok, encoder, anchor_id: int) -> dict:
 
 def prepare(cfg: Config, force: bool = False) -> Path:
     """Build the packed dataset of `cfg.data` at `data_dir(cfg)`; a no-op when it is already there."""
-    from lctrain.tokenizer import anchor_token_id, load_tokenizer, text_encoder
+    from lctrain.tokenizer import load_tokenizer, resolve_anchor, text_encoder
 
     d = cfg.data
     console = _console()
@@ -273,7 +273,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     source = describe_source(d, files)
     tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
     encoder = text_encoder(tok)
-    anchor_id = anchor_token_id(tok)
+    anchor = resolve_anchor(tok, d.anchor)
+    anchor_id = anchor.id
     tags = None
     if d.domain_tags:
         tags = {i: np.array(encoder.encode(name), dtype=np.int32) for i, name in enumerate(DOMAINS)}
@@ -296,6 +297,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         f"preparing {out}: {source['kind']} source, tokenizer {d.tokenizer}, {num_windows:,} windows of "
         f"{d.seq_len:,} tokens, mixture {d.mixture}, {workers} worker(s)"
     )
+    console.print(f"anchor: {anchor.token} (id {anchor.id}; {anchor.why})", markup=False)
     builder = None
     try:
         builder = _Builder(cfg, anchor_id, tags, tmp)
@@ -329,6 +331,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             "down_sample_ratio": d.down_sample_ratio,
             "domains": list(DOMAINS),
             "tokenizer": _tokenizer_info(d.tokenizer, tok, encoder, anchor_id),
+            "anchor": anchor.record(),
             "tags": {DOMAINS[i]: t.tolist() for i, t in tags.items()} if tags else None,
             "seed": d.seed,
             "shuffle": {"file_order": "seeded permutation", "buffer_tokens": builder.buffer.max_tokens},

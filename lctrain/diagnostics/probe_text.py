@@ -132,10 +132,10 @@ def _jsonl_documents(f: Path) -> Iterator[tuple[str, str]]:
             yield f"{f}:{i}", record["text"]
 
 
-def _from_local(path: Path, tokenizer, length: int, count: int, seed: int) -> ProbeText:
+def _from_local(path: Path, tokenizer, length: int, count: int, seed: int, anchor_spec: str) -> ProbeText:
     from lctrain.tokenizer import anchor_token_id, text_encoder
 
-    anchor = anchor_token_id(tokenizer)
+    anchor = anchor_token_id(tokenizer, anchor_spec)
     encoder = text_encoder(tokenizer)
     sequences, origins, seen = [], [], 0
     for origin, text in _documents(path, seed):
@@ -154,8 +154,11 @@ def _from_local(path: Path, tokenizer, length: int, count: int, seed: int) -> Pr
     )
 
 
-def probe_sequences(path: str | Path, tokenizer, length: int, count: int, vocab_size: int, seed: int = 0) -> ProbeText:
-    """`count` sequences of `length` token ids from the prepared dataset or local text at `path`."""
+def probe_sequences(
+    path: str | Path, tokenizer, length: int, count: int, vocab_size: int, seed: int = 0, anchor: str = "auto"
+) -> ProbeText:
+    """`count` sequences of `length` token ids from the prepared dataset or local text at `path`; local text starts
+    with `anchor` (a `data.anchor` value or the token itself), as training segments do."""
     from lctrain.data.store import MANIFEST
 
     path = Path(path)
@@ -163,4 +166,4 @@ def probe_sequences(path: str | Path, tokenizer, length: int, count: int, vocab_
         raise UserError(f"--text {path}: no such file or directory")
     if path.is_dir() and (path / MANIFEST).exists():
         return _from_packed(path, length, count, vocab_size)
-    return _from_local(path, tokenizer, length, count, seed)
+    return _from_local(path, tokenizer, length, count, seed, anchor)

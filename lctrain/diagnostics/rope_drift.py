@@ -311,6 +311,15 @@ class ModelSource:
 
         return load_tokenizer(self.cfg.data.tokenizer if self.cfg is not None else self.spec)
 
+    def anchor(self) -> str:
+        """What starts a probe: the config's `data.anchor`, the anchor a checkpoint trained with, else auto."""
+        from lctrain.tokenizer import ANCHOR_AUTO, recorded_anchor
+
+        if self.cfg is not None:
+            return self.cfg.data.anchor
+        recorded = recorded_anchor(Path(self.spec)) if Path(self.spec).is_dir() else None
+        return recorded.token if recorded is not None else ANCHOR_AUTO
+
     def default_text(self) -> Path:
         from lctrain.config import data_dir
 
@@ -482,7 +491,7 @@ def diagnose_rope(
     logit_lengths = tuple(n for n in LOGIT_LENGTHS if n <= max_len)
     length = max(seq_len, *logit_lengths)
     vocab = model.get_input_embeddings().num_embeddings
-    probe_text = probe_sequences(text_path, src.tokenizer(), length, samples, vocab, seed)
+    probe_text = probe_sequences(text_path, src.tokenizer(), length, samples, vocab, seed, src.anchor())
     plan = Plan(
         seq_len,
         tuple(shifts),

@@ -6,7 +6,7 @@ model's short-context abilities; Appendix E (Table 12) splits LongBench into its
 tasks, prompts, few-shot sampling and metrics, so scores compare with anyone else's harness numbers; lctrain supplies
 the model through `CheckpointLM`, an `lm_eval.api.model.LM` over a loaded checkpoint:
 
-- every request starts with the tokenizer's BOS, the token every training document started with (the anchor);
+- every request starts with the anchor every training segment started with (`data.anchor`; `runner.eval_anchor`);
 - `loglikelihood` keeps the last `max_length` tokens of context + continuation (the harness's own rule for HF models);
 - `generate_until` drops the *middle* of a prompt longer than `max_length - max_gen_toks`, as LongBench's own
   `pred.py` does ("truncate to fit max_length (we suggest truncate in the middle, since the left and right side may
@@ -63,15 +63,15 @@ def _make_lm_class():
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     class CheckpointLM(LM):
-        def __init__(self, model, tokenizer, max_length: int, batch_size: int = 1, progress=None):
-            from lctrain.tokenizer import text_encoder
+        def __init__(self, model, tokenizer, max_length: int, batch_size: int = 1, progress=None, anchor=None):
+            from lctrain.tokenizer import resolve_anchor, text_encoder
 
             super().__init__()
             self.model, self.tokenizer = model, tokenizer
             self.encoder = text_encoder(tokenizer)  # text -> ids exactly as the model's reference tokenizer
             self.max_length, self.batch_size = max_length, batch_size
             self.progress = progress  # called with the number of requests finished
-            self.bos = tokenizer.bos_token_id
+            self.bos = (anchor or resolve_anchor(tokenizer)).id  # what every prompt starts with
 
         @property
         def eot_token_id(self):
@@ -179,10 +179,11 @@ def _make_lm_class():
     return CheckpointLM
 
 
-def checkpoint_lm(model, tokenizer, max_length: int, batch_size: int = 1, progress=None):
-    """An `lm_eval` LM over a loaded causal LM (see the module docstring for its prompt rules)."""
+def checkpoint_lm(model, tokenizer, max_length: int, batch_size: int = 1, progress=None, anchor=None):
+    """An `lm_eval` LM over a loaded causal LM (see the module docstring for its prompt rules); its prompts start
+    with `anchor` (a `tokenizer.Anchor`; None: the tokenizer's default, `resolve_anchor`)."""
     import_harness()
-    return _make_lm_class()(model, tokenizer, max_length, batch_size, progress)
+    return _make_lm_class()(model, tokenizer, max_length, batch_size, progress, anchor)
 
 
 def _task_manager(names: list[str], include_path: str | None):
@@ -286,13 +287,14 @@ def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -
     """Score every checkpoint of a resolved `runner.Target` with the harness; write `harness.json`, print the table."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from lctrain.eval.runner import load_eval_tokenizer, load_model
+    from lctrain.eval.runner import eval_anchor, load_eval_tokenizer, load_model
 
     lm_eval = import_harness()
     manager, _ = resolve_tasks(settings.tasks, settings.include_path)
     wanted = [TABLE7.get(n, n) for n in settings.tasks]
     max_length = settings.max_length if settings.max_length is not None else target.cfg.data.seq_len
     tokenizer = load_eval_tokenizer(target.checkpoints[0][1], target.cfg)
+    anchor = eval_anchor(target.checkpoints[0][1], target.cfg, tokenizer)
     per_checkpoint: dict[str, dict[str, dict[str, float]]] = {}
     # the harness builds its requests inside simple_evaluate, so the bar counts requests answered, without a total
     with Progress(
@@ -302,9 +304,7 @@ def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -
         for name, path in target.checkpoints:
             bar.update(job, description=f"harness {name}", completed=0)
             model = load_model(path, device)
-            lm = checkpoint_lm(
-                model, tokenizer, max_length, settings.batch_size, progress=lambda n: bar.advance(job, n)
-            )
+            lm = checkpoint_lm(model, tokenizer, max_length, settings.batch_size, lambda n: bar.advance(job, n), anchor)
             res = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=wanted,

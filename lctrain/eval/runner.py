@@ -26,7 +26,7 @@ from lctrain.eval.perplexity import perplexity, select_heldout
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
 from lctrain.rundir import RunDir
-from lctrain.tokenizer import text_encoder
+from lctrain.tokenizer import recorded_anchor, resolve_anchor, text_encoder
 
 OFFLINE_LABEL = "RULER-style (not comparable with published RULER numbers)"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -108,6 +108,12 @@ def load_eval_tokenizer(model_dir: Path, cfg: Config):
     return load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
 
 
+def eval_anchor(model_dir: Path, cfg: Config, tokenizer):
+    """What every prompt starts with: the anchor the checkpoint trained with (its `anchor.json`), else the config's
+    `data.anchor` for this tokenizer (a model directory not trained here: the default rule)."""
+    return recorded_anchor(model_dir) or resolve_anchor(tokenizer, cfg.data.anchor)
+
+
 def pick_device(device: str | None) -> str:
     import torch
 
@@ -140,8 +146,8 @@ def load_model(model_dir: Path, device: str):
 
 def greedy_generate(model, tokenizer, encoder, prompt: str, max_new_tokens: int, plan, cache=None) -> str:
     """The greedy answer to `prompt` under a `generation.GenerationPlan` (and its reusable `planned_cache`):
-    `encoder` turns the prompt into ids exactly as the model's reference tokenizer does (with its BOS), `tokenizer`
-    decodes."""
+    `encoder` turns the prompt into ids exactly as the model's reference tokenizer does, after the anchor
+    (`TextEncoder.prompted`), `tokenizer` decodes."""
     from lctrain.eval.generation import greedy_ids
 
     ids = encoder.encode(prompt, specials=True)
@@ -390,7 +396,8 @@ def evaluate(
     dev = pick_device(device)
 
     tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
-    encoder = text_encoder(tokenizer)
+    anchor = eval_anchor(tgt.checkpoints[0][1], tgt.cfg, tokenizer)
+    encoder = text_encoder(tokenizer).prompted(anchor)
     if data_dir:
         suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
     else:
@@ -428,6 +435,7 @@ def evaluate(
         "ruler_data": str(data_dir) if data_dir else None,
         "checkpoints": [c for c, _ in tgt.checkpoints],
         "device": dev,
+        "anchor": anchor.record(),  # what every prompt started with
         "tasks": [t for t in names if t in average],
         "lengths": suite.lengths,
         "samples_per_task": None if data_dir and samples is None else (samples or ev.samples_per_task),

@@ -29,7 +29,7 @@ import torch
 from lctrain.compat.deepspeed import zero3_full_state_dict
 from lctrain.errors import is_environment_error
 from lctrain.rundir import RunDir, by_step
-from lctrain.tokenizer import save_tokenizer
+from lctrain.tokenizer import save_tokenizer, write_anchor
 from lctrain.train.loss import CausalLMLossSum
 
 TMP_PREFIX = ".tmp-"
@@ -228,8 +228,9 @@ def _quiet_hf_progress():
             hf_logging.enable_progress_bar()
 
 
-def save_hf(engine, lm, tokenizer, run: RunDir, step: int, *, rank: int, zero_stage: int) -> Path:
-    """Export weights + tokenizer with `save_pretrained` (all ranks call: ZeRO-3 gathers the shards)."""
+def save_hf(engine, lm, tokenizer, anchor, run: RunDir, step: int, *, rank: int, zero_stage: int) -> Path:
+    """Export weights + tokenizer with `save_pretrained`, and the `anchor` trained with (all ranks call: ZeRO-3
+    gathers the shards)."""
     final = run.export(step)
     tmp = final.with_name(TMP_PREFIX + final.name)
     if zero_stage == 3:
@@ -242,6 +243,7 @@ def save_hf(engine, lm, tokenizer, run: RunDir, step: int, *, rank: int, zero_st
         with _quiet_hf_progress():  # its per-shard bar would tear through the training progress bar
             lm.save_pretrained(str(tmp), state_dict=state_dict)
         save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
+        write_anchor(tmp, anchor)  # prompts start with it
         _replace_dir(tmp, final)
     _barrier()
     return final

@@ -17,6 +17,7 @@ import numpy as np
 from lctrain.config import DEFAULT_CONFIG, Config, bundled_config_dir, data_dir, data_fingerprint
 from lctrain.errors import UserError
 from lctrain.parallel.layout import ParallelLayout
+from lctrain.tokenizer import load_tokenizer, resolve_anchor
 
 
 def prepare_hint(cfg: Config) -> str:
@@ -51,6 +52,14 @@ def open_checked(cfg: Config):
         )
     if len(packed) == 0:
         raise UserError(f"{path}: the prepared dataset has no windows; raise data.token_budget and re-run prepare")
+    anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
+    recorded = packed.manifest.get("anchor") or {"id": packed.manifest.get("tokenizer", {}).get("anchor_id")}
+    if recorded.get("id") != anchor.id:
+        raise UserError(
+            f"{path}/manifest.json: the dataset's segments start with anchor {recorded.get('token', '?')} (id "
+            f"{recorded.get('id')}), data.anchor = {cfg.data.anchor} is {anchor.token} (id {anchor.id}); "
+            f"{prepare_hint(cfg)} --force"
+        )
     return packed
 
 

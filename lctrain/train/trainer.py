@@ -29,10 +29,12 @@ from lctrain.costmodel import ModelShape, dense_params, step_flops, visible_pair
 from lctrain.errors import UserError, is_environment_error
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
+from lctrain.model import changes_text, write_model_changes
 from lctrain.parallel.groups import Topology, init_topology, release_single_process
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
 from lctrain.rundir import RunDir
+from lctrain.tokenizer import resolve_anchor, write_anchor
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import collate
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
@@ -130,6 +132,12 @@ def run(
             run_dir=rd,
             before_checkpoint_complete=before_checkpoint_complete,
         )
+        if topo.is_main:
+            print(
+                f"{changes_text(trainer.changes)}\nanchor: {trainer.anchor.token} (id {trainer.anchor.id})", flush=True
+            )
+            write_model_changes(rd.model_changes_file, trainer.changes)
+            write_anchor(rd.path, trainer.anchor)
         if resuming:
             trainer.load_checkpoint()
         trainer.fit(packed)
@@ -167,6 +175,7 @@ class Trainer:
         plan = plan or RunPlan.of(cfg, self.layout)
         self.batches = plan.batches
         self.run_dir, self.tokenizer = run_dir, tokenizer
+        self.anchor = resolve_anchor(tokenizer, cfg.data.anchor) if tokenizer is not None else None
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
         ds_config = deepspeed_config(cfg, plan, gpu=topo.device.type == "cuda")
@@ -177,7 +186,7 @@ class Trainer:
             from transformers.integrations import HfDeepSpeedConfig
 
             hf_ds_config = HfDeepSpeedConfig(ds_config)
-        self.lm, self.attention = build_model(cfg, vocab_size=vocab_size, device=topo.device)
+        self.lm, self.attention, self.changes = build_model(cfg, vocab_size=vocab_size, device=topo.device)
         if self.layout.sp > 1:
             self.attention = wrap_model(self.lm, self.attention, topo.sp_group)
         model = CausalLMLossSum(self.lm)
@@ -309,6 +318,7 @@ class Trainer:
                 self.engine,
                 self.lm,
                 self.tokenizer,
+                self.anchor,
                 self.run_dir,
                 self.state.step,
                 rank=self.topo.rank,
