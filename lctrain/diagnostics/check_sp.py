@@ -138,7 +138,7 @@ def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]
     from lctrain.model import model_shape
     from lctrain.tokenizer import anchor_token_id, load_tokenizer
 
-    anchor = anchor_token_id(load_tokenizer(cfg.data.tokenizer))
+    anchor = anchor_token_id(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
     vocab = model_shape(cfg).vocab
     window = synthetic_window(cfg.data.seq_len, vocab, anchor, cfg.parallel.sequence_parallel, seed=cfg.seed + row)
     return (
