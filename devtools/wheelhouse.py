@@ -21,6 +21,7 @@ import re
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from importlib.metadata import distributions
 from pathlib import Path
 
 from packaging.markers import default_environment
@@ -71,14 +72,12 @@ def read_freeze(lines: Iterable[str]) -> dict[str, str | None]:
 
 
 def installed_distributions() -> dict[str, str | None]:
-    from importlib.metadata import distributions
-
     return {canonicalize_name(d.metadata["Name"]): d.version for d in distributions() if d.metadata["Name"]}
 
 
 def project_requirements(pyproject: str | Path, extras: Iterable[str] = ()) -> list[str]:
     """The `[project] dependencies` of a pyproject.toml, plus those of the named optional extras."""
-    import tomllib
+    import tomllib  # Python 3.11+, and lctrain supports 3.10: only this reader needs it
 
     project = tomllib.loads(Path(pyproject).read_text())["project"]
     reqs = list(project.get("dependencies", []))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -11,6 +12,9 @@ import typer
 from lctrain.config import bundled_config_names, load_config, to_yaml
 from lctrain.errors import UserError, environment_error_message
 from lctrain.lifetime import Terminated, terminate_as_interrupt
+
+# Each command imports its implementation when it runs: `lctrain --help` and the quick commands must not pay for
+# torch/transformers/deepspeed (start-up time).
 
 app = typer.Typer(
     help="Long-context continual pretraining with AnchorAttention: prepare data, train, resume, evaluate.",
@@ -367,8 +371,6 @@ def estimate(
     """Predicted hours per 1B tokens for each attention mode at the config's length and GPU count (Figure 6), from
     the FLOPs of the prepared dataset's segment layout; with --measure, days per 1B tokens measured by training."""
     if measure:
-        from pathlib import Path
-
         from lctrain.attention.modes import parse_modes
         from lctrain.eval.runner import parse_lengths
         from lctrain.reports.throughput import measure as run_measure

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lctrain.errors import UserError
+from lctrain.eval.ruler import TASK_NAMES
 
 DEFAULT_CONFIG = "tiny_anchor"
 DOMAINS = ("CommonCrawl", "C4", "GitHub", "ArXiv", "Book", "Wikipedia", "StackExchange", "other")
@@ -260,8 +261,6 @@ class EvalConfig(_Section):
 
     @model_validator(mode="after")
     def _known_tasks(self):
-        from lctrain.eval.ruler import TASK_NAMES
-
         for key, names in (("tasks", self.tasks or []), ("exclude", self.exclude)):
             unknown = [t for t in names if t not in TASK_NAMES]
             if unknown:

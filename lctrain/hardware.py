@@ -101,6 +101,7 @@ def known_gpu(name: str) -> GPU | None:
 def _cpu_matmul_peak() -> float:
     """Achievable fp32 FLOP/s of this CPU: the best of several 2048^3 matmuls (CPUs have no spec-sheet peak to
     use; on a busy machine this under-estimates the peak, so CPU MFU is indicative only)."""
+    # torch (and lctrain.measure, which imports it) on use: this module loads without torch (start-up time)
     import torch
 
     from lctrain.measure import timed
@@ -120,6 +121,7 @@ def device_peak_flops(device: torch.device, override_tflops: float | None = None
     if override_tflops:
         return override_tflops * 1e12
     if device.type == "cuda":
+        # torch on use: this module loads without it (start-up time of the light commands)
         import torch
 
         name = torch.cuda.get_device_name(device)

@@ -146,6 +146,7 @@ def logits_bytes(shape: ModelShape, tokens: int, b: int) -> int:
 
 def _zero_settings(ds_config: dict) -> dict:
     """The ZeRO settings DeepSpeed will run with: the layout's, DeepSpeed's defaults for the rest."""
+    # deepspeed on use: it takes seconds to import (start-up time)
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     return DeepSpeedZeroConfig(**ds_config["zero_optimization"]).model_dump()
@@ -156,6 +157,7 @@ def reduce_element_bytes(ds_config: dict, model_bytes: int) -> int:
     communication dtype, which under sequence parallelism is `seq_parallel_communication_data_type` (DeepSpeed
     0.19.8's engine sets it over `communication_data_type`, fp32 by default), else `communication_data_type`, else
     the model's dtype."""
+    # deepspeed on use: it takes seconds to import (start-up time)
     from deepspeed.runtime.config import get_communication_data_type
     from deepspeed.runtime.constants import (
         SEQ_PARALLEL_COMMUNICATION_DATA_TYPE,

@@ -8,6 +8,7 @@ MLP, and the attention engine (`lctrain_<engine>`).
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -15,13 +16,21 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from huggingface_hub import try_to_load_from_cache
+from transformers import AutoModelForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from lctrain.attention import Engine, resolve_engine
+from lctrain.attention.engines.common import check_dropout
+from lctrain.compat.deepspeed import tiled_mlp_apply
 from lctrain.compat.transformers import attn_implementation_of, nested_rope_keys, set_attn_implementation
 from lctrain.compat.transformers import rotary_in_fp32 as compat_rotary_in_fp32
 from lctrain.config import Config
+from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.shapes import HUB_NAMES, SHAPES
+from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +109,6 @@ _LEGACY_ARCH_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
 def check_arch(arch: dict[str, Any]) -> None:
     """Refuse a `model.arch` that would build another model than asked (an unknown key is silently ignored by
     transformers, so a typo trains the default size) or none at all; one line each."""
-    import difflib
-
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     model_type = arch.get("model_type")
     if not model_type:
         raise UserError("model.arch needs a model_type (e.g. llama, mistral, qwen2)")
@@ -160,15 +165,11 @@ def shape_without_download(cfg: Config) -> bool:
 def model_shape(cfg: Config):
     """The `costmodel.ModelShape` of the model a config trains: a known base model's without any download, else
     read from its Hugging Face config, with the vocabulary `build_model` gives a `model.arch`."""
-    from lctrain.costmodel import ModelShape
-
     name = cfg.model.name_or_path
     if name in HUB_NAMES and not cfg.resolve_path(name).exists():
         return SHAPES[HUB_NAMES[name]]
     hf = load_hf_config(cfg)
     if cfg.model.arch is not None and "vocab_size" not in cfg.model.arch:
-        from lctrain.tokenizer import load_tokenizer
-
         hf.vocab_size = len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))  # as build_model sizes it
     return ModelShape.from_hf_config(hf)
 
@@ -199,8 +200,6 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
     if rope_type == NTK_ROPE_TYPE:
         return _ntk_parameters(hf_config, current, scaling, theta)
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     known = ["default", NTK_ROPE_TYPE, *ROPE_INIT_FUNCTIONS]
     if rope_type == "dynamic" and max_position_embeddings(hf_config, cfg) >= cfg.data.seq_len:
         log.warning(
@@ -345,8 +344,6 @@ def _check_rope(hf_config) -> None:
 
 def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str) -> list[ConfigChange]:
     """Apply `config_changes` to `hf_config` after checking the model can be trained; returns the changes."""
-    from lctrain.attention.engines.common import check_dropout
-
     _check_rope(hf_config)
     changes = config_changes(hf_config, cfg, vocab_size=vocab_size, attn_implementation=impl)
     apply_changes(hf_config, changes)
@@ -370,8 +367,6 @@ def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str) -> lis
 
 
 def _check_anchor(cfg: Config, vocab: int) -> None:
-    from lctrain.tokenizer import load_tokenizer, resolve_anchor
-
     anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
     if not 0 <= anchor.id < vocab:
         raise UserError(
@@ -392,8 +387,6 @@ class BuiltModel(NamedTuple):
 def _arch_vocab_size(cfg: Config, vocab_size: int | None) -> int | None:
     # a random init gets the tokenizer's vocabulary unless its arch names one
     if cfg.model.arch is not None and vocab_size is None and "vocab_size" not in cfg.model.arch:
-        from lctrain.tokenizer import load_tokenizer
-
         return len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))
     return vocab_size
 
@@ -401,8 +394,6 @@ def _arch_vocab_size(cfg: Config, vocab_size: int | None) -> int | None:
 def _local_copy(name: str, probe: str, prefix: str | None = None) -> str | None:
     """`name` when it is a local path (or starts with `prefix`), the directory of its hub-cache copy when the cache
     holds its `probe` file, else None: `show-config` resolves without going to the hub."""
-    from huggingface_hub import try_to_load_from_cache
-
     if Path(name).exists() or (prefix and name.startswith(prefix)):
         return name
     try:
@@ -416,8 +407,6 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
     """What training on `device` uses where `cfg` leaves a value to the model or the tokenizer (`model.rope_theta`,
     `model.rope_scaling`, `model.max_position_embeddings`, `data.anchor`), by dotted key, and comment lines: the
     changes to the model's config, or why a value cannot be resolved here (a hub model not downloaded)."""
-    from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor
-
     used: dict[str, Any] = {}
     notes: list[str] = []
     tokenizer = _local_copy(cfg.resolve_source(cfg.data.tokenizer), "tokenizer_config.json", BUILTIN_PREFIX)
@@ -459,8 +448,6 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     """Random init from `cfg.model.arch` (vocabulary `vocab_size`, normally the tokenizer's) or
     `from_pretrained(cfg.model.name_or_path)`, configured for long-context training with the engine resolved for
     `device` (returned with it)."""
-    from transformers import AutoModelForCausalLM
-
     engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
     impl = engine.hf_name
     hf_config = load_hf_config(cfg)
@@ -529,8 +516,6 @@ def tile_mlps(model, shards: int | str) -> int:
     rank's MLP sees micro_batch x seq_len / sequence_parallel rows (ParallelLayout makes seq_len divisible), so the
     automatic count needs no per-call all-reduce.
     Returns the number of MLPs wrapped."""
-    from lctrain.compat.deepspeed import tiled_mlp_apply
-
     layers = getattr(model.get_decoder(), "layers", None)
     mlps = [getattr(layer, "mlp", None) for layer in layers or ()]
     if not mlps or any(mlp is None or not all(hasattr(mlp, part) for part in _GATED_MLP_PARTS) for mlp in mlps):

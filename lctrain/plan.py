@@ -6,6 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import psutil
+import torch
+from rich.console import Console
+from rich.table import Table
+
 from lctrain.config import Config
 from lctrain.errors import UserError
 from lctrain.hardware import known_gpu
@@ -22,9 +27,6 @@ def _positive(value: float | None, option: str) -> int | None:
 
 def local_budget(gpu_mem_gb: float | None = None, host_mem_gb: float | None = None) -> tuple[Budget, bool]:
     """(the budget, whether its device size is known for certain: a GPU of the table or --gpu-mem)."""
-    import psutil
-    import torch
-
     device = _positive(gpu_mem_gb, "--gpu-mem")
     host = _positive(host_mem_gb, "--host-mem") or psutil.virtual_memory().available
     if device is not None:
@@ -86,9 +88,6 @@ def report(cfg: Config, budget: Budget) -> dict:
 
 
 def print_report(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     table = Table(title=f"memory per rank: {Path(r['config'] or 'config').stem}, seq_len {r['seq_len']:,}")
     for col in ("item", "GB", "where", "kind"):

@@ -41,6 +41,7 @@ def builtin_model_file(name: str) -> Path:
         allowed = ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_TOKENIZERS)
         raise UserError(f"tokenizer '{BUILTIN_PREFIX}{name}' is unknown; built-in tokenizers: {allowed}")
     try:
+        # optional at run time: only the built-in tokenizers need mistral-common
         import mistral_common
     except ImportError:
         raise UserError("built-in tokenizers need the 'mistral-common' package: pip install mistral-common") from None
@@ -59,6 +60,7 @@ SPM_FILE = "tokenizer.model"  # the name transformers gives a tokenizer's Senten
 
 
 def _from_sentencepiece(model_file: Path, cache_key: str):
+    # transformers on use: this module loads without it (start-up time)
     from transformers import AutoTokenizer, LlamaTokenizerFast
 
     cached = _cache_dir() / cache_key
@@ -69,6 +71,7 @@ def _from_sentencepiece(model_file: Path, cache_key: str):
             return AutoTokenizer.from_pretrained(str(cached))
         except Exception:  # a damaged entry (truncated by a full disk, edited by hand) is rebuilt, not fatal
             shutil.rmtree(cached, ignore_errors=True)
+    # sentencepiece on use: each tokenizer kind needs only its own library (start-up time)
     import sentencepiece as spm
 
     # Inputs start with BOS, as the Llama and Mistral tokenizers on the hub do (the conversion alone adds none).
@@ -115,6 +118,7 @@ def load_tokenizer(spec: str):
                 f"tokenizer '{spec}' is a file but not a SentencePiece model ({type(e).__name__}); set "
                 f"data.tokenizer to a .model file, a tokenizer directory or a hub name"
             ) from None
+    # transformers on use (start-up time)
     from transformers import AutoTokenizer
 
     try:
@@ -217,6 +221,7 @@ def anchor_token_id(tokenizer, spec: str = ANCHOR_AUTO) -> int:
 
 def _sentencepiece_model(tok) -> bytes | None:
     """The bytes of the tokenizer's SentencePiece model, or None when it has none (Llama-3, Qwen: byte-level BPE)."""
+    # sentencepiece on use (start-up time)
     import sentencepiece as spm
 
     vocab_file = getattr(tok, "vocab_file", None)
@@ -274,6 +279,7 @@ class TextEncoder:
     def backend(self):
         if self._backend is None:
             if self.kind == "sentencepiece":
+                # sentencepiece and tokenizers on use (start-up time)
                 import sentencepiece as spm
 
                 self._backend = spm.SentencePieceProcessor(model_proto=self.blob)

@@ -54,13 +54,13 @@ def render_markdown(report: dict) -> str:
 
 def gpu_meta() -> dict:
     meta = {"python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M")}
-    try:
+    try:  # torch and transformers are optional here: the report is written even where they fail to import
         import torch
 
         meta["torch"] = torch.__version__
         if torch.cuda.is_available():
             meta["gpu"] = torch.cuda.get_device_name()
-        import transformers
+        import transformers  # optional, as torch above
 
         meta["transformers"] = transformers.__version__
     except ImportError as e:

@@ -6,16 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
+
 from devtools.gpu_check import ROOT
+from devtools.wheelhouse import plan_install, project_requirements, read_freeze, read_wheel
 
 
 def pip_download_finder(dest: Path, python_version: str, platforms: list[str], pins: dict[str, str | None]):
     """`find` for plan_install that downloads a wheel for the target with pip: the version `pins` (the tested lock,
     constraints.txt) names where it fits, else the newest. A package published only as a source distribution
     (DeepSpeed) is built into a wheel here, which works for pure-Python packages."""
-    from packaging.utils import canonicalize_name
-
-    from devtools.wheelhouse import read_wheel
 
     def newest(name: str) -> set[Path]:
         return {p for p in dest.glob("*.whl") if canonicalize_name(p.name.split("-")[0]) == name}
@@ -69,8 +69,6 @@ def pip_download_finder(dest: Path, python_version: str, platforms: list[str], p
 
 
 def build_wheelhouse(args) -> None:
-    from devtools.wheelhouse import plan_install, project_requirements, read_freeze
-
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     have = read_freeze(Path(args.have).read_text().splitlines())

@@ -30,6 +30,7 @@ from lctrain.attention import ENGINES, MODES, Batch, make_batch
 from lctrain.costmodel import attention_flops, visible_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.packing import chunk_order, split_into_chunks
+from lctrain.data.store import open_packed
 
 CPU_ENGINES = ("sdpa", "reference")
 GPU_ENGINES = ("varlen", "sdpa", "flex")
@@ -37,8 +38,6 @@ REFERENCE_MAX_LEN = 8192  # the dense mask and scores are O(L²)
 
 
 def dataset_windows(path: str, length: int, rows: int) -> list[list[int]]:
-    from lctrain.data.store import open_packed
-
     data = open_packed(path)
     if int(data.manifest["seq_len"]) != length:
         raise SystemExit(f"{path}: windows are {data.manifest['seq_len']} tokens, not {length}")

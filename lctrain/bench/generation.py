@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from lctrain.eval.generation import greedy_ids, plan_for
 from lctrain.measure import host_peak_bytes, peak_bytes, reset_peak, synchronize
 from lctrain.shapes import SHAPES, hf_arch
 from lctrain.units import to_gb
@@ -27,8 +29,6 @@ MODELS = ("tiny", "llama2-7b")  # lctrain.shapes names
 
 
 def build(model: str, device: torch.device):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     shape = SHAPES[model]
     # untied output embeddings, as Llama-2's, at every size
     arch = {k: v for k, v in hf_arch(shape).items() if k not in ("model_type", "tie_word_embeddings")}
@@ -41,8 +41,6 @@ def build(model: str, device: torch.device):
 
 
 def measure(lm, length: int, new_tokens: int, seed: int) -> dict:
-    from lctrain.eval.generation import greedy_ids, plan_for
-
     device = lm.device
     plan = plan_for(lm, length + new_tokens)
     ids = torch.randint(3, lm.config.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -48,6 +48,7 @@ def loss_sum(method: str, lm_head, hidden, labels, chunk_tokens: int):
     if method == "lctrain":
         return chunked_loss_sum(lm_head, hidden, labels, chunk_tokens)
     if method == "deepspeed":
+        # deepspeed on use: it takes seconds to import (start-up time); only --method deepspeed needs it
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
         shards = math.ceil(hidden.shape[0] * hidden.shape[1] / chunk_tokens)

@@ -23,19 +23,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoConfig
 
 from lctrain.config import load_config
 from lctrain.costmodel import ModelShape
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.errors import UserError
-from lctrain.measure import host_peak_bytes, timed
+from lctrain.measure import cpu_peak_bytes, host_peak_bytes, timed
 from lctrain.memory import HOST_RUNTIME_BYTES, WARN_FRACTION, plan_memory
+from lctrain.parallel.groups import init_topology, release_single_process
+from lctrain.parallel.launch import OutOfMemory, RanksFailed, run_on_ranks
+from lctrain.parallel.ulysses import kv_replication
 from lctrain.shapes import SHAPES, hf_arch
+from lctrain.train.trainer import Trainer
 from lctrain.units import GB
 
 ROW_ARCHS = {name: hf_arch(SHAPES[name]) for name in ("small", "llama-1b")}
@@ -114,8 +123,6 @@ def make_windows(seq_len: int, vocab: int, seed: int) -> list[dict]:
 
 
 def arch_shape(arch: dict, vocab: int) -> ModelShape:
-    from transformers import AutoConfig
-
     fields = {k: v for k, v in arch.items() if k != "model_type"}
     return ModelShape.from_hf_config(AutoConfig.for_model("llama", vocab_size=vocab, **fields))
 
@@ -133,10 +140,6 @@ def settings_row(name: str, settings: list[str], args) -> dict:
     """One memory setting through the trainer's step: on the CPU the profiler's peak of tensor storage (fp32, ZeRO
     off), on a GPU (`--device cuda`, bf16 under ZeRO-1) torch's peak allocation during one step after a warm-up,
     each against the plan (device plus host items on the CPU, where both are one memory; device items on a GPU)."""
-    from lctrain.measure import cpu_peak_bytes
-    from lctrain.parallel.groups import init_topology, release_single_process
-    from lctrain.train.trainer import Trainer
-
     gpu = args.device == "cuda"
     arch = ROW_ARCHS[args.arch]
     base = ["model.dtype=bfloat16", "parallel.zero_stage=1"] if gpu else []
@@ -245,10 +248,6 @@ def ladder(args, first: int) -> list[int]:
 def preflight(spec: dict, seq_len: int) -> None:
     """Refuse in one line, before building or launching anything, a layout the model's heads cannot be split over,
     and ranks whose host items (offloaded optimizer states) exceed this host's memory."""
-    import psutil
-
-    from lctrain.parallel.ulysses import kv_replication
-
     shape = arch_shape(spec["arch"], spec["vocab"])
     kv_replication(shape.heads, shape.kv_heads, spec["nproc"], "--nproc")
     gpu = torch.cuda.is_available()
@@ -329,9 +328,6 @@ def out_of_time(args, started: float, rows: list, length: int, warmup: int, step
 
 def in_process_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dict) -> None:
     """One GPU: one trainer, every length of the ladder in this process (an out-of-memory step ends the ladder)."""
-    from lctrain.parallel.groups import init_topology
-    from lctrain.train.trainer import Trainer
-
     started = time.perf_counter()
     cfg = make_config(spec["arch"], first, spec["settings"])
     t0 = time.perf_counter()
@@ -367,10 +363,6 @@ def launched_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dic
     """Several ranks: every length is its own `run_on_ranks` of `measure_length`, because one rank out of memory
     leaves the others waiting in a collective; out of memory on any rank ends the ladder, any other failure ends the
     benchmark with the ranks' output above."""
-    import tempfile
-
-    from lctrain.parallel.launch import OutOfMemory, RanksFailed, run_on_ranks
-
     started = time.perf_counter()
     for length in ladder(args, first):
         if out_of_time(args, started, rows, length, spec["warmup"], spec["steps"], build=True):
@@ -398,11 +390,8 @@ def launched_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dic
 def measure_length(spec: dict) -> dict | None:
     """One rank of one ladder length (`run_on_ranks`): build the trainer, step, and (rank 0) return the group's peak,
     the most of any rank (all-reduced), as the row."""
+    # deepspeed on use: it takes seconds to import (start-up time); only the ranks need it
     import deepspeed.comm as dist
-
-    from lctrain.measure import cpu_peak_bytes
-    from lctrain.parallel.groups import init_topology
-    from lctrain.train.trainer import Trainer
 
     length = spec["seq_len"]
     cfg = make_config(spec["arch"], length, spec["settings"])
@@ -481,9 +470,6 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out/bench_memory.json")
     args = parser.parse_args()
 
-    from rich.console import Console
-    from rich.table import Table
-
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -491,8 +477,6 @@ def main() -> None:
         spec = preset_spec(args)
         first = args.seq_len or PRESETS[args.preset]["seq_len"]
         if args.layers == "auto":
-            import psutil
-
             whole = spec["arch"]["num_hidden_layers"]
             spec = fit_layers(spec, first, psutil.virtual_memory().available, torch.cuda.is_available())
             print(

@@ -32,8 +32,13 @@ import time
 from pathlib import Path
 
 import psutil
+import sentencepiece as spm
+from rich.console import Console
+from rich.table import Table
 
+from lctrain.data.synthetic import generate
 from lctrain.hardware import usable_cpus
+from lctrain.tokenizer import BUILTIN_PREFIX, BUILTIN_TOKENIZERS, builtin_model_file, load_encoder, load_tokenizer
 
 TOKENIZER = "builtin:mistral-7b-v0.1"
 
@@ -85,9 +90,6 @@ def run_prepare(out: Path, budget: int, seq_len: int, workers: int) -> tuple[dic
 
 def tokenizer_limit(manifest: dict) -> dict:
     """Tokens/s of the encoder prepare uses, batch encode on all cores, over the documents prepare read."""
-    from lctrain.data.synthetic import generate
-    from lctrain.tokenizer import load_encoder
-
     encoder = load_encoder(TOKENIZER)
     src = manifest["source"]
     tokens, seconds, cpu_seconds, i, n = 0, 0.0, 0.0, 0, src["records_read"]
@@ -143,10 +145,6 @@ def real_corpus() -> tuple[list[str], dict[str, int]]:
 def agreement() -> dict:
     """Per built-in tokenizer: documents whose ids equal SentencePiece's, with lctrain's encoder and with the
     converted fast tokenizer."""
-    import sentencepiece as spm
-
-    from lctrain.tokenizer import BUILTIN_PREFIX, BUILTIN_TOKENIZERS, builtin_model_file, load_encoder, load_tokenizer
-
     docs, counts = real_corpus()
     out = {"documents": len(docs), "characters": sum(map(len, docs)), "kinds": counts, "tokenizers": {}}
     for name in BUILTIN_TOKENIZERS:
@@ -177,9 +175,6 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0, help="data.num_workers (0 = all cores)")
     ap.add_argument("--json", default="bench_out/bench_prepare.json")
     args = ap.parse_args()
-
-    from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     cores = usable_cpus()

@@ -20,21 +20,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from lctrain.config import load_config
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
+from lctrain.parallel.groups import init_topology
 from lctrain.shapes import SHAPES, hf_arch
+from lctrain.train.trainer import Trainer
 from lctrain.units import to_gb
 
 MODELS = ("tiny", "llama-1b")  # lctrain.shapes names
 
 
 def bench_mode(mode: str, args, device: torch.device) -> dict:
-    from lctrain.parallel.groups import init_topology
-    from lctrain.train.trainer import Trainer
-
     gpu = device.type == "cuda"
     zero_stage = 1 if gpu else 0  # bf16 needs ZeRO's fp32 master weights
     shape = SHAPES[args.model]
@@ -106,11 +107,6 @@ def main() -> None:
     )
     parser.add_argument("--out", default="bench_out/bench_train.json")
     args = parser.parse_args()
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from lctrain.parallel.groups import init_topology
 
     device = init_topology(load_config(None, [])).device
     out = Path(args.out)

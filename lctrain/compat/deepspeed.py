@@ -14,6 +14,7 @@ def disable_cpu_shm_comm_op() -> None:
     `cannot find -laio` error on machines without libaio, seconds per process. 0.19.8 computes the module attribute
     `__compatible_ops__` lazily and reads it only to decide on that op (`deepspeed.comm.torch.build_shm_op`), so
     placing the answer there first skips both the probe and the build."""
+    # deepspeed on use: it takes seconds to import (start-up time)
     import deepspeed.ops
 
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
@@ -32,6 +33,7 @@ def sequence_parallel_groups(sp: int):
     The module is passed to `deepspeed.initialize(mpu=...)`: the engine reads the sequence-data-parallel group and
     sizes from it (`get_sequence_parallel_world_size`, `get_sequence_data_parallel_group`, ...), which is how ZeRO
     learns to shard over every rank. Its group accessor asserts when the groups do not exist yet."""
+    # deepspeed on use: it takes seconds to import (start-up time)
     import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp_state
 
     try:
@@ -62,6 +64,7 @@ def exact_shards(rows: int, shards: int) -> int:
 def tiled_mlp_apply(fn, mlp, x, shards: int, params: list):
     """`ulysses_sp.TiledMLP.apply` with the piece count `torch.chunk` really cuts (`exact_shards`): `fn(mlp, x)` on
     slices of the sequence, recomputed slice by slice in the backward."""
+    # deepspeed on use: it takes seconds to import (start-up time)
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     return TiledMLP.apply(fn, mlp, x, exact_shards(x.numel() // x.shape[-1], shards), params)
@@ -85,6 +88,7 @@ def checkpoint_offload_context():
     the memory after the forward fell from 2.52 to 0.77 GiB but the peak rose from 5.93 to 7.34 GiB. The trainer
     backpropagates each graph once, so here a restored hidden state is handed over (`cache=False`) and freed once its
     layer's recomputation has used it; a second unpack of one tensor fails loudly ("no longer tracked")."""
+    # deepspeed on use: it takes seconds to import (start-up time)
     from deepspeed.runtime.activation_checkpointing.offload_activations import (
         CheckpointHiddenStatesOffload,
         _OffloadedTensorRef,

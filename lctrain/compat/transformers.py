@@ -35,6 +35,7 @@ def attn_implementation_of(hf_config) -> str | None:
 
 
 def _fp32_rotary_inputs(module, args, kwargs):
+    # torch on use: this module loads without it (start-up time of the light commands)
     import torch
 
     x = args[0] if args else kwargs["x"]
@@ -66,6 +67,7 @@ def load_errors() -> tuple[type[BaseException], ...]:
     """What `from_pretrained` raises for a damaged or foreign model directory (transformers 5.17-5.23): a missing
     or unreadable file (OSError), a bad config value (ValueError, TypeError, or huggingface_hub's strict-dataclass
     validation), a truncated weights file (SafetensorError)."""
+    # huggingface_hub and safetensors on use, as torch (start-up time)
     from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 

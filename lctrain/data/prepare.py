@@ -23,6 +23,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from lctrain import __version__
 from lctrain.config import (
@@ -43,6 +45,7 @@ from lctrain.data.store import FORMAT_VERSION, MANIFEST, ShardWriter, read_manif
 from lctrain.errors import UserError, is_environment_error
 from lctrain.hardware import usable_cpus
 from lctrain.lifetime import is_alive
+from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor, text_encoder
 
 SHARD_TOKENS = 1 << 28  # ~1 GiB of int32 tokens per Arrow shard
 SKIP_EXAMPLES = 5
@@ -56,8 +59,6 @@ _SKIP_TEXT = {
 
 
 def _console():
-    from rich.console import Console
-
     return Console(highlight=False, soft_wrap=True)
 
 
@@ -169,8 +170,6 @@ class _Skips:
 
 
 def _progress(console):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     return Progress(
         TextColumn("[bold]prepare"),
         BarColumn(),
@@ -233,8 +232,6 @@ def _write_error(out: Path, e: OSError) -> UserError:
 
 
 def _tokenizer_info(spec: str, tok, encoder, anchor_id: int) -> dict:
-    from lctrain.tokenizer import BUILTIN_PREFIX
-
     builtin = spec.startswith(BUILTIN_PREFIX)
     name = spec.removeprefix(BUILTIN_PREFIX) if builtin else str(getattr(tok, "name_or_path", spec))
     return {
@@ -250,8 +247,6 @@ def _tokenizer_info(spec: str, tok, encoder, anchor_id: int) -> dict:
 
 def prepare(cfg: Config, force: bool = False) -> Path:
     """Build the packed dataset of `cfg.data` at `data_dir(cfg)`; a no-op when it is already there."""
-    from lctrain.tokenizer import load_tokenizer, resolve_anchor, text_encoder
-
     d = cfg.data
     console = _console()
     out = data_dir(cfg)

@@ -85,6 +85,7 @@ class _ZstdReader(io.RawIOBase):
     of its input), raises TruncatedSource when the file ends inside a frame: a cut download is not a short corpus."""
 
     def __init__(self, raw):
+        # only .zst inputs need zstandard (start-up time)
         import zstandard
 
         self._raw = raw
@@ -150,6 +151,7 @@ def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
 
 
 def _parquet_batches(path: Path) -> Iterator[RawBatch]:
+    # only parquet inputs need pyarrow (start-up time)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -175,6 +177,7 @@ def local_batches(files: list[Path]) -> Iterator[RawBatch]:
 
 def hub_batches(name: str, split: str, seed: int) -> Iterator[RawBatch]:
     """Stream a hub dataset (rows with `text` and optional `meta`) without downloading it whole."""
+    # only hub sources need datasets, which takes ~1 s to import (start-up time)
     from datasets import load_dataset
 
     try:

@@ -4,6 +4,7 @@ histogram (its Figure 8), collected from the windows as they are written, plus t
 from __future__ import annotations
 
 import numpy as np
+from rich.table import Table
 
 from lctrain.config import DOMAINS
 from lctrain.data.packing import PackedWindow
@@ -66,8 +67,6 @@ class DatasetStats:
 
 def render(console, stats: dict, skipped: dict) -> None:
     """Print the Table 9 and Figure 8 equivalents and the skipped-record counts."""
-    from rich.table import Table
-
     t = Table(title="Domains (cf. paper Table 9)")
     for col in ("domain", "documents", "docs %", "tokens", "tokens %"):
         t.add_column(col, justify="left" if col == "domain" else "right")

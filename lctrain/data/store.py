@@ -33,6 +33,7 @@ COLUMNS = tuple(_COLUMN_DTYPES)
 
 
 def features(seq_len: int):
+    # datasets on use: it takes ~1 s to import, and reading packed data does not need it (start-up time)
     from datasets import Features, List, Value
 
     # input_ids is fixed-length (one window), the per-segment columns ragged
@@ -87,6 +88,7 @@ class ShardWriter:
             self._flush()
 
     def _open_shard(self):
+        # datasets on use (start-up time), as above
         from datasets.arrow_writer import ArrowWriter
 
         name = f"shard-{len(self.shards):05d}.arrow"
@@ -185,6 +187,7 @@ class PackedData:
     `obj[i]` -> dict of numpy arrays with the column dtypes of DESIGN §2."""
 
     def __init__(self, path: Path, manifest: dict):
+        # datasets on use (start-up time), as above
         from datasets import Dataset, concatenate_datasets
 
         self.path = path

@@ -34,12 +34,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from lctrain.attention import Batch
+from lctrain.attention import MODES, Batch, make_batch, resolve_engine
 from lctrain.config import Config, data_dir, load_config, with_overrides, write_resolved
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.hardware import usable_cpus
+from lctrain.model import build_model, load_hf_config, model_shape
+from lctrain.parallel.groups import init_topology, pick_backend, release_single_process
+from lctrain.parallel.launch import OutOfMemory, run_on_ranks
+from lctrain.parallel.layout import kv_replication, layout_of
+from lctrain.parallel.ulysses import wrap_model
+from lctrain.tokenizer import anchor_token_id, load_tokenizer
+from lctrain.train.data import open_checked
 
 # Documents in a synthetic window: enough that the document masks and anchor positions differ from full attention.
 SYNTHETIC_DOCS = 8
@@ -102,9 +110,6 @@ def allowed_processes() -> int:
 def check_config(cfg: Config, nproc: int, dtype: str | None) -> Config:
     """`cfg` laid out for a P-process Ulysses run of one window, refusing what cannot run before any process
     starts."""
-    from lctrain.model import load_hf_config
-    from lctrain.parallel.layout import kv_replication, layout_of
-
     if nproc < 2:
         raise UserError(f"--nproc {nproc}: sequence parallelism needs at least 2 processes")
     allowed = allowed_processes()
@@ -123,8 +128,6 @@ def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]
     """Window `row` of the config's prepared dataset if there is one, else a seeded synthetic window; with where it
     came from and the vocabulary size to build the model with (the dataset's tokenizer, as training does)."""
     if (data_dir(cfg) / "manifest.json").is_file():
-        from lctrain.train.data import open_checked
-
         packed = open_checked(cfg)
         if not 0 <= row < len(packed):
             raise UserError(
@@ -135,9 +138,6 @@ def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]
         window = {k: np.asarray(item[k], dtype=np.int64) for k in ("input_ids", "seg_lens", "seg_doc", "tag_lens")}
         vocab = int(packed.manifest["tokenizer"]["vocab_size"])
         return window, f"prepared dataset {data_dir(cfg)}, window {row}", vocab
-    from lctrain.model import model_shape
-    from lctrain.tokenizer import anchor_token_id, load_tokenizer
-
     anchor = anchor_token_id(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
     vocab = model_shape(cfg).vocab
     window = synthetic_window(cfg.data.seq_len, vocab, anchor, cfg.parallel.sequence_parallel, seed=cfg.seed + row)
@@ -162,9 +162,6 @@ def check_sp(
 ) -> dict:
     """Run the comparison on P ranks for one window, print the per-mode table and return (and write) the JSON
     result; `modes` default to all four."""
-    from lctrain.attention import MODES
-    from lctrain.parallel.launch import OutOfMemory, run_on_ranks
-
     chosen = list(modes or MODES)
     cfg = check_config(cfg, nproc, dtype)
     win, source, vocab = pick_window(cfg, window)
@@ -214,6 +211,7 @@ def _forward_logits(lm, batch: Batch, device: torch.device) -> torch.Tensor:
 def _check_same_weights(lm) -> None:
     """Every rank must hold the very weights rank 0 computes the reference with; one checksum per tensor, compared
     by an all-reduce of its maximum and minimum over the ranks."""
+    # deepspeed on use: it takes seconds to import (start-up time)
     import deepspeed.comm as dist
 
     sums = torch.stack([p.detach().double().sum() for p in lm.parameters()])
@@ -229,6 +227,7 @@ def _check_same_weights(lm) -> None:
 
 def _gather_sequence(local: torch.Tensor, topo) -> torch.Tensor | None:
     """The sequence-parallel group's slices of `[B, L/P, V]` concatenated in rank order on rank 0; None elsewhere."""
+    # deepspeed on use: it takes seconds to import (start-up time)
     import deepspeed.comm as dist
 
     local = local.contiguous()
@@ -241,13 +240,6 @@ def _gather_sequence(local: torch.Tensor, topo) -> torch.Tensor | None:
 def compare_on_ranks(request: dict) -> dict | None:
     """Every rank (`run_on_ranks`): build the model, and per mode the 1-process logits (rank 0) and the Ulysses
     logits (all ranks); rank 0 returns the result."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    from lctrain.attention import make_batch, resolve_engine
-    from lctrain.model import build_model
-    from lctrain.parallel.groups import init_topology, pick_backend, release_single_process
-    from lctrain.parallel.ulysses import wrap_model
-
     out_dir = Path(request["out_dir"])
     cfg = load_config(str(out_dir / "config.yaml"))
     with np.load(out_dir / WINDOW_FILE) as f:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lctrain.data.store import MANIFEST, open_packed
 from lctrain.errors import UserError
+from lctrain.tokenizer import anchor_token_id, text_encoder
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 JSONL_SUFFIX = ".jsonl"
@@ -62,8 +64,6 @@ def packed_document_spans(
 
 
 def _from_packed(path: Path, length: int, count: int, vocab_size: int) -> ProbeText:
-    from lctrain.data.store import open_packed
-
     data = open_packed(path)
     if data.manifest.get("interleave_chunks"):
         raise UserError(
@@ -133,8 +133,6 @@ def _jsonl_documents(f: Path) -> Iterator[tuple[str, str]]:
 
 
 def _from_local(path: Path, tokenizer, length: int, count: int, seed: int, anchor_spec: str) -> ProbeText:
-    from lctrain.tokenizer import anchor_token_id, text_encoder
-
     anchor = anchor_token_id(tokenizer, anchor_spec)
     encoder = text_encoder(tokenizer)
     sequences, origins, seen = [], [], 0
@@ -159,8 +157,6 @@ def probe_sequences(
 ) -> ProbeText:
     """`count` sequences of `length` token ids from the prepared dataset or local text at `path`; local text starts
     with `anchor` (a `data.anchor` value or the token itself), as training segments do."""
-    from lctrain.data.store import MANIFEST
-
     path = Path(path)
     if not path.exists():
         raise UserError(f"--text {path}: no such file or directory")

@@ -45,10 +45,29 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from transformers import AttentionInterface, AutoModelForCausalLM
 
-from lctrain.config import Config
+from lctrain.attention.engines.common import expand_kv_heads, unify_dtypes
+from lctrain.compat.transformers import load_errors
+from lctrain.config import Config, bundled_config_names, data_dir, load_config
+from lctrain.costmodel import ModelShape, dense_params, step_flops
+from lctrain.diagnostics.probe_text import probe_sequences
 from lctrain.errors import UserError
+from lctrain.eval.runner import pick_device
 from lctrain.measure import peak_bytes, reset_peak, timed
+from lctrain.model import build_model, rotary_in_fp32
+from lctrain.reports.plots import plot_rope_figure1, plot_rope_figure7
+from lctrain.tokenizer import ANCHOR_AUTO, load_tokenizer, recorded_anchor
 from lctrain.units import to_gb
 
 SHIFTS = (0, 2, 4, 6, 8, 10, 12, 14, 15, 17, 18, 20, 22, 50, 100, 200, 500, 1000, 2000)
@@ -117,8 +136,6 @@ def probe_attention(module, query, key, value, attention_mask, scaling=None, dro
     """A Hugging Face attention implementation: causal attention computed in head groups like FlashAttention2
     (fp32 logits of dtype-rounded q and k, fp32 softmax, weights in the value dtype times V), feeding `rope_probe`.
     The mask is built here (causal, no padding: the probe's batches are one sequence at several shifts)."""
-    from lctrain.attention.engines.common import expand_kv_heads, unify_dtypes
-
     q, k, v = unify_dtypes(query, key, value)  # the rotation in fp32 gives fp32 q and k, cast as the engines cast them
     k, v = expand_kv_heads(k, q.shape[1], dim=1), expand_kv_heads(v, q.shape[1], dim=1)
     dtype = v.dtype
@@ -141,8 +158,6 @@ def probe_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(PROBE_IMPL, probe_attention)
 
 
@@ -307,22 +322,16 @@ class ModelSource:
         return self.cfg.name if self.cfg is not None else self.spec
 
     def tokenizer(self):
-        from lctrain.tokenizer import load_tokenizer
-
         return load_tokenizer(self.cfg.data.tokenizer if self.cfg is not None else self.spec)
 
     def anchor(self) -> str:
         """What starts a probe: the config's `data.anchor`, the anchor a checkpoint trained with, else auto."""
-        from lctrain.tokenizer import ANCHOR_AUTO, recorded_anchor
-
         if self.cfg is not None:
             return self.cfg.data.anchor
         recorded = recorded_anchor(Path(self.spec)) if Path(self.spec).is_dir() else None
         return recorded.token if recorded is not None else ANCHOR_AUTO
 
     def default_text(self) -> Path:
-        from lctrain.config import data_dir
-
         path = data_dir(self.cfg) if self.cfg is not None else None
         if path is None or not path.exists():
             prepare = f"run 'lctrain prepare -c {self.spec}' first, or " if self.cfg is not None else ""
@@ -334,10 +343,6 @@ class ModelSource:
 
     def load(self, dtype: str, device: str):
         if self.cfg is None:
-            from transformers import AutoModelForCausalLM
-
-            from lctrain.compat.transformers import load_errors
-
             try:
                 model = AutoModelForCausalLM.from_pretrained(self.spec, dtype=getattr(torch, dtype))
             except load_errors() as e:
@@ -347,8 +352,6 @@ class ModelSource:
                     f"cached, or an lctrain config"
                 ) from None
             return model.to(device).eval()
-        from lctrain.model import build_model
-
         cfg = self.cfg.model_copy(deep=True)
         cfg.model.dtype = dtype
         cfg.model.rope_fp32 = False
@@ -357,8 +360,6 @@ class ModelSource:
 
 def model_source(spec: str, overrides: list[str] | tuple = ()) -> ModelSource:
     """A bundled config name or YAML path -> its config; a directory or anything else -> a Hugging Face model."""
-    from lctrain.config import bundled_config_names, load_config
-
     path = Path(spec)
     if spec.endswith((".yaml", ".yml")) or (not path.exists() and spec in bundled_config_names()):
         return ModelSource(spec, load_config(spec, overrides))
@@ -372,8 +373,6 @@ def model_source(spec: str, overrides: list[str] | tuple = ()) -> ModelSource:
 def case_models(model, cases, seed: int) -> Iterator[tuple[str, object, dict]]:
     """(case, model, notes) for each selected case in `_CASE_ORDER`, converting `model` (loaded in fp32, or in bf16
     when fp32 is not asked for) in place between them."""
-    from lctrain.model import rotary_in_fp32
-
     last = max(_CASE_ORDER.index(c) for c in cases)
     for name in _CASE_ORDER[: last + 1]:
         notes = {}
@@ -428,23 +427,12 @@ def _check(seq_len: int, max_len: int, samples: int, delta2: int, shift_batch: i
 def estimate_flops(model, plan: Plan) -> float:
     """Forward FLOPs per sequence: the dense layers on every token, plus the probe's full T x T logits and weights
     (the causal half is not skipped) in every layer: one forward pass of the cost model."""
-    from lctrain.costmodel import ModelShape, dense_params, step_flops
-
     shape = ModelShape.from_hf_config(model.config)
     squares = plan.tokens() * plan.seq_len  # tokens x keys, close enough for the logit passes too
     return step_flops(dense_params(model), shape.layers, shape.width, plan.tokens(), squares, passes=1)
 
 
 def _progress():
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -475,12 +463,6 @@ def diagnose_rope(
     """Run the cases on one model (`model_source`: a Hugging Face model, or an lctrain config); write rope_drift.json,
     rope_figure1.png and rope_figure7.png to `out` (default diagnose/<name>) and print tables. Returns the output
     directory."""
-    from rich.console import Console
-
-    from lctrain.diagnostics.probe_text import probe_sequences
-    from lctrain.eval.runner import pick_device
-    from lctrain.reports.plots import plot_rope_figure1, plot_rope_figure7
-
     _check(seq_len, max_len, samples, delta2, shift_batch)
     dev = pick_device(device)
     console = Console()
@@ -562,8 +544,6 @@ def diagnose_rope(
 
 
 def print_rope_table(results: dict, out_dir: Path, console) -> None:
-    from rich.table import Table
-
     v = results["cases"]
     names = list(v)
     table = Table(

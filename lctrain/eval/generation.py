@@ -25,9 +25,14 @@ attention mask). Host memory: the cache of the offloaded layers. If even the mos
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import psutil
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
@@ -166,9 +171,6 @@ def plan_generation(
 
 def free_memory(device) -> tuple[int, int | None]:
     """(bytes free on `device`, bytes free in host memory or None when the device is the host)."""
-    import psutil
-    import torch
-
     host = psutil.virtual_memory().available
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -190,8 +192,6 @@ def _host_buffer(shape: tuple[int, ...], dtype, pin: bool):
     """An uninitialised host tensor of exactly its size, page-locked with cudaHostRegister when `pin` (so copies to
     the device run asynchronously at full speed). Not `pin_memory=True`: PyTorch's pinned-memory cache rounds each
     allocation up to a power of two, which would double a 1.0x GiB layer. Returns (tensor, registered address)."""
-    import torch
-
     nbytes = math.prod(shape) * dtype.itemsize
     if not pin:
         return torch.empty(shape, dtype=dtype), None
@@ -219,9 +219,6 @@ def planned_cache(model, plan: GenerationPlan):
     """A transformers `Cache` holding the KV cache of a generation under `plan` (see the module docstring), reusable
     for every sample the plan covers (`greedy_ids` resets it): the buffers are allocated and page-locked once. Call
     `close()` when done: it releases the page-locked host memory."""
-    import torch
-    from transformers.cache_utils import Cache, DynamicLayer
-
     m = ModelShape.from_hf_config(model.config)
     device, dtype = model.device, model.dtype
     stream = device.type == "cuda"
@@ -355,8 +352,6 @@ def greedy_ids(
     """Greedy continuation of `ids` under `plan`: up to `max_new` tokens, ending after `eos` or once `stop(new ids)`
     is true (the stop strings of a task). `cache`: a `planned_cache` of this plan to reuse (the caller closes it);
     without one, a cache is made for this call and closed after it."""
-    import torch
-
     if not ids or max_new < 1:
         raise ValueError("greedy generation needs a prompt token and room for at least one new token")
     if len(ids) + max_new > plan.tokens:
@@ -404,6 +399,7 @@ class VllmGenerator:
 
     def __init__(self, model_dir, max_len: int, eos: int | None, seed: int = 0):
         try:
+            # optional dependency: vllm
             import vllm
         except ImportError:
             raise UserError("--backend vllm needs vLLM: pip install vllm (or use the default --backend hf)") from None
@@ -441,10 +437,6 @@ class VllmGenerator:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def close(self) -> None:
-        import gc
-
-        import torch
-
         del self.llm
         gc.collect()
         if torch.cuda.is_available():

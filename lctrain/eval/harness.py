@@ -24,8 +24,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
 from lctrain.errors import UserError
+from lctrain.eval.runner import eval_anchor, load_eval_tokenizer, load_model, pick_device
 from lctrain.rundir import RunDir
+from lctrain.tokenizer import resolve_anchor, text_encoder
 
 # Names a user types -> the harness task or group. Any other harness task name passes through unchanged.
 TABLE7 = {"longbench": "longbench", "hellaswag": "hellaswag", "mmlu": "mmlu"}
@@ -44,6 +50,7 @@ HEADLINE_METRICS = ("score", "acc_norm", "acc", "exact_match")
 
 def import_harness():
     try:
+        # optional dependency: lm-eval (the `harness` extra)
         import lm_eval
     except ImportError:
         raise UserError("--harness needs lm-evaluation-harness: pip install 'lctrain[harness]'") from None
@@ -57,6 +64,7 @@ def _cut_at_stops(text: str, stops: list[str]) -> str:
 
 def _make_lm_class():
     """Built on first use, so that importing lctrain does not import the harness."""
+    # optional dependency lm-eval, and torch with it: this module imports without either
     import torch
     import torch.nn.functional as F
     from lm_eval.api.model import LM
@@ -64,8 +72,6 @@ def _make_lm_class():
 
     class CheckpointLM(LM):
         def __init__(self, model, tokenizer, max_length: int, batch_size: int = 1, progress=None, anchor=None):
-            from lctrain.tokenizer import resolve_anchor, text_encoder
-
             super().__init__()
             self.model, self.tokenizer = model, tokenizer
             self.encoder = text_encoder(tokenizer)  # text -> ids exactly as the model's reference tokenizer
@@ -161,6 +167,7 @@ def _make_lm_class():
             return out
 
         def _greedy(self, ids: list[int], max_new: int, stops: list[str]) -> str:
+            # torch/transformers on use: this module imports without them (start-up time)
             from lctrain.eval.generation import greedy_ids, plan_for
 
             def decode(new: list[int]) -> str:
@@ -189,6 +196,7 @@ def checkpoint_lm(model, tokenizer, max_length: int, batch_size: int = 1, progre
 def _task_manager(names: list[str], include_path: str | None):
     """A task index that knows `names`. Indexing the harness's ~15,000 bundled tasks takes 15-20 s, so a run that
     names only tasks of its own `--harness-tasks` directory indexes that directory alone."""
+    # optional dependency: lm-eval
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
@@ -272,8 +280,6 @@ def evaluate_harness(
 ) -> dict:
     """`lctrain eval TARGET --harness ...`: score a resolved run or model (`runner.resolve_target`, see
     `run_harness`)."""
-    from lctrain.eval.runner import pick_device
-
     if not settings.tasks:
         raise UserError("--harness: name at least one task, e.g. --harness longbench,hellaswag,mmlu")
     if settings.batch_size < 1:
@@ -285,10 +291,6 @@ def evaluate_harness(
 
 def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -> dict:
     """Score every checkpoint of a resolved `runner.Target` with the harness; write `harness.json`, print the table."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from lctrain.eval.runner import eval_anchor, load_eval_tokenizer, load_model
-
     lm_eval = import_harness()
     manager, _ = resolve_tasks(settings.tasks, settings.include_path)
     wanted = [TABLE7.get(n, n) for n in settings.tasks]
@@ -336,9 +338,6 @@ def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -
 
 
 def print_harness_report(report: dict, out_dir: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     n = len(report["checkpoints"])
     table = Table(
         title=f"lm-evaluation-harness, averaged over {n} checkpoint{'s' * (n > 1)} ({', '.join(report['checkpoints'])})"

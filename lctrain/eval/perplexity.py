@@ -12,15 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lctrain.config import data_dir, data_fingerprint
+from lctrain.data.store import PackedData, open_packed
 from lctrain.errors import UserError
-
-if TYPE_CHECKING:
-    from lctrain.data.store import PackedData
+from lctrain.train.data import stream_rows
 
 
 @dataclass
@@ -40,8 +38,6 @@ def heldout_rows(num_windows: int, consumed: int, seed: int, limit: int) -> tupl
     and how many such rows exist."""
     if consumed >= num_windows:
         return [], 0
-    from lctrain.train.data import stream_rows
-
     used = set(stream_rows(seed, num_windows, 0, consumed))
     free = [r for r in range(num_windows) if r not in used]
     return free[:limit], len(free)
@@ -50,8 +46,6 @@ def heldout_rows(num_windows: int, consumed: int, seed: int, limit: int) -> tupl
 def select_heldout(tgt, ppl_data: str | None) -> Heldout:
     """The windows to score for `tgt` (a runner Target): a given dataset dir (all of it unless it is the run's own
     data), else the run's prepared data minus what training consumed; a note says why there are none."""
-    from lctrain.data.store import open_packed
-
     cfg = tgt.cfg
     limit = cfg.eval.ppl_windows
     if limit == 0:
@@ -86,6 +80,7 @@ def target_mask(window: dict) -> np.ndarray:
     """mask[t] is True when input t+1 is a target predictable from the text: training's label rule
     (`attention.modes.shifted_labels`) without the anchor targets (each segment's anchor, tags, the last token and
     other documents' chunks are left out)."""
+    # torch and lctrain.attention (torch) on use: this module loads without torch (start-up time)
     import torch
 
     from lctrain.attention import IGNORE_INDEX, make_batch
@@ -99,6 +94,7 @@ def target_mask(window: dict) -> np.ndarray:
 def window_nll(model, window: dict, chunk: int = 4096) -> tuple[float, int]:
     """Summed negative log-likelihood and target count of one window; the vocabulary projection runs in chunks so a
     128K window does not materialize 128K x vocab logits at once."""
+    # torch on use: this module loads without it (start-up time of the light commands)
     import torch
 
     ids = torch.as_tensor(window["input_ids"], dtype=torch.long, device=model.device)[None]

@@ -18,6 +18,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from lctrain.compat.transformers import load_errors
 from lctrain.config import Config, apply_overrides, load_config, validate
 from lctrain.errors import UserError
 from lctrain.eval import ruler
@@ -26,7 +39,7 @@ from lctrain.eval.perplexity import perplexity, select_heldout
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
 from lctrain.rundir import RunDir
-from lctrain.tokenizer import recorded_anchor, resolve_anchor, text_encoder
+from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
 
 OFFLINE_LABEL = "RULER-style (not comparable with published RULER numbers)"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -100,11 +113,10 @@ def _setting_path(cfg: Config, value: str | None) -> str | None:
 def load_eval_tokenizer(model_dir: Path, cfg: Config):
     """The checkpoint's own tokenizer; a checkpoint saved without one falls back to the run's `data.tokenizer`."""
     if any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        # transformers on use: this module loads without it (start-up time)
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(model_dir))
-    from lctrain.tokenizer import load_tokenizer
-
     return load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
 
 
@@ -115,6 +127,7 @@ def eval_anchor(model_dir: Path, cfg: Config, tokenizer):
 
 
 def pick_device(device: str | None) -> str:
+    # torch on use: this module loads without it (start-up time of the light commands)
     import torch
 
     if device in (None, "auto"):
@@ -129,10 +142,9 @@ def pick_device(device: str | None) -> str:
 
 
 def load_model(model_dir: Path, device: str):
+    # torch/transformers on use: this module loads without them (start-up time)
     import torch
     from transformers import AutoModelForCausalLM
-
-    from lctrain.compat.transformers import load_errors
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:
@@ -148,6 +160,7 @@ def greedy_generate(model, tokenizer, encoder, prompt: str, max_new_tokens: int,
     """The greedy answer to `prompt` under a `generation.GenerationPlan` (and its reusable `planned_cache`):
     `encoder` turns the prompt into ids exactly as the model's reference tokenizer does, after the anchor
     (`TextEncoder.prompted`), `tokenizer` decodes."""
+    # eval.generation imports torch/transformers: on use (start-up time)
     from lctrain.eval.generation import greedy_ids
 
     ids = encoder.encode(prompt, specials=True)
@@ -156,15 +169,6 @@ def greedy_generate(model, tokenizer, encoder, prompt: str, max_new_tokens: int,
 
 
 def _progress():
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -304,6 +308,7 @@ def score_checkpoints(
     """Greedy answers of every checkpoint to every sample: ({checkpoint: {task: {length: [metric]}}}, perplexity per
     checkpoint, notes, how generation held its memory per checkpoint); every prediction goes to `predictions_path`
     as it is made. `backend`: "hf" (the planned generation of lctrain.eval.generation) or "vllm"."""
+    # transformers and eval.generation (torch) on use (start-up time)
     from transformers import AutoConfig
 
     from lctrain.eval.generation import VllmGenerator, plan_for, planned_cache
@@ -457,6 +462,7 @@ def evaluate(
         "note": heldout.note,
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    # reports.plots imports matplotlib: on use (start-up time)
     from lctrain.reports.plots import plot_ruler
 
     plot_ruler(results, out_dir / "ruler.png")
@@ -466,6 +472,7 @@ def evaluate(
 
 def not_scored_lines(results: dict) -> list[str]:
     """What of the task set the scores leave out, one line each: the top of the report."""
+    # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import length_label
 
     lines = []
@@ -477,10 +484,7 @@ def not_scored_lines(results: dict) -> list[str]:
 
 
 def print_report(results: dict, out_dir: Path) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
+    # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import length_label
 
     console = Console()

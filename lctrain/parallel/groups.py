@@ -89,6 +89,7 @@ def _single_process_env() -> None:
 def init_topology(cfg: Config, layout: ParallelLayout | None = None) -> Topology:
     """Initialise torch.distributed (gloo on CPU, nccl on GPU) and the sequence-parallel groups of `cfg`'s layout
     on the processes the launcher started; `layout`: the one this process already checked on this world."""
+    # deepspeed on use: it takes seconds to import (start-up time)
     import deepspeed
     import deepspeed.comm as dist
 
@@ -116,6 +117,7 @@ def release_single_process() -> None:
     variables we set, so a later run in this process, or a child process, starts clean."""
     if not _SELF_SET:
         return
+    # deepspeed on use: it takes seconds to import (start-up time)
     import deepspeed.comm as dist
 
     if dist.is_initialized():

@@ -15,9 +15,13 @@ import json
 import math
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from lctrain.config import Config, data_dir
 from lctrain.costmodel import attention_flops, dense_flops, training_passes, window_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
+from lctrain.data.store import open_packed
 from lctrain.errors import UserError
 from lctrain.model import model_shape
 from lctrain.reports.inspect_data import MODES, dataset_stats
@@ -27,8 +31,6 @@ SYNTHETIC_WINDOWS = 64  # windows of the fallback layout when no prepared datase
 
 def mean_pairs(cfg: Config) -> tuple[dict[str, float], str]:
     """Mean visible pairs per window for each mode, and where the segment layout came from."""
-    from lctrain.data.store import open_packed
-
     path = data_dir(cfg)
     L = cfg.data.seq_len
     why = f"no prepared dataset at {path}"
@@ -145,9 +147,6 @@ def estimate(
 
 
 def _print(result: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     t = Table(
         title=f"{result['config']}: predicted hours per 1B tokens at {result['seq_len']} tokens on "

@@ -12,10 +12,14 @@ import json
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from lctrain.attention.modes import MODES
 from lctrain.config import DOMAINS
 from lctrain.costmodel import window_pairs
+from lctrain.data.store import open_packed
+from lctrain.reports.plots import plot_dataset
 
 
 def _log2_edges(max_len: int) -> list[int]:
@@ -86,12 +90,6 @@ def dataset_stats(packed) -> dict:
 
 def inspect(data_dir: str | Path, out: str | Path | None = None) -> Path:
     """Print the tables and write dataset_stats.json and dataset.png (default DATA_DIR/inspect/)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from lctrain.data.store import open_packed
-    from lctrain.reports.plots import plot_dataset
-
     packed = open_packed(data_dir)
     stats = dataset_stats(packed)
     out_dir = Path(out) if out else Path(data_dir) / "inspect"

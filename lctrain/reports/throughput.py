@@ -20,8 +20,13 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from lctrain.config import Config, with_overrides
+from lctrain.data.prepare import prepare
 from lctrain.errors import UserError
+from lctrain.hardware import device_peak_flops
 from lctrain.rundir import RunDir
 
 SECONDS_PER_DAY = 86400.0
@@ -90,8 +95,7 @@ def measure(
 ) -> dict:
     """Train each (length, mode) point for `warmup + steps` steps and time the last `steps`; write figure6.json and
     figure6.png in `work`, print the table. Returns the results."""
-    from lctrain.data.prepare import prepare
-    from lctrain.hardware import device_peak_flops
+    # these import torch: on use, so this module loads without it (start-up time)
     from lctrain.reports.estimate import predict
     from lctrain.train.command import train
 
@@ -141,6 +145,7 @@ def measure(
     }
     work.mkdir(parents=True, exist_ok=True)
     (work / "figure6.json").write_text(json.dumps(results, indent=2))
+    # reports.plots imports matplotlib: on use (start-up time)
     from lctrain.reports.plots import plot_figure6
 
     plot_figure6(results, work / "figure6.png")
@@ -149,15 +154,14 @@ def measure(
 
 
 def _local_device():
+    # torch on use: this module loads without it (start-up time of the light commands)
     import torch
 
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _print(results: dict, work: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import length_label
 
     t = Table(

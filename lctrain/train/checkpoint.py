@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers.utils import logging as hf_logging
 
 from lctrain.compat.deepspeed import zero3_full_state_dict
 from lctrain.errors import is_environment_error
@@ -129,6 +130,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def _barrier() -> None:
+    # deepspeed on use: it takes seconds to import (start-up time)
     import deepspeed.comm as dist
 
     dist.barrier()
@@ -217,8 +219,6 @@ def load_resume(engine, path: Path, *, rank: int) -> tuple[dict | None, str]:
 
 @contextlib.contextmanager
 def _quiet_hf_progress():
-    from transformers.utils import logging as hf_logging
-
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 from lctrain.config import Config, reread_warning, settings
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
+from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import under_launcher
 from lctrain.parallel.launch import OutOfMemory, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
@@ -194,13 +195,9 @@ def preflight(cfg: Config) -> Prepared:
     if cfg.logging.wandb != "disabled":
         import_wandb(cfg)
     if cfg.model.arch is not None:
-        from lctrain.model import load_hf_config
-
         shape = ModelShape.from_hf_config(load_hf_config(cfg))  # a bad model.arch is refused here, before any launch
         if cfg.parallel.sequence_parallel > 1:
             kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
-    from lctrain.model import shape_without_download
-
     if shape_without_download(cfg):  # an unknown hub name is not downloaded just to plan
         from lctrain.plan import memory_warning
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from lctrain.config import DEFAULT_CONFIG, Config, bundled_config_dir, data_dir, data_fingerprint
+from lctrain.data.store import open_packed
 from lctrain.errors import UserError
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.tokenizer import load_tokenizer, resolve_anchor
@@ -34,8 +35,6 @@ def prepare_hint(cfg: Config) -> str:
 
 def open_checked(cfg: Config):
     """The prepared dataset of `cfg`, refusing a missing one or one built from different data settings."""
-    from lctrain.data.store import open_packed
-
     path = data_dir(cfg)
     if not (path / "manifest.json").is_file():
         raise UserError(f"{path}: no prepared dataset for this config; {prepare_hint(cfg)}")

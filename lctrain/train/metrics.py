@@ -9,6 +9,8 @@ cannot reset the host's peak, and the value is then the process's peak so far.
 
 from __future__ import annotations
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from lctrain.config import settings
 from lctrain.errors import UserError
 from lctrain.rundir import RunDir
@@ -17,6 +19,7 @@ from lctrain.rundir import RunDir
 def import_wandb(cfg):
     """Weights & Biases is an optional extra: an offline cluster trains without it."""
     try:
+        # optional dependency: wandb (the `wandb` extra)
         import wandb
     except ImportError:
         raise UserError(
@@ -30,8 +33,6 @@ class StepLogger:
     """Rank 0 only: appends one JSON line per step, drives the progress bar and Weights & Biases."""
 
     def __init__(self, run: RunDir, cfg, start_step: int, total_steps: int, wandb_id: str):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         self.run = run
         self.every = cfg.logging.log_every
         self.progress = Progress(

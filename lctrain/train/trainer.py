@@ -20,24 +20,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import deepspeed
+import deepspeed.comm as dist
 import numpy as np
 import torch
 
 from lctrain.attention import make_batch
+from lctrain.compat.deepspeed import checkpoint_offload_context
 from lctrain.config import Config, config_fingerprint, settings
 from lctrain.costmodel import ModelShape, dense_params, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
-from lctrain.model import changes_text, write_model_changes
+from lctrain.model import build_model, changes_text, write_model_changes
 from lctrain.parallel.groups import Topology, init_topology, release_single_process
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
 from lctrain.rundir import RunDir
-from lctrain.tokenizer import resolve_anchor, write_anchor
+from lctrain.tokenizer import load_tokenizer, resolve_anchor, write_anchor
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import collate
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
+from lctrain.train.loss import CausalLMLossSum
 from lctrain.train.metrics import StepLogger
 from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
@@ -118,8 +122,6 @@ def run(
     edge of this process checked (preflight); a launched worker, which has none, checks its own here."""
     topo = init_topology(cfg, prepared.plan.layout if prepared is not None else None)
     try:
-        from lctrain.tokenizer import load_tokenizer
-
         _seed_everything(cfg.seed)
         prepared = prepared or Prepared.of(cfg, topo.layout)
         packed = prepared.packed
@@ -166,11 +168,6 @@ class Trainer:
         run_dir: RunDir | None = None,
         before_checkpoint_complete: CheckpointHook | None = None,
     ):
-        import deepspeed
-
-        from lctrain.model import build_model
-        from lctrain.train.loss import CausalLMLossSum
-
         self.cfg, self.topo, self.layout = cfg, topo, topo.layout
         plan = plan or RunPlan.of(cfg, self.layout)
         self.batches = plan.batches
@@ -203,8 +200,6 @@ class Trainer:
         # reduced gradients in .grad, where we can measure it before the step.
         self.own_grad_norm = cfg.parallel.zero_stage == 0 and cfg.model.dtype == "float32"
         if cfg.model.offload_activations:
-            from lctrain.compat.deepspeed import checkpoint_offload_context
-
             self.offload = checkpoint_offload_context()
         else:
             self.offload = contextlib.nullcontext()
@@ -219,8 +214,6 @@ class Trainer:
 
     def train_step(self, windows: list[dict]) -> StepResult:
         """One optimizer step over this rank's micro-batches (collated windows, `train.data.collate`)."""
-        import deepspeed.comm as dist
-
         cfg, topo = self.cfg, self.topo
         micro, pairs = [], 0
         for raw in windows:
@@ -341,8 +334,6 @@ class Trainer:
     def load_checkpoint(self) -> None:
         """Restore the newest checkpoint every rank can load; a damaged one is reported and the one before it tried.
         The ranks decide together (one all-reduce per try), so they never resume from different steps."""
-        import deepspeed.comm as dist
-
         rd, topo = self.run_dir, self.topo
         tried = []
         for path in ckpt.resume_candidates(rd):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from devtools.gpu_check import ROOT
 from devtools.gpu_check.runner import Runner, python
+from devtools.wheelhouse import installed_distributions, plan_install, project_requirements, wheel_finder
 
 
 def stage_install(run: Runner, args) -> None:
-    from devtools.wheelhouse import installed_distributions, plan_install, project_requirements, wheel_finder
-
     r = run.result
     reqs = project_requirements(ROOT / "pyproject.toml", extras=["test"])
     have = installed_distributions()

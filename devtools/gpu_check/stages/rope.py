@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
+import sysconfig
 
 from devtools.gpu_check.runner import Runner, lctrain_cli
 
 
 def stage_rope(run: Runner, args) -> None:
-    import sysconfig
-
     from lctrain.shapes import SHAPES, hf_arch  # lctrain is importable once the install stage has run
 
     r = run.result

@@ -14,6 +14,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import varlen
 
 from lctrain.attention.engines.common import expand_kv_heads, hf_attention
 from lctrain.attention.modes import Layout, document_order
@@ -64,8 +65,6 @@ def torch_varlen_available() -> bool:
 @functools.cache
 def torch_varlen_takes_gqa() -> bool:
     """`varlen_attn` gained `enable_gqa` after PyTorch 2.11; before it, K/V must have as many heads as Q."""
-    from torch.nn.attention import varlen
-
     return "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters
 
 
@@ -93,12 +92,11 @@ def varlen_from_plan(query, key, value, plan: VarlenPlan, scaling: float) -> tor
         q, k, v = q[plan.order], k[plan.order], v[plan.order]
     cu, n = plan.cu_seqlens, plan.max_seqlen
     if flash_attn_available():
+        # optional dependency: flash-attn, where installed, replaces torch's varlen kernel
         from flash_attn import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(q, k, v, cu, cu, n, n, dropout_p=0.0, softmax_scale=scaling, causal=True)
     else:
-        from torch.nn.attention import varlen
-
         gqa = {}
         if k.shape[1] != H:
             if torch_varlen_takes_gqa():
