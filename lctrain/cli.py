@@ -103,6 +103,40 @@ def resume(run_dir: Annotated[str, typer.Argument(help="run directory written by
 
 @app.command()
 @user_errors
+def init(
+    model: Annotated[
+        str, typer.Option(help="base model: a Hugging Face model directory (its config.json) or hub name")
+    ],
+    seq_len: Annotated[int, typer.Option(help="training window in tokens, e.g. 65536")],
+    gpus: Annotated[int, typer.Option(help="GPUs in all (several nodes: a multiple of --gpus-per-node)")],
+    mode: Annotated[str, typer.Option(help="attention mode: full, intra_doc, intra_doc_reset or anchor")] = "anchor",
+    out: Annotated[str | None, typer.Option(help="YAML file to write; default NAME_<len>k_<mode>.yaml here")] = None,
+    gpu_mem: Annotated[float, typer.Option(help="memory per GPU in GB to plan against")] = 80.0,
+    host_mem: Annotated[float, typer.Option(help="host memory per node in GB to plan against")] = 512.0,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node")] = 8,
+    force: Annotated[bool, typer.Option(help="overwrite --out if it exists")] = False,
+):
+    """Write a commented config of the paper's recipe for your base model: the paper's RoPE base for --seq-len, the
+    least sharded parallel layout and ZeRO stage whose memory plan fits, batch, schedule and checkpoints. Reads only
+    the model's config (a local directory, the table of known base models or the Hugging Face cache), no weights."""
+    from lctrain.init_config import init_config, summary
+
+    path, layout = init_config(
+        model,
+        seq_len,
+        gpus,
+        mode,
+        out,
+        gpu_mem_gb=gpu_mem,
+        host_mem_gb=host_mem,
+        gpus_per_node=gpus_per_node,
+        force=force,
+    )
+    typer.echo(summary(path, layout))
+
+
+@app.command()
+@user_errors
 def configs():
     """List the bundled configs (usable as `--config NAME`)."""
     for name in bundled_config_names():

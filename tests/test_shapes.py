@@ -7,7 +7,7 @@ from transformers import AutoConfig
 from lctrain.config import load_config
 from lctrain.costmodel import ModelShape
 from lctrain.model import model_shape, shape_without_download
-from lctrain.shapes import HUB_NAMES, SHAPES, hf_arch
+from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, hf_arch
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -32,3 +32,9 @@ def test_base_models_are_known_by_their_hub_names():
     assert shape_without_download(llama2)
     assert model_shape(llama2) == ModelShape(32, 4096, 32, 32, 128, 11008, 32000)  # its config.json
     assert set(HUB_NAMES.values()) <= set(SHAPES)
+
+
+def test_every_base_model_has_its_own_rope_base_and_context_length():
+    assert set(POSITIONS) == set(HUB_NAMES.values())
+    assert POSITIONS["llama2-7b"].rope_theta == 10_000 and POSITIONS["llama2-7b"].max_positions == 4096
+    assert POSITIONS["qwen2.5-7b"].rope_theta == 1e6 and POSITIONS["llama3.1-8b"].rope_type == "llama3"

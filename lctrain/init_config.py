@@ -1,0 +1,340 @@
+"""`lctrain init`: a commented config of the paper's recipe adapted to one base model, a context length and a GPU
+count. The model's shape comes from the known-shape table (lctrain/shapes.py) or a local/cached config.json, never a
+weight download; the parallel layout is the least sharded one whose memory plan (lctrain/memory.py) fits."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from transformers import AutoConfig
+
+from lctrain.config import validate
+from lctrain.costmodel import ModelShape
+from lctrain.errors import UserError
+from lctrain.memory import WARN_FRACTION, Budget, plan_memory
+from lctrain.model import default_rope_theta
+from lctrain.parallel.layout import kv_replication
+from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, Positions
+from lctrain.train.runplan import RunPlan
+from lctrain.units import GB, gb_to_bytes
+
+# The paper's recipe (section 4.1 and its released code): 8 windows per step, 2000 steps, AdamW at a constant 2e-5.
+PAPER_WINDOWS_PER_STEP = 8
+PAPER_STEPS = 2000
+MODES = ("full", "intra_doc", "intra_doc_reset", "anchor")
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """What `init` knows of the model without its weights."""
+
+    name_or_path: str  # as the YAML will name it: a hub name, or a local directory made absolute
+    stem: str  # for the file and run names
+    shape: ModelShape
+    positions: Positions
+    source: str  # where the shape came from, for the YAML's comment
+
+
+@dataclass(frozen=True)
+class Layout:
+    zero_stage: int
+    sequence_parallel: int
+    offload_optimizer: bool
+    device_bytes: int
+    host_bytes: int
+
+
+def _hf_base(name_or_path: str, hf, stem: str, source: str) -> BaseModel:
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if "rope_theta" not in rope:
+        raise UserError(
+            f"{name_or_path}: model type '{hf.model_type}' has no RoPE base (rope_theta); lctrain extends RoPE models"
+        )
+    return BaseModel(
+        name_or_path,
+        stem,
+        ModelShape.from_hf_config(hf),
+        Positions(float(rope["rope_theta"]), int(hf.max_position_embeddings), rope.get("rope_type", "default")),
+        source,
+    )
+
+
+def base_model(spec: str) -> BaseModel:
+    """The base model `spec` names: a local Hugging Face directory (its config.json), a known base model's hub name,
+    or a hub name whose config is in the local Hugging Face cache. Refuses anything else in one line."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model {spec}: the directory has no config.json (not a Hugging Face model directory)")
+        try:
+            hf = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as e:
+            raise UserError(f"--model {spec}: config.json cannot be read ({' '.join(str(e).split())[:200]})") from None
+        return _hf_base(str(path.resolve()), hf, path.resolve().name.lower(), f"{path / 'config.json'}")
+    if spec in HUB_NAMES:
+        key = HUB_NAMES[spec]
+        return BaseModel(spec, key, SHAPES[key], POSITIONS[key], "lctrain's table of known base models")
+    try:
+        hf = AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        raise UserError(
+            f"--model {spec}: not a local model directory, not a known base model ({', '.join(sorted(HUB_NAMES))}) "
+            "and not in the Hugging Face cache; download its config.json first or pass a directory"
+        ) from None
+    return _hf_base(spec, hf, spec.rsplit("/", 1)[-1].lower(), "its config.json in the Hugging Face cache")
+
+
+def rope_base(own: float, seq_len: int) -> tuple[float, str]:
+    """The RoPE base to train at and why: the paper's rule (section 4.3, Table 1: 1M up to 32K, 5M at 64K, 10M at
+    128K, 50M beyond), unless the model's own base is already higher (a base is never lowered behind a model)."""
+    rule = default_rope_theta(seq_len)
+    if own > rule:
+        return own, f"the model's own base, above the paper's {rule:,.0f} for {seq_len:,} tokens: kept"
+    return rule, f"the paper's base for {seq_len:,}-token windows (Table 1 rule); the model's own is {own:,.0f}"
+
+
+def _sp_sizes(shape: ModelShape, gpus: int, seq_len: int) -> list[int]:
+    sizes = [s for s in (1 << i for i in range(gpus.bit_length())) if gpus % s == 0 and seq_len % s == 0]
+    return [s for s in sizes if shape.heads % s == 0 and shape.heads % shape.kv_heads == 0]
+
+
+def batch_for(dp: int) -> int:
+    """The paper's 8 windows per step, raised to a multiple of the data-parallel replicas when there are more."""
+    return math.ceil(PAPER_WINDOWS_PER_STEP / dp) * dp
+
+
+def choose_layout(raw: dict, shape: ModelShape, budget: Budget, gpus: int) -> tuple[Layout, int]:
+    """The least sharded layout whose plan fits `budget`, and how many layouts were tried: no optimizer offload
+    before any, then the lowest ZeRO stage (1: bf16 needs ZeRO's fp32 master weights), then the smallest
+    sequence-parallel group. `raw` is the config without its parallel and batch settings."""
+    seq_len = raw["data"]["seq_len"]
+    tried = 0
+    for offload in (False, True):
+        for zero in (1, 2, 3):  # bf16 training keeps fp32 master weights in ZeRO's optimizer: stage >= 1
+            for sp in _sp_sizes(shape, gpus, seq_len):
+                tried += 1
+                cfg = validate(_with_layout(raw, zero, sp, offload, gpus), "lctrain init")
+                plan = plan_memory(cfg, shape, gpu=True)
+                if budget.fits(plan):
+                    device, host = budget.need(plan)
+                    return Layout(zero, sp, offload, device, host), tried
+    raise UserError(
+        f"no layout fits {gpus} GPU(s) of {budget.label} at seq_len {seq_len:,} (ZeRO 1-3, sequence parallel up to "
+        f"{gpus}, optimizer offload tried); use more GPUs (--gpus), more memory (--gpu-mem) or a shorter --seq-len"
+    )
+
+
+def _with_layout(raw: dict, zero: int, sp: int, offload: bool, gpus: int) -> dict:
+    per_node = raw["parallel"]["nproc_per_node"]
+    global_batch = batch_for(gpus // sp)
+    return raw | {
+        "parallel": raw["parallel"]
+        | {"sequence_parallel": sp, "zero_stage": zero, "offload_optimizer": offload, "num_nodes": gpus // per_node},
+        "train": raw["train"]
+        | {"global_batch": global_batch, "steps": PAPER_STEPS * PAPER_WINDOWS_PER_STEP // global_batch},
+    }
+
+
+def _recipe(base: BaseModel, seq_len: int, gpus_per_node: int, mode: str, name: str, theta: float) -> dict:
+    """The settings that do not depend on the layout."""
+    return {
+        "name": name,
+        "data": {
+            "source": "hub",
+            "hub_name": "cerebras/SlimPajama-627B",
+            "tokenizer": base.name_or_path,
+            "anchor": "auto",
+            "seq_len": seq_len,
+            "mixture": "slimpajama",
+        },
+        "model": {
+            "name_or_path": base.name_or_path,
+            "rope_theta": theta,
+            "dtype": "bfloat16",
+            "gradient_checkpointing": True,
+        },
+        "attention": {"mode": mode, "engine": "auto"},
+        "train": {
+            "micro_batch": 1,
+            "lr": 2.0e-5,
+            "weight_decay": 0.1,
+            "decay_norms_and_biases": True,
+            "betas": [0.9, 0.95],
+            "lr_schedule": "constant",
+            "warmup_steps": 0,
+            "grad_clip": 1.0,
+        },
+        "parallel": {"nproc_per_node": gpus_per_node, "launcher": "deepspeed"},
+    }
+
+
+def _v(value) -> str:
+    """One YAML scalar (a string quoted only when YAML needs it)."""
+    return json.dumps(value) if isinstance(value, str) and yaml.safe_load(value) != value else str(value)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def render(base: BaseModel, raw: dict, layout: Layout, why_theta: str, budget: Budget, tried: int) -> str:
+    """The YAML text of `raw` with comments saying where each choice comes from."""
+    d, m, t, p = raw["data"], raw["model"], raw["train"], raw["parallel"]
+    gpus = p["nproc_per_node"] * p["num_nodes"]
+    dp = gpus // layout.sequence_parallel
+    tokens = t["steps"] * t["global_batch"] * d["seq_len"]
+    s = base.shape
+    scaling_note = (
+        f"\n  # the model's own rope_type '{base.positions.rope_type}' scaling is kept (rope_scaling: null); set\n"
+        "  # model.rope_scaling: {rope_type: default} for the paper's plain RoPE at this base"
+        if base.positions.rope_type != "default"
+        else ""
+    )
+    offload = (
+        "\n  offload_optimizer: true   # Adam states in host memory: nothing fit on the GPUs without it"
+        if layout.offload_optimizer
+        else ""
+    )
+    nodes = (
+        f"\n  # {p['num_nodes']} nodes: set hostfile: FILE, a DeepSpeed hostfile listing them (docs/cluster.md)"
+        if p["num_nodes"] > 1
+        else ""
+    )
+    return f"""# Written by `lctrain init --model {base.name_or_path} --seq-len {d["seq_len"]} --gpus {gpus} --mode \
+{raw["attention"]["mode"]}`:
+# the paper's recipe (AnchorAttention, arXiv 2411.13476, section 4.1) adapted to this model. Check it with
+#   lctrain show-config -c THIS_FILE  and  lctrain plan -c THIS_FILE --gpu-mem GB_PER_GPU
+# then run  lctrain prepare -c THIS_FILE  and  lctrain train -c THIS_FILE  (docs/training.md).
+# Model shape from {base.source}: {s.layers} layers, hidden {s.hidden}, {s.heads} heads / {s.kv_heads} KV heads,
+# head dim {s.head_dim}, intermediate {s.intermediate}, vocabulary {s.vocab}; own RoPE base \
+{_num(base.positions.rope_theta)}, own context
+# {base.positions.max_positions:,} tokens.
+name: {_v(raw["name"])}
+description: {_v(f"{base.stem}, {d['seq_len'] // 1024}K windows, {raw['attention']['mode']} attention (lctrain init)")}
+data:
+  # SlimPajama streamed from the hub, as in the paper. Your own corpus: source: local and path: a jsonl/parquet
+  # file, folder or glob (docs/data.md).
+  source: {d["source"]}
+  hub_name: {_v(d["hub_name"])}
+  tokenizer: {_v(d["tokenizer"])}
+  # the token that starts every segment and prompt; auto = the tokenizer's BOS when it adds one to plain text, else
+  # <|endoftext|>, else EOS (`lctrain prepare` says which)
+  anchor: {d["anchor"]}
+  seq_len: {d["seq_len"]}
+  # {t["steps"]} steps x {t["global_batch"]} windows x {d["seq_len"]:,} tokens: the dataset is read once
+  token_budget: {tokens}
+  mixture: {d["mixture"]}
+model:
+  name_or_path: {_v(m["name_or_path"])}
+  # {why_theta}{scaling_note}
+  rope_theta: {_num(m["rope_theta"])}
+  # max_position_embeddings is left to the model: raised to seq_len when lower, never lowered
+  dtype: {m["dtype"]}
+  gradient_checkpointing: true
+attention:
+  mode: {raw["attention"]["mode"]}   # full, intra_doc, intra_doc_reset or anchor (the paper's AnchorAttention)
+  engine: auto
+train:
+  steps: {t["steps"]}
+  # {t["global_batch"]} windows per step ({t["global_batch"] * d["seq_len"]:,} tokens) over {dp} data-parallel \
+replica(s): the paper's {PAPER_WINDOWS_PER_STEP}{
+        "" if t["global_batch"] == PAPER_WINDOWS_PER_STEP else ", raised to a multiple of the replicas"
+    }
+  global_batch: {t["global_batch"]}
+  micro_batch: 1
+  lr: 2.0e-5
+  weight_decay: 0.1
+  decay_norms_and_biases: true   # the paper's released code decays every parameter, norms and biases included
+  betas: [0.9, 0.95]
+  lr_schedule: constant
+  warmup_steps: 0
+  grad_clip: 1.0
+parallel:
+  nproc_per_node: {p["nproc_per_node"]}
+  num_nodes: {p["num_nodes"]}{nodes}
+  launcher: deepspeed
+  # The least sharding that fits (lctrain plan, {budget.label}; {tried} layout(s) tried, fewest shards
+  # first): {layout.device_bytes / GB:.1f} GB per GPU, {layout.host_bytes / GB:.1f} GB of host memory per node.
+  # Ulysses sequence parallel over {layout.sequence_parallel} GPU(s): {s.heads // layout.sequence_parallel} query \
+heads and {d["seq_len"] // layout.sequence_parallel:,} tokens per rank.
+  sequence_parallel: {layout.sequence_parallel}
+  zero_stage: {layout.zero_stage}{offload}
+checkpoint:
+  # resume checkpoints every 100 steps (the last 2 kept); Hugging Face exports every 10 steps over the last 50,
+  # the checkpoints the paper averages RULER over
+  every_steps: 100
+  keep: 2
+  hf_every: 10
+  hf_last: 50
+logging:
+  wandb: offline
+eval:
+  tasks: null   # RULER's 13 tasks (docs/evaluation.md)
+  exclude: []
+"""
+
+
+def init_config(
+    model: str,
+    seq_len: int,
+    gpus: int,
+    mode: str = "anchor",
+    out: str | None = None,
+    gpu_mem_gb: float = 80.0,
+    host_mem_gb: float = 512.0,
+    gpus_per_node: int = 8,
+    force: bool = False,
+) -> tuple[Path, Layout]:
+    """Write the config; (its path, the layout chosen)."""
+    if gpus < 1:
+        raise UserError(f"--gpus {gpus}: expected at least 1 GPU")
+    if gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node {gpus_per_node}: expected at least 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise UserError(f"--gpus {gpus}: more than one node needs a multiple of --gpus-per-node {gpus_per_node}")
+    if seq_len < 1024 or seq_len % 1024:
+        raise UserError(f"--seq-len {seq_len}: expected a multiple of 1024 (e.g. 65536)")
+    if mode not in MODES:
+        raise UserError(f"--mode {mode}: expected one of {', '.join(MODES)}")
+    if not gpu_mem_gb > 0 or not host_mem_gb > 0:
+        raise UserError("--gpu-mem and --host-mem: expected memory sizes in GB > 0")
+    base = base_model(model)
+    per_node = min(gpus, gpus_per_node)
+    name = f"{base.stem}_{seq_len // 1024}k_{mode}"
+    path = Path(out or f"{name}.yaml")
+    if path.exists() and not force:
+        raise UserError(f"{path} exists; choose another --out or pass --force to overwrite it")
+    theta, why_theta = rope_base(base.positions.rope_theta, seq_len)
+    # planned within the share of memory under which `train` starts without a memory warning
+    budget = Budget(
+        int(WARN_FRACTION * gb_to_bytes(gpu_mem_gb)),
+        int(WARN_FRACTION * gb_to_bytes(host_mem_gb)),
+        f"{WARN_FRACTION:.0%} of {gpu_mem_gb:g} GB per GPU and of {host_mem_gb:g} GB per node",
+    )
+    recipe = _recipe(base, seq_len, per_node, mode, name, theta)
+    layout, tried = choose_layout(recipe, base.shape, budget, gpus)
+    raw = _with_layout(recipe, layout.zero_stage, layout.sequence_parallel, layout.offload_optimizer, gpus)
+    text = render(base, raw, layout, why_theta, budget, tried)
+    cfg = validate(yaml.safe_load(text), str(path))  # what is written is what was planned, checked as train would
+    RunPlan.of(cfg)
+    kv_replication(base.shape.heads, base.shape.kv_heads, layout.sequence_parallel, str(path))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as e:
+        raise UserError(f"--out {path}: cannot write the config ({e.strerror})") from None
+    return path, layout
+
+
+def summary(path: Path, layout: Layout) -> str:
+    """The line `lctrain init` prints."""
+    offload = ", optimizer offloaded to the host" if layout.offload_optimizer else ""
+    return (
+        f"wrote {path}: ZeRO-{layout.zero_stage}, sequence parallel {layout.sequence_parallel}{offload}, "
+        f"{layout.device_bytes / GB:.1f} GB planned per GPU; next: lctrain show-config -c {path}, "
+        f"lctrain prepare -c {path}, lctrain train -c {path}"
+    )
