@@ -71,7 +71,7 @@ def prepare(
         bool, typer.Option(help="rebuild even if a complete dataset with this fingerprint exists")
     ] = False,
 ):
-    """Tokenize and pack a corpus into fixed-length windows with document boundaries (DESIGN §2)."""
+    """Tokenize and pack a corpus into fixed-length windows with document boundaries (docs/design.md §2)."""
     from lctrain.data.prepare import prepare as run_prepare
 
     overrides = list(set_ or []) + (["data.strict=true"] if strict else [])

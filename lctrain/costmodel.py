@@ -9,7 +9,7 @@ that recomputation is the kernel's implementation, like activation checkpointing
 Only `estimate`, which predicts wall time rather than utilisation, adds the one extra forward pass that gradient
 checkpointing runs (`training_passes(recompute=True)`).
 
-Visible pairs follow the masks the engines compute (DESIGN §3): the causal window for `full`; for the document
+Visible pairs follow the masks the engines compute (docs/design.md §3): the causal window for `full`; for the document
 modes, each token sees the earlier tokens of its own document, an interleaved document's earlier chunks included.
 The paper (section 3.2): AnchorAttention "reduces the attention computation" because "the attention computation is
 performed only within each document and with the anchor token"; the anchor adds no pair of its own, since every

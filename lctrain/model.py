@@ -1,6 +1,6 @@
 """Build the model a config asks for: a hub name or local directory, or a random init from an architecture dict.
 
-Sets what long-context continual pretraining changes (DESIGN §1): RoPE base (`rope_theta`, Table 1 defaults by
+Sets what long-context continual pretraining changes (docs/design.md §1): RoPE base (`rope_theta`, Table 1 defaults by
 `data.seq_len`), RoPE scaling (static NTK-aware and YaRN: the paper's Table 2; any other Hugging Face type passes
 through), `max_position_embeddings`, dtype, gradient checkpointing, fp32 rotary rotation, DeepSpeed's sequence-tiled
 MLP, and the attention engine (`lctrain_<engine>`).

@@ -7,7 +7,7 @@ vocabulary size) is the converted fast tokenizer, cached on disk because convert
 takes seconds. Its ids are not SentencePiece's: the conversion (Metaspace pre-tokenizer + BPE) splits runs of spaces
 and a leading space differently ("x    y": SentencePiece '▁x' '▁▁▁' '▁y', converted '▁x' '▁▁▁▁' 'y'), which changes
 the ids of most real documents (code, indented text). So text is turned into ids by `TextEncoder`, which runs
-SentencePiece itself whenever the tokenizer comes with a SentencePiece model (DESIGN §2: "for a SentencePiece
+SentencePiece itself whenever the tokenizer comes with a SentencePiece model (docs/design.md §2: "for a SentencePiece
 `.model`, SentencePiece's own `encode`"), and the `tokenizers` pipeline of the Hugging Face tokenizer otherwise.
 """
 

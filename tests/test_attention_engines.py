@@ -1,4 +1,4 @@
-"""Every engine against an independent dense-mask attention built directly from the DESIGN §3 table.
+"""Every engine against an independent dense-mask attention built directly from the docs/design.md §3 table.
 
 The reference here is written from the table with plain Python loops over segment lists (not from make_batch's
 metadata) and computed in float64; engines run in fp32 (tight tolerance) and bf16 (loose), forward and backward.

@@ -1,5 +1,6 @@
 """`prepare` end to end with the real 32K SentencePiece tokenizer, checked against plain tokenizations of the input
-documents (round trip, no token lost or duplicated), the layout rules of DESIGN §2 and the bad-input contract."""
+documents (round trip, no token lost or duplicated), the layout rules of docs/design.md §2 and the bad-input
+contract."""
 
 import json
 import random

@@ -25,7 +25,7 @@ def data(tmp_path_factory):
 
 
 def dense_pairs(seq_len, seg_lens, seg_doc):
-    """Visible pairs counted on the boolean masks the reference attention engine uses (DESIGN §3)."""
+    """Visible pairs counted on the boolean masks the reference attention engine uses (docs/design.md §3)."""
     import torch
 
     from lctrain.attention import make_batch

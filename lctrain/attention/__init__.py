@@ -1,4 +1,4 @@
-"""Attention modes (DESIGN §3), the engines that compute them, and their registration with Hugging Face.
+"""Attention modes (docs/design.md §3), the engines that compute them, and their registration with Hugging Face.
 
 Importing this package registers `lctrain_reference`, `lctrain_sdpa`, `lctrain_flex` and `lctrain_varlen` as
 Hugging Face attention implementations. Typical use with any HF causal LM:

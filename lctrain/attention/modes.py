@@ -1,4 +1,4 @@
-"""Attention modes as pure tensor functions of a packed window's segment layout (DESIGN §3).
+"""Attention modes as pure tensor functions of a packed window's segment layout (docs/design.md §3).
 
 A window is a sequence of segments. A segment that opens its document in the window is `[anchor] [tag tokens]
 document tokens`; segments that share a document index are chunks of one document (interleaved chunks, paper
@@ -6,7 +6,7 @@ Fig. 5), and a document's later chunks in the window are bare document tokens, w
 module's docstring draws the layout). Everything here works on the whole batch at once, flattened to `B*L` tokens,
 with vectorised tensor ops: no Python loop over tokens.
 
-Semantics beyond the DESIGN table, decided here:
+Semantics beyond the docs/design.md table, decided here:
 - Tags belong to their document: a document's tokens see its tag tokens (and positions count them).
 - A document's tokens in the window are its anchor, tag and text in their original order, chunks included, so in
   every document mode a token sees its document's earlier chunks and exactly one anchor, the document's own.
@@ -125,7 +125,7 @@ def earlier_tokens_of_same_doc(layout: Layout) -> torch.Tensor:
 
 
 def position_ids(layout: Layout, mode: str) -> torch.Tensor:
-    """Position ids `[B, L]` for a mode (DESIGN §3 table)."""
+    """Position ids `[B, L]` for a mode (docs/design.md §3 table)."""
     B, L = layout.batch, layout.length
     window_pos = torch.arange(L).repeat(B)
     if mode in ("full", "intra_doc"):

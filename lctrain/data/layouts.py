@@ -1,8 +1,8 @@
 """Seeded segment layouts of SlimPajama-like packed windows, for the benchmarks (no tokenizer, no corpus).
 
-Document lengths are drawn per domain from SlimPajama's token shares (DESIGN §2) with a log-normal length per domain
-(most documents short, a few book-length), and packed concatenate-and-cut as `prepare` packs: every segment starts
-with an anchor, and a document that does not fit continues in the next window after a fresh anchor.
+Document lengths are drawn per domain from SlimPajama's token shares (docs/design.md §2) with a log-normal length per
+domain (most documents short, a few book-length), and packed concatenate-and-cut as `prepare` packs: every segment
+starts with an anchor, and a document that does not fit continues in the next window after a fresh anchor.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Concatenate-and-cut packing into fixed windows (DESIGN §2), plus the seeded shuffle buffer and interleaved chunks.
+"""Concatenate-and-cut packing into fixed windows (docs/design.md §2), plus the seeded shuffle buffer and interleaved
+chunks.
 
 Pure data layout: numpy arrays in, windows out; no files, no tokenizer.
 
@@ -24,9 +25,9 @@ in the next window after a fresh anchor):
     packed        A T a1 a2 a3 a4 | A T b1 b2 b3 | A T c1 c2
     interleaved   A T a1 a2 | A T b1 | a3 a4 | A T c1 | b2 b3 | c2        seg_doc 0 1 0 2 1 2, tag_lens 1 1 0 1 0 0
 
-What each mode then sees (DESIGN §3), e.g. for a3: `full` every earlier token; `intra_doc` A T a1 a2 a3, positions
-0..L-1; `intra_doc_reset` the same, a's positions 0..5 running on across its chunks; `anchor` the same tokens with
-every anchor at position 0, so each document sees one anchor, its own, at position 0.
+What each mode then sees (docs/design.md §3), e.g. for a3: `full` every earlier token; `intra_doc` A T a1 a2 a3,
+positions 0..L-1; `intra_doc_reset` the same, a's positions 0..5 running on across its chunks; `anchor` the same tokens
+with every anchor at position 0, so each document sees one anchor, its own, at position 0.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The packed-store format (DESIGN §2): `manifest.json` plus Arrow shards under `data/`, one row per window.
+"""The packed-store format (docs/design.md §2): `manifest.json` plus Arrow shards under `data/`, one row per window.
 
 Written in bounded batches with `datasets`' ArrowWriter, read back memory-mapped with `datasets.Dataset.from_file`.
 A directory counts as a dataset only when its manifest says `complete` and every shard it lists is present: prepare
@@ -184,7 +184,7 @@ def read_manifest(path: Path) -> dict | None:
 
 class PackedData:
     """A prepared dataset: `.manifest` (dict), `.rows` (a memory-mapped `datasets.Dataset`), `len()`, and
-    `obj[i]` -> dict of numpy arrays with the column dtypes of DESIGN §2."""
+    `obj[i]` -> dict of numpy arrays with the column dtypes of docs/design.md §2."""
 
     def __init__(self, path: Path, manifest: dict):
         # datasets on use (start-up time), as above

@@ -2,9 +2,10 @@
 per document. The paper computes D "averaging over 50 text sequences, each with a length of T = 4096".
 
 Two kinds of source:
-- a prepared dataset (lctrain's packed store, DESIGN §2): spans of `length` tokens taken from the windows as they
-  are, starting at a segment that begins a document. Spans that stay inside one document come first; only when there
-  are too few of them do spans that run on into the next documents of the window (each after its own anchor) fill up.
+- a prepared dataset (lctrain's packed store, docs/design.md §2): spans of `length` tokens taken from the windows as
+  they are, starting at a segment that begins a document. Spans that stay inside one document come first; only when
+  there are too few of them do spans that run on into the next documents of the window (each after its own anchor)
+  fill up.
 - local text: a `.txt`/`.md`/`.rst`/`.py` file (one document), a `.jsonl` file (one document per record, its `text`),
   or a folder of them (searched recursively, visited in a seeded order). Each document is tokenized as
   `[anchor] + tokens(text)` and cut to `length`; shorter documents are passed over.

@@ -2,7 +2,7 @@
 and of tokens), its length histogram (Figure 8), and what each attention mode would compute on it.
 
 Attention cost is counted in causally visible (query, key) pairs, which is what the FLOPs of QK^T and AV scale with,
-under the masks the engines compute (DESIGN §3), counted by the cost model (`lctrain.costmodel`) that `estimate`
+under the masks the engines compute (docs/design.md §3), counted by the cost model (`lctrain.costmodel`) that `estimate`
 and the MFU of `train` use too.
 """
 
