@@ -1,7 +1,7 @@
 PY ?= python3
 PIP = $(PY) -m pip
 
-.PHONY: install test test-slow test-all lint demo bench gpu-check
+.PHONY: install test test-slow test-all lint docs demo bench gpu-check
 
 # torch first, pinned: any other torch spec pulls the CUDA wheels; constraints.txt keeps it from being replaced.
 install:
@@ -22,6 +22,10 @@ test-all: test test-slow
 lint:
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# docs/config.md from the config schema (tests/test_config_reference.py fails when it is stale).
+docs:
+	$(PY) -m lctrain.cli show-config --reference > docs/config.md
 
 demo:
 	lctrain prepare && lctrain train && lctrain eval runs/tiny_anchor

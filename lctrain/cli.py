@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from lctrain.config import bundled_config_names, load_config, to_yaml
+from lctrain.config_reference import reference_markdown
 from lctrain.errors import UserError, environment_error_message
 from lctrain.lifetime import Terminated, terminate_as_interrupt
 
@@ -146,9 +147,21 @@ def configs():
 
 @app.command("show-config")
 @user_errors
-def show_config(config: ConfigOpt = None, set_: SetOpt = None):
+def show_config(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    reference: Annotated[
+        bool,
+        typer.Option("--reference", help="print the reference of every config key (docs/config.md, Markdown) instead"),
+    ] = False,
+):
     """Print the resolved config (after `base:` inheritance and overrides) with its fingerprint, the values the
     model and tokenizer give to what it leaves null or auto, and the changes training makes to the model's config."""
+    if reference:
+        if config is not None or set_:
+            raise UserError("--reference prints every key of the schema, not a config; leave out --config and --set")
+        typer.echo(reference_markdown(), nl=False)
+        return
     import torch
 
     from lctrain.model import used_values

@@ -2,6 +2,11 @@
 
 Every stage takes a `Config`. A config file may name a `base:` config (a bundled name or a path, relative to the
 file) whose values it overrides key by key; that keeps the Table 1 configs short and their differences visible.
+
+The models are the contract: every field carries its description and its domain (ranges, finiteness, enumerations,
+cross-field rules), so a value outside it is refused at load in one line naming the key, and docs/config.md is
+generated from them (lctrain/config_reference.py). What depends on the machine rather than on the config (CUDA for
+the nccl backend) is checked by `check_on_this_machine` before a run starts, so a GPU config still loads on a laptop.
 """
 
 from __future__ import annotations
@@ -11,10 +16,20 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lctrain.errors import UserError
 from lctrain.eval.ruler import TASK_NAMES
@@ -22,8 +37,32 @@ from lctrain.eval.ruler import TASK_NAMES
 DEFAULT_CONFIG = "tiny_anchor"
 DOMAINS = ("CommonCrawl", "C4", "GitHub", "ArXiv", "Book", "Wikipedia", "StackExchange", "other")
 
+# numpy's legacy seeding (np.random.seed, which training calls) takes 0 <= seed < 2**32
+SEED_LIMIT = 2**32
+# The validation context key that says whether this machine has CUDA (`check_on_this_machine`).
+CUDA_AVAILABLE = "cuda_available"
 
-_NUMBER_TYPES = (int, float, int | None, float | None)
+
+def _not_a_boolean(value: Any) -> Any:
+    # pydantic's lax mode reads `true` as 1 for a number field; `--set train.steps=true` is a mistake, not 1 step
+    if isinstance(value, bool):
+        raise ValueError("a boolean; expected a number")
+    return value
+
+
+def _finite(value: Any) -> Any:
+    # before the range check, which would call nan "not greater than 0"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("not a finite number")
+    return _not_a_boolean(value)
+
+
+Int = Annotated[int, BeforeValidator(_not_a_boolean)]
+Float = Annotated[float, BeforeValidator(_finite), AllowInfNan(False)]
+Seed = Annotated[Int, Field(ge=0, lt=SEED_LIMIT)]
+Text = Annotated[str, Field(min_length=1)]
+Beta = Annotated[Float, Field(ge=0, lt=1)]
+Length = Annotated[Int, Field(ge=1)]
 
 
 def check_domain_shares(shares: Any) -> None:
@@ -48,60 +87,88 @@ def check_domain_shares(shares: Any) -> None:
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
-    @model_validator(mode="before")
-    @classmethod
-    def _numbers_are_not_booleans(cls, data: Any) -> Any:
-        # pydantic's lax mode reads `true` as 1 for a number field; `--set train.steps=true` is a mistake, not 1 step
-        if isinstance(data, dict):
-            for name, field in cls.model_fields.items():
-                if isinstance(data.get(name), bool) and field.annotation in _NUMBER_TYPES:
-                    raise ValueError(f"{name} = {data[name]} is a boolean; expected a number")
-        return data
-
 
 class SyntheticConfig(_Section):
     """A seeded generator of SlimPajama-like documents (7 domains, long-tailed lengths)."""
 
-    num_docs: int = Field(2000, ge=1)
-    median_words: int = Field(300, ge=1)
-    max_words: int = Field(200_000, ge=1)
-    long_doc_fraction: float = Field(0.01, ge=0.0, le=1.0)
+    num_docs: Int = Field(2000, ge=1, description="documents the generator yields (data.source: synthetic)")
+    median_words: Int = Field(300, ge=1, description="median document length in words, before per-domain factors")
+    max_words: Int = Field(200_000, ge=1, description="the longest document, in words (longer draws are cut to it)")
+    long_doc_fraction: Float = Field(
+        0.01, ge=0.0, le=1.0, description="share of documents drawn from the long tail (16x the median up to max_words)"
+    )
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "hub", "local"] = "synthetic"
-    path: str | None = None
-    hub_name: str = "cerebras/SlimPajama-627B"
-    hub_split: str = "train"
-    tokenizer: str = "builtin:mistral-7b-v0.1"
-    anchor: str = Field(
+    source: Literal["synthetic", "hub", "local"] = Field(
+        "synthetic",
+        description="where documents come from: the seeded synthetic generator, a Hugging Face hub dataset "
+        "(data.hub_name, streamed) or local files (data.path)",
+    )
+    path: Text | None = Field(
+        None,
+        description="data.source local: a .jsonl/.json/.parquet/.jsonl.zst file, a directory of them (its "
+        "data.hub_split subdirectory if there is one) or a glob; relative to where lctrain runs",
+    )
+    hub_name: Text = Field("cerebras/SlimPajama-627B", description="data.source hub: the dataset's hub name")
+    hub_split: Text = Field(
+        "train", description="the hub dataset's split; with data.source local, the subdirectory read if present"
+    )
+    tokenizer: Text = Field(
+        "builtin:mistral-7b-v0.1",
+        description="a hub name, a local tokenizer or model directory, or a tokenizer bundled with lctrain "
+        "(builtin:NAME)",
+    )
+    anchor: Text = Field(
         "auto",
-        min_length=1,
         description="the token that starts every segment and every prompt: bos, eos, one token of the vocabulary "
         "(e.g. '<|endoftext|>'), or auto = the tokenizer's BOS if it puts it before every text (Llama, Mistral, "
         "Llama-3), else <|endoftext|> if the vocabulary has it (Qwen, SmolLM2), else EOS; a BOS the tokenizer does "
         "not add to plain text is a chat marker (SmolLM2's <|im_start|>), not what a base model saw between "
         "documents",
     )
-    seq_len: int = Field(1024, ge=8)
-    token_budget: int = Field(2_000_000, ge=1)
-    mixture: Literal["slimpajama", "upsampled"] = "slimpajama"
-    domain_shares: dict[str, float] | None = Field(
-        None, description="upsampled: target token share per domain; None = the paper's UpSampledMix-128K (Table 9)"
+    seq_len: Int = Field(1024, ge=8, description="tokens per packed window: the training context length")
+    token_budget: Int = Field(2_000_000, ge=1, description="tokens to prepare (whole windows of data.seq_len)")
+    mixture: Literal["slimpajama", "upsampled"] = Field(
+        "slimpajama",
+        description="slimpajama: documents in the source's own proportions; upsampled: each domain filled to its "
+        "token share (data.domain_shares) with short documents down-sampled (Fu et al. 2024)",
     )
-    short_doc_tokens: int = Field(4096, ge=1)
-    down_sample_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    domain_tags: bool = False
-    interleave_chunks: bool = False
-    min_doc_tokens: int = Field(1, ge=1)
-    seed: int = 0
-    num_workers: int = Field(0, ge=0, description="tokenizer processes; 0 = all cores")
-    output_dir: str | None = None
-    strict: bool = False
-    shuffle_buffer_tokens: int = Field(
+    domain_shares: dict[str, float] | None = Field(
+        None,
+        description=f"upsampled: the target token share of each domain ({', '.join(DOMAINS)}), each >= 0, summing "
+        "to 1 (0.5% per share for rounding); null = the paper's UpSampledMix-128K (Table 9); needs "
+        "data.mixture=upsampled",
+    )
+    short_doc_tokens: Int = Field(
+        4096, ge=1, description="upsampled: documents shorter than this are kept with probability down_sample_ratio"
+    )
+    down_sample_ratio: Float = Field(
+        0.1, ge=0.0, le=1.0, description="upsampled: the probability a document shorter than short_doc_tokens is kept"
+    )
+    domain_tags: bool = Field(
+        False, description="a domain tag after each segment's anchor (the paper's AnchorAttention + Tag)"
+    )
+    interleave_chunks: bool = Field(
+        False,
+        description="split each window's documents into 2-3 chunks and interleave them, keeping each document's "
+        "chunk order (the paper's Fig. 5)",
+    )
+    min_doc_tokens: Int = Field(1, ge=1, description="documents with fewer tokens are skipped (counted as too_short)")
+    seed: Seed = Field(0, description="seeds the file order, the shuffle buffer, the mixture and the chunking")
+    num_workers: Int = Field(0, ge=0, description="tokenizer processes; 0 = all cores")
+    output_dir: Text | None = Field(
+        None, description="where the prepared dataset goes; null = prepared/<data fingerprint> (shared by configs)"
+    )
+    strict: bool = Field(
+        False, description="stop at the first malformed input record, naming file and line, instead of counting it"
+    )
+    shuffle_buffer_tokens: Int = Field(
         16_777_216, ge=0, description="documents are shuffled through a seeded buffer of this many tokens"
     )
-    synthetic: SyntheticConfig = SyntheticConfig()
+    synthetic: SyntheticConfig = Field(
+        SyntheticConfig(), description="the synthetic generator (data.source: synthetic)"
+    )
 
     @model_validator(mode="after")
     def _source_needs_path(self):
@@ -120,35 +187,47 @@ class DataConfig(_Section):
     def _shares_need_the_upsampled_mixture(self):
         if self.domain_shares is not None and self.mixture != "upsampled":
             raise ValueError(
-                "domain_shares sets the targets of mixture 'upsampled'; the 'slimpajama' mixture keeps "
+                "data.domain_shares sets the targets of mixture 'upsampled'; the 'slimpajama' mixture keeps "
                 "the source's own shares (set data.mixture=upsampled)"
             )
         return self
 
 
 class ModelConfig(_Section):
-    name_or_path: str | None = None
-    arch: dict[str, Any] | None = None
-    rope_theta: float | None = Field(
+    name_or_path: Text | None = Field(
+        None,
+        description="a pretrained model: hub name or local directory (exactly one of this and model.arch; to use "
+        "it on a config that sets model.arch, also set model.arch=null)",
+    )
+    arch: dict[str, Any] | None = Field(
+        None,
+        description="a randomly initialised model: a Hugging Face config as a mapping with its model_type (e.g. "
+        "{model_type: llama, hidden_size: 64, ...}); exactly one of this and model.name_or_path",
+    )
+    rope_theta: Float | None = Field(
         None,
         gt=0,
-        description="RoPE base; None keeps a pretrained model's own (model.arch: the paper's Table 1 base for "
+        description="RoPE base; null keeps a pretrained model's own (model.arch: the paper's Table 1 base for "
         "data.seq_len, unless the arch sets one)",
     )
     rope_scaling: dict[str, Any] | None = Field(
         None,
         description="RoPE scaling (rope_type: linear, dynamic, yarn, llama3, ... or lctrain's static ntk, with its "
-        "parameters); None keeps the model's own",
+        "parameters); null keeps the model's own",
     )
-    max_position_embeddings: int | None = Field(
+    max_position_embeddings: Int | None = Field(
         None,
         ge=1,
-        description="the model's context length; None keeps the model's own, raised to data.seq_len if smaller",
+        description="the model's context length; null keeps the model's own, raised to data.seq_len if smaller",
     )
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    gradient_checkpointing: bool = False
-    rope_fp32: bool = False
-    tiled_mlp: Literal["auto"] | int = Field(
+    dtype: Literal["bfloat16", "float32", "float16"] = Field(
+        "bfloat16", description="the weights' and the computation's dtype (bf16/fp16 keep fp32 master weights)"
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each decoder layer in the backward pass instead of keeping its activations"
+    )
+    rope_fp32: bool = Field(False, description="rotate q/k in fp32 before the bf16 attention")
+    tiled_mlp: Literal["auto"] | Annotated[int, Field(ge=0)] = Field(
         0,
         description="run each decoder MLP in this many sequence shards with DeepSpeed's TiledMLP (0 = off; "
         "'auto' = ceil(tokens per rank / hidden_size), the largest over the ranks)",
@@ -176,78 +255,131 @@ class ModelConfig(_Section):
     def _offload_needs_checkpointing(self):
         if self.offload_activations and not self.gradient_checkpointing:
             raise ValueError(
-                "offload_activations moves the hidden states that gradient checkpointing keeps, so it "
+                "model.offload_activations moves the hidden states that gradient checkpointing keeps, so it "
                 "needs model.gradient_checkpointing=true"
             )
         return self
 
 
 class AttentionConfig(_Section):
-    mode: Literal["full", "intra_doc", "intra_doc_reset", "anchor"] = "anchor"
-    engine: Literal["auto", "sdpa", "flex", "varlen", "reference"] = "auto"
+    mode: Literal["full", "intra_doc", "intra_doc_reset", "anchor"] = Field(
+        "anchor",
+        description="what a token sees: full = every earlier token of the window; intra_doc = its own document's; "
+        "intra_doc_reset = its own document's, positions restarting at 0; anchor = its own document's and the "
+        "anchor, every anchor at position 0",
+    )
+    engine: Literal["auto", "sdpa", "flex", "varlen", "reference"] = Field(
+        "auto",
+        description="the attention kernel: auto (CPU: sdpa; GPU: sdpa for full, varlen for document modes in "
+        "bf16/fp16, flex in fp32), sdpa, flex (GPU), varlen (GPU), reference (dense mask, tests)",
+    )
 
 
 class TrainConfig(_Section):
-    steps: int = Field(2000, ge=1)
-    global_batch: int = Field(8, ge=1)
-    micro_batch: int = Field(1, ge=1)
-    lr: float = Field(2e-5, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    steps: Int = Field(2000, ge=1, description="optimizer updates")
+    global_batch: Int = Field(8, ge=1, description="windows per optimizer update, over all data-parallel ranks")
+    micro_batch: Int = Field(1, ge=1, description="windows per forward pass on one rank (the rest is accumulation)")
+    lr: Float = Field(2e-5, gt=0, description="peak learning rate (AdamW)")
+    weight_decay: Float = Field(0.1, ge=0, description="AdamW's decoupled weight decay")
     decay_norms_and_biases: bool = Field(
         False, description="also decay norm weights and biases (the paper's released code decays every parameter)"
     )
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    grad_clip: float = Field(1.0, ge=0)
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW's (beta1, beta2), each in [0, 1)")
+    eps: Float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    warmup_steps: Int = Field(0, ge=0, description="linear warmup from lr/warmup_steps to lr over this many steps")
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="the learning rate after warmup: constant, or decaying to 0 at the last step"
+    )
+    grad_clip: Float = Field(1.0, ge=0, description="clip the gradients' global norm to this; 0 = no clipping")
     torch_adam: bool = Field(
         False,
         description="torch's AdamW also where DeepSpeed's CPU Adam would run (an offloaded optimizer on a GPU): "
         "no C++ op to build, a slower host step, and host memory for its out-of-place temporaries",
     )
-    run_dir: str | None = None
+    run_dir: Text | None = Field(None, description="the run directory; null = runs/<name>")
 
 
 class ParallelConfig(_Section):
-    nproc_per_node: int = Field(1, ge=1)
-    num_nodes: int = Field(1, ge=1)
-    hostfile: str | None = None
-    sequence_parallel: int = Field(1, ge=1)
-    zero_stage: int = Field(2, ge=0, le=3)
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    launcher: Literal["deepspeed", "torchrun"] = "deepspeed"
+    nproc_per_node: Int = Field(1, ge=1, description="processes (GPUs) per node")
+    num_nodes: Int = Field(1, ge=1, description="nodes; lctrain launches several through DeepSpeed's parallel.hostfile")
+    hostfile: Text | None = Field(
+        None, description="DeepSpeed's hostfile for several nodes (lines like 'node1 slots=8')"
+    )
+    sequence_parallel: Int = Field(
+        1, ge=1, description="Ulysses sequence-parallel degree: ranks sharing one window (divides the world size)"
+    )
+    zero_stage: Int = Field(
+        2, ge=0, le=3, description="DeepSpeed ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + weights"
+    )
+    offload_optimizer: bool = Field(
+        False, description="keep the optimizer states and master weights in host memory (needs zero_stage >= 1)"
+    )
+    offload_params: bool = Field(False, description="keep the ZeRO-3 weight shards in host memory (needs zero_stage 3)")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl with CUDA, else gloo; nccl needs CUDA"
+    )
+    launcher: Literal["deepspeed", "torchrun"] = Field(
+        "deepspeed", description="what starts the processes when a run needs several"
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self):
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(
+                f"parallel.offload_params offloads ZeRO-3's weight shards, so it needs parallel.zero_stage=3 "
+                f"(it is {self.zero_stage})"
+            )
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError(
+                "parallel.offload_optimizer offloads the ZeRO optimizer's partition, so it needs "
+                "parallel.zero_stage >= 1 (it is 0)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _backend_has_its_devices(self, info: ValidationInfo):
+        cuda = (info.context or {}).get(CUDA_AVAILABLE)
+        if self.backend == "nccl" and cuda is False:
+            raise ValueError(
+                "parallel.backend = nccl needs CUDA, which this machine does not have; set parallel.backend=auto "
+                "(gloo on CPU) or run on GPUs"
+            )
+        return self
 
 
 class CheckpointConfig(_Section):
-    every_steps: int = Field(100, ge=1)
-    keep: int = Field(2, ge=1)
-    hf_every: int = Field(10, ge=1)
-    hf_last: int = Field(50, ge=0)
+    every_steps: Int = Field(100, ge=1, description="a resume checkpoint every this many steps")
+    keep: Int = Field(2, ge=1, description="resume checkpoints kept (the newest)")
+    hf_every: Int = Field(
+        10, ge=1, description="an evaluation checkpoint (hf/step_N) every this many steps, counted back from the last"
+    )
+    hf_last: Int = Field(
+        50, ge=0, description="the steps, counted back from the last, that hold evaluation checkpoints; 0 = none"
+    )
     save_final: bool = Field(True, description="a resume checkpoint after the last step (off for throughput runs)")
 
 
 class LoggingConfig(_Section):
-    wandb: Literal["disabled", "offline", "online"] = "disabled"
-    wandb_project: str = "lctrain"
-    log_every: int = Field(1, ge=1)
-    peak_tflops: float | None = Field(
-        None, gt=0, description="per-device peak for MFU; None: known GPU or measured CPU"
+    wandb: Literal["disabled", "offline", "online"] = Field("disabled", description="Weights & Biases logging")
+    wandb_project: Text = Field("lctrain", description="the Weights & Biases project")
+    log_every: Int = Field(1, ge=1, description="log metrics every this many steps")
+    peak_tflops: Float | None = Field(
+        None, gt=0, description="per-device peak for MFU; null: known GPU or measured CPU"
     )
 
 
 class EvalConfig(_Section):
-    lengths: list[int] = [4096, 8192, 16384, 32768, 65536, 131072]
-    tasks: list[str] | None = Field(None, description="RULER tasks to score; None = all 13")
-    exclude: list[str] = Field([], description="tasks left out (the paper's Llama-2: niah_multikey_3, cwe)")
-    samples_per_task: int = Field(25, ge=1)
-    ruler_data: str | None = Field(None, description="RULER's prepared data (<length>/data/<task>/validation.jsonl)")
-    squad_path: str | None = Field(None, description="SQuAD JSON for the offline suite's qa_1")
-    hotpotqa_path: str | None = Field(None, description="HotpotQA JSON for the offline suite's qa_2")
-    seed: int = 0
-    ppl_windows: int = Field(8, ge=0, description="held-out windows scored for perplexity; 0 = skip")
+    lengths: list[Length] = Field(
+        [4096, 8192, 16384, 32768, 65536, 131072], min_length=1, description="context lengths evaluated, in tokens"
+    )
+    tasks: list[Text] | None = Field(None, min_length=1, description="RULER tasks to score; null = all 13")
+    exclude: list[Text] = Field([], description="tasks left out (the paper's Llama-2: niah_multikey_3, cwe)")
+    samples_per_task: Int = Field(25, ge=1, description="samples per task and length")
+    ruler_data: Text | None = Field(None, description="RULER's prepared data (<length>/data/<task>/validation.jsonl)")
+    squad_path: Text | None = Field(None, description="SQuAD JSON for the offline suite's qa_1")
+    hotpotqa_path: Text | None = Field(None, description="HotpotQA JSON for the offline suite's qa_2")
+    seed: Seed = Field(0, description="seeds the offline suite's samples")
+    ppl_windows: Int = Field(8, ge=0, description="held-out windows scored for perplexity; 0 = skip")
 
     @model_validator(mode="before")
     @classmethod
@@ -264,28 +396,39 @@ class EvalConfig(_Section):
         for key, names in (("tasks", self.tasks or []), ("exclude", self.exclude)):
             unknown = [t for t in names if t not in TASK_NAMES]
             if unknown:
-                raise ValueError(f"{key}: unknown task(s) {', '.join(unknown)}; RULER's tasks: {', '.join(TASK_NAMES)}")
+                raise ValueError(
+                    f"eval.{key}: unknown task(s) {', '.join(unknown)}; RULER's tasks: {', '.join(TASK_NAMES)}"
+                )
         return self
 
 
 class Config(_Section):
-    name: str = "run"
-    description: str = ""
-    seed: int = 0
-    data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig(arch={"model_type": "llama"})
-    attention: AttentionConfig = AttentionConfig()
-    train: TrainConfig = TrainConfig()
-    parallel: ParallelConfig = ParallelConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    logging: LoggingConfig = LoggingConfig()
-    eval: EvalConfig = EvalConfig()
+    name: Text = Field("run", description="the run's name: its directory under runs/ and its wandb name")
+    description: str = Field("", description="one line saying what the config is for (`lctrain configs`)")
+    seed: Seed = Field(0, description="seeds model initialisation, the training data order and python/numpy/torch")
+    data: DataConfig = Field(DataConfig(), description="the corpus, its tokenization and packing (`lctrain prepare`)")
+    model: ModelConfig = Field(
+        ModelConfig(arch={"model_type": "llama"}), description="the model and the changes training makes to it"
+    )
+    attention: AttentionConfig = Field(AttentionConfig(), description="the attention mask and its kernel")
+    train: TrainConfig = Field(TrainConfig(), description="the optimizer, its schedule and the batch")
+    parallel: ParallelConfig = Field(ParallelConfig(), description="processes, sequence parallelism and ZeRO")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="resume and evaluation checkpoints")
+    logging: LoggingConfig = Field(LoggingConfig(), description="metrics and their loggers")
+    eval: EvalConfig = Field(EvalConfig(), description="`lctrain eval`: RULER-style tasks and perplexity")
     source_file: str | None = Field(None, description="where this config was loaded from (set by the loader)")
     workdir: str | None = Field(
         None,
-        description="the directory relative paths in this config resolve against; None = the current one. A run "
+        description="the directory relative paths in this config resolve against; null = the current one. A run "
         "directory's config.yaml records where `lctrain train` ran, so the run resumes from anywhere",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_directory_name(cls, name: str) -> str:
+        if "/" in name or "\\" in name or name in (".", ".."):
+            raise ValueError("the name is one directory name under runs/ (no '/', not '.' or '..')")
+        return name
 
     def resolve_path(self, value: str | Path) -> Path:
         """A path setting of this config (data.path, data.output_dir, parallel.hostfile, ...), relative to `workdir`."""
@@ -366,13 +509,13 @@ def _read_yaml(path: Path) -> dict:
 
 
 # Mappings a config replaces as a whole: a user's `domain_shares` merged into the paper's would no longer sum to 1.
-_REPLACED_WHOLE = ("arch", "rope_scaling", "domain_shares")
+REPLACED_WHOLE = ("arch", "rope_scaling", "domain_shares")
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in _REPLACED_WHOLE:
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in REPLACED_WHOLE:
             out[k] = _deep_merge(out[k], v)
         else:
             out[k] = v
@@ -427,10 +570,15 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+def _dotted(loc: tuple) -> str:
+    """`('train', 'betas', 1)` -> `train.betas[1]`."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).removeprefix(".")
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     e = err.errors()[0]
     loc = tuple(p for p in e["loc"])
-    key = ".".join(str(p) for p in loc) or "(top level)"
+    key = _dotted(loc) or "(top level)"
     if e["type"] == "extra_forbidden":
         allowed = ", ".join(k for k in _allowed_keys(Config, loc) if k not in NOT_SETTINGS)
         return f"{source}: unknown key '{key}'; allowed keys here: {allowed}"
@@ -444,11 +592,19 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"{source}: {msg}"
 
 
-def validate(raw: dict, source: str = "<config>") -> Config:
+def validate(raw: dict, source: str = "<config>", context: dict | None = None) -> Config:
+    """`raw` as a Config, or a UserError of one line naming `source` and the key; `context`: facts about this
+    machine the schema's machine-dependent rules read (`check_on_this_machine`)."""
     try:
-        return Config.model_validate(raw)
+        return Config.model_validate(raw, context=context)
     except ValidationError as err:
         raise UserError(_format_validation_error(err, source)) from None
+
+
+def check_on_this_machine(cfg: Config, cuda_available: bool) -> None:
+    """The schema's rules that depend on the machine a run starts on (the nccl backend needs CUDA), checked before
+    any process starts; loading alone does not check them, so a GPU config loads and plans on any machine."""
+    validate(settings(cfg), cfg.source_file or "config", context={CUDA_AVAILABLE: cuda_available})
 
 
 def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -369,15 +369,28 @@ def _replan(cfg: Config, overrides: list[str], shape: ModelShape, budget: Budget
     return Fix(tuple(overrides), device, host, budget.fits(plan))
 
 
+_ZERO_STAGE = "parallel.zero_stage="
+
+
+def _combined(overrides: list[str], more: tuple[str, ...]) -> list[str]:
+    """`overrides` and then `more`, each once, with one ZeRO stage: the highest they ask for (a candidate only ever
+    raises it, to what its offload needs; a lower one after ZeRO-3 would leave offload_params without it)."""
+    given = [*overrides, *more]
+    stages = [int(o.removeprefix(_ZERO_STAGE)) for o in given if o.startswith(_ZERO_STAGE)]
+    rest = list(dict.fromkeys(o for o in given if not o.startswith(_ZERO_STAGE)))
+    return rest + ([f"{_ZERO_STAGE}{max(stages)}"] if stages else [])
+
+
 def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
     """Each candidate setting re-planned, with its predicted needs; those that fit first, then by total need. When
     none fits alone, one more: the candidates combined, the largest device saving first, up to the first that fits
-    (a later override of the same key wins, e.g. ZeRO-3 over the ZeRO-1 that optimizer offload alone needs)."""
+    (with the highest ZeRO stage any of them asks for, e.g. ZeRO-3 over the ZeRO-1 that optimizer offload alone
+    needs)."""
     out = [_replan(cfg, overrides, shape, budget) for overrides in candidate_fixes(cfg)]
     if len(out) > 1 and not any(f.fits for f in out):
         combined: list[str] = []
         for single in sorted(out, key=lambda f: f.device):
-            combined += [o for o in single.overrides if o not in combined]
+            combined = _combined(combined, single.overrides)
             fix = _replan(cfg, combined, shape, budget)
             if fix.fits:
                 break

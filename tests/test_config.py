@@ -82,8 +82,8 @@ def test_base_loop_is_reported(tmp_path):
         ("data.source=local", r"data: data.path is required"),
         ("model.name_or_path=x", r"model: set exactly one of model.name_or_path"),
         ("bogus=1", r"unknown key 'bogus'"),
-        ("train.steps=true", r"train: steps = True is a boolean; expected a number"),
-        ("logging.peak_tflops=false", r"logging: peak_tflops = False is a boolean; expected a number"),
+        ("train.steps=true", r"train.steps = True: a boolean; expected a number"),
+        ("logging.peak_tflops=false", r"logging.peak_tflops = False: a boolean; expected a number"),
     ],
 )
 def test_bad_values_name_file_key_and_allowed_values(override, expected):
@@ -207,7 +207,7 @@ def test_domain_shares_refuses_bad_input_in_one_line(shares, message):
 
 
 def test_domain_shares_need_the_upsampled_mixture():
-    with pytest.raises(UserError, match="data: domain_shares sets the targets of mixture 'upsampled'"):
+    with pytest.raises(UserError, match="data: data.domain_shares sets the targets of mixture 'upsampled'"):
         load_config(None, ["data.domain_shares={C4: 1.0}"])
 
 

@@ -316,6 +316,18 @@ def test_fixes_combine_when_none_fits_alone():
     assert (found[0].device, found[0].host) == budget.need(want)
 
 
+def test_combined_fixes_keep_the_zero_stage_their_offloads_need():
+    """From ZeRO-0 the optimizer offload alone asks for ZeRO-1 and the weight offload for ZeRO-3; combined, whatever
+    their order, they run at ZeRO-3 (ZeRO-1 would leave offload_params without the stage it needs)."""
+    from lctrain.memory import fixes
+
+    cfg = load_config("llama2_64k_anchor", ["parallel.zero_stage=0", "model.dtype=float32"])
+    found = fixes(cfg, ModelShape.from_hf_config(hf_config()), Budget(device=1000, host=1 << 50, label="test"))
+    combined = max(found, key=lambda f: len(f.overrides)).overrides
+    assert {"parallel.offload_optimizer=true", "parallel.offload_params=true"} <= set(combined)
+    assert [o for o in combined if o.startswith("parallel.zero_stage=")] == ["parallel.zero_stage=3"]
+
+
 def test_train_refuses_beyond_a_known_gpu_naming_fixes(monkeypatch):
     import lctrain.plan as plan
 

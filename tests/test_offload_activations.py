@@ -115,7 +115,7 @@ def test_on_cpu_the_hidden_states_stay_and_nothing_changes():
 
 def test_without_gradient_checkpointing_is_one_line():
     with pytest.raises(
-        UserError, match=r"model: offload_activations .* needs model.gradient_checkpointing=true"
+        UserError, match=r"model: model.offload_activations .* needs model.gradient_checkpointing=true"
     ) as err:
         load_config(None, ["model.offload_activations=true", "model.gradient_checkpointing=false"])
     assert "\n" not in str(err.value)

@@ -13,7 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lctrain.config import Config
+import torch
+
+from lctrain.config import Config, check_on_this_machine
 from lctrain.errors import UserError
 from lctrain.lifetime import supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
@@ -95,6 +97,7 @@ def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path)
     """Call `function(request)` ("package.module:function", importable by every rank; `request` JSON-able) on every
     process of `cfg`'s layout and wait. Ctrl-C or SIGTERM stops them all (lifetime.supervise); a kill of this process
     ends them too (the ranks exit with their supervisor)."""
+    check_on_this_machine(cfg, torch.cuda.is_available())
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in [workdir / RESULT_FILE, *workdir.glob(f"{FAILURE_PREFIX}*.json")]:

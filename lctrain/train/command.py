@@ -11,7 +11,9 @@ import contextlib
 import os
 from pathlib import Path
 
-from lctrain.config import Config, reread_warning, settings
+import torch
+
+from lctrain.config import Config, check_on_this_machine, reread_warning, settings
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.model import load_hf_config, shape_without_download
@@ -188,6 +190,7 @@ def _run_lock(rd: RunDir, command: str, leader: bool):
 def preflight(cfg: Config) -> Prepared:
     """Everything that can be checked before any process starts, so the user gets one line and exit code 2; the
     checked plan and dataset, for a run in this process."""
+    check_on_this_machine(cfg, torch.cuda.is_available())
     prepared = Prepared.of(cfg, layout_of(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None))
     reread = reread_warning(cfg, len(prepared.packed))
     if reread:
