@@ -1,15 +1,19 @@
 """What a run prints: the plain step lines a log file gets (checked against metrics.jsonl), the start banner and the
 end summary (checked against known values)."""
 
+import logging
 import re
+import warnings
 from pathlib import Path
 
 import pytest
+from transformers.utils import logging as hf_logging
 
 from lctrain.config import load_config
 from lctrain.model import ConfigChange
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.rundir import RunDir
+from lctrain.train.metrics import quiet_libraries
 from lctrain.train.report import (
     PlannedMemory,
     RunEnd,
@@ -231,3 +235,23 @@ def test_summary_of_a_stopped_run_and_of_no_step():
     assert "  hf exports   none" in stopped and "  checkpoint   none" in stopped
     assert stopped.endswith("  next         lctrain resume runs/x")
     assert summary(end(last=None)) == "no step trained: runs/x is at step 20 of 60"
+
+
+def test_ranks_other_than_0_keep_only_errors_of_the_libraries():
+    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    loggers = [logging.getLogger(name) for name in ("DeepSpeed", "torch.distributed")]
+    levels = [lg.level for lg in loggers]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            quiet_libraries(is_main=False)
+            warnings.warn("a library's warning", UserWarning, stacklevel=1)
+            assert caught == []
+            assert hf_logging.get_verbosity() == logging.ERROR
+            assert [lg.level for lg in loggers] == [logging.ERROR, logging.ERROR]
+            assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if progress:
+            hf_logging.enable_progress_bar()
