@@ -54,18 +54,15 @@ def quiet_libraries(is_main: bool) -> None:
 class StepLogger:
     """Rank 0 only: appends one JSON line per step, shows progress and logs to Weights & Biases. Progress is the rich
     bar on a terminal; otherwise (nohup, a redirect, a batch scheduler, where the bar would print nothing until the
-    end) one plain line (`report.step_line`) per `logging.log_every` steps. `plain`: None decides by stdout."""
+    end) one plain line (`report.step_line`) per `logging.log_every` steps."""
 
-    def __init__(
-        self, run: RunDir, cfg, start_step: int, total_steps: int, wandb_id: str, *, plain: bool | None = None
-    ):
+    def __init__(self, run: RunDir, cfg, start_step: int, total_steps: int, wandb_id: str):
         self.run = run
         self.every = cfg.logging.log_every
         self.start_step, self.total = start_step, total_steps
         self.started = time.monotonic()
-        self.plain = not sys.stdout.isatty() if plain is None else plain
         self.progress = None
-        if not self.plain:
+        if sys.stdout.isatty():
             self.progress = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),
