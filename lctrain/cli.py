@@ -386,6 +386,23 @@ def inspect_(
 
 @app.command()
 @user_errors
+def plot(
+    runs: Annotated[list[str], typer.Argument(help="run directories written by `lctrain train`")],
+    out: Annotated[str, typer.Option(help="the PNG to write")] = "curves.png",
+    metric: Annotated[
+        list[str] | None,
+        typer.Option(help="a metrics.jsonl field, e.g. loss, tokens_per_s, lr, grad_norm, mfu (repeatable)"),
+    ] = None,
+):
+    """Curves of several runs on one PNG, labelled by run name and attention mode (e.g. full against anchor): loss
+    and tokens/s against the step by default, one panel per --metric."""
+    from lctrain.reports.curves import plot as run_plot
+
+    run_plot(runs, metric, out)
+
+
+@app.command()
+@user_errors
 def estimate(
     config: ConfigOpt = None,
     set_: SetOpt = None,

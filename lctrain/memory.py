@@ -113,14 +113,20 @@ class Budget:
 
     def need(self, plan: MemoryPlan) -> tuple[int, int]:
         """(bytes needed on one device, bytes needed on one host), runtime overheads included."""
-        host = plan.host_bytes()
-        if self.device is None:
-            return 0, host + plan.ranks_per_host * plan.total("device")
-        return plan.total("device") + DEVICE_RUNTIME_BYTES, host
+        return need(plan, self.gpu)
 
     def fits(self, plan: MemoryPlan) -> bool:
         device, host = self.need(plan)
         return (self.device is None or device <= self.device) and host <= self.host
+
+
+def need(plan: MemoryPlan, gpu: bool) -> tuple[int, int]:
+    """(bytes needed on one device, bytes needed on one host) by `plan`, runtime overheads included; on the CPU
+    (`gpu` False) every item lands in host memory and the device needs 0."""
+    host = plan.host_bytes()
+    if not gpu:
+        return 0, host + plan.ranks_per_host * plan.total("device")
+    return plan.total("device") + DEVICE_RUNTIME_BYTES, host
 
 
 def dtype_bytes(dtype: str) -> int:

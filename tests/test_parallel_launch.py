@@ -9,7 +9,7 @@ import pytest
 from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.parallel import groups
-from lctrain.parallel.launch import RANK_MODULE, worker_command
+from lctrain.parallel.launch import RANK_MODULE, launcher_env, worker_command
 
 
 def test_torchrun_command_runs_the_rank_module_on_every_process():
@@ -29,6 +29,16 @@ def test_deepspeed_command_uses_the_hostfile_for_several_nodes(tmp_path):
     assert cmd[cmd.index("--hostfile") + 1] == str(hostfile)
     assert cmd[cmd.index("--num_nodes") + 1] == "2" and cmd[cmd.index("--num_gpus") + 1] == "8"
     assert cmd[-3:] == ["--module", "lctrain.parallel.rank", "runs/y/ranks"]
+    assert cmd[cmd.index("--log_level") + 1] == "warning"
+
+
+def test_launchers_keep_their_info_and_warnings_out_of_the_training_log(monkeypatch):
+    single = worker_command(load_config("tiny_anchor_sp2", ["parallel.launcher=deepspeed"]), [RANK_MODULE, "r"])
+    assert single[single.index("--log_level") + 1] == "error"  # on one node: only "no hostfile", and cmd = ... info
+    monkeypatch.delenv("LOGLEVEL", raising=False)
+    assert launcher_env()["LOGLEVEL"] == "ERROR"  # torchrun's logging
+    monkeypatch.setenv("LOGLEVEL", "INFO")
+    assert launcher_env()["LOGLEVEL"] == "INFO"  # the user's choice stays
 
 
 def test_several_nodes_without_a_hostfile_is_a_user_error():

@@ -191,7 +191,7 @@ def test_training_starts_at_the_models_own_loss(trained, model_dir, tokenizer):
     print(f"first-step loss {first['loss']:.6f}; the model's own {own:.6f}; at base 1e6 {raised:.6f}")
     assert first["loss"] == pytest.approx(own, rel=1e-5)
     assert abs(raised - own) > 0.01
-    assert "model config changes:" in out["train"] and "anchor: <|endoftext|> (id 0)" in out["train"]
+    assert "model config changes:" in out["train"] and "anchor       <|endoftext|> (id 0)" in out["train"]
 
 
 def test_export_keeps_every_setting_not_changed(trained, model_dir):

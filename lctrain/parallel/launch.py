@@ -21,6 +21,15 @@ from lctrain.lifetime import supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 
 
+def launcher_env() -> dict:
+    """The launched processes' environment: ours without what this process set for its own run, and torchrun's
+    logging (`LOGLEVEL`, read by torch elastic) at errors unless the user chose a level: its warnings (the
+    OMP_NUM_THREADS default, closing signals) would sit among the training lines, and a failed rank reports itself."""
+    env = launcher_free_env()
+    env.setdefault("LOGLEVEL", "ERROR")
+    return env
+
+
 def worker_command(cfg: Config, worker: list[str]) -> list[str]:
     """The launcher command that runs `python -m <worker...>` on every process of `cfg`'s layout."""
     p = cfg.parallel
@@ -45,7 +54,18 @@ def worker_command(cfg: Config, worker: list[str]) -> list[str]:
             str(free_port()),
             "-m",
         ] + worker
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
+    # The runner logs every spawned command at info level among the training lines; on one node its one warning is
+    # that there is no hostfile, which is what one node means.
+    log_level = "warning" if p.num_nodes > 1 else "error"
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--master_port",
+        str(free_port()),
+        "--log_level",
+        log_level,
+    ]
     if p.num_nodes > 1:
         hostfile = cfg.resolve_path(p.hostfile) if p.hostfile else None
         if hostfile is None or not hostfile.is_file():
@@ -103,7 +123,7 @@ def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path)
     for stale in [workdir / RESULT_FILE, *workdir.glob(f"{FAILURE_PREFIX}*.json")]:
         stale.unlink(missing_ok=True)
     (workdir / REQUEST_FILE).write_text(json.dumps({"function": function, "request": request}))
-    rc = supervise(worker_command(cfg, [RANK_MODULE, str(workdir.resolve())]), env=launcher_free_env())
+    rc = supervise(worker_command(cfg, [RANK_MODULE, str(workdir.resolve())]), env=launcher_env())
     if rc == 0:
         return Finished(json.loads((workdir / RESULT_FILE).read_text())["result"])
     failures = sorted(

@@ -184,3 +184,17 @@ def plot_figure6(results: dict, path: Path) -> Path:
     ax.legend(fontsize=8)
     ax.set_title(f"{results['config']} on {results['gpus']} GPU(s)", fontsize=10)
     return _save(fig, path)
+
+
+def plot_curves(curves: dict, path: Path) -> Path:
+    """`lctrain plot`: one panel per metric (`curves`: metric -> curves with `label`, `steps`, `values`), one line
+    per run, against the optimizer step."""
+    fig, axes = plt.subplots(1, len(curves), figsize=(6.4 * len(curves), 4.4), squeeze=False)
+    for ax, (metric, lines) in zip(axes[0], curves.items()):
+        for c in lines:
+            ax.plot(c.steps, c.values, "-", marker="." if len(c.steps) < 50 else None, lw=1.2, label=c.label)
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path)

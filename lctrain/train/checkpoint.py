@@ -14,7 +14,6 @@ temporary directory, which the next save or resume removes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers.utils import logging as hf_logging
 
 from lctrain.compat.deepspeed import zero3_full_state_dict
 from lctrain.errors import is_environment_error
@@ -217,17 +215,6 @@ def load_resume(engine, path: Path, *, rank: int) -> tuple[dict | None, str]:
     return state, ""
 
 
-@contextlib.contextmanager
-def _quiet_hf_progress():
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
 def save_hf(engine, lm, tokenizer, anchor, run: RunDir, step: int, *, rank: int, zero_stage: int) -> Path:
     """Export weights + tokenizer with `save_pretrained`, and the `anchor` trained with (all ranks call: ZeRO-3
     gathers the shards)."""
@@ -240,8 +227,7 @@ def save_hf(engine, lm, tokenizer, anchor, run: RunDir, step: int, *, rank: int,
         state_dict = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        with _quiet_hf_progress():  # its per-shard bar would tear through the training progress bar
-            lm.save_pretrained(str(tmp), state_dict=state_dict)
+        lm.save_pretrained(str(tmp), state_dict=state_dict)  # its progress bar is off (metrics.quiet_libraries)
         save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
         write_anchor(tmp, anchor)  # prompts start with it
         _replace_dir(tmp, final)

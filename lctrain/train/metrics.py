@@ -1,4 +1,5 @@
-"""Step metrics: `metrics.jsonl`, the progress bar and Weights & Biases; the CPU's exact peak of tensor storage.
+"""Step metrics: `metrics.jsonl`, the progress bar (or, when stdout is not a terminal, one plain line per
+`logging.log_every` steps) and Weights & Biases; how loud the libraries are during a run.
 
 The model FLOPs of a step come from `lctrain.costmodel`: 6 x (non-embedding parameters) x tokens plus 12 x layers x
 width per visible query-key pair, so MFU measures useful work and `anchor` is not credited with FLOPs it skips.
@@ -9,11 +10,21 @@ cannot reset the host's peak, and the value is then the process's peak so far.
 
 from __future__ import annotations
 
+import logging
+import sys
+import time
+import warnings
+
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from transformers.utils import logging as hf_logging
 
 from lctrain.config import settings
 from lctrain.errors import UserError
 from lctrain.rundir import RunDir
+from lctrain.train.report import eta_seconds, step_line
+
+# Library loggers that repeat on every rank what rank 0 already says.
+_RANK_LOGGERS = ("DeepSpeed", "torch.distributed")
 
 
 def import_wandb(cfg):
@@ -29,22 +40,40 @@ def import_wandb(cfg):
     return wandb
 
 
+def quiet_libraries(is_main: bool) -> None:
+    """Set once per process before the model is built: no Hugging Face progress bars (a loading or saving bar tears
+    through the training bar, and fills a log file with carriage returns), and on the ranks other than 0 only
+    errors from the libraries, whose warnings rank 0 prints once."""
+    hf_logging.disable_progress_bar()
+    if not is_main:
+        hf_logging.set_verbosity_error()
+        for name in _RANK_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
+
+
 class StepLogger:
-    """Rank 0 only: appends one JSON line per step, drives the progress bar and Weights & Biases."""
+    """Rank 0 only: appends one JSON line per step, shows progress and logs to Weights & Biases. Progress is the rich
+    bar on a terminal; otherwise (nohup, a redirect, a batch scheduler, where the bar would print nothing until the
+    end) one plain line (`report.step_line`) per `logging.log_every` steps."""
 
     def __init__(self, run: RunDir, cfg, start_step: int, total_steps: int, wandb_id: str):
         self.run = run
         self.every = cfg.logging.log_every
-        self.progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"),
-            transient=False,
-        )
-        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
-        self.progress.start()
+        self.start_step, self.total = start_step, total_steps
+        self.started = time.monotonic()
+        self.progress = None
+        if sys.stdout.isatty():
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=False,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self.progress.start()
         self.wandb = None
         if cfg.logging.wandb != "disabled":
             wandb = import_wandb(cfg)
@@ -61,16 +90,22 @@ class StepLogger:
 
     def log(self, record: dict) -> None:
         self.run.append_metrics(record)
-        mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
-        info = (
-            f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu}  "
-            f"mem {record['peak_mem_gb']:.1f} GB"
-        )
-        self.progress.update(self.task, completed=record["step"], info=info)
-        if self.wandb is not None and record["step"] % self.every == 0:
-            self.wandb.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
+        step = record["step"]
+        if self.progress is not None:
+            mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
+            info = (
+                f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu}  "
+                f"mem {record['peak_mem_gb']:.1f} GB"
+            )
+            self.progress.update(self.task, completed=step, info=info)
+        elif step % self.every == 0:
+            eta = eta_seconds(time.monotonic() - self.started, step - self.start_step, self.total - step)
+            print(step_line(record, self.total, eta), flush=True)
+        if self.wandb is not None and step % self.every == 0:
+            self.wandb.log({k: v for k, v in record.items() if v is not None}, step=step)
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.progress is not None:
+            self.progress.stop()
         if self.wandb is not None:
             self.wandb.finish()

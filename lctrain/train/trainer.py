@@ -28,11 +28,12 @@ import torch
 from lctrain.attention import make_batch
 from lctrain.compat.deepspeed import checkpoint_offload_context
 from lctrain.config import Config, config_fingerprint, settings
-from lctrain.costmodel import ModelShape, dense_params, step_flops, visible_pairs
+from lctrain.costmodel import ModelShape, count_params, dense_params, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
-from lctrain.model import build_model, changes_text, write_model_changes
+from lctrain.memory import need, plan_memory
+from lctrain.model import build_model, write_model_changes
 from lctrain.parallel.groups import Topology, init_topology, release_single_process
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
@@ -42,7 +43,8 @@ from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import collate
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
 from lctrain.train.loss import CausalLMLossSum
-from lctrain.train.metrics import StepLogger
+from lctrain.train.metrics import StepLogger, quiet_libraries
+from lctrain.train.report import PlannedMemory, RunEnd, RunStart, banner, summary
 from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 from lctrain.units import to_gb
@@ -121,6 +123,7 @@ def run(
     """The worker body: every rank runs this, under a launcher or as the only process. `prepared`: what the command
     edge of this process checked (preflight); a launched worker, which has none, checks its own here."""
     topo = init_topology(cfg, prepared.plan.layout if prepared is not None else None)
+    quiet_libraries(topo.is_main)
     try:
         _seed_everything(cfg.seed)
         prepared = prepared or Prepared.of(cfg, topo.layout)
@@ -135,14 +138,16 @@ def run(
             before_checkpoint_complete=before_checkpoint_complete,
         )
         if topo.is_main:
-            print(
-                f"{changes_text(trainer.changes)}\nanchor: {trainer.anchor.token} (id {trainer.anchor.id})", flush=True
-            )
             write_model_changes(rd.model_changes_file, trainer.changes)
             write_anchor(rd.path, trainer.anchor)
         if resuming:
             trainer.load_checkpoint()
+        start_step, started = trainer.state.step, time.monotonic()
+        if topo.is_main:
+            print(banner(trainer.run_start()), flush=True)
         trainer.fit(packed)
+        if topo.is_main:
+            print(summary(trainer.run_end(start_step, time.monotonic() - started)), flush=True)
     finally:
         release_single_process()
     return rd
@@ -281,6 +286,57 @@ class Trainer:
             "peak_mem_gb": to_gb(peak_bytes(self.topo.device)),
             "peak_mem_scope": mem_scope,
         }
+
+    def run_start(self) -> RunStart:
+        """The facts of the start banner."""
+        cfg, layout = self.cfg, self.layout
+        shape = ModelShape.from_hf_config(self.lm.config)
+        gpu = self.topo.device.type == "cuda"
+        planned = None
+        if layout.world == cfg.parallel.nproc_per_node * cfg.parallel.num_nodes:  # the plan is of the config's world
+            device, host = need(plan_memory(cfg, shape, gpu), gpu)
+            planned = PlannedMemory(to_gb(device) if gpu else None, to_gb(host))
+        return RunStart(
+            name=cfg.name,
+            run_dir=self.run_dir.path,
+            model=cfg.model.name_or_path or f"{cfg.model.arch.get('model_type', 'model')} (model.arch, random init)",
+            params=count_params(self.lm),
+            dense_params=self.n_dense,
+            rope=dict(self.lm.config.rope_parameters or {}),
+            max_positions=self.lm.config.max_position_embeddings,
+            changes=self.changes,
+            anchor_token=self.anchor.token,
+            anchor_id=self.anchor.id,
+            mode=cfg.attention.mode,
+            engine=self.attention.name,
+            seq_len=cfg.data.seq_len,
+            global_batch=cfg.train.global_batch,
+            micro_batch=cfg.train.micro_batch,
+            grad_accum=self.batches.grad_accum,
+            layout=layout,
+            zero_stage=cfg.parallel.zero_stage,
+            device=self.topo.device.type,
+            steps=cfg.train.steps,
+            start_step=self.state.step,
+            planned=planned,
+        )
+
+    def run_end(self, start_step: int, wall_s: float) -> RunEnd:
+        """The facts of the end summary, after `fit` trained from `start_step` in `wall_s` seconds (rank 0)."""
+        rd = self.run_dir
+        records = [r for r in rd.read_metrics() if r["step"] > start_step]
+        return RunEnd(
+            run_dir=rd.path,
+            last=records[-1] if records else None,
+            steps=self.cfg.train.steps,
+            start_step=start_step,
+            tokens_per_step=self.cfg.train.global_batch * self.cfg.data.seq_len,
+            wall_s=wall_s,
+            peak_mem_gb=max((r["peak_mem_gb"] for r in records), default=None),
+            checkpoint=ckpt.latest_checkpoint(rd),
+            exports=rd.exports(),
+            metrics_file=rd.metrics_file,
+        )
 
     def fit(self, packed) -> None:
         """Train from `state.step` to `train.steps`, logging every step and writing the scheduled checkpoints."""

@@ -1,0 +1,190 @@
+"""What a training run prints, as text: the start banner, the plain step line (stdout not a terminal) and the end
+summary. Pure: the trainer gathers the facts (`RunStart`, `RunEnd`) and prints on rank 0.
+
+The step line is `key=value` pairs named as in metrics.jsonl (`step=12/60 loss=6.1234 lr=1.000e-03 ...`), so a log
+under nohup or a batch scheduler can be followed with `tail -f` and parsed with a regular expression.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lctrain.model import ConfigChange, changes_text
+from lctrain.parallel.layout import ParallelLayout
+
+
+def duration(seconds: float) -> str:
+    """`1:02:03`, `2d 03:04:05` past a day; whole seconds."""
+    s = max(int(round(seconds)), 0)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d {hours:02d}:{minutes:02d}:{s:02d}"
+    return f"{hours}:{minutes:02d}:{s:02d}"
+
+
+def eta_seconds(elapsed_s: float, steps_done: int, steps_left: int) -> float | None:
+    """The time the remaining steps take at this session's mean pace so far (checkpoint writes included); None
+    before the first step."""
+    if steps_done <= 0:
+        return None
+    return elapsed_s / steps_done * steps_left
+
+
+def _optional(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def step_line(record: dict, total_steps: int, eta_s: float | None) -> str:
+    """One metrics.jsonl record as the plain log line: step/total, loss, lr, grad norm, tokens/s, MFU, the step's
+    peak memory in GB (10^9 bytes) and the ETA."""
+    return " ".join(
+        [
+            f"step={record['step']}/{total_steps}",
+            f"loss={record['loss']:.4f}",
+            f"lr={record['lr']:.3e}",
+            f"grad_norm={_optional(record['grad_norm'], '.4f')}",
+            f"tokens_per_s={record['tokens_per_s']:.0f}",
+            f"mfu={_optional(record['mfu'] * 100 if record['mfu'] is not None else None, '.1f')}%",
+            f"peak_mem_gb={record['peak_mem_gb']:.2f}",
+            f"eta={duration(eta_s) if eta_s is not None else 'n/a'}",
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class PlannedMemory:
+    """`lctrain.memory`'s plan of one rank: bytes on its device (None on the CPU, where everything is host memory)
+    and on its host."""
+
+    device_gb: float | None
+    host_gb: float
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """The facts of the start banner."""
+
+    name: str
+    run_dir: Path
+    model: str  # what the weights are: a path or hub name, or the `model.arch` random init
+    params: int
+    dense_params: int  # the parameters that multiply per token (costmodel.dense_params): what MFU counts
+    rope: dict  # the rope_parameters trained with
+    max_positions: int
+    changes: list[ConfigChange]
+    anchor_token: str
+    anchor_id: int
+    mode: str
+    engine: str
+    seq_len: int
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    layout: ParallelLayout
+    zero_stage: int
+    device: str
+    steps: int
+    start_step: int
+    planned: PlannedMemory | None
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _number(x: float) -> str:
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,}"
+
+
+def _rope(params: dict, max_positions: int) -> str:
+    theta = params.get("rope_theta")
+    extra = ", ".join(f"{k} {v}" for k, v in sorted(params.items()) if k not in ("rope_theta", "rope_type"))
+    return (
+        f"base {_number(theta)}, rope_type {params.get('rope_type', 'default')}"
+        + (f" ({extra})" if extra else "")
+        + f"; max positions {max_positions:,}"
+    )
+
+
+def banner(s: RunStart) -> str:
+    """What rank 0 prints before the first step."""
+    tokens = s.global_batch * s.seq_len
+    where = "from step 0" if s.start_step == 0 else f"resuming at step {s.start_step}"
+    memory = "not planned (world differs from the config's)"
+    if s.planned is not None:
+        on_device = f"{s.planned.device_gb:.1f} GB per device, " if s.planned.device_gb is not None else ""
+        memory = f"{on_device}{s.planned.host_gb:.1f} GB host (`lctrain plan` itemises it)"
+    rows = [
+        ("model", f"{s.model}: {_count(s.params)} parameters ({_count(s.dense_params)} counted for MFU)"),
+        ("rope", _rope(s.rope, s.max_positions)),
+        ("anchor", f"{s.anchor_token} (id {s.anchor_id})"),
+        ("attention", f"{s.mode}, engine {s.engine}"),
+        (
+            "batch",
+            f"{s.global_batch} x {s.seq_len:,} = {tokens:,} tokens per step (micro-batch {s.micro_batch}, "
+            f"{s.grad_accum} accumulation step{'s' if s.grad_accum != 1 else ''})",
+        ),
+        (
+            "parallel",
+            f"world {s.layout.world} = dp {s.layout.dp} x sp {s.layout.sp}, ZeRO stage {s.zero_stage}, {s.device}",
+        ),
+        ("memory plan", memory),
+        ("run dir", str(s.run_dir)),
+    ]
+    lines = [f"lctrain train {s.name}: {s.steps} steps, {where}"]
+    lines += [f"  {k:<12} {v}" for k, v in rows]
+    lines += ["  " + line for line in changes_text(s.changes).splitlines()]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """The facts of the end summary: the last metrics record, what this session trained and what the run dir
+    holds."""
+
+    run_dir: Path
+    last: dict | None  # the last metrics.jsonl record; None when no step ran
+    steps: int
+    start_step: int
+    tokens_per_step: int
+    wall_s: float
+    peak_mem_gb: float | None  # the largest per-step peak of this session
+    checkpoint: Path | None  # the resume checkpoint `lctrain resume` would continue from
+    exports: list[Path]
+    metrics_file: Path
+
+
+def summary(e: RunEnd) -> str:
+    """What rank 0 prints after the last step."""
+    if e.last is None:
+        return f"no step trained: {e.run_dir} is at step {e.start_step} of {e.steps}"
+    step = e.last["step"]
+    session_tokens = (step - e.start_step) * e.tokens_per_step
+    rate = session_tokens / e.wall_s if e.wall_s > 0 else float("nan")
+    rows = [
+        ("final loss", f"{e.last['loss']!r} at step {step} of {e.steps}"),
+        ("tokens", f"{e.last['tokens']:,} seen ({session_tokens:,} in this session)"),
+        ("time", f"{duration(e.wall_s)} wall, {rate:,.0f} tokens/s"),
+    ]
+    if e.peak_mem_gb is not None:
+        rows.append(("peak memory", f"{e.peak_mem_gb:.2f} GB"))
+    rows.append(("checkpoint", str(e.checkpoint) if e.checkpoint else "none"))
+    if e.exports:
+        shown = ", ".join(p.name for p in e.exports)
+        rows.append(("hf exports", f"{e.exports[0].parent}/ ({shown})"))
+    else:
+        rows.append(("hf exports", "none"))
+    rows.append(("metrics", str(e.metrics_file)))
+    if step < e.steps:
+        rows.append(("next", f"lctrain resume {e.run_dir}"))
+    elif e.exports:
+        rows.append(("next", f"lctrain eval {e.run_dir}; lctrain plot {e.run_dir}"))
+    else:
+        rows.append(("next", f"lctrain plot {e.run_dir}"))
+    return "\n".join([f"done: {e.run_dir}"] + [f"  {k:<12} {v}" for k, v in rows])
