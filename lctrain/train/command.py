@@ -140,6 +140,7 @@ _FREE_KEYS = (
     "data.strict",
     "data.output_dir",
     "model.gradient_checkpointing",
+    "model.checkpointing",
     "model.offload_activations",
 )
 
