@@ -9,8 +9,9 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
   `param.grad` until the step and copies this rank's partition to fp32 there;
 - activations: with activation checkpointing one hidden state per layer (in host memory with
   `offload_activations`), plus under `selective` checkpointing each layer's attention output and log-sum-exp (and
-  under `selective_matmul` every projection's output: `kept_bytes`), else every layer's saved tensors (`layer_saved_bytes`: what autograd keeps of a Hugging Face Llama decoder layer
-  run through an lctrain engine, counted with `saved_tensors_hooks`);
+  under `selective_matmul` every projection's output: `kept_bytes`), else every layer's saved tensors
+  (`layer_saved_bytes`: what autograd keeps of a Hugging Face Llama decoder layer run through an lctrain engine,
+  counted with `saved_tensors_hooks`);
 - the backward peak of one layer: its forward recomputed under checkpointing (the MLP's intermediates for the rank's
   tokens or for one `tiled_mlp` shard); the layer's gradients reuse what its freed saved tensors held (measured on
   CPU, tests/test_memory.py), so they add nothing of their own;
