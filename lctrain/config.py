@@ -224,7 +224,14 @@ class ModelConfig(_Section):
         "bfloat16", description="the weights' and the computation's dtype (bf16/fp16 keep fp32 master weights)"
     )
     gradient_checkpointing: bool = Field(
-        False, description="recompute each decoder layer in the backward pass instead of keeping its activations"
+        False, description="the older switch: true is model.checkpointing=full (used when checkpointing is null)"
+    )
+    checkpointing: Literal["full", "selective", "selective_matmul", "none"] | None = Field(
+        None,
+        description="activation checkpointing per decoder layer: full recomputes the layer's forward in the backward; "
+        "selective keeps the attention kernel's outputs (and log-sum-exp) so the backward does not rerun attention; "
+        "selective_matmul also keeps every matmul's output; none keeps everything; null follows "
+        "gradient_checkpointing",
     )
     rope_fp32: bool = Field(False, description="rotate q/k in fp32 before the bf16 attention")
     tiled_mlp: Literal["auto"] | Annotated[int, Field(ge=0)] = Field(
@@ -251,12 +258,28 @@ class ModelConfig(_Section):
             raise ValueError("set exactly one of model.name_or_path (hub name or directory) and model.arch")
         return self
 
+    @property
+    def checkpointing_mode(self) -> str:
+        """The checkpointing the model trains with: `checkpointing` when set, else `gradient_checkpointing`'s."""
+        if self.checkpointing is not None:
+            return self.checkpointing
+        return "full" if self.gradient_checkpointing else "none"
+
+    @model_validator(mode="after")
+    def _one_checkpointing(self):
+        if self.gradient_checkpointing and self.checkpointing == "none":
+            raise ValueError(
+                "gradient_checkpointing=true contradicts checkpointing=none; set only model.checkpointing "
+                "(full, selective, selective_matmul or none)"
+            )
+        return self
+
     @model_validator(mode="after")
     def _offload_needs_checkpointing(self):
-        if self.offload_activations and not self.gradient_checkpointing:
+        if self.offload_activations and self.checkpointing_mode == "none":
             raise ValueError(
                 "model.offload_activations moves the hidden states that gradient checkpointing keeps, so it "
-                "needs model.gradient_checkpointing=true"
+                "needs model.gradient_checkpointing=true (or model.checkpointing full or selective)"
             )
         return self
 

@@ -44,6 +44,12 @@ def visible_pairs(seg_lens, seg_doc, mode: str, seq_len: int) -> int:
     return sum(t * (t + 1) // 2 for t in tokens.values())
 
 
+def full_square_pairs(seq_len: int) -> int:
+    """(query, key) pairs of one window in torchtitan's and Megatron's MFU convention: the whole L x L square, as if
+    the causal half were computed too (twice the causal pairs, nearly). The strict MFU counts `visible_pairs`."""
+    return seq_len * seq_len
+
+
 def window_pairs(seq_len: int, seg_lens, seg_doc) -> dict[str, int]:
     """Visible pairs of one window under each attention mode."""
     return {m: visible_pairs(seg_lens, seg_doc, m, seq_len) for m in MODES}

@@ -7,9 +7,11 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
   the weights; `offload_optimizer` moves master weights, moments and fp32 gradient partition to the host,
   `offload_params` the ZeRO-3 weight shard. DeepSpeed 0.19.8 (stage_1_and_2.py) keeps ZeRO-1's gradients in full in
   `param.grad` until the step and copies this rank's partition to fp32 there;
-- activations: with gradient checkpointing one hidden state per layer (in host memory with `offload_activations`),
-  else every layer's saved tensors (`layer_saved_bytes`: what autograd keeps of a Hugging Face Llama decoder layer
-  run through an lctrain engine, counted with `saved_tensors_hooks`);
+- activations: with activation checkpointing one hidden state per layer (in host memory with
+  `offload_activations`), plus under `selective` checkpointing each layer's attention output and log-sum-exp (and
+  under `selective_matmul` every projection's output: `kept_bytes`), else every layer's saved tensors
+  (`layer_saved_bytes`: what autograd keeps of a Hugging Face Llama decoder layer run through an lctrain engine,
+  counted with `saved_tensors_hooks`);
 - the backward peak of one layer: its forward recomputed under checkpointing (the MLP's intermediates for the rank's
   tokens or for one `tiled_mlp` shard); the layer's gradients reuse what its freed saved tensors held (measured on
   CPU, tests/test_memory.py), so they add nothing of their own;
@@ -144,6 +146,18 @@ def layer_saved_bytes(shape: ModelShape, tokens: int, mlp_tokens: int, b: int) -
     return tokens * (norms + projections + attention) + mlp_tokens * 4 * shape.intermediate * b
 
 
+def kept_bytes(shape: ModelShape, tokens: int, b: int, mode: str) -> int:
+    """What selective checkpointing keeps of one layer beyond its input (lctrain/checkpointing.py): the attention
+    kernel's output and fp32 log-sum-exp; with `selective_matmul` also every projection's output (q, k, v, o, gate,
+    up, down)."""
+    if mode not in ("selective", "selective_matmul"):
+        return 0
+    kept = tokens * (shape.width * b + shape.heads * FP32)
+    if mode == "selective_matmul":
+        kept += tokens * (shape.width + 2 * shape.kv_width + 2 * shape.hidden + 2 * shape.intermediate) * b
+    return kept
+
+
 def logits_bytes(shape: ModelShape, tokens: int, b: int) -> int:
     """One loss chunk: fp32 log-probabilities, their gradient and the logits' fp32 gradient, plus the model-dtype
     logits when the model is not fp32 (cast to fp32 before the softmax)."""
@@ -269,7 +283,10 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     final_norm = tokens * (shape.hidden * (FP32 + b) + FP32)
     logits = logits_bytes(shape, micro_batch * positions_per_chunk(micro_batch, seq_tokens), b)
     items = [Item("loss chunk logits", logits, "device", TRANSIENT), Item("final norm", final_norm, "device", SAVED)]
-    if m.gradient_checkpointing:
+    mode = m.checkpointing_mode
+    if mode != "none":
+        # the recomputed layer's kept tensors are the cached ones, not new allocations
+        kept = kept_bytes(shape, tokens, b, mode)
         items += [
             Item(
                 "checkpointed hidden states",
@@ -279,11 +296,13 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
             ),
             Item(
                 "one layer recomputed",
-                layer_saved_bytes(shape, tokens, shard_tokens, b) + all_to_all,
+                layer_saved_bytes(shape, tokens, shard_tokens, b) + all_to_all - kept,
                 "device",
                 TRANSIENT,
             ),
         ]
+        if kept:
+            items.append(Item(f"kept by {mode} checkpointing, all layers", shape.layers * kept, "device", SAVED))
     else:
         stored_mlp = 0 if shards else tokens
         items.append(
@@ -346,11 +365,15 @@ def candidate_fixes(cfg: Config) -> list[list[str]]:
             out.append([f"parallel.sequence_parallel={sp}"])
             break
         sp *= 2
-    if not m.gradient_checkpointing:
-        out.append(["model.gradient_checkpointing=true"])
+    mode = m.checkpointing_mode
+    if mode == "none":
+        # selective first: the backward does not rerun attention; `fixes` ranks what fits ahead of what does not
+        out.append([SELECTIVE])
+        # the older switch unless the config names checkpointing itself (then the two would contradict)
+        out.append(["model.gradient_checkpointing=true" if m.checkpointing is None else "model.checkpointing=full"])
     if m.tiled_mlp == 0:
         out.append(["model.tiled_mlp=auto"])
-    if m.gradient_checkpointing and not m.offload_activations:
+    if mode != "none" and not m.offload_activations:
         out.append(["model.offload_activations=true"])
     if p.zero_stage < 3:
         out.append(["parallel.zero_stage=3"])
@@ -388,7 +411,8 @@ def _combined(overrides: list[str], more: tuple[str, ...]) -> list[str]:
 
 
 def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
-    """Each candidate setting re-planned, with its predicted needs; those that fit first, then by total need. When
+    """Each candidate setting re-planned, with its predicted needs; those that fit first (selective checkpointing
+    ahead of the others, being the faster of the checkpointings), then by total need. When
     none fits alone, one more: the candidates combined, the largest device saving first, up to the first that fits
     (with the highest ZeRO stage any of them asks for, e.g. ZeRO-3 over the ZeRO-1 that optimizer offload alone
     needs)."""
@@ -402,4 +426,16 @@ def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
                 break
         if len(fix.overrides) > max(len(f.overrides) for f in out):
             out.append(fix)
-    return sorted(out, key=lambda f: (not f.fits, f.device + f.host))
+    return sorted(out, key=lambda f: (not f.fits, f.overrides != (SELECTIVE,), f.device + f.host))
+
+
+SELECTIVE = "model.checkpointing=selective"
+
+
+def faster_fit(cfg: Config, shape: ModelShape, budget: Budget) -> Fix | None:
+    """Selective checkpointing when `cfg` recomputes whole layers (`full`) and the plan with it fits: the same memory
+    saving but for each layer's attention output, and a backward that does not rerun attention."""
+    if cfg.model.checkpointing_mode != "full":
+        return None
+    fix = _replan(cfg, [SELECTIVE], shape, budget)
+    return fix if fix.fits else None

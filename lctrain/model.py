@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from lctrain import checkpointing
 from lctrain.attention import Engine, resolve_engine
 from lctrain.attention.engines.common import check_dropout
 from lctrain.compat.deepspeed import tiled_mlp_apply
@@ -469,12 +470,7 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
             raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}': cannot load the weights ({e})") from None
     if cfg.attention.mode == "anchor":
         _check_anchor(cfg, model.get_input_embeddings().num_embeddings)
-    if cfg.model.gradient_checkpointing:
-        # transformers >= 5.x renamed gradient checkpointing to activation checkpointing
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing.enable(model, cfg.model.checkpointing_mode)
     if cfg.model.rope_fp32:
         rotary_in_fp32(model)
     if cfg.model.tiled_mlp:

@@ -14,7 +14,7 @@ from rich.table import Table
 from lctrain.config import Config
 from lctrain.errors import UserError
 from lctrain.hardware import known_gpu
-from lctrain.memory import WARN_FRACTION, Budget, fixes, longest_seq_len, plan_memory
+from lctrain.memory import WARN_FRACTION, Budget, faster_fit, fixes, longest_seq_len, plan_memory
 from lctrain.model import model_shape
 from lctrain.units import GB, gb_to_bytes
 
@@ -71,6 +71,7 @@ def report(cfg: Config, budget: Budget) -> dict:
     shape = model_shape(cfg)
     plan = plan_memory(cfg, shape, budget.gpu)
     device, host = budget.need(plan)
+    faster = faster_fit(cfg, shape, budget)
     return {
         "config": cfg.source_file,
         "seq_len": cfg.data.seq_len,
@@ -84,6 +85,7 @@ def report(cfg: Config, budget: Budget) -> dict:
         "fits": budget.fits(plan),
         "longest_seq_len": longest_seq_len(cfg, shape, budget),
         "fixes": [vars(f) | {"overrides": list(f.overrides)} for f in fixes(cfg, shape, budget)],
+        "faster": None if faster is None else vars(faster) | {"overrides": list(faster.overrides)},
     }
 
 
@@ -111,6 +113,12 @@ def print_report(r: dict) -> None:
     console.print("[bold green]FITS[/]" if r["fits"] else "[bold red]DOES NOT FIT[/]")
     longest = r["longest_seq_len"]
     console.print(f"longest seq_len that fits: {longest:,}" if longest else "no seq_len fits with these settings")
+    if r["faster"]:
+        f = r["faster"]
+        console.print(
+            f"faster and fits: --set {' '.join(f['overrides'])} ({_gb(f['device'])} GB per GPU, "
+            f"{_gb(f['host'])} GB host): keeps each layer's attention output, so the backward does not rerun attention"
+        )
     if not r["fits"] and r["fixes"]:
         fix_table = Table(title="settings that lower the memory (each alone, and combined when none fits alone)")
         for col in ("--set", "device GB", "host GB", "fits"):

@@ -4,6 +4,7 @@ speedups correctly."""
 import json
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,37 @@ def test_runs_and_writes_json(bench, tmp_path, capsys):
     assert rows[("sdpa", "full")]["speedup"] == 1.0
     for r in data["results"]:  # the cost model's pairs and FLOPs, not a second formula
         assert r["ideal_speedup"] == pytest.approx(256 * 257 / 2 / r["pairs"])
-        assert r["tflops"] == pytest.approx(12 * 2 * 64 * r["pairs"] / r["seconds"] / 1e12)
+        assert r["seconds"] == r["forward_seconds"] + r["backward_seconds"]
+        assert r["tflops_strict"] == pytest.approx(12 * 2 * 64 * r["pairs"] / r["seconds"] / 1e12)
+        assert r["tflops_full_square"] == pytest.approx(12 * 2 * 64 * 256 * 256 / r["seconds"] / 1e12)
+        assert r["forward_tflops_strict"] == pytest.approx(4 * 2 * 64 * r["pairs"] / r["forward_seconds"] / 1e12)
+        assert r["backward_tflops_strict"] == pytest.approx(8 * 2 * 64 * r["pairs"] / r["backward_seconds"] / 1e12)
     assert all(r["seconds"] > 0 and r["ideal_speedup"] >= 1 for r in data["results"])
     assert "speedup vs full" in capsys.readouterr().out
+
+
+def test_row_math_on_a_tiny_window(bench):
+    # 4 tokens, documents of 3 and 1: 6 + 1 causal pairs, 16 in the full square; width 2, 1 s forward, 2 s backward
+    row = bench.attention_row(4, [3, 1], [0, 1], "intra_doc", 2, 1.0, 2.0)
+    assert row["pairs"] == 7 and row["ideal_speedup"] == 10 / 7
+    assert row["tflops_strict"] == pytest.approx(3 * 4 * 2 * 7 / 3 / 1e12)
+    assert row["tflops_full_square"] == pytest.approx(3 * 4 * 2 * 16 / 3 / 1e12)
+    assert row["forward_tflops_full_square"] == pytest.approx(4 * 2 * 16 / 1e12)
+    assert row["backward_tflops_full_square"] == pytest.approx(2 * 4 * 2 * 16 / 2 / 1e12)
+
+
+def test_preset_and_token_major_layout(bench, tmp_path):
+    q, k, v = bench.token_major_qkv(8, 4, 2, 16, torch.float32, "cpu")
+    assert q.shape == (1, 8, 4, 16) and k.shape == v.shape == (1, 8, 2, 16)
+    assert not q.transpose(1, 2).is_contiguous()  # what the engine gets: a view, as from the model's projections
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--lengths", "128", "--reps", "1", "--engines", "sdpa", "--modes", "anchor"]
+    bench.main([*args, "--preset", "1b", "--dtype", "float32", "--out", str(out)])
+    meta = json.loads(out.read_text())["meta"]
+    assert (meta["heads"], meta["kv_heads"], meta["head_dim"]) == (32, 8, 64)
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--preset", "1b", "--heads", "4"])
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--preset", "13b"])
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--heads", "6", "--kv-heads", "4"])

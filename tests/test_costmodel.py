@@ -9,6 +9,7 @@ from lctrain.costmodel import (
     ModelShape,
     attention_flops,
     dense_flops,
+    full_square_pairs,
     step_flops,
     training_passes,
     visible_pairs,
@@ -70,3 +71,10 @@ def test_model_shape_counts_the_weights_of_a_real_model():
 def test_unknown_mode():
     with pytest.raises(ValueError, match="unknown mode"):
         visible_pairs([4], [0], "sliding", 4)
+
+
+def test_full_square_pairs_count_every_query_key_pair():
+    for L in (1, 5, 16):
+        square = sum(1 for q in range(L) for k in range(L))
+        assert full_square_pairs(L) == square
+        assert full_square_pairs(L) == 2 * visible_pairs([L], [0], "full", L) - L  # the causal half and the diagonal

@@ -126,3 +126,24 @@ def test_the_command_line_runs_the_chosen_stages_into_the_report(tmp_path, monke
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| tests | passed |" in md and "- resumed losses differ" in md and md in capsys.readouterr().out
     assert main(["--out", str(tmp_path), "tests"]) == 0
+
+
+def test_train_stage_rows_and_issue_20_targets():
+    from devtools.gpu_check.stages.benchmarks import TARGETS, TRAIN_CHECKPOINTING, train_rows
+
+    assert TRAIN_CHECKPOINTING == ("full", "selective")
+    assert TARGETS["full_mfu"] == 0.45 and TARGETS["anchor_mfu"] == 0.40
+    result = SimpleNamespace(rows=[], targets=[])
+    rows = [
+        {"mode": "full", "engine": "sdpa", "step_s": 4.0, "tokens_per_s": 1.0, "mfu": 0.46, "mfu_full_square": 0.9},
+        {"mode": "anchor", "engine": "varlen", "step_s": 1.0, "tokens_per_s": 4.0, "mfu": 0.3, "mfu_full_square": 0.5},
+    ]
+    train_rows(result, "selective", rows, 65536)
+    assert [row[:2] for row in result.rows] == [["selective", "full"], ["selective", "anchor"]]
+    assert result.rows[1][4] == 0.25
+    met = {t["name"]: t["met"] for t in result.targets}
+    assert met == {
+        "anchor step / full step, 1B at 64K, selective checkpointing": True,
+        "full-attention MFU (strict), 1B at 64K, selective checkpointing": True,
+        "anchor-attention MFU (strict), 1B at 64K, selective checkpointing": False,
+    }

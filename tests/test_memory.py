@@ -77,8 +77,10 @@ def windows(seq_len):
         ["model.gradient_checkpointing=true"],
         ["model.gradient_checkpointing=true", "model.tiled_mlp=auto"],
         ["parallel.zero_stage=1", "model.tiled_mlp=4"],
+        ["model.checkpointing=selective"],
+        ["model.checkpointing=selective_matmul"],
     ],
-    ids=["plain", "checkpointing", "checkpointing+tiled", "zero1+tiled4"],
+    ids=["plain", "checkpointing", "checkpointing+tiled", "zero1+tiled4", "selective", "selective_matmul"],
 )
 def test_prediction_within_15_percent_of_the_measured_peak(extra):
     from lctrain.measure import cpu_peak_bytes
@@ -380,3 +382,25 @@ def test_plan_of_a_paper_config_needs_no_download():
     result = CliRunner().invoke(app, ["plan", "-c", "llama2_128k_anchor", "--gpu-mem", "80", "--host-mem", "1000"])
     assert result.exit_code == 0, result.output
     assert "FITS" in result.output and "longest seq_len that fits" in result.output
+
+
+def test_selective_checkpointing_keeps_attention_outputs_and_is_suggested_when_it_fits():
+    from lctrain.memory import SELECTIVE, faster_fit, fixes, kept_bytes
+
+    shape = ModelShape.from_hf_config(hf_config())
+    full, selective, none = (config(8192, f"model.checkpointing={m}") for m in ("full", "selective", "none"))
+    kept = {i.name: i.bytes for i in plan_memory(selective, shape).items}["kept by selective checkpointing, all layers"]
+    # per layer and token: the attention output (width values) and one fp32 log-sum-exp per head
+    assert kept == shape.layers * 8192 * (shape.width * 4 + shape.heads * 4)
+    assert kept_bytes(shape, 8192, 4, "full") == kept_bytes(shape, 8192, 4, "none") == 0
+    need = {
+        name: Budget(device=1 << 50, host=1 << 50, label="any").need(plan_memory(c, shape))[0]
+        for name, c in (("full", full), ("selective", selective), ("none", none))
+    }
+    assert need["full"] < need["selective"] < need["none"]
+    roomy = Budget(device=need["selective"], host=1 << 40, label="test")
+    assert faster_fit(full, shape, roomy).overrides == (SELECTIVE,)
+    assert faster_fit(selective, shape, roomy) is None and faster_fit(none, shape, roomy) is None
+    assert faster_fit(full, shape, Budget(device=need["selective"] - 1, host=1 << 40, label="test")) is None
+    # without checkpointing and out of memory, selective leads the fixes when it fits
+    assert fixes(none, shape, roomy)[0].overrides == (SELECTIVE,)

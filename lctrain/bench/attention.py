@@ -1,4 +1,8 @@
-"""Attention benchmark: forward+backward time of each engine and mode on SlimPajama-like packed windows.
+"""Attention benchmark: forward and backward time of each engine and mode on SlimPajama-like packed windows.
+
+q, k and v are laid out as the model passes them (token-major projections viewed head-major), in the head shape of a
+trained model with --preset 1b or 7b. TFLOP/s are reported in two labelled conventions: strict (the causally visible
+pairs the mode computes) and full-square (every L x L pair, torchtitan's and Megatron's MFU convention).
 
 Prints a table and writes JSON. Next to each measured speedup of a document mode over `full` (same engine) it
 prints the ideal one from attention FLOPs: visible (query, key) pairs of the causal window over the mode's visible
@@ -9,12 +13,13 @@ scripts/bench_train.py uses too (`lctrain.data.layouts`), or windows of a prepar
 
     python scripts/bench_attention.py --device cpu --lengths 8192 32768 --engines sdpa --threads 1
     python scripts/bench_attention.py --device cpu --lengths 8192 --interleave
-    python scripts/bench_attention.py --device cuda --lengths 8192 32768 131072 --heads 32 --kv-heads 8 --head-dim 128
+    python scripts/bench_attention.py --device cuda --lengths 32768 131072 --preset 1b
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -27,14 +32,17 @@ from rich.progress import track
 from rich.table import Table
 
 from lctrain.attention import ENGINES, MODES, Batch, make_batch
-from lctrain.costmodel import attention_flops, visible_pairs
+from lctrain.costmodel import attention_flops, full_square_pairs, visible_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.packing import chunk_order, split_into_chunks
 from lctrain.data.store import open_packed
+from lctrain.shapes import SHAPES
 
 CPU_ENGINES = ("sdpa", "reference")
 GPU_ENGINES = ("varlen", "sdpa", "flex")
 REFERENCE_MAX_LEN = 8192  # the dense mask and scores are O(L²)
+# The attention shapes of the models trained (lctrain.shapes): 1B is 32 query / 8 KV heads of dim 64, 7B 32/32 of 128.
+PRESETS = {"1b": SHAPES["llama-1b"], "7b": SHAPES["llama2-7b"]}
 
 
 def dataset_windows(path: str, length: int, rows: int) -> list[list[int]]:
@@ -57,35 +65,73 @@ def interleave(seg_lens: list[int], rng: np.random.Generator) -> tuple[list[int]
     return lens, docs
 
 
-def time_engine(engine: str, batch: Batch, heads: int, kv_heads: int, head_dim: int, dtype, device, reps: int):
-    L = batch.input_ids.shape[1]
+def token_major_qkv(L: int, heads: int, kv_heads: int, head_dim: int, dtype, device):
+    """q, k, v as the model hands them to the engine: the projections' [1, L, H, D] outputs, viewed head-major by a
+    transpose (no copy), so the benchmark pays no layout change the model does not pay."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (
-        torch.randn(1, h, L, head_dim, generator=gen).to(device, dtype).requires_grad_(True)
+    return tuple(
+        torch.randn(1, L, h, head_dim, generator=gen).to(device, dtype).requires_grad_(True)
         for h in (heads, kv_heads, kv_heads)
     )
+
+
+def time_engine(engine: str, batch: Batch, heads: int, kv_heads: int, head_dim: int, dtype, device, reps: int):
+    """(best forward, best backward, median forward + backward, first call) in seconds."""
+    L = batch.input_ids.shape[1]
+    q, k, v = token_major_qkv(L, heads, kv_heads, head_dim, dtype, device)
     fn = ENGINES[engine].attention
 
-    def step():
-        out, _ = fn(None, q, k, v, None, scaling=head_dim**-0.5, **batch.attention_kwargs())
-        out.backward(torch.ones_like(out))
+    def forward():
+        out, _ = fn(
+            None,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            None,
+            scaling=head_dim**-0.5,
+            **batch.attention_kwargs(),
+        )
+        return out
 
     def sync():
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
 
-    t0 = time.perf_counter()
-    step()  # warm-up: builds the per-batch plan or block mask (and compiles on GPU)
-    sync()
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(reps):
+    def timed(fn):
         sync()
         t0 = time.perf_counter()
-        step()
+        result = fn()
         sync()
-        times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times), first
+        return result, time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    out = forward()  # warm-up: builds the per-batch plan or block mask (and compiles on GPU)
+    out.backward(torch.ones_like(out))
+    sync()
+    first = time.perf_counter() - t0
+    fwd, bwd = [], []
+    for _ in range(reps):
+        out, seconds = timed(forward)
+        fwd.append(seconds)
+        grad = torch.ones_like(out)
+        bwd.append(timed(functools.partial(out.backward, grad))[1])
+    return min(fwd), min(bwd), statistics.median(f + b for f, b in zip(fwd, bwd)), first
+
+
+def attention_row(L: int, seg_lens, docs, mode: str, width: int, fwd: float, bwd: float) -> dict:
+    """The FLOP columns of one timed row, from `lctrain.costmodel`: TFLOP/s forward, backward and together, counting
+    the causally visible pairs (strict) and the whole L x L square (torchtitan's and Megatron's convention); the
+    backward is two forwards' FLOPs."""
+    pairs = visible_pairs(seg_lens, docs, mode, L)
+    square = full_square_pairs(L)
+    seconds = fwd + bwd
+    row = {"pairs": pairs, "seconds": seconds, "forward_seconds": fwd, "backward_seconds": bwd}
+    for label, n in (("strict", pairs), ("full_square", square)):
+        row[f"tflops_{label}"] = attention_flops(n, width) / seconds / 1e12
+        row[f"forward_tflops_{label}"] = attention_flops(n, width, passes=1) / fwd / 1e12
+        row[f"backward_tflops_{label}"] = attention_flops(n, width, passes=2) / bwd / 1e12
+    row["ideal_speedup"] = visible_pairs(seg_lens, docs, "full", L) / pairs
+    return row
 
 
 def add_speedups(results: list[dict]) -> None:
@@ -103,6 +149,9 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--engines", nargs="+", default=None)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="heads, KV heads and head dim of a trained model"
+    )
     ap.add_argument("--heads", type=int, default=None, help="query heads (default: 2 on CPU, 32 on GPU)")
     ap.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: 1 on CPU, 8 on GPU)")
     ap.add_argument("--head-dim", type=int, default=None, help="default: 64 on CPU, 128 on GPU")
@@ -123,9 +172,17 @@ def main(argv=None):
 
     gpu = torch.device(args.device).type == "cuda"
     engines = args.engines or list(GPU_ENGINES if gpu else CPU_ENGINES)
-    heads = args.heads or (32 if gpu else 2)
-    kv_heads = args.kv_heads or (8 if gpu else 1)
-    head_dim = args.head_dim or (128 if gpu else 64)
+    if args.preset and (args.heads or args.kv_heads or args.head_dim):
+        ap.error("--preset sets the heads, KV heads and head dim: give either it or them")
+    if args.preset:
+        shape = PRESETS[args.preset]
+        heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
+    else:
+        heads = args.heads or (32 if gpu else 2)
+        kv_heads = args.kv_heads or (8 if gpu else 1)
+        head_dim = args.head_dim or (128 if gpu else 64)
+    if heads % kv_heads:
+        ap.error(f"--heads {heads} is not a multiple of --kv-heads {kv_heads}")
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     if args.threads:
@@ -157,6 +214,8 @@ def main(argv=None):
         "heads": heads,
         "kv_heads": kv_heads,
         "head_dim": head_dim,
+        "preset": args.preset,
+        "layout": "token-major [B, S, H, D] viewed head-major, as the model passes q, k, v",
         "reps": args.reps,
         "torch": torch.__version__,
         "data": args.data,
@@ -164,29 +223,26 @@ def main(argv=None):
         "device_name": torch.cuda.get_device_name() if gpu else "cpu",
         "threads": torch.get_num_threads(),
     }
-    console = Console(width=140)
+    console = Console(width=180)
     results = []
     for L, w, seg_lens, seg_doc, engine, mode in track(jobs, description="benchmarking", console=console):
         ids = torch.randint(3, 32000, (1, L))
         batch = make_batch(ids, [seg_lens], mode, seg_doc=[seg_doc] if seg_doc else None)
-        seconds, median, first = time_engine(engine, batch, heads, kv_heads, head_dim, dtype, args.device, args.reps)
+        fwd, bwd, median, first = time_engine(engine, batch, heads, kv_heads, head_dim, dtype, args.device, args.reps)
         docs = seg_doc if seg_doc else list(range(len(seg_lens)))
-        pairs = visible_pairs(seg_lens, docs, mode, L)
         results.append(
             {
                 "length": L,
                 "window": w,
                 "engine": engine,
                 "mode": mode,
-                "seconds": seconds,
                 "median_seconds": median,
                 "first_call_seconds": first,
                 "segments": len(seg_lens),
-                "pairs": pairs,
-                "tflops": attention_flops(pairs, heads * head_dim) / seconds / 1e12,
-                "ideal_speedup": visible_pairs(seg_lens, docs, "full", L) / pairs,
+                **attention_row(L, seg_lens, docs, mode, heads * head_dim, fwd, bwd),
             }
         )
+        seconds = fwd + bwd
         console.print(f"L={L} {engine} {mode}: {1000 * seconds:.1f} ms (first call {1000 * first:.0f} ms)")
         add_speedups(results)
         # written after every job, so a run stopped at a time limit keeps what it measured
@@ -201,9 +257,11 @@ def main(argv=None):
         "segs",
         "engine",
         "mode",
-        "best ms",
+        "fwd ms",
+        "bwd ms",
         "first ms",
-        "TFLOP/s",
+        "TFLOP/s strict",
+        "TFLOP/s full-square",
         "speedup vs full",
         "ideal",
         "of ideal",
@@ -218,9 +276,11 @@ def main(argv=None):
             str(r["segments"]),
             r["engine"],
             r["mode"],
-            f"{1000 * r['seconds']:.1f}",
+            f"{1000 * r['forward_seconds']:.1f}",
+            f"{1000 * r['backward_seconds']:.1f}",
             f"{1000 * r['first_call_seconds']:.1f}",
-            f"{r['tflops']:.1f}",
+            f"{r['tflops_strict']:.1f}",
+            f"{r['tflops_full_square']:.1f}",
             sp,
             f"{r['ideal_speedup']:.2f}x",
             frac,

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lctrain.config import load_config
+from lctrain.costmodel import full_square_pairs
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
@@ -46,7 +47,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
             f"attention.mode={mode}",
             "attention.engine=auto",
             f"model.dtype={'bfloat16' if gpu else 'float32'}",
-            f"model.gradient_checkpointing={str(gpu).lower()}",
+            f"model.checkpointing={args.checkpointing or ('full' if gpu else 'none')}",
             f"model.arch={json.dumps(hf_arch(shape))}",
             f"train.global_batch={args.batch}",
             f"train.micro_batch={args.batch}",
@@ -72,6 +73,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     step = float(np.median(times[args.warmup :]))
     tokens = args.batch * args.seq_len
     flops = trainer.step_flops(tokens, result.pairs)
+    square = trainer.step_flops(tokens, args.batch * full_square_pairs(args.seq_len))
     peak = device_peak_flops(device, args.peak_tflops)
     out = {
         "mode": mode,
@@ -79,7 +81,9 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
         "step_s": step,
         "tokens_per_s": tokens / step,
         "tflops_per_gpu": flops / step / 1e12,
+        "checkpointing": trainer.cfg.model.checkpointing_mode,
         "mfu": flops / step / peak if peak else None,
+        "mfu_full_square": square / step / peak if peak else None,
         "peak_mem_gb": to_gb(peak_bytes(device)),
         "peak_mem_scope": mem_scope,
         "docs_per_window": float(np.mean([len(s) for s in seg_lens])),
@@ -104,6 +108,12 @@ def main() -> None:
         type=float,
         default=None,
         help="device peak for MFU (default: known GPU table, or a measured fp32 matmul rate on CPU)",
+    )
+    parser.add_argument(
+        "--checkpointing",
+        choices=["full", "selective", "selective_matmul", "none"],
+        default=None,
+        help="model.checkpointing (default: full on a GPU, none on the CPU)",
     )
     parser.add_argument("--out", default="bench_out/bench_train.json")
     args = parser.parse_args()

@@ -142,6 +142,7 @@ _FREE_KEYS = (
     "data.strict",
     "data.output_dir",
     "model.gradient_checkpointing",
+    "model.checkpointing",
     "model.offload_activations",
 )
 

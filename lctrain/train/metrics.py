@@ -2,7 +2,9 @@
 `logging.log_every` steps) and Weights & Biases; how loud the libraries are during a run.
 
 The model FLOPs of a step come from `lctrain.costmodel`: 6 x (non-embedding parameters) x tokens plus 12 x layers x
-width per visible query-key pair, so MFU measures useful work and `anchor` is not credited with FLOPs it skips.
+width per visible query-key pair, so MFU measures useful work and `anchor` is not credited with FLOPs it skips
+(`mfu`, strict). `mfu_full_square` counts the whole L x L square of pairs per window, torchtitan's and Megatron's
+convention, for comparison with their numbers.
 `peak_mem_gb` is in GB (10^9 bytes, the unit of `lctrain plan`) and is the step's own peak (`lctrain.measure`):
 PyTorch's allocations on a GPU, the resident set on the CPU; `peak_mem_scope` is "lifetime" where the platform
 cannot reset the host's peak, and the value is then the process's peak so far.
@@ -93,8 +95,10 @@ class StepLogger:
         step = record["step"]
         if self.progress is not None:
             mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
+            square = f"{record['mfu_full_square']:.1%}" if record.get("mfu_full_square") is not None else "n/a"
             info = (
-                f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu}  "
+                f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu} strict, {square} "
+                f"full-square  "
                 f"mem {record['peak_mem_gb']:.1f} GB"
             )
             self.progress.update(self.task, completed=step, info=info)

@@ -28,7 +28,7 @@ import torch
 from lctrain.attention import make_batch
 from lctrain.compat.deepspeed import checkpoint_offload_context
 from lctrain.config import Config, config_fingerprint, settings
-from lctrain.costmodel import ModelShape, count_params, dense_params, step_flops, visible_pairs
+from lctrain.costmodel import ModelShape, count_params, dense_params, full_square_pairs, step_flops, visible_pairs
 from lctrain.errors import UserError, is_environment_error
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
@@ -283,6 +283,13 @@ class Trainer:
             "step_time_s": seconds,
             "tokens_per_s": tokens / seconds,
             "mfu": self.step_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
+            "mfu_full_square": (
+                self.step_flops(tokens, cfg.train.global_batch * full_square_pairs(cfg.data.seq_len))
+                / seconds
+                / (peak * self.layout.world)
+                if peak
+                else None
+            ),
             "peak_mem_gb": to_gb(peak_bytes(self.topo.device)),
             "peak_mem_scope": mem_scope,
         }

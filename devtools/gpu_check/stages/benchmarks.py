@@ -11,7 +11,8 @@ from devtools.gpu_check.runner import Runner, lctrain_cli, python
 TARGETS = {
     "doc_mode_fraction_of_ideal": 0.80,  # document-mode attention fwd+bwd at 32K and 128K
     "anchor_step_vs_full": 0.50,  # anchor training step time over the full-attention one at 64K
-    "full_mfu": 0.40,  # full-attention training MFU, 1B model at 64K
+    "full_mfu": 0.45,  # full-attention training MFU (strict), 1B model at 64K (issue 20; from 29.8%)
+    "anchor_mfu": 0.40,  # anchor-mode training MFU (strict), 1B model at 64K (issue 20; from 27.6%)
     "memory_plan_error": 0.10,  # the memory planner's device prediction against the measured peak
 }
 
@@ -43,12 +44,8 @@ def stage_attention(run: Runner, args) -> None:
             *map(str, args.attention_lengths),
             "--engines",
             *args.attention_engines,
-            "--heads",
-            "32",
-            "--kv-heads",
-            "32",
-            "--head-dim",
-            "128",
+            "--preset",
+            "1b",
             "--reps",
             "3",
             "--out",
@@ -59,15 +56,28 @@ def stage_attention(run: Runner, args) -> None:
     if data is None:
         return
     r.data = data["meta"]
-    r.columns = ["L", "engine", "mode", "ms", "TFLOP/s", "speedup vs full", "ideal", "of ideal"]
+    r.columns = [
+        "L",
+        "engine",
+        "mode",
+        "fwd ms",
+        "bwd ms",
+        "TFLOP/s strict",
+        "TFLOP/s full-square",
+        "speedup vs full",
+        "ideal",
+        "of ideal",
+    ]
     for x in data["results"]:
         r.rows.append(
             [
                 x["length"],
                 x["engine"],
                 x["mode"],
-                1000 * x["seconds"],
-                x["tflops"],
+                1000 * x["forward_seconds"],
+                1000 * x["backward_seconds"],
+                x["tflops_strict"],
+                x["tflops_full_square"],
                 x["speedup"],
                 x["ideal_speedup"],
                 x["fraction_of_ideal"],
@@ -87,64 +97,82 @@ def stage_attention(run: Runner, args) -> None:
             )
 
 
+# issue 20: the 1B model at 64K, full vs anchor attention, with whole-layer and with selective checkpointing
+TRAIN_CHECKPOINTING = ("full", "selective")
+
+
 def stage_train(run: Runner, args) -> None:
     r = run.result
-    out = run.log.with_name("bench_train.json")
-    data = run_bench(
-        run,
-        python()
-        + [
-            str(ROOT / "scripts" / "bench_train.py"),
-            "--model",
-            "llama-1b",
-            "--seq-len",
-            str(args.train_seq_len),
-            "--steps",
-            "3",
-            "--warmup",
-            "1",
-            "--out",
-            str(out),
-        ],
-        out,
-    )
-    if data is None:
-        return
-    rows = {x["mode"]: x for x in data["results"]}
-    r.data = data
-    r.columns = ["mode", "engine", "step s", "vs full", "tokens/s", "MFU", "peak mem GB"]
+    r.columns = ["checkpointing", "mode", "engine", "step s", "vs full", "tokens/s", "MFU strict", "MFU full-square"]
+    r.data = {}
+    for checkpointing in TRAIN_CHECKPOINTING:
+        out = run.log.with_name(f"bench_train_{checkpointing}.json")
+        data = run_bench(
+            run,
+            python()
+            + [
+                str(ROOT / "scripts" / "bench_train.py"),
+                "--model",
+                "llama-1b",
+                "--seq-len",
+                str(args.train_seq_len),
+                "--modes",
+                "full,anchor",
+                "--checkpointing",
+                checkpointing,
+                "--steps",
+                "3",
+                "--warmup",
+                "1",
+                "--out",
+                str(out),
+            ],
+            out,
+        )
+        if data is None:
+            continue
+        r.data[checkpointing] = data
+        train_rows(r, checkpointing, data["results"], args.train_seq_len)
+
+
+def train_rows(r, checkpointing: str, results: list[dict], seq_len: int) -> None:
+    """One benchmark's rows and issue 20's targets: anchor step over full step, and the strict MFU of each."""
+    rows = {x["mode"]: x for x in results}
     full = rows.get("full")
-    for x in data["results"]:
+    for x in results:
         r.rows.append(
             [
+                checkpointing,
                 x["mode"],
                 x["engine"],
                 x["step_s"],
                 x["step_s"] / full["step_s"] if full else None,
                 x["tokens_per_s"],
                 x["mfu"],
-                x["peak_mem_gb"],
+                x["mfu_full_square"],
             ]
         )
+    where = f"1B at {seq_len // 1024}K, {checkpointing} checkpointing"
     if full and "anchor" in rows:
         ratio = rows["anchor"]["step_s"] / full["step_s"]
         r.targets.append(
             dict(
-                name=f"anchor step / full step at {args.train_seq_len // 1024}K",
+                name=f"anchor step / full step, {where}",
                 value=ratio,
                 goal=f"<= {TARGETS['anchor_step_vs_full']}",
                 met=ratio <= TARGETS["anchor_step_vs_full"],
             )
         )
-    if full and full["mfu"] is not None:
-        r.targets.append(
-            dict(
-                name=f"full-attention MFU, 1B at {args.train_seq_len // 1024}K",
-                value=full["mfu"],
-                goal=f">= {TARGETS['full_mfu']:.0%}",
-                met=full["mfu"] >= TARGETS["full_mfu"],
+    for mode, key in (("full", "full_mfu"), ("anchor", "anchor_mfu")):
+        if mode in rows and rows[mode]["mfu"] is not None:
+            r.targets.append(
+                dict(
+                    name=f"{mode}-attention MFU (strict), {where}",
+                    value=rows[mode]["mfu"],
+                    goal=f">= {TARGETS[key]:.0%}",
+                    met=rows[mode]["mfu"] >= TARGETS[key],
+                )
             )
-        )
 
 
 def stage_generation(run: Runner, args) -> None:

@@ -1,0 +1,123 @@
+"""Activation checkpointing (lctrain/checkpointing.py, `model.checkpointing`).
+
+References: the same model trained without checkpointing (fp32 on CPU: losses and gradients equal), and a count of
+the attention kernels that actually run, taken by a dispatch mode below the checkpoint's own.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lctrain import checkpointing
+from lctrain.attention import make_batch
+from lctrain.config import load_config
+from lctrain.errors import UserError
+from lctrain.model import build_model
+
+ARCH = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+LAYERS = ARCH["num_hidden_layers"]
+
+
+def config(*overrides):
+    cfg = load_config(None, ["data.seq_len=64", "model.dtype=float32", *overrides])
+    cfg.model.arch = dict(ARCH)
+    return cfg
+
+
+def batch(mode):
+    ids = torch.randint(3, 100, (2, 64), generator=torch.Generator().manual_seed(0))
+    ids[:, [0, 17, 40]] = 1
+    return make_batch(ids, [[17, 23, 24], [17, 23, 24]], mode, seg_doc=[[0, 1, 2], [0, 1, 0]])
+
+
+class CountOps(TorchDispatchMode):
+    """How many times each op of `ops` runs (a kernel the selective checkpoint returns from its cache does not)."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.calls = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += checkpointing.op_name(func) in self.ops
+        return func(*args, **(kwargs or {}))
+
+
+def train_once(mode, attention_mode, engine, ops=checkpointing.ATTENTION_OPS):
+    cfg = config(f"model.checkpointing={mode}", f"attention.mode={attention_mode}", f"attention.engine={engine}")
+    model = build_model(cfg, vocab_size=100).model.train()
+    with CountOps(ops) as counter:
+        loss = model(**batch(attention_mode).model_kwargs(labels=True), use_cache=False).loss
+        loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], counter.calls
+
+
+@pytest.mark.parametrize("engine,attention_mode", [("sdpa", "anchor"), ("sdpa", "full"), ("reference", "intra_doc")])
+@pytest.mark.parametrize("mode", ["full", "selective", "selective_matmul"])
+def test_same_loss_and_gradients_as_without_checkpointing(mode, engine, attention_mode):
+    loss0, grads0, _ = train_once("none", attention_mode, engine)
+    loss, grads, _ = train_once(mode, attention_mode, engine)
+    torch.testing.assert_close(loss, loss0, atol=0, rtol=1e-6)
+    for a, b in zip(grads, grads0):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention_mode", ["full", "anchor"])
+def test_selective_does_not_rerun_the_attention_kernel(attention_mode):
+    counts = {mode: train_once(mode, attention_mode, "sdpa")[2] for mode in checkpointing.MODES}
+    # sdpa calls the kernel once per layer per group of equal-length documents: `none`'s count is one forward
+    once = counts["none"]
+    assert once >= LAYERS
+    assert counts["full"] == 2 * once  # the backward's recomputation runs every kernel again
+    assert counts["selective"] == counts["selective_matmul"] == once
+
+
+def test_selective_matmul_keeps_the_matmuls():
+    matmuls = {
+        mode: train_once(mode, "anchor", "sdpa", checkpointing.MATMUL_OPS)[2]
+        for mode in ("none", "selective", "selective_matmul")
+    }
+    assert matmuls["selective"] > matmuls["none"]  # the projections are recomputed
+    assert matmuls["selective_matmul"] == matmuls["none"]
+
+
+def test_the_model_instance_is_switched_not_the_class():
+    on = build_model(config("model.checkpointing=selective"), vocab_size=100).model
+    off = build_model(config(), vocab_size=100).model
+    assert all(layer.gradient_checkpointing for layer in on.model.layers)
+    assert not any(layer.gradient_checkpointing for layer in off.model.layers)
+
+
+@pytest.mark.parametrize(
+    "overrides,mode",
+    [
+        ([], "none"),
+        (["model.gradient_checkpointing=true"], "full"),
+        (["model.checkpointing=selective"], "selective"),
+        (["model.gradient_checkpointing=true", "model.checkpointing=selective"], "selective"),
+        (["model.gradient_checkpointing=false", "model.checkpointing=full"], "full"),
+    ],
+)
+def test_checkpointing_wins_over_the_older_switch(overrides, mode):
+    assert load_config(None, overrides).model.checkpointing_mode == mode
+
+
+def test_contradiction_and_unknown_mode_are_one_line():
+    with pytest.raises(UserError, match="gradient_checkpointing=true contradicts checkpointing=none"):
+        load_config(None, ["model.gradient_checkpointing=true", "model.checkpointing=none"])
+    with pytest.raises(UserError, match="model.checkpointing"):
+        load_config(None, ["model.checkpointing=partial"])
+
+
+def test_offload_accepts_selective():
+    cfg = load_config(None, ["model.checkpointing=selective", "model.offload_activations=true"])
+    assert cfg.model.offload_activations
+    with pytest.raises(UserError, match="needs model.gradient_checkpointing=true"):
+        load_config(None, ["model.checkpointing=none", "model.offload_activations=true"])
