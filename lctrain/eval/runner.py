@@ -125,6 +125,8 @@ def pick_device(device: str | None) -> str:
         raise UserError(f"--device {device}: not a device; use cuda, cuda:N, cpu or auto") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    if device.startswith("mps") and not torch.backends.mps.is_available():
+        raise UserError(f"--device {device}: Apple's MPS is not available on this machine; use --device cpu")
     return device
 
 
@@ -392,6 +394,12 @@ def evaluate(
         raise UserError(f"--samples {samples}: need at least 1 sample per task and length")
     names, excluded = ruler.select_task_set(tasks or ev.tasks, exclude if exclude is not None else list(ev.exclude))
     data_dir = ruler_data or _setting_path(tgt.cfg, ev.ruler_data)
+    if not data_dir and not (lengths or ev.lengths):
+        # eval.lengths has no lower bound in the schema yet: the empty list is refused here, before any model loads
+        raise UserError(
+            f"{tgt.cfg.source_file or 'config'}: eval.lengths is empty; list the context lengths to score, e.g. "
+            f"eval.lengths=[4096,8192] or --lengths 4k,8k"
+        )
     out_dir = Path(out) if out else RunDir(tgt.path).eval_dir
     dev = pick_device(device)
 
@@ -412,7 +420,7 @@ def evaluate(
                 "qa_2": hotpotqa or _setting_path(tgt.cfg, ev.hotpotqa_path),
             },
         )
-    heldout = select_heldout(tgt, ppl_data)
+    heldout = select_heldout(tgt, ppl_data, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     per_sample, ppl, notes, memory = score_checkpoints(
         tgt, suite, tokenizer, encoder, dev, heldout, out_dir / "predictions.jsonl", backend
