@@ -49,7 +49,7 @@ def refuse_to_replace(rd: RunDir) -> None:
     finished = checkpoints + rd.finished_outputs()
     if not finished:
         return
-    shown = ", ".join(finished[:4]) + (f" and {len(finished) - 4} more" if len(finished) > 4 else "")
+    shown = ", ".join(finished[:8]) + (f" and {len(finished) - 8} more" if len(finished) > 8 else "")
     if checkpoints:
         choices = f"continue it with 'lctrain resume {rd}', or start over (deleting them) with 'lctrain train --force'"
     else:
