@@ -84,7 +84,12 @@ def prepare(
 def train(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    force: Annotated[bool, typer.Option(help="start over in a run directory that already has checkpoints")] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            help="start over in a run directory that holds a run's checkpoints, metrics or exports (deletes them)"
+        ),
+    ] = False,
 ):
     """Train with DeepSpeed (ZeRO, Ulysses sequence parallel); relaunches itself when the config asks for several
     processes. Writes config.yaml, metrics.jsonl, checkpoints/ and hf/step_N/ into the run directory."""

@@ -16,6 +16,7 @@ way Ctrl-C does.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -184,12 +185,14 @@ def _signal(p: psutil.Process, sig: int) -> None:
         pass
 
 
-def supervise(cmd: list[str], env: dict, grace_s: float = 10.0) -> int:
-    """Run `cmd` (a launcher) to completion and return its exit code. Ctrl-C or SIGTERM to this process stops the
-    whole tree under it and re-raises here as KeyboardInterrupt / Terminated."""
+def supervise(cmd: list[str], env: dict, grace_s: float = 10.0, stderr: Path | None = None) -> int:
+    """Run `cmd` (a launcher) to completion and return its exit code; `stderr`: a file that takes its standard error
+    (appended). Ctrl-C or SIGTERM to this process stops the whole tree under it and re-raises here as
+    KeyboardInterrupt / Terminated."""
     env = {**env, SUPERVISOR_ENV: supervisor_token()}
     # Its own session: a terminal's Ctrl-C reaches only us, and we decide how the tree ends.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    with open(stderr, "ab") if stderr is not None else contextlib.nullcontext() as err:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=err)
     try:
         return proc.wait()
     except KeyboardInterrupt:

@@ -4,6 +4,7 @@ of the machine it will run on: a known GPU by name, `--gpu-mem`, or, without a G
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import psutil
@@ -20,8 +21,8 @@ from lctrain.units import GB, gb_to_bytes
 
 
 def _positive(value: float | None, option: str) -> int | None:
-    if value is not None and not value > 0:
-        raise UserError(f"{option} = {value}: expected a memory size in GB > 0")
+    if value is not None and not 0 < value < math.inf:
+        raise UserError(f"{option} = {value}: expected a memory size in GB, finite and > 0")
     return None if value is None else gb_to_bytes(value)
 
 

@@ -132,6 +132,22 @@ class RunDir:
     def eval_dir(self) -> Path:
         return self.path / "eval"
 
+    def finished_outputs(self) -> list[str]:
+        """What a run finished here besides its checkpoints, by name: its evaluation exports, and its metrics once
+        they reach the run's last step. The metrics of a run stopped before its first checkpoint are no result:
+        nothing can continue them, and a new run replaces them."""
+        exports = [f"{self.exports_dir.name}/{p.name}" for p in self.exports()]
+        return [self.metrics_file.name] * self._metrics_complete() + exports
+
+    def _metrics_complete(self) -> bool:
+        if not self.metrics_file.is_file():
+            return False
+        try:
+            records = self.read_metrics()
+            return bool(records) and int(records[-1]["step"]) >= self.read_config().train.steps
+        except UserError:
+            return True  # a damaged metrics file or config cannot show the run unfinished: keep it
+
     def clear_outputs(self) -> None:
         """Remove what a new run in this directory replaces: checkpoints, exports and metrics."""
         shutil.rmtree(self.checkpoints, ignore_errors=True)

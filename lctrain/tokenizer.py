@@ -132,6 +132,13 @@ def load_tokenizer(spec: str):
         ) from None
 
 
+def tokenizer_fingerprint(tok) -> str:
+    """What token ids mean under `tok`: a hash of its vocabulary (token -> id, added tokens included), the same for
+    a tokenizer loaded from its source and from the copy an evaluation checkpoint saved."""
+    vocab = sorted(tok.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 ANCHOR_AUTO = "auto"
 # The document separator of GPT-2-style byte-level BPE vocabularies (GPT-2, Qwen, SmolLM2, StarCoder): the token
 # their base models were pretrained with between documents.

@@ -20,6 +20,7 @@ import shutil
 import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ from lctrain.data.store import FORMAT_VERSION, MANIFEST, ShardWriter, read_manif
 from lctrain.errors import UserError, is_environment_error
 from lctrain.hardware import usable_cpus
 from lctrain.lifetime import is_alive
-from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor, text_encoder
+from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor, text_encoder, tokenizer_fingerprint
 
 SHARD_TOKENS = 1 << 28  # ~1 GiB of int32 tokens per Arrow shard
 SKIP_EXAMPLES = 5
@@ -87,6 +88,14 @@ def _encoded(batches, encoder, workers: int):
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
+        except BrokenProcessPool:
+            # A worker that raises reports its exception; one that ends without a word was killed by a signal,
+            # which the pool does not keep: SIGKILL from the out-of-memory killer is the usual one.
+            raise UserError(
+                f"prepare: a tokenizer worker process (of {workers}, data.num_workers) was killed by the OS, most "
+                f"likely by SIGKILL from the out-of-memory killer; free memory or lower data.num_workers, then run "
+                f"'lctrain prepare' again (it starts over)"
+            ) from None
         finally:
             for f in pending:
                 f.cancel()
@@ -238,6 +247,7 @@ def _tokenizer_info(spec: str, tok, encoder, anchor_id: int) -> dict:
         "spec": spec,
         "name": name,
         "vocab_size": len(tok),
+        "fingerprint": tokenizer_fingerprint(tok),  # perplexity refuses data whose ids mean other tokens
         "encoder": encoder.kind,
         "anchor_id": anchor_id,
         "bos_id": tok.bos_token_id,

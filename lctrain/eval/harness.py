@@ -282,6 +282,11 @@ def evaluate_harness(
     `run_harness`)."""
     if not settings.tasks:
         raise UserError("--harness: name at least one task, e.g. --harness longbench,hellaswag,mmlu")
+    if settings.limit is not None and not 0 < settings.limit < math.inf:
+        raise UserError(
+            f"--harness-limit {settings.limit}: give a number of documents per task (>= 1) or a fraction of them "
+            f"(between 0 and 1)"
+        )
     if settings.batch_size < 1:
         raise UserError(f"--harness-batch {settings.batch_size}: need at least 1")
     if settings.max_length is not None and settings.max_length < 2:

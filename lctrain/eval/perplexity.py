@@ -18,6 +18,7 @@ import numpy as np
 from lctrain.config import data_dir, data_fingerprint
 from lctrain.data.store import PackedData, open_packed
 from lctrain.errors import UserError
+from lctrain.tokenizer import tokenizer_fingerprint
 from lctrain.train.data import stream_rows
 
 
@@ -43,9 +44,27 @@ def heldout_rows(num_windows: int, consumed: int, seed: int, limit: int) -> tupl
     return free[:limit], len(free)
 
 
-def select_heldout(tgt, ppl_data: str | None) -> Heldout:
-    """The windows to score for `tgt` (a runner Target): a given dataset dir (all of it unless it is the run's own
-    data), else the run's prepared data minus what training consumed; a note says why there are none."""
+def check_same_tokenizer(packed: PackedData, tokenizer, model_dir: Path) -> None:
+    """Refuse a dataset whose ids come from another tokenizer than the model's: its perplexity would be a number
+    about nothing. A manifest written before tokenizer fingerprints were recorded is checked by vocabulary size."""
+    record = packed.manifest.get("tokenizer") or {}
+    ours = {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer)}
+    key = "fingerprint" if "fingerprint" in record else "vocab_size"
+    if record.get(key) == ours[key]:
+        return
+    theirs = f"{record.get('name', 'an unrecorded tokenizer')} (vocabulary {record.get('vocab_size', '?')}"
+    theirs += f", fingerprint {record['fingerprint']})" if "fingerprint" in record else ")"
+    raise UserError(
+        f"{packed.path}: prepared with tokenizer {theirs}, but the model in {model_dir} uses another "
+        f"(vocabulary {ours['vocab_size']}, fingerprint {ours['fingerprint']}); its ids would be scored as other "
+        f"tokens: prepare the perplexity data with the model's tokenizer (data.tokenizer) and pass it as --ppl-data"
+    )
+
+
+def select_heldout(tgt, ppl_data: str | None, tokenizer) -> Heldout:
+    """The windows to score for `tgt` (a runner Target) with its `tokenizer`: a given dataset dir (all of it unless
+    it is the run's own data), else the run's prepared data minus what training consumed; a note says why there are
+    none. A dataset of another tokenizer is refused."""
     cfg = tgt.cfg
     limit = cfg.eval.ppl_windows
     if limit == 0:
@@ -61,6 +80,7 @@ def select_heldout(tgt, ppl_data: str | None) -> Heldout:
     else:
         return Heldout(note="skipped: no dataset to score; pass --ppl-data DIR (a prepared dataset)")
     packed = open_packed(path)
+    check_same_tokenizer(packed, tokenizer, tgt.checkpoints[0][1])
     n = len(packed)
     own = tgt.kind == "run" and packed.manifest.get("data_fingerprint") == data_fingerprint(cfg.data)
     consumed = cfg.train.steps * cfg.train.global_batch if own else 0

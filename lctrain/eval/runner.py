@@ -138,6 +138,8 @@ def pick_device(device: str | None) -> str:
         raise UserError(f"--device {device}: not a device; use cuda, cuda:N, cpu or auto") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    if device.startswith("mps") and not torch.backends.mps.is_available():
+        raise UserError(f"--device {device}: Apple's MPS is not available on this machine; use --device cpu")
     return device
 
 
@@ -417,7 +419,7 @@ def evaluate(
                 "qa_2": hotpotqa or _setting_path(tgt.cfg, ev.hotpotqa_path),
             },
         )
-    heldout = select_heldout(tgt, ppl_data)
+    heldout = select_heldout(tgt, ppl_data, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     per_sample, ppl, notes, memory = score_checkpoints(
         tgt, suite, tokenizer, encoder, dev, heldout, out_dir / "predictions.jsonl", backend

@@ -12,9 +12,11 @@ import torch
 
 from lctrain.compat.deepspeed import disable_cpu_shm_comm_op, sequence_parallel_groups
 from lctrain.config import Config
+from lctrain.errors import UserError
 from lctrain.parallel.layout import ParallelLayout, layout_of
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,18 @@ _SELF_SET: set[str] = set()
 
 def under_launcher() -> bool:
     return all(k in os.environ for k in LAUNCHER_ENV) and not _SELF_SET
+
+
+def check_launcher_env() -> None:
+    """Refuse, in one line, a launcher's variables without the rendezvous address (a half-configured scheduler job),
+    which torch.distributed would report as a traceback from every rank."""
+    missing = [k for k in RENDEZVOUS_ENV if k not in os.environ]
+    if under_launcher() and missing:
+        raise UserError(
+            f"{', '.join(LAUNCHER_ENV)} are set, as a launcher sets them, but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: start the job with torchrun or deepspeed, set "
+            f"{' and '.join(missing)}, or unset {', '.join(LAUNCHER_ENV)} to let lctrain start its own processes"
+        )
 
 
 def launcher_free_env() -> dict:

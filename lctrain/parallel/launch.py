@@ -4,11 +4,16 @@
 calls `function(request)` and rank 0's return value comes back as `Finished(result)`. The ranks report through files
 in `workdir` (shared by every node, as a run directory is), so the caller gets typed outcomes instead of exit codes:
 an out-of-memory on any rank is `OutOfMemory`, a rank's UserError is raised here as that UserError, anything else is
-`RanksFailed` with the launcher's exit code. This module knows none of its callers."""
+`RanksFailed` with the launcher's exit code. A process killed from outside (a rank SIGKILLed by the out-of-memory
+killer, the launcher itself) is `ProcessKilled`, one line naming it and the signal: `lctrain.parallel.guard`, the
+parent of every rank, records how its rank ended. The launcher's own standard error (torch elastic's multi-line
+report, DeepSpeed's log) goes to `WORKDIR/launcher.log`, with the ranks' standard error. This module knows none of
+its callers."""
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +24,7 @@ from lctrain.config import Config, check_on_this_machine
 from lctrain.errors import UserError
 from lctrain.lifetime import supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
+from lctrain.parallel.guard import EXIT_PREFIX
 
 
 def launcher_env() -> dict:
@@ -80,6 +86,8 @@ def worker_command(cfg: Config, worker: list[str]) -> list[str]:
 
 
 RANK_MODULE = "lctrain.parallel.rank"
+GUARD_MODULE = "lctrain.parallel.guard"  # what the launcher starts: it runs RANK_MODULE and records how it ended
+LAUNCHER_LOG = "launcher.log"
 REQUEST_FILE = "ranks.request.json"
 RESULT_FILE = "ranks.result.json"
 FAILURE_PREFIX = "ranks.failure."  # + rank + ".json", written by a rank that ended in a failure it can name
@@ -109,6 +117,25 @@ class RanksFailed(SystemExit):
         self.exit_code = exit_code
 
 
+class ProcessKilled(UserError):
+    """A process of the run was killed by a signal it did not raise itself: `who` ("rank 1 (pid 4242)", "the
+    launcher torchrun"), `signal` ("SIGKILL"). Its one line names the likely cause; callers add what to run next
+    (`ProcessKilled.what`)."""
+
+    def __init__(self, who: str, signal_name: str, log: Path):
+        self.who, self.signal, self.log = who, signal_name, log
+        super().__init__(f"{self.what}; run the command again")
+
+    @property
+    def what(self) -> str:
+        cause = (
+            "most likely the kernel's out-of-memory killer: the host ran out of memory"
+            if self.signal == "SIGKILL"
+            else "stopped from outside (a scheduler or a user)"
+        )
+        return f"{self.who} was killed by {self.signal} ({cause}; the launcher's report is in {self.log})"
+
+
 def failure_file(workdir: Path, rank: int) -> Path:
     return workdir / f"{FAILURE_PREFIX}{rank}.json"
 
@@ -120,18 +147,51 @@ def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path)
     check_on_this_machine(cfg, torch.cuda.is_available())
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    for stale in [workdir / RESULT_FILE, *workdir.glob(f"{FAILURE_PREFIX}*.json")]:
-        stale.unlink(missing_ok=True)
+    log = workdir / LAUNCHER_LOG
+    stale = [log, workdir / RESULT_FILE, *workdir.glob(f"{FAILURE_PREFIX}*.json"), *workdir.glob(f"{EXIT_PREFIX}*")]
+    for path in stale:
+        path.unlink(missing_ok=True)
     (workdir / REQUEST_FILE).write_text(json.dumps({"function": function, "request": request}))
-    rc = supervise(worker_command(cfg, [RANK_MODULE, str(workdir.resolve())]), env=launcher_env())
+    cmd = worker_command(cfg, [GUARD_MODULE, str(workdir.resolve())])
+    rc = supervise(cmd, env=launcher_env(), stderr=log)
     if rc == 0:
         return Finished(json.loads((workdir / RESULT_FILE).read_text())["result"])
-    failures = sorted(
-        (json.loads(f.read_text()) for f in workdir.glob(f"{FAILURE_PREFIX}*.json")), key=lambda f: f["rank"]
-    )
-    oom = next((f for f in failures if f["kind"] == "out_of_memory"), None)
+    if rc < 0:  # the launcher itself; its ranks end with it (their guards stop them)
+        raise ProcessKilled(f"the launcher ({cfg.parallel.launcher})", _signal_name(-rc), log)
+    failures = {f["rank"]: f for f in _records(workdir, FAILURE_PREFIX)}
+    oom = next((f for _, f in sorted(failures.items()) if f["kind"] == "out_of_memory"), None)
     if oom is not None:
         return OutOfMemory(rank=oom["rank"], message=oom["message"])
-    if failures:
-        raise UserError(failures[0]["message"])
+    refused = next((f for _, f in sorted(failures.items()) if f["kind"] == "user_error"), None)
+    if refused is not None:
+        raise UserError(refused["message"])
+    # The first rank to end badly is the cause; the others were stopped by the launcher or lost their peers.
+    ended = sorted((e for e in _records(workdir, EXIT_PREFIX) if e["code"] != 0), key=lambda e: e["time"])
+    first = ended[0] if ended else None
+    if first is not None and first["code"] < 0 and first["rank"] not in failures:
+        raise ProcessKilled(f"rank {first['rank']} (pid {first['pid']})", _signal_name(-first["code"]), log)
+    crash = failures.get(first["rank"]) if first is not None else None
+    crash = crash or next((f for _, f in sorted(failures.items())), None)
+    who = "the ranks"
+    if crash is not None:
+        print(crash["message"].rstrip(), file=sys.stderr)  # its traceback
+        who = f"rank {crash['rank']}"
+    print(f"error: {who} failed (exit code {rc}); the launcher's report is in {log}", file=sys.stderr)
     raise RanksFailed(rc)
+
+
+def _records(workdir: Path, prefix: str) -> list[dict]:
+    out = []
+    for path in workdir.glob(f"{prefix}*.json"):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # torn by the end of its writer: it names nothing
+    return out
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

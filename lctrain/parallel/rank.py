@@ -1,7 +1,7 @@
-"""What a launcher starts on every process for `lctrain.parallel.launch.run_on_ranks`:
-`python -m lctrain.parallel.rank WORKDIR`. It calls the requested function with the request and reports through
-files in WORKDIR: rank 0's return value, or the failure a rank can name (out of memory, a UserError or an environment
-failure such as a full disk)."""
+"""What runs on every process for `lctrain.parallel.launch.run_on_ranks`: `python -m lctrain.parallel.rank WORKDIR`,
+started by the launcher's `lctrain.parallel.guard`. It calls the requested function with the request and reports
+through files in WORKDIR: rank 0's return value, or the failure a rank can name (out of memory, a UserError or an
+environment failure such as a full disk, else its traceback)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import importlib
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
 
 from lctrain.errors import UserError, environment_error_message
-from lctrain.lifetime import exit_with_supervisor
+from lctrain.lifetime import exit_with_parent, exit_with_supervisor
 from lctrain.parallel.launch import REQUEST_FILE, RESULT_FILE, failure_file
 
 # PyTorch's CPU allocator reports a failed allocation as a plain RuntimeError with this text.
@@ -39,6 +40,7 @@ def report_failure(workdir: Path, rank: int, kind: str, message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     exit_with_supervisor()
+    exit_with_parent()  # the guard: if it is killed, nothing would report this rank's end
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--local_rank", type=int, default=None, help="set by DeepSpeed's launcher; unused")
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(1)  # no teardown: the other ranks wait in a collective this rank never joins
         message = str(e) if isinstance(e, UserError) else environment_error_message(e)
         if message is None:
+            # the launcher's stderr goes to a log: the caller shows the first failing rank's traceback
+            report_failure(args.workdir, rank, "crash", traceback.format_exc())
             raise
         report_failure(args.workdir, rank, "user_error", message)
         raise SystemExit(UserError.exit_code) from None

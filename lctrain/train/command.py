@@ -17,8 +17,8 @@ from lctrain.config import Config, check_on_this_machine, reread_warning, settin
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.model import load_hf_config, shape_without_download
-from lctrain.parallel.groups import under_launcher
-from lctrain.parallel.launch import OutOfMemory, run_on_ranks
+from lctrain.parallel.groups import check_launcher_env, under_launcher
+from lctrain.parallel.launch import OutOfMemory, ProcessKilled, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
@@ -28,29 +28,46 @@ from lctrain.train.trainer import CheckpointHook, run
 
 
 def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
-    """Start a run in `RunDir.of(cfg)`; refuses a directory that already has checkpoints unless `force`."""
+    """Start a run in `RunDir.of(cfg)`; refuses a directory where a run finished anything (checkpoints, metrics,
+    evaluation exports) unless `force`."""
+    check_launcher_env()
     rd = RunDir.of(cfg)
     leader = _leader()
     prepared = preflight(cfg) if leader else None
     with _run_lock(rd, "lctrain train", leader):
         if leader:
-            if ckpt.complete_checkpoints(rd) and not force:
-                raise UserError(
-                    f"{rd}: this run already has checkpoints; continue it with 'lctrain resume {rd}', "
-                    f"or start over with 'lctrain train --force'"
-                )
-            # A new run: what an earlier attempt left without a complete checkpoint to resume from (its metrics,
-            # evaluation exports, partial checkpoints) belongs to no run, and would mix into this one.
+            if not force:
+                refuse_to_replace(rd)
+            # A new run: what is left (partial checkpoints of an interrupted write, or everything under --force)
+            # belongs to no run, and would mix into this one.
             rd.clear_outputs()
             rd.write_config(cfg)
         _start(cfg, rd, prepared, resuming=False, before_checkpoint_complete=before_checkpoint_complete)
         return rd.path
 
 
+def refuse_to_replace(rd: RunDir) -> None:
+    """Raise, naming what is there, when `rd` holds anything a run finished: only `--force` deletes it."""
+    checkpoints = [f"{rd.checkpoints.name}/{p.name}" for p in ckpt.complete_checkpoints(rd)]
+    finished = checkpoints + rd.finished_outputs()
+    if not finished:
+        return
+    shown = ", ".join(finished[:8]) + (f" and {len(finished) - 8} more" if len(finished) > 8 else "")
+    if checkpoints:
+        choices = f"continue it with 'lctrain resume {rd}', or start over (deleting them) with 'lctrain train --force'"
+    else:
+        choices = (
+            "it has no checkpoint to resume from: start over (deleting them) with 'lctrain train --force', "
+            "or set train.run_dir to another directory"
+        )
+    raise UserError(f"{rd}: a run already finished {shown} here; {choices}")
+
+
 def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
     """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory: relative
     paths in its config (the prepared data, a local model or tokenizer) resolve against the directory `train`
     was started from, whatever the current one."""
+    check_launcher_env()
     rd = RunDir(Path(run_dir).absolute())
     if not rd.is_run():
         raise UserError(f"{run_dir}: not a run directory (no config.yaml); start a run with 'lctrain train'")
@@ -108,7 +125,10 @@ def _start(
         if before_checkpoint_complete is not None:
             raise ValueError("fault injection reaches only a run in this process, not launched workers")
         request = {"run_dir": str(rd.path.resolve()), "resume": resuming}
-        outcome = run_on_ranks(cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir)
+        try:
+            outcome = run_on_ranks(cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir)
+        except ProcessKilled as e:
+            raise UserError(f"{e.what}; 'lctrain resume {rd.path}' continues from the last checkpoint") from None
         if isinstance(outcome, OutOfMemory):
             raise UserError(
                 f"rank {outcome.rank} ran out of memory ({outcome.message}); `lctrain plan` shows what fits, "

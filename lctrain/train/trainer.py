@@ -13,6 +13,7 @@ computes the same update as one process.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 import uuid
@@ -108,7 +109,7 @@ class TrainState:
 class StepResult:
     loss: float  # mean token loss of the step over every rank
     valid_labels: int
-    grad_norm: float | None  # rank 0 only
+    grad_norm: float | None  # None where DeepSpeed does not report it
     pairs: int  # visible attention pairs of the step's windows, for MFU
 
 
@@ -254,7 +255,7 @@ class Trainer:
             self.engine.step()
             loss_sum += token_loss_sum.detach().double()
         dist.all_reduce(loss_sum)
-        if topo.is_main and grad_norm is None:
+        if grad_norm is None:  # every rank: DeepSpeed's norm is reduced over the ranks, and `fit` checks it on each
             grad_norm = self.engine.get_global_grad_norm()
         return StepResult(
             loss=loss_sum.item() / n_valid,
@@ -356,6 +357,7 @@ class Trainer:
             for step_index in range(self.state.step, total):
                 mem_scope = reset_peak(topo.device)
                 result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
+                check_finite(result, step_index, cfg, self.run_dir)
                 self.state.step = step_index + 1
                 if logger is not None:
                     logger.log(self.metrics(step_index, result, seconds, peak, mem_scope))
@@ -430,6 +432,31 @@ class Trainer:
             f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run "
             f"again with 'lctrain train --config {rd.config_file} --force'"
         )
+
+
+def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -> None:
+    """Stop, before anything of the step is logged or saved, at a loss or gradient norm that is not a number: every
+    later step would be too, and a checkpoint of it would hold broken weights. Every rank sees the same reduced
+    values, so every rank stops here. Under float16 DeepSpeed's loss scaler skips a step whose gradients overflowed
+    (a normal event), so only the loss counts there."""
+    checked = {"loss": result.loss}
+    if cfg.model.dtype != "float16" and result.grad_norm is not None:
+        checked["gradient norm"] = result.grad_norm
+    bad = [f"{name} is {value}" for name, value in checked.items() if not math.isfinite(value)]
+    if not bad:
+        return
+    step = step_index + 1
+    last = ckpt.latest_checkpoint(rd)
+    if last is None:
+        then = "no checkpoint was written before it: lower train.lr and start over with 'lctrain train --force'"
+    else:
+        then = f"the last checkpoint is {last.name}: lower train.lr in {rd.config_file}, then 'lctrain resume {rd}'"
+    lr = cfg.train.lr * lr_factor(step_index, cfg.train)
+    raise UserError(
+        f"step {step}: the {' and the '.join(bad)}; training stopped without logging or saving this step. "
+        f"Likely cause: a learning rate too high (train.lr = {cfg.train.lr:g}, {lr:g} at this step) "
+        f"or an overflow of the precision (model.dtype = {cfg.model.dtype}); {then}"
+    )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,115 @@
+"""Inputs that used to end in a library's traceback or in a number that is no result, each now one line and exit
+code 2 before any work: a launcher's variables without the rendezvous address, an empty eval.lengths, a device this
+machine does not have, a harness limit of no documents, an infinite memory size for `plan`, and perplexity data
+prepared with another tokenizer than the model's (the two Mistral tokenizers that mistral-common ships)."""
+
+import json
+
+import pytest
+from train_helpers import one_error_line, set_args
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import load_config
+from lctrain.data.prepare import prepare
+from lctrain.data.store import open_packed
+from lctrain.errors import UserError
+from lctrain.eval.perplexity import check_same_tokenizer
+from lctrain.rundir import RunDir
+from lctrain.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+TINY = [
+    "data.seq_len=128",
+    "data.token_budget=6000",
+    "train.steps=2",
+    "train.global_batch=2",
+    "checkpoint.hf_last=2",
+    "checkpoint.hf_every=2",
+    "model.arch={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, "
+    "num_attention_heads: 2, num_key_value_heads: 1, tie_word_embeddings: true}",
+]
+V3 = "builtin:mistral-7b-v0.3"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 2-step run (tokenizer mistral-7b-v0.1) with its export hf/step_2, and a dataset prepared with v0.3."""
+    root = tmp_path_factory.mktemp("refused")
+    over = TINY + [f"data.output_dir={root / 'data'}", f"train.run_dir={root / 'run'}"]
+    prepare(load_config(None, over))
+    prepare(load_config(None, TINY + [f"data.output_dir={root / 'data_v3'}", f"data.tokenizer={V3}"]))
+    result = CliRunner().invoke(app, ["train"] + set_args(over))
+    assert result.exit_code == 0, result.output
+    return root
+
+
+def cli(*args: str) -> str:
+    return one_error_line(CliRunner().invoke(app, list(args)))
+
+
+def test_launcher_variables_without_the_rendezvous_address(run, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    line = cli("train", *set_args(TINY + [f"train.run_dir={run / 'new'}", f"data.output_dir={run / 'data'}"]))
+    assert "but MASTER_ADDR is not" in line and "torchrun" in line
+    assert not (run / "new").exists()
+    assert "but MASTER_ADDR is not" in cli("resume", str(run / "run"))
+
+
+def test_empty_eval_lengths(run):
+    line = cli("eval", str(run / "run"), "--set", "eval.lengths=[]")
+    assert "eval.lengths" in line and "Traceback" not in line
+
+
+def test_a_device_this_machine_lacks(run):
+    import torch
+
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    assert "--device mps: Apple's MPS is not available" in cli("eval", str(run / "run"), "--device", "mps")
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "nan"])
+def test_a_harness_limit_of_no_documents(run, limit):
+    line = cli("eval", str(run / "run"), "--harness", "hellaswag", "--harness-limit", limit)
+    assert line.startswith(f"error: --harness-limit {float(limit)}: give a number of documents")
+
+
+@pytest.mark.parametrize("option", ["--gpu-mem", "--host-mem"])
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_plan_memory_sizes_that_are_no_size(option, value):
+    assert f"{option} = {float(value)}: expected a memory size in GB" in cli("plan", option, value)
+
+
+def test_perplexity_data_of_another_tokenizer_is_refused(run):
+    line = cli("eval", str(run / "run"), "--ppl-data", str(run / "data_v3"), "--lengths", "256")
+    v3 = tokenizer_fingerprint(load_tokenizer(V3))
+    v1 = tokenizer_fingerprint(load_tokenizer("builtin:mistral-7b-v0.1"))
+    assert v1 != v3
+    assert f"prepared with tokenizer mistral-7b-v0.3 (vocabulary 32768, fingerprint {v3})" in line
+    assert f"uses another (vocabulary 32000, fingerprint {v1})" in line
+    assert not (RunDir(run / "run").eval_dir / "results.json").exists()
+
+
+def test_the_fingerprint_is_the_same_from_the_source_and_from_the_export(run):
+    manifest = json.loads((run / "data" / "manifest.json").read_text())
+    export = AutoTokenizer.from_pretrained(str(RunDir(run / "run").export(2)))
+    assert manifest["tokenizer"]["fingerprint"] == tokenizer_fingerprint(export)
+    check_same_tokenizer(open_packed(run / "data"), export, RunDir(run / "run").export(2))  # accepted
+
+
+def test_a_manifest_without_a_fingerprint_is_checked_by_vocabulary_size(run, tmp_path):
+    export_dir = RunDir(run / "run").export(2)
+    export = AutoTokenizer.from_pretrained(str(export_dir))
+    for name, data in (("v1", run / "data"), ("v3", run / "data_v3")):
+        packed = open_packed(data)
+        packed.manifest["tokenizer"].pop("fingerprint")  # as written before fingerprints were recorded
+        if name == "v1":
+            check_same_tokenizer(packed, export, export_dir)
+        else:
+            with pytest.raises(UserError, match=r"mistral-7b-v0.3 \(vocabulary 32768\)"):
+                check_same_tokenizer(packed, export, export_dir)
