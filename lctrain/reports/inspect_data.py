@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from lctrain.attention.modes import MODES
-from lctrain.config import DOMAINS
 from lctrain.costmodel import window_pairs
 
 
@@ -27,8 +26,8 @@ def _log2_edges(max_len: int) -> list[int]:
 
 def dataset_stats(packed) -> dict:
     """Per-domain counts and shares, segment-length histogram and attention pairs per mode over every window."""
-    seq_len = int(packed.manifest["seq_len"])
-    domains = list(packed.manifest.get("domains") or DOMAINS)
+    seq_len = packed.manifest.seq_len
+    domains = list(packed.manifest.domains)
     seg_count = np.zeros(len(domains), dtype=np.int64)
     tok_count = np.zeros(len(domains), dtype=np.int64)
     pairs = dict.fromkeys(MODES, 0)
@@ -57,7 +56,7 @@ def dataset_stats(packed) -> dict:
         for i, d in enumerate(domains)
     }
     # Whole documents (also those spanning windows) are only known to prepare: take them from its manifest.
-    manifest_stats = packed.manifest.get("stats") or {}
+    manifest_stats = packed.manifest.stats
     doc_stats = manifest_stats.get("domains") or {}
     for d, row in domain_rows.items():
         row["documents"] = (doc_stats.get(d) or {}).get("documents")
@@ -92,7 +91,7 @@ def inspect(data_dir: str | Path, out: str | Path | None = None) -> Path:
     from lctrain.data.store import open_packed
     from lctrain.reports.plots import plot_dataset
 
-    packed = open_packed(data_dir)
+    packed = open_packed(data_dir, verify=True)  # it reads every window anyway: check every byte
     stats = dataset_stats(packed)
     out_dir = Path(out) if out else Path(data_dir) / "inspect"
     out_dir.mkdir(parents=True, exist_ok=True)
