@@ -43,6 +43,10 @@ class Damaged(Exception):
     """Why a directory does not hold a usable prepared dataset: one line that starts with the file at fault."""
 
 
+class Outdated(Damaged):
+    """A whole dataset of a format this lctrain does not read."""
+
+
 class _Record(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
@@ -160,7 +164,7 @@ def load_manifest(directory: Path) -> Manifest:
     version = raw.get("format_version")
     if version != FORMAT_VERSION:
         why = _FORMAT_CHANGES.get(version) if isinstance(version, int) else None
-        raise Damaged(
+        raise Outdated(
             f"{MANIFEST}: it is of dataset format {version}, {why}"
             if why
             else f"{MANIFEST}: dataset format version {version!r} is not {FORMAT_VERSION}"

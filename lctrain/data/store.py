@@ -32,6 +32,7 @@ from lctrain.data.manifest import (
     MANIFEST,
     Damaged,
     Manifest,
+    Outdated,
     digest,
     load_manifest,
     shard_file,
@@ -123,6 +124,7 @@ class ShardWriter:
         self._writer.finalize()
         self._writer.close()
         self._writer = None
+        self._rows_in_shard = 0  # the next shard's first batch is a full one, as after a resume
         shard = self.shards[-1]
         path = self.dir.parent / shard["file"]
         with open(path, "rb") as f:
@@ -274,6 +276,8 @@ def open_packed(path, verify: bool | None = None, rebuild: str = REBUILD) -> Pac
         manifest = load_manifest(path)
         verify_shards(path, manifest, verify)
         parts = _read_shards(path, manifest)
+    except Outdated as e:
+        raise UserError(f"{path}: {e}; {rebuild}") from None
     except Damaged as e:
         raise UserError(f"{path}: the prepared dataset is damaged ({e}); {rebuild}") from None
     return PackedData(path, manifest, parts)
