@@ -124,7 +124,10 @@ def test_missing_keys_and_wrong_types_say_which(copy):
         ),
         ({**raw, "seq_len": "128"}, "seq_len: Input should be a valid integer"),
         ({**raw, "num_windows": 51}, "the shards hold 50 windows, num_windows says 51"),
-        ({**raw, "stats": {**raw["stats"], "documents": raw["stats"]["documents"] + 1}}, "its content does not match its checksum"),
+        (
+            {**raw, "stats": {**raw["stats"], "documents": raw["stats"]["documents"] + 1}},
+            "its content does not match its checksum",
+        ),
     ]:
         manifest.write_text(json.dumps(doc))
         refused(copy, f"manifest.json: {needle}")
