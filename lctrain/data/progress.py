@@ -74,8 +74,12 @@ class Partial:
     def start_over(self) -> None:
         """Remove everything an earlier run left here but the lock."""
         for p in self.dir.iterdir():
-            if p.name != LOCK:
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            if p.name == LOCK:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
 
     def has_progress(self) -> bool:
         return (self.dir / PROGRESS).is_file()
