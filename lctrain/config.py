@@ -166,6 +166,12 @@ class DataConfig(_Section):
     shuffle_buffer_tokens: Int = Field(
         16_777_216, ge=0, description="documents are shuffled through a seeded buffer of this many tokens"
     )
+    shard_tokens: int = Field(
+        1 << 28,
+        ge=1,
+        description="tokens per Arrow shard of the prepared dataset (4 bytes each); an interrupted prepare resumes "
+        "from its last complete shard",
+    )
     synthetic: SyntheticConfig = Field(
         SyntheticConfig(), description="the synthetic generator (data.source: synthetic)"
     )
@@ -653,7 +659,7 @@ def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...], why: str
 # ---------------------------------------------------------------- fingerprints and resolved output
 
 # Fields that change how a stage runs but not what it produces.
-_DATA_FIELDS_NOT_IN_FINGERPRINT = ("num_workers", "output_dir", "strict")
+_DATA_FIELDS_NOT_IN_FINGERPRINT = ("num_workers", "output_dir", "strict", "shard_tokens")
 
 
 def _digest(obj: Any) -> str:

@@ -30,7 +30,7 @@ def test_truncated_shard_is_named_and_prepare_rebuilds_it(tmp_path):
     out = tmp_path / "data"
     over = SMALL + [f"data.output_dir={out}"]
     prepare(load_config(None, over))
-    shard = out / open_packed(out).manifest["shards"][0]["file"]
+    shard = out / open_packed(out).manifest.shards[0].file
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 2])
     with pytest.raises(
@@ -57,7 +57,7 @@ def test_truncated_zst_source_is_an_error_not_a_short_corpus(tmp_path):
     data = open_packed(
         prepare(load_config(None, local(src, f"data.output_dir={tmp_path / 'ok'}", "data.token_budget=200000")))
     )
-    assert data.manifest["source"]["records_read"] == 6000
+    assert data.manifest.source["records_read"] == 6000
 
 
 def test_deep_nesting_and_byte_order_mark(tmp_path):
@@ -67,10 +67,10 @@ def test_deep_nesting_and_byte_order_mark(tmp_path):
     data = open_packed(
         prepare(load_config(None, local(src, f"data.output_dir={tmp_path / 'out'}", "data.token_budget=1000")))
     )
-    skipped = data.manifest["skipped"]
+    skipped = data.manifest.skipped
     assert skipped["counts"] == {"malformed_json": 1}  # the nested line; the BOM line is a document
     assert skipped["examples"][0]["line"] == 11
-    assert data.manifest["source"]["documents_read"] == 20
+    assert data.manifest.source["documents_read"] == 20
 
 
 def test_a_file_that_is_not_a_tokenizer(tmp_path):

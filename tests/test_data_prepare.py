@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import DOMAINS, load_config
-from lctrain.data import prepare as prepare_mod
 from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES
 from lctrain.data.prepare import prepare
 from lctrain.data.store import FORMAT_VERSION, ShardWriter, open_packed
@@ -86,9 +85,9 @@ def segments(row):
 def check_layout(data, tok, tags=None):
     """Every row exactly seq_len, segments sum to it; a document's first segment in a row starts with the anchor and
     carries the right tag, its later chunks (interleaved) carry neither."""
-    L = data.manifest["seq_len"]
+    L = data.manifest.seq_len
     anchor = tok.bos_token_id
-    assert data.manifest["tokenizer"]["anchor_id"] == anchor == 1
+    assert data.manifest.tokenizer.anchor_id == anchor == 1
     for i in range(len(data)):
         row = data[i]
         assert row["input_ids"].shape == (L,) and row["input_ids"].dtype == np.int32
@@ -153,7 +152,7 @@ def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words):
     src = write_jsonl(tmp_path / "corpus.jsonl", docs)
     data = open_packed(prepare(cfg_for(tmp_path / "out", source=src)))
     m = data.manifest
-    assert len(data) == m["num_windows"] == 100 and m["num_tokens"] == 12800
+    assert len(data) == m.num_windows == 100 and m.num_tokens == 12800
     check_layout(data, tok)
     ref = reference_tokens(tok, docs)
     pos, started = reconstruct(data, ref)
@@ -162,8 +161,8 @@ def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words):
     assert incomplete in ([], [started[-1]])
     body_tokens = sum(len(seg) - 1 for w in range(len(data)) for seg, _, _, _, _ in segments(data[w]))
     assert body_tokens == sum(pos.values())
-    assert m["stats"]["documents"] == len(started)
-    assert sum(e["tokens"] for e in m["stats"]["domains"].values()) == 12800
+    assert m.stats["documents"] == len(started)
+    assert sum(e["tokens"] for e in m.stats["domains"].values()) == 12800
     assert started != sorted(started)  # documents were shuffled
 
 
@@ -174,11 +173,11 @@ def test_source_shorter_than_budget_finishes_with_what_there_is(tmp_path, tok, w
     m = data.manifest
     ref = reference_tokens(tok, docs)
     total = sum(len(ids) + 1 for ids, _ in ref)  # anchors included
-    assert m["source_exhausted"] is True
-    assert m["num_windows"] == len(data) > 0
+    assert m.source_exhausted is True
+    assert m.num_windows == len(data) > 0
     # everything went into full windows but the unfinished last one (a window's worth of anchors at most extra)
-    assert m["num_tokens"] + m["dropped_tail_tokens"] >= total
-    assert m["dropped_tail_tokens"] < 128
+    assert m.num_tokens + m.dropped_tail_tokens >= total
+    assert m.dropped_tail_tokens < 128
     pos, started = reconstruct(data, ref)
     assert len(started) >= len(docs) - 2
 
@@ -187,8 +186,8 @@ def test_real_tokenizer_and_synthetic_default(tmp_path, tok):
     cfg = load_config(None, [f"data.output_dir={tmp_path / 'syn'}", "data.seq_len=256", "data.token_budget=20000"])
     data = open_packed(prepare(cfg))
     m = data.manifest
-    assert m["tokenizer"]["vocab_size"] == 32000 and m["tokenizer"]["bos_id"] == 1 and m["tokenizer"]["eos_id"] == 2
-    assert m["domains"] == list(DOMAINS) and m["seq_len"] == 256 and len(data) == 78
+    assert m.tokenizer.vocab_size == 32000 and m.tokenizer.bos_id == 1 and m.tokenizer.eos_id == 2
+    assert m.domains == list(DOMAINS) and m.seq_len == 256 and len(data) == 78
     check_layout(data, tok)
     text = tok.decode(data[0]["input_ids"][1:60].tolist())
     assert len(text.split()) > 20  # words, not noise
@@ -206,8 +205,8 @@ def test_tokenizer_without_bos_anchors_on_eos(tmp_path, tok, words):
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     cfg = cfg_for(tmp_path / "out", f"data.tokenizer={tmp_path / 'tok'}", source=src)
     data = open_packed(prepare(cfg))
-    info = data.manifest["tokenizer"]
-    assert info["bos_id"] is None and info["anchor_id"] == info["eos_id"] == 2
+    info = data.manifest.tokenizer
+    assert info.bos_id is None and info.anchor_id == info.eos_id == 2
     for w in range(len(data)):
         assert all(seg[0] == 2 for seg, _, _, _, _ in segments(data[w]))
     _, started = reconstruct(data, reference_tokens(tok, docs))
@@ -227,7 +226,7 @@ def test_same_config_same_bytes_with_one_or_two_workers(tmp_path):
             assert (outs[0] / f).read_bytes() == (other / f).read_bytes()
         m0, m1 = (json.loads((o / "manifest.json").read_text()) for o in (outs[0], other))
         for m in (m0, m1):
-            del m["build"], m["config_fingerprint"]  # the config differs in num_workers
+            del m["build"], m["config_fingerprint"], m["checksum"]  # the config differs in num_workers, timings
         assert m0 == m1
     different_seed = prepare(load_config(None, over[:-1] + ["data.seed=8", f"data.output_dir={tmp_path / 'd'}"]))
     assert (different_seed / files[0]).read_bytes() != (outs[0] / files[0]).read_bytes()
@@ -242,11 +241,11 @@ def test_zst_parquet_and_slimpajama_layout(tmp_path, tok, words):
     (root / "train" / "chunk3").mkdir()
     pq.write_table(pa.Table.from_pylist(docs[60:]), root / "train" / "chunk3" / "part.parquet")
     data = open_packed(prepare(cfg_for(tmp_path / "out", "data.token_budget=1000000", source=root)))
-    assert data.manifest["source"]["files"] == 3  # validation/ is not read
+    assert data.manifest.source["files"] == 3  # validation/ is not read
     ref = reference_tokens(tok, docs)
     pos, started = reconstruct(data, ref)
     assert len(started) >= 88
-    counts = {d: e["documents"] for d, e in data.manifest["stats"]["domains"].items()}
+    counts = {d: e["documents"] for d, e in data.manifest.stats["domains"].items()}
     assert counts["other"] == 0 and counts["C4"] > 0
 
 
@@ -256,7 +255,7 @@ def test_hub_streaming_path_on_a_local_dataset_directory(tmp_path, tok, words):
     write_jsonl(root / "train" / "chunk1" / "example_train_0.jsonl.zst", docs, zst=True)
     cfg = cfg_for(tmp_path / "out", "data.source=hub", f"data.hub_name={root}", "data.token_budget=1000000")
     data = open_packed(prepare(cfg))
-    assert data.manifest["source"]["kind"] == "hub" and data.manifest["source"]["records_read"] == 50
+    assert data.manifest.source["kind"] == "hub" and data.manifest.source["records_read"] == 50
     pos, started = reconstruct(data, reference_tokens(tok, docs))
     assert len(started) >= 48
 
@@ -265,7 +264,7 @@ def test_statistics_match_the_rows(tmp_path, tok, words):
     docs = make_docs(words, 150, seed=9)
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     data = open_packed(prepare(cfg_for(tmp_path / "out", "data.token_budget=1000000", source=src)))
-    st = data.manifest["stats"]
+    st = data.manifest.stats
     tokens = np.zeros(len(DOMAINS), dtype=np.int64)
     for w in range(len(data)):
         np.add.at(tokens, data[w]["seg_domain"].astype(int), data[w]["seg_lens"])
@@ -321,7 +320,7 @@ def test_upsampled_mixture_hits_domain_shares(tmp_path, tok, words):
             long_ += 1
     # the source alternates short and long documents; kept short ones are about 10% of the long ones
     assert 0.04 < short / long_ < 0.2
-    assert data.manifest["mixture_dropped"]["short_doc_downsampled"] > 0
+    assert data.manifest.mixture_dropped["short_doc_downsampled"] > 0
 
 
 def test_domain_tags(tmp_path, tok, words):
@@ -329,7 +328,7 @@ def test_domain_tags(tmp_path, tok, words):
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     data = open_packed(prepare(cfg_for(tmp_path / "t", "data.domain_tags=true", source=src)))
     tags = {i: tok(name, add_special_tokens=False)["input_ids"] for i, name in enumerate(DOMAINS)}
-    assert data.manifest["tags"]["Wikipedia"] == tags[DOMAINS.index("Wikipedia")]
+    assert data.manifest.tags["Wikipedia"] == tags[DOMAINS.index("Wikipedia")]
     check_layout(data, tok, tags)
     assert any(row_tag > 0 for w in range(len(data)) for row_tag in data[w]["tag_lens"])
     pos, started = reconstruct(data, reference_tokens(tok, docs))
@@ -362,7 +361,7 @@ def test_older_format_is_refused_in_one_line_and_rebuilt(tmp_path, tok, words):
             with pytest.raises(UserError, match=f"dataset format {old},.* run 'lctrain prepare' with the same config"):
                 open_packed(out)
         prepare(cfg)  # rebuilds it
-        assert open_packed(out).manifest["format_version"] == FORMAT_VERSION
+        assert open_packed(out).manifest.format_version == FORMAT_VERSION
 
 
 def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):
@@ -381,10 +380,10 @@ def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):
     src = tmp_path / "c.jsonl"
     src.write_bytes("\n".join(lines).encode() + b"\n\xff\xfe broken utf8\n")
     data = open_packed(prepare(cfg_for(tmp_path / "out", "data.token_budget=100000", source=src)))
-    sk = data.manifest["skipped"]
+    sk = data.manifest.skipped
     assert sk["counts"] == {"malformed_json": 1, "no_text": 2, "empty_text": 1, "undecodable": 1}
     assert sk["examples"][0] == {"reason": "malformed_json", "source": str(src), "line": 21}
-    assert data.manifest["stats"]["domains"]["other"]["documents"] == 1
+    assert data.manifest.stats["domains"]["other"]["documents"] == 1
 
     r = CliRunner().invoke(
         app,
@@ -450,34 +449,64 @@ def test_rerun_is_a_noop_and_other_fingerprint_needs_force(tmp_path):
     with pytest.raises(UserError, match="another data fingerprint.*--force"):
         prepare(load_config(None, over + ["data.seed=1"]))
     prepare(load_config(None, over + ["data.seed=1"]), force=True)
-    assert open_packed(out).manifest["seed"] == 1
+    assert open_packed(out).manifest.seed == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_interrupted_run_leaves_nothing_complete(tmp_path, monkeypatch):
+def dataset_bytes(out: Path) -> dict:
+    """Every file of a prepared dataset, the manifest without what differs between runs (timings, its checksum)."""
+    files = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    manifest = json.loads(files.pop("manifest.json"))
+    del manifest["build"], manifest["checksum"]
+    return files | {"manifest.json": manifest}
+
+
+def test_interrupted_run_resumes_from_its_last_complete_shard(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    over = ["data.seq_len=128", "data.token_budget=6400", f"data.output_dir={out}"]
+    over = ["data.seq_len=128", "data.token_budget=6400", "data.shard_tokens=1024"]  # 8 windows a shard
+    over = [*over, f"data.output_dir={out}"]
+    reference = dataset_bytes(prepare(load_config(None, over)).rename(tmp_path / "ref"))
     original = ShardWriter.add
 
     def failing_add(self, window):
         if self.num_windows == 20:
             raise RuntimeError("injected failure")
-        original(self, window)
+        return original(self, window)
 
     monkeypatch.setattr(ShardWriter, "add", failing_add)
-    monkeypatch.setattr(prepare_mod, "SHARD_TOKENS", 128 * 8)  # several shards already written when it fails
     with pytest.raises(RuntimeError, match="injected"):
         prepare(load_config(None, over))
-    assert list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial", "ref"]  # nothing that looks complete
     with pytest.raises(UserError, match="run 'lctrain prepare"):
         open_packed(out)
-    # a killed run (no cleanup at all) leaves only a hidden partial directory, removed by the next run
-    dead = tmp_path / ".out.partial-999999999"
-    (dead / "data").mkdir(parents=True)
+    # what killed runs of older versions left behind is removed by the next run
+    for dead in (tmp_path / ".out.old-999999999", tmp_path / ".out.partial-999999999"):
+        (dead / "data").mkdir(parents=True)
     monkeypatch.setattr(ShardWriter, "add", original)
     data = open_packed(prepare(load_config(None, over)))
-    assert len(data) == 50 and len(data.manifest["shards"]) == 7
-    assert not dead.exists()
+    assert len(data) == 50 and len(data.manifest.shards) == 7
+    assert data.manifest.build["resumed_after_shards"] == 2  # 16 of the 20 windows written were in complete shards
+    assert dataset_bytes(out) == reference
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
+
+
+def test_progress_of_other_settings_is_not_resumed(tmp_path, monkeypatch):
+    over = ["data.seq_len=128", "data.token_budget=6400", "data.shard_tokens=1024", f"data.output_dir={tmp_path / 'o'}"]
+    original = ShardWriter.add
+
+    def failing_add(self, window):
+        if self.num_windows == 20:
+            raise RuntimeError("injected failure")
+        return original(self, window)
+
+    monkeypatch.setattr(ShardWriter, "add", failing_add)
+    with pytest.raises(RuntimeError, match="injected"):
+        prepare(load_config(None, over))
+    monkeypatch.setattr(ShardWriter, "add", original)
+    data = open_packed(prepare(load_config(None, over + ["data.seed=1"])))
+    assert "resumed_after_shards" not in data.manifest.build
+    got = dataset_bytes(tmp_path / "o")
+    assert dataset_bytes(prepare(load_config(None, over + ["data.seed=1"]), force=True)) == got  # built afresh
 
 
 def test_open_packed_rejects_incomplete_directories(tmp_path):
@@ -502,17 +531,20 @@ def test_domains_from_slimpajama_meta():
 def test_explicit_anchor_is_used_recorded_and_checked_at_train(tmp_path, tok, words):
     """data.anchor=eos: every segment opens with </s> (id 2), the manifest records it, and training refuses the
     dataset once its recorded anchor differs from what the config's resolves to."""
+    from lctrain.data.manifest import AnchorRecord
     from lctrain.data.store import read_manifest, write_manifest
     from lctrain.train.data import open_checked
 
     src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 40, seed=11))
     cfg = cfg_for(tmp_path / "out", "data.anchor=eos", source=src)
     data = open_packed(prepare(cfg))
-    assert data.manifest["anchor"] == {"token": "</s>", "id": 2} and tok.eos_token_id == 2
+    assert data.manifest.anchor.model_dump() == {"token": "</s>", "id": 2} and tok.eos_token_id == 2
     for w in range(len(data)):
         assert all(seg[0] == 2 for seg, _, _, _, _ in segments(data[w]))
     assert len(open_checked(cfg)) == len(data)
-    write_manifest(tmp_path / "out", {**read_manifest(tmp_path / "out"), "anchor": {"token": "<s>", "id": 1}})
+    m = read_manifest(tmp_path / "out")
+    other = {"anchor": AnchorRecord(token="<s>", id=1), "tokenizer": m.tokenizer.model_copy(update={"anchor_id": 1})}
+    write_manifest(tmp_path / "out", m.model_copy(update=other))
     with pytest.raises(UserError, match=r"segments start with anchor <s> \(id 1\), data.anchor = eos is </s> \(id 2\)"):
         open_checked(cfg)
     with pytest.raises(UserError, match="data.anchor = 'nope' is not a token of tokenizer"):

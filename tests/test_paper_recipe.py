@@ -54,13 +54,13 @@ def test_prepared_token_shares_approach_the_targets(shares_run):
     # is within about one document of its target. The longest document read, from the reference tokenizer:
     builtin = cfg.data.tokenizer.removeprefix("builtin:")
     reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file(builtin)))
-    docs = [generate(index=i, **SYNTHETIC)[0] for i in range(data.manifest["source"]["documents_read"])]
+    docs = [generate(index=i, **SYNTHETIC)[0] for i in range(data.manifest.source["documents_read"])]
     longest = max(len(ids) for ids in reference.encode(docs)) + 1  # + its anchor
     tolerance = longest / tokens.sum()
     assert tolerance < 0.02
     for i, name in enumerate(DOMAINS):
         assert abs(realized[i] - SHARES.get(name, 0.0)) <= tolerance, (name, realized[i], tolerance)
-    assert data.manifest["stats"]["domains"]["C4"]["target_tokens_share"] == pytest.approx(0.25, rel=1e-12)
+    assert data.manifest.stats["domains"]["C4"]["target_tokens_share"] == pytest.approx(0.25, rel=1e-12)
 
 
 def test_prepare_and_train_say_when_steps_re_read_windows(shares_run, capsys):

@@ -123,7 +123,7 @@ def test_prepare_encodes_documents_with_the_models_tokenizer(model_dir, tokenize
 
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCUMENTS))
     data = open_packed(prepare(load_config(None, overrides(model_dir, tmp_path, f"data.token_budget={SEQ_LEN * 20}"))))
-    assert data.manifest["anchor"] == {"token": "<|endoftext|>", "id": 0}
+    assert data.manifest.anchor.model_dump() == {"token": "<|endoftext|>", "id": 0}
     body = []
     for w in range(len(data)):
         row = data[w]

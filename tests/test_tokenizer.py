@@ -19,7 +19,7 @@ from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.data import prepare as prepare_mod
 from lctrain.data.sources import RawBatch
-from lctrain.data.store import FORMAT_VERSION, open_packed, read_manifest, write_manifest
+from lctrain.data.store import FORMAT_VERSION, open_packed, read_manifest
 from lctrain.errors import UserError
 from lctrain.tokenizer import (
     SPM_FILE,
@@ -217,7 +217,7 @@ def test_prepared_windows_hold_sentencepiece_ids(tmp_path, corpus):
     )
     out = prepare_mod.prepare(cfg)
     data = open_packed(out)
-    assert data.manifest["tokenizer"]["encoder"] == "sentencepiece" and len(data) == 40
+    assert data.manifest.tokenizer.encoder == "sentencepiece" and len(data) == 40
     body = []
     for w in range(len(data)):
         row = data[w]
@@ -228,10 +228,13 @@ def test_prepared_windows_hold_sentencepiece_ids(tmp_path, corpus):
     expected = [i for ids in reference.encode(corpus) for i in ids]
     assert body == expected[: len(body)] and len(body) > 35 * 1024
 
-    old = {**read_manifest(out), "format_version": FORMAT_VERSION - 1, "stale": True}
-    write_manifest(out, old)
+    manifest = out / "manifest.json"
+    old = json.loads(manifest.read_text()) | {"format_version": FORMAT_VERSION - 1, "stale": 1}
+    manifest.write_text(json.dumps(old))
+    assert read_manifest(out) is None
     prepare_mod.prepare(cfg)
-    assert "stale" not in read_manifest(out) and read_manifest(out)["format_version"] == FORMAT_VERSION
+    rebuilt = json.loads(manifest.read_text())
+    assert "stale" not in rebuilt and rebuilt["format_version"] == FORMAT_VERSION and read_manifest(out) is not None
 
 
 def test_bad_specs_are_user_errors(private_cache, tmp_path):

@@ -47,8 +47,8 @@ PRESETS = {"1b": SHAPES["llama-1b"], "7b": SHAPES["llama2-7b"]}
 
 def dataset_windows(path: str, length: int, rows: int) -> list[list[int]]:
     data = open_packed(path)
-    if int(data.manifest["seq_len"]) != length:
-        raise SystemExit(f"{path}: windows are {data.manifest['seq_len']} tokens, not {length}")
+    if data.manifest.seq_len != length:
+        raise SystemExit(f"{path}: windows are {data.manifest.seq_len} tokens, not {length}")
     return [data[i]["seg_lens"].tolist() for i in range(min(rows, len(data)))]
 
 

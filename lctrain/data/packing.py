@@ -83,6 +83,13 @@ class Packer:
         """Tokens in the window being filled (lost if the stream ends before it is full)."""
         return self._filled
 
+    def pending_by_domain(self) -> dict[int, int]:
+        """`filled` per domain: the tokens (anchors and tags included) of the window being filled."""
+        out: dict[int, int] = {}
+        for header, text, domain in self._segments:
+            out[domain] = out.get(domain, 0) + len(header) + len(text)
+        return out
+
     def _interleaved(self, open_end: bool) -> list[tuple[np.ndarray, np.ndarray, int, int]]:
         """The window's segments as shuffled chunks `(header or empty, text, domain, segment index)`."""
         rng = self._chunk_rng

@@ -7,12 +7,14 @@ The pipeline is a stream with bounded memory whatever the token budget:
 
 Everything after the workers runs in this process with seeded generators, so the output is byte-identical for a
 given config whatever the number of workers. The dataset is built in a hidden sibling directory and renamed into
-place only when complete; an interrupted run leaves no directory that looks complete.
+place only when complete; an interrupted run leaves no directory that looks complete, and the next run resumes it
+from its last complete shard (`lctrain.data.progress`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing
 import os
 import re
@@ -40,16 +42,32 @@ from lctrain.config import (
 from lctrain.data import encode
 from lctrain.data.mixture import Mixture
 from lctrain.data.packing import Packer, ShuffleBuffer
-from lctrain.data.sources import describe_source, hub_batches, local_batches, resolve_local_files, synthetic_batches
+from lctrain.data.progress import Partial
+from lctrain.data.sources import (
+    LocalFiles,
+    describe_source,
+    hub_batches,
+    local_batches,
+    resolve_local_files,
+    synthetic_batches,
+)
 from lctrain.data.stats import DatasetStats, render
-from lctrain.data.store import FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, write_manifest
+from lctrain.data.store import (
+    FORMAT_VERSION,
+    MANIFEST,
+    Manifest,
+    ShardWriter,
+    dataset_problem,
+    shard_checksums,
+    write_manifest,
+)
 from lctrain.errors import UserError, is_environment_error
 from lctrain.hardware import usable_cpus
 from lctrain.lifetime import is_alive
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor, text_encoder, tokenizer_fingerprint
 
-SHARD_TOKENS = 1 << 28  # ~1 GiB of int32 tokens per Arrow shard
 SKIP_EXAMPLES = 5
+NAMED_FILES = 5
 SMALL_BUDGET = 2_000_000
 _SKIP_TEXT = {
     "malformed_json": "not a JSON object",
@@ -94,14 +112,14 @@ def _encoded(batches, encoder, workers: int):
             raise UserError(
                 f"prepare: a tokenizer worker process (of {workers}, data.num_workers) was killed by the OS, most "
                 f"likely by SIGKILL from the out-of-memory killer; free memory or lower data.num_workers, then run "
-                f"'lctrain prepare' again (it starts over)"
+                f"'lctrain prepare' again: it resumes from its last complete shard"
             ) from None
         finally:
             for f in pending:
                 f.cancel()
 
 
-def _batches(data, files: list[Path] | None):
+def _batches(data, files: LocalFiles | None):
     """`files`: the resolved local files (resolved once, in `prepare`), None for the other sources."""
     if data.source == "synthetic":
         s = data.synthetic
@@ -114,15 +132,21 @@ def _batches(data, files: list[Path] | None):
         return synthetic_batches(s.num_docs, params)
     if data.source == "hub":
         return hub_batches(data.hub_name, data.hub_split, data.seed)
-    return local_batches(files)
+    return local_batches(files.files)
 
 
 class _Builder:
-    """The single-process half of the pipeline: shuffle, mixture, chunks, packing, writing, statistics."""
+    """The single-process half of the pipeline: shuffle, mixture, chunks, packing, writing, statistics.
+
+    Documents and windows between the stages wait in `released` and `windows`, so that whenever a shard is complete
+    the whole state (`RESUMABLE`, the writer's shards) is a consistent point to resume from: `on_shard` saves it."""
+
+    RESUMABLE = ("buffer", "mixture", "packer", "stats", "skips", "released", "windows", "position", "counts")
 
     def __init__(self, cfg: Config, anchor_id: int, tags: dict[int, np.ndarray] | None, out: Path):
         d = cfg.data
         self.num_windows = d.token_budget // d.seq_len
+        self.min_doc_tokens = d.min_doc_tokens
         shuffle_seed, mix_seed, chunk_seed = np.random.SeedSequence(d.seed).spawn(3)
         # a buffer larger than the dataset shuffles no better and only delays the first window
         buffer_tokens = min(d.shuffle_buffer_tokens, self.num_windows * d.seq_len)
@@ -139,23 +163,62 @@ class _Builder:
         self.packer = Packer(
             d.seq_len, anchor_id, tags, chunk_rng=np.random.default_rng(chunk_seed) if d.interleave_chunks else None
         )
-        self.writer = ShardWriter(out, d.seq_len, shard_windows=max(1, SHARD_TOKENS // d.seq_len))
+        self.writer = ShardWriter(out, d.seq_len, shard_windows=max(1, d.shard_tokens // d.seq_len))
         self.stats = DatasetStats()
+        self.skips = _Skips(d.strict)
+        self.released: deque = deque()  # documents out of the shuffle buffer, not yet packed
+        self.windows: deque = deque()  # packed windows, not yet written
+        self.position = (0, -1)  # (batch, record in it) of the last source record taken
+        self.counts = {"records": 0, "documents": 0, "tokens": 0}
+        self.on_shard = None
 
     @property
     def done(self) -> bool:
         return self.writer.num_windows >= self.num_windows
 
-    def take(self, tokens: np.ndarray, domain: int) -> None:
-        """A document leaves the shuffle buffer."""
-        size = 1 + self.tag_len[domain] + len(tokens)
-        if self.done or not self.mixture.admit(domain, len(tokens), size):
+    def state(self) -> dict:
+        return {
+            **{k: getattr(self, k) for k in self.RESUMABLE},
+            "shards": self.writer.shards,
+            "num_windows": self.writer.num_windows,
+        }
+
+    def restore(self, state: dict) -> None:
+        for k in self.RESUMABLE:
+            setattr(self, k, state[k])
+        self.writer.resume(state["shards"], state["num_windows"])
+
+    def read(self, batch: int, record: int, source: str, line: int, domain: int, ids, reason: str | None) -> None:
+        """Record `record` of source batch `batch`, as the workers encoded it."""
+        self.position = (batch, record)
+        self.counts["records"] += 1
+        if reason is not None:
+            self.skips.add(reason, source, line)
             return
-        for pw in self.packer.add(tokens, domain):
-            if self.done:
-                return
-            self.stats.add(pw)
-            self.writer.add(pw.window)
+        if len(ids) < self.min_doc_tokens:
+            self.skips.add("too_short", source, line)
+            return
+        self.counts["documents"] += 1
+        self.counts["tokens"] += len(ids)
+        self.released.extend(self.buffer.add((ids, domain), len(ids)))
+        self._pump()
+
+    def source_ended(self, batches: int) -> None:
+        self.position = (batches, -1)
+        self.released.extend(self.buffer.drain())
+        self._pump()
+
+    def _pump(self) -> None:
+        while not self.done and (self.windows or self.released):
+            if self.windows:
+                pw = self.windows.popleft()
+                self.stats.add(pw)
+                if self.writer.add(pw.window) and self.on_shard is not None:
+                    self.on_shard()
+                continue
+            tokens, domain = self.released.popleft()
+            if self.mixture.admit(domain, len(tokens), 1 + self.tag_len[domain] + len(tokens)):
+                self.windows.extend(self.packer.add(tokens, domain))
 
 
 class _Skips:
@@ -192,32 +255,35 @@ def _progress(console):
     )
 
 
-def _existing_is_current(out: Path, fingerprint: str, force: bool) -> bool:
-    """True when `out` already holds this dataset; raises when it holds something else and force is off."""
+def _existing_is_current(out: Path, fingerprint: str, force: bool) -> tuple[bool, str | None]:
+    """(True when `out` already holds this dataset, why a damaged one of ours there is rebuilt); raises when `out`
+    holds something else and force is off."""
     if not out.exists():
-        return False
+        return False, None
     if not out.is_dir():
         raise UserError(f"data.output_dir = '{out}' exists and is not a directory; choose another data.output_dir")
-    manifest = read_manifest(out)
+    manifest, problem = dataset_problem(out)
     if manifest is None:
-        if (out / MANIFEST).exists() or not any(out.iterdir()):
-            return False  # an empty directory or a broken dataset of ours: rebuild it
+        if (out / MANIFEST).exists():
+            return False, problem  # a damaged dataset of ours, or one of an older format: rebuild it
+        if not any(out.iterdir()):
+            return False, None
         raise UserError(
             f"{out} exists, is not empty and is not a prepared dataset; remove it or choose another data.output_dir"
         )
-    if manifest.get("data_fingerprint") == fingerprint:
-        return not force  # read_manifest already turned away an older format, which is rebuilt
+    if manifest.data_fingerprint == fingerprint:
+        return not force, None
     if not force:
-        theirs = str(manifest.get("data_fingerprint", "?"))[:12]
         raise UserError(
-            f"{out} holds a dataset with another data fingerprint ({theirs}, this config "
+            f"{out} holds a dataset with another data fingerprint ({manifest.data_fingerprint[:12]}, this config "
             f"{fingerprint[:12]}); rerun with --force to replace it or set data.output_dir"
         )
-    return False
+    return False, None
 
 
 def _remove_stale(out: Path) -> None:
-    """Remove what killed runs left behind (their process is gone)."""
+    """Remove the old datasets that killed runs were replacing, and the build directories of older lctrain versions
+    (their process is gone)."""
     pattern = re.compile(rf"^\.{re.escape(out.name)}\.(partial|old)-(\d+)$")
     for p in out.parent.iterdir():
         m = pattern.match(p.name)
@@ -270,9 +336,12 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     reread = reread_warning(cfg, num_windows)
     if reread:
         console.print(reread, markup=False)
-    if _existing_is_current(out, fingerprint, force):
+    current, damage = _existing_is_current(out, fingerprint, force)
+    if current:
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         return out
+    if damage:
+        console.print(f"{out}: rebuilding it ({damage})", markup=False)
     # resolving validates local paths before the slow tokenizer load; done once, a SlimPajama tree is large
     files = resolve_local_files(str(cfg.resolve_path(d.path)), d.hub_split, d.seed) if d.source == "local" else None
     source = describe_source(d, files)
@@ -291,13 +360,22 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             )
     workers = _num_workers(d.num_workers, num_windows * d.seq_len)
 
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    partial = Partial(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(out)
-        tmp.mkdir()
+        partial.open()
     except OSError as e:
         raise _write_error(out, e) from None
+    tokenizer = _tokenizer_info(d.tokenizer, tok, encoder, anchor_id)
+    # what must not have changed for an interrupted run's state to be resumed
+    resume_key = {
+        "format_version": FORMAT_VERSION,
+        "data_fingerprint": fingerprint,
+        "shard_tokens": d.shard_tokens,
+        "tokenizer": tokenizer,
+        "source": files.identity() if files is not None else source,
+    }
     console.print(
         f"preparing {out}: {source['kind']} source, tokenizer {d.tokenizer}, {num_windows:,} windows of "
         f"{d.seq_len:,} tokens, mixture {d.mixture}, {workers} worker(s)"
@@ -305,9 +383,21 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     console.print(f"anchor: {anchor.token} (id {anchor.id}; {anchor.why})", markup=False)
     builder = None
     try:
-        builder = _Builder(cfg, anchor_id, tags, tmp)
+        saved = partial.load(resume_key)
+        if saved is None or not _shards_intact(partial.dir, saved["shards"]):
+            saved = None
+            partial.start_over()
+        builder = _Builder(cfg, anchor_id, tags, partial.dir)
+        if saved is not None:
+            builder.restore(saved)
+            console.print(
+                f"resuming an interrupted prepare after its last complete shard ({len(saved['shards'])} shard(s), "
+                f"{saved['num_windows']:,} windows)"
+            )
+        resumed_shards = len(builder.writer.shards)
+        builder.on_shard = lambda: partial.save(resume_key, builder.state())
         t0 = time.perf_counter()
-        read = _read(d, builder, _batches(d, files), encoder, workers, console)
+        read = _read(builder, _batches(d, files), encoder, workers, console, d.seq_len)
         elapsed = time.perf_counter() - t0
         if builder.writer.num_windows == 0:
             # no manifest is written, so the skip table is never shown: say here why records were not usable
@@ -320,111 +410,136 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         shards = builder.writer.close()
         stats = builder.stats.to_dict(builder.mixture.target_shares())
         packed = builder.writer.num_windows * d.seq_len
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "complete": True,
-            "data_fingerprint": fingerprint,
-            "config_fingerprint": config_fingerprint(cfg),
-            "seq_len": d.seq_len,
-            "num_windows": builder.writer.num_windows,
-            "num_tokens": packed,
-            "mixture": d.mixture,
-            "token_budget": d.token_budget,
-            "domain_tags": d.domain_tags,
-            "interleave_chunks": d.interleave_chunks,
-            "short_doc_tokens": d.short_doc_tokens,
-            "down_sample_ratio": d.down_sample_ratio,
-            "domains": list(DOMAINS),
-            "tokenizer": _tokenizer_info(d.tokenizer, tok, encoder, anchor_id),
-            "anchor": anchor.record(),
-            "tags": {DOMAINS[i]: t.tolist() for i, t in tags.items()} if tags else None,
-            "seed": d.seed,
-            "shuffle": {"file_order": "seeded permutation", "buffer_tokens": builder.buffer.max_tokens},
-            "stats": stats,
-            "skipped": read["skipped"],
-            "mixture_dropped": builder.mixture.dropped,
-            "source": {
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            complete=True,
+            data_fingerprint=fingerprint,
+            config_fingerprint=config_fingerprint(cfg),
+            seq_len=d.seq_len,
+            num_windows=builder.writer.num_windows,
+            num_tokens=packed,
+            mixture=d.mixture,
+            token_budget=d.token_budget,
+            domain_tags=d.domain_tags,
+            interleave_chunks=d.interleave_chunks,
+            short_doc_tokens=d.short_doc_tokens,
+            down_sample_ratio=d.down_sample_ratio,
+            domains=list(DOMAINS),
+            tokenizer=tokenizer,
+            anchor=anchor.record(),
+            tags={DOMAINS[i]: t.tolist() for i, t in tags.items()} if tags else None,
+            seed=d.seed,
+            shuffle={"file_order": "seeded permutation", "buffer_tokens": builder.buffer.max_tokens},
+            stats=stats,
+            skipped=read["skipped"],
+            mixture_dropped=builder.mixture.dropped,
+            source={
                 **source,
                 "records_read": read["records"],
                 "documents_read": read["documents"],
                 "tokens_read": read["tokens"],
             },
-            "source_exhausted": read["exhausted"],
-            "dropped_tail_tokens": read["tail"],
-            "shards": shards,
-            "build": {
+            source_exhausted=read["exhausted"],
+            dropped_tail_tokens=sum(read["tail"].values()),
+            dropped_tail_by_domain=read["tail"],
+            shards=shards,
+            build={
                 "seconds": round(elapsed, 3),
                 "packed_tokens_per_s": round(packed / max(elapsed, 1e-9)),
                 "tokenized_tokens_per_s": round(read["tokens"] / max(elapsed, 1e-9)),
                 "num_workers": workers,
                 "lctrain_version": __version__,
+                **({"resumed_after_shards": resumed_shards} if resumed_shards else {}),
             },
-        }
-        write_resolved(cfg, tmp)
-        write_manifest(tmp, manifest)
-        _move_into_place(tmp, out)
+        )
+        write_resolved(cfg, partial.dir)
+        write_manifest(partial.dir, manifest)
+        partial.finish()
+        _move_into_place(partial.dir, out)
+        partial.close(keep=True)
     except BaseException as e:
         if builder is not None:
             with contextlib.suppress(OSError):  # closing the shard flushes it, which fails again on a full disk
                 builder.writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
+        # keep what a later run can resume from; nothing else is left behind
+        partial.close(keep=partial.has_progress())
         if is_environment_error(e):
             raise _write_error(out, e) from None
         raise
     render(console, stats, read["skipped"])
-    if read["exhausted"]:
-        console.print(
-            f"[yellow]the source ran out before the budget: {manifest['num_windows']:,} of "
-            f"{num_windows:,} windows ({packed:,} tokens) written[/yellow]"
-        )
+    _say_what_was_left_out(console, manifest, num_windows)
     console.print(
-        f"wrote {manifest['num_windows']:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s "
-        f"({manifest['build']['packed_tokens_per_s']:,} tokens/s)"
+        f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s "
+        f"({manifest.build['packed_tokens_per_s']:,} tokens/s)"
     )
     return out
 
 
-def _read(d, builder: _Builder, batches, encoder, workers: int, console) -> dict:
-    skips = _Skips(d.strict)
-    records = documents = tokens = 0
-    budget = builder.num_windows * d.seq_len
+def _shards_intact(directory: Path, shards: list[dict]) -> bool:
+    """Whether the shards an interrupted run completed are still what it wrote (every byte checked)."""
+    for s in shards:
+        path = directory / s["file"]
+        if not path.is_file() or path.stat().st_size != s["bytes"]:
+            return False
+        if shard_checksums(path) != (s["checksum"], s["edge_checksum"]):
+            return False
+    return True
+
+
+def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int) -> None:
+    """The input files not read, the source's tail that could not fill a window, a source shorter than the budget."""
+    skipped = manifest.source.get("skipped_files") or []
+    if skipped:
+        named = "; ".join(f"{f['path']} ({f['reason']})" for f in skipped[:NAMED_FILES])
+        if len(skipped) > NAMED_FILES:
+            named += f"; and {len(skipped) - NAMED_FILES:,} more (manifest.json: source.skipped_files)"
+        console.print(f"skipped {len(skipped):,} input file(s): {named}", style="yellow", markup=False)
+    if manifest.dropped_tail_tokens:
+        per_domain = ", ".join(f"{d} {n:,}" for d, n in manifest.dropped_tail_by_domain.items())
+        console.print(
+            f"the source's last {manifest.dropped_tail_tokens:,} tokens ({per_domain}; anchors and tags included) "
+            f"cannot fill a {manifest.seq_len:,}-token window and were not written",
+            style="yellow",
+        )
+    if manifest.source_exhausted:
+        console.print(
+            f"the source ran out before the budget: {manifest.num_windows:,} of {planned_windows:,} windows "
+            f"({manifest.num_tokens:,} tokens) written",
+            style="yellow",
+        )
+
+
+def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: int) -> dict:
+    """Feed the source to `builder`, from where an interrupted run left it (`builder.position`)."""
+    first_batch, last_record = builder.position
+    budget = builder.num_windows * seq_len
     t0 = time.perf_counter()
     with _progress(console) as bar:
         task = bar.add_task("prepare", total=budget, docs=0, docs_per_s=0.0)
-        encoded = _encoded(batches, encoder, workers)
-        for source, batch in encoded:
-            for line, domain, ids, reason in batch:
-                records += 1
-                if reason is not None:
-                    skips.add(reason, source, line)
-                    continue
-                if len(ids) < d.min_doc_tokens:
-                    skips.add("too_short", source, line)
-                    continue
-                documents += 1
-                tokens += len(ids)
-                for item in builder.buffer.add((ids, domain), len(ids)):
-                    builder.take(*item)
+        # a resumed run skips the batches it consumed without tokenizing them
+        encoded = _encoded(itertools.islice(batches, first_batch, None), encoder, workers)
+        b = first_batch - 1
+        for b, (source, batch) in enumerate(encoded, start=first_batch):
+            for j, (line, domain, ids, reason) in enumerate(batch):
+                if b > first_batch or j > last_record:
+                    builder.read(b, j, source, line, domain, ids, reason)
             bar.update(
                 task,
-                completed=builder.writer.num_windows * d.seq_len,
-                docs=documents,
-                docs_per_s=documents / max(time.perf_counter() - t0, 1e-9),
+                completed=builder.writer.num_windows * seq_len,
+                docs=builder.counts["documents"],
+                docs_per_s=builder.counts["documents"] / max(time.perf_counter() - t0, 1e-9),
             )
             if builder.done:
                 break
         encoded.close()  # stops the workers now when the budget is full before the source ends
+        if not builder.done:
+            builder.source_ended(b + 1)
         exhausted = not builder.done
-        if exhausted:
-            for item in builder.buffer.drain():
-                builder.take(*item)
-            exhausted = not builder.done
-        bar.update(task, completed=builder.writer.num_windows * d.seq_len)
+        bar.update(task, completed=builder.writer.num_windows * seq_len)
+    tail = builder.packer.pending_by_domain() if exhausted else {}
     return {
-        "skipped": skips.to_dict(),
-        "records": records,
-        "documents": documents,
-        "tokens": tokens,
+        "skipped": builder.skips.to_dict(),
+        **builder.counts,
         "exhausted": exhausted,
-        "tail": builder.packer.filled if exhausted else 0,
+        "tail": {DOMAINS[dom]: n for dom, n in sorted(tail.items())},
     }

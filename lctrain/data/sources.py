@@ -10,13 +10,17 @@ File order is shuffled with the data seed; documents are shuffled further by the
 
 from __future__ import annotations
 
+import errno
 import glob
 import io
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from lctrain.errors import UserError
 
@@ -43,27 +47,95 @@ def _supported(p: Path) -> bool:
     return p.name.endswith(SUPPORTED)
 
 
-def resolve_local_files(path: str, split: str, seed: int) -> list[Path]:
-    """The input files of `data.path`, in a seeded shuffled order."""
-    if any(ch in path for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(path, recursive=True) if _supported(Path(p)))
-        if not files:
-            raise UserError(f"data.path = '{path}': the pattern matches no {'/'.join(SUPPORTED)} file")
-    else:
-        p = Path(path)
-        if not p.exists():
-            raise UserError(f"data.path = '{path}': no such file or directory")
-        if p.is_file():
+_NOT_REGULAR = {
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+@dataclass
+class LocalFiles:
+    """The input files of `data.path` in their seeded order, and the candidates left out with the reason."""
+
+    files: list[Path]
+    skipped: list[tuple[Path, str]]
+
+    def identity(self) -> dict:
+        """What tells two sets of input files apart without reading them (names, sizes, modification times)."""
+        h = xxhash.xxh3_128()
+        for f in self.files:
+            st = f.stat()
+            h.update(f"{f}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+        return {"files": len(self.files), "xxh3_128": h.hexdigest()}
+
+
+def _candidates(path: str, split: str) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Entries with a supported name under `data.path`, and unlistable directories. A path that exists is taken as
+    a path even when its name holds glob characters (a directory `data[1]`); only one that does not is a pattern."""
+    p = Path(path)
+    if p.exists() or p.is_symlink():
+        if not p.is_dir():
             if not _supported(p):
                 raise UserError(f"data.path = '{path}': unsupported file type; use one of {', '.join(SUPPORTED)}")
-            files = [p]
+            return [p], []
+        root = p / split if (p / split).is_dir() else p
+        found, unlistable = [], []
+        for top, dirs, names in os.walk(root, onerror=lambda e: unlistable.append((Path(e.filename), e.strerror))):
+            dirs.sort()
+            found += [Path(top) / n for n in sorted(names) if _supported(Path(n))]
+        if not found and not unlistable:
+            raise UserError(f"data.path = '{path}': no {', '.join(SUPPORTED)} files under {root}")
+        return sorted(found), [(d, f"directory cannot be listed: {why}") for d, why in unlistable]
+    if any(ch in path for ch in "*?["):
+        found = sorted(Path(m) for m in glob.glob(path, recursive=True) if _supported(Path(m)))
+        found = [f for f in found if f.is_symlink() or not f.is_dir()]
+        if not found:
+            raise UserError(f"data.path = '{path}': the pattern matches no {'/'.join(SUPPORTED)} file")
+        return found, []
+    raise UserError(f"data.path = '{path}': no such file or directory")
+
+
+def _why_unreadable(f: Path) -> str | None:
+    """None for a regular file this process may read; the reason to skip it otherwise. Refuses (UserError) a pipe,
+    a device or a socket: reading one would block or never end. Nothing is opened here."""
+    try:
+        mode = os.stat(f).st_mode
+    except OSError as e:
+        if f.is_symlink():
+            return "symlink loop" if e.errno == errno.ELOOP else "dangling symlink (its target does not exist)"
+        return e.strerror or str(e)
+    kind = _NOT_REGULAR.get(stat.S_IFMT(mode))
+    if kind is not None:
+        raise UserError(
+            f"{f} is {kind}, not a regular file; lctrain reads only regular files: remove it from data.path"
+        )
+    if not stat.S_ISREG(mode):
+        return "not a regular file"
+    if not os.access(f, os.R_OK):
+        return "permission denied"
+    return None
+
+
+def resolve_local_files(path: str, split: str, seed: int) -> LocalFiles:
+    """The input files of `data.path`, in a seeded shuffled order, and those skipped with the reason (dangling
+    symlinks, unreadable files and directories)."""
+    candidates, skipped = _candidates(path, split)
+    files = []
+    for f in candidates:
+        why = _why_unreadable(f)
+        if why is None:
+            files.append(f)
         else:
-            root = p / split if (p / split).is_dir() else p
-            files = sorted(f for f in root.rglob("*") if f.is_file() and _supported(f))
-            if not files:
-                raise UserError(f"data.path = '{path}': no {', '.join(SUPPORTED)} files under {root}")
+            skipped.append((f, why))
+    if not files:
+        first, why = skipped[0]
+        raise UserError(
+            f"data.path = '{path}': no readable {'/'.join(SUPPORTED)} file ({len(skipped)} skipped; {first}: {why})"
+        )
     order = np.random.default_rng(seed).permutation(len(files))
-    return [files[i] for i in order]
+    return LocalFiles([files[i] for i in order], skipped)
 
 
 def _open_binary(path: Path):
@@ -218,12 +290,13 @@ def synthetic_batches(num_docs: int, params: dict, batch_docs: int = 64) -> Iter
         )
 
 
-def describe_source(data, files: list[Path] | None) -> dict:
-    """What the data came from, for the manifest: enough to tell two sources apart. `files`: the local source's
-    files from `resolve_local_files`, None for the other sources."""
+def describe_source(data, files: LocalFiles | None) -> dict:
+    """What the data came from, for the manifest: enough to tell two sources apart, and the input files skipped.
+    `files`: the local source's files from `resolve_local_files`, None for the other sources."""
     if data.source == "synthetic":
         return {"kind": "synthetic", **data.synthetic.model_dump()}
     if data.source == "hub":
         return {"kind": "hub", "name": data.hub_name, "split": data.hub_split}
-    total = sum(f.stat().st_size for f in files)
-    return {"kind": "local", "path": data.path, "files": len(files), "bytes": total}
+    total = sum(f.stat().st_size for f in files.files)
+    skipped = [{"path": str(f), "reason": why} for f, why in files.skipped]
+    return {"kind": "local", "path": data.path, "files": len(files.files), "bytes": total, "skipped_files": skipped}

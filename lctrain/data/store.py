@@ -1,27 +1,50 @@
 """The packed-store format (docs/design.md §2): `manifest.json` plus Arrow shards under `data/`, one row per window.
 
 Written in bounded batches with `datasets`' ArrowWriter, read back memory-mapped with `datasets.Dataset.from_file`.
-A directory counts as a dataset only when its manifest says `complete` and every shard it lists is present: prepare
-writes the manifest last, inside a temporary directory that is renamed into place.
+A directory counts as a dataset only when its manifest (`lctrain.data.manifest`) is whole and every shard it lists
+is there with the size, content checksum, row count and schema prepare wrote: prepare writes the manifest last,
+inside a hidden directory that is renamed into place.
+
+What opening a dataset verifies (`verify_shards`): every shard's size and the checksum of its first and last
+`EDGE_BYTES` always (a missing, truncated, zeroed or swapped shard is caught there: an Arrow file's tail is its
+last record batch and footer), and the checksum of every byte when the shards total at most `FULL_VERIFY_BYTES` or
+when asked (`lctrain inspect`, a resumed `prepare`). xxh3 hashes ~8 GiB/s from memory, so a full check of a large
+dataset costs what reading it from disk costs (seconds per 10 GB, on every rank's start), which a training start
+should not pay for data it reads anyway; damage inside a large shard's middle is then caught by `lctrain inspect`.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import xxhash
+from datasets import Dataset, Features, List, Value, concatenate_datasets
+from datasets.arrow_writer import ArrowWriter
 
+from lctrain.data.manifest import (
+    DATA_SUBDIR,
+    FORMAT_VERSION,
+    MANIFEST,
+    Damaged,
+    Manifest,
+    Outdated,
+    digest,
+    load_manifest,
+    shard_file,
+    write_manifest,
+)
 from lctrain.errors import UserError
 
-# 3: a SentencePiece model's ids are SentencePiece's own (before, those of transformers' converted tokenizer), and an
-# interleaved document's later chunks in a window carry no anchor or tag (before, both were repeated on every chunk).
-FORMAT_VERSION = 3
-MANIFEST = "manifest.json"
-DATA_SUBDIR = "data"
+__all__ = ["FORMAT_VERSION", "MANIFEST", "Manifest", "write_manifest", "open_packed", "read_manifest"]
+
+EDGE_BYTES = 1 << 20
+FULL_VERIFY_BYTES = 1 << 30
+_READ_BLOCK = 8 << 20
 _COLUMN_DTYPES = {
     "input_ids": np.int32,
     "seg_lens": np.int32,
@@ -33,9 +56,6 @@ COLUMNS = tuple(_COLUMN_DTYPES)
 
 
 def features(seq_len: int):
-    # datasets on use: it takes ~1 s to import, and reading packed data does not need it (start-up time)
-    from datasets import Features, List, Value
-
     # input_ids is fixed-length (one window), the per-segment columns ragged
     return Features(
         {
@@ -81,31 +101,40 @@ class ShardWriter:
         self._rows_in_shard = 0
         self.num_windows = 0
 
-    def add(self, window: Window) -> None:
+    def add(self, window: Window) -> bool:
+        """Queue one window; True when this completed a shard (written, synced to disk and checksummed)."""
         self._pending.append(window)
         self.num_windows += 1
         if len(self._pending) >= self.batch_windows or self._rows_in_shard + len(self._pending) >= self.shard_windows:
-            self._flush()
+            return self._flush()
+        return False
+
+    def resume(self, shards: list[dict], num_windows: int) -> None:
+        """Go on after the complete `shards` of an interrupted run (`lctrain.data.progress`)."""
+        self.shards = [dict(s) for s in shards]
+        self.num_windows = num_windows
 
     def _open_shard(self):
-        # datasets on use (start-up time), as above
-        from datasets.arrow_writer import ArrowWriter
-
-        name = f"shard-{len(self.shards):05d}.arrow"
-        self.shards.append({"file": f"{DATA_SUBDIR}/{name}", "num_windows": 0})
-        self._writer = ArrowWriter(features=self.features, path=str(self.dir / name))
+        file = shard_file(len(self.shards))
+        self.shards.append({"file": file, "num_windows": 0})
+        self._writer = ArrowWriter(features=self.features, path=str(self.dir.parent / file))
         self._rows_in_shard = 0
 
     def _close_shard(self):
         self._writer.finalize()
         self._writer.close()
         self._writer = None
+        self._rows_in_shard = 0  # the next shard's first batch is a full one, as after a resume
         shard = self.shards[-1]
-        shard["bytes"] = (self.dir.parent / shard["file"]).stat().st_size  # what read_manifest verifies
+        path = self.dir.parent / shard["file"]
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())  # a resumed prepare trusts every shard its progress file lists
+        shard["bytes"] = path.stat().st_size
+        shard["checksum"], shard["edge_checksum"] = shard_checksums(path)
 
-    def _flush(self):
+    def _flush(self) -> bool:
         if not self._pending:
-            return
+            return False
         if self._writer is None:
             self._open_shard()
         ws = self._pending
@@ -121,6 +150,8 @@ class ShardWriter:
         self._pending = []
         if self._rows_in_shard >= self.shard_windows:
             self._close_shard()
+            return True
+        return False
 
     def close(self) -> list[dict]:
         self._flush()
@@ -134,65 +165,72 @@ class ShardWriter:
             self._writer = None
 
 
-def write_manifest(directory: Path, manifest: dict) -> None:
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, directory / MANIFEST)
+def shard_checksums(path: Path, full: bool = True) -> tuple[str | None, str]:
+    """(checksum of every byte or None, checksum of the first and last EDGE_BYTES) of a shard file, in one pass."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if full:
+            h = xxhash.xxh3_128()
+            head = b""
+            while block := f.read(_READ_BLOCK):
+                h.update(block)
+                if len(head) < EDGE_BYTES:
+                    head += block[: EDGE_BYTES - len(head)]
+            whole = f"xxh3_128:{h.hexdigest()}"
+        else:
+            whole, head = None, f.read(EDGE_BYTES)
+        f.seek(max(size - EDGE_BYTES, 0))
+        return whole, digest(head + f.read(EDGE_BYTES))
 
 
-def _complete_manifest(path: Path) -> dict | None:
+def verify_shards(path: Path, manifest: Manifest, full: bool | None = None) -> None:
+    """Raise `Damaged` naming the first shard that is not what prepare wrote (module docstring); `full`: check every
+    byte (None: when the shards total at most FULL_VERIFY_BYTES)."""
+    if full is None:
+        full = sum(s.bytes for s in manifest.shards) <= FULL_VERIFY_BYTES
+    for s in manifest.shards:
+        f = path / s.file
+        try:
+            st = os.stat(f)
+        except OSError as e:
+            raise Damaged(f"{s.file} is missing ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise Damaged(f"{s.file} is not a regular file")
+        if st.st_size != s.bytes:
+            raise Damaged(f"{s.file} is {st.st_size:,} bytes, not the {s.bytes:,} prepare wrote")
+        try:
+            whole, edges = shard_checksums(f, full)
+        except OSError as e:
+            raise Damaged(f"{s.file} cannot be read ({e.strerror or e})") from None
+        if edges != s.edge_checksum or (whole is not None and whole != s.checksum):
+            raise Damaged(
+                f"{s.file}: its content is not what prepare wrote (checksum differs: overwritten, zeroed or swapped)"
+            )
+
+
+def dataset_problem(path: Path, full: bool | None = None) -> tuple[Manifest | None, str | None]:
+    """(the manifest, None) for a whole dataset at `path`, else (None, one line naming the file at fault)."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("complete") else None
+        manifest = load_manifest(path)
+        verify_shards(path, manifest, full)
+    except Damaged as e:
+        return None, str(e)
+    return manifest, None
 
 
-def damaged_shards(path: Path, manifest: dict) -> list[str]:
-    """Shards that are missing or whose size differs from what prepare wrote (a truncated copy, a full disk)."""
-    bad = []
-    for s in manifest.get("shards", []):
-        f = path / s["file"]
-        if not f.is_file():
-            bad.append(f"{s['file']} is missing")
-        elif "bytes" in s and f.stat().st_size != s["bytes"]:
-            bad.append(f"{s['file']} is {f.stat().st_size:,} bytes, not the {s['bytes']:,} prepare wrote")
-    return bad
-
-
-def outdated(manifest: dict) -> str | None:
-    """Why this lctrain cannot read a dataset of the manifest's format version, or None when it can."""
-    version = manifest.get("format_version")
-    if version == FORMAT_VERSION:
-        return None
-    if isinstance(version, int) and version < FORMAT_VERSION:
-        return (
-            f"it is of dataset format {version}, whose token ids (SentencePiece tokenizers) or interleaved-chunk "
-            f"layout this lctrain no longer trains on"
-        )
-    return f"dataset format version {version} is not {FORMAT_VERSION}"
-
-
-def read_manifest(path: Path) -> dict | None:
-    """The manifest of a complete, undamaged dataset at `path` that this lctrain reads, or None (none, incomplete,
-    damaged, or of an outdated format: `prepare` rebuilds all of these)."""
-    manifest = _complete_manifest(path)
-    if manifest is None or damaged_shards(path, manifest) or outdated(manifest):
-        return None
-    return manifest
+def read_manifest(path: Path) -> Manifest | None:
+    """The manifest of a whole dataset at `path` that this lctrain reads, or None (none, incomplete, damaged, or of
+    an outdated format: `prepare` rebuilds all of these)."""
+    return dataset_problem(path)[0]
 
 
 class PackedData:
-    """A prepared dataset: `.manifest` (dict), `.rows` (a memory-mapped `datasets.Dataset`), `len()`, and
+    """A prepared dataset: `.manifest` (a `Manifest`), `.rows` (a memory-mapped `datasets.Dataset`), `len()`, and
     `obj[i]` -> dict of numpy arrays with the column dtypes of docs/design.md §2."""
 
-    def __init__(self, path: Path, manifest: dict):
-        # datasets on use (start-up time), as above
-        from datasets import Dataset, concatenate_datasets
-
+    def __init__(self, path: Path, manifest: Manifest, parts: list):
         self.path = path
         self.manifest = manifest
-        parts = [Dataset.from_file(str(path / s["file"])) for s in manifest["shards"]]
         self.rows = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
         self._np = self.rows.with_format("numpy")
 
@@ -206,33 +244,40 @@ class PackedData:
         return {k: np.asarray(row[k], dtype=_COLUMN_DTYPES[k]) for k in COLUMNS}
 
     def __repr__(self) -> str:
-        m = self.manifest
-        return f"PackedData({str(self.path)!r}, windows={len(self)}, seq_len={m['seq_len']})"
+        return f"PackedData({str(self.path)!r}, windows={len(self)}, seq_len={self.manifest.seq_len})"
 
 
-def open_packed(path) -> PackedData:
-    """Open a prepared dataset directory; a missing or incomplete one is a UserError saying how to build it."""
+def _read_shards(path: Path, manifest: Manifest) -> list:
+    expected = features(manifest.seq_len)
+    parts = []
+    for s in manifest.shards:
+        try:
+            part = Dataset.from_file(str(path / s.file))
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise Damaged(f"{s.file} is not a readable Arrow shard ({type(e).__name__}: {e})") from None
+        if part.features != expected:
+            raise Damaged(f"{s.file} does not hold {manifest.seq_len}-token windows in this lctrain's columns")
+        if len(part) != s.num_windows:
+            raise Damaged(f"{s.file} holds {len(part):,} windows, not the {s.num_windows:,} prepare wrote")
+        parts.append(part)
+    return parts
+
+
+REBUILD = "run 'lctrain prepare' with the same config to rebuild it"
+
+
+def open_packed(path, verify: bool | None = None, rebuild: str = REBUILD) -> PackedData:
+    """Open a prepared dataset directory, checked as the module docstring says (`verify`: True checks every byte);
+    anything missing, incomplete or damaged is a UserError naming the file and ending in `rebuild`."""
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"{path}: no prepared dataset here; run 'lctrain prepare' with the same config first")
-    manifest = _complete_manifest(path)
-    if manifest is None:
-        raise UserError(
-            f"{path}: incomplete or not a prepared dataset (no complete {MANIFEST}); "
-            f"run 'lctrain prepare --force' with the same config to rebuild it"
-        )
-    bad = damaged_shards(path, manifest)
-    if bad:
-        raise UserError(
-            f"{path}: the prepared dataset is damaged ({bad[0]}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); "
-            f"run 'lctrain prepare' with the same config to rebuild it"
-        )
-    reason = outdated(manifest)
-    if reason:
-        raise UserError(f"{path}: {reason}; run 'lctrain prepare' with the same config to rebuild it")
-    if manifest["num_windows"] == 0 or not manifest.get("shards"):
-        raise UserError(
-            f"{path}: the prepared dataset holds no windows; use a larger corpus or a smaller "
-            f"data.seq_len and run 'lctrain prepare --force'"
-        )
-    return PackedData(path, manifest)
+        raise UserError(f"{path}: no prepared dataset here; {rebuild.replace('rebuild', 'build')}")
+    try:
+        manifest = load_manifest(path)
+        verify_shards(path, manifest, verify)
+        parts = _read_shards(path, manifest)
+    except Outdated as e:
+        raise UserError(f"{path}: {e}; {rebuild}") from None
+    except Damaged as e:
+        raise UserError(f"{path}: the prepared dataset is damaged ({e}); {rebuild}") from None
+    return PackedData(path, manifest, parts)

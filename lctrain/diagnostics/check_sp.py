@@ -136,7 +136,7 @@ def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]
             )
         item = packed[row]
         window = {k: np.asarray(item[k], dtype=np.int64) for k in ("input_ids", "seg_lens", "seg_doc", "tag_lens")}
-        vocab = int(packed.manifest["tokenizer"]["vocab_size"])
+        vocab = packed.manifest.tokenizer.vocab_size
         return window, f"prepared dataset {data_dir(cfg)}, window {row}", vocab
     anchor = anchor_token_id(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
     vocab = model_shape(cfg).vocab

@@ -66,12 +66,12 @@ def packed_document_spans(
 
 def _from_packed(path: Path, length: int, count: int, vocab_size: int) -> ProbeText:
     data = open_packed(path)
-    if data.manifest.get("interleave_chunks"):
+    if data.manifest.interleave_chunks:
         raise UserError(
             f"{path}: a dataset prepared with data.interleave_chunks does not record where documents "
             f"start; pass one prepared without it, or text files with --text"
         )
-    window_len = int(data.manifest["seq_len"])
+    window_len = data.manifest.seq_len
     columns = data.rows.select_columns(["seg_lens", "tag_lens"]).iter(batch_size=256)
     windows = (
         (np.asarray(s), np.asarray(t)) for batch in columns for s, t in zip(batch["seg_lens"], batch["tag_lens"])
@@ -93,7 +93,7 @@ def _from_packed(path: Path, length: int, count: int, vocab_size: int) -> ProbeT
     if top >= vocab_size:
         raise UserError(
             f"{path}: token id {top} is outside the model's vocabulary of {vocab_size}; the dataset was "
-            f"tokenized for another model ({data.manifest.get('tokenizer', {}).get('name', '?')})"
+            f"tokenized for another model ({data.manifest.tokenizer.name})"
         )
     return ProbeText(
         sequences, [f"window {w}, token {offset}" for w, offset in chosen], sum(1 for s in chosen if s in whole)

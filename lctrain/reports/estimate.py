@@ -36,10 +36,10 @@ def mean_pairs(cfg: Config) -> tuple[dict[str, float], str]:
     why = f"no prepared dataset at {path}"
     if (path / "manifest.json").is_file():
         packed = open_packed(path)  # refuses a dataset without windows
-        if int(packed.manifest["seq_len"]) == L:
+        if packed.manifest.seq_len == L:
             stats = dataset_stats(packed)
             return {m: v / stats["windows"] for m, v in stats["attention_pairs"].items()}, f"prepared dataset {path}"
-        why = f"the prepared dataset at {path} has seq_len {packed.manifest['seq_len']}, not {L}"
+        why = f"the prepared dataset at {path} has seq_len {packed.manifest.seq_len}, not {L}"
     wins = slimpajama_like_layouts(L, SYNTHETIC_WINDOWS, cfg.data.seed)
     totals = dict.fromkeys(MODES, 0)
     for w in wins:

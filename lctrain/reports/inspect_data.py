@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.table import Table
 
 from lctrain.attention.modes import MODES
-from lctrain.config import DOMAINS
 from lctrain.costmodel import window_pairs
 from lctrain.data.store import open_packed
 from lctrain.reports.plots import plot_dataset
@@ -31,8 +30,8 @@ def _log2_edges(max_len: int) -> list[int]:
 
 def dataset_stats(packed) -> dict:
     """Per-domain counts and shares, segment-length histogram and attention pairs per mode over every window."""
-    seq_len = int(packed.manifest["seq_len"])
-    domains = list(packed.manifest.get("domains") or DOMAINS)
+    seq_len = packed.manifest.seq_len
+    domains = list(packed.manifest.domains)
     seg_count = np.zeros(len(domains), dtype=np.int64)
     tok_count = np.zeros(len(domains), dtype=np.int64)
     pairs = dict.fromkeys(MODES, 0)
@@ -61,7 +60,7 @@ def dataset_stats(packed) -> dict:
         for i, d in enumerate(domains)
     }
     # Whole documents (also those spanning windows) are only known to prepare: take them from its manifest.
-    manifest_stats = packed.manifest.get("stats") or {}
+    manifest_stats = packed.manifest.stats
     doc_stats = manifest_stats.get("domains") or {}
     for d, row in domain_rows.items():
         row["documents"] = (doc_stats.get(d) or {}).get("documents")
@@ -90,7 +89,7 @@ def dataset_stats(packed) -> dict:
 
 def inspect(data_dir: str | Path, out: str | Path | None = None) -> Path:
     """Print the tables and write dataset_stats.json and dataset.png (default DATA_DIR/inspect/)."""
-    packed = open_packed(data_dir)
+    packed = open_packed(data_dir, verify=True)  # it reads every window anyway: check every byte
     stats = dataset_stats(packed)
     out_dir = Path(out) if out else Path(data_dir) / "inspect"
     out_dir.mkdir(parents=True, exist_ok=True)

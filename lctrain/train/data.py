@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 
 from lctrain.config import DEFAULT_CONFIG, Config, bundled_config_dir, data_dir, data_fingerprint
-from lctrain.data.store import open_packed
+from lctrain.data.store import MANIFEST, open_packed
 from lctrain.errors import UserError
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.tokenizer import load_tokenizer, resolve_anchor
 
 
-def prepare_hint(cfg: Config) -> str:
+def prepare_command(cfg: Config) -> str:
     """The prepare command for this config: bare for the embedded default, by name for a bundled one."""
     src = Path(cfg.source_file) if cfg.source_file else None
     if src is None or src.resolve() == (bundled_config_dir() / f"{DEFAULT_CONFIG}.yaml").resolve():
@@ -30,33 +30,35 @@ def prepare_hint(cfg: Config) -> str:
         arg = f" --config {src.stem}"
     else:
         arg = f" --config {src}"
-    return f"run 'lctrain prepare{arg}' (with the same --set overrides) first"
+    return f"lctrain prepare{arg}"
+
+
+def prepare_hint(cfg: Config) -> str:
+    return f"run '{prepare_command(cfg)}' (with the same --set overrides) first"
 
 
 def open_checked(cfg: Config):
-    """The prepared dataset of `cfg`, refusing a missing one or one built from different data settings."""
+    """The prepared dataset of `cfg`, refusing a missing or damaged one (`open_packed`) or one built from different
+    data settings, each in one line naming the file and the command that rebuilds it."""
     path = data_dir(cfg)
-    if not (path / "manifest.json").is_file():
+    if not (path / MANIFEST).is_file():
         raise UserError(f"{path}: no prepared dataset for this config; {prepare_hint(cfg)}")
-    packed = open_packed(path)
-    if packed.manifest.get("data_fingerprint") != data_fingerprint(cfg.data):
+    packed = open_packed(path, rebuild=f"run '{prepare_command(cfg)}' (with the same --set overrides) to rebuild it")
+    manifest = packed.manifest
+    if manifest.data_fingerprint != data_fingerprint(cfg.data):
         raise UserError(
-            f"{path}/manifest.json: the dataset was prepared with different data settings "
+            f"{path}/{MANIFEST}: the dataset was prepared with different data settings "
             f"(data_fingerprint differs); {prepare_hint(cfg)} --force"
         )
-    if int(packed.manifest.get("seq_len", -1)) != cfg.data.seq_len:
+    if manifest.seq_len != cfg.data.seq_len:
         raise UserError(
-            f"{path}/manifest.json: seq_len {packed.manifest.get('seq_len')} != data.seq_len "
-            f"{cfg.data.seq_len}; {prepare_hint(cfg)}"
+            f"{path}/{MANIFEST}: seq_len {manifest.seq_len} != data.seq_len {cfg.data.seq_len}; {prepare_hint(cfg)}"
         )
-    if len(packed) == 0:
-        raise UserError(f"{path}: the prepared dataset has no windows; raise data.token_budget and re-run prepare")
     anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
-    recorded = packed.manifest.get("anchor") or {"id": packed.manifest.get("tokenizer", {}).get("anchor_id")}
-    if recorded.get("id") != anchor.id:
+    if manifest.anchor.id != anchor.id:
         raise UserError(
-            f"{path}/manifest.json: the dataset's segments start with anchor {recorded.get('token', '?')} (id "
-            f"{recorded.get('id')}), data.anchor = {cfg.data.anchor} is {anchor.token} (id {anchor.id}); "
+            f"{path}/{MANIFEST}: the dataset's segments start with anchor {manifest.anchor.token} (id "
+            f"{manifest.anchor.id}), data.anchor = {cfg.data.anchor} is {anchor.token} (id {anchor.id}); "
             f"{prepare_hint(cfg)} --force"
         )
     return packed

@@ -132,7 +132,7 @@ def run(
         trainer = Trainer(
             cfg,
             topo,
-            vocab_size=int(packed.manifest["tokenizer"]["vocab_size"]),
+            vocab_size=packed.manifest.tokenizer.vocab_size,
             plan=prepared.plan,
             tokenizer=load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)),
             run_dir=rd,

@@ -1,0 +1,181 @@
+"""A prepared dataset's `manifest.json`: one typed record (`Manifest`), written by `write_manifest` and read only by
+`load_manifest`, which refuses any damage in one line naming the file.
+
+Reading checks, in this order: the file is JSON and says `complete`; its format version is this lctrain's; every key
+is there with its type and domain (pydantic, strict: `"5"` is not a number) and the record agrees with itself (shard
+rows add up to `num_windows`, the anchor is the tokenizer's); and its content matches the checksum it was written
+with, so an edited or bit-flipped value that still has the right type is caught too. The shards themselves are
+checked against the records here by `lctrain.data.store`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# 4: every shard record carries content checksums and the manifest its own (before, only the shard sizes).
+# 3: a SentencePiece model's ids are SentencePiece's own (before, those of transformers' converted tokenizer), and an
+# interleaved document's later chunks in a window carry no anchor or tag (before, both were repeated on every chunk).
+FORMAT_VERSION = 4
+MANIFEST = "manifest.json"
+DATA_SUBDIR = "data"
+CHECKSUM_KEY = "checksum"
+_FORMAT_CHANGES = {
+    3: "without shard checksums, so damage to its shards cannot be detected",
+    2: "whose token ids (SentencePiece tokenizers) or interleaved-chunk layout this lctrain no longer trains on",
+    1: "whose token ids (SentencePiece tokenizers) or interleaved-chunk layout this lctrain no longer trains on",
+}
+_HEX64 = r"^[0-9a-f]{64}$"
+XXH3 = r"^xxh3_128:[0-9a-f]{32}$"
+
+
+def digest(data: bytes) -> str:
+    """The checksum format of the manifest and the shards (xxh3: ~8 GiB/s, a dependency of `datasets` already)."""
+    return f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}"
+
+
+class Damaged(Exception):
+    """Why a directory does not hold a usable prepared dataset: one line that starts with the file at fault."""
+
+
+class Outdated(Damaged):
+    """A whole dataset of a format this lctrain does not read."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class ShardRecord(_Record):
+    file: str = Field(pattern=rf"^{DATA_SUBDIR}/shard-\d{{5}}\.arrow$")
+    num_windows: int = Field(ge=1)
+    bytes: int = Field(ge=0)
+    checksum: str = Field(pattern=XXH3, description="of the whole file")
+    edge_checksum: str = Field(pattern=XXH3, description="of its first and last EDGE_BYTES (store.shard_checksums)")
+
+
+class TokenizerRecord(_Record):
+    spec: str
+    name: str
+    vocab_size: int = Field(ge=1)
+    encoder: str
+    anchor_id: int = Field(ge=0)
+    bos_id: int | None
+    eos_id: int | None
+
+
+class AnchorRecord(_Record):
+    token: str
+    id: int = Field(ge=0)
+
+
+class Manifest(_Record):
+    """Everything `prepare` records, in the order it writes it. The descriptive sections (statistics, source, build)
+    are plain mappings: reports read them, training does not."""
+
+    format_version: int
+    complete: bool
+    data_fingerprint: str = Field(pattern=_HEX64)
+    config_fingerprint: str = Field(pattern=_HEX64)
+    seq_len: int = Field(ge=1)
+    num_windows: int = Field(ge=1)
+    num_tokens: int = Field(ge=1)
+    mixture: str
+    token_budget: int = Field(ge=1)
+    domain_tags: bool
+    interleave_chunks: bool
+    short_doc_tokens: int = Field(ge=1)
+    down_sample_ratio: float = Field(ge=0.0, le=1.0)
+    domains: list[str] = Field(min_length=1)
+    tokenizer: TokenizerRecord
+    anchor: AnchorRecord
+    tags: dict[str, list[int]] | None
+    seed: int
+    shuffle: dict[str, Any]
+    stats: dict[str, Any]
+    skipped: dict[str, Any]
+    mixture_dropped: dict[str, int]
+    source: dict[str, Any]
+    source_exhausted: bool
+    dropped_tail_tokens: int = Field(ge=0)
+    dropped_tail_by_domain: dict[str, int]
+    shards: list[ShardRecord] = Field(min_length=1)
+    build: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        rows = sum(s.num_windows for s in self.shards)
+        if rows != self.num_windows:
+            raise ValueError(f"the shards hold {rows:,} windows, num_windows says {self.num_windows:,}")
+        if self.num_tokens != self.num_windows * self.seq_len:
+            raise ValueError(f"num_tokens {self.num_tokens:,} is not num_windows x seq_len")
+        if self.anchor.id != self.tokenizer.anchor_id:
+            raise ValueError(f"anchor id {self.anchor.id} is not the tokenizer's anchor_id {self.tokenizer.anchor_id}")
+        for i, s in enumerate(self.shards):
+            if s.file != shard_file(i):
+                raise ValueError(f"shard {i} is {s.file}, not {shard_file(i)}")
+        return self
+
+
+def shard_file(index: int) -> str:
+    """The `index`-th shard's path inside the dataset directory."""
+    return f"{DATA_SUBDIR}/shard-{index:05d}.arrow"
+
+
+def _canonical(raw: dict) -> bytes:
+    return json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write `manifest` (validated again, so a hand-built one is held to the reader's rules) with its checksum."""
+    raw = Manifest.model_validate(manifest.model_dump()).model_dump(mode="json")
+    raw[CHECKSUM_KEY] = digest(_canonical(raw))
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(raw, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, directory / MANIFEST)
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    return f"{where}: {msg}{more}" if where else f"{msg}{more}"
+
+
+def load_manifest(directory: Path) -> Manifest:
+    """The manifest of the dataset at `directory`, or `Damaged` saying in one line what is wrong with it."""
+    path = Path(directory) / MANIFEST
+    try:
+        raw = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise Damaged(f"{MANIFEST} is missing") from None
+    except OSError as e:
+        raise Damaged(f"{MANIFEST} cannot be read ({e.strerror or e})") from None
+    except ValueError as e:  # UnicodeDecodeError is one too
+        raise Damaged(f"{MANIFEST} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("complete") is not True:
+        raise Damaged(f"{MANIFEST} is incomplete (prepare did not finish) or not a prepared dataset's")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        why = _FORMAT_CHANGES.get(version) if isinstance(version, int) else None
+        raise Outdated(
+            f"{MANIFEST}: it is of dataset format {version}, {why}"
+            if why
+            else f"{MANIFEST}: dataset format version {version!r} is not {FORMAT_VERSION}"
+        )
+    claimed = raw.pop(CHECKSUM_KEY, None)
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as e:
+        raise Damaged(f"{MANIFEST}: {_first_error(e)}") from None
+    if claimed != digest(_canonical(raw)):
+        raise Damaged(
+            f"{MANIFEST}: its content does not match its {CHECKSUM_KEY} (edited or damaged after prepare wrote it)"
+        )
+    return manifest

@@ -1,0 +1,82 @@
+"""`prepare` killed with SIGKILL once a shard is complete resumes from its last complete shard: the output (every shard,
+the resolved config, the manifest but its timings and checksum) is byte-identical to an uninterrupted run's."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lctrain.config import load_config
+from lctrain.data.prepare import prepare
+from lctrain.data.progress import PROGRESS
+
+# ~50 shards of 64 windows; the demo's synthetic corpus holds more than the budget
+OVER = ["data.seq_len=128", "data.token_budget=400000", "data.shard_tokens=8192"]
+
+
+def dataset_bytes(out: Path) -> dict:
+    files = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    manifest = json.loads(files.pop("manifest.json"))
+    del manifest["build"], manifest["checksum"]
+    return files | {"manifest.json": manifest}
+
+
+@pytest.mark.slow
+def test_kill_9_mid_prepare_then_resume_gives_the_same_bytes(tmp_path):
+    out = tmp_path / "out"
+    over = [*OVER, f"data.output_dir={out}"]
+    reference = dataset_bytes(prepare(load_config(None, over)).rename(tmp_path / "reference"))
+
+    args = [x for o in over for x in ("--set", o)]
+    cmd = [sys.executable, "-c", "from lctrain.cli import app; app()", "prepare", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    progress = tmp_path / ".out.partial" / PROGRESS
+    try:
+        deadline = time.monotonic() + 120
+        while not progress.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert proc.poll() is None, f"prepare ended before a shard was complete: {proc.stderr.read().decode()}"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not out.exists()
+    done = len(list((tmp_path / ".out.partial" / "data").iterdir()))  # complete shards and the one being written
+
+    data = prepare(load_config(None, over))
+    resumed = json.loads((data / "manifest.json").read_text())["build"]["resumed_after_shards"]
+    assert 1 <= resumed <= done < 50
+    assert dataset_bytes(out) == reference
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "reference"]
+
+
+@pytest.mark.slow
+def test_a_tokenizer_worker_killed_by_the_os_is_one_line(tmp_path):
+    over = ["data.seq_len=128", "data.token_budget=40000000", "data.synthetic.num_docs=200000", "data.num_workers=2"]
+    over.append(f"data.output_dir={tmp_path / 'o'}")
+    cmd = [sys.executable, "-c", "from lctrain.cli import app; app()", "prepare"]
+    proc = subprocess.Popen(
+        [*cmd, *[x for o in over for x in ("--set", o)]], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        workers = []
+        while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 2, proc.stderr.read().decode()
+        # past its start-up (a worker killed while it starts can leave the pool waiting for it) and tokenizing
+        while workers[0].cpu_times().user < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers[0].send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=120) == 2
+    finally:
+        proc.kill()  # a no-op once it has ended
+    line = proc.stderr.read().decode().strip()
+    assert "\n" not in line and "a tokenizer worker process of 'lctrain prepare' was killed" in line
+    assert "out of memory" in line and "data.num_workers" in line
