@@ -14,7 +14,6 @@ from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.data.prepare import prepare
 from lctrain.data.store import open_packed
-from lctrain.errors import UserError
 from lctrain.eval.perplexity import check_same_tokenizer
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -100,16 +99,3 @@ def test_the_fingerprint_is_the_same_from_the_source_and_from_the_export(run):
     export = AutoTokenizer.from_pretrained(str(RunDir(run / "run").export(2)))
     assert manifest["tokenizer"]["fingerprint"] == tokenizer_fingerprint(export)
     check_same_tokenizer(open_packed(run / "data"), export, RunDir(run / "run").export(2))  # accepted
-
-
-def test_a_manifest_without_a_fingerprint_is_checked_by_vocabulary_size(run, tmp_path):
-    export_dir = RunDir(run / "run").export(2)
-    export = AutoTokenizer.from_pretrained(str(export_dir))
-    for name, data in (("v1", run / "data"), ("v3", run / "data_v3")):
-        packed = open_packed(data)
-        packed.manifest["tokenizer"].pop("fingerprint")  # as written before fingerprints were recorded
-        if name == "v1":
-            check_same_tokenizer(packed, export, export_dir)
-        else:
-            with pytest.raises(UserError, match=r"mistral-7b-v0.3 \(vocabulary 32768\)"):
-                check_same_tokenizer(packed, export, export_dir)

@@ -63,6 +63,7 @@ class TokenizerRecord(_Record):
     spec: str
     name: str
     vocab_size: int = Field(ge=1)
+    fingerprint: str = Field(min_length=1)  # lctrain.tokenizer.tokenizer_fingerprint: perplexity checks it
     encoder: str
     anchor_id: int = Field(ge=0)
     bos_id: int | None

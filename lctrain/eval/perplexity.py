@@ -46,18 +46,16 @@ def heldout_rows(num_windows: int, consumed: int, seed: int, limit: int) -> tupl
 
 def check_same_tokenizer(packed: PackedData, tokenizer, model_dir: Path) -> None:
     """Refuse a dataset whose ids come from another tokenizer than the model's: its perplexity would be a number
-    about nothing. A manifest written before tokenizer fingerprints were recorded is checked by vocabulary size."""
-    record = packed.manifest.get("tokenizer") or {}
-    ours = {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer)}
-    key = "fingerprint" if "fingerprint" in record else "vocab_size"
-    if record.get(key) == ours[key]:
+    about nothing."""
+    record = packed.manifest.tokenizer
+    ours = tokenizer_fingerprint(tokenizer)
+    if record.fingerprint == ours:
         return
-    theirs = f"{record.get('name', 'an unrecorded tokenizer')} (vocabulary {record.get('vocab_size', '?')}"
-    theirs += f", fingerprint {record['fingerprint']})" if "fingerprint" in record else ")"
     raise UserError(
-        f"{packed.path}: prepared with tokenizer {theirs}, but the model in {model_dir} uses another "
-        f"(vocabulary {ours['vocab_size']}, fingerprint {ours['fingerprint']}); its ids would be scored as other "
-        f"tokens: prepare the perplexity data with the model's tokenizer (data.tokenizer) and pass it as --ppl-data"
+        f"{packed.path}: prepared with tokenizer {record.name} (vocabulary {record.vocab_size}, fingerprint "
+        f"{record.fingerprint}), but the model in {model_dir} uses another (vocabulary {len(tokenizer)}, fingerprint "
+        f"{ours}); its ids would be scored as other tokens: prepare the perplexity data with the model's tokenizer "
+        f"(data.tokenizer) and pass it as --ppl-data"
     )
 
 
