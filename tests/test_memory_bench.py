@@ -227,7 +227,7 @@ def test_out_of_memory_on_the_launched_ranks_ends_the_ladder(tmp_path, monkeypat
         row = bench.length_row(request, request["seq_len"], 1.0, 2**30, 2**30, 2**30, gpu=False)
         return Finished({**row, "build_s": 1.0, "device": "simulated"})
 
-    monkeypatch.setattr("lctrain.parallel.launch.run_on_ranks", ranks)
+    monkeypatch.setattr(bench, "run_on_ranks", ranks)
     spec = {
         "arch": bench.ROW_ARCHS["small"],
         "vocab": 1024,

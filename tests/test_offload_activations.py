@@ -142,7 +142,7 @@ def _train(workdir: Path, name: str, extra: list[str]) -> list[float]:
 @pytest.fixture
 def contexts(monkeypatch):
     """The offload contexts the trainers build, to read what they moved."""
-    import lctrain.compat.deepspeed as compat
+    import lctrain.train.trainer as trainer
 
     made = []
 
@@ -150,7 +150,7 @@ def contexts(monkeypatch):
         made.append(checkpoint_offload_context())
         return made[-1]
 
-    monkeypatch.setattr(compat, "checkpoint_offload_context", recorded)
+    monkeypatch.setattr(trainer, "checkpoint_offload_context", recorded)
     return made
 
 
