@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import errno
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -20,16 +25,55 @@ class UserError(Exception):
 # Failures of the machine around a command rather than of lctrain: a full disk or quota, a missing permission, a
 # read-only filesystem, a path that runs through a file or a file where a directory must go.
 ENVIRONMENT_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.EBUSY,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+    }
 )
-# torch.save reports a failed write (a full disk) as a RuntimeError of its zip writer, without an errno.
-_TORCH_WRITE_FAILED = "PytorchStreamWriter failed writing file"
+# torch.save reports a failed write (a full disk) as a RuntimeError of its zip writer without an errno:
+# "PytorchStreamWriter failed writing file" or, when the disk fills between two records, "inline_container.cc ...
+# unexpected pos".
+_TORCH_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed writing file|inline_container\.cc.*unexpected pos", re.S)
+# Rust libraries (tokenizers, safetensors) raise a plain Exception whose text ends in "(os error 28)"; pyarrow's
+# OSError may carry the errno only in its text ("[errno 28]").
+_ERRNO_IN_TEXT = re.compile(r"\(os error (\d+)\)|\[errno (\d+)\]", re.I)
+_TORCH_CAUSE = "the write failed; is the disk full?"
+# What to do about each cause: the remedy follows the cause in the one line.
+_REMEDY = {
+    errno.ENOSPC: "free disk space or choose a path on another filesystem",
+    errno.EDQUOT: "free space within your quota or choose a path on another filesystem",
+    errno.EROFS: "choose a path on a writable filesystem",
+    errno.EACCES: "fix the permissions or choose a writable path",
+    errno.EPERM: "fix the permissions or choose a writable path",
+    errno.EBUSY: "it is a mount point or in use: choose a directory inside it or stop what holds it",
+}
+
+
+def _errno_of(e: BaseException) -> int | None:
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno
+    m = _ERRNO_IN_TEXT.search(str(e))
+    if m:
+        return int(m.group(1) or m.group(2))
+    return errno.ENOSPC if "No space left on device" in str(e) else None
 
 
 def is_environment_error(e: BaseException) -> bool:
-    if isinstance(e, OSError):
-        return e.errno in ENVIRONMENT_ERRNOS or "No space left on device" in str(e)
-    return isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED in str(e)
+    if isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED.search(str(e)):
+        return True
+    if not isinstance(e, Exception):
+        return False
+    number = _errno_of(e)
+    # An errno read from a non-OSError's text counts only for a write failure: "(os error 2)" in a parse error is
+    # the library's business.
+    return number in ENVIRONMENT_ERRNOS if isinstance(e, OSError) else number in _REMEDY
 
 
 def environment_error_message(e: BaseException) -> str | None:
@@ -39,9 +83,42 @@ def environment_error_message(e: BaseException) -> str | None:
     if isinstance(e, OSError):
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f) or "a file"
         what = e.strerror or str(e)
-    else:
+    elif _errno_of(e) is None:
         where, what = "a checkpoint file", "the write failed (is the disk full?)"
+    else:
+        where, what = "a file", os.strerror(_errno_of(e))
     return " ".join(
         f"{where}: {what}; free disk space, fix the permissions or choose another path, then run the "
         f"command again".split()
     )
+
+
+class WriteFailed(UserError):
+    """Writing `path` (`what`, in words) failed for a reason of the machine: `cause`, in words."""
+
+    def __init__(self, path: str | os.PathLike, what: str, cause: str, remedy: str):
+        self.path, self.what, self.cause = Path(path), what, cause
+        super().__init__(f"cannot write {what} {path}: {cause}; {remedy}, then run the command again")
+
+
+@contextmanager
+def writing(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Every write of a run's or a dataset's artefacts goes through here: a full disk or quota, a read-only
+    filesystem, a lost permission or a busy mount point, whichever library raised it (an OSError, torch's serializer,
+    tokenizers' or safetensors' plain Exception, pyarrow), becomes one `WriteFailed` line naming the file, the cause
+    and what to do. Anything else passes through unchanged."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        if not is_environment_error(e):
+            raise
+        number = _errno_of(e)
+        if number is None:  # torch's serializer: no errno to tell which
+            cause, remedy = _TORCH_CAUSE, _REMEDY[errno.ENOSPC]
+        else:
+            cause = os.strerror(number)
+            remedy = _REMEDY.get(number, "fix the path or choose another one")
+        where = e.filename if isinstance(e, OSError) and e.filename else path
+        raise WriteFailed(where, what, cause, remedy) from e

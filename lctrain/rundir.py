@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lctrain.config import Config, load_config, run_dir, to_yaml
-from lctrain.errors import UserError
+from lctrain.errors import UserError, writing
 from lctrain.lifetime import RunLock
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -76,8 +76,9 @@ class RunDir:
     def write_config(self, cfg: Config) -> Path:
         """The resolved config, with the directory its relative paths resolve against, so that `read_config` from any
         directory (a resume, a launched worker, another node) means the same files."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.config_file.write_text(to_yaml(cfg, workdir=True))
+        with writing(self.config_file, "the run's config"):
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.config_file.write_text(to_yaml(cfg, workdir=True))
         return self.config_file
 
     def read_config(self, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -161,7 +162,7 @@ class RunDir:
         return self.path / "metrics.jsonl"
 
     def append_metrics(self, record: dict) -> None:
-        with open(self.metrics_file, "a") as f:
+        with writing(self.metrics_file, "the metrics"), open(self.metrics_file, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def read_metrics(self) -> list[dict]:
@@ -172,7 +173,8 @@ class RunDir:
         """Drop the records of steps after `last_step` (written before a crash, redone after resume)."""
         if self.metrics_file.is_file():
             kept = [line for line, record in self._metric_lines() if record["step"] <= last_step]
-            self.metrics_file.write_text("".join(line + "\n" for line in kept))
+            with writing(self.metrics_file, "the metrics"):
+                self.metrics_file.write_text("".join(line + "\n" for line in kept))
 
     def _metric_lines(self) -> list[tuple[str, dict]]:
         """(line, record) of each record. The last line may be torn (a run killed while appending it) and is then

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lctrain.errors import UserError
+from lctrain.errors import UserError, WriteFailed, writing
 
 BUILTIN_PREFIX = "builtin:"
 # name -> file in mistral_common/data. v1 is the Mistral-7B-v0.1 (Llama-2-style) 32000-token model, v3 the
@@ -84,12 +84,13 @@ def _from_sentencepiece(model_file: Path, cache_key: str):
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cache_key}-"))
-        tok.save_pretrained(str(staging))
-        shutil.copy(model_file, staging / SPM_FILE)
-        shutil.rmtree(cached, ignore_errors=True)  # a stale entry: os.replace cannot overwrite a non-empty directory
-        os.replace(staging, cached)
-    except OSError:
-        pass  # a read-only home, or another process that won the rename, only costs the conversion next time
+        with writing(staging, "the tokenizer cache"):
+            tok.save_pretrained(str(staging))
+            shutil.copy(model_file, staging / SPM_FILE)
+            shutil.rmtree(cached, ignore_errors=True)  # a stale entry: os.replace cannot overwrite a non-empty one
+            os.replace(staging, cached)
+    except (OSError, WriteFailed):
+        pass  # a full or read-only home, or another process that won the rename, only costs the conversion next time
     finally:
         if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -164,7 +165,8 @@ ANCHOR_FILE = "anchor.json"
 def write_anchor(directory: Path, anchor: Anchor) -> Path:
     """`directory/anchor.json`: the anchor a run trained with, in its run directory and each evaluation checkpoint."""
     out = Path(directory) / ANCHOR_FILE
-    out.write_text(json.dumps(anchor.record()) + "\n")
+    with writing(out, "the anchor"):
+        out.write_text(json.dumps(anchor.record()) + "\n")
     return out
 
 
@@ -340,7 +342,8 @@ def load_encoder(spec: str) -> TextEncoder:
 def save_tokenizer(tok, directory: Path) -> None:
     """`save_pretrained`, plus the SentencePiece model that transformers does not write back, so the saved directory
     encodes text exactly as `tok` does (an evaluation checkpoint, `hf/step_N/`)."""
-    tok.save_pretrained(str(directory))
-    model = _sentencepiece_model(tok)
-    if model is not None:
-        (Path(directory) / SPM_FILE).write_bytes(model)
+    with writing(directory, "the tokenizer"):
+        tok.save_pretrained(str(directory))
+        model = _sentencepiece_model(tok)
+        if model is not None:
+            (Path(directory) / SPM_FILE).write_bytes(model)

@@ -2,6 +2,9 @@
 traceback, and no half-written output left behind. The disk is filled by injecting the error the system raises."""
 
 import errno
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,8 +12,10 @@ from train_helpers import one_error_line, set_args
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.errors import environment_error_message
+from lctrain.config import load_config
+from lctrain.errors import WriteFailed, environment_error_message, writing
 from lctrain.rundir import RunDir
+from lctrain.tokenizer import load_tokenizer, save_tokenizer
 
 TINY = [
     "data.seq_len=128",
@@ -143,3 +148,106 @@ def test_eval_out_under_a_file(data_dir, tmp_path):
         )
     )
     assert "Not a directory" in line
+
+
+# Each library's form of a failed write, as it reaches lctrain: (the error, the cause the line names, the remedy).
+WRITE_FAILURES = {
+    "os": (OSError(errno.ENOSPC, "No space left on device"), "No space left on device", "free disk space"),
+    "quota": (OSError(errno.EDQUOT, "Disk quota exceeded"), "Disk quota exceeded", "quota"),
+    "read-only": (OSError(errno.EROFS, "Read-only file system"), "Read-only file system", "writable filesystem"),
+    "permission": (PermissionError(errno.EACCES, "Permission denied"), "Permission denied", "fix the permissions"),
+    "mount point": (OSError(errno.EBUSY, "Device or resource busy"), "Device or resource busy", "mount point"),
+    "tokenizers": (Exception("No space left on device (os error 28)"), "No space left on device", "free disk space"),
+    "safetensors": (
+        Exception("Error while serializing: IoError(Os { code: 28, kind: StorageFull }) (os error 28)"),
+        "No space left on device",
+        "free disk space",
+    ),
+    "pyarrow": (
+        OSError("Error writing bytes to file. Detail: [errno 28] No space left on device"),
+        "No space left on device",
+        "free disk space",
+    ),
+    "torch zip writer": (
+        RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0"),
+        "the write failed; is the disk full?",
+        "free disk space",
+    ),
+    "torch unexpected pos": (
+        RuntimeError("[enforce fail at inline_container.cc:858] . unexpected pos 1664 vs 1558"),
+        "the write failed; is the disk full?",
+        "free disk space",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", WRITE_FAILURES)
+def test_every_library_s_failed_write_is_one_line(name, tmp_path):
+    error, cause, remedy = WRITE_FAILURES[name]
+    target = tmp_path / "step_1"
+    with pytest.raises(WriteFailed) as info, writing(target, "the evaluation checkpoint"):
+        raise error
+    line = str(info.value)
+    assert line.startswith(f"cannot write the evaluation checkpoint {target}: {cause}; "), line
+    assert remedy in line and line.endswith("then run the command again") and "\n" not in line
+    assert info.value.cause == cause and info.value.path == target
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ValueError("bad value"), OSError(errno.ENOENT, "No such file"), Exception("parse (os error 2)"), KeyError(1)],
+)
+def test_other_failures_pass_through_unchanged(error, tmp_path):
+    with pytest.raises(type(error)) as info, writing(tmp_path / "x", "a file"):
+        raise error
+    assert info.value is error
+
+
+def test_tokenizer_export_on_a_full_disk_names_the_directory(tmp_path, monkeypatch):
+    tok = load_tokenizer(load_config(None, TINY).data.tokenizer)
+
+    def full(*args, **kwargs):  # what tokenizers raises: a plain Exception
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(tok, "save_pretrained", full)
+    with pytest.raises(WriteFailed, match=f"cannot write the tokenizer {tmp_path}: No space left on device"):
+        save_tokenizer(tok, tmp_path)
+
+
+def test_prepare_into_a_mount_point_is_one_line(tmp_path, monkeypatch):
+    out = tmp_path / "data"
+    out.mkdir()
+    real_rename = os.rename
+
+    def busy(src, dst):  # renaming a mount point away fails so
+        if Path(src) == out:
+            raise OSError(errno.EBUSY, "Device or resource busy", str(src), str(dst))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", busy)
+    line = one_error_line(CliRunner().invoke(app, ["prepare"] + set_args(TINY + [f"data.output_dir={out}"])))
+    assert f"cannot write the prepared dataset {out}: Device or resource busy" in line
+    assert "mount point" in line
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A 256 KiB tmpfs (needs root; skipped where mounting is not allowed)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_really_full_disk_under_torch_and_tokenizers(tiny_filesystem):
+    with pytest.raises(WriteFailed, match="resume checkpoint .*: (No space left on device|the write failed)"):
+        with writing(tiny_filesystem / "rng.pt", "the resume checkpoint"):
+            torch.save(torch.zeros(1 << 20), tiny_filesystem / "rng.pt")
+    (tiny_filesystem / "rng.pt").unlink()
+    (tiny_filesystem / "filler").write_bytes(b"\0" * (256 * 1024 - 4096))
+    tok = load_tokenizer(load_config(None, TINY).data.tokenizer)
+    with pytest.raises(WriteFailed, match="cannot write the tokenizer .*: No space left on device"):
+        save_tokenizer(tok, tiny_filesystem)

@@ -18,6 +18,8 @@ from typing import Any
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lctrain.errors import writing
+
 # 4: every shard record carries content checksums and the manifest its own (before, only the shard sizes).
 # 3: a SentencePiece model's ids are SentencePiece's own (before, those of transformers' converted tokenizer), and an
 # interleaved document's later chunks in a window carry no anchor or tag (before, both were repeated on every chunk).
@@ -137,8 +139,9 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     raw = Manifest.model_validate(manifest.model_dump()).model_dump(mode="json")
     raw[CHECKSUM_KEY] = digest(_canonical(raw))
     tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(raw, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, directory / MANIFEST)
+    with writing(directory / MANIFEST, "the dataset manifest"):
+        tmp.write_text(json.dumps(raw, indent=2, sort_keys=False) + "\n")
+        os.replace(tmp, directory / MANIFEST)
 
 
 def _first_error(e: ValidationError) -> str:

@@ -61,7 +61,7 @@ from lctrain.data.store import (
     shard_checksums,
     write_manifest,
 )
-from lctrain.errors import UserError, is_environment_error
+from lctrain.errors import UserError, is_environment_error, writing
 from lctrain.hardware import usable_cpus
 from lctrain.lifetime import is_alive
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor, text_encoder, tokenizer_fingerprint
@@ -293,9 +293,10 @@ def _remove_stale(out: Path) -> None:
 
 def _move_into_place(tmp: Path, out: Path) -> None:
     old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        os.rename(out, old)
-    os.rename(tmp, out)
+    with writing(out, "the prepared dataset"):
+        if out.exists():
+            os.rename(out, old)
+        os.rename(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -38,7 +38,7 @@ from lctrain.data.manifest import (
     shard_file,
     write_manifest,
 )
-from lctrain.errors import UserError
+from lctrain.errors import UserError, writing
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "Manifest", "write_manifest", "open_packed", "read_manifest"]
 
@@ -117,18 +117,20 @@ class ShardWriter:
     def _open_shard(self):
         file = shard_file(len(self.shards))
         self.shards.append({"file": file, "num_windows": 0})
-        self._writer = ArrowWriter(features=self.features, path=str(self.dir.parent / file))
+        with writing(self.dir.parent / file, "a dataset shard"):
+            self._writer = ArrowWriter(features=self.features, path=str(self.dir.parent / file))
         self._rows_in_shard = 0
 
     def _close_shard(self):
-        self._writer.finalize()
-        self._writer.close()
-        self._writer = None
-        self._rows_in_shard = 0  # the next shard's first batch is a full one, as after a resume
         shard = self.shards[-1]
         path = self.dir.parent / shard["file"]
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())  # a resumed prepare trusts every shard its progress file lists
+        with writing(path, "a dataset shard"):
+            self._writer.finalize()
+            self._writer.close()
+            self._writer = None
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())  # a resumed prepare trusts every shard its progress file lists
+        self._rows_in_shard = 0  # the next shard's first batch is a full one, as after a resume
         shard["bytes"] = path.stat().st_size
         shard["checksum"], shard["edge_checksum"] = shard_checksums(path)
 
@@ -144,7 +146,8 @@ class ShardWriter:
             + [_ragged([getattr(w, k) for w in ws], _COLUMN_DTYPES[k]) for k in COLUMNS[1:]],
             schema=self.features.arrow_schema,
         )
-        self._writer.write_table(table)
+        with writing(self.dir.parent / self.shards[-1]["file"], "a dataset shard"):
+            self._writer.write_table(table)
         self._rows_in_shard += len(ws)
         self.shards[-1]["num_windows"] = self._rows_in_shard
         self._pending = []

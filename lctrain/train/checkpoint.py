@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from lctrain.compat.deepspeed import zero3_full_state_dict
-from lctrain.errors import is_environment_error
+from lctrain.errors import is_environment_error, writing
 from lctrain.rundir import RunDir, by_step
 from lctrain.tokenizer import save_tokenizer, write_anchor
 from lctrain.train.loss import CausalLMLossSum
@@ -46,11 +46,12 @@ def _fsync_dir(path: Path) -> None:
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(TMP_PREFIX + path.name)
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with writing(path, "a checkpoint file"):
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
@@ -149,17 +150,20 @@ def save_resume(
     root, final = run.checkpoints, run.checkpoint(step)
     tmp = root / (TMP_PREFIX + final.name)
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
+        with writing(root, "the checkpoints directory"):
+            root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    with writing(tmp, "the resume checkpoint"):
+        engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
         if before_complete is not None:
             before_complete(step)
         write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1))
-        _replace_dir(tmp, final)
+        with writing(final, "the resume checkpoint"):
+            _replace_dir(tmp, final)
         write_atomic(root / LATEST, final.name + "\n")
         prune(run, keep)
     _barrier()
@@ -227,9 +231,10 @@ def save_hf(engine, lm, tokenizer, anchor, run: RunDir, step: int, *, rank: int,
         state_dict = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        lm.save_pretrained(str(tmp), state_dict=state_dict)  # its progress bar is off (metrics.quiet_libraries)
-        save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
-        write_anchor(tmp, anchor)  # prompts start with it
-        _replace_dir(tmp, final)
+        with writing(tmp, "the evaluation checkpoint"):
+            lm.save_pretrained(str(tmp), state_dict=state_dict)  # its progress bar is off (metrics.quiet_libraries)
+            save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
+            write_anchor(tmp, anchor)  # prompts start with it
+            _replace_dir(tmp, final)
     _barrier()
     return final

@@ -30,7 +30,7 @@ from lctrain.attention import make_batch
 from lctrain.compat.deepspeed import checkpoint_offload_context
 from lctrain.config import Config, config_fingerprint, settings
 from lctrain.costmodel import ModelShape, count_params, dense_params, full_square_pairs, step_flops, visible_pairs
-from lctrain.errors import UserError, is_environment_error
+from lctrain.errors import UserError, WriteFailed
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.memory import need, plan_memory
@@ -465,12 +465,9 @@ def _checkpoint_write(rd: RunDir, step: int):
     complete checkpoint is intact (checkpoints are renamed into place), so say so in one line."""
     try:
         yield
-    except (OSError, RuntimeError) as e:
-        if not is_environment_error(e):
-            raise
-        why = e.strerror if isinstance(e, OSError) and e.strerror else "the write failed; is the disk full?"
+    except WriteFailed as e:
         raise UserError(
-            f"{rd}: cannot write the step {step} checkpoint ({why}); free disk space or fix "
+            f"{rd}: cannot write the step {step} checkpoint ({e.cause}) at {e.path}; free disk space or fix "
             f"permissions, then 'lctrain resume {rd}' continues from the last complete checkpoint"
         ) from None
 
