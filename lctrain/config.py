@@ -16,7 +16,7 @@ import json
 import math
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -65,14 +65,15 @@ Beta = Annotated[Float, Field(ge=0, lt=1)]
 Length = Annotated[Int, Field(ge=1)]
 
 
-def check_domain_shares(shares: Any) -> None:
+def check_domain_shares(shares: Any, domains: tuple[str, ...] | None = DOMAINS) -> None:
     """A target token share per known domain: finite, non-negative, summing to 1 up to rounding to whole percents
-    (0.5% per share given, so Table 1's rounded 58/20/7/6/5/4/2 = 102% passes, as does Table 9's 99.98%)."""
+    (0.5% per share given, so Table 1's rounded 58/20/7/6/5/4/2 = 102% passes, as does Table 9's 99.98%).
+    `domains`: the names a share may have; None when they are not knowable before reading (a source's domain_field)."""
     if not isinstance(shares, dict) or not shares:
         raise ValueError("expected a mapping of domain -> token share, e.g. {CommonCrawl: 0.6, C4: 0.4}")
     for domain, share in shares.items():
-        if domain not in DOMAINS:
-            raise ValueError(f"unknown domain {domain!r}; known domains: {', '.join(DOMAINS)}")
+        if domains is not None and domain not in domains:
+            raise ValueError(f"unknown domain {domain!r}; known domains: {', '.join(domains)}")
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
             raise ValueError(f"{domain} = {share!r}: a share is a number >= 0 (e.g. 0.58 for 58%)")
     total = sum(shares.values())
@@ -99,6 +100,45 @@ class SyntheticConfig(_Section):
     )
 
 
+DEFAULT_HUB = "cerebras/SlimPajama-627B"
+
+
+class SourceConfig(_Section):
+    """One corpus of `data.sources`: local files or a hub dataset, its text field, its domains and its weight."""
+
+    name: Text = Field(description="the source's name: its domain unless domain_field is set, and its key in messages")
+    path: Text | None = Field(
+        None, description="local files: a .jsonl/.json/.parquet/.jsonl.zst file, a directory of them or a glob"
+    )
+    hub: Text | None = Field(None, description="a Hugging Face hub dataset, streamed (exactly one of path and hub)")
+    subset: Text | None = Field(None, description="hub: the dataset's subset (its config name); null = its default")
+    split: Text = Field("train", description="hub: the split; path: the subdirectory read if present")
+    text_field: Text = Field("text", description="the record field that holds the document's text")
+    domain_field: Text | None = Field(
+        None,
+        description="a dotted record key whose value is the document's domain (e.g. meta.redpajama_set_name); "
+        "null = the source's name; records without it take the source's name",
+    )
+    weight: Float = Field(
+        1.0, gt=0, description="relative sampling weight: documents are drawn from the sources in these proportions"
+    )
+
+    @model_validator(mode="after")
+    def _one_location(self):
+        if (self.path is None) == (self.hub is None):
+            raise ValueError(f"source {self.name!r}: set exactly one of path and hub")
+        if self.subset is not None and self.hub is None:
+            raise ValueError(f"source {self.name!r}: subset needs hub")
+        return self
+
+
+def source_domains(sources: list[SourceConfig]) -> tuple[str, ...] | None:
+    """The domains of `data.sources` when knowable before reading (no source has a domain_field), else None."""
+    if any(s.domain_field for s in sources):
+        return None
+    return tuple(s.name for s in sources)
+
+
 class DataConfig(_Section):
     source: Literal["synthetic", "hub", "local"] = Field(
         "synthetic",
@@ -110,9 +150,15 @@ class DataConfig(_Section):
         description="data.source local: a .jsonl/.json/.parquet/.jsonl.zst file, a directory of them (its "
         "data.hub_split subdirectory if there is one) or a glob; relative to where lctrain runs",
     )
-    hub_name: Text = Field("cerebras/SlimPajama-627B", description="data.source hub: the dataset's hub name")
+    hub_name: Text = Field(DEFAULT_HUB, description="data.source hub: the dataset's hub name")
     hub_split: Text = Field(
         "train", description="the hub dataset's split; with data.source local, the subdirectory read if present"
+    )
+    sources: list[SourceConfig] | None = Field(
+        None,
+        description="several corpora drawn by weight, document by document (replaces data.source, data.path and "
+        "data.hub_name); each {name, path | hub (+ subset, split), text_field, domain_field, weight}; null = "
+        "data.source",
     )
     tokenizer: Text = Field(
         "builtin:mistral-7b-v0.1",
@@ -136,9 +182,9 @@ class DataConfig(_Section):
     )
     domain_shares: dict[str, float] | None = Field(
         None,
-        description=f"upsampled: the target token share of each domain ({', '.join(DOMAINS)}), each >= 0, summing "
-        "to 1 (0.5% per share for rounding); null = the paper's UpSampledMix-128K (Table 9); needs "
-        "data.mixture=upsampled",
+        description=f"upsampled: the target token share of each domain ({', '.join(DOMAINS)}; with data.sources, "
+        "their domains), each >= 0, summing to 1 (0.5% per share for rounding); null = the paper's "
+        "UpSampledMix-128K (Table 9); needs data.mixture=upsampled",
     )
     short_doc_tokens: Int = Field(
         4096, ge=1, description="upsampled: documents shorter than this are kept with probability down_sample_ratio"
@@ -184,10 +230,30 @@ class DataConfig(_Section):
 
     @field_validator("domain_shares", mode="before")
     @classmethod
-    def _shares_are_a_distribution(cls, shares: Any) -> Any:
+    def _shares_are_a_distribution(cls, shares: Any, info: ValidationInfo) -> Any:
         if shares is not None:
-            check_domain_shares(shares)
+            sources = info.data.get("sources")
+            check_domain_shares(shares, DOMAINS if sources is None else source_domains(sources))
         return shares
+
+    @model_validator(mode="after")
+    def _sources_replace_the_single_source(self):
+        if self.sources is None:
+            return self
+        if not self.sources:
+            raise ValueError("data.sources is empty; list at least one source or set data.sources=null")
+        if self.path is not None or self.source == "local" or self.hub_name != DEFAULT_HUB:
+            raise ValueError(
+                "data.sources replaces data.source, data.path and data.hub_name; set data.path=null and "
+                "data.source=synthetic, or data.sources=null"
+            )
+        names = [s.name for s in self.sources]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"data.sources: duplicate source name(s) {', '.join(duplicates)}; names must be unique")
+        if self.mixture == "upsampled" and self.domain_shares is None:
+            raise ValueError("data.mixture=upsampled with data.sources needs data.domain_shares keyed by their domains")
+        return self
 
     @model_validator(mode="after")
     def _shares_need_the_upsampled_mixture(self):
@@ -591,11 +657,16 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
 
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     for part in loc[:-1]:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if isinstance(part, int):  # an item of a list of sections (data.sources[0]): the section is already known
+            continue
+        field = model.model_fields.get(part)
         ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        # `list[Section] | None` -> Section
+        items = [a for arg in get_args(ann) for a in (get_args(arg) or (arg,))] if get_args(ann) else [ann]
+        sections = [a for a in items if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not sections:
             return []
-        model = ann
+        model = sections[0]
     return list(model.model_fields)
 
 
@@ -676,7 +747,9 @@ def config_fingerprint(cfg: Config) -> str:
 
 
 def data_fingerprint(data: DataConfig) -> str:
-    return _digest(data.model_dump(mode="json", exclude=set(_DATA_FIELDS_NOT_IN_FINGERPRINT)))
+    # a config without data.sources keeps the fingerprint (and prepared directory) it had before the key existed
+    unset = {"sources"} if data.sources is None else set()
+    return _digest(data.model_dump(mode="json", exclude=set(_DATA_FIELDS_NOT_IN_FINGERPRINT) | unset))
 
 
 def data_dir(cfg: Config) -> Path:

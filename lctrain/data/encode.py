@@ -83,23 +83,71 @@ def _record(item) -> tuple[str | None, int, str | None]:
     return text, domain_of(item.get("meta")), reason
 
 
-def _parse_line(line: bytes) -> tuple[str | None, int, str | None]:
+def _field(obj, dotted: str):
+    """`obj`'s value at a dotted key (`meta.redpajama_set_name`), reading a JSON-encoded string on the way (parquet
+    SlimPajama stores `meta` as one); None when absent."""
+    for part in dotted.split("."):
+        if isinstance(obj, str):
+            try:
+                obj = json.loads(obj)
+            except (ValueError, RecursionError):
+                return None
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(part)
+    return obj
+
+
+def _source_record(item, name: str, text_field: str, domain_field: str | None) -> tuple[str | None, str, str | None]:
+    """A record of `data.sources`: its domain is the value at `domain_field` (as text), else the source's name."""
+    if not isinstance(item, dict):
+        return None, name, "malformed_json"
+    text, reason = _check_text(item.get(text_field))
+    domain = _field(item, domain_field) if domain_field else None
+    return text, name if domain is None or isinstance(domain, (dict, list)) else str(domain), reason
+
+
+def _parsed(line: bytes):
+    """The JSON value of a line, or the skip reason."""
     try:
         s = line.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark opens files saved by some editors
     except UnicodeDecodeError:
-        return None, OTHER, "undecodable"
+        return None, "undecodable"
     if not s.strip():
-        return None, OTHER, "blank_line"
+        return None, "blank_line"
     try:
-        obj = json.loads(s)
+        return json.loads(s), None
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack ('[' * 200000)
-        return None, OTHER, "malformed_json"
-    return _record(obj)
+        return None, "malformed_json"
 
 
-def encode_batch(batch: RawBatch) -> tuple[str, list[tuple[int, int, np.ndarray | None, str | None]]]:
-    """The batch's source name and, per record, (line or row number, domain id, token ids or None, skip reason or
-    None)."""
+def _parse_line(line: bytes) -> tuple[str | None, int, str | None]:
+    obj, reason = _parsed(line)
+    return (None, OTHER, reason) if reason else _record(obj)
+
+
+def _mixed(batch: RawBatch) -> list[tuple[str, int, str | None, str, str | None]]:
+    """(file, line, text, domain name, skip reason) of each record of a `data.sources` batch."""
+    out = []
+    for source, kind, file, line, item in batch.items:
+        name, text_field, domain_field = batch.params["sources"][source]
+        if kind == "jsonl":
+            item, reason = _parsed(item)
+            if reason:
+                out.append((file, line, None, name, reason))
+                continue
+        text, domain, reason = _source_record(item, name, text_field, domain_field)
+        out.append((file, line, text, domain, reason))
+    return out
+
+
+def encode_batch(batch: RawBatch) -> list[tuple[str, int, int | str, np.ndarray | None, str | None]]:
+    """Per record: (source file or name, line or row number, domain id (a name for `data.sources`), token ids or
+    None, skip reason or None)."""
+    if batch.kind == "mixed":
+        recs = _mixed(batch)
+        ids = iter(_encoder.encode_batch([t for _, _, t, _, r in recs if r is None]))
+        return [(f, n, d, next(ids) if r is None else None, r) for f, n, _, d, r in recs]
     if batch.kind == "synthetic":
         p = batch.params
         recs = []
@@ -111,4 +159,4 @@ def encode_batch(batch: RawBatch) -> tuple[str, list[tuple[int, int, np.ndarray 
     else:
         recs = [_record(item) for item in batch.items]
     ids = iter(_encoder.encode_batch([t for t, _, r in recs if r is None]))
-    return batch.source, [(batch.first + j, d, next(ids) if r is None else None, r) for j, (_, d, r) in enumerate(recs)]
+    return [(batch.source, batch.first + j, d, next(ids) if r is None else None, r) for j, (_, d, r) in enumerate(recs)]

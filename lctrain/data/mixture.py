@@ -39,12 +39,12 @@ UPSAMPLED_MIX_128K_TOKEN_SHARES = {
 }
 
 
-def target_shares(domain_shares: dict[str, float] | None) -> dict[str, float]:
-    """Token share per domain of `DOMAINS` (summing to 1) that the `upsampled` mixture fills: `domain_shares`
+def target_shares(domain_shares: dict[str, float] | None, domains: tuple[str, ...] = DOMAINS) -> dict[str, float]:
+    """Token share per domain of `domains` (summing to 1) that the `upsampled` mixture fills: `domain_shares`
     normalized (domains it leaves out get none), or the paper's UpSampledMix-128K."""
     shares = UPSAMPLED_MIX_128K_TOKEN_SHARES if domain_shares is None else domain_shares
     total = sum(shares.values())
-    return {d: shares.get(d, 0.0) / total for d in DOMAINS}
+    return {d: shares.get(d, 0.0) / total for d in domains}
 
 
 class Mixture:
@@ -58,14 +58,22 @@ class Mixture:
         down_sample_ratio: float,
         rng: np.random.Generator,
         domain_shares: dict[str, float] | None = None,
+        domains: tuple[str, ...] = DOMAINS,
+        capacity: int | None = None,
     ):
+        """`domains`: the domain names by id known now; `capacity`: how many ids there may be (domains found while
+        reading get ids after these, and no share)."""
+        capacity = capacity or len(domains)
         self.kind = kind
         self.rng = rng
         self.short = short_doc_tokens
         self.ratio = down_sample_ratio
-        self.shares = target_shares(domain_shares) if kind == "upsampled" else None
-        self.targets = np.array([self.shares[d] * budget_tokens for d in DOMAINS]) if self.shares is not None else None
-        self.admitted = np.zeros(len(DOMAINS), dtype=np.int64)
+        self.shares = target_shares(domain_shares, domains) if kind == "upsampled" else None
+        self.targets = None
+        if self.shares is not None:
+            self.targets = np.zeros(capacity)
+            self.targets[: len(domains)] = [self.shares[d] * budget_tokens for d in domains]
+        self.admitted = np.zeros(capacity, dtype=np.int64)
         self.dropped = {"short_doc_downsampled": 0, "domain_share_full": 0, "domain_without_share": 0}
 
     def admit(self, domain: int, doc_tokens: int, size: int) -> bool:

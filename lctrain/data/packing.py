@@ -66,6 +66,13 @@ class Packer:
             raise ValueError(f"seq_len {seq_len} cannot hold an anchor, a {longest}-token tag and one token")
         self._reset()
 
+    def add_tag(self, domain: int, tag) -> None:
+        """The tag of a domain first met while reading (a `data.sources` domain_field value)."""
+        tag = np.asarray(tag, dtype=np.int32)
+        if self.seq_len < len(tag) + 2:
+            raise ValueError(f"seq_len {self.seq_len} cannot hold an anchor, a {len(tag)}-token tag and one token")
+        self._tags[domain] = tag
+
     def _reset(self):
         self._segments: list[tuple[np.ndarray, np.ndarray, int]] = []  # (header, text, domain)
         self._starts: list[tuple[int, int]] = []

@@ -45,9 +45,11 @@ from lctrain.data.packing import Packer, ShuffleBuffer
 from lctrain.data.progress import Partial
 from lctrain.data.sources import (
     LocalFiles,
+    SourceStream,
     describe_source,
     hub_batches,
     local_batches,
+    mixed_batches,
     resolve_local_files,
     synthetic_batches,
 )
@@ -67,6 +69,10 @@ from lctrain.lifetime import is_alive
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor, text_encoder, tokenizer_fingerprint
 
 SKIP_EXAMPLES = 5
+# the shards store a segment's domain id as int8
+MAX_DOMAINS = 127
+# the SeedSequence child of data.seed that draws documents from data.sources (children 0-2 seed the _Builder)
+SOURCES_DRAW_SEED = 3
 NAMED_FILES = 5
 SMALL_BUDGET = 2_000_000
 _SKIP_TEXT = {
@@ -119,8 +125,49 @@ def _encoded(batches, encoder, workers: int):
                 f.cancel()
 
 
-def _batches(data, files: LocalFiles | None):
-    """`files`: the resolved local files (resolved once, in `prepare`), None for the other sources."""
+def resolve_sources(cfg: Config) -> list[LocalFiles | None]:
+    """The files of each source of `data.sources` (None for a hub source), resolved once; messages name the source."""
+    out = []
+    for i, s in enumerate(cfg.data.sources):
+        if s.hub is not None:
+            out.append(None)
+            continue
+        try:
+            out.append(resolve_local_files(str(cfg.resolve_path(s.path)), s.split, cfg.data.seed))
+        except UserError as e:
+            raise UserError(f"data.sources[{i}] ({s.name}): {e}".replace("data.path", "path")) from None
+    return out
+
+
+def source_streams(data, files: list[LocalFiles | None]) -> list[SourceStream]:
+    streams = []
+    for i, (s, f) in enumerate(zip(data.sources, files)):
+        key = f"data.sources[{i}]"
+        fields = (s.text_field, *([s.domain_field.split(".")[0]] if s.domain_field else []))
+        if f is None:
+            batches = hub_batches(s.hub, s.split, data.seed, s.subset, key=f"{key}.hub")
+        else:
+            batches = local_batches(f.files, fields)
+        streams.append(SourceStream(s.name, s.text_field, s.domain_field, s.weight, batches, key))
+    return streams
+
+
+def initial_domains(data) -> tuple[str, ...]:
+    """The domain names by id known before reading: SlimPajama's, or the names of the sources without a
+    domain_field and the domains `data.domain_shares` names (a domain_field's values get ids as they come)."""
+    if data.sources is None:
+        return DOMAINS
+    names = [s.name for s in data.sources if not s.domain_field] + list(data.domain_shares or {})
+    return tuple(dict.fromkeys(names))
+
+
+def _batches(data, files):
+    """`files`: the resolved local files (resolved once, in `prepare`; per source with `data.sources`), None for the
+    other sources."""
+    if data.sources is not None:
+        return mixed_batches(
+            source_streams(data, files), np.random.SeedSequence(data.seed, spawn_key=(SOURCES_DRAW_SEED,))
+        )
     if data.source == "synthetic":
         s = data.synthetic
         params = {
@@ -141,10 +188,27 @@ class _Builder:
     Documents and windows between the stages wait in `released` and `windows`, so that whenever a shard is complete
     the whole state (`RESUMABLE`, the writer's shards) is a consistent point to resume from: `on_shard` saves it."""
 
-    RESUMABLE = ("buffer", "mixture", "packer", "stats", "skips", "released", "windows", "position", "counts")
+    RESUMABLE = (
+        "buffer",
+        "mixture",
+        "packer",
+        "stats",
+        "skips",
+        "released",
+        "windows",
+        "position",
+        "counts",
+        "domains",
+        "tags",
+    )
 
-    def __init__(self, cfg: Config, anchor_id: int, tags: dict[int, np.ndarray] | None, out: Path):
+    def __init__(self, cfg: Config, anchor_id: int, tags: dict[int, np.ndarray] | None, out: Path, encoder=None):
+        """`encoder`: encodes the tag of a domain met while reading (with data.domain_tags)."""
         d = cfg.data
+        self.domains = list(initial_domains(d))
+        capacity = len(DOMAINS) if d.sources is None else MAX_DOMAINS
+        self.tags = None if tags is None else dict(tags)  # tag ids per domain id; None without data.domain_tags
+        self.tag_of = encoder.encode if tags is not None and encoder is not None else None
         self.num_windows = d.token_budget // d.seq_len
         self.min_doc_tokens = d.min_doc_tokens
         shuffle_seed, mix_seed, chunk_seed = np.random.SeedSequence(d.seed).spawn(3)
@@ -158,13 +222,14 @@ class _Builder:
             d.down_sample_ratio,
             np.random.default_rng(mix_seed),
             d.domain_shares,
+            tuple(self.domains),
+            capacity,
         )
-        self.tag_len = {i: len(tags[i]) if tags else 0 for i in range(len(DOMAINS))}
         self.packer = Packer(
             d.seq_len, anchor_id, tags, chunk_rng=np.random.default_rng(chunk_seed) if d.interleave_chunks else None
         )
         self.writer = ShardWriter(out, d.seq_len, shard_windows=max(1, d.shard_tokens // d.seq_len))
-        self.stats = DatasetStats()
+        self.stats = DatasetStats(capacity)
         self.skips = _Skips(d.strict)
         self.released: deque = deque()  # documents out of the shuffle buffer, not yet packed
         self.windows: deque = deque()  # packed windows, not yet written
@@ -188,9 +253,35 @@ class _Builder:
             setattr(self, k, state[k])
         self.writer.resume(state["shards"], state["num_windows"])
 
-    def read(self, batch: int, record: int, source: str, line: int, domain: int, ids, reason: str | None) -> None:
-        """Record `record` of source batch `batch`, as the workers encoded it."""
+    def domain_id(self, name: str) -> int:
+        """The id of a `data.sources` domain, given the next one when it is new."""
+        if name in self.domains:
+            return self.domains.index(name)
+        if len(self.domains) >= MAX_DOMAINS:
+            raise UserError(
+                f"data.sources: more than {MAX_DOMAINS} domains (the last one met: {name!r}); point domain_field at "
+                f"a key with fewer distinct values"
+            )
+        self.domains.append(name)
+        i = len(self.domains) - 1
+        if self.tag_of is not None:
+            tag = np.array(self.tag_of(name), dtype=np.int32)
+            try:
+                self.packer.add_tag(i, tag)
+            except ValueError:
+                raise UserError(
+                    f"data.seq_len = {self.packer.seq_len} cannot hold an anchor, the {len(tag)}-token domain tag of "
+                    f"{name!r} and text; raise data.seq_len or set data.domain_tags=false"
+                ) from None
+            self.tags[i] = tag
+        return i
+
+    def read(self, batch: int, record: int, source: str, line: int, domain, ids, reason: str | None) -> None:
+        """Record `record` of source batch `batch`, as the workers encoded it (`domain`: an id, or a name of a
+        `data.sources` domain)."""
         self.position = (batch, record)
+        if isinstance(domain, str):
+            domain = self.domain_id(domain)
         self.counts["records"] += 1
         if reason is not None:
             self.skips.add(reason, source, line)
@@ -217,7 +308,8 @@ class _Builder:
                     self.on_shard()
                 continue
             tokens, domain = self.released.popleft()
-            if self.mixture.admit(domain, len(tokens), 1 + self.tag_len[domain] + len(tokens)):
+            tag_len = len(self.tags[domain]) if self.tags is not None and domain in self.tags else 0
+            if self.mixture.admit(domain, len(tokens), 1 + tag_len + len(tokens)):
                 self.windows.extend(self.packer.add(tokens, domain))
 
 
@@ -344,7 +436,12 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     if damage:
         console.print(f"{out}: rebuilding it ({damage})", markup=False)
     # resolving validates local paths before the slow tokenizer load; done once, a SlimPajama tree is large
-    files = resolve_local_files(str(cfg.resolve_path(d.path)), d.hub_split, d.seed) if d.source == "local" else None
+    if d.sources is not None:
+        files = resolve_sources(cfg)
+    elif d.source == "local":
+        files = resolve_local_files(str(cfg.resolve_path(d.path)), d.hub_split, d.seed)
+    else:
+        files = None
     source = describe_source(d, files)
     tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
     encoder = text_encoder(tok)
@@ -352,8 +449,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     anchor_id = anchor.id
     tags = None
     if d.domain_tags:
-        tags = {i: np.array(encoder.encode(name), dtype=np.int32) for i, name in enumerate(DOMAINS)}
-        longest = max(len(t) for t in tags.values())
+        tags = {i: np.array(encoder.encode(name), dtype=np.int32) for i, name in enumerate(initial_domains(d))}
+        longest = max((len(t) for t in tags.values()), default=0)
         if d.seq_len < longest + 2:
             raise UserError(
                 f"data.seq_len = {d.seq_len} cannot hold an anchor, a {longest}-token domain tag and "
@@ -375,7 +472,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         "data_fingerprint": fingerprint,
         "shard_tokens": d.shard_tokens,
         "tokenizer": tokenizer,
-        "source": files.identity() if files is not None else source,
+        "source": _source_identity(files, source),
     }
     console.print(
         f"preparing {out}: {source['kind']} source, tokenizer {d.tokenizer}, {num_windows:,} windows of "
@@ -388,7 +485,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         if saved is None or not _shards_intact(partial.dir, saved["shards"]):
             saved = None
             partial.start_over()
-        builder = _Builder(cfg, anchor_id, tags, partial.dir)
+        builder = _Builder(cfg, anchor_id, tags, partial.dir, encoder)
         if saved is not None:
             builder.restore(saved)
             console.print(
@@ -409,7 +506,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
                 f"{d.seq_len:,}-token window; add data or lower data.seq_len"
             )
         shards = builder.writer.close()
-        stats = builder.stats.to_dict(builder.mixture.target_shares())
+        stats = builder.stats.to_dict(builder.mixture.target_shares(), tuple(builder.domains))
         packed = builder.writer.num_windows * d.seq_len
         manifest = Manifest(
             format_version=FORMAT_VERSION,
@@ -425,10 +522,10 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             interleave_chunks=d.interleave_chunks,
             short_doc_tokens=d.short_doc_tokens,
             down_sample_ratio=d.down_sample_ratio,
-            domains=list(DOMAINS),
+            domains=list(builder.domains),
             tokenizer=tokenizer,
             anchor=anchor.record(),
-            tags={DOMAINS[i]: t.tolist() for i, t in tags.items()} if tags else None,
+            tags={builder.domains[i]: t.tolist() for i, t in builder.tags.items()} if builder.tags else None,
             seed=d.seed,
             shuffle={"file_order": "seeded permutation", "buffer_tokens": builder.buffer.max_tokens},
             stats=stats,
@@ -476,6 +573,13 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     return out
 
 
+def _source_identity(files, source: dict):
+    """What must not have changed in the input for an interrupted prepare to resume."""
+    if isinstance(files, list):
+        return [f.identity() if f is not None else None for f in files] + [source]
+    return files.identity() if files is not None else source
+
+
 def _shards_intact(directory: Path, shards: list[dict]) -> bool:
     """Whether the shards an interrupted run completed are still what it wrote (every byte checked)."""
     for s in shards:
@@ -520,8 +624,8 @@ def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: i
         # a resumed run skips the batches it consumed without tokenizing them
         encoded = _encoded(itertools.islice(batches, first_batch, None), encoder, workers)
         b = first_batch - 1
-        for b, (source, batch) in enumerate(encoded, start=first_batch):
-            for j, (line, domain, ids, reason) in enumerate(batch):
+        for b, batch in enumerate(encoded, start=first_batch):
+            for j, (source, line, domain, ids, reason) in enumerate(batch):
                 if b > first_batch or j > last_record:
                     builder.read(b, j, source, line, domain, ids, reason)
             bar.update(
@@ -542,5 +646,5 @@ def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: i
         "skipped": builder.skips.to_dict(),
         **builder.counts,
         "exhausted": exhausted,
-        "tail": {DOMAINS[dom]: n for dom, n in sorted(tail.items())},
+        "tail": {builder.domains[dom]: n for dom, n in sorted(tail.items())},
     }

@@ -3,7 +3,8 @@
 - `synthetic`: document indices of the seeded generator;
 - `local`: a file, a glob, or a directory of `.jsonl`, `.jsonl.zst`, `.json`, `.json.zst` or `.parquet` files
   (a SlimPajama download `train/chunk*/*.jsonl.zst` included: a directory with a `<split>/` folder reads that folder);
-- `hub`: a Hugging Face dataset streamed with `datasets` (SlimPajama-627B by default).
+- `hub`: a Hugging Face dataset streamed with `datasets` (SlimPajama-627B by default);
+- `data.sources`: several of the above, drawn document by document by weight (`mixed_batches`).
 
 File order is shuffled with the data seed; documents are shuffled further by the token buffer in `prepare`.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import errno
 import glob
 import io
+import json
 import os
 import stat
 from collections.abc import Iterator
@@ -222,7 +224,7 @@ def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
             yield RawBatch("jsonl", src, first, lines)
 
 
-def _parquet_batches(path: Path) -> Iterator[RawBatch]:
+def _parquet_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
     # only parquet inputs need pyarrow (start-up time)
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -231,7 +233,7 @@ def _parquet_batches(path: Path) -> Iterator[RawBatch]:
     try:
         pf = pq.ParquetFile(path)
         names = set(pf.schema_arrow.names)
-        columns = [c for c in ("text", "meta") if c in names]
+        columns = [c for c in fields if c in names]
         for batch in pf.iter_batches(batch_size=BATCH_RECORDS, columns=columns or None):
             records = batch.to_pylist()
             yield RawBatch("rows", str(path), row, records)
@@ -242,22 +244,27 @@ def _parquet_batches(path: Path) -> Iterator[RawBatch]:
         ) from None
 
 
-def local_batches(files: list[Path]) -> Iterator[RawBatch]:
+def local_batches(files: list[Path], fields: tuple[str, ...] = ("text", "meta")) -> Iterator[RawBatch]:
+    """`fields`: the top-level fields a parquet file is read for (jsonl lines are passed whole)."""
     for f in files:
-        yield from (_parquet_batches(f) if f.name.endswith(PARQUET_SUFFIXES) else _jsonl_batches(f))
+        yield from (_parquet_batches(f, fields) if f.name.endswith(PARQUET_SUFFIXES) else _jsonl_batches(f))
 
 
-def hub_batches(name: str, split: str, seed: int) -> Iterator[RawBatch]:
-    """Stream a hub dataset (rows with `text` and optional `meta`) without downloading it whole."""
+def hub_batches(
+    name: str, split: str, seed: int, subset: str | None = None, key: str = "data.hub_name"
+) -> Iterator[RawBatch]:
+    """Stream a hub dataset (rows with `text` and optional `meta`) without downloading it whole. `key`: the config
+    key that named it, for messages."""
     # only hub sources need datasets, which takes ~1 s to import (start-up time)
     from datasets import load_dataset
 
     try:
-        ds = load_dataset(name, split=split, streaming=True)
-    except Exception as e:  # the hub client raises many types (connection, not found, gated)
+        ds = load_dataset(name, subset, split=split, streaming=True)
+    except Exception as e:  # the hub client raises many types (connection, not found, gated, offline)
+        what = f"subset '{subset}', split '{split}'" if subset else f"split '{split}'"
         raise UserError(
-            f"data.hub_name = '{name}' (split '{split}'): cannot stream it ({type(e).__name__}); "
-            f"check the name and network, or download it and use data.source=local"
+            f"{key} = '{name}' ({what}): cannot stream it ({type(e).__name__}); "
+            f"check the name and network (HF_DATASETS_OFFLINE), or download it and read it from a local path"
         ) from None
     ds = ds.shuffle(seed=seed, buffer_size=1000)
     rows, row, size = [], 1, 0
@@ -269,7 +276,7 @@ def hub_batches(name: str, split: str, seed: int) -> Iterator[RawBatch]:
             break
         except Exception as e:  # a dropped connection mid-stream surfaces as whatever the transport raises
             raise UserError(
-                f"data.hub_name = '{name}': streaming failed after {row + len(rows) - 1} rows "
+                f"{key} = '{name}': streaming failed after {row + len(rows) - 1} rows "
                 f"({type(e).__name__}: {e}); rerun, or download it and use data.source=local"
             ) from None
         rows.append(record)
@@ -283,6 +290,74 @@ def hub_batches(name: str, split: str, seed: int) -> Iterator[RawBatch]:
         yield RawBatch("rows", name, row, rows)
 
 
+@dataclass
+class SourceStream:
+    """One source of `data.sources` as its batches, with what the workers need to read its records."""
+
+    name: str
+    text_field: str
+    domain_field: str | None
+    weight: float
+    batches: Iterator[RawBatch]
+    key: str  # data.sources[i], for messages
+
+
+def _records(stream: SourceStream) -> Iterator[tuple[str, str, int, object]]:
+    """(kind, file, line or row, raw record) of one source, in its own order."""
+    for b in stream.batches:
+        for j, item in enumerate(b.items):
+            yield b.kind, b.source, b.first + j, item
+
+
+def _check_text_field(stream: SourceStream, file: str, line: int, item) -> bool:
+    """Raises when the source's first JSON object lacks the text field (a wrong text_field, not one bad record);
+    True once a record has been checked."""
+    if isinstance(item, bytes):
+        try:
+            item = json.loads(item)
+        except (ValueError, RecursionError):
+            return False  # malformed lines are the workers' to count
+    if not isinstance(item, dict):
+        return False
+    if stream.text_field not in item:
+        fields = ", ".join(sorted(map(str, item))[:10]) or "none"
+        raise UserError(
+            f"{stream.key}.text_field = '{stream.text_field}': source '{stream.name}' has no such field in {file} "
+            f"(record {line} has: {fields}); set text_field to the field that holds the text"
+        )
+    return True
+
+
+def mixed_batches(streams: list[SourceStream], seed: int) -> Iterator[RawBatch]:
+    """The sources' records drawn one at a time with a seeded generator: source i with probability weight_i / the
+    sum of the weights of the sources not yet exhausted (an exhausted source leaves the draw). Deterministic for a
+    seed, whatever the number of workers, since the draw happens here, before them."""
+    rng = np.random.default_rng(seed)
+    records = [_records(s) for s in streams]
+    unchecked = set(range(len(streams)))
+    alive = list(range(len(streams)))
+    items, size, first = [], 0, 1
+    params = {"sources": [(s.name, s.text_field, s.domain_field) for s in streams]}
+    while alive:
+        weights = np.array([streams[i].weight for i in alive])
+        pick = alive[int(np.searchsorted(np.cumsum(weights), rng.random() * weights.sum(), side="right"))]
+        record = next(records[pick], None)
+        if record is None:
+            alive.remove(pick)
+            continue
+        kind, file, line, item = record
+        if pick in unchecked and _check_text_field(streams[pick], file, line, item):
+            unchecked.discard(pick)
+        items.append((pick, kind, file, line, item))
+        size += len(item) if isinstance(item, bytes) else 0
+        if len(items) >= BATCH_RECORDS or size >= BATCH_BYTES:
+            yield RawBatch("mixed", "sources", first, items, params)
+            first += len(items)
+            items, size = [], 0
+    if items:
+        yield RawBatch("mixed", "sources", first, items, params)
+
+
 def synthetic_batches(num_docs: int, params: dict, batch_docs: int = 64) -> Iterator[RawBatch]:
     for start in range(0, num_docs, batch_docs):
         yield RawBatch(
@@ -292,7 +367,19 @@ def synthetic_batches(num_docs: int, params: dict, batch_docs: int = 64) -> Iter
 
 def describe_source(data, files: LocalFiles | None) -> dict:
     """What the data came from, for the manifest: enough to tell two sources apart, and the input files skipped.
-    `files`: the local source's files from `resolve_local_files`, None for the other sources."""
+    `files`: the local source's files from `resolve_local_files` (a list, per source, with data.sources), None for
+    the other sources."""
+    if data.sources is not None:
+        described, skipped = [], []
+        for s, f in zip(data.sources, files):
+            entry = {"name": s.name, "weight": s.weight, "text_field": s.text_field, "domain_field": s.domain_field}
+            if f is None:
+                entry.update(hub=s.hub, subset=s.subset, split=s.split)
+            else:
+                entry.update(path=s.path, files=len(f.files), bytes=sum(p.stat().st_size for p in f.files))
+                skipped += [{"path": str(p), "reason": why} for p, why in f.skipped]
+            described.append(entry)
+        return {"kind": "sources", "sources": described, "skipped_files": skipped}
     if data.source == "synthetic":
         return {"kind": "synthetic", **data.synthetic.model_dump()}
     if data.source == "hub":

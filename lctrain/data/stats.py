@@ -24,8 +24,8 @@ def _bin_label(i: int) -> str:
 
 
 class DatasetStats:
-    def __init__(self):
-        n = len(DOMAINS)
+    def __init__(self, n: int = len(DOMAINS)):
+        """`n`: how many domain ids there may be."""
         self.documents = np.zeros(n, dtype=np.int64)
         self.tokens = np.zeros(n, dtype=np.int64)
         self.hist = np.zeros((n, len(LENGTH_EDGES)), dtype=np.int64)
@@ -37,10 +37,11 @@ class DatasetStats:
             self.documents[domain] += 1
             self.hist[domain, np.searchsorted(LENGTH_EDGES, length, side="right") - 1] += 1
 
-    def to_dict(self, target_shares: dict[str, float] | None) -> dict:
+    def to_dict(self, target_shares: dict[str, float] | None, names: tuple[str, ...] = DOMAINS) -> dict:
+        """`names`: the domain name of each id."""
         docs, toks = int(self.documents.sum()), int(self.tokens.sum())
         domains = {}
-        for i, name in enumerate(DOMAINS):
+        for i, name in enumerate(names):
             entry = {
                 "documents": int(self.documents[i]),
                 "documents_share": float(self.documents[i] / docs) if docs else 0.0,
@@ -48,7 +49,7 @@ class DatasetStats:
                 "tokens_share": float(self.tokens[i] / toks) if toks else 0.0,
             }
             if target_shares is not None:
-                entry["target_tokens_share"] = target_shares[name]
+                entry["target_tokens_share"] = target_shares.get(name, 0.0)
             domains[name] = entry
         return {
             "documents": docs,
@@ -60,7 +61,7 @@ class DatasetStats:
                 "edges": LENGTH_EDGES,
                 "labels": [_bin_label(i) for i in range(len(LENGTH_EDGES))],
                 "counts": [int(c) for c in self.hist.sum(axis=0)],
-                "per_domain": {name: [int(c) for c in self.hist[i]] for i, name in enumerate(DOMAINS)},
+                "per_domain": {name: [int(c) for c in self.hist[i]] for i, name in enumerate(names)},
             },
         }
 
