@@ -104,7 +104,8 @@ DEFAULT_HUB = "cerebras/SlimPajama-627B"
 
 
 class SourceConfig(_Section):
-    """One corpus of `data.sources`: local files or a hub dataset, its text field, its domains and its weight."""
+    """Each item of `data.sources`: one corpus (local files or a hub dataset), its text field, its domains and its
+    weight."""
 
     name: Text = Field(description="the source's name: its domain unless domain_field is set, and its key in messages")
     path: Text | None = Field(
@@ -212,7 +213,7 @@ class DataConfig(_Section):
     shuffle_buffer_tokens: Int = Field(
         16_777_216, ge=0, description="documents are shuffled through a seeded buffer of this many tokens"
     )
-    shard_tokens: int = Field(
+    shard_tokens: Int = Field(
         1 << 28,
         ge=1,
         description="tokens per Arrow shard of the prepared dataset (4 bytes each); an interrupted prepare resumes "

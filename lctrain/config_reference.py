@@ -98,6 +98,9 @@ def domain_text(annotation: Any, metadata: list | None = None) -> str:
         return "[" + ", ".join(domain_text(a) for a in args) + "]"
     if origin is list:
         kind = "non-empty list" if _min_length(metadata) else "list"
+        item = _section(args[0])
+        if item is not None:
+            return f"{kind} of mappings (the keys of `[]` below)"
         return f"{kind} of ({domain_text(args[0])})"
     if origin is dict:
         return "mapping" if args[1] is Any else f"mapping of {domain_text(args[0])} to {domain_text(args[1])}"
@@ -106,6 +109,14 @@ def domain_text(annotation: Any, metadata: list | None = None) -> str:
 
 def _section(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _item_section(annotation: Any) -> type[BaseModel] | None:
+    """The section of a list of sections (`list[SourceConfig] | None` -> SourceConfig), else None."""
+    for a in typing.get_args(annotation) or (annotation,):
+        if typing.get_origin(a) is list and _section(typing.get_args(a)[0]) is not None:
+            return typing.get_args(a)[0]
+    return None
 
 
 def field_docs(model: type[BaseModel] = Config, prefix: str = "", defaults: dict | None = None) -> list[FieldDoc]:
@@ -117,9 +128,14 @@ def field_docs(model: type[BaseModel] = Config, prefix: str = "", defaults: dict
         section = _section(field.annotation)
         if section is not None:
             out += field_docs(section, f"{key}.", defaults[name])
-        else:
-            domain = domain_text(field.annotation, field.metadata)
-            out.append(FieldDoc(key, domain, defaults[name], field.description or ""))
+            continue
+        domain = domain_text(field.annotation, field.metadata)
+        out.append(FieldDoc(key, domain, defaults[name], field.description or ""))
+        item = _item_section(field.annotation)
+        if item is not None:
+            # an item's defaults are its own fields' (a required field has none: shown as "required")
+            item_defaults = {n: "required" if f.is_required() else f.default for n, f in item.model_fields.items()}
+            out += field_docs(item, f"{key}[].", item_defaults)
     return out
 
 
@@ -131,6 +147,9 @@ def section_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tupl
         if section is not None:
             out.append((f"{prefix}{name}", field.description or ""))
             out += section_docs(section, f"{prefix}{name}.")
+        item = _item_section(field.annotation)
+        if item is not None:
+            out.append((f"{prefix}{name}[]", " ".join(item.__doc__.split()).rstrip(".")))
     return out
 
 

@@ -7,7 +7,7 @@ import yaml
 from pydantic import BaseModel
 
 from lctrain.cli import main
-from lctrain.config import Config
+from lctrain.config import Config, SourceConfig
 from lctrain.config_reference import REFERENCE_FILE, field_docs, reference_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +21,8 @@ def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
             out += _leaf_keys(ann, f"{prefix}{name}.")
         else:
             out.append(f"{prefix}{name}")
+    if model is Config:  # the keys of each item of a list of sections
+        out += _leaf_keys(SourceConfig, "data.sources[].")
     return out
 
 
@@ -67,6 +69,10 @@ def test_rows_give_the_domain_and_default(key, domain, default):
 
 def test_defaults_in_the_reference_are_an_empty_configs():
     defaults = Config().model_dump(mode="json")
+    # an item of data.sources: its fields' own defaults, a required one shown as "required"
+    defaults["data"]["sources[]"] = {
+        n: "required" if f.is_required() else f.default for n, f in SourceConfig.model_fields.items()
+    }
     for d in field_docs():
         node = defaults
         for part in d.key.split("."):

@@ -234,6 +234,7 @@ COUPLED = {
     "data.path",
     "data.mixture",
     "data.domain_shares",
+    "data.sources",
     "parallel.zero_stage",
     "parallel.offload_optimizer",
     "parallel.offload_params",
@@ -267,6 +268,8 @@ def coupled(draw) -> dict[str, Any]:
         weights = draw(st.lists(st.integers(0, 100), min_size=len(names), max_size=len(names)).filter(any))
         shares = {n: w / sum(weights) for n, w in zip(names, weights)}
     v["data.domain_shares"] = shares
+    # data.sources replaces data.source and data.path: its own rules are tests/test_data_sources_mix.py's
+    v["data.sources"] = None
     stage = draw(st.integers(0, 3))
     v["parallel.zero_stage"] = stage
     v["parallel.offload_optimizer"] = stage >= 1 and draw(st.booleans())
