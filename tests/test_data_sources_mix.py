@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import config_fingerprint, data_fingerprint, load_config
 from lctrain.data.prepare import SOURCES_DRAW_SEED, prepare
+from lctrain.data.progress import Partial
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError
 from lctrain.tokenizer import load_tokenizer
@@ -216,3 +217,32 @@ def test_a_missing_source_path_names_the_source(tmp_path):
     line = r.stderr.strip()
     assert r.exit_code == 2 and "\n" not in line, r.output
     assert f"data.sources[0] (web): path = '{tmp_path / 'nope.jsonl'}': no such file or directory" in line
+
+
+def test_an_interrupted_prepare_resumes_to_the_same_bytes(tmp_path, corpora, monkeypatch):
+    """Domains met while reading (a domain_field) and their tags are part of the state a resumed run continues."""
+    a, b = corpora
+    extra = ["data.domain_tags=true", "data.shard_tokens=640", "data.token_budget=12800"]
+    reference = prepare(sources_cfg(tmp_path, a, b, *extra, out="reference", domain_field="meta.lang"))
+    saves = []
+    real_save = Partial.save
+
+    def save_then_stop(self, key, state):
+        real_save(self, key, state)
+        saves.append(state["num_windows"])
+        if len(saves) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Partial, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(sources_cfg(tmp_path, a, b, *extra, domain_field="meta.lang"))
+    monkeypatch.setattr(Partial, "save", real_save)
+    out = prepare(sources_cfg(tmp_path, a, b, *extra, domain_field="meta.lang"))
+    resumed = json.loads((out / "manifest.json").read_text())
+    assert resumed["build"]["resumed_after_shards"] == 3
+    shards = sorted(p.relative_to(out) for p in (out / "data").iterdir())
+    assert len(shards) == 20 and all((out / s).read_bytes() == (reference / s).read_bytes() for s in shards)
+    want = json.loads((reference / "manifest.json").read_text())
+    for key in ("domains", "tags", "stats", "source"):
+        assert resumed[key] == want[key], key
+    assert set(want["tags"]) == {"beta", "fr", "en"}

@@ -474,8 +474,9 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         "tokenizer": tokenizer,
         "source": _source_identity(files, source),
     }
+    what_source = f"{len(d.sources)} sources" if d.sources is not None else f"{source['kind']} source"
     console.print(
-        f"preparing {out}: {source['kind']} source, tokenizer {d.tokenizer}, {num_windows:,} windows of "
+        f"preparing {out}: {what_source}, tokenizer {d.tokenizer}, {num_windows:,} windows of "
         f"{d.seq_len:,} tokens, mixture {d.mixture}, {workers} worker(s)"
     )
     console.print(f"anchor: {anchor.token} (id {anchor.id}; {anchor.why})", markup=False)
