@@ -81,4 +81,4 @@ def test_a_tokenizer_worker_killed_by_the_os_is_one_line(tmp_path):
     assert (
         "\n" not in line and "a tokenizer worker process (of" in line and "resumes from its last complete shard" in line
     )
-    assert "out of memory" in line and "data.num_workers" in line
+    assert "out-of-memory" in line and "data.num_workers" in line
