@@ -192,7 +192,7 @@ def test_prepare_workers_encode_exactly(corpus):
     assert pickle.loads(pickle.dumps(encoder)).encode(TEXT) == encoder.encode(TEXT)
     lines = [json.dumps({"text": t}).encode() for t in corpus]
     batches = [RawBatch("jsonl", "real.jsonl", i + 1, lines[i : i + 16]) for i in range(0, len(lines), 16)]
-    got = [ids.tolist() for _, recs in prepare_mod._encoded(iter(batches), encoder, workers=2) for _, _, ids, _ in recs]
+    got = [ids.tolist() for recs in prepare_mod._encoded(iter(batches), encoder, workers=2) for _, _, _, ids, _ in recs]
     reference = spm.SentencePieceProcessor(model_file=str(builtin_model_file("mistral-7b-v0.1")))
     assert got == reference.encode(corpus)
 
