@@ -22,7 +22,9 @@ from lctrain.config import Config, check_on_this_machine, load_config
 from lctrain.errors import UserError
 from lctrain.eval.ruler import TASK_NAMES
 
-FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: CI draws the same examples every run (a failure is reproducible, never a flake); run with
+# `--hypothesis-seed=N` and derandomize off to explore further.
+FAST = settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------- the domains, read from the models
@@ -229,6 +231,7 @@ COUPLED = {
     "model.arch",
     "model.rope_scaling",
     "model.gradient_checkpointing",
+    "model.checkpointing",
     "model.offload_activations",
     "data.source",
     "data.path",
@@ -257,8 +260,15 @@ def coupled(draw) -> dict[str, Any]:
     v["model.rope_scaling"] = draw(
         st.one_of(st.none(), st.builds(lambda f: {"rope_type": "linear", "factor": f}, st.floats(1, 64)))
     )
-    v["model.gradient_checkpointing"] = draw(st.booleans())
-    v["model.offload_activations"] = v["model.gradient_checkpointing"] and draw(st.booleans())
+    v["model.gradient_checkpointing"] = gc = draw(st.booleans())
+    # the older switch on with an explicit "none" contradicts it; null follows the older switch
+    v["model.checkpointing"] = mode = draw(
+        st.sampled_from([None, "full", "selective", "selective_matmul", "none"]).filter(
+            lambda m: not (gc and m == "none")
+        )
+    )
+    checkpointed = (mode or ("full" if gc else "none")) != "none"
+    v["model.offload_activations"] = checkpointed and draw(st.booleans())
     v["data.source"] = draw(st.sampled_from(["synthetic", "hub", "local"]))
     v["data.path"] = draw(_text()) if v["data.source"] == "local" else draw(st.one_of(st.none(), _text()))
     v["data.mixture"] = draw(st.sampled_from(["slimpajama", "upsampled"]))
@@ -295,7 +305,7 @@ def _get(cfg: Config, key: str) -> Any:
     return list(node) if isinstance(node, tuple) else node
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(values=valid_config())
 def test_configs_drawn_from_the_domains_are_accepted_as_given(values):
     cfg = load_config(None, [f"{k}={_yaml(v)}" for k, v in values.items()])
