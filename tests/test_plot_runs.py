@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from train_helpers import one_error_line
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -12,7 +13,6 @@ from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.reports.curves import curves, read_run, series
 from lctrain.rundir import RunDir
-from tests.train_helpers import one_error_line
 
 
 def fake_run(root: Path, name: str, mode: str, losses: list[float], mfu=0.3) -> Path:

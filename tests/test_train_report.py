@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from train_helpers import TINY_ARCH, prepared_workdir
 from transformers.utils import logging as hf_logging
 
 from lctrain.config import load_config
@@ -24,13 +25,8 @@ from lctrain.train.report import (
     step_line,
     summary,
 )
-from tests.train_helpers import prepared_workdir
 
 STEPS, LOG_EVERY = 4, 2
-TINY_ARCH = (
-    "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-    "num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: true}"
-)
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:

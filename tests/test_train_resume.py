@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from train_helpers import (
+    TINY_ARCH,
     clean_env,
     cli_train_command,
     killed_in_checkpoint_command,
@@ -34,10 +35,6 @@ from lctrain.rundir import RunDir, step_name
 from lctrain.train import checkpoint as ckpt
 
 STEPS = 8
-TINY_ARCH = (
-    "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-    "num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: true}"
-)
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:

@@ -12,6 +12,12 @@ from lctrain.rundir import RunDir
 # Variables a launcher sets; a child `lctrain train` must not inherit them from the test process.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+# The tiny Llama of the training tests (model.arch), a few seconds a step on one CPU core.
+TINY_ARCH = (
+    "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+    "num_attention_heads: 4, num_key_value_heads: 2, tie_word_embeddings: true}"
+)
+
 Overrides = Callable[[Path, Path], list[str]]  # (data_dir, run_dir) -> --set items
 
 
