@@ -50,7 +50,8 @@ def require_liger(device: str | torch.device) -> None:
 
 
 def _decoder_layers(model, mode: str) -> list:
-    layers = list(getattr(model.get_decoder(), "layers", None) or ())
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = list(getattr(decoder, "layers", None) or ())
     parts = (*_LAYER_NORMS, "mlp", "self_attn")
     if not layers or not all(hasattr(layer, part) for layer in layers for part in parts):
         raise UserError(
