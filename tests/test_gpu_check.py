@@ -3,6 +3,7 @@ partial benchmark results, and the loss comparison of the kill-and-resume check.
 
 import json
 import sys
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -133,7 +134,7 @@ def test_train_stage_rows_and_issue_20_targets():
 
     assert TRAIN_CHECKPOINTING == ("full", "selective")
     assert TARGETS["full_mfu"] == 0.45 and TARGETS["anchor_mfu"] == 0.40
-    result = SimpleNamespace(rows=[], targets=[])
+    result = StageResult("train")
     rows = [
         {"mode": "full", "engine": "sdpa", "step_s": 4.0, "tokens_per_s": 1.0, "mfu": 0.46, "mfu_full_square": 0.9},
         {"mode": "anchor", "engine": "varlen", "step_s": 1.0, "tokens_per_s": 4.0, "mfu": 0.3, "mfu_full_square": 0.5},
@@ -147,3 +148,93 @@ def test_train_stage_rows_and_issue_20_targets():
         "full-attention MFU (strict), 1B at 64K, selective checkpointing": True,
         "anchor-attention MFU (strict), 1B at 64K, selective checkpointing": False,
     }
+
+
+def _stage_with(monkeypatch, stage_fn, data_by_name: dict, **args):
+    """Run a benchmark stage on canned JSON (by output name) in place of its scripts; returns its result and the
+    scripts' arguments."""
+    from devtools.gpu_check.stages import benchmarks
+
+    calls = []
+
+    def fake(run, script, options, name=None):
+        calls.append((name or script, options))
+        return data_by_name.get(name or script)
+
+    monkeypatch.setattr(benchmarks, "run_script", fake)
+    result = StageResult("stage")
+    stage_fn(SimpleNamespace(result=result, remaining=lambda: 500.0), SimpleNamespace(**args))
+    return result, calls
+
+
+def test_peer_stage_rows_and_torchtitan_targets(monkeypatch):
+    from devtools.gpu_check.stages.benchmarks import stage_peer
+
+    def ratio(mode, name, ours, theirs):
+        return dict(
+            seq_len=65536,
+            mode=mode,
+            peer=name,
+            lctrain_tokens_per_s=ours,
+            peer_tokens_per_s=theirs,
+            ratio=ours / theirs,
+            runs=2,
+        )
+
+    ratios = [ratio("full", "torchtitan", 10.0, 10.5), ratio("document", "torchtitan", 30.0, 20.0)]
+    ratios.append(ratio("document", "transformers", 30.0, 3.0))
+    rows = [dict(peer="transformers", seq_len=65536, mode="full", error="exit 1: out of memory")]
+    data = {"bench_peer_64k": {"rows": rows, "ratios": ratios}}
+    result, calls = _stage_with(monkeypatch, partial(stage_peer, length=65536), data, peer_rounds=2)
+    assert calls[0][1][:4] == ["--lengths", "65536", "--rounds", "2"]
+    assert result.columns[:3] == ["L", "mode", "peer"] and len(result.rows) == 3
+    assert result.rows[1][5] == 1.5
+    met = {t["name"]: t["met"] for t in result.targets}
+    assert met == {
+        "lctrain / torchtitan tokens/s, full at 64K": False,  # goal: no slower
+        "lctrain / torchtitan tokens/s, document at 64K": True,  # goal: >= 1.2x
+    }
+    assert result.notes == ["transformers L=65536 full: exit 1: out of memory"]
+
+
+def test_fused_stage_compares_each_variant_with_none(monkeypatch):
+    from devtools.gpu_check.stages.benchmarks import FUSED_VARIANTS, stage_fused
+
+    def results(full_s, anchor_s):
+        return {
+            "results": [
+                dict(mode="full", engine="sdpa", step_s=full_s, tokens_per_s=1.0, mfu=0.3, mfu_full_square=0.5),
+                dict(mode="anchor", engine="varlen", step_s=anchor_s, tokens_per_s=1.0, mfu=0.2, mfu_full_square=0.4),
+            ]
+        }
+
+    data = {"bench_train_fused_none": results(4.0, 2.0), "bench_train_fused_compile": results(3.0, 1.0)}
+    result, calls = _stage_with(monkeypatch, stage_fused, data, train_seq_len=65536)
+    assert [name for name, _ in calls] == [f"bench_train_fused_{v}" for v in FUSED_VARIANTS]
+    assert "--fused-kernels" not in calls[0][1] and calls[1][1][-3:] == [
+        "--fused-kernels",
+        "liger",
+        "--fused-optimizer",
+    ]
+    assert result.columns[0] == "fused kernels" and [row[:2] for row in result.rows][2] == ["compile", "full"]
+    assert result.notes == ["compile / none step time, full: 0.750", "compile / none step time, anchor: 0.500"]
+
+
+def test_memory_stage_rows_keep_the_out_of_memory_length(monkeypatch):
+    from devtools.gpu_check.stages.benchmarks import stage_memory
+
+    ok = dict(
+        seq_len=131072,
+        oom=False,
+        step_s=9.0,
+        tokens_per_s=1.0,
+        max_allocated_gb=70.0,
+        predicted_device_gb=73.5,
+        device_predicted_over_allocated=1.05,
+        host_peak_rss_gb=100.0,
+        predicted_host_gb=110.0,
+    )
+    data = {"bench_memory": {"layers": 32, "results": [ok, dict(seq_len=262144, oom=True)]}}
+    result, _ = _stage_with(monkeypatch, stage_memory, data, memory_steps=2)
+    assert result.rows[1][:3] == [262144, "out of memory", None] and result.rows[0][1] == 9.0
+    assert [t["met"] for t in result.targets] == [True, True]  # 5% off the plan; 128K trained

@@ -10,6 +10,11 @@ Stages:
   tests      the `-m gpu` tests: every engine against the dense reference, every mode, fwd+bwd, bf16/fp32, GQA
   attention  scripts/bench_attention.py at 8K/32K/128K, Llama-2-7B head layout: time and fraction of FLOP ideal
   train      scripts/bench_train.py, a 1B Llama-shaped model at 64K, every mode, bf16, activation checkpointing
+  fused      scripts/bench_train.py as train, selective checkpointing, with model.fused_kernels none / liger / compile
+             (+ fused AdamW): step time of each against none
+  peer       scripts/bench_peer.py at 64K: lctrain, torchtitan and transformers + SDPA, full and document, A/B/A/B
+             in fresh processes; lctrain / torchtitan against issue 20's goals (needs torchtitan: the `peer` extra)
+  peer_32k   the same at 32K
   cli        lctrain prepare + train (ZeRO-1 and ZeRO-3, nccl) + kill -9 + resume to the same losses + eval +
              diagnose rope, with the bundled config gpu_small_16k
   rope       the paper's Figure 1 on a Llama-2-7B-shaped model: lctrain diagnose rope at 4096 tokens, fp32 / bf16 /
@@ -65,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--attention-engines", nargs="+", default=["varlen", "sdpa", "flex"])
     ap.add_argument("--train-seq-len", type=int, default=65536)
+    ap.add_argument("--peer-rounds", type=int, default=2, help="peer stages: runs of every peer per mode")
     ap.add_argument("--cli-config", default="gpu_small_16k")
     ap.add_argument("--kill-step", type=int, default=12)
     ap.add_argument("--rope-samples", type=int, default=4, help="rope stage: text sequences per case")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,8 +12,10 @@ from devtools.gpu_check.runner import Runner
 from devtools.gpu_check.stages.benchmarks import (
     stage_attention,
     stage_figure6,
+    stage_fused,
     stage_generation,
     stage_memory,
+    stage_peer,
     stage_train,
 )
 from devtools.gpu_check.stages.end_to_end import stage_cli
@@ -40,6 +43,9 @@ STAGE_FNS: dict[str, Callable] = {
     "tests": stage_tests,
     "attention": stage_attention,
     "train": stage_train,
+    "fused": stage_fused,
+    "peer": functools.partial(stage_peer, length=65536),
+    "peer_32k": functools.partial(stage_peer, length=32768),
     "cli": stage_cli,
     "rope": stage_rope,
     "generation": stage_generation,
