@@ -9,10 +9,13 @@ Liger runs only on CUDA (`-m gpu`); on CPU its refusal is tested.
 import numpy as np
 import pytest
 import torch
+from train_helpers import one_error_line
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, apply_rotary_pos_emb
+from typer.testing import CliRunner
 
 from lctrain import fused
 from lctrain.attention import make_batch
+from lctrain.cli import app
 from lctrain.compat.transformers import is_llama_attention, llama_attention_forward
 from lctrain.config import check_on_this_machine, load_config
 from lctrain.errors import UserError
@@ -114,6 +117,13 @@ def test_liger_is_refused_without_cuda_in_one_line():
         build_model(config("model.fused_kernels=liger"), vocab_size=100)
 
 
+def test_lctrain_train_refuses_liger_here_in_one_line(tmp_path):
+    result = CliRunner().invoke(
+        app, ["train", "--set", "model.fused_kernels=liger", "--set", f"train.run_dir={tmp_path / 'run'}"]
+    )
+    assert "model.fused_kernels=liger runs Triton kernels, which need CUDA" in one_error_line(result)
+
+
 def test_liger_names_what_is_missing(monkeypatch):
     monkeypatch.setattr(fused.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"needs liger-kernel and triton \(pip install liger-kernel\)"):
@@ -190,9 +200,8 @@ def test_fused_adamw_trains_the_same_parameters():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["full", "anchor"])
 def test_liger_keeps_losses_and_gradients_on_the_gpu(mode):
-    # fp32: Liger's kernels against transformers' eager ops (matmuls without TF32), then bf16 against that fp32 run:
-    # Liger's bf16 error is at most twice eager bf16's (both round the same products to 8 bits)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    # fp32: Liger's kernels against transformers' eager ops (matmuls without TF32, torch's default); then bf16
+    # against that fp32 run: Liger's bf16 error is at most twice eager bf16's (both round the same products to 8 bits)
     common = [f"attention.mode={mode}", "attention.engine=sdpa"]
     fp32 = loss_and_grads(config(*common), device="cuda")
     liger32 = loss_and_grads(config(*common, "model.fused_kernels=liger"), device="cuda")
@@ -208,7 +217,6 @@ def test_liger_keeps_losses_and_gradients_on_the_gpu(mode):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_liger_fused_loss_is_the_chunked_sum_scaled_by_the_incoming_gradient():
-    torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
     head = torch.nn.Linear(64, 1000, bias=False, device="cuda")
     hidden = torch.randn(2, 300, 64, device="cuda", generator=gen, requires_grad=True)
