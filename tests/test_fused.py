@@ -83,6 +83,7 @@ def test_compile_keeps_losses_and_gradients(checkpointing):
     assert_relatively_close(compiled, eager, COMPILE_RTOL)
 
 
+@pytest.mark.slow  # torch.compile's first call imports dynamo and inductor: ~5 s
 def test_compile_is_bound_on_the_instance():
     model = build_model(config(), vocab_size=100).model
     assert fused.apply(model, "none", "cpu") == 0
@@ -90,8 +91,13 @@ def test_compile_is_bound_on_the_instance():
     norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
     assert len(norms) == 2 * ARCH["num_hidden_layers"] + 1
     assert all(type(m).forward is LlamaRMSNorm.forward for m in norms)  # the class is untouched
+
+
+def test_a_model_without_llama_layers_is_refused():
     with pytest.raises(UserError, match="no Llama-style decoder layers"):
         fused.apply(torch.nn.Linear(2, 2), "compile", "cpu")
+    with pytest.raises(UserError, match="no Llama-style decoder layers"):
+        fused.apply(torch.nn.Linear(2, 2), "liger", "cuda")
 
 
 def test_the_instance_attention_forward_is_transformers_own():
