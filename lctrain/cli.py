@@ -153,6 +153,25 @@ def example_model(
     print(cached(Path(out)))
 
 
+@app.command("example-text")
+@user_errors
+def example_text(
+    out: Annotated[str, typer.Argument(help="JSON-lines file to write")] = "corpus/shipped.jsonl",
+    kinds: Annotated[
+        str, typer.Option(help="prose (Python's reference docs), code (the standard library), or both")
+    ] = ("prose,code"),
+):
+    """Write real text that ships with Python as a JSON-lines corpus (one document per record, `text` and
+    `meta.kind`), for offline runs: `data.sources: [{name: prose, path: OUT}]` or `diagnose rope --text OUT`."""
+    from lctrain.data.shipped_text import write_jsonl
+
+    info = write_jsonl(Path(out), tuple(k.strip() for k in kinds.split(",") if k.strip()))
+    parts = ", ".join(
+        f"{k}: {v['documents']} documents, {v['characters']:,} characters" for k, v in info["kinds"].items()
+    )
+    print(f"{info['path']} ({parts}; Python {info['python']}, fingerprint {info['fingerprint']})")
+
+
 @app.command()
 @user_errors
 def configs():
