@@ -47,13 +47,15 @@ def fake_evaluated(
     lengths: list[int] = LENGTHS,
     tasks: list[str] = TASKS,
     extra: tuple[str, ...] = (),
+    noise: str | None = None,
 ) -> Path:
     """A run directory with its config and an eval/results.json laid out as `lctrain eval` writes it; the scores are
-    seeded noise plus `shift`, perplexity per length for the lengths up to 8K (the held-out window)."""
+    noise seeded by `noise` (default: the run's name and seeds) plus `shift`, perplexity per length for the lengths up
+    to 8K (the held-out window)."""
     rd = RunDir(root / name)
     overrides = [f"name={name}", f"attention.mode={mode}", f"seed={seed}", f"data.seed={data_seed}", *extra]
     rd.write_config(load_config(None, overrides))
-    rng = random.Random(f"{name}/{seed}/{data_seed}")
+    rng = random.Random(noise or f"{name}/{seed}/{data_seed}")
     ckpts = [f"step_{s}" for s in steps]
     scores = {c: {t: {str(L): round(rng.uniform(20, 80) + shift, 2) for L in lengths} for t in tasks} for c in ckpts}
     per_length = {c: {str(L): rng.uniform(5, 9) - shift / 10 for L in lengths if L <= 8192} for c in ckpts}
@@ -162,18 +164,25 @@ def test_reading_against_the_seed_spread():
 
 
 def test_the_tables_say_how_to_read_a_difference(tmp_path):
-    # full's three seeds span ~[s-?, s+?]; anchor far above at every length, a single-seed intra_doc row
+    # scores in [20, 80]: anchor's are 200 above full's at every length (beyond any spread); intra_doc's two seeds
+    # repeat full's, 0.01 higher (their ranges overlap); a single-seed intra_doc_reset row has no spread
     runs = [fake_evaluated(tmp_path, f"full_{s}", "full", seed=s) for s in (0, 1)]
     runs += [fake_evaluated(tmp_path, f"anchor_{s}", "anchor", seed=s, shift=200) for s in (0, 1)]
-    runs += [fake_evaluated(tmp_path, "intra", "intra_doc")]
+    runs += [
+        fake_evaluated(tmp_path, f"intra_{s}", "intra_doc", seed=s, shift=0.01, noise=f"full_{s}/{s}/0") for s in (0, 1)
+    ]
+    runs += [fake_evaluated(tmp_path, "reset", "intra_doc_reset")]
     report = compare([read_evaluated(p) for p in runs])
-    anchor, intra = report["rows"][1], report["rows"][2]
-    assert {d["reading"] for d in anchor["vs_reference"]["ruler"].values()} == {BEYOND}
-    assert {d["reading"] for d in intra["vs_reference"]["ruler"].values()} == {UNKNOWN}
+    anchor, intra, reset = report["rows"][1:]
+    for metric in ("ruler", "perplexity"):
+        assert {d["reading"] for d in anchor["vs_reference"][metric].values()} == {BEYOND}
+        assert {d["reading"] for d in intra["vs_reference"][metric].values()} == {WITHIN}
+        assert {d["reading"] for d in reset["vs_reference"][metric].values()} == {UNKNOWN}
+    assert all(d["difference"] == pytest.approx(0.01) for d in intra["vs_reference"]["ruler"].values())
     out = tmp_path / "out"
     write_report(runs, out)
     md = (out / "report.md").read_text()
-    assert "(beyond seed spread)" in md and "(single seed: spread unknown)" in md
+    assert "(beyond seed spread)" in md and "(within seed spread)" in md and "(single seed: spread unknown)" in md
     assert "difference from full" in md
 
 

@@ -7,12 +7,12 @@ is scored with plain causal attention over all of it, positions 0..L-1; targets 
 text (each segment's anchor and its domain-tag tokens) are left out.
 
 Perplexity at a shorter length L scores the first L tokens of each held-out window (positions 0..L-1, the window's
-opening anchor included), the usual practice for context-window extension (Chen et al. 2023, Position
-Interpolation: documents truncated to the evaluated window). Under causal attention the first L tokens' predictions
-do not depend on the tokens after them, so one forward pass over the whole window gives every length at once: the
-sums of its per-target losses up to each L. The lengths are nested prefixes, so a longer length's number includes
-the shorter ones' targets; cutting windows into L-token pieces instead would start most pieces mid-document without
-the anchor every training sequence starts with.
+opening anchor included), as YaRN (Peng et al. 2023) evaluates context-window extension: each document truncated at
+each evaluated length. Under causal attention the first L tokens' predictions do not depend on the tokens after them,
+so one forward pass over the whole window gives every length at once: the sums of its per-target losses up to each
+L. The lengths are nested prefixes, so a longer length's number includes the shorter ones' targets; cutting windows
+into L-token pieces instead would start most pieces mid-document without the anchor every training sequence starts
+with.
 """
 
 from __future__ import annotations
