@@ -213,7 +213,14 @@ def test_bad_input_is_one_line(tmp_path):
     other_tasks = fake_evaluated(tmp_path, "other_tasks", "anchor", tasks=["vt"])
     twin = fake_evaluated(tmp_path, "twin", "full")  # same experiment, same seeds as `good`
     (tmp_path / "empty").mkdir()
+    damaged = fake_evaluated(tmp_path, "damaged", "anchor")
+    results = results_of(damaged)
+    del results["scores"]["step_120"]["vt"]
+    (RunDir(damaged).eval_dir / "results.json").write_text(json.dumps(results))
+    (tmp_path / "notresults.json").write_text("[]")
     cases = [
+        ([str(damaged)], f"{RunDir(damaged).eval_dir / 'results.json'}: the results of step_80"),
+        ([str(tmp_path / "notresults.json")], "not the results.json of `lctrain eval` (no checkpoints, scores"),
         ([str(tmp_path / "untested")], f"{tmp_path / 'untested'}: not evaluated yet"),
         ([str(tmp_path / "empty")], "neither an evaluated run directory"),
         (

@@ -71,9 +71,10 @@ def _read_results(file: Path) -> dict:
         results = json.loads(file.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{file}: not readable as JSON ({type(e).__name__}); run `lctrain eval` again") from None
-    missing = [k for k in ("checkpoints", "scores", "lengths", "tasks", "suite") if k not in results]
-    if not isinstance(results, dict) or missing:
-        raise UserError(f"{file}: not the results.json of `lctrain eval` (no {', '.join(missing) or 'fields'})")
+    needed = ("checkpoints", "scores", "lengths", "tasks", "suite")
+    missing = [k for k in needed if k not in results] if isinstance(results, dict) else list(needed)
+    if missing:
+        raise UserError(f"{file}: not the results.json of `lctrain eval` (no {', '.join(missing)})")
     return results
 
 
@@ -114,11 +115,13 @@ def last_checkpoints(results: dict, last: int | None, where: str) -> list[str]:
         ckpts.sort(key=step_of)
     if last is not None and last < 1:
         raise UserError(f"--last {last}: average over at least 1 checkpoint")
+    if not ckpts:
+        raise UserError(f"{where}: no evaluated checkpoint in its results; run `lctrain eval` again")
     n = min(DEFAULT_LAST, len(ckpts)) if last is None else last
-    if n > len(ckpts) or not ckpts:
+    if n > len(ckpts):
         raise UserError(
             f"{where}: --last {n} asks for more checkpoints than the {len(ckpts)} evaluated "
-            f"({', '.join(ckpts) or 'none'}); use --last {len(ckpts)} or evaluate more checkpoints"
+            f"({', '.join(ckpts)}); use --last {len(ckpts)} or evaluate more checkpoints"
         )
     return ckpts[-n:]
 
@@ -127,9 +130,9 @@ def _by_length(table: dict) -> dict[int, float]:
     return {int(L): v for L, v in table.items()}
 
 
-def checkpoint_average(results: dict, ckpts: list[str]) -> tuple[dict[int, float], dict[int, float]]:
+def checkpoint_average(results: dict, ckpts: list[str], where: str) -> tuple[dict[int, float], dict[int, float]]:
     """({length: RULER mean over tasks}, {length: perplexity}) averaged over `ckpts`; the perplexity is empty when
-    those checkpoints have no per-length perplexity."""
+    those checkpoints have no per-length perplexity. `where` names the results in an error."""
     per_length = (results.get("perplexity") or {}).get("per_length") or {}
     try:
         scores = {c: {t: _by_length(per) for t, per in results["scores"][c].items()} for c in ckpts}
@@ -139,7 +142,7 @@ def checkpoint_average(results: dict, ckpts: list[str]) -> tuple[dict[int, float
         ppl = scoring.average_checkpoints({c: {"perplexity": _by_length(per_length[c])} for c in ckpts})
     except (KeyError, ValueError) as e:
         raise UserError(
-            f"results of {', '.join(ckpts)}: damaged or incomplete ({e}); run `lctrain eval` again"
+            f"{where}: the results of {', '.join(ckpts)} are damaged or incomplete ({e}); run `lctrain eval` again"
         ) from None
     return ruler, ppl["perplexity"]
 
@@ -235,7 +238,7 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
         per_run = []
         for r in members:
             ckpts = last_checkpoints(r.results, last, str(r.path))
-            ruler, ppl = checkpoint_average(r.results, ckpts)
+            ruler, ppl = checkpoint_average(r.results, ckpts, str(r.results_file))
             per_run.append(
                 {
                     "path": str(r.path),
