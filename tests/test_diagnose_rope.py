@@ -283,6 +283,7 @@ def stdlib_text(tmp_path_factory):
 def test_local_text_sequences(stdlib_text, tokenizer):
     got = probe_sequences(stdlib_text, tokenizer, 300, 6, vocab_size=len(tokenizer), seed=0)
     assert len(got.sequences) == 6 and len(set(got.origins)) == 6
+    assert got.anchor == {"token": tokenizer.bos_token, "id": tokenizer.bos_token_id} == {"token": "<s>", "id": 1}
     for ids, origin in zip(got.sequences, got.origins):
         path, _, line = origin.partition(":") if origin.endswith((":1", ":2")) else (origin, "", "")
         text = (
@@ -403,6 +404,7 @@ def test_cli_default_text_is_the_prepared_dataset(tmp_path):
     assert r.exit_code == 0, r.output
     text = json.loads((out / "rope_drift.json").read_text())["text"]
     assert text["path"] == str(data) and text["sequences"] == 3 and text["origins"][0] == "window 0, token 0"
+    assert text["anchor"] == {"token": "<s>", "id": 1}  # the prepared dataset's, from its manifest
 
 
 @pytest.mark.parametrize(
