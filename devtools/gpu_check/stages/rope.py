@@ -1,5 +1,9 @@
 """The rope stages: the paper's Figure 1 on a Llama-2-7B-shaped random model (`rope`), and Figures 1 and 7 on real
-pretrained weights (`rope_real`: SmolLM2-135M, the example model, at the paper's 50 sequences of 4096 tokens)."""
+pretrained weights (`rope_real`: SmolLM2-135M, the example model, at the paper's 4096 tokens).
+
+`rope_real`'s time, estimated (not yet measured): the `rope` stage measured ~15 s of probe per 4096-token sequence
+and case on Llama-2-7B's 1024 layer-heads; SmolLM2 has 270, so ~4 s for Figure 1's sweep and as much again for
+Figure 7's Δ2 sweep, ~8 s per sequence and case: 20 sequences x 3 cases fit the 570-s stage, the paper's 50 do not."""
 
 from __future__ import annotations
 
