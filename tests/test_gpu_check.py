@@ -4,6 +4,7 @@ partial benchmark results, and the loss comparison of the kill-and-resume check.
 import json
 import sys
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -238,3 +239,61 @@ def test_memory_stage_rows_keep_the_out_of_memory_length(monkeypatch):
     result, _ = _stage_with(monkeypatch, stage_memory, data, memory_steps=2)
     assert result.rows[1][:3] == [262144, "out of memory", None] and result.rows[0][1] == 9.0
     assert [t["met"] for t in result.targets] == [True, True]  # 5% off the plan; 128K trained
+
+
+def drift_json(d_logit_grows: bool) -> dict:
+    """A rope_drift.json as `diagnose rope` writes it, cut to what the stage reads: shifts (0, 16, 2000)."""
+
+    def case(d, share, ratio, logits, seconds):
+        return {"D": d, "first_token_share": share, "first_token_vs_others": ratio, "D_logit": logits}, seconds
+
+    cases = {
+        "fp32": case([0.01, 0.0, 0.02], 0.02, 3.0, [0.001, 0.002], 30.0),
+        "bf16": case([20.0, 0.0, 25.0], 0.2, 40.0, [30.0, 45.0 if d_logit_grows else 20.0], 10.0),
+        "random": case([2.0, 0.0, 2.1], 0.01, 2.0, [5.0, 4.0], 11.0),
+    }
+    return {
+        "shifts": [0, 16, 2000],
+        "delta2": 16,
+        "samples": 50,
+        "seq_len": 4096,
+        "logit_lengths": [64, 8192],
+        "cases": {k: v for k, (v, _) in cases.items()},
+        "timing": {k: {"seconds": s} for k, (_, s) in cases.items()},
+    }
+
+
+@pytest.mark.parametrize("d_logit_grows", [True, False])
+def test_rope_real_stage_runs_the_papers_setting_on_the_example_model(tmp_path, monkeypatch, d_logit_grows):
+    ran = []
+
+    def fake_run(self, cmd, cwd=None, check=True):
+        ran.append(cmd[cmd.index("lctrain.cli") + 1 :])
+        if "diagnose" in cmd:
+            out = Path(cmd[cmd.index("--out") + 1])
+            (out / "rope_drift.json").write_text(json.dumps(drift_json(d_logit_grows)))
+        return 0
+
+    monkeypatch.setattr(Runner, "run", fake_run)
+    (tmp_path / "rope_real").mkdir()
+    result = run_stage("rope_real", SimpleNamespace(stage_limit=10, rope_real_samples=50), tmp_path)
+    assert result.status == "passed", result.notes
+    work = tmp_path / "rope_real"
+    assert ran[0] == ["example-model", str(work / "smollm2")]
+    assert ran[1] == ["example-text", str(work / "code.jsonl"), "--kinds", "code"]
+    diagnose = ran[2]
+    assert diagnose[:3] == ["diagnose", "rope", str(work / "smollm2")]
+    options = dict(zip(diagnose, diagnose[1:]))  # each option with the word after it
+    assert options["--samples"] == "50" and options["--seq-len"] == "4096" and options["--max-len"] == "8192"
+    assert options["--device"] == "cuda" and options["--text"] == str(work / "code.jsonl")
+    assert "--vary-delta2" in diagnose and "--shifts" not in diagnose  # the paper's 19 shifts, the default
+    assert [row[0] for row in result.rows] == ["fp32", "bf16", "random"]
+    assert result.rows[1][1:] == [20.0, 25.0, 0.2, 40.0, 45.0 if d_logit_grows else 20.0, 10.0]
+    met = {t["name"].split(" (")[0]: (t["value"], t["met"]) for t in result.targets}
+    assert met == {
+        "bf16 D / fp32 D at Δ1=0": (2000.0, True),
+        "bf16 D / random-init D at Δ1=0": (10.0, True),
+        "bf16 D(Δ1=2000) / D(Δ1=0)": (1.25, True),
+        "bf16 first token / mean other token in D(0)": (40.0, True),
+        "bf16 D_logit(T=8192) / D_logit(T=64)": (1.5, True) if d_logit_grows else (0.667, False),
+    }

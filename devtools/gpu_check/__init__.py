@@ -6,6 +6,3 @@ report), `wheels` (building the wheelhouse of an offline machine)."""
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# lctrain's extras a GPU machine gets: the tests, Liger-Kernel (model.fused_kernels=liger) and torchtitan (the peer
-# of scripts/bench_peer.py); the last two import triton, which only a CUDA build of torch brings
-GPU_EXTRAS = ("test", "fused", "peer")

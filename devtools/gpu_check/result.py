@@ -14,6 +14,7 @@ STAGES = (
     "peer_32k",
     "cli",
     "rope",
+    "rope_real",
     "generation",
     "figure6",
     "memory",

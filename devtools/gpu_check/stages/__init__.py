@@ -21,7 +21,7 @@ from devtools.gpu_check.stages.benchmarks import (
 from devtools.gpu_check.stages.end_to_end import stage_cli
 from devtools.gpu_check.stages.gpu_tests import stage_tests
 from devtools.gpu_check.stages.install import stage_install
-from devtools.gpu_check.stages.rope import stage_rope
+from devtools.gpu_check.stages.rope import stage_rope, stage_rope_real
 
 STAGE_LIMIT_S = 570  # one stage fits a 10-minute slot with room for the interpreter start and the report
 
@@ -48,6 +48,7 @@ STAGE_FNS: dict[str, Callable] = {
     "peer_32k": functools.partial(stage_peer, length=32768),
     "cli": stage_cli,
     "rope": stage_rope,
+    "rope_real": stage_rope_real,
     "generation": stage_generation,
     "figure6": stage_figure6,
     "memory": stage_memory,
