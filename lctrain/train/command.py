@@ -79,6 +79,13 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | 
                 f"'lctrain train --config {rd.config_file} --force'"
             )
         cfg = rd.read_config()
+        named = ckpt.latest_named(rd)
+        if leader and named is not None and named != ckpt.latest_checkpoint(rd):
+            print(
+                f"warning: {rd.checkpoints / ckpt.LATEST} names {named.name}, which is missing or incomplete; "
+                f"resuming from the newest complete checkpoint",
+                flush=True,
+            )
         states = [(p, ckpt.readable_state(p)) for p in ckpt.resume_candidates(rd)]
         states = [(p, s) for p, s in states if s is not None]
         if not states:  # before any process builds a model: none of them could resume
