@@ -57,6 +57,27 @@ def under_launcher() -> bool:
 def check_launcher_env() -> None:
     """Refuse, in one line, a launcher's variables without the rendezvous address (a half-configured scheduler job),
     which torch.distributed would report as a traceback from every rank."""
+    given = [k for k in LAUNCHER_ENV if k in os.environ and k not in _SELF_SET]
+    if given and len(given) < len(LAUNCHER_ENV):  # a leftover of another job: WORLD_SIZE=2 alone would wait forever
+        unset = [k for k in LAUNCHER_ENV if k not in given]
+        raise UserError(
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but {', '.join(unset)} not: a launcher sets "
+            f"all of {', '.join(LAUNCHER_ENV)}; unset {', '.join(given)} to let lctrain start its own processes, or "
+            f"start the job with torchrun or deepspeed"
+        )
+    numbers = {
+        k: os.environ[k]
+        for k in (*LAUNCHER_ENV, "LOCAL_WORLD_SIZE", "MASTER_PORT")
+        if k in os.environ and k not in _SELF_SET
+    }
+    bad = [f"{k}={v!r}" for k, v in numbers.items() if not v.strip().isdigit()]
+    if not bad and given and int(os.environ["RANK"]) >= int(os.environ["WORLD_SIZE"]):
+        bad = [f"RANK={os.environ['RANK']} with WORLD_SIZE={os.environ['WORLD_SIZE']}"]
+    if bad:
+        raise UserError(
+            f"{', '.join(bad)}: launcher variables must be non-negative integers with RANK < WORLD_SIZE; fix or "
+            f"unset them"
+        )
     missing = [k for k in RENDEZVOUS_ENV if k not in os.environ]
     if under_launcher() and missing:
         raise UserError(

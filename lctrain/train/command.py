@@ -15,6 +15,7 @@ import torch
 
 from lctrain.config import Config, check_on_this_machine, reread_warning, settings
 from lctrain.costmodel import ModelShape
+from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
@@ -69,6 +70,10 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | 
     was started from, whatever the current one."""
     check_launcher_env()
     rd = RunDir(Path(run_dir).absolute())
+    if (rd.path / MANIFEST).is_file():  # prepare writes its resolved config.yaml beside the manifest
+        raise UserError(
+            f"{run_dir}: a prepared dataset (it holds {MANIFEST}), not a run directory; give the train.run_dir of a run"
+        )
     if not rd.is_run():
         raise UserError(f"{run_dir}: not a run directory (no config.yaml); start a run with 'lctrain train'")
     leader = _leader()
