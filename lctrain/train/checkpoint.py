@@ -230,7 +230,7 @@ def prune(run: RunDir, keep: int) -> None:
 
 # What loading a damaged checkpoint raises: torch.load on a truncated file (RuntimeError from the zip reader,
 # EOFError, UnpicklingError), a torn or empty JSON state (ValueError), a missing file (OSError; DeepSpeed asserts
-# that its model-state file exists: AssertionError), an RNG file of another form (AttributeError, TypeError).
+# that its model-state file exists: AssertionError), an RNG state of another form (TypeError from its setters).
 DAMAGED = (
     OSError,
     RuntimeError,
@@ -238,7 +238,6 @@ DAMAGED = (
     ValueError,
     KeyError,
     TypeError,
-    AttributeError,
     AssertionError,
     pickle.UnpicklingError,
 )
@@ -271,6 +270,8 @@ def load_resume(engine, path: Path, *, rank: int) -> tuple[dict | None, str]:
             moved = f"DeepSpeed's state is of step {engine.global_steps}, not {step}"
             return None, f"{moved} (moved from another checkpoint?)"
         rng = torch.load(path / rng_file(rank), weights_only=False)
+        if not isinstance(rng, dict):
+            return None, f"{rng_file(rank)} is not an RNG state"
         if rng.get("step", step) != step:  # checkpoints written before the RNG state recorded its step have none
             return None, f"{rng_file(rank)} is of step {rng['step']}, not {step} (moved from another checkpoint?)"
         set_rng_state(rng)
