@@ -159,6 +159,13 @@ CASES = [
     ("eval-device-index", "cli", ["eval", "{w}/run", "--device", "cuda:abc"], {}, r"--device cuda:abc: not a device"),
     ("eval-ppl-data-empty", "cli", ["eval", "{w}/run", "--ppl-data", "{w}/emptydir"], {}, r"manifest.json is missing"),
     ("eval-ruler-data-empty", "cli", ["eval", "{w}/run", "--ruler-data", "{w}/emptydir"], {}, r"no length directories"),
+    (
+        "eval-out-a-file",
+        "cli",
+        ["eval", "{w}/run", "--out", "{w}/afile"],
+        {},
+        r"afile: File exists; fix the path or choose",
+    ),
     ("eval-dataset-dir", "cli", ["eval", "{w}/dataset"], {}, r"dataset/hf: no evaluation checkpoints"),
     ("rope-samples-zero", "cli", ["diagnose", "rope", "tiny_anchor", "--samples", "0"], {}, r"need samples >= 1"),
     ("rope-shifts-words", "cli", ["diagnose", "rope", "tiny_anchor", "--shifts", "a,b"], {}, r"--shifts a,b: expected"),
@@ -272,7 +279,7 @@ CASES = [
     ("env-cache-a-file", "env", src("crlf.jsonl"), {"LCTRAIN_CACHE": "{w}/afile"}, OK),
 ]
 # The cases that tokenize a corpus or build a model: over the default suite's budget.
-SLOW = {"sources", "env-cache-a-file", "env-cuda-visible-garbage", "env-hf-home-a-file"}
+SLOW = {"sources", "env-cache-a-file", "env-cuda-visible-garbage", "env-hf-home-a-file", "eval-out-a-file"}
 
 
 def _params():
