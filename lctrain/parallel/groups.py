@@ -4,8 +4,10 @@ layout (parallel/layout.py), and tell a launched worker from a process that must
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,7 +94,30 @@ def launcher_free_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in _SELF_SET}
 
 
+# Where Linux says it hands out ephemeral ports (the ports `bind(0)` and outgoing connections get).
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000
+
+
 def free_port() -> int:
+    """A port for a rendezvous, free now and outside the ephemeral range. Between this check and the store's bind,
+    a port from `bind(0)` can be handed to any other socket on the machine, e.g. a listening socket of another job's
+    gloo mesh: a rank then talks to that job's socket instead of its store, and the mismatched protocol ends a rank
+    with "terminate called without an active exception" (seen with several `check sp` at once). A port below the
+    ephemeral range is only ever taken by someone asking for it by number."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()  # its own generator: the training seed must neither pick the port nor be moved by it
+    for _ in range(50) if low > _LOWEST_PORT else ():
+        port = rng.randrange(_LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
