@@ -101,9 +101,8 @@ _LOWEST_PORT = 10000
 
 def free_port() -> int:
     """A port for a rendezvous, free now and outside the ephemeral range. Between this check and the store's bind,
-    a port from `bind(0)` can be handed to any other socket on the machine, e.g. a listening socket of another job's
-    gloo mesh: a rank then talks to that job's socket instead of its store, and the mismatched protocol ends a rank
-    with "terminate called without an active exception" (seen with several `check sp` at once). A port below the
+    a port from `bind(0)` can be handed to any other socket on the machine (another job's gloo mesh, an outgoing
+    connection): the store then fails with EADDRINUSE (seen with several `check sp` at once). A port below the
     ephemeral range is only ever taken by someone asking for it by number."""
     try:
         low = int(_EPHEMERAL_RANGE.read_text().split()[0])
