@@ -434,6 +434,8 @@ def plot(
     and tokens/s against the step by default, one panel per --metric."""
     from lctrain.reports.curves import plot as run_plot
 
+    if Path(out).suffix.lower() != ".png":
+        raise UserError(f"--out {out}: the curves are a PNG; give a file name ending in .png")
     run_plot(runs, metric, out)
 
 

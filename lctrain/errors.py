@@ -87,10 +87,8 @@ def environment_error_message(e: BaseException) -> str | None:
         where, what = "a checkpoint file", "the write failed (is the disk full?)"
     else:
         where, what = "a file", os.strerror(_errno_of(e))
-    return " ".join(
-        f"{where}: {what}; free disk space, fix the permissions or choose another path, then run the "
-        f"command again".split()
-    )
+    remedy = _REMEDY.get(_errno_of(e) or errno.ENOSPC, "fix the path or choose another one")
+    return " ".join(f"{where}: {what}; {remedy}, then run the command again".split())
 
 
 class WriteFailed(UserError):

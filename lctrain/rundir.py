@@ -20,11 +20,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from lctrain.config import Config, load_config, run_dir, to_yaml
 from lctrain.errors import UserError, writing
 from lctrain.lifetime import RunLock
 
 _STEP = re.compile(r"^step_(\d+)$")
+# Sections every run's config.yaml holds (`write_config` writes them all, and so did every earlier version).
+_RUN_SECTIONS = ("data", "model", "train")
 
 
 def step_name(step: int) -> str:
@@ -82,7 +86,16 @@ class RunDir:
         return self.config_file
 
     def read_config(self, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+        """The run's config; a copy missing a section `write_config` always writes (truncated, or edited by hand)
+        is refused rather than read with that section's defaults."""
         cfg = load_config(str(self.config_file), overrides)
+        raw = yaml.safe_load(self.config_file.read_text())
+        missing = [s for s in _RUN_SECTIONS if s not in raw] if "base" not in raw else []
+        if missing:
+            raise UserError(
+                f"{self.config_file}: no {', '.join(missing)} section (truncated or edited?); restore it: "
+                f"{self.checkpoints.name}/step_N/trainer_state.json holds the config each checkpoint trained with"
+            )
         if cfg.workdir is None:
             cfg.workdir = self._origin()
         return cfg
@@ -169,31 +182,39 @@ class RunDir:
         """The step records, in file order; none when there is no file yet."""
         return [record for _, record in self._metric_lines()]
 
-    def truncate_metrics(self, last_step: int) -> None:
-        """Drop the records of steps after `last_step` (written before a crash, redone after resume)."""
+    def truncate_metrics(self, last_step: int) -> int:
+        """Drop the records of steps after `last_step` (written before a crash, redone after resume); the last
+        step kept (0 for none)."""
+        kept = [(line, record) for line, record in self._metric_lines() if record["step"] <= last_step]
         if self.metrics_file.is_file():
-            kept = [line for line, record in self._metric_lines() if record["step"] <= last_step]
             with writing(self.metrics_file, "the metrics"):
-                self.metrics_file.write_text("".join(line + "\n" for line in kept))
+                self.metrics_file.write_text("".join(line + "\n" for line, _ in kept))
+        return kept[-1][1]["step"] if kept else 0
 
     def _metric_lines(self) -> list[tuple[str, dict]]:
-        """(line, record) of each record. The last line may be torn (a run killed while appending it) and is then
-        left out; a damaged line before it is an error."""
+        """(line, record) of each record: a JSON object with an integer `step`, steps increasing (a resume drops the
+        records after its checkpoint before it appends). The last line may be torn (a run killed while appending
+        it: the start of a record) and is then left out; anything else that is not a record is an error."""
         if not self.metrics_file.is_file():
             return []
-        lines = self.metrics_file.read_text().splitlines()
+        lines = self.metrics_file.read_bytes().decode(errors="replace").splitlines()
         out = []
         for i, line in enumerate(lines):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-                int(record["step"])
-            except (ValueError, KeyError, TypeError):
-                if i == len(lines) - 1:
+                step = record["step"]
+            except (ValueError, KeyError, TypeError, IndexError):
+                if i == len(lines) - 1 and line.startswith("{") and "\ufffd" not in line and "\0" not in line:
                     break
                 raise UserError(
                     f"{self.metrics_file}:{i + 1}: not a step record; remove the line or restore the file"
                 ) from None
+            if type(step) is not int or (out and step <= out[-1][1]["step"]):
+                raise UserError(
+                    f"{self.metrics_file}:{i + 1}: step {step!r} does not follow step "
+                    f"{out[-1][1]['step'] if out else 0}; remove the line or restore the file"
+                )
             out.append((line, record))
         return out

@@ -163,6 +163,8 @@ def check_sp(
     """Run the comparison on P ranks for one window, print the per-mode table and return (and write) the JSON
     result; `modes` default to all four."""
     chosen = list(modes or MODES)
+    if window < 0:
+        raise UserError(f"--window {window}: a window index is 0 or more")
     cfg = check_config(cfg, nproc, dtype)
     win, source, vocab = pick_window(cfg, window)
     out_dir = Path(out) if out else Path("check_sp") / cfg.name

@@ -77,8 +77,11 @@ def _is_model_dir(path: Path) -> bool:
 
 
 def find_checkpoints(run: RunDir) -> list[tuple[str, Path]]:
-    """The run's evaluation checkpoints `hf/step_N/`, in step order."""
-    return [(d.name, d) for d in run.exports() if _is_model_dir(d)]
+    """The run's evaluation checkpoints `hf/step_N/`, in step order; one without its config.json is damage."""
+    for d in run.exports():
+        if not _is_model_dir(d):
+            raise UserError(f"{d}/config.json: missing; restore the export, or delete {d} to evaluate the others")
+    return [(d.name, d) for d in run.exports()]
 
 
 def resolve_target(target: str | Path, config: str | None = None, overrides: list[str] | tuple = ()) -> Target:
@@ -116,7 +119,13 @@ def load_eval_tokenizer(model_dir: Path, cfg: Config):
         # transformers on use: this module loads without it (start-up time)
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        try:
+            return AutoTokenizer.from_pretrained(str(model_dir))
+        except load_errors() as e:
+            raise UserError(
+                f"{model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                f"restore its tokenizer files"
+            ) from None
     return load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
 
 

@@ -4,8 +4,10 @@ layout (parallel/layout.py), and tell a launched worker from a process that must
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +59,27 @@ def under_launcher() -> bool:
 def check_launcher_env() -> None:
     """Refuse, in one line, a launcher's variables without the rendezvous address (a half-configured scheduler job),
     which torch.distributed would report as a traceback from every rank."""
+    given = [k for k in LAUNCHER_ENV if k in os.environ and k not in _SELF_SET]
+    if given and len(given) < len(LAUNCHER_ENV):  # a leftover of another job: WORLD_SIZE=2 alone would wait forever
+        unset = [k for k in LAUNCHER_ENV if k not in given]
+        raise UserError(
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but {', '.join(unset)} not: a launcher sets "
+            f"all of {', '.join(LAUNCHER_ENV)}; unset {', '.join(given)} to let lctrain start its own processes, or "
+            f"start the job with torchrun or deepspeed"
+        )
+    numbers = {
+        k: os.environ[k]
+        for k in (*LAUNCHER_ENV, "LOCAL_WORLD_SIZE", "MASTER_PORT")
+        if k in os.environ and k not in _SELF_SET
+    }
+    bad = [f"{k}={v!r}" for k, v in numbers.items() if not v.strip().isdigit()]
+    if not bad and given and int(os.environ["RANK"]) >= int(os.environ["WORLD_SIZE"]):
+        bad = [f"RANK={os.environ['RANK']} with WORLD_SIZE={os.environ['WORLD_SIZE']}"]
+    if bad:
+        raise UserError(
+            f"{', '.join(bad)}: launcher variables must be non-negative integers with RANK < WORLD_SIZE; fix or "
+            f"unset them"
+        )
     missing = [k for k in RENDEZVOUS_ENV if k not in os.environ]
     if under_launcher() and missing:
         raise UserError(
@@ -71,7 +94,29 @@ def launcher_free_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in _SELF_SET}
 
 
+# Where Linux says it hands out ephemeral ports (the ports `bind(0)` and outgoing connections get).
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000
+
+
 def free_port() -> int:
+    """A port for a rendezvous, free now and outside the ephemeral range. Between this check and the store's bind,
+    a port from `bind(0)` can be handed to any other socket on the machine (another job's gloo mesh, an outgoing
+    connection): the store then fails with EADDRINUSE (seen with several `check sp` at once). A port below the
+    ephemeral range is only ever taken by someone asking for it by number."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()  # its own generator: the training seed must neither pick the port nor be moved by it
+    for _ in range(50) if low > _LOWEST_PORT else ():
+        port = rng.randrange(_LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -27,7 +27,7 @@ import torch
 
 from lctrain.compat.deepspeed import zero3_full_state_dict
 from lctrain.errors import is_environment_error, writing
-from lctrain.rundir import RunDir, by_step
+from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import save_tokenizer, write_anchor
 from lctrain.train.loss import CausalLMLossSum
 
@@ -89,28 +89,74 @@ def resume_candidates(run: RunDir) -> list[Path]:
 
 
 def readable_state(path: Path) -> dict | None:
-    """The trainer state of a checkpoint, or None if it cannot be read (empty, torn, edited)."""
+    """The trainer state of a checkpoint, or None if it cannot be read (empty, torn, edited, another step's)."""
+    return state_or_why(path)[0]
+
+
+# The fields of trainer_state.json besides `step`, and their JSON types. Each may be absent (`config` is in
+# checkpoints written since resume compares configs); one that is there with another type is damage.
+_STATE_FIELDS = {
+    "windows_consumed": int,
+    "config_fingerprint": str,
+    "world_size": int,
+    "sp": int,
+    "wandb_id": str,
+    "time": (int, float),
+    "config": dict,
+}
+
+
+def state_or_why(path: Path) -> tuple[dict | None, str]:
+    """(the trainer state of checkpoint `path`, "") or (None, why it is not one): the one reader of
+    trainer_state.json. Its step must be the directory's own: a state moved between checkpoints would resume
+    another step's weights as this one's."""
     try:
         state = read_state(path)
-        int(state["step"])
-        return state
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError) as e:
+        return None, f"{STATE_FILE} is unreadable ({type(e).__name__})"
+    if not isinstance(state, dict):
+        return None, f"{STATE_FILE} is not a JSON object"
+    step = state.get("step")
+    if type(step) is not int:
+        return None, f"{STATE_FILE} has no integer 'step'"
+    expected = step_of(path)
+    if expected is not None and step != expected:
+        return None, f"{STATE_FILE} is of step {step}, not {expected} (moved from another checkpoint?)"
+    wrong = [k for k, kind in _STATE_FIELDS.items() if k in state and not _is(state[k], kind)]
+    if wrong:
+        return None, f"{STATE_FILE}: {', '.join(wrong)} of the wrong type"
+    return state, ""
+
+
+def _is(value, kind) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def latest_checkpoint(run: RunDir) -> Path | None:
     """The checkpoint `latest` names; if that file is missing or stale, the newest complete checkpoint."""
-    marker = run.checkpoints / LATEST
-    if marker.is_file():
-        named = run.checkpoints / marker.read_text().strip()
-        if _is_complete(named):
-            return named
+    named = latest_named(run)
+    if named is not None and _is_complete(named):
+        return named
     done = complete_checkpoints(run)
     return done[-1] if done else None
 
 
+def latest_named(run: RunDir) -> Path | None:
+    """The checkpoint `checkpoints/latest` names, whether or not it is there; None without a readable marker or
+    for a name that is not a checkpoint's (`step_N`: never a path out of the directory)."""
+    try:
+        name = (run.checkpoints / LATEST).read_bytes().decode().strip()
+    except (OSError, ValueError):
+        return None
+    return run.checkpoints / name if step_of(name) is not None else None
+
+
 def read_state(path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
 
 
 def rng_state() -> dict:
@@ -156,7 +202,7 @@ def save_resume(
     _barrier()
     with writing(tmp, "the resume checkpoint"):
         engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
-        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        torch.save({**rng_state(), "step": step}, tmp / rng_file(rank))
     _barrier()
     if rank == 0:
         if before_complete is not None:
@@ -183,8 +229,18 @@ def prune(run: RunDir, keep: int) -> None:
 
 
 # What loading a damaged checkpoint raises: torch.load on a truncated file (RuntimeError from the zip reader,
-# EOFError, UnpicklingError), a torn or empty JSON state (ValueError), a missing file (OSError).
-DAMAGED = (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError)
+# EOFError, UnpicklingError), a torn or empty JSON state (ValueError), a missing file (OSError; DeepSpeed asserts
+# that its model-state file exists: AssertionError), an RNG state of another form (TypeError from its setters).
+DAMAGED = (
+    OSError,
+    RuntimeError,
+    EOFError,
+    ValueError,
+    KeyError,
+    TypeError,
+    AssertionError,
+    pickle.UnpicklingError,
+)
 
 
 def _not_damage(e: BaseException) -> bool:
@@ -199,23 +255,34 @@ def _not_damage(e: BaseException) -> bool:
 
 def load_resume(engine, path: Path, *, rank: int) -> tuple[dict | None, str]:
     """Restore DeepSpeed state and this rank's RNG from a complete checkpoint: (trainer state, "") or, if this
-    rank's part cannot be loaded, (None, why)."""
-    state = readable_state(path)
+    rank's part cannot be loaded or is another step's (files moved between checkpoints), (None, why)."""
+    state, why = state_or_why(path)
     if state is None:
-        return None, f"{STATE_FILE} is unreadable"
+        return None, why
+    step = state["step"]
     try:
         loaded, _ = engine.load_checkpoint(
             str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
         )
-        rng_file = path / f"rng_rank{rank}.pt"
-        if rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        if loaded is None:
+            return None, "DeepSpeed found no loadable state (another parallel layout or DeepSpeed version?)"
+        if engine.global_steps != step:
+            moved = f"DeepSpeed's state is of step {engine.global_steps}, not {step}"
+            return None, f"{moved} (moved from another checkpoint?)"
+        rng = torch.load(path / rng_file(rank), weights_only=False)
+        if not isinstance(rng, dict):
+            return None, f"{rng_file(rank)} is not an RNG state"
+        if rng.get("step", step) != step:  # checkpoints written before the RNG state recorded its step have none
+            return None, f"{rng_file(rank)} is of step {rng['step']}, not {step} (moved from another checkpoint?)"
+        set_rng_state(rng)
     except DAMAGED as e:
         if _not_damage(e):
             raise  # the machine failed, not the checkpoint: falling back to an older one would hide it
+        if isinstance(e, FileNotFoundError):
+            return None, f"{Path(e.filename or '').name or 'a file'} is missing"
+        if isinstance(e, AssertionError) and not str(e):  # DeepSpeed's check that its model-state file exists
+            return None, "a DeepSpeed state file is missing"
         return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-    if loaded is None:
-        return None, "DeepSpeed found no loadable state (another parallel layout or DeepSpeed version?)"
     return state, ""
 
 

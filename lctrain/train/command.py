@@ -16,6 +16,7 @@ import torch
 from lctrain import fused
 from lctrain.config import Config, check_on_this_machine, reread_warning, settings
 from lctrain.costmodel import ModelShape
+from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
@@ -70,6 +71,10 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | 
     was started from, whatever the current one."""
     check_launcher_env()
     rd = RunDir(Path(run_dir).absolute())
+    if (rd.path / MANIFEST).is_file():  # prepare writes its resolved config.yaml beside the manifest
+        raise UserError(
+            f"{run_dir}: a prepared dataset (it holds {MANIFEST}), not a run directory; give the train.run_dir of a run"
+        )
     if not rd.is_run():
         raise UserError(f"{run_dir}: not a run directory (no config.yaml); start a run with 'lctrain train'")
     leader = _leader()
@@ -80,6 +85,13 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | 
                 f"'lctrain train --config {rd.config_file} --force'"
             )
         cfg = rd.read_config()
+        named = ckpt.latest_named(rd)
+        if leader and named is not None and named != ckpt.latest_checkpoint(rd):
+            print(
+                f"warning: {rd.checkpoints / ckpt.LATEST} names {named.name}, which is missing or incomplete; "
+                f"resuming from the newest complete checkpoint",
+                flush=True,
+            )
         states = [(p, ckpt.readable_state(p)) for p in ckpt.resume_candidates(rd)]
         states = [(p, s) for p, s in states if s is not None]
         if not states:  # before any process builds a model: none of them could resume

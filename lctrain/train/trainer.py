@@ -420,7 +420,14 @@ class Trainer:
                             f"the new values",
                             flush=True,
                         )
-                    rd.truncate_metrics(self.state.step)
+                    logged = rd.truncate_metrics(self.state.step)
+                    if logged < self.state.step:
+                        print(
+                            f"warning: {rd.metrics_file} ends at step {logged}, checkpoint {path.name} at step "
+                            f"{self.state.step} (the file was truncated or removed); its curve will miss steps "
+                            f"{logged + 1}-{self.state.step}",
+                            flush=True,
+                        )
                 return
             if topo.is_main:
                 print(
