@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STAGES = ("install", "tests", "attention", "train", "cli", "rope", "generation", "figure6", "memory")
+STAGES = ("install", "tests", "attention", "train", "cli", "rope", "generation", "figure6", "memory", "experiment")
 
 
 @dataclass
