@@ -439,6 +439,28 @@ def plot(
 
 @app.command()
 @user_errors
+def report(
+    runs: Annotated[
+        list[str],
+        typer.Argument(help="run directories evaluated by `lctrain eval` (or their eval/ directories, results.json)"),
+    ],
+    out: Annotated[str, typer.Option(help="directory for report.json, report.md and report.png")] = "report",
+    last: Annotated[
+        int | None,
+        typer.Option(help="average each run's last N evaluated checkpoints; default 5 (the paper's), or all if fewer"),
+    ] = None,
+):
+    """The paper's Table 4 for these runs: RULER (mean over tasks) and held-out perplexity per length, one row per
+    attention mode, averaged over each run's last checkpoints and over the runs that differ only in their seeds
+    (mean ± std, the number of seeds); each row's difference from the first row read against the seed spread."""
+    from lctrain.reports.compare import print_report, write_report
+
+    path = Path(out)
+    print_report(write_report([Path(r) for r in runs], path, last), path)
+
+
+@app.command()
+@user_errors
 def estimate(
     config: ConfigOpt = None,
     set_: SetOpt = None,
