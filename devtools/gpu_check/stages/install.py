@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from devtools.gpu_check import ROOT
 from devtools.gpu_check.runner import Runner, python
-from devtools.wheelhouse import installed_distributions, plan_with_unfollowed, project_requirements, wheel_finder
+from devtools.wheelhouse import carried_requirements, installed_distributions, plan_install, wheel_finder
 
 
 def stage_install(run: Runner, args) -> None:
     r = run.result
-    reqs = project_requirements(ROOT / "pyproject.toml", extras=["test"])
+    reqs = carried_requirements(ROOT / "pyproject.toml")
     have = installed_distributions()
-    find = wheel_finder(args.wheels) if args.wheels else (lambda req: None)
-    plan = plan_with_unfollowed(reqs, have, find)
+    if args.wheels:
+        plan = plan_install(reqs, have, wheel_finder(args.wheels))
+    else:
+        plan = plan_install(reqs, have, lambda req: None)
     r.data["plan"] = plan.summary()
     r.columns = ["distribution", "action"]
     r.rows = [[w.path.name, "install from wheelhouse"] for w in plan.install]
