@@ -542,6 +542,60 @@ def plan(
     run_plan(load_config(config, overrides), gpu_mem_gb=gpu_mem, host_mem_gb=host_mem, json_path=json_path)
 
 
+experiment = typer.Typer(help="Bundled experiments: a paper comparison end to end.", no_args_is_help=True)
+app.add_typer(experiment, name="experiment")
+
+
+@experiment.command("extend")
+@user_errors
+def experiment_extend(
+    out: Annotated[str, typer.Option(help="the experiment's directory (model, corpus, data, runs, report)")],
+    seq_len: Annotated[int, typer.Option(help="training window in tokens: 4x the model's 8K by default")] = 32768,
+    steps: Annotated[int | None, typer.Option(help="optimizer steps per run; default the configs' 20")] = None,
+    tokens: Annotated[int | None, typer.Option(help="training tokens per run (whole steps, rounded down)")] = None,
+    train_seconds: Annotated[
+        float | None,
+        typer.Option(help="size the runs from measured throughput: steps that train about this long per run"),
+    ] = None,
+    seeds: Annotated[int, typer.Option(help="seeds per mode (0..N-1): the data order; the report's spread")] = 1,
+    modes: Annotated[str, typer.Option(help="attention modes, comma-separated")] = "full,intra_doc,anchor",
+    checkpoints: Annotated[
+        int, typer.Option(help="evaluation checkpoints at the end of each run, averaged (the paper's 5)")
+    ] = 5,
+    eval_lengths: Annotated[
+        str | None, typer.Option(help="evaluated lengths, e.g. 8k,16k,32k; default seq_len/4, /2 and seq_len")
+    ] = None,
+    device: Annotated[
+        str, typer.Option(help="auto, cuda or cpu (cpu: fp32, trained and evaluated on the CPU)")
+    ] = "auto",
+    model: Annotated[
+        str | None, typer.Option(help="an example model directory already written; default OUT/models/smollm2-135m")
+    ] = None,
+    set_: SetOpt = None,
+):
+    """The paper's headline comparison, small: SmolLM2-135M (the offline example model, 8K context) extended 4x on
+    Python's shipped text in full, intra_doc and anchor modes with the same windows, steps and schedule, each run
+    evaluated the same way (needle tasks and perplexity at 8K, 16K, 32K over its last checkpoints), one report.
+    Rerunning continues: finished runs and evaluations are skipped. docs/experiment.md."""
+    from lctrain.eval.runner import parse_lengths
+    from lctrain.experiments.extend import extend
+
+    extend(
+        out,
+        seq_len=seq_len,
+        steps=steps,
+        tokens=tokens,
+        train_seconds=train_seconds,
+        seeds=seeds,
+        modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+        checkpoints=checkpoints,
+        eval_lengths=parse_lengths(eval_lengths) if eval_lengths else None,
+        device=device,
+        model=model,
+        overrides=tuple(set_ or []),
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     terminate_as_interrupt()
     app(args=argv if argv is not None else sys.argv[1:], prog_name="lctrain")

@@ -17,7 +17,9 @@ from devtools.gpu_check.runner import Runner
 from devtools.gpu_check.stages import STAGE_FNS, run_stage, select_stages
 from devtools.gpu_check.stages.benchmarks import run_bench
 from devtools.gpu_check.stages.end_to_end import compare_losses, read_losses
+from devtools.gpu_check.stages.experiment import stage_experiment
 from devtools.gpu_check.stages.gpu_tests import judge_tests
+from lctrain.reports.compare import spread
 
 
 def test_stage_selection():
@@ -297,3 +299,52 @@ def test_rope_real_stage_runs_the_papers_setting_on_the_example_model(tmp_path, 
         "bf16 first token / mean other token in D(0)": (40.0, True),
         "bf16 D_logit(T=8192) / D_logit(T=64)": (1.5, True) if d_logit_grows else (0.667, False),
     }
+
+
+def test_experiment_stage_sizes_the_driver_and_reports_its_table(tmp_path):
+    """The stage asks `lctrain experiment extend` for CUDA, throughput sizing and the cut-down evaluation, then
+    shows the report's rows: mean (± std over seeds) per metric and length, lengths as `lctrain report` lists them."""
+
+    def row(mode, ruler, ppl):
+        return {
+            "label": mode,
+            "seeds": len(ruler),
+            "training_tokens": 2_621_440,
+            "ruler": {"8192": spread(ruler)},
+            "perplexity": {"8192": spread(ppl), "32768": spread([p + 1 for p in ppl])},
+        }
+
+    report = {
+        "lengths": {"ruler": [8192], "perplexity": [8192, 32768]},
+        "rows": [row("full", [50.0, 60.0], [3.0, 3.5]), row("anchor", [70.0, 70.0], [2.5, 2.5])],
+    }
+    commands = []
+
+    def fake_run(cmd, cwd=None, check=True):
+        commands.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        (out / "report").mkdir(parents=True)
+        state = {"steps": 20, "tokens_per_run": 2_621_440, "sizing": {"tokens_per_s": 1e5}, "prepared": {}}
+        (out / "experiment.json").write_text(json.dumps(state))
+        (out / "report" / "report.json").write_text(json.dumps(report))
+        return 0
+
+    args = SimpleNamespace(
+        work=str(tmp_path),
+        experiment_train_seconds=45.0,
+        experiment_seeds=2,
+        experiment_checkpoints=3,
+        experiment_tasks="niah_single_1,niah_multikey_1",
+        experiment_samples=3,
+    )
+    result = StageResult("experiment")
+    stage_experiment(SimpleNamespace(result=result, run=fake_run, log=tmp_path / "experiment.log"), args)
+    (cmd,) = commands
+    assert cmd[cmd.index("--device") + 1] == "cuda" and cmd[cmd.index("--train-seconds") + 1] == "45.0"
+    assert "eval.tasks=[niah_single_1,niah_multikey_1]" in cmd and "eval.samples_per_task=3" in cmd
+    assert result.columns == ["row", "seeds", "tokens per run", "RULER 8192", "ppl 8192", "ppl 32768"]
+    assert result.rows == [
+        ["full", 2, 2_621_440, "55 ± 7.07", "3.25 ± 0.354", "4.25 ± 0.354"],
+        ["anchor", 2, 2_621_440, "70 ± 0", "2.5 ± 0", "3.5 ± 0"],
+    ]
+    assert result.data["steps"] == 20 and result.status == "passed"

@@ -20,6 +20,7 @@ HEADS = {
     "mistralai/Mistral-7B-v0.3": (32, 8),
     "Qwen/Qwen1.5-1.8B": (16, 16),
 }
+SMOLLM2_HEADS = (9, 3)  # the example model's query and KV heads (lctrain/example_model.py)
 MODES = {
     "full": ("full", False),
     "intra_doc": ("intra_doc", False),
@@ -42,6 +43,11 @@ def test_bundled_config_is_valid_and_runnable(name):
         arch = dict(cfg.model.arch)
         mc = AutoConfig.for_model(arch.pop("model_type"), **arch)
         heads, kv = mc.num_attention_heads, mc.num_key_value_heads
+    elif name.startswith("smollm2_"):  # the bundled experiment (tests/test_experiment_extend.py), not a paper run
+        heads, kv = SMOLLM2_HEADS
+        assert cfg.data.tokenizer == cfg.model.name_or_path and cfg.data.sources is not None
+        assert cfg.model.dtype == "bfloat16" and layout.world == 1
+        assert cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len <= cfg.data.token_budget
     else:
         heads, kv = HEADS[cfg.model.name_or_path]
         assert cfg.data.tokenizer == cfg.model.name_or_path

@@ -1,6 +1,6 @@
 """Every GPU-side check and benchmark of lctrain on one CUDA GPU, in stages of at most ~10 minutes, into one report.
 
-    python scripts/gpu_check.py                          # every stage, in order (about 55 minutes on an H100)
+    python scripts/gpu_check.py                          # every stage, in order (about 65 minutes on an H100)
     python scripts/gpu_check.py install tests attention  # some stages; the report keeps the other stages' results
     python scripts/gpu_check.py --wheels .whl install    # on an offline machine: install what it lacks from wheels
     python scripts/gpu_check.py wheels --have freeze.txt --dest .whl   # on a connected machine: build that wheelhouse
@@ -30,6 +30,8 @@ Stages:
              on one GPU (ZeRO-3, optimizer offloaded, checkpointing, tiled MLP), with as many of its layers as the
              host holds the optimizer states of, then longer windows until out of memory; the planner's prediction
              against the measured peak
+  experiment lctrain experiment extend: SmolLM2-135M extended 8K -> 32K in full, intra_doc and anchor modes, steps
+             per run sized from measured throughput, the needle tasks and perplexity at 8K/16K/32K, the report's table
 
 The report is `--out`/gpu_check.json (merged across invocations, newest result per stage) and gpu_check.md.
 """
@@ -88,9 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--generation-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
     ap.add_argument("--memory-steps", type=int, default=2, help="memory stage: timed steps per length")
     ap.add_argument(
+        "--experiment-train-seconds", type=float, default=45, help="experiment stage: training time per run"
+    )
+    ap.add_argument("--experiment-seeds", type=int, default=1, help="experiment stage: seeds per mode")
+    ap.add_argument("--experiment-checkpoints", type=int, default=3, help="experiment stage: checkpoints averaged")
+    ap.add_argument(
+        "--experiment-tasks", default="niah_single_1,niah_multikey_1", help="experiment stage: needle tasks scored"
+    )
+    ap.add_argument("--experiment-samples", type=int, default=3, help="experiment stage: samples per task and length")
+    ap.add_argument(
         "--work",
         default=None,
-        help="where the cli stage prepares and trains (default OUT/cli_work; a few GB of checkpoints)",
+        help="where the cli (OUT/cli_work) and experiment (OUT/experiment) stages work; a few GB of checkpoints",
     )
     args = ap.parse_args(argv)
     stages = select_stages(args.stages)

@@ -18,6 +18,7 @@ STAGES = (
     "generation",
     "figure6",
     "memory",
+    "experiment",
 )
 
 

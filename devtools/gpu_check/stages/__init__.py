@@ -19,6 +19,7 @@ from devtools.gpu_check.stages.benchmarks import (
     stage_train,
 )
 from devtools.gpu_check.stages.end_to_end import stage_cli
+from devtools.gpu_check.stages.experiment import stage_experiment
 from devtools.gpu_check.stages.gpu_tests import stage_tests
 from devtools.gpu_check.stages.install import stage_install
 from devtools.gpu_check.stages.rope import stage_rope, stage_rope_real
@@ -52,6 +53,7 @@ STAGE_FNS: dict[str, Callable] = {
     "generation": stage_generation,
     "figure6": stage_figure6,
     "memory": stage_memory,
+    "experiment": stage_experiment,
 }
 
 

@@ -1,0 +1,428 @@
+"""`lctrain experiment extend`: the paper's headline comparison (Table 4: full attention, intra-document attention and
+AnchorAttention extending one model's context with the same data, tokens and schedule), small and offline
+(docs/experiment.md): the example model SmolLM2-135M-Instruct extended 4x, 8K -> 32K, on Python's shipped text.
+
+Stages, each said as it starts and skipped when a rerun finds it done:
+1. inputs: the example model and the corpus under OUT, where the bundled configs `smollm2_32k_<mode>` look for them
+   (`--model DIR`: a model directory `lctrain example-model` already wrote);
+2. prepare: once, into OUT/prepared/<data fingerprint>: the runs' data settings are one, so every run reads the same
+   windows (each run's recorded config carries that fingerprint, and `train` refuses data prepared otherwise);
+3. sizing, with `--train-seconds` only: a few steps of the first mode measure tokens/s, which picks the steps;
+4. train: every mode and seed, `lctrain train` (`lctrain resume` for a run stopped after a checkpoint) in a fresh
+   process, into OUT/runs/<mode>_s<seed>;
+5. eval: `lctrain eval` of every run in a fresh process: its evaluation checkpoints (the last steps), the config's
+   needle tasks and lengths, held-out perplexity;
+6. report: `lctrain report`'s comparison of the runs (`lctrain.reports.compare`), in OUT/report.
+
+Every subprocess is given `workdir=OUT`, so the bundled configs' relative paths resolve under OUT from anywhere.
+OUT/experiment.json records the plan, the prepared dataset, the sizing and every run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from lctrain import example_model
+from lctrain.config import Config, config_fingerprint, data_dir, data_fingerprint, load_config
+from lctrain.data.shipped_text import write_jsonl
+from lctrain.data.store import open_packed
+from lctrain.errors import UserError, writing
+from lctrain.lifetime import supervise
+from lctrain.reports.compare import print_report, write_report
+from lctrain.rundir import RunDir
+from lctrain.train import checkpoint as ckpt
+
+MODES = ("full", "intra_doc", "anchor")
+CONFIG = "smollm2_32k_{mode}"  # the bundled configs; every run is one of them with the experiment's overrides
+MODEL_DIR = "models/smollm2-135m"  # relative to OUT, where the bundled configs look
+CORPUS = "corpus/shipped.jsonl"
+STATE_FILE = "experiment.json"
+REPORT_DIR = "report"
+MEASURE_RUN = "measure"
+MEASURE_STEPS = 4  # the first step pays for warm-up: the sizing times the others
+# On a CPU: fp32 (no bf16 master weights to keep, so no ZeRO; the loss comparable with transformers' fp32 forward)
+# and the CPU attention engine.
+CPU_SETTINGS = ("model.dtype=float32", "parallel.zero_stage=0", "attention.engine=sdpa")
+# The paper saves an evaluation checkpoint every 10 of its 2000 steps: a 200th of the run apart (at least 1 step).
+PAPER_SPACING = 200
+
+
+def say(stage: str, text: str) -> None:
+    print(f"[experiment] {stage}: {text}", flush=True)
+
+
+def lctrain_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lctrain.cli", *args]
+
+
+def set_args(overrides: list[str]) -> list[str]:
+    return [a for item in overrides for a in ("--set", item)]
+
+
+def default_eval_lengths(seq_len: int) -> list[int]:
+    """The native length of a 4x extension, 2x and 4x: 8K, 16K and 32K for 32K windows."""
+    return [seq_len // 4, seq_len // 2, seq_len]
+
+
+def checkpoint_spacing(steps: int, checkpoints: int) -> tuple[int, int]:
+    """(checkpoint.hf_every, checkpoint.hf_last): `checkpoints` evaluation checkpoints ending at the last step, the
+    paper's spacing (a 200th of the run) when the run is long enough, every step otherwise."""
+    if checkpoints < 1:
+        raise UserError(f"--checkpoints {checkpoints}: evaluate at least 1 checkpoint")
+    if checkpoints > steps:
+        raise UserError(f"--checkpoints {checkpoints}: a run of {steps} step(s) has at most {steps} checkpoints")
+    every = max(1, min(steps // PAPER_SPACING, (steps - 1) // max(checkpoints - 1, 1)))
+    return every, every * checkpoints
+
+
+def steps_for_tokens(tokens: int, tokens_per_step: int) -> int:
+    """Whole optimizer steps of `tokens_per_step` in `tokens` (rounded down, so a run never exceeds it)."""
+    steps = tokens // tokens_per_step
+    if steps < 1:
+        raise UserError(f"--tokens {tokens:,}: less than one step of {tokens_per_step:,} tokens")
+    return steps
+
+
+def max_steps(windows: int, held_out: int, global_batch: int) -> int:
+    """The most steps that read each prepared window at most once and leave `held_out` windows for perplexity."""
+    return max(0, windows - held_out) // global_batch
+
+
+def sized_steps(seconds: float, tokens_per_s: float, tokens_per_step: int, checkpoints: int, limit: int) -> int:
+    """Steps that fill `seconds` of training at the measured rate, at least `checkpoints`, at most `limit`."""
+    return min(limit, max(checkpoints, math.floor(seconds * tokens_per_s / tokens_per_step)))
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """What the command was asked for; every config it runs derives from it."""
+
+    out: Path
+    seq_len: int
+    modes: tuple[str, ...]
+    seeds: int
+    checkpoints: int
+    eval_lengths: tuple[int, ...]
+    device: str  # cpu | cuda
+    model: Path | None  # an existing example model directory, else OUT/MODEL_DIR
+    overrides: tuple[str, ...]  # the user's --set, applied to every run
+
+    def shared_overrides(self) -> list[str]:
+        """Every config's: prepare's and each run's."""
+        model = [f"model.name_or_path={self.model}", f"data.tokenizer={self.model}"] if self.model else []
+        return [
+            f"workdir={self.out}",
+            *model,
+            f"data.seq_len={self.seq_len}",
+            f"eval.lengths={json.dumps(list(self.eval_lengths))}",
+            *(CPU_SETTINGS if self.device == "cpu" else ()),
+            *self.overrides,
+        ]
+
+    def config(self, mode: str, extra: list[str] | tuple[str, ...] = ()) -> Config:
+        return load_config(CONFIG.format(mode=mode), [*self.shared_overrides(), *extra])
+
+    def runs(self) -> list[tuple[str, int]]:
+        return [(mode, seed) for seed in range(self.seeds) for mode in self.modes]
+
+    def run_dir(self, mode: str, seed: int) -> Path:
+        return self.out / "runs" / f"{mode}_s{seed}"
+
+    def run_overrides(self, mode: str, seed: int, steps: int) -> list[str]:
+        every, last = checkpoint_spacing(steps, self.checkpoints)
+        return [
+            f"name={mode}_s{seed}",
+            f"seed={seed}",
+            f"train.run_dir={self.run_dir(mode, seed)}",
+            f"train.steps={steps}",
+            f"checkpoint.hf_every={every}",
+            f"checkpoint.hf_last={last}",
+        ]
+
+    def env(self) -> dict:
+        # a CPU experiment trains on the CPU even where CUDA is present (training takes CUDA whenever it sees it)
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else dict(os.environ)
+
+    def run(self, what: str, args: list[str]) -> None:
+        """One lctrain command in a fresh process, its output passed through; a failure is one line."""
+        rc = supervise(lctrain_command(*args), self.env())
+        if rc:
+            raise UserError(
+                f"{what} failed (exit code {rc}; its output is above); run the same `lctrain experiment extend` "
+                f"again to continue from what is finished"
+            )
+
+
+class State:
+    """OUT/experiment.json: written after every stage, so a rerun and a reader see what is done."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.data = json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError:
+            self.data = {}  # a torn file records nothing a rerun can trust: every stage checks its own outputs
+
+    def save(self) -> None:
+        with writing(self.path, "the experiment's state"):
+            staging = self.path.with_name(f".{self.path.name}.partial")
+            staging.write_text(json.dumps(self.data, indent=2))
+            staging.replace(self.path)
+
+
+def ensure_inputs(exp: Experiment) -> None:
+    model = exp.model or exp.out / MODEL_DIR
+    if example_model.is_built(model):
+        say("inputs", f"example model {model}: present")
+    elif exp.model is not None:
+        raise UserError(f"--model {model}: not a directory `lctrain example-model` wrote (no {example_model.DONE})")
+    else:
+        say("inputs", f"building the example model into {model}")
+        example_model.build(model)
+    corpus = exp.out / CORPUS
+    if corpus.is_file():
+        say("inputs", f"corpus {corpus}: present")
+    else:
+        info = write_jsonl(corpus)
+        say("inputs", f"wrote {corpus} (Python {info['python']}, fingerprint {info['fingerprint']})")
+
+
+def prepare_once(exp: Experiment, state: State, steps: int | None) -> dict:
+    """The one prepared dataset every run reads: {path, data_fingerprint, windows}. `steps`, when already known, only
+    keeps prepare's warning about re-read windows to the steps that will run (steps are no data setting)."""
+    configs = [exp.config(mode) for mode in exp.modes]
+    fingerprints = {data_fingerprint(c.data) for c in configs}
+    if len(fingerprints) != 1:  # the modes' configs differ in data settings: the comparison would not be one
+        raise UserError(f"the modes' configs prepare different data ({', '.join(sorted(fingerprints))})")
+    path = data_dir(configs[0])
+    if (path / "manifest.json").is_file():
+        say("prepare", f"{path}: present")
+    else:
+        say("prepare", f"tokenizing and packing the corpus once for every run into {path}")
+        known = [f"train.steps={steps}"] if steps is not None else []
+        overrides = set_args([*exp.shared_overrides(), *known])
+        exp.run("lctrain prepare", ["prepare", "-c", CONFIG.format(mode=exp.modes[0]), *overrides])
+    packed = open_packed(path)
+    prepared = {"path": str(path), "data_fingerprint": packed.manifest.data_fingerprint, "windows": len(packed)}
+    state.data["prepared"] = prepared
+    state.save()
+    return prepared
+
+
+def measure_tokens_per_s(exp: Experiment) -> float:
+    """Training tokens/s of the first mode (full attention when it runs: the most attention work), timed over the
+    steps after the first of a short run in OUT/measure."""
+    mode = "full" if "full" in exp.modes else exp.modes[0]
+    run = exp.out / MEASURE_RUN
+    overrides = [
+        *exp.shared_overrides(),
+        f"name={MEASURE_RUN}",
+        f"train.run_dir={run}",
+        f"train.steps={MEASURE_STEPS}",
+        "checkpoint.hf_last=0",
+        "checkpoint.save_final=false",
+    ]
+    say("sizing", f"{MEASURE_STEPS} steps of {mode} to measure training throughput ({run})")
+    exp.run("the sizing run", ["train", "-c", CONFIG.format(mode=mode), *set_args(overrides), "--force"])
+    records = RunDir(run).read_metrics()[1:]
+    if not records:
+        raise UserError(f"{run}: the sizing run logged no step after the first")
+    return statistics.median(float(r["tokens_per_s"]) for r in records)
+
+
+def choose_steps(exp: Experiment, state: State, prepared: dict, given: int | None, seconds: float | None) -> int:
+    """Steps per run: `given` (--steps, or --tokens in whole steps), else sized from measured throughput, else the
+    configs' own; never more than the prepared windows hold beside the held-out ones."""
+    cfg = exp.config(exp.modes[0])
+    per_step = cfg.train.global_batch * cfg.data.seq_len
+    limit = max_steps(prepared["windows"], cfg.eval.ppl_windows, cfg.train.global_batch)
+    if limit < exp.checkpoints:
+        raise UserError(
+            f"{prepared['path']}: {prepared['windows']} windows leave {limit} step(s) of {cfg.train.global_batch} "
+            f"beside {cfg.eval.ppl_windows} held-out windows, fewer than --checkpoints {exp.checkpoints}; raise "
+            f"data.token_budget (--set) or lower train.global_batch"
+        )
+    if seconds is not None:
+        recorded = state.data.get("sizing") or {}
+        if recorded.get("train_seconds") == seconds and recorded.get("limit") == limit:
+            say("sizing", f"{recorded['steps']} steps, as measured before ({recorded['tokens_per_s']:,.0f} tokens/s)")
+            return int(recorded["steps"])
+        rate = measure_tokens_per_s(exp)
+        chosen = sized_steps(seconds, rate, per_step, exp.checkpoints, limit)
+        why = "the prepared windows' limit" if chosen == limit else f"{seconds:g} s of training per run"
+        say("sizing", f"{rate:,.0f} tokens/s: {chosen} steps of {per_step:,} tokens per run ({why})")
+        state.data["sizing"] = {
+            "train_seconds": seconds,
+            "tokens_per_s": rate,
+            "steps": chosen,
+            "limit": limit,
+            "why": why,
+        }
+        state.save()
+        return chosen
+    chosen = given if given is not None else cfg.train.steps
+    if chosen > limit:
+        raise UserError(
+            f"{chosen} steps x {cfg.train.global_batch} windows read more than the {prepared['windows']} prepared "
+            f"windows leave beside {cfg.eval.ppl_windows} held out for perplexity: at most {limit} steps "
+            f"({limit * per_step:,} tokens); or raise data.token_budget (--set)"
+        )
+    return chosen
+
+
+def is_trained(rd: RunDir, steps: int) -> bool:
+    records = rd.read_metrics()
+    return bool(records) and int(records[-1]["step"]) >= steps and ckpt.latest_checkpoint(rd) is not None
+
+
+def train_runs(exp: Experiment, state: State, steps: int) -> None:
+    runs = exp.runs()
+    for i, (mode, seed) in enumerate(runs, 1):
+        where = exp.run_dir(mode, seed)
+        rd = RunDir(where)
+        planned = exp.config(mode, exp.run_overrides(mode, seed, steps))
+        label = f"{mode}, seed {seed} ({i} of {len(runs)})"
+        args = [
+            "-c",
+            CONFIG.format(mode=mode),
+            *set_args([*exp.shared_overrides(), *exp.run_overrides(mode, seed, steps)]),
+        ]
+        if rd.is_run():
+            recorded = rd.read_config()
+            if config_fingerprint(recorded) != config_fingerprint(planned):
+                raise UserError(
+                    f"{where}: trained with other settings than this experiment's (config fingerprint "
+                    f"{config_fingerprint(recorded)[:12]}, now {config_fingerprint(planned)[:12]}: other steps, "
+                    f"--set or --seq-len?); use another --out, or delete {where}"
+                )
+            if is_trained(rd, steps):
+                say("train", f"{label}: {where} finished, skipped")
+            elif ckpt.latest_checkpoint(rd) is not None:
+                say("train", f"{label}: resuming {where}")
+                exp.run(f"lctrain resume {where}", ["resume", str(where)])
+            else:
+                say("train", f"{label}: {where} stopped before its first checkpoint; starting it again")
+                exp.run(f"lctrain train ({label})", ["train", *args, "--force"])
+        else:
+            say("train", f"{label}: {steps} steps into {where}")
+            exp.run(f"lctrain train ({label})", ["train", *args])
+        state.data.setdefault("runs", {})[where.name] = {
+            "mode": mode,
+            "seed": seed,
+            "run_dir": str(where),
+            "steps": steps,
+            "data_fingerprint": data_fingerprint(rd.read_config().data),
+            "exports": [p.name for p in rd.exports()],
+        }
+        state.save()
+
+
+def is_evaluated(rd: RunDir, lengths: list[int]) -> bool:
+    results = rd.eval_dir / "results.json"
+    if not results.is_file():
+        return False
+    try:
+        done = json.loads(results.read_text())
+    except ValueError:
+        return False
+    return done.get("checkpoints") == [p.name for p in rd.exports()] and done.get("lengths") == lengths
+
+
+def evaluate_runs(exp: Experiment, state: State) -> None:
+    runs = exp.runs()
+    for i, (mode, seed) in enumerate(runs, 1):
+        where = exp.run_dir(mode, seed)
+        label = f"{mode}, seed {seed} ({i} of {len(runs)})"
+        if is_evaluated(RunDir(where), list(exp.eval_lengths)):
+            say("eval", f"{label}: {where / 'eval'} finished, skipped")
+        else:
+            say("eval", f"{label}: every evaluation checkpoint of {where}")
+            exp.run(f"lctrain eval {where}", ["eval", str(where), "--device", exp.device])
+        state.data["runs"][where.name]["evaluated"] = True
+        state.save()
+
+
+def pick_device(device: str) -> str:
+    # torch on use: `lctrain --help` does not pay for it (start-up time)
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise UserError(f"--device {device}: choose auto, cuda or cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+def extend(
+    out: str | Path,
+    *,
+    seq_len: int = 32768,
+    steps: int | None = None,
+    tokens: int | None = None,
+    train_seconds: float | None = None,
+    seeds: int = 1,
+    modes: tuple[str, ...] = MODES,
+    checkpoints: int = 5,
+    eval_lengths: list[int] | None = None,
+    device: str = "auto",
+    model: str | Path | None = None,
+    overrides: tuple[str, ...] = (),
+) -> dict:
+    """Run (or continue) the experiment in `out`; returns the report `write_report` wrote."""
+    if sum(x is not None for x in (steps, tokens, train_seconds)) > 1:
+        raise UserError("give one of --steps, --tokens and --train-seconds")
+    if steps is not None and steps < 1:
+        raise UserError(f"--steps {steps}: train at least 1 step")
+    if train_seconds is not None and not train_seconds > 0:
+        raise UserError(f"--train-seconds {train_seconds}: expected a time in seconds > 0")
+    if seeds < 1:
+        raise UserError(f"--seeds {seeds}: run at least 1 seed")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes or len(set(modes)) != len(modes):
+        raise UserError(f"--modes {','.join(modes)}: expected some of {', '.join(MODES)}, each once")
+    if seq_len < 8 or seq_len % 4:
+        raise UserError(f"--seq-len {seq_len}: expected a multiple of 4 (the 4x ladder evaluates seq_len/4 and /2)")
+    lengths = sorted(set(eval_lengths or default_eval_lengths(seq_len)))
+    if lengths[-1] > seq_len:
+        raise UserError(f"--eval-lengths: {lengths[-1]} is beyond the {seq_len}-token windows trained on")
+    exp = Experiment(
+        Path(out).absolute(),
+        seq_len,
+        tuple(modes),
+        seeds,
+        checkpoints,
+        tuple(lengths),
+        pick_device(device),
+        Path(model).absolute() if model is not None else None,
+        tuple(overrides),
+    )
+    exp.config(exp.modes[0])  # a bad --set is refused here, before anything is built
+    exp.out.mkdir(parents=True, exist_ok=True)
+    state = State(exp.out / STATE_FILE)
+    state.data["plan"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(exp).items()}
+    ensure_inputs(exp)
+    cfg = exp.config(exp.modes[0])
+    per_step = cfg.train.global_batch * cfg.data.seq_len
+    given = steps if steps is not None else steps_for_tokens(tokens, per_step) if tokens is not None else None
+    prepared = prepare_once(exp, state, given)
+    chosen = choose_steps(exp, state, prepared, given, train_seconds)
+    state.data["steps"] = chosen
+    state.data["tokens_per_run"] = chosen * cfg.train.global_batch * cfg.data.seq_len
+    state.save()
+    train_runs(exp, state, chosen)
+    evaluate_runs(exp, state)
+    report_dir = exp.out / REPORT_DIR
+    say("report", f"{len(exp.runs())} runs into {report_dir}")
+    report = write_report([exp.run_dir(m, s) for m, s in exp.runs()], report_dir, exp.checkpoints)
+    print_report(report, report_dir)
+    state.data["report"] = str(report_dir)
+    state.save()
+    return report

@@ -1,0 +1,210 @@
+"""`lctrain experiment extend` (lctrain/experiments/extend.py): its arithmetic against the training schedule and plain
+counting, its refusals, and (slow, on the real example model) the CPU smoke version 1K -> 2K end to end: the plumbing,
+not the science. References: the schedule that writes the evaluation checkpoints, the prepared windows themselves,
+and plain transformers (fp32) for each mode's first-step loss."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from train_helpers import clean_env, set_args
+from transformers import AutoModelForCausalLM
+
+from lctrain.config import data_fingerprint, load_config
+from lctrain.data.store import open_packed
+from lctrain.errors import UserError
+from lctrain.experiments import extend as ex
+from lctrain.init_config import rope_base
+from lctrain.rundir import RunDir
+from lctrain.train.data import stream_rows
+from lctrain.train.schedule import hf_checkpoint_steps
+
+
+@pytest.mark.parametrize("steps, checkpoints", [(2000, 5), (20, 5), (2, 2), (7, 1), (400, 3), (5, 5)])
+def test_checkpoint_spacing_gives_that_many_checkpoints_ending_at_the_last_step(steps, checkpoints):
+    every, last = ex.checkpoint_spacing(steps, checkpoints)
+    cfg = load_config(None, [f"checkpoint.hf_every={every}", f"checkpoint.hf_last={last}"])
+    exported = hf_checkpoint_steps(steps, cfg.checkpoint)
+    assert len(exported) == checkpoints and exported[-1] == steps
+    if steps == 2000:
+        assert exported == [1960, 1970, 1980, 1990, 2000]  # the paper's protocol (§4.2)
+
+
+def test_checkpoint_spacing_refuses_more_checkpoints_than_steps():
+    with pytest.raises(UserError, match="at most 3 checkpoints"):
+        ex.checkpoint_spacing(3, 4)
+    with pytest.raises(UserError, match="at least 1"):
+        ex.checkpoint_spacing(3, 0)
+
+
+def test_steps_from_tokens_data_and_time():
+    assert ex.steps_for_tokens(10 * 131072 + 5, 131072) == 10  # whole steps, never more tokens than asked
+    with pytest.raises(UserError, match="less than one step"):
+        ex.steps_for_tokens(1000, 131072)
+    # 100 windows, 8 held out for perplexity, 4 per step: 23 steps read 92 windows once
+    assert ex.max_steps(100, 8, 4) == 23 and ex.max_steps(5, 8, 4) == 0
+    assert ex.sized_steps(60.0, 20000.0, 131072, 5, 23) == 9  # 1.2M tokens in 60 s
+    assert ex.sized_steps(600.0, 20000.0, 131072, 5, 23) == 23  # the data's limit
+    assert ex.sized_steps(1.0, 20000.0, 131072, 5, 23) == 5  # at least the checkpoints averaged
+
+
+def test_the_bundled_experiment_configs():
+    """One data setting for the three modes (one prepared dataset), the paper's RoPE base rule for a 4x extension
+    of the model's own 1e5, the evaluation lengths and checkpoints of the experiment."""
+    configs = {m: load_config(ex.CONFIG.format(mode=m)) for m in ex.MODES}
+    assert {m: c.attention.mode for m, c in configs.items()} == {m: m for m in ex.MODES}
+    assert len({data_fingerprint(c.data) for c in configs.values()}) == 1
+    cfg = configs["anchor"]
+    assert cfg.model.name_or_path == cfg.data.tokenizer == ex.MODEL_DIR
+    assert cfg.data.sources[0].path == ex.CORPUS
+    assert cfg.model.rope_theta == rope_base(1e5, cfg.data.seq_len)[0] == 1e6
+    assert cfg.eval.lengths == ex.default_eval_lengths(cfg.data.seq_len) == [8192, 16384, 32768]
+    assert all(t.startswith("niah_") for t in cfg.eval.tasks)
+    assert len(hf_checkpoint_steps(cfg.train.steps, cfg.checkpoint)) == 5
+    windows = cfg.data.token_budget // cfg.data.seq_len
+    assert cfg.train.steps <= ex.max_steps(windows, cfg.eval.ppl_windows, cfg.train.global_batch)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"steps": 3, "tokens": 10**6}, "one of --steps, --tokens"),
+        ({"steps": 0}, "--steps 0"),
+        ({"train_seconds": -1.0}, "--train-seconds -1.0"),
+        ({"seeds": 0}, "--seeds 0"),
+        ({"modes": ("full", "nope")}, "--modes full,nope"),
+        ({"modes": ("full", "full")}, "each once"),
+        ({"seq_len": 2050}, "--seq-len 2050"),
+        ({"eval_lengths": [4096, 65536]}, "65536 is beyond"),
+        ({"overrides": ("train.nope=1",)}, "train.nope"),
+    ],
+)
+def test_bad_requests_are_refused_before_anything_is_built(tmp_path, kwargs, message):
+    out = tmp_path / "exp"
+    with pytest.raises(UserError, match=message):
+        ex.extend(out, device="cpu", **kwargs)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- the CPU smoke version, on the example model
+
+SEQ_LEN = 2048
+STEPS = 2
+CHECKPOINTS = 1  # the averaging over several is the report's, tested there; each checkpoint costs a CPU eval
+WINDOWS = 6
+SMOKE = [
+    "train.global_batch=1",
+    f"data.token_budget={WINDOWS * SEQ_LEN}",
+    "data.shuffle_buffer_tokens=0",  # the corpus's first documents: prepare reads no more than it packs
+    "data.num_workers=1",
+    "eval.tasks=[niah_single_1]",
+    "eval.samples_per_task=1",
+    "eval.ppl_windows=1",
+]
+
+
+@pytest.fixture(scope="module")
+def smoke(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("extend")
+    command = [sys.executable, "-m", "lctrain.cli", "experiment", "extend", "--out", str(out)]
+    command += ["--seq-len", str(SEQ_LEN), "--steps", str(STEPS), "--checkpoints", str(CHECKPOINTS)]
+    command += ["--eval-lengths", "1k,2k", "--device", "cpu", "--model", str(model_dir), *set_args(SMOKE)]
+    start = time.monotonic()
+    proc = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=1500)
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(f"experiment extend, CPU smoke: {seconds:.0f} s")
+    return out, proc.stdout, command
+
+
+def runs(out):
+    return {m: RunDir(out / "runs" / f"{m}_s0") for m in ex.MODES}
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_every_mode_trains_on_the_same_prepared_windows(smoke):
+    out, said, _ = smoke
+    state = json.loads((out / ex.STATE_FILE).read_text())
+    packed = open_packed(state["prepared"]["path"])
+    assert len(packed) == WINDOWS == state["prepared"]["windows"]
+    recorded = {m: data_fingerprint(rd.read_config().data) for m, rd in runs(out).items()}
+    assert set(recorded.values()) == {packed.manifest.data_fingerprint}
+    assert {r["mode"] for r in state["runs"].values()} == set(ex.MODES)
+    assert {r["data_fingerprint"] for r in state["runs"].values()} == {packed.manifest.data_fingerprint}
+    assert said.count("tokenizing and packing the corpus once") == 1
+    for m, rd in runs(out).items():
+        cfg = rd.read_config()
+        assert (cfg.attention.mode, cfg.data.seq_len, cfg.model.rope_theta) == (m, SEQ_LEN, 1e6)
+        assert [r["step"] for r in rd.read_metrics()] == list(range(1, STEPS + 1))
+        assert [p.name for p in rd.exports()] == [f"step_{s}" for s in range(STEPS - CHECKPOINTS + 1, STEPS + 1)]
+
+
+def reference_loss(model_dir, window, mode):
+    """Plain transformers, fp32, eager attention: the example model at base 1e6 on one prepared window, every next
+    token a target; intra_doc and anchor through a block-diagonal causal mask over the window's segments (each its
+    own document here: no interleaving), anchor with every segment's opening anchor at position 0."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    config = model.config
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": 1e6}
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), config=config, dtype=torch.float32, attn_implementation="eager"
+    )
+    ids = torch.as_tensor(window["input_ids"], dtype=torch.long)[None]
+    L = ids.shape[1]
+    seg_lens = torch.as_tensor(window["seg_lens"])
+    starts = torch.cumsum(seg_lens, 0) - seg_lens
+    position = torch.arange(L)
+    kwargs = {}
+    if mode != "full":
+        doc = torch.repeat_interleave(torch.as_tensor(window["seg_doc"]), seg_lens)
+        seen = (doc[:, None] == doc[None, :]) & torch.ones(L, L, dtype=torch.bool).tril()
+        kwargs["attention_mask"] = torch.zeros(1, 1, L, L).masked_fill(~seen, torch.finfo(torch.float32).min)
+        if mode == "anchor":
+            position = position.clone()
+            position[starts] = 0
+    with torch.no_grad():
+        return float(model(ids, position_ids=position[None], labels=ids, **kwargs).loss), len(seg_lens)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_each_modes_first_step_loss_is_the_models_own(smoke, model_dir):
+    out, _, _ = smoke
+    state = json.loads((out / ex.STATE_FILE).read_text())
+    packed = open_packed(state["prepared"]["path"])
+    for mode, rd in runs(out).items():
+        first = rd.read_metrics()[0]
+        (row,) = stream_rows(rd.read_config().seed, len(packed), 0, 1)  # the window step 1 read
+        window = packed[row]
+        assert first["valid_labels"] == SEQ_LEN - 1  # every next token, the next documents' anchors included
+        expected, segments = reference_loss(model_dir, window, mode)
+        print(f"{mode}: first-step loss {first['loss']:.6f}, transformers {expected:.6f} ({segments} segments)")
+        assert first["loss"] == pytest.approx(expected, rel=1e-5)
+        if mode != "full":
+            assert segments > 1  # the window has documents to keep apart: the masked reference is not the full one
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_every_run_is_evaluated_and_reported(smoke):
+    out, said, command = smoke
+    for rd in runs(out).values():
+        results = json.loads((rd.eval_dir / "results.json").read_text())
+        assert results["checkpoints"] == [p.name for p in rd.exports()]
+        assert results["lengths"] == [1024, 2048] and results["tasks"] == ["niah_single_1"]
+        assert results["perplexity"]["windows"] == 1
+    report = json.loads((out / ex.REPORT_DIR / "report.json").read_text())
+    assert [row["mode"] for row in report["rows"]] == list(ex.MODES)
+    assert all(row["training_tokens"] == STEPS * SEQ_LEN for row in report["rows"])
+    assert all(len(run["checkpoints"]) == CHECKPOINTS for row in report["rows"] for run in row["runs"])
+    for stage in ("inputs", "prepare", "train", "eval", "report"):
+        assert f"[experiment] {stage}:" in said
+    # a rerun finds everything done: nothing is trained or evaluated again
+    again = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("finished, skipped") == 2 * len(ex.MODES)
+    assert "step=1/" not in again.stdout
