@@ -491,6 +491,11 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     wandb: Literal["disabled", "offline", "online"] = Field("disabled", description="Weights & Biases logging")
     wandb_project: Text = Field("lctrain", description="the Weights & Biases project")
+    tensorboard: bool = Field(
+        False,
+        description="also write the step metrics as TensorBoard event files in the run directory's tensorboard/ "
+        "(needs the tensorboard package: pip install 'lctrain[tensorboard]')",
+    )
     log_every: Int = Field(1, ge=1, description="log metrics every this many steps")
     peak_tflops: Float | None = Field(
         None, gt=0, description="per-device peak for MFU; null: known GPU or measured CPU"

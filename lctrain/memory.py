@@ -33,7 +33,7 @@ only the largest adds to the saved activations. The `param.grad` gradients appea
 saved activations are freed, so they add to the transients at its end, not to the saved activations at its start
 (the loss's backward, where a long window peaks); the optimizer step comes after the backward has freed the
 activations, and the construction's copy before either, so the peak is the states plus the largest of the four
-(`MemoryPlan.total`). On the CPU the host's allocator keeps some freed memory (`HOST_ALLOCATOR_FRACTION`).
+(`MemoryPlan.total`). On the CPU the host's allocator keeps some freed memory (`cpu_allocator_bytes`).
 
 Sequence parallelism divides the tokens of every per-token tensor by `sp`, except inside the attention engine, where
 DeepSpeed-Ulysses' all-to-all gives each rank the whole sequence for `heads / sp` heads: the same number of elements,
@@ -60,6 +60,11 @@ DEVICE_RUNTIME_BYTES = 2**30
 # The process itself in host memory: Python, the code and CPU-side state of torch, transformers and DeepSpeed (the RSS
 # of a process that has imported them and built a tiny model is about 1 GB).
 HOST_RUNTIME_BYTES = 2**30
+# On the CPU, memory glibc's malloc keeps after tensors are freed: blocks below its mmap threshold (which grows to 32
+# MiB) go back to its heap, not to the OS, so the resident set stays above the live tensors. Measured on SmolLM2-135M
+# (fp32, 1K-2K tokens, with and without checkpointing; tests/test_memory_real_model.py): 0.7-1.3 GB above the tensors'
+# peak and the process's own 0.5 GB, about the size of the model-dtype gradients (0.54 GB) that every step allocates
+# in pieces and frees; planned as that size (`MemoryPlan.cpu_allocator_bytes`).
 # Fraction of the device memory above which `train` warns: PyTorch's caching allocator fragments, so a plan this
 # close to the limit may still run out of memory.
 WARN_FRACTION = 0.9
@@ -89,6 +94,7 @@ class MemoryPlan:
 
     items: tuple[Item, ...]
     ranks_per_host: int
+    cpu_allocator_bytes: int = 0  # what the host's allocator keeps of freed tensors when the rank computes on the CPU
 
     def total(self, where: str) -> int:
         """Peak bytes in `where`: the states, and the largest of the backward's start (the saved activations and the
@@ -142,7 +148,7 @@ def need(plan: MemoryPlan, gpu: bool) -> tuple[int, int]:
     (`gpu` False) every item lands in host memory and the device needs 0."""
     host = plan.host_bytes()
     if not gpu:
-        return 0, host + plan.ranks_per_host * plan.total("device")
+        return 0, host + plan.ranks_per_host * (plan.total("device") + plan.cpu_allocator_bytes)
     return plan.total("device") + DEVICE_RUNTIME_BYTES, host
 
 
@@ -357,7 +363,8 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
         + optimizer_step_items(shape, cfg, layout.world, gpu, torch_adam)
         + activation_items(shape, cfg, layout)
     )
-    return MemoryPlan(tuple(items), cfg.parallel.nproc_per_node)
+    allocator = 0 if gpu else shape.param_count() * dtype_bytes(cfg.model.dtype)
+    return MemoryPlan(tuple(items), cfg.parallel.nproc_per_node, allocator)
 
 
 def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int = 1 << 24) -> int | None:
