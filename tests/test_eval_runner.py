@@ -18,6 +18,7 @@ from lctrain.config import load_config, write_resolved
 from lctrain.errors import UserError
 from lctrain.eval.perplexity import heldout_rows, perplexity
 from lctrain.eval.runner import evaluate, load_model, parse_lengths, resolve_target
+from lctrain.reports.compare import write_report
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer
 
@@ -143,6 +144,20 @@ def test_perplexity_on_heldout_windows(evaluated, run_dir):
         nll, count = nll + float(loss) * k, count + k
     assert ppl["per_checkpoint"][f"step_{STEPS[0]}"] == pytest.approx(math.exp(nll / count), rel=1e-4)
     assert perplexity(model, packed, rows[:2]) == pytest.approx(math.exp(nll / count), rel=1e-4)
+    # evaluated at 512 on 256-token windows: perplexity per length holds the whole window only, the same number
+    assert ppl["window"] == 256
+    assert ppl["per_length"] == {c: {"256": v} for c, v in ppl["per_checkpoint"].items()}
+
+
+def test_report_of_the_evaluated_run(evaluated, run_dir, tmp_path):
+    _, results = evaluated
+    report = write_report([run_dir], tmp_path / "report")
+    (row,) = report["rows"]
+    assert row["label"] == "anchor" and row["seeds"] == 1 and row["runs"][0]["checkpoints"] == results["checkpoints"]
+    # both of the run's checkpoints (fewer than the paper's 5): the average `lctrain eval` reported
+    assert row["ruler"]["512"]["mean"] == pytest.approx(results["task_mean"]["average"]["512"])
+    assert row["perplexity"]["256"]["mean"] == pytest.approx(results["perplexity"]["average"])
+    assert (tmp_path / "report" / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_no_heldout_windows_says_so():

@@ -5,6 +5,14 @@ Training reads the windows in the order of `lctrain.train.data.stream_rows` (an 
 the held-out windows are those outside the first `train.steps * train.global_batch` positions of that stream. A window
 is scored with plain causal attention over all of it, positions 0..L-1; targets that cannot be predicted from the
 text (each segment's anchor and its domain-tag tokens) are left out.
+
+Perplexity at a shorter length L scores the first L tokens of each held-out window (positions 0..L-1, the window's
+opening anchor included), as YaRN (Peng et al. 2023) evaluates context-window extension: each document truncated at
+each evaluated length. Under causal attention the first L tokens' predictions do not depend on the tokens after them,
+so one forward pass over the whole window gives every length at once: the sums of its per-target losses up to each
+L. The lengths are nested prefixes, so a longer length's number includes the shorter ones' targets; cutting windows
+into L-token pieces instead would start most pieces mid-document without the anchor every training sequence starts
+with.
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ class Heldout:
     @property
     def path(self) -> Path | None:
         return self.packed.path if self.packed is not None else None
+
+    @property
+    def window(self) -> int | None:
+        """Tokens per held-out window."""
+        return self.packed.manifest.seq_len if self.packed is not None else None
 
 
 def heldout_rows(num_windows: int, consumed: int, seed: int, limit: int) -> tuple[list[int], int]:
@@ -109,34 +122,57 @@ def target_mask(window: dict) -> np.ndarray:
     return (shifted_labels(ids, batch.segments.layout, anchor_targets=False)[0] != IGNORE_INDEX).numpy()
 
 
-def window_nll(model, window: dict, chunk: int = 4096) -> tuple[float, int]:
-    """Summed negative log-likelihood and target count of one window; the vocabulary projection runs in chunks so a
-    128K window does not materialize 128K x vocab logits at once."""
+def target_nll(model, window: dict, chunk: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Per position t of one window: the negative log-likelihood of token t+1 (float64) and whether it counts
+    (`target_mask`). The vocabulary projection runs in chunks so a 128K window does not materialize 128K x vocab
+    logits at once."""
     # torch on use: this module loads without it (start-up time of the light commands)
     import torch
 
     ids = torch.as_tensor(window["input_ids"], dtype=torch.long, device=model.device)[None]
     L = ids.shape[1]
-    keep = torch.as_tensor(target_mask(window), device=model.device)
     with torch.inference_mode():
         hidden = model.get_decoder()(
             input_ids=ids, position_ids=torch.arange(L, device=model.device)[None], use_cache=False
         ).last_hidden_state[0]
         head = model.get_output_embeddings()
-        total = 0.0
+        parts = []
         for lo in range(0, L - 1, chunk):
             hi = min(lo + chunk, L - 1)
             logits = head(hidden[lo:hi]).float()
-            nll = torch.nn.functional.cross_entropy(logits, ids[0, lo + 1 : hi + 1], reduction="none")
-            total += float(nll[keep[lo:hi]].sum())
-    return total, int(keep.sum())
+            parts.append(torch.nn.functional.cross_entropy(logits, ids[0, lo + 1 : hi + 1], reduction="none"))
+    return torch.cat(parts).double().cpu().numpy(), target_mask(window)[: L - 1]
+
+
+def perplexity_lengths(window: int, lengths: list[int]) -> list[int]:
+    """The lengths perplexity is scored at on `window`-token windows: those of `lengths` that fit, and the window."""
+    return sorted({L for L in lengths if 1 < L <= window} | {window})
+
+
+def prefix_nll(model, window: dict, lengths: list[int]) -> dict[int, tuple[float, int]]:
+    """{L: (summed NLL, target count) of the window's first L tokens}, from one forward pass over the window."""
+    n = len(window["input_ids"])
+    too_long = [L for L in lengths if L > n]
+    if too_long:
+        raise ValueError(f"lengths {too_long} exceed the {n}-token window")
+    nll, keep = target_nll(model, window)
+    counted = np.where(keep, nll, 0.0)
+    return {L: (float(counted[: L - 1].sum()), int(keep[: L - 1].sum())) for L in lengths}
+
+
+def perplexity_by_length(model, packed, rows: list[int], lengths: list[int]) -> dict[int, float]:
+    """{L: perplexity of the first L tokens of each window in `rows`}, the targets of all windows pooled."""
+    if not rows:
+        raise UserError("no windows to compute perplexity on")
+    totals = {L: [0.0, 0] for L in lengths}
+    for r in rows:
+        for L, (nll, count) in prefix_nll(model, packed[r], lengths).items():
+            totals[L][0] += nll
+            totals[L][1] += count
+    return {L: math.exp(nll / max(count, 1)) for L, (nll, count) in totals.items()}
 
 
 def perplexity(model, packed, rows: list[int]) -> float:
-    if not rows:
-        raise UserError("no windows to compute perplexity on")
-    nll, count = 0.0, 0
-    for r in rows:
-        a, b = window_nll(model, packed[r])
-        nll, count = nll + a, count + b
-    return math.exp(nll / max(count, 1))
+    """Perplexity of the whole windows in `rows`."""
+    window = packed.manifest.seq_len
+    return perplexity_by_length(model, packed, rows, [window])[window]

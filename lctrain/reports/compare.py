@@ -1,0 +1,400 @@
+"""`lctrain report RUN [RUN...]`: the paper's Table 4 for any set of evaluated runs. One row per attention mode (per
+experiment when modes repeat with other differences), the evaluated lengths as columns: RULER's mean over tasks and
+held-out perplexity, each averaged over a run's last evaluation checkpoints (§4.2: the last five, saved every 10
+steps over the last 50), then over the runs that differ only in their seeds (`seed`, `data.seed`).
+
+A difference between two rows is read against the seeds' spread: where the two rows' seed ranges [min, max]
+overlap it is "within seed spread", not a finding; a row of one seed has no spread to read it against. The
+checkpoint average is `lctrain.eval.score`'s, the same formula `lctrain eval` reports.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean, stdev
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from lctrain.config import Config, settings
+from lctrain.errors import UserError, writing
+from lctrain.eval import score as scoring
+from lctrain.rundir import RunDir, step_of
+
+DEFAULT_LAST = 5  # the paper's five checkpoints over the last 50 steps (§4.2)
+RESULTS_FILE = "results.json"
+SPREAD = "std over seeds (sample standard deviation, n-1); rows compared by their seed ranges [min, max]"
+WITHIN, BEYOND, UNKNOWN = "within seed spread", "beyond seed spread", "single seed: spread unknown"
+METRICS = {"ruler": "RULER, mean over tasks (higher is better)", "perplexity": "held-out perplexity (lower is better)"}
+# what names, places or seeds a run, or how it was evaluated (checked on the results), rather than what it trains:
+# runs equal in everything else are one experiment
+_NOT_EXPERIMENT = (
+    "name",
+    "description",
+    "seed",
+    "data.seed",
+    "data.output_dir",
+    "data.num_workers",
+    "data.strict",
+    "data.shard_tokens",
+    "train.run_dir",
+    "checkpoint",
+    "logging",
+    "eval",
+)
+_SEEDS = ("seed", "data.seed")
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """One run's recorded config and its `lctrain eval` results."""
+
+    path: Path  # the run directory
+    results_file: Path
+    cfg: Config
+    results: dict
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        out.update(_flat(v, f"{key}.") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def _read_results(file: Path) -> dict:
+    try:
+        results = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{file}: not readable as JSON ({type(e).__name__}); run `lctrain eval` again") from None
+    needed = ("checkpoints", "scores", "lengths", "tasks", "suite")
+    missing = [k for k in needed if k not in results] if isinstance(results, dict) else list(needed)
+    if missing:
+        raise UserError(f"{file}: not the results.json of `lctrain eval` (no {', '.join(missing)})")
+    return results
+
+
+def read_evaluated(path: str | Path) -> Evaluated:
+    """A run directory evaluated by `lctrain eval` (its eval/results.json), an eval directory, or a results.json;
+    the run's config comes from the run directory the results belong to."""
+    p = Path(path)
+    rd = RunDir(p)
+    if p.is_file():
+        file = p
+    elif rd.is_run():
+        file = rd.eval_dir / RESULTS_FILE
+        if not file.is_file():
+            raise UserError(f"{p}: not evaluated yet (no {file}); run `lctrain eval {p}` first")
+    elif (p / RESULTS_FILE).is_file():
+        file = p / RESULTS_FILE
+    else:
+        raise UserError(
+            f"{p}: neither an evaluated run directory (config.yaml, eval/{RESULTS_FILE}) nor an eval directory "
+            f"({RESULTS_FILE})"
+        )
+    results = _read_results(file)
+    runs = [RunDir(file.parent.parent), RunDir(results.get("target") or file.parent.parent)]
+    run = next((r for r in runs if r.is_run()), None)
+    if run is None:
+        raise UserError(
+            f"{file}: evaluates {results.get('target')}, which is not a run directory (no config.yaml): the report "
+            f"groups runs by their config; give run directories written by `lctrain train`"
+        )
+    return Evaluated(run.path, file, run.read_config(), results)
+
+
+def last_checkpoints(results: dict, last: int | None, where: str) -> list[str]:
+    """The evaluated checkpoints to average, oldest first: the last `last`, by default the paper's 5 (all of them
+    when fewer were evaluated)."""
+    ckpts = list(results["checkpoints"])
+    if all(step_of(c) is not None for c in ckpts):
+        ckpts.sort(key=step_of)
+    if last is not None and last < 1:
+        raise UserError(f"--last {last}: average over at least 1 checkpoint")
+    if not ckpts:
+        raise UserError(f"{where}: no evaluated checkpoint in its results; run `lctrain eval` again")
+    n = min(DEFAULT_LAST, len(ckpts)) if last is None else last
+    if n > len(ckpts):
+        raise UserError(
+            f"{where}: --last {n} asks for more checkpoints than the {len(ckpts)} evaluated "
+            f"({', '.join(ckpts)}); use --last {len(ckpts)} or evaluate more checkpoints"
+        )
+    return ckpts[-n:]
+
+
+def _by_length(table: dict) -> dict[int, float]:
+    return {int(L): v for L, v in table.items()}
+
+
+def checkpoint_average(results: dict, ckpts: list[str], where: str) -> tuple[dict[int, float], dict[int, float]]:
+    """({length: RULER mean over tasks}, {length: perplexity}) averaged over `ckpts`; the perplexity is empty when
+    those checkpoints have no per-length perplexity. `where` names the results in an error."""
+    per_length = (results.get("perplexity") or {}).get("per_length") or {}
+    try:
+        scores = {c: {t: _by_length(per) for t, per in results["scores"][c].items()} for c in ckpts}
+        ruler = scoring.mean_over_tasks(scoring.average_checkpoints(scores))
+        if not all(c in per_length for c in ckpts):
+            return ruler, {}
+        ppl = scoring.average_checkpoints({c: {"perplexity": _by_length(per_length[c])} for c in ckpts})
+    except (KeyError, ValueError) as e:
+        raise UserError(
+            f"{where}: the results of {', '.join(ckpts)} are damaged or incomplete ({e}); run `lctrain eval` again"
+        ) from None
+    return ruler, ppl["perplexity"]
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (None for one value), min, max and count of a cell's per-seed values."""
+    return {
+        "mean": mean(values),
+        "std": stdev(values) if len(values) > 1 else None,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def reading(cell: dict, reference: dict) -> str:
+    """How a row's difference from the reference row at one length reads against the seeds' spread."""
+    if cell["n"] < 2 or reference["n"] < 2:
+        return UNKNOWN
+    overlap = cell["min"] <= reference["max"] and reference["min"] <= cell["max"]
+    return WITHIN if overlap else BEYOND
+
+
+def _check_same_evaluation(runs: list[Evaluated]) -> None:
+    first = runs[0]
+    for r in runs[1:]:
+        for key, what, fix in (
+            ("suite", "suites", "evaluate them with the same data"),
+            ("lengths", "lengths", "evaluate them at the same --lengths"),
+            ("tasks", "tasks", "evaluate them on the same task set (--tasks, --exclude)"),
+        ):
+            a, b = first.results[key], r.results[key]
+            if a != b:
+                shown = (lambda v: ", ".join(map(str, v))) if isinstance(a, list) else str
+                raise UserError(
+                    f"runs evaluated on different {what}: {first.path}: {shown(a)}; {r.path}: {shown(b)}; {fix}"
+                )
+
+
+def experiment_key(cfg: Config) -> str:
+    """What a run trains, without its name, place, seeds and evaluation settings: equal for seed replicates."""
+    flat = _flat(settings(cfg))
+    kept = {k: v for k, v in flat.items() if not any(k == n or k.startswith(f"{n}.") for n in _NOT_EXPERIMENT)}
+    return json.dumps(kept, sort_keys=True)
+
+
+def training_tokens(cfg: Config) -> int:
+    """Tokens one run trains on: steps x windows per step x tokens per window."""
+    return cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
+
+
+def _labels(groups: list[list[Evaluated]]) -> tuple[list[str], list[str]]:
+    """Each group's label (its attention mode, plus the settings that tell it apart when modes repeat), and the
+    settings other than the mode in which the groups differ."""
+    flats = [_flat(json.loads(experiment_key(g[0].cfg))) for g in groups]
+    keys = sorted({k for f in flats for k in f} - {"attention.mode"})
+    differing = [k for k in keys if len({json.dumps(f.get(k)) for f in flats}) > 1]
+    modes = [g[0].cfg.attention.mode for g in groups]
+    if len(set(modes)) == len(modes):
+        return modes, differing
+    return [
+        f"{m} ({', '.join(f'{k}={f.get(k)}' for k in differing)})" if differing else m for m, f in zip(modes, flats)
+    ], differing
+
+
+def _seed_text(run: Evaluated) -> str:
+    return f"seed {run.cfg.seed}, data.seed {run.cfg.data.seed}"
+
+
+def compare(runs: list[Evaluated], last: int | None = None) -> dict:
+    """The report of evaluated runs (pure): groups of seed replicates in the order first given, per length the
+    per-seed checkpoint averages and their spread, and each group's reading against the first group."""
+    if not runs:
+        raise UserError("give at least one evaluated run directory")
+    _check_same_evaluation(runs)
+    groups: dict[str, list[Evaluated]] = {}
+    for r in runs:
+        groups.setdefault(experiment_key(r.cfg), []).append(r)
+    for members in groups.values():
+        seen: dict[tuple, Path] = {}
+        for r in members:
+            seeds = (r.cfg.seed, r.cfg.data.seed)
+            if seeds in seen:
+                raise UserError(
+                    f"{seen[seeds]} and {r.path}: the same experiment with the same seeds ({_seed_text(r)}); "
+                    f"a spread over seeds needs different seeds: give one of them"
+                )
+            seen[seeds] = r.path
+    ordered = list(groups.values())
+    labels, differing = _labels(ordered)
+    rows = []
+    for label, members in zip(labels, ordered):
+        per_run = []
+        for r in members:
+            ckpts = last_checkpoints(r.results, last, str(r.path))
+            ruler, ppl = checkpoint_average(r.results, ckpts, str(r.results_file))
+            per_run.append(
+                {
+                    "path": str(r.path),
+                    "results": str(r.results_file),
+                    "seed": r.cfg.seed,
+                    "data_seed": r.cfg.data.seed,
+                    "checkpoints": ckpts,
+                    "ruler": {str(L): v for L, v in ruler.items()},
+                    "perplexity": {str(L): v for L, v in ppl.items()},
+                }
+            )
+        cells = {}
+        for metric in METRICS:
+            cells[metric] = {}
+            for L in sorted({int(L) for p in per_run for L in p[metric]}):
+                values = [p[metric][str(L)] for p in per_run if str(L) in p[metric]]
+                # a mean over the seeds that have the value; a length only some seeds have is not shown
+                if values and len(values) == len(per_run):
+                    cells[metric][str(L)] = spread(values)
+        rows.append(
+            {
+                "label": label,
+                "mode": members[0].cfg.attention.mode,
+                "seeds": len(members),
+                "training_tokens": training_tokens(members[0].cfg),
+                "runs": per_run,
+                **cells,
+            }
+        )
+    reference = rows[0]
+    for row in rows[1:]:
+        row["vs_reference"] = {
+            metric: {
+                L: {
+                    "difference": cell["mean"] - reference[metric][L]["mean"],
+                    "reading": reading(cell, reference[metric][L]),
+                }
+                for L, cell in row[metric].items()
+                if L in reference[metric]
+            }
+            for metric in METRICS
+        }
+    return {
+        "suite": runs[0].results["suite"],
+        "tasks": runs[0].results["tasks"],
+        "lengths": {m: sorted({int(L) for row in rows for L in row[m]}) for m in METRICS},
+        "last": last,
+        "default_last": DEFAULT_LAST,
+        "spread": SPREAD,
+        "metrics": METRICS,
+        "reference": reference["label"],
+        "other_differences": differing,
+        "rows": rows,
+    }
+
+
+def _cell(cell: dict | None, digits: int) -> str:
+    if cell is None:
+        return "-"
+    if cell["std"] is None:
+        return f"{cell['mean']:.{digits}f}"
+    return f"{cell['mean']:.{digits}f} ± {cell['std']:.{digits}f}"
+
+
+_DIGITS = {"ruler": 2, "perplexity": 3}
+
+
+def _checkpoint_lines(report: dict) -> list[str]:
+    lines = []
+    for row in report["rows"]:
+        for r in row["runs"]:
+            ck = r["checkpoints"]
+            lines.append(
+                f"{row['label']}: {r['path']} (seed {r['seed']}, data.seed {r['data_seed']}): last {len(ck)} "
+                f"checkpoint{'s' * (len(ck) > 1)} {', '.join(ck)}"
+            )
+    return lines
+
+
+def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of each table: the values per metric, then the differences from the reference row."""
+    # matplotlib, via reports.plots, on use (start-up time)
+    from lctrain.reports.plots import length_label
+
+    out = []
+    for metric, title in report["metrics"].items():
+        lengths = [str(L) for L in report["lengths"][metric]]
+        if not lengths:
+            continue
+        heads = [length_label(int(L)) for L in lengths]
+        body = [
+            [row["label"], str(row["seeds"]), f"{row['training_tokens']:,}"]
+            + [_cell(row[metric].get(L), _DIGITS[metric]) for L in lengths]
+            for row in report["rows"]
+        ]
+        out.append((f"{title}; mean ± std over seeds", ["row", "seeds", "tokens per run", *heads], body))
+        diffs = [
+            [row["label"]]
+            + [
+                f"{d['difference']:+.{_DIGITS[metric]}f} ({d['reading']})" if d else "-"
+                for d in (row["vs_reference"][metric].get(L) for L in lengths)
+            ]
+            for row in report["rows"][1:]
+        ]
+        if diffs:
+            out.append((f"{title}: difference from {report['reference']}", ["row", *heads], diffs))
+    return out
+
+
+def _notes(report: dict) -> list[str]:
+    notes = [f"suite: {report['suite']}; tasks: {', '.join(report['tasks'])}", f"spread: {report['spread']}"]
+    if report["other_differences"]:
+        notes.append(f"rows also differ in: {', '.join(report['other_differences'])}")
+    if not any(row["perplexity"] for row in report["rows"]):
+        notes.append(
+            "perplexity: none per length in these results (evaluated before per-length perplexity, or none held out)"
+        )
+    return notes + [f"averaged: {line}" for line in _checkpoint_lines(report)]
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown: the tables, then what was averaged and how to read it."""
+    parts = ["# lctrain report", ""]
+    for title, header, body in _tables(report):
+        parts += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        parts += ["| " + " | ".join(r) + " |" for r in body] + [""]
+    parts += [f"- {n}" for n in _notes(report)]
+    return "\n".join(parts) + "\n"
+
+
+def print_report(report: dict, out: Path) -> None:
+    console = Console(highlight=False)
+    for title, header, body in _tables(report):
+        table = Table(title=title)
+        for i, h in enumerate(header):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for r in body:
+            table.add_row(*map(escape, r))
+        console.print(table)
+    for n in _notes(report):
+        console.print(escape(n), soft_wrap=True)
+    console.print(f"wrote {out}/report.json, report.md, report.png", soft_wrap=True)
+
+
+def write_report(run_dirs: list[Path], out: Path, last: int | None = None) -> dict:
+    """Compare the evaluated runs `run_dirs` (run directories, eval directories or results.json files), averaging
+    each run's last `last` checkpoints (default: the paper's 5, or all when fewer); write report.json, report.md
+    and report.png to `out` and return the report."""
+    # matplotlib, via reports.plots, on use (start-up time)
+    from lctrain.reports.plots import plot_report
+
+    report = compare([read_evaluated(p) for p in run_dirs], last)
+    out = Path(out)
+    with writing(out, "the report"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        (out / "report.md").write_text(markdown(report))
+        plot_report(report, out / "report.png")
+    return report

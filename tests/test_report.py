@@ -1,0 +1,293 @@
+"""`lctrain report`: the Table 4-style comparison of evaluated runs. Synthetic results.json beside real configs in run
+directories (no training): the averages against a loop over the per-checkpoint results, the seed groups and their
+spread against a hand computation, the reading of differences against that spread, bad input in one line, the command
+end to end; and per-length perplexity against a direct loop over truncated windows on a tiny fp32 model."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from train_helpers import one_error_line
+from transformers import AutoModelForCausalLM, LlamaConfig
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import load_config
+from lctrain.errors import UserError
+from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths
+from lctrain.reports.compare import (
+    BEYOND,
+    UNKNOWN,
+    WITHIN,
+    compare,
+    read_evaluated,
+    reading,
+    write_report,
+)
+from lctrain.rundir import RunDir
+
+LENGTHS = [4096, 8192, 16384]
+TASKS = ["niah_single_1", "vt", "fwe"]
+STEPS = [60, 70, 80, 90, 100, 110, 120]  # seven evaluated checkpoints: the default takes the last five
+
+
+def fake_evaluated(
+    root: Path,
+    name: str,
+    mode: str,
+    seed: int = 0,
+    data_seed: int = 0,
+    *,
+    shift: float = 0.0,
+    steps: list[int] = STEPS,
+    lengths: list[int] = LENGTHS,
+    tasks: list[str] = TASKS,
+    extra: tuple[str, ...] = (),
+    noise: str | None = None,
+) -> Path:
+    """A run directory with its config and an eval/results.json laid out as `lctrain eval` writes it; the scores are
+    noise seeded by `noise` (default: the run's name and seeds) plus `shift`, perplexity per length for the lengths up
+    to 8K (the held-out window)."""
+    rd = RunDir(root / name)
+    overrides = [f"name={name}", f"attention.mode={mode}", f"seed={seed}", f"data.seed={data_seed}", *extra]
+    rd.write_config(load_config(None, overrides))
+    rng = random.Random(noise or f"{name}/{seed}/{data_seed}")
+    ckpts = [f"step_{s}" for s in steps]
+    scores = {c: {t: {str(L): round(rng.uniform(20, 80) + shift, 2) for L in lengths} for t in tasks} for c in ckpts}
+    per_length = {c: {str(L): rng.uniform(5, 9) - shift / 10 for L in lengths if L <= 8192} for c in ckpts}
+    results = {
+        "suite": "RULER-style (not comparable with published RULER numbers)",
+        "not_scored": [],
+        "task_set": tasks,
+        "target": str(rd.path),
+        "kind": "run",
+        "checkpoints": ckpts,
+        "tasks": tasks,
+        "lengths": lengths,
+        "scores": scores,
+        "perplexity": {
+            "per_checkpoint": {c: v[max(v, key=int)] for c, v in per_length.items()},
+            "per_length": per_length,
+        },
+    }
+    rd.eval_dir.mkdir(parents=True)
+    (rd.eval_dir / "results.json").write_text(json.dumps(results))
+    return rd.path
+
+
+def results_of(run: Path) -> dict:
+    return json.loads((RunDir(run).eval_dir / "results.json").read_text())
+
+
+def loop_average(results: dict, ckpts: list[str]) -> tuple[dict, dict]:
+    """The independent reference: for each length, the mean over checkpoints of the mean over tasks."""
+    ruler, ppl = {}, {}
+    for L in map(str, results["lengths"]):
+        per_ckpt = [sum(results["scores"][c][t][L] for t in results["tasks"]) / len(results["tasks"]) for c in ckpts]
+        ruler[L] = sum(per_ckpt) / len(per_ckpt)
+        if L in results["perplexity"]["per_length"][ckpts[0]]:
+            ppl[L] = sum(results["perplexity"]["per_length"][c][L] for c in ckpts) / len(ckpts)
+    return ruler, ppl
+
+
+def test_averages_over_the_last_checkpoints_match_a_loop(tmp_path):
+    full = fake_evaluated(tmp_path, "full", "full")
+    anchor = fake_evaluated(tmp_path, "anchor", "anchor", shift=5)
+    for last, expected in ((None, STEPS[-5:]), (2, STEPS[-2:]), (7, STEPS)):
+        report = compare([read_evaluated(full), read_evaluated(anchor)], last)
+        assert [row["label"] for row in report["rows"]] == ["full", "anchor"]
+        for row, run in zip(report["rows"], (full, anchor)):
+            ckpts = [f"step_{s}" for s in expected]
+            assert row["runs"][0]["checkpoints"] == ckpts
+            ruler, ppl = loop_average(results_of(run), ckpts)
+            assert {L: c["mean"] for L, c in row["ruler"].items()} == pytest.approx(ruler)
+            assert {L: c["mean"] for L, c in row["perplexity"].items()} == pytest.approx(ppl)
+            assert all(c["n"] == 1 and c["std"] is None for c in row["ruler"].values())
+    assert report["lengths"] == {"ruler": LENGTHS, "perplexity": [4096, 8192]}
+
+
+def test_fewer_checkpoints_than_five_average_all_of_them(tmp_path):
+    run = fake_evaluated(tmp_path, "short", "anchor", steps=[90, 100, 110])
+    row = compare([read_evaluated(run)])["rows"][0]
+    assert row["runs"][0]["checkpoints"] == ["step_90", "step_100", "step_110"]
+    ruler, _ = loop_average(results_of(run), ["step_90", "step_100", "step_110"])
+    assert {L: c["mean"] for L, c in row["ruler"].items()} == pytest.approx(ruler)
+
+
+def hand_spread(values: list[float]) -> tuple[float, float]:
+    m = sum(values) / len(values)
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def test_seed_replicates_are_one_row_with_their_spread(tmp_path):
+    steps_tokens = ["train.steps=40", "train.global_batch=4", "data.seq_len=512"]
+    full = [fake_evaluated(tmp_path, f"full_s{s}", "full", seed=s, extra=steps_tokens) for s in (0, 1, 2)]
+    anchor = [
+        fake_evaluated(tmp_path, "anchor_a", "anchor", seed=0, data_seed=0, shift=3, extra=steps_tokens),
+        fake_evaluated(tmp_path, "anchor_b", "anchor", seed=0, data_seed=1, shift=3, extra=steps_tokens),
+    ]
+    report = compare([read_evaluated(p) for p in (full[0], anchor[0], full[1], anchor[1], full[2])])
+    assert [(row["label"], row["seeds"]) for row in report["rows"]] == [("full", 3), ("anchor", 2)]
+    assert report["rows"][0]["training_tokens"] == 40 * 4 * 512
+    ckpts = [f"step_{s}" for s in STEPS[-5:]]
+    for row, runs in zip(report["rows"], (full, anchor)):
+        assert [r["path"] for r in row["runs"]] == [str(p) for p in runs]
+        per_seed = [loop_average(results_of(p), ckpts) for p in runs]
+        for metric, i in (("ruler", 0), ("perplexity", 1)):
+            for L, cell in row[metric].items():
+                values = [s[i][L] for s in per_seed]
+                m, sd = hand_spread(values)
+                assert cell["mean"] == pytest.approx(m) and cell["std"] == pytest.approx(sd)
+                assert (cell["min"], cell["max"]) == pytest.approx((min(values), max(values)))
+                assert cell["n"] == len(values)
+    for metric in ("ruler", "perplexity"):
+        for L, d in report["rows"][1]["vs_reference"][metric].items():
+            ref, cell = report["rows"][0][metric][L], report["rows"][1][metric][L]
+            assert d["difference"] == pytest.approx(cell["mean"] - ref["mean"])
+            apart = cell["min"] > ref["max"] or ref["min"] > cell["max"]
+            assert d["reading"] == (BEYOND if apart else WITHIN)
+
+
+def cell(values):
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def test_reading_against_the_seed_spread():
+    assert reading(cell([50, 52, 54]), cell([53, 55])) == WITHIN  # ranges overlap: not a finding
+    assert reading(cell([50, 52, 54]), cell([54.5, 56])) == BEYOND
+    assert reading(cell([60]), cell([50, 52])) == UNKNOWN  # one seed: no spread to read against
+    assert reading(cell([60, 61]), cell([50])) == UNKNOWN
+
+
+def test_the_tables_say_how_to_read_a_difference(tmp_path):
+    # scores in [20, 80]: anchor's are 200 above full's at every length (beyond any spread); intra_doc's two seeds
+    # repeat full's, 0.01 higher (their ranges overlap); a single-seed intra_doc_reset row has no spread
+    runs = [fake_evaluated(tmp_path, f"full_{s}", "full", seed=s) for s in (0, 1)]
+    runs += [fake_evaluated(tmp_path, f"anchor_{s}", "anchor", seed=s, shift=200) for s in (0, 1)]
+    runs += [
+        fake_evaluated(tmp_path, f"intra_{s}", "intra_doc", seed=s, shift=0.01, noise=f"full_{s}/{s}/0") for s in (0, 1)
+    ]
+    runs += [fake_evaluated(tmp_path, "reset", "intra_doc_reset")]
+    report = compare([read_evaluated(p) for p in runs])
+    anchor, intra, reset = report["rows"][1:]
+    for metric in ("ruler", "perplexity"):
+        assert {d["reading"] for d in anchor["vs_reference"][metric].values()} == {BEYOND}
+        assert {d["reading"] for d in intra["vs_reference"][metric].values()} == {WITHIN}
+        assert {d["reading"] for d in reset["vs_reference"][metric].values()} == {UNKNOWN}
+    assert all(d["difference"] == pytest.approx(0.01) for d in intra["vs_reference"]["ruler"].values())
+    out = tmp_path / "out"
+    write_report(runs, out)
+    md = (out / "report.md").read_text()
+    assert "(beyond seed spread)" in md and "(within seed spread)" in md and "(single seed: spread unknown)" in md
+    assert "difference from full" in md
+
+
+def test_repeated_modes_are_labelled_by_what_differs(tmp_path):
+    a = fake_evaluated(tmp_path, "a", "anchor", extra=("train.lr=0.001",))
+    b = fake_evaluated(tmp_path, "b", "anchor", extra=("train.lr=0.0002",))
+    c = fake_evaluated(tmp_path, "c", "full", extra=("train.lr=0.001",))
+    report = compare([read_evaluated(p) for p in (a, b, c)])
+    assert [row["label"] for row in report["rows"]] == [
+        "anchor (train.lr=0.001)",
+        "anchor (train.lr=0.0002)",
+        "full (train.lr=0.001)",
+    ]
+    assert report["other_differences"] == ["train.lr"]
+
+
+def test_an_eval_dir_or_results_file_is_accepted(tmp_path):
+    run = fake_evaluated(tmp_path, "r", "anchor")
+    for given in (run, RunDir(run).eval_dir, RunDir(run).eval_dir / "results.json"):
+        ev = read_evaluated(given)
+        assert ev.path == run and ev.cfg.attention.mode == "anchor"
+
+
+def test_bad_input_is_one_line(tmp_path):
+    good = fake_evaluated(tmp_path, "good", "full")
+    RunDir(tmp_path / "untested").write_config(load_config(None, ["name=untested"]))
+    other_lengths = fake_evaluated(tmp_path, "other_lengths", "anchor", lengths=[4096, 32768])
+    other_tasks = fake_evaluated(tmp_path, "other_tasks", "anchor", tasks=["vt"])
+    twin = fake_evaluated(tmp_path, "twin", "full")  # same experiment, same seeds as `good`
+    (tmp_path / "empty").mkdir()
+    damaged = fake_evaluated(tmp_path, "damaged", "anchor")
+    results = results_of(damaged)
+    del results["scores"]["step_120"]["vt"]
+    (RunDir(damaged).eval_dir / "results.json").write_text(json.dumps(results))
+    (tmp_path / "notresults.json").write_text("[]")
+    cases = [
+        ([str(damaged)], f"{RunDir(damaged).eval_dir / 'results.json'}: the results of step_80"),
+        ([str(tmp_path / "notresults.json")], "not the results.json of `lctrain eval` (no checkpoints, scores"),
+        ([str(tmp_path / "untested")], f"{tmp_path / 'untested'}: not evaluated yet"),
+        ([str(tmp_path / "empty")], "neither an evaluated run directory"),
+        (
+            [str(good), str(other_lengths)],
+            f"different lengths: {good}: 4096, 8192, 16384; {other_lengths}: 4096, 32768",
+        ),
+        ([str(good), str(other_tasks)], f"different tasks: {good}: niah_single_1, vt, fwe; {other_tasks}: vt"),
+        ([str(good), "--last", "8"], "--last 8 asks for more checkpoints than the 7 evaluated"),
+        ([str(good), "--last", "0"], "--last 0: average over at least 1 checkpoint"),
+        ([str(good), str(twin)], "the same experiment with the same seeds (seed 0, data.seed 0)"),
+    ]
+    for args, expected in cases:
+        out = tmp_path / "never"
+        line = one_error_line(CliRunner().invoke(app, ["report", *args, "--out", str(out)]))
+        assert expected in line, line
+        assert not out.exists()
+    with pytest.raises(UserError, match="give at least one evaluated run"):
+        write_report([], tmp_path / "never")
+
+
+def test_command_end_to_end(tmp_path, monkeypatch):
+    runs = [fake_evaluated(tmp_path, f"full_{s}", "full", seed=s) for s in (0, 1)]
+    runs += [fake_evaluated(tmp_path, "anchor", "anchor", shift=2)]
+    out = tmp_path / "table4"
+    wide = {"COLUMNS": "200"}  # rich wraps table cells to the terminal's width
+    result = CliRunner().invoke(app, ["report", *map(str, runs), "--out", str(out), "--last", "3"], env=wide)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}/report.json, report.md, report.png" in result.output
+    assert "single seed: spread unknown" in result.output and "mean ± std over seeds" in result.output
+    written = json.loads((out / "report.json").read_text())
+    assert written == json.loads(json.dumps(write_report(runs, tmp_path / "again", last=3)))
+    assert [r["checkpoints"] for r in written["rows"][0]["runs"]] == [[f"step_{s}" for s in STEPS[-3:]]] * 2
+    md = (out / "report.md").read_text()
+    assert "| full | 2 |" in md and "| anchor | 1 |" in md
+    assert Image.open(out / "report.png").size[0] > 1.5 * Image.open(out / "report.png").size[1]  # two panels
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(app, ["report", str(runs[2])]).exit_code == 0
+    assert (tmp_path / "report" / "report.md").is_file()  # the default --out
+
+
+TINY_LLAMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+WINDOW = {"input_ids": None, "seg_lens": [20, 30, 14], "seg_doc": [0, 1, 2], "tag_lens": [1, 1, 0]}
+
+
+def test_per_length_perplexity_against_truncated_windows():
+    torch.manual_seed(0)
+    arch = LlamaConfig(**TINY_LLAMA, vocab_size=97, max_position_embeddings=64)
+    # as `lctrain eval` loads a checkpoint: stock sdpa attention, fp32 on a CPU
+    model = AutoModelForCausalLM.from_config(arch, attn_implementation="sdpa", dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    windows = [dict(WINDOW, input_ids=torch.randint(0, 97, (64,), generator=gen).tolist()) for _ in range(2)]
+    lengths = perplexity_lengths(64, [16, 40, 128])
+    assert lengths == [16, 40, 64]  # 128 does not fit a 64-token window; the window itself always counts
+    got = perplexity_by_length(model, windows, [0, 1], lengths)
+    for L in lengths:
+        nll, count = 0.0, 0
+        for w in windows:
+            ids = torch.as_tensor(w["input_ids"][:L])[None]
+            labels = ids.clone()
+            start = 0
+            for n, tags in zip(w["seg_lens"], w["tag_lens"]):
+                labels[0, start : start + 1 + tags] = -100  # each segment's anchor and tag: not predictable
+                start += n
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, :-1]
+            per = torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="none", ignore_index=-100)
+            nll, count = nll + float(per.sum()), count + int((labels[0, 1:] != -100).sum())
+        assert got[L] == pytest.approx(math.exp(nll / count), rel=1e-5)
