@@ -33,7 +33,7 @@ only the largest adds to the saved activations. The `param.grad` gradients appea
 saved activations are freed, so they add to the transients at its end, not to the saved activations at its start
 (the loss's backward, where a long window peaks); the optimizer step comes after the backward has freed the
 activations, and the construction's copy before either, so the peak is the states plus the largest of the four
-(`MemoryPlan.total`). On the CPU the host's allocator keeps some freed memory (`cpu_allocator_bytes`).
+(`MemoryPlan.total`). On the CPU the host's allocator keeps some freed memory (`CPU_ALLOCATOR_FRACTION`).
 
 Sequence parallelism divides the tokens of every per-token tensor by `sp`, except inside the attention engine, where
 DeepSpeed-Ulysses' all-to-all gives each rank the whole sequence for `heads / sp` heads: the same number of elements,
@@ -62,9 +62,10 @@ DEVICE_RUNTIME_BYTES = 2**30
 HOST_RUNTIME_BYTES = 2**30
 # On the CPU, memory glibc's malloc keeps after tensors are freed: blocks below its mmap threshold (which grows to 32
 # MiB) go back to its heap, not to the OS, so the resident set stays above the live tensors. Measured on SmolLM2-135M
-# (fp32, 1K-2K tokens, with and without checkpointing; tests/test_memory_real_model.py): 0.7-1.3 GB above the tensors'
-# peak and the process's own 0.5 GB, about the size of the model-dtype gradients (0.54 GB) that every step allocates
-# in pieces and frees; planned as that size (`MemoryPlan.cpu_allocator_bytes`).
+# (fp32, 1K-2K tokens, with and without checkpointing; tests/test_memory_real_model.py, docs/memory.md): 0.5-1.3 GB
+# above the tensors' peak and the process's own 0.5 GB, 12-30% of the tensors' peak. HOST_RUNTIME_BYTES covers 0.57
+# GB of it; this fraction of the tensors' peak the rest (the host need then within -2%..+9% of the measured peak).
+CPU_ALLOCATOR_FRACTION = 0.1
 # Fraction of the device memory above which `train` warns: PyTorch's caching allocator fragments, so a plan this
 # close to the limit may still run out of memory.
 WARN_FRACTION = 0.9
@@ -75,9 +76,19 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Kinds of item: model states live through the step; parameter gradients are made during the backward, as the
 # activations are freed, and live until the step; saved activations from the forward to their layer's backward; the
 # loss chunk's logits at the backward's start; a transient within one phase of the backward (a layer recomputed);
-# what the optimizer step allocates (after the backward); and a copy made while the engine is built (beside the
-# states, before any step).
-STATE, GRAD, SAVED, LOSS, TRANSIENT, STEP, BUILD = "state", "gradient", "saved", "loss", "transient", "step", "build"
+# the gradients' reduction after the backward (beside all gradients, once the activations are freed); what the
+# optimizer step allocates (after the backward); and a copy made while the engine is built (beside the states, before
+# any step).
+STATE, GRAD, SAVED, LOSS, TRANSIENT, REDUCE, STEP, BUILD = (
+    "state",
+    "gradient",
+    "saved",
+    "loss",
+    "transient",
+    "reduce",
+    "step",
+    "build",
+)
 
 
 @dataclass(frozen=True)
@@ -94,12 +105,12 @@ class MemoryPlan:
 
     items: tuple[Item, ...]
     ranks_per_host: int
-    cpu_allocator_bytes: int = 0  # what the host's allocator keeps of freed tensors when the rank computes on the CPU
 
     def total(self, where: str) -> int:
         """Peak bytes in `where`: the states, and the largest of the backward's start (the saved activations and the
         largest of the loss chunk and a transient; no parameter has its gradient yet), the backward's end (every
-        gradient and the largest transient; the activations are freed), the optimizer step's (the gradients and its
+        gradient and the larger of a transient and the reduction's copy; the activations are freed), the optimizer
+        step's (the gradients and its
         items) and the engine construction's copies. Within the backward the gradients grow by a layer's parameters
         as the activations shrink by a layer's, so the largest sum is at one of its ends (measured on SmolLM2-135M on
         CPU, tests/test_memory_real_model.py: its 2K-token step peaks in the loss's backward, before any gradient)."""
@@ -112,9 +123,13 @@ class MemoryPlan:
             return sum(i.bytes for i in here if i.kind == kind)
 
         start = summed(SAVED) + largest(LOSS, TRANSIENT)
-        end = summed(GRAD) + largest(TRANSIENT)
+        end = summed(GRAD) + max(largest(TRANSIENT), summed(REDUCE))
         step = summed(GRAD) + summed(STEP)
         return summed(STATE) + max(start, end, step, largest(BUILD))
+
+    def cpu_allocator_bytes(self) -> int:
+        """What the host's allocator keeps of freed tensors when this rank computes on the CPU."""
+        return int(CPU_ALLOCATOR_FRACTION * (self.total("device") + self.total("host")))
 
     def host_bytes(self) -> int:
         """Host memory of this host's ranks: their host items and each process's runtime."""
@@ -148,7 +163,7 @@ def need(plan: MemoryPlan, gpu: bool) -> tuple[int, int]:
     (`gpu` False) every item lands in host memory and the device needs 0."""
     host = plan.host_bytes()
     if not gpu:
-        return 0, host + plan.ranks_per_host * (plan.total("device") + plan.cpu_allocator_bytes)
+        return 0, host + plan.ranks_per_host * (plan.total("device") + plan.cpu_allocator_bytes())
     return plan.total("device") + DEVICE_RUNTIME_BYTES, host
 
 
@@ -191,6 +206,14 @@ def _zero_settings(ds_config: dict) -> dict:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     return DeepSpeedZeroConfig(**ds_config["zero_optimization"]).model_dump()
+
+
+def allreduce_elements() -> int:
+    """Elements DeepSpeed's engine flattens at once to all-reduce gradients without ZeRO."""
+    # deepspeed on use: it takes seconds to import (start-up time)
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+
+    return MEMORY_OPT_ALLREDUCE_SIZE
 
 
 def reduce_element_bytes(ds_config: dict, model_bytes: int) -> int:
@@ -245,6 +268,9 @@ def model_state_items(
     ]
     if stage == 0:
         items.append(Item("gradients", n * b, "device", GRAD))
+        # DeepSpeed 0.19.8 without ZeRO all-reduces the gradients after the backward, even in one process, through a
+        # flattened copy of up to MEMORY_OPT_ALLREDUCE_SIZE elements (engine.py: buffered_allreduce_fallback)
+        items.append(Item("gradients flattened for the all-reduce", min(n, allreduce_elements()) * b, "device", REDUCE))
     else:
         if stage == 1:
             items.append(Item("gradients (param.grad until the step)", n * b, "device", GRAD))
@@ -363,8 +389,7 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
         + optimizer_step_items(shape, cfg, layout.world, gpu, torch_adam)
         + activation_items(shape, cfg, layout)
     )
-    allocator = 0 if gpu else shape.param_count() * dtype_bytes(cfg.model.dtype)
-    return MemoryPlan(tuple(items), cfg.parallel.nproc_per_node, allocator)
+    return MemoryPlan(tuple(items), cfg.parallel.nproc_per_node)
 
 
 def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int = 1 << 24) -> int | None:

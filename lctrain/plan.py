@@ -89,7 +89,7 @@ def report(cfg: Config, budget: Budget) -> dict:
         "host_memory_bytes": budget.host,
         "items": [vars(i) for i in plan.items],
         "ranks_per_host": plan.ranks_per_host,
-        "cpu_allocator_bytes": plan.cpu_allocator_bytes,
+        "cpu_allocator_bytes": 0 if budget.gpu else plan.cpu_allocator_bytes(),
         "device_need_bytes": device,
         "host_need_bytes": host,
         "fits": budget.fits(plan),
