@@ -3,6 +3,7 @@ records, anchors and tags included) against the asked shares, on a corpus whose 
 document lengths; the shares prepare reports are the counted ones; bad input is one line naming the key."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.data.prepare import prepare
 from lctrain.data.store import open_packed
+from lctrain.errors import UserError
 
 SHARES = {"short": 0.5, "medium": 0.3, "long": 0.2}
 WORDS = {"short": 12, "medium": 50, "long": 120}  # words per document: each source's documents are a different size
@@ -117,3 +119,12 @@ def test_shares_within_rounding_are_accepted():
         None, ["data.sources=[{name: a, path: A, token_share: 0.333}, {name: b, path: B, token_share: 0.66}]"]
     )
     assert np.isclose(sum(s.token_share for s in cfg.data.sources), 0.993)
+
+
+def test_a_malformed_record_is_named_by_its_file_and_line(tmp_path, corpus):
+    """The source's index travels with each record (for the shares) beside the file and line that messages name."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine words here"}\n{not json\n')
+    cfg = cfg_of(tmp_path, {**corpus, "bad": bad}, "weight", {"short": 1, "bad": 1}, "bad", "data.strict=true")
+    with pytest.raises(UserError, match=rf"^{re.escape(str(bad))}:2: not a JSON object"):
+        prepare(cfg)

@@ -286,9 +286,9 @@ class _Builder:
         """Record `record` of source batch `batch`, as the workers encoded it (`domain`: an id, or a name of a
         `data.sources` (source index, domain name))."""
         self.position = (batch, record)
-        source = 0
+        index = 0  # of the data.sources source
         if isinstance(domain, tuple):
-            source, name = domain
+            index, name = domain
             domain = self.domain_id(name)
         self.counts["records"] += 1
         if reason is not None:
@@ -299,7 +299,7 @@ class _Builder:
             return
         self.counts["documents"] += 1
         self.counts["tokens"] += len(ids)
-        self.released.extend(self.buffer.add((ids, domain, source), len(ids)))
+        self.released.extend(self.buffer.add((ids, domain, index), len(ids)))
         self._pump()
 
     def source_ended(self, batches: int) -> None:
