@@ -68,7 +68,11 @@ def test_written_tokens_follow_the_asked_shares(tmp_path, corpus, capsys):
     assert reported == pytest.approx(got, abs=1e-12)
     said = " ".join(capsys.readouterr().out.split())
     assert "per source (asked -> achieved): short token_share 0.5000 -> " in said
-    # the same proportions as draw weights alone give the long documents far more than their share
+
+
+@pytest.mark.slow  # a second prepare
+def test_weights_alone_do_not_give_token_shares(tmp_path, corpus):
+    """The same proportions as draw weights give the long documents far more than their share of the tokens."""
     drawn = counted_shares(prepare(cfg_of(tmp_path, corpus, "weight", SHARES, "weights")))
     assert drawn["long"] > 0.35 and drawn["short"] < 0.25, drawn
 
