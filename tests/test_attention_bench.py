@@ -105,3 +105,37 @@ def test_preset_and_token_major_layout(bench, tmp_path):
         bench.main([*args, "--preset", "13b"])
     with pytest.raises(SystemExit):
         bench.main([*args, "--heads", "6", "--kv-heads", "4"])
+
+
+def test_profile_logs_the_operators_by_self_time(bench, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--lengths", "256", "--reps", "1", "--engines", "sdpa", "--modes", "full", "anchor"]
+    bench.main([*args, "--dtype", "float32", "--profile", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    for r in rows:
+        kernels = r["kernels"]
+        assert 1 <= len(kernels) <= 4
+        assert [k["total_ms"] for k in kernels] == sorted((k["total_ms"] for k in kernels), reverse=True)
+        assert all(k["count"] >= 1 and k["total_ms"] > 0 for k in kernels)
+    # the CPU flash-attention kernel the sdpa engine calls, forward and backward, is among the top operators
+    names = {k["name"] for k in rows[0]["kernels"]}
+    assert {
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    } & names
+    assert "top kernels by self time" in capsys.readouterr().out
+
+
+def test_top_kernels_orders_by_self_time_of_the_device(bench):
+    from types import SimpleNamespace
+
+    events = [
+        SimpleNamespace(key="a", count=2, self_cpu_time_total=5000.0, self_device_time_total=0.0),
+        SimpleNamespace(key="b", count=1, self_cpu_time_total=1000.0, self_device_time_total=9000.0),
+        SimpleNamespace(key="c", count=3, self_cpu_time_total=0.0, self_device_time_total=3000.0),
+    ]
+    assert bench.top_kernels(events, 5, "cpu") == [
+        {"name": "a", "count": 2, "total_ms": 5.0},
+        {"name": "b", "count": 1, "total_ms": 1.0},
+    ]
+    assert [k["name"] for k in bench.top_kernels(events, 1, "cuda")] == ["b"]

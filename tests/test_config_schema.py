@@ -233,6 +233,9 @@ COUPLED = {
     "model.gradient_checkpointing",
     "model.checkpointing",
     "model.offload_activations",
+    "model.fused_kernels",
+    "model.tiled_mlp",
+    "model.rope_fp32",
     "data.source",
     "data.path",
     "data.mixture",
@@ -284,6 +287,13 @@ def coupled(draw) -> dict[str, Any]:
     v["parallel.zero_stage"] = stage
     v["parallel.offload_optimizer"] = stage >= 1 and draw(st.booleans())
     v["parallel.offload_params"] = stage == 3 and draw(st.booleans())
+    # fused kernels replace the MLP that tiled_mlp shards; liger rotates in its own kernel (not rope_fp32's fp32) and
+    # reads lm_head's weight outside its forward (not under ZeRO-3)
+    v["model.fused_kernels"] = fused = draw(
+        st.sampled_from(["none", "liger", "compile"]).filter(lambda f: not (f == "liger" and stage == 3))
+    )
+    v["model.tiled_mlp"] = 0 if fused != "none" else draw(st.one_of(st.just("auto"), st.integers(0, 8)))
+    v["model.rope_fp32"] = fused != "liger" and draw(st.booleans())
     v["eval.tasks"] = draw(st.one_of(st.none(), st.lists(st.sampled_from(TASK_NAMES), min_size=1, unique=True)))
     v["eval.exclude"] = draw(st.lists(st.sampled_from(TASK_NAMES), unique=True))
     return v

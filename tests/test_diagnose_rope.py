@@ -1,6 +1,6 @@
-"""`lctrain diagnose rope` (paper §2.2, Eq. 4 and 5, Figures 1 and 7) on tiny models, against loop-based
-implementations of the formulas written here from the model's own eager attention (Hugging Face `eager`,
-`output_attentions=True`) and from its own q/k projections and rotary frequencies.
+"""`lctrain diagnose rope` (paper §2.2, Eq. 4 and 5, Figures 1 and 7) on tiny models, against the loop-based
+implementations of the formulas in rope_reference.py, written from the model's own eager attention (Hugging Face
+`eager`, `output_attentions=True`) and from its own q/k projections and rotary frequencies.
 
 Shift-invariance breaks in fp32 too once positions are large: at 4,000,000 an fp32 rotation angle is rounded to 0.25,
 so D(X, 0, 4e6) is far above rounding level in fp32, where the code under test and the references compute the same
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
+from rope_reference import reference_eq4, reference_eq5
 from train_helpers import one_error_line
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -85,91 +86,6 @@ def plan(**kw):
 def measured(model, ids, p):
     with torch.inference_mode():
         return rd.measure_sequence(model, ids, p)
-
-
-# ---- the references --------------------------------------------------------------------------------------------
-
-
-def eager_attentions(model, ids, shift):
-    """[layer][head][i][j] attention weights of the model's eager attention at position ids shift..shift+T-1."""
-    with torch.no_grad():
-        out = model(ids[None], position_ids=(torch.arange(len(ids)) + shift)[None], output_attentions=True)
-    return [a[0].tolist() for a in out.attentions]
-
-
-def reference_eq4(model, ids, d1, d2):
-    """Eq. 4 with explicit loops: D = Σ_l Σ_h Σ_j n_j Σ_i |ATTN_ij(Δ1) − ATTN_ij(Δ2)|, n_j = 1/(L−j+1) for 1-based
-    j; also the per-key terms d_j."""
-    a1, a2 = eager_attentions(model, ids, d1), eager_attentions(model, ids, d2)
-    n = len(ids)
-    per_key = [0.0] * n
-    for layer in range(len(a1)):
-        for head in range(len(a1[layer])):
-            for j in range(n):  # 0-based key j: the 1-based j+1, seen by L-(j+1)+1 = n-j queries
-                column = 0.0
-                for i in range(n):
-                    column += abs(a1[layer][head][i][j] - a2[layer][head][i][j])
-                per_key[j] += column / (n - j)
-    return sum(per_key), per_key
-
-
-def attention_inputs(model, ids, shift):
-    """The hidden states each layer's attention receives (after its input norm), in the eager model at `shift`."""
-    seen = []
-    hooks = [
-        layer.self_attn.register_forward_pre_hook(
-            lambda m, a, kw: seen.append(kw["hidden_states"][0].double()), with_kwargs=True
-        )
-        for layer in model.model.layers
-    ]
-    with torch.no_grad():
-        model(ids[None], position_ids=(torch.arange(len(ids)) + shift)[None])
-    for h in hooks:
-        h.remove()
-    return seen
-
-
-def rotated(vec, position, inv_freq):
-    """RoPE on one head vector, Llama's rotate-half pairing (m, m + d/2), angle = fp32(inv_freq_m · position) as the
-    model's rotary module rounds it, cos/sin in float64."""
-    half = len(vec) // 2
-    out = [0.0] * len(vec)
-    for m in range(half):
-        angle = float(torch.tensor(inv_freq[m], dtype=torch.float32) * torch.tensor(float(position)))
-        c, s = math.cos(angle), math.sin(angle)
-        out[m] = vec[m] * c - vec[m + half] * s
-        out[m + half] = vec[m + half] * c + vec[m] * s
-    return out
-
-
-def reference_eq5(model, ids, d1, d2):
-    """Eq. 5 with explicit loops: (1/T) Σ_l Σ_h Σ_i |A_i1(Δ1) − A_i1(Δ2)|, A_ij = q_i·k_j after the rotation, the
-    key the first token, from each layer's own q/k projections (float64)."""
-    inv_freq = model.model.rotary_emb.inv_freq.tolist()
-    n, total = len(ids), 0.0
-    logits = {}
-    for shift in (d1, d2):
-        xs = attention_inputs(model, ids, shift)
-        per_layer = []
-        for layer, x in zip(model.model.layers, xs):
-            wq = layer.self_attn.q_proj.weight.double()
-            wk = layer.self_attn.k_proj.weight.double()
-            heads = []
-            for h in range(H):
-                kv = h // (H // KV)
-                k0 = rotated((wk[kv * HD : (kv + 1) * HD] @ x[0]).tolist(), shift, inv_freq)
-                row = []
-                for i in range(n):
-                    qi = rotated((wq[h * HD : (h + 1) * HD] @ x[i]).tolist(), shift + i, inv_freq)
-                    row.append(sum(a * b for a, b in zip(qi, k0)))
-                heads.append(row)
-            per_layer.append(heads)
-        logits[shift] = per_layer
-    for layer in range(LAYERS):
-        for h in range(H):
-            for i in range(n):
-                total += abs(logits[d1][layer][h][i] - logits[d2][layer][h][i])
-    return total / n
 
 
 # ---- Eq. 4 and Eq. 5 against the references --------------------------------------------------------------------
@@ -367,6 +283,7 @@ def stdlib_text(tmp_path_factory):
 def test_local_text_sequences(stdlib_text, tokenizer):
     got = probe_sequences(stdlib_text, tokenizer, 300, 6, vocab_size=len(tokenizer), seed=0)
     assert len(got.sequences) == 6 and len(set(got.origins)) == 6
+    assert got.anchor == {"token": tokenizer.bos_token, "id": tokenizer.bos_token_id} == {"token": "<s>", "id": 1}
     for ids, origin in zip(got.sequences, got.origins):
         path, _, line = origin.partition(":") if origin.endswith((":1", ":2")) else (origin, "", "")
         text = (
@@ -487,6 +404,7 @@ def test_cli_default_text_is_the_prepared_dataset(tmp_path):
     assert r.exit_code == 0, r.output
     text = json.loads((out / "rope_drift.json").read_text())["text"]
     assert text["path"] == str(data) and text["sequences"] == 3 and text["origins"][0] == "window 0, token 0"
+    assert text["anchor"] == {"token": "<s>", "id": 1}  # the prepared dataset's, from its manifest
 
 
 @pytest.mark.parametrize(

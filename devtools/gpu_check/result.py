@@ -4,7 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STAGES = ("install", "tests", "attention", "train", "cli", "rope", "generation", "figure6", "memory")
+STAGES = (
+    "install",
+    "tests",
+    "attention",
+    "train",
+    "fused",
+    "peer",
+    "peer_32k",
+    "cli",
+    "rope",
+    "rope_real",
+    "generation",
+    "figure6",
+    "memory",
+)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from devtools.gpu_check import ROOT
-from devtools.wheelhouse import plan_install, project_requirements, read_freeze, read_wheel
+from devtools.wheelhouse import carried_requirements, plan_install, read_freeze, read_wheel
 
 
 def pip_download_finder(dest: Path, python_version: str, platforms: list[str], pins: dict[str, str | None]):
@@ -72,7 +72,7 @@ def build_wheelhouse(args) -> None:
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     have = read_freeze(Path(args.have).read_text().splitlines())
-    reqs = project_requirements(ROOT / "pyproject.toml", extras=["test"])
+    reqs = carried_requirements(ROOT / "pyproject.toml")
     env = {
         "python_version": args.python_version,
         "python_full_version": f"{args.python_version}.0",

@@ -13,7 +13,10 @@ scripts/bench_train.py uses too (`lctrain.data.layouts`), or windows of a prepar
 
     python scripts/bench_attention.py --device cpu --lengths 8192 32768 --engines sdpa --threads 1
     python scripts/bench_attention.py --device cpu --lengths 8192 --interleave
-    python scripts/bench_attention.py --device cuda --lengths 32768 131072 --preset 1b
+    python scripts/bench_attention.py --device cuda --lengths 32768 131072 --preset 1b --profile 5
+
+--profile N adds, per row, the N kernels with the most self time in one more profiled forward + backward (name, calls,
+total ms; on CPU the operators), to the JSON and a second table.
 """
 
 from __future__ import annotations
@@ -75,8 +78,34 @@ def token_major_qkv(L: int, heads: int, kv_heads: int, head_dim: int, dtype, dev
     )
 
 
-def time_engine(engine: str, batch: Batch, heads: int, kv_heads: int, head_dim: int, dtype, device, reps: int):
-    """(best forward, best backward, median forward + backward, first call) in seconds."""
+def top_kernels(averages, n: int, device_type: str) -> list[dict]:
+    """The `n` entries of a profiler's `key_averages()` with the most self time, as {name, count, total_ms}: on
+    CUDA the device kernels (self device time), on CPU the operators (self CPU time: what each op runs itself)."""
+    attr = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    timed_events = [e for e in averages if getattr(e, attr) > 0]
+    timed_events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    return [{"name": e.key, "count": e.count, "total_ms": getattr(e, attr) / 1000} for e in timed_events[:n]]
+
+
+def profiled_kernels(step, device, n: int) -> list[dict]:
+    """`top_kernels` of one more forward + backward (`step`) under torch.profiler, after the timed ones so the
+    profiler's overhead is in no reported time."""
+    device_type = torch.device(device).type
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+    return top_kernels(prof.key_averages(), n, device_type)
+
+
+def time_engine(
+    engine: str, batch: Batch, heads: int, kv_heads: int, head_dim: int, dtype, device, reps: int, profile: int = 0
+):
+    """(best forward, best backward, median forward + backward, first call) in seconds, and the `profile` kernels
+    with the most time in one profiled forward + backward (`profiled_kernels`; [] for 0)."""
     L = batch.input_ids.shape[1]
     q, k, v = token_major_qkv(L, heads, kv_heads, head_dim, dtype, device)
     fn = ENGINES[engine].attention
@@ -104,9 +133,12 @@ def time_engine(engine: str, batch: Batch, heads: int, kv_heads: int, head_dim: 
         sync()
         return result, time.perf_counter() - t0
 
+    def step():
+        out = forward()
+        out.backward(torch.ones_like(out))
+
     t0 = time.perf_counter()
-    out = forward()  # warm-up: builds the per-batch plan or block mask (and compiles on GPU)
-    out.backward(torch.ones_like(out))
+    step()  # warm-up: builds the per-batch plan or block mask (and compiles on GPU)
     sync()
     first = time.perf_counter() - t0
     fwd, bwd = [], []
@@ -115,7 +147,8 @@ def time_engine(engine: str, batch: Batch, heads: int, kv_heads: int, head_dim: 
         fwd.append(seconds)
         grad = torch.ones_like(out)
         bwd.append(timed(functools.partial(out.backward, grad))[1])
-    return min(fwd), min(bwd), statistics.median(f + b for f, b in zip(fwd, bwd)), first
+    kernels = profiled_kernels(step, device, profile) if profile else []
+    return min(fwd), min(bwd), statistics.median(f + b for f, b in zip(fwd, bwd)), first, kernels
 
 
 def attention_row(L: int, seg_lens, docs, mode: str, width: int, fwd: float, bwd: float) -> dict:
@@ -165,6 +198,14 @@ def main(argv=None):
         type=int,
         default=None,
         help="CPU threads (default: PyTorch's); 1 gives stable timings on a shared machine",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="log the N kernels (CPU: operators) with the most self time in one more profiled forward + backward "
+        "per row (torch.profiler, after the timed runs)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_attention.json")
@@ -228,7 +269,9 @@ def main(argv=None):
     for L, w, seg_lens, seg_doc, engine, mode in track(jobs, description="benchmarking", console=console):
         ids = torch.randint(3, 32000, (1, L))
         batch = make_batch(ids, [seg_lens], mode, seg_doc=[seg_doc] if seg_doc else None)
-        fwd, bwd, median, first = time_engine(engine, batch, heads, kv_heads, head_dim, dtype, args.device, args.reps)
+        fwd, bwd, median, first, kernels = time_engine(
+            engine, batch, heads, kv_heads, head_dim, dtype, args.device, args.reps, args.profile
+        )
         docs = seg_doc if seg_doc else list(range(len(seg_lens)))
         results.append(
             {
@@ -240,6 +283,7 @@ def main(argv=None):
                 "first_call_seconds": first,
                 "segments": len(seg_lens),
                 **attention_row(L, seg_lens, docs, mode, heads * head_dim, fwd, bwd),
+                **({"kernels": kernels} if args.profile else {}),
             }
         )
         seconds = fwd + bwd
@@ -286,7 +330,28 @@ def main(argv=None):
             frac,
         )
     console.print(table)
+    if args.profile:
+        console.print(kernel_table(results))
     print(f"wrote {args.out}")
+
+
+def kernel_table(results: list[dict]) -> Table:
+    """Each row's profiled kernels: name, calls and total ms in the one profiled forward + backward."""
+    table = Table(title="top kernels by self time (one profiled forward + backward per row)")
+    for col in ("L", "win", "engine", "mode", "kernel", "calls", "total ms"):
+        table.add_column(col, justify="left" if col == "kernel" else "right")
+    for r in results:
+        for k in r["kernels"]:
+            table.add_row(
+                str(r["length"]),
+                str(r["window"]),
+                r["engine"],
+                r["mode"],
+                k["name"],
+                str(k["count"]),
+                f"{k['total_ms']:.2f}",
+            )
+    return table
 
 
 if __name__ == "__main__":

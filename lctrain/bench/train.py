@@ -26,6 +26,7 @@ from rich.table import Table
 from lctrain.config import load_config
 from lctrain.costmodel import full_square_pairs
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
+from lctrain.fused import MODES as MODES_FUSED
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.parallel.groups import init_topology
@@ -52,6 +53,8 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
             f"train.global_batch={args.batch}",
             f"train.micro_batch={args.batch}",
             f"parallel.zero_stage={zero_stage}",
+            f"model.fused_kernels={args.fused_kernels}",
+            f"train.fused_optimizer={args.fused_optimizer}",
         ],
     )
     trainer = Trainer(cfg, init_topology(cfg), vocab_size=shape.vocab)
@@ -82,6 +85,8 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
         "tokens_per_s": tokens / step,
         "tflops_per_gpu": flops / step / 1e12,
         "checkpointing": trainer.cfg.model.checkpointing_mode,
+        "fused_kernels": args.fused_kernels,
+        "fused_optimizer": args.fused_optimizer,
         "mfu": flops / step / peak if peak else None,
         "mfu_full_square": square / step / peak if peak else None,
         "peak_mem_gb": to_gb(peak_bytes(device)),
@@ -115,6 +120,10 @@ def main() -> None:
         default=None,
         help="model.checkpointing (default: full on a GPU, none on the CPU)",
     )
+    parser.add_argument(
+        "--fused-kernels", choices=MODES_FUSED, default="none", help="model.fused_kernels (lctrain.fused)"
+    )
+    parser.add_argument("--fused-optimizer", action="store_true", help="train.fused_optimizer: torch's fused AdamW")
     parser.add_argument("--out", default="bench_out/bench_train.json")
     args = parser.parse_args()
 

@@ -72,3 +72,47 @@ def load_errors() -> tuple[type[BaseException], ...]:
     from safetensors import SafetensorError
 
     return OSError, ValueError, TypeError, KeyError, StrictDataclassError, SafetensorError
+
+
+def is_llama_attention(module) -> bool:
+    """Whether `module` runs transformers' `LlamaAttention.forward` (its class or a subclass that keeps it)."""
+    # transformers on use, as torch (start-up time)
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    return type(module).forward is LlamaAttention.forward
+
+
+def llama_attention_forward(rotary):
+    """`LlamaAttention.forward` of transformers 5.17-5.23 with `rotary(q, k, cos, sin) -> (q, k)` in place of the
+    module-level `apply_rotary_pos_emb` it calls, to bind on one attention instance (a fused RoPE for one model,
+    never for every Llama in the process). The rest is the release's own body: projections to [B, heads, S, d], the
+    cache update and the configured attention function (`_attn_implementation`, private, hence here)."""
+    # transformers on use, as torch (start-up time)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = rotary(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attn_output, attn_weights = attention(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+    return forward

@@ -23,7 +23,7 @@ import numpy as np
 
 from lctrain.data.store import MANIFEST, open_packed
 from lctrain.errors import UserError
-from lctrain.tokenizer import anchor_token_id, text_encoder
+from lctrain.tokenizer import resolve_anchor, text_encoder
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 JSONL_SUFFIX = ".jsonl"
@@ -37,12 +37,14 @@ class ProbeText:
     sequences: list[np.ndarray]  # each exactly `length` token ids, starting with the anchor
     origins: list[str]  # where each sequence comes from: "file", "file:line" or "window W, token T"
     single_document: int  # how many of the sequences lie inside one document
+    anchor: dict  # the token every sequence starts with: {"token", "id"}, as training records it
 
     def describe(self, path: Path) -> dict:
         return {
             "path": str(path),
             "sequences": len(self.sequences),
             "single_document": self.single_document,
+            "anchor": self.anchor,
             "origins": self.origins,
         }
 
@@ -96,7 +98,10 @@ def _from_packed(path: Path, length: int, count: int, vocab_size: int) -> ProbeT
             f"tokenized for another model ({data.manifest.tokenizer.name})"
         )
     return ProbeText(
-        sequences, [f"window {w}, token {offset}" for w, offset in chosen], sum(1 for s in chosen if s in whole)
+        sequences,
+        [f"window {w}, token {offset}" for w, offset in chosen],
+        sum(1 for s in chosen if s in whole),
+        data.manifest.anchor.model_dump(),
     )
 
 
@@ -134,7 +139,7 @@ def _jsonl_documents(f: Path) -> Iterator[tuple[str, str]]:
 
 
 def _from_local(path: Path, tokenizer, length: int, count: int, seed: int, anchor_spec: str) -> ProbeText:
-    anchor = anchor_token_id(tokenizer, anchor_spec)
+    anchor = resolve_anchor(tokenizer, anchor_spec)
     encoder = text_encoder(tokenizer)
     sequences, origins, seen = [], [], 0
     for origin, text in _documents(path, seed):
@@ -143,10 +148,10 @@ def _from_local(path: Path, tokenizer, length: int, count: int, seed: int, ancho
             continue
         ids = encoder.encode(text[: _CHARS_PER_TOKEN_BOUND * length])[: length - 1]
         if len(ids) == length - 1:
-            sequences.append(np.array([anchor, *ids], dtype=np.int64))
+            sequences.append(np.array([anchor.id, *ids], dtype=np.int64))
             origins.append(origin)
             if len(sequences) == count:
-                return ProbeText(sequences, origins, count)
+                return ProbeText(sequences, origins, count, anchor.record())
     raise UserError(
         f"{path}: {len(sequences)} of its {seen} documents have {length:,} tokens (with the anchor), need "
         f"{count}; pass more or longer text, or lower --samples, --seq-len or --max-len"

@@ -486,7 +486,8 @@ def diagnose_rope(
     flops = estimate_flops(model, plan) * samples
     console.print(
         f"{src.name} on {dev} (loaded in {loaded:.1f} s): {len(cases)} case(s) x {samples} sequences of "
-        f"{length:,} tokens from {text_path} x {plan.passes()} forward passes ({plan.tokens():,} tokens) = "
+        f"{length:,} tokens from {text_path}, each opening with the anchor {probe_text.anchor['token']} (id "
+        f"{probe_text.anchor['id']}), x {plan.passes()} forward passes ({plan.tokens():,} tokens) = "
         f"{flops / 1e12:,.1f} TFLOP per case"
     )
     _register()

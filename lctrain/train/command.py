@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from lctrain import fused
 from lctrain.config import Config, check_on_this_machine, reread_warning, settings
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
@@ -212,6 +213,8 @@ def preflight(cfg: Config) -> Prepared:
     """Everything that can be checked before any process starts, so the user gets one line and exit code 2; the
     checked plan and dataset, for a run in this process."""
     check_on_this_machine(cfg, torch.cuda.is_available())
+    if cfg.model.fused_kernels == "liger":
+        fused.require_liger("cuda" if torch.cuda.is_available() else "cpu")
     prepared = Prepared.of(cfg, layout_of(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None))
     reread = reread_warning(cfg, len(prepared.packed))
     if reread:

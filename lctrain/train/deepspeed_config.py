@@ -54,6 +54,8 @@ def deepspeed_config(cfg: Config, plan: RunPlan, *, gpu: bool) -> dict:
                 "eps": t.eps,
                 "weight_decay": t.weight_decay,
                 "torch_adam": torch_adam,
+                # DeepSpeed hands unknown parameters to torch's AdamW (its CPU Adam is already fused)
+                **({"fused": True} if torch_adam and t.fused_optimizer else {}),
             },
         },
         "steps_per_print": _QUIET_STEPS,

@@ -16,6 +16,8 @@ gradient as 1, so the trainer's `(loss * scale).backward()` leaves lm_head's gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -64,14 +66,24 @@ class CausalLMLossSum(torch.nn.Module):
     # The wrapped model's state-dict entries start with its attribute name: `lm_state_dict` strips it.
     _LM_PREFIX = "lm."
 
-    def __init__(self, lm: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    def __init__(
+        self,
+        lm: torch.nn.Module,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        fused_loss_sum: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ):
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        # a fused kernel's loss sum (`lctrain.fused.loss_sum`) over the same arguments, in place of the chunked one
+        self.fused_loss_sum = fused_loss_sum
 
     def forward(self, batch: Batch) -> torch.Tensor:
         hidden = self.lm.get_decoder()(**batch.model_kwargs(), use_cache=False).last_hidden_state
-        return chunked_loss_sum(self.lm.get_output_embeddings(), hidden, batch.labels, self.chunk_tokens)
+        head = self.lm.get_output_embeddings()
+        if self.fused_loss_sum is not None:
+            return self.fused_loss_sum(head, hidden, batch.labels)
+        return chunked_loss_sum(head, hidden, batch.labels, self.chunk_tokens)
 
     @classmethod
     def lm_state_dict(cls, state: dict) -> dict:

@@ -26,6 +26,7 @@ import deepspeed.comm as dist
 import numpy as np
 import torch
 
+from lctrain import fused
 from lctrain.attention import make_batch
 from lctrain.compat.deepspeed import checkpoint_offload_context
 from lctrain.config import Config, config_fingerprint, settings
@@ -192,7 +193,7 @@ class Trainer:
         self.lm, self.attention, self.changes = build_model(cfg, vocab_size=vocab_size, device=topo.device)
         if self.layout.sp > 1:
             self.attention = wrap_model(self.lm, self.attention, topo.sp_group)
-        model = CausalLMLossSum(self.lm)
+        model = CausalLMLossSum(self.lm, fused_loss_sum=fused.loss_sum(cfg.model.fused_kernels))
         self.n_dense = dense_params(self.lm)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,

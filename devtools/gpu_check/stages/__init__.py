@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,14 +12,16 @@ from devtools.gpu_check.runner import Runner
 from devtools.gpu_check.stages.benchmarks import (
     stage_attention,
     stage_figure6,
+    stage_fused,
     stage_generation,
     stage_memory,
+    stage_peer,
     stage_train,
 )
 from devtools.gpu_check.stages.end_to_end import stage_cli
 from devtools.gpu_check.stages.gpu_tests import stage_tests
 from devtools.gpu_check.stages.install import stage_install
-from devtools.gpu_check.stages.rope import stage_rope
+from devtools.gpu_check.stages.rope import stage_rope, stage_rope_real
 
 STAGE_LIMIT_S = 570  # one stage fits a 10-minute slot with room for the interpreter start and the report
 
@@ -40,8 +43,12 @@ STAGE_FNS: dict[str, Callable] = {
     "tests": stage_tests,
     "attention": stage_attention,
     "train": stage_train,
+    "fused": stage_fused,
+    "peer": functools.partial(stage_peer, length=65536),
+    "peer_32k": functools.partial(stage_peer, length=32768),
     "cli": stage_cli,
     "rope": stage_rope,
+    "rope_real": stage_rope_real,
     "generation": stage_generation,
     "figure6": stage_figure6,
     "memory": stage_memory,

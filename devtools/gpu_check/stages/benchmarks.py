@@ -1,9 +1,11 @@
-"""The benchmark stages (attention, train, generation, figure6, memory) and their targets."""
+"""The benchmark stages (attention, train, fused, peer, generation, figure6, memory) and their targets."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from devtools.gpu_check import ROOT
 from devtools.gpu_check.runner import Runner, lctrain_cli, python
@@ -14,6 +16,8 @@ TARGETS = {
     "full_mfu": 0.45,  # full-attention training MFU (strict), 1B model at 64K (issue 20; from 29.8%)
     "anchor_mfu": 0.40,  # anchor-mode training MFU (strict), 1B model at 64K (issue 20; from 27.6%)
     "memory_plan_error": 0.10,  # the memory planner's device prediction against the measured peak
+    "peer_document_vs_torchtitan": 1.2,  # lctrain / torchtitan tokens/s, document mode, 1B at 64K (issue 20)
+    "peer_full_vs_torchtitan": 1.0,  # ... and no slower in full attention
 }
 
 
@@ -30,70 +34,68 @@ def run_bench(run: Runner, cmd: list[str], out: Path) -> dict | None:
     return json.loads(out.read_text())
 
 
+def run_script(run: Runner, script: str, args: list[str], name: str | None = None) -> dict | None:
+    """`scripts/<script>.py ARGS --out <log dir>/<name>.json` through `run_bench` (name: the script's)."""
+    out = run.log.with_name(f"{name or script}.json")
+    return run_bench(run, python() + [str(ROOT / "scripts" / f"{script}.py"), *args, "--out", str(out)], out)
+
+
+# A report column: its title and how to read it from one result row of a benchmark's JSON.
+Column = tuple[str, Callable[[dict], Any]]
+
+
+def add_rows(r, columns: list[Column], results: list[dict], prefix: list[Column] = ()) -> None:
+    """The report's table: the columns' titles (once) and one row per result."""
+    columns = [*prefix, *columns]
+    if not r.columns:
+        r.columns = [title for title, _ in columns]
+    r.rows.extend([read(x) for _, read in columns] for x in results)
+
+
+def add_target(r, name: str, value, relation: str, goal: float, shown: str | None = None) -> None:
+    """One target: `value relation goal` (">=" or "<="), shown as `shown` (default: the relation and the goal)."""
+    met = value >= goal if relation == ">=" else value <= goal
+    r.targets.append(dict(name=name, value=value, goal=shown or f"{relation} {goal}", met=met))
+
+
+ATTENTION_COLUMNS: list[Column] = [
+    ("L", lambda x: x["length"]),
+    ("engine", lambda x: x["engine"]),
+    ("mode", lambda x: x["mode"]),
+    ("fwd ms", lambda x: 1000 * x["forward_seconds"]),
+    ("bwd ms", lambda x: 1000 * x["backward_seconds"]),
+    ("TFLOP/s strict", lambda x: x["tflops_strict"]),
+    ("TFLOP/s full-square", lambda x: x["tflops_full_square"]),
+    ("speedup vs full", lambda x: x["speedup"]),
+    ("ideal", lambda x: x["ideal_speedup"]),
+    ("of ideal", lambda x: x["fraction_of_ideal"]),
+    ("top kernel (ms)", lambda x: "; ".join(f"{k['name']} ({k['total_ms']:.1f})" for k in x.get("kernels", [])[:1])),
+]
+# kernels the profiler logs per row (bench_attention --profile): in the JSON, the first in the table
+PROFILED_KERNELS = 5
+
+
 def stage_attention(run: Runner, args) -> None:
     r = run.result
-    out = run.log.with_name("bench_attention.json")
-    data = run_bench(
-        run,
-        python()
-        + [
-            str(ROOT / "scripts" / "bench_attention.py"),
-            "--device",
-            "cuda",
-            "--lengths",
-            *map(str, args.attention_lengths),
-            "--engines",
-            *args.attention_engines,
-            "--preset",
-            "1b",
-            "--reps",
-            "3",
-            "--out",
-            str(out),
-        ],
-        out,
-    )
+    lengths = [str(n) for n in args.attention_lengths]
+    options = ["--device", "cuda", "--lengths", *lengths, "--engines", *args.attention_engines, "--preset", "1b"]
+    data = run_script(run, "bench_attention", [*options, "--reps", "3", "--profile", str(PROFILED_KERNELS)])
     if data is None:
         return
     r.data = data["meta"]
-    r.columns = [
-        "L",
-        "engine",
-        "mode",
-        "fwd ms",
-        "bwd ms",
-        "TFLOP/s strict",
-        "TFLOP/s full-square",
-        "speedup vs full",
-        "ideal",
-        "of ideal",
-    ]
-    for x in data["results"]:
-        r.rows.append(
-            [
-                x["length"],
-                x["engine"],
-                x["mode"],
-                1000 * x["forward_seconds"],
-                1000 * x["backward_seconds"],
-                x["tflops_strict"],
-                x["tflops_full_square"],
-                x["speedup"],
-                x["ideal_speedup"],
-                x["fraction_of_ideal"],
-            ]
-        )
+    add_rows(r, ATTENTION_COLUMNS, data["results"])
     for L in (32768, 131072):
         doc = [x for x in data["results"] if x["length"] == L and x["mode"] != "full" and x["fraction_of_ideal"]]
         for mode in sorted({x["mode"] for x in doc}):
             best = max(x["fraction_of_ideal"] for x in doc if x["mode"] == mode)
-            r.targets.append(
-                dict(
-                    name=f"{mode} fwd+bwd fraction of FLOP ideal at {L // 1024}K (best engine)",
-                    value=best,
-                    goal=f">= {TARGETS['doc_mode_fraction_of_ideal']:.0%}",
-                    met=best >= TARGETS["doc_mode_fraction_of_ideal"],
-                )
+            goal = TARGETS["doc_mode_fraction_of_ideal"]
+            add_target(
+                r,
+                f"{mode} fwd+bwd fraction of FLOP ideal at {L // 1024}K (best engine)",
+                best,
+                ">=",
+                goal,
+                f">= {goal:.0%}",
             )
 
 
@@ -101,33 +103,29 @@ def stage_attention(run: Runner, args) -> None:
 TRAIN_CHECKPOINTING = ("full", "selective")
 
 
+def train_args(args, *extra: str) -> list[str]:
+    """bench_train's arguments for the 1B model at `--train-seq-len`, full and anchor, 3 timed steps."""
+    return [
+        "--model",
+        "llama-1b",
+        "--seq-len",
+        str(args.train_seq_len),
+        "--modes",
+        "full,anchor",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        *extra,
+    ]
+
+
 def stage_train(run: Runner, args) -> None:
     r = run.result
-    r.columns = ["checkpointing", "mode", "engine", "step s", "vs full", "tokens/s", "MFU strict", "MFU full-square"]
     r.data = {}
     for checkpointing in TRAIN_CHECKPOINTING:
-        out = run.log.with_name(f"bench_train_{checkpointing}.json")
-        data = run_bench(
-            run,
-            python()
-            + [
-                str(ROOT / "scripts" / "bench_train.py"),
-                "--model",
-                "llama-1b",
-                "--seq-len",
-                str(args.train_seq_len),
-                "--modes",
-                "full,anchor",
-                "--checkpointing",
-                checkpointing,
-                "--steps",
-                "3",
-                "--warmup",
-                "1",
-                "--out",
-                str(out),
-            ],
-            out,
+        data = run_script(
+            run, "bench_train", train_args(args, "--checkpointing", checkpointing), f"bench_train_{checkpointing}"
         )
         if data is None:
             continue
@@ -135,89 +133,102 @@ def stage_train(run: Runner, args) -> None:
         train_rows(r, checkpointing, data["results"], args.train_seq_len)
 
 
-def train_rows(r, checkpointing: str, results: list[dict], seq_len: int) -> None:
+def train_rows(r, variant: str, results: list[dict], seq_len: int, title: str = "checkpointing") -> None:
     """One benchmark's rows and issue 20's targets: anchor step over full step, and the strict MFU of each."""
     rows = {x["mode"]: x for x in results}
     full = rows.get("full")
-    for x in results:
-        r.rows.append(
-            [
-                checkpointing,
-                x["mode"],
-                x["engine"],
-                x["step_s"],
-                x["step_s"] / full["step_s"] if full else None,
-                x["tokens_per_s"],
-                x["mfu"],
-                x["mfu_full_square"],
-            ]
-        )
-    where = f"1B at {seq_len // 1024}K, {checkpointing} checkpointing"
+    columns: list[Column] = [
+        ("mode", lambda x: x["mode"]),
+        ("engine", lambda x: x["engine"]),
+        ("step s", lambda x: x["step_s"]),
+        ("vs full", lambda x: x["step_s"] / full["step_s"] if full else None),
+        ("tokens/s", lambda x: x["tokens_per_s"]),
+        ("MFU strict", lambda x: x["mfu"]),
+        ("MFU full-square", lambda x: x["mfu_full_square"]),
+    ]
+    add_rows(r, columns, results, prefix=[(title, lambda x: variant)])
+    where = f"1B at {seq_len // 1024}K, {variant} {title}"
     if full and "anchor" in rows:
-        ratio = rows["anchor"]["step_s"] / full["step_s"]
-        r.targets.append(
-            dict(
-                name=f"anchor step / full step, {where}",
-                value=ratio,
-                goal=f"<= {TARGETS['anchor_step_vs_full']}",
-                met=ratio <= TARGETS["anchor_step_vs_full"],
-            )
-        )
+        goal = TARGETS["anchor_step_vs_full"]
+        add_target(r, f"anchor step / full step, {where}", rows["anchor"]["step_s"] / full["step_s"], "<=", goal)
     for mode, key in (("full", "full_mfu"), ("anchor", "anchor_mfu")):
         if mode in rows and rows[mode]["mfu"] is not None:
-            r.targets.append(
-                dict(
-                    name=f"{mode}-attention MFU (strict), {where}",
-                    value=rows[mode]["mfu"],
-                    goal=f">= {TARGETS[key]:.0%}",
-                    met=rows[mode]["mfu"] >= TARGETS[key],
-                )
-            )
+            goal = TARGETS[key]
+            add_target(r, f"{mode}-attention MFU (strict), {where}", rows[mode]["mfu"], ">=", goal, f">= {goal:.0%}")
+
+
+# issue 20: the memory-bound work fused, each variant against none on the same machine, selective checkpointing
+FUSED_VARIANTS = {
+    "none": [],
+    "liger": ["--fused-kernels", "liger", "--fused-optimizer"],
+    "compile": ["--fused-kernels", "compile", "--fused-optimizer"],
+}
+
+
+def stage_fused(run: Runner, args) -> None:
+    r = run.result
+    r.data = {}
+    for variant, extra in FUSED_VARIANTS.items():
+        options = train_args(args, "--checkpointing", "selective", *extra)
+        data = run_script(run, "bench_train", options, f"bench_train_fused_{variant}")
+        if data is None:
+            continue
+        r.data[variant] = data
+        train_rows(r, variant, data["results"], args.train_seq_len, title="fused kernels")
+    steps = {v: {x["mode"]: x["step_s"] for x in d["results"]} for v, d in r.data.items()}
+    for variant in ("liger", "compile"):
+        for mode, seconds in steps.get(variant, {}).items():
+            if mode in steps.get("none", {}):
+                r.notes.append(f"{variant} / none step time, {mode}: {seconds / steps['none'][mode]:.3f}")
+
+
+PEER_COLUMNS: list[Column] = [
+    ("L", lambda x: x["seq_len"]),
+    ("mode", lambda x: x["mode"]),
+    ("peer", lambda x: x["peer"]),
+    ("lctrain tokens/s", lambda x: x["lctrain_tokens_per_s"]),
+    ("peer tokens/s", lambda x: x["peer_tokens_per_s"]),
+    ("lctrain / peer", lambda x: x["ratio"]),
+    ("runs", lambda x: x["runs"]),
+]
+
+
+def stage_peer(run: Runner, args, length: int) -> None:
+    """scripts/bench_peer.py at one window length (a stage each for 32K and 64K fits the slot), and issue 20's
+    goals against torchtitan: >= 1.2x in document mode, no slower in full attention."""
+    r = run.result
+    options = ["--lengths", str(length), "--rounds", str(args.peer_rounds), "--steps", "2", "--warmup", "1"]
+    data = run_script(run, "bench_peer", [*options, "--timeout", "240"], f"bench_peer_{length // 1024}k")
+    if data is None:
+        return
+    r.data = data
+    add_rows(r, PEER_COLUMNS, data["ratios"])
+    r.notes += [f"{x['peer']} L={x['seq_len']} {x['mode']}: {x['error']}" for x in data["rows"] if "error" in x]
+    for x in data["ratios"]:
+        if x["peer"] == "torchtitan" and x["ratio"] is not None:
+            goal = TARGETS[f"peer_{x['mode']}_vs_torchtitan"]
+            add_target(r, f"lctrain / torchtitan tokens/s, {x['mode']} at {length // 1024}K", x["ratio"], ">=", goal)
 
 
 def stage_generation(run: Runner, args) -> None:
     r = run.result
-    out = run.log.with_name("bench_generation.json")
-    data = run_bench(
-        run,
-        python()
-        + [
-            str(ROOT / "scripts" / "bench_generation.py"),
-            "--model",
-            "llama2-7b",
-            "--lengths",
-            *map(str, args.generation_lengths),
-            "--out",
-            str(out),
-        ],
-        out,
-    )
+    lengths = [str(n) for n in args.generation_lengths]
+    data = run_script(run, "bench_generation", ["--model", "llama2-7b", "--lengths", *lengths])
     if data is None:
         return
     r.data = data
-    r.columns = [
-        "prompt tokens",
-        "plan",
-        "prefill s",
-        "decode ms/token",
-        "predicted peak GB",
-        "measured peak GB",
-        "host cache GB",
-        "host peak RSS GB",
+    columns: list[Column] = [
+        ("prompt tokens", lambda x: x["length"]),
+        ("plan", lambda x: x["plan"]),
+        ("prefill s", lambda x: x["prefill_s"]),
+        ("decode ms/token", lambda x: x["decode_s_per_token"] * 1e3),
+        ("predicted peak GB", lambda x: x["predicted_peak_gb"]),
+        ("measured peak GB", lambda x: x["measured_peak_gb"]),
+        ("host cache GB", lambda x: x["host_cache_gb"]),
+        ("host peak RSS GB", lambda x: x["host_peak_rss_gb"]),
     ]
+    add_rows(r, columns, data["results"])
     for x in data["results"]:
-        r.rows.append(
-            [
-                x["length"],
-                x["plan"],
-                x["prefill_s"],
-                x["decode_s_per_token"] * 1e3,
-                x["predicted_peak_gb"],
-                x["measured_peak_gb"],
-                x["host_cache_gb"],
-                x["host_peak_rss_gb"],
-            ]
-        )
         if x["measured_peak_gb"] > x["predicted_peak_gb"] * 1.10:
             r.fail(
                 f"{x['length']} tokens: measured peak {x['measured_peak_gb']:.1f} GB is over the plan's "
@@ -265,79 +276,40 @@ def stage_figure6(run: Runner, args) -> None:
 
 def stage_memory(run: Runner, args) -> None:
     r = run.result
-    out = run.log.with_name("bench_memory.json")
     # The bench stops itself before a length that would overrun the stage (room is left for its exit). A host too
     # small for all 32 layers' offloaded optimizer states (178 GB; these machines have 128 GiB) measures as many of
     # Llama-2-7B's layers as it holds, at its width and window length.
-    data = run_bench(
-        run,
-        python()
-        + [
-            str(ROOT / "scripts" / "bench_memory.py"),
-            "--preset",
-            "llama2-7b-128k",
-            "--layers",
-            "auto",
-            "--ladder",
-            "--steps",
-            str(args.memory_steps),
-            "--time-limit",
-            str(max(60.0, run.remaining() - 45)),
-            "--out",
-            str(out),
-        ],
-        out,
-    )
+    options = ["--preset", "llama2-7b-128k", "--layers", "auto", "--ladder", "--steps", str(args.memory_steps)]
+    data = run_script(run, "bench_memory", [*options, "--time-limit", str(max(60.0, run.remaining() - 45))])
     if data is None:
         return
     r.data = data
-    r.columns = [
-        "seq_len",
-        "s/step",
-        "tokens/s",
-        "max allocated GB",
-        "predicted GB",
-        "predicted / allocated",
-        "host RSS GB",
-        "predicted host GB",
+
+    def measured(key: str) -> Callable[[dict], Any]:
+        return lambda x: None if x["oom"] else x[key]
+
+    columns: list[Column] = [
+        ("seq_len", lambda x: x["seq_len"]),
+        ("s/step", lambda x: "out of memory" if x["oom"] else x["step_s"]),
+        ("tokens/s", measured("tokens_per_s")),
+        ("max allocated GB", measured("max_allocated_gb")),
+        ("predicted GB", measured("predicted_device_gb")),
+        ("predicted / allocated", measured("device_predicted_over_allocated")),
+        ("host RSS GB", measured("host_peak_rss_gb")),
+        ("predicted host GB", measured("predicted_host_gb")),
     ]
-    for x in data["results"]:
-        if x["oom"]:
-            r.rows.append([x["seq_len"], "out of memory", None, None, None, None, None, None])
-            continue
-        r.rows.append(
-            [
-                x["seq_len"],
-                x["step_s"],
-                x["tokens_per_s"],
-                x["max_allocated_gb"],
-                x["predicted_device_gb"],
-                x["device_predicted_over_allocated"],
-                x["host_peak_rss_gb"],
-                x["predicted_host_gb"],
-            ]
-        )
+    add_rows(r, columns, data["results"])
+    trained = [x for x in data["results"] if not x["oom"]]
+    for x in trained:
         error = abs(x["device_predicted_over_allocated"] - 1)
-        r.targets.append(
-            dict(
-                name=f"memory plan vs measured peak, Llama-2-7B ({data['layers']} layers) at {x['seq_len'] // 1024}K",
-                value=error,
-                goal=f"<= {TARGETS['memory_plan_error']:.0%} off",
-                met=error <= TARGETS["memory_plan_error"],
-            )
-        )
-    trained = [x["seq_len"] for x in data["results"] if not x["oom"]]
+        goal = TARGETS["memory_plan_error"]
+        name = f"memory plan vs measured peak, Llama-2-7B ({data['layers']} layers) at {x['seq_len'] // 1024}K"
+        add_target(r, name, error, "<=", goal, f"<= {goal:.0%} off")
     if data["layers"] < 32:
         r.notes.append(
             f"{data['layers']} of Llama-2-7B's 32 layers: this host cannot hold the whole model's offloaded "
             f"optimizer states; the single-GPU goal needs a host with more memory (`lctrain plan`)"
         )
         return
-    r.targets.append(
-        dict(
-            name="Llama-2-7B trains at 128K on one GPU",
-            value=max(trained, default=0),
-            goal=">= 131072 tokens",
-            met=max(trained, default=0) >= 131072,
-        )
-    )
+    longest = max((x["seq_len"] for x in trained), default=0)
+    add_target(r, "Llama-2-7B trains at 128K on one GPU", longest, ">=", 131072, ">= 131072 tokens")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from devtools.gpu_check import ROOT
 from devtools.gpu_check.runner import Runner, python
-from devtools.wheelhouse import installed_distributions, plan_install, project_requirements, wheel_finder
+from devtools.wheelhouse import carried_requirements, installed_distributions, plan_install, wheel_finder
 
 
 def stage_install(run: Runner, args) -> None:
     r = run.result
-    reqs = project_requirements(ROOT / "pyproject.toml", extras=["test"])
+    reqs = carried_requirements(ROOT / "pyproject.toml")
     have = installed_distributions()
     if args.wheels:
         plan = plan_install(reqs, have, wheel_finder(args.wheels))

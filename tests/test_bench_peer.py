@@ -1,0 +1,130 @@
+"""scripts/bench_peer.py (lctrain.bench.peer): its CPU-side parts, the arguments, the A/B/A/B order, the document
+positions the peers' masks read, the ratio and the tables; and, slow, a tiny run of lctrain and transformers in fresh
+processes on the CPU. The torchtitan runner imports triton and runs on a GPU only (devtools/gpu_check `peer`).
+
+References: the window layouts themselves (`lctrain.data.layouts`: anchors exactly at segment starts), medians and
+ratios written out by hand, argparse's own exit on bad input.
+"""
+
+import json
+import statistics
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from lctrain.bench import peer
+from lctrain.data.layouts import slimpajama_like_layouts
+
+COMMON = dict(model="tiny", batch=1, dtype="float32", steps=1, warmup=0, checkpointing=False, device="cpu", seed=0)
+
+
+def test_schedule_alternates_the_peers_within_each_length_and_mode():
+    specs = peer.schedule(["lctrain", "torchtitan"], [32768, 65536], ["full", "document"], 2, **COMMON)
+    assert [(s.seq_len, s.mode, s.peer) for s in specs[:4]] == [
+        (32768, "full", "lctrain"),
+        (32768, "full", "torchtitan"),
+        (32768, "full", "lctrain"),
+        (32768, "full", "torchtitan"),
+    ]
+    assert len(specs) == 2 * 2 * 2 * 2
+    assert [(s.seq_len, s.mode) for s in specs[::4]] == [
+        (32768, "full"),
+        (32768, "document"),
+        (65536, "full"),
+        (65536, "document"),
+    ]
+
+
+def test_a_run_spec_survives_the_command_line_of_its_process():
+    spec = peer.RunSpec(peer="transformers", seq_len=4096, mode="document", **{**COMMON, "checkpointing": True})
+    assert peer.RunSpec.from_argv(spec.argv()) == spec
+    assert spec.tokens == 4096
+
+
+def test_document_positions_restart_exactly_at_the_anchors():
+    ids, seg_lens = peer.windows(peer.RunSpec(peer="lctrain", seq_len=4096, mode="document", **COMMON))
+    assert seg_lens == slimpajama_like_layouts(4096, 1, 0)
+    positions = peer.document_positions(ids)
+    want = np.concatenate([np.arange(n) for n in seg_lens[0]])  # each document counts from 0
+    np.testing.assert_array_equal(positions[0], want)
+    assert positions.shape == ids.shape
+
+
+def test_document_positions_refuse_a_window_without_a_leading_anchor():
+    with pytest.raises(ValueError, match="start with the anchor"):
+        peer.document_positions(np.array([[5, 1, 7]]))
+
+
+def _row(length, mode, name, rate=None, error=None):
+    row = {"seq_len": length, "mode": mode, "peer": name}
+    if rate is not None:
+        row.update(tokens_per_s=rate, step_s=length / rate, peak_gb=1.0)
+    if error:
+        row["error"] = error
+    return row
+
+
+def test_ratio_is_of_the_medians_and_skips_failed_runs():
+    rows = [
+        _row(8, "full", "lctrain", 100.0),
+        _row(8, "full", "torchtitan", 50.0),
+        _row(8, "full", "lctrain", 120.0),
+        _row(8, "full", "torchtitan", error="exit 1: ModuleNotFoundError"),
+        _row(8, "full", "lctrain", 300.0),
+        _row(8, "full", "transformers", 60.0),
+        _row(8, "document", "torchtitan", 10.0),
+    ]
+    summary = {(s["seq_len"], s["mode"], s["peer"]): s for s in peer.ratios(rows)}
+    titan = summary[(8, "full", "torchtitan")]
+    assert titan["lctrain_tokens_per_s"] == statistics.median([100.0, 120.0, 300.0]) == 120.0
+    assert titan["ratio"] == 120.0 / 50.0 and titan["runs"] == 1
+    assert summary[(8, "full", "transformers")]["ratio"] == 2.0
+    assert summary[(8, "document", "torchtitan")]["ratio"] is None  # no lctrain run to compare with
+    assert all(s["peer"] != "lctrain" for s in summary.values())
+
+
+def test_tables_show_every_run_and_every_ratio():
+    rows = [_row(8, "full", "lctrain", 100.0), _row(8, "full", "torchtitan", error="exit 1: no triton")]
+    console = Console(width=200, record=True)
+    console.print(peer.row_table(rows))
+    console.print(peer.ratio_table(peer.ratios(rows + [_row(8, "full", "transformers", 40.0)])))
+    text = console.export_text()
+    assert "exit 1: no triton" in text and "2.50x" in text and "100" in text
+
+
+def test_arguments_default_by_device_and_refuse_bad_values(capsys):
+    args = peer.parse_args(["--device", "cpu"])
+    assert (args.dtype, args.checkpointing, args.lengths, args.peers) == (
+        "float32",
+        False,
+        [32768, 65536],
+        list(peer.PEERS),
+    )
+    assert peer.parse_args(["--device", "cuda", "--checkpointing", "off"]).dtype == "bfloat16"
+    assert peer.parse_args(["--device", "cuda"]).checkpointing is True
+    for bad in (
+        ["--lengths", "0"],
+        ["--rounds", "0"],
+        ["--warmup", "-1"],
+        ["--peers", "lctrain", "lctrain"],
+        ["--modes", "anchor"],
+    ):
+        with pytest.raises(SystemExit):
+            peer.parse_args(["--device", "cpu", *bad])
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_lctrain_and_transformers_run_in_fresh_processes(tmp_path, capsys):
+    out = tmp_path / "peer.json"
+    peer.main(
+        ["--model", "tiny", "--lengths", "128", "--modes", "document", "--peers", "lctrain", "transformers"]
+        + ["--device", "cpu", "--steps", "1", "--warmup", "0", "--rounds", "1", "--out", str(out)]
+    )
+    data = json.loads(out.read_text())
+    assert [r["peer"] for r in data["rows"]] == ["lctrain", "transformers"]
+    assert all(r["tokens_per_s"] > 0 and "error" not in r for r in data["rows"])
+    (ratio,) = data["ratios"]
+    assert ratio["ratio"] == pytest.approx(data["rows"][0]["tokens_per_s"] / data["rows"][1]["tokens_per_s"])
+    assert "lctrain / peer" in capsys.readouterr().out
