@@ -64,7 +64,7 @@ HOST_RUNTIME_BYTES = 2**30
 # MiB) go back to its heap, not to the OS, so the resident set stays above the live tensors. Measured on SmolLM2-135M
 # (fp32, 1K-2K tokens, with and without checkpointing; tests/test_memory_real_model.py, docs/memory.md): 0.5-1.3 GB
 # above the tensors' peak and the process's own 0.5 GB, 12-30% of the tensors' peak. HOST_RUNTIME_BYTES covers 0.57
-# GB of it; this fraction of the tensors' peak the rest (the host need then within -1%..+11% of the measured peak).
+# GB of it; this fraction of the tensors' peak the rest (the host need then within -2%..+9% of the measured peak).
 CPU_ALLOCATOR_FRACTION = 0.1
 # Fraction of the device memory above which `train` warns: PyTorch's caching allocator fragments, so a plan this
 # close to the limit may still run out of memory.
@@ -109,7 +109,7 @@ class MemoryPlan:
     def total(self, where: str) -> int:
         """Peak bytes in `where`: the states, and the largest of the backward's start (the saved activations and the
         largest of the loss chunk and a transient; no parameter has its gradient yet), the backward's end (every
-        gradient, the largest transient and the reduction's copy; the activations are freed), the optimizer
+        gradient and the larger of a transient and the reduction's copy; the activations are freed), the optimizer
         step's (the gradients and its
         items) and the engine construction's copies. Within the backward the gradients grow by a layer's parameters
         as the activations shrink by a layer's, so the largest sum is at one of its ends (measured on SmolLM2-135M on
@@ -123,9 +123,7 @@ class MemoryPlan:
             return sum(i.bytes for i in here if i.kind == kind)
 
         start = summed(SAVED) + largest(LOSS, TRANSIENT)
-        # the reduction's copy and the last layer's recomputation are planned together: a 4-layer model's
-        # checkpointed step (tests/test_memory.py) peaked 18 MiB above them apart in a full test session
-        end = summed(GRAD) + largest(TRANSIENT) + summed(REDUCE)
+        end = summed(GRAD) + max(largest(TRANSIENT), summed(REDUCE))
         step = summed(GRAD) + summed(STEP)
         return summed(STATE) + max(start, end, step, largest(BUILD))
 
