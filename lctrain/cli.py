@@ -121,6 +121,10 @@ def init(
     host_mem: Annotated[float, typer.Option(help="host memory per node in GB to plan against")] = 512.0,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node")] = 8,
     force: Annotated[bool, typer.Option(help="overwrite --out if it exists")] = False,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(help="the model's tokenizer (directory, .model file or hub name); default: the model's own"),
+    ] = None,
 ):
     """Write a commented config of the paper's recipe for your base model: the paper's RoPE base for --seq-len, the
     least sharded parallel layout and ZeRO stage whose memory plan fits, batch, schedule and checkpoints. Reads only
@@ -137,6 +141,7 @@ def init(
         host_mem_gb=host_mem,
         gpus_per_node=gpus_per_node,
         force=force,
+        tokenizer=tokenizer,
     )
     typer.echo(summary(path, layout))
 

@@ -85,6 +85,23 @@ def check_domain_shares(shares: Any, domains: tuple[str, ...] | None = DOMAINS) 
         )
 
 
+def check_source_shares(sources) -> None:
+    """`token_share` on every source or on none, summing to 1 within the same rounding as `domain_shares`."""
+    missing = [s.name for s in sources if s.token_share is None]
+    if missing:
+        raise ValueError(
+            f"data.sources: token_share is given on some sources but not on {', '.join(missing)}; give it on every "
+            f"source (summing to 1) or use weight on all"
+        )
+    total = sum(s.token_share for s in sources)
+    tolerance = 0.005 * len(sources)
+    if abs(total - 1.0) > tolerance:
+        raise ValueError(
+            f"data.sources: the token shares sum to {total:.4g}; they must sum to 1 (within {tolerance:.3g} for "
+            f"{len(sources)} shares)"
+        )
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
@@ -123,11 +140,20 @@ class SourceConfig(_Section):
     weight: Float = Field(
         1.0, gt=0, description="relative sampling weight: documents are drawn from the sources in these proportions"
     )
+    token_share: Float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="instead of weight: the fraction of the prepared tokens (anchors and tags included) that comes "
+        "from this source (the paper's way of giving domain shares); given on every source or on none, summing to 1",
+    )
 
     @model_validator(mode="after")
     def _one_location(self):
         if (self.path is None) == (self.hub is None):
             raise ValueError(f"source {self.name!r}: set exactly one of path and hub")
+        if self.token_share is not None and "weight" in self.model_fields_set:
+            raise ValueError(f"source {self.name!r}: set weight or token_share, not both")
         if self.subset is not None and self.hub is None:
             raise ValueError(f"source {self.name!r}: subset needs hub")
         return self
@@ -157,9 +183,9 @@ class DataConfig(_Section):
     )
     sources: list[SourceConfig] | None = Field(
         None,
-        description="several corpora drawn by weight, document by document (replaces data.source, data.path and "
-        "data.hub_name); each {name, path | hub (+ subset, split), text_field, domain_field, weight}; null = "
-        "data.source",
+        description="several corpora drawn document by document by weight or token share (replaces data.source, "
+        "data.path and data.hub_name); each {name, path | hub (+ subset, split), text_field, domain_field, weight | "
+        "token_share}; null = data.source",
     )
     tokenizer: Text = Field(
         "builtin:mistral-7b-v0.1",
@@ -254,6 +280,13 @@ class DataConfig(_Section):
             raise ValueError(f"data.sources: duplicate source name(s) {', '.join(duplicates)}; names must be unique")
         if self.mixture == "upsampled" and self.domain_shares is None:
             raise ValueError("data.mixture=upsampled with data.sources needs data.domain_shares keyed by their domains")
+        shared = [s.name for s in self.sources if s.token_share is not None]
+        if shared:
+            check_source_shares(self.sources)
+            if self.mixture == "upsampled":
+                raise ValueError(
+                    "data.sources' token_share and data.mixture=upsampled both set token shares; use one of them"
+                )
         return self
 
     @model_validator(mode="after")
@@ -484,6 +517,11 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     wandb: Literal["disabled", "offline", "online"] = Field("disabled", description="Weights & Biases logging")
     wandb_project: Text = Field("lctrain", description="the Weights & Biases project")
+    tensorboard: bool = Field(
+        False,
+        description="also write the step metrics as TensorBoard event files in the run directory's tensorboard/ "
+        "(needs the tensorboard package: pip install 'lctrain[tensorboard]')",
+    )
     log_every: Int = Field(1, ge=1, description="log metrics every this many steps")
     peak_tflops: Float | None = Field(
         None, gt=0, description="per-device peak for MFU; null: known GPU or measured CPU"

@@ -4,6 +4,7 @@ weight download; the parallel layout is the least sharded one whose memory plan 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from lctrain.memory import WARN_FRACTION, Budget, plan_memory
 from lctrain.model import default_rope_theta
 from lctrain.parallel.layout import kv_replication
 from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, Positions
+from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer
 from lctrain.train.runplan import RunPlan
 from lctrain.units import GB, gb_to_bytes
 
@@ -139,14 +141,58 @@ def _with_layout(raw: dict, zero: int, sp: int, offload: bool, gpus: int) -> dic
     }
 
 
-def _recipe(base: BaseModel, seq_len: int, gpus_per_node: int, mode: str, name: str, theta: float) -> dict:
+def choose_tokenizer(base: BaseModel, given: str | None) -> tuple[str, str]:
+    """(data.tokenizer, why): `--tokenizer` when given (a local one must load), else the model's own: its hub name,
+    or its directory when that holds a tokenizer `prepare` can load. A directory without one is refused in one line:
+    only the user knows which tokenizer the model was trained with."""
+    if given is not None:
+        if given.startswith(BUILTIN_PREFIX) or Path(given).expanduser().exists():
+            try:
+                load_tokenizer(given)
+            except UserError as e:
+                raise UserError(f"--tokenizer {given}: {e}") from None
+            return (
+                given if given.startswith(BUILTIN_PREFIX) else str(Path(given).expanduser().resolve())
+            ), "--tokenizer"
+        return given, "--tokenizer (a hub name: downloaded by `lctrain prepare`)"
+    if not Path(base.name_or_path).is_dir():
+        return base.name_or_path, "the model's own (its hub repository)"
+    try:
+        load_tokenizer(base.name_or_path)
+    except UserError:
+        raise UserError(
+            f"--model {base.name_or_path}: the directory holds no tokenizer lctrain can load (tokenizer.json, "
+            "tokenizer.model, ...); pass --tokenizer with the model's tokenizer (a directory, a .model file or a hub "
+            "name), or save it into the directory"
+        ) from None
+    return base.name_or_path, "the model's own (its directory)"
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def wandb_mode() -> tuple[str, str]:
+    """(logging.wandb, the YAML comment): offline when Weights & Biases is installed here, else disabled, since
+    `train` refuses a wandb mode it cannot import."""
+    if installed("wandb"):
+        return "offline", "Weights & Biases, offline (wandb sync uploads); online or disabled also work"
+    return (
+        "disabled",
+        "Weights & Biases is not installed here: pip install 'lctrain[wandb]', then set offline or online",
+    )
+
+
+def _recipe(
+    base: BaseModel, seq_len: int, gpus_per_node: int, mode: str, name: str, theta: float, tokenizer: str
+) -> dict:
     """The settings that do not depend on the layout."""
     return {
         "name": name,
         "data": {
             "source": "hub",
             "hub_name": "cerebras/SlimPajama-627B",
-            "tokenizer": base.name_or_path,
+            "tokenizer": tokenizer,
             "anchor": "auto",
             "seq_len": seq_len,
             "mixture": "slimpajama",
@@ -181,7 +227,16 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(value)
 
 
-def render(base: BaseModel, raw: dict, layout: Layout, why_theta: str, budget: Budget, tried: int) -> str:
+def render(
+    base: BaseModel,
+    raw: dict,
+    layout: Layout,
+    why_theta: str,
+    budget: Budget,
+    tried: int,
+    why_tokenizer: str,
+    wandb: tuple[str, str],
+) -> str:
     """The YAML text of `raw` with comments saying where each choice comes from."""
     d, m, t, p = raw["data"], raw["model"], raw["train"], raw["parallel"]
     gpus = p["nproc_per_node"] * p["num_nodes"]
@@ -220,7 +275,7 @@ data:
   # file, folder or glob (docs/data.md).
   source: {d["source"]}
   hub_name: {_v(d["hub_name"])}
-  tokenizer: {_v(d["tokenizer"])}
+  tokenizer: {_v(d["tokenizer"])}   # {why_tokenizer}
   # the token that starts every segment and prompt; auto = the tokenizer's BOS when it adds one to plain text, else
   # <|endoftext|>, else EOS (`lctrain prepare` says which)
   anchor: {d["anchor"]}
@@ -271,7 +326,8 @@ checkpoint:
   hf_every: 10
   hf_last: 50
 logging:
-  wandb: offline
+  # {wandb[1]}
+  wandb: {wandb[0]}
 eval:
   tasks: null   # RULER's 13 tasks (docs/evaluation.md)
   exclude: []
@@ -288,6 +344,7 @@ def init_config(
     host_mem_gb: float = 512.0,
     gpus_per_node: int = 8,
     force: bool = False,
+    tokenizer: str | None = None,
 ) -> tuple[Path, Layout]:
     """Write the config; (its path, the layout chosen)."""
     if gpus < 1:
@@ -309,16 +366,17 @@ def init_config(
     if path.exists() and not force:
         raise UserError(f"{path} exists; choose another --out or pass --force to overwrite it")
     theta, why_theta = rope_base(base.positions.rope_theta, seq_len)
+    tokenizer, why_tokenizer = choose_tokenizer(base, tokenizer)
     # planned within the share of memory under which `train` starts without a memory warning
     budget = Budget(
         int(WARN_FRACTION * gb_to_bytes(gpu_mem_gb)),
         int(WARN_FRACTION * gb_to_bytes(host_mem_gb)),
         f"{WARN_FRACTION:.0%} of {gpu_mem_gb:g} GB per GPU and of {host_mem_gb:g} GB per node",
     )
-    recipe = _recipe(base, seq_len, per_node, mode, name, theta)
+    recipe = _recipe(base, seq_len, per_node, mode, name, theta, tokenizer)
     layout, tried = choose_layout(recipe, base.shape, budget, gpus)
     raw = _with_layout(recipe, layout.zero_stage, layout.sequence_parallel, layout.offload_optimizer, gpus)
-    text = render(base, raw, layout, why_theta, budget, tried)
+    text = render(base, raw, layout, why_theta, budget, tried, why_tokenizer, wandb_mode())
     cfg = validate(yaml.safe_load(text), str(path))  # what is written is what was planned, checked as train would
     RunPlan.of(cfg)
     kv_replication(base.shape.heads, base.shape.kv_heads, layout.sequence_parallel, str(path))

@@ -3,8 +3,9 @@
 Itemised, each item on the accelerator ("device") or in host memory ("host"):
 
 - model states (ZeRO, Rajbhandari et al. 2020): model-dtype weights, gradients, fp32 master weights and the two fp32
-  Adam moments. ZeRO-1 shards the master weights and moments over all ranks, ZeRO-2 also the gradients, ZeRO-3 also
-  the weights; `offload_optimizer` moves master weights, moments and fp32 gradient partition to the host,
+  Adam moments (without ZeRO and under ZeRO-1 the gradients are `param.grad`, made during the backward: kind
+  `gradient`, below). ZeRO-1 shards the master weights and moments over all ranks, ZeRO-2 also the gradients, ZeRO-3
+  also the weights; `offload_optimizer` moves master weights, moments and fp32 gradient partition to the host,
   `offload_params` the ZeRO-3 weight shard. DeepSpeed 0.19.8 (stage_1_and_2.py) keeps ZeRO-1's gradients in full in
   `param.grad` until the step and copies this rank's partition to fp32 there;
 - activations: with activation checkpointing one hidden state per layer (in host memory with
@@ -15,7 +16,8 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
 - the backward peak of one layer: its forward recomputed under checkpointing (the MLP's intermediates for the rank's
   tokens or for one `tiled_mlp` shard); the layer's gradients reuse what its freed saved tensors held (measured on
   CPU, tests/test_memory.py), so they add nothing of their own;
-- the loss chunk's logits (train/loss.py): fp32 log-probabilities and their gradients for one chunk;
+- the loss chunk's logits (train/loss.py): fp32 log-probabilities and their gradients for one chunk, at the start of
+  the backward (with several chunks, lm_head's gradient from the first chunk's backward beside the next one's);
 - the optimizer step's own tensors (ZeRO-3's flattened fp32 gradients, torch AdamW's out-of-place denominator), and
   under ZeRO-3 with an offloaded optimizer the second fp32 gradient buffer, the page-locked buffers' rounding to a
   power of two (`pinned_bytes`) and the unpinned copy DeepSpeed pins the gradient partition from, once all other
@@ -27,8 +29,11 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
 - a fixed runtime overhead per process (`DEVICE_RUNTIME_BYTES`, `HOST_RUNTIME_BYTES`).
 
 States add up. The transients (a layer's recomputation, a loss chunk) happen at different moments of the backward, so
-only the largest adds to the saved activations; the optimizer step comes after the backward has freed them, and the
-construction's copy before either, so the peak is the states plus the largest of the three phases.
+only the largest adds to the saved activations. The `param.grad` gradients appear during the backward while the
+saved activations are freed, so they add to the transients at its end, not to the saved activations at its start
+(the loss's backward, where a long window peaks); the optimizer step comes after the backward has freed the
+activations, and the construction's copy before either, so the peak is the states plus the largest of the four
+(`MemoryPlan.total`). On the CPU the host's allocator keeps some freed memory (`CPU_ALLOCATOR_FRACTION`).
 
 Sequence parallelism divides the tokens of every per-token tensor by `sp`, except inside the attention engine, where
 DeepSpeed-Ulysses' all-to-all gives each rank the whole sequence for `heads / sp` heads: the same number of elements,
@@ -55,6 +60,12 @@ DEVICE_RUNTIME_BYTES = 2**30
 # The process itself in host memory: Python, the code and CPU-side state of torch, transformers and DeepSpeed (the RSS
 # of a process that has imported them and built a tiny model is about 1 GB).
 HOST_RUNTIME_BYTES = 2**30
+# On the CPU, memory glibc's malloc keeps after tensors are freed: blocks below its mmap threshold (which grows to 32
+# MiB) go back to its heap, not to the OS, so the resident set stays above the live tensors. Measured on SmolLM2-135M
+# (fp32, 1K-2K tokens, with and without checkpointing; tests/test_memory_real_model.py, docs/memory.md): 0.5-1.3 GB
+# above the tensors' peak and the process's own 0.5 GB, 12-30% of the tensors' peak. HOST_RUNTIME_BYTES covers 0.57
+# GB of it; this fraction of the tensors' peak the rest (the host need then within -2%..+9% of the measured peak).
+CPU_ALLOCATOR_FRACTION = 0.1
 # Fraction of the device memory above which `train` warns: PyTorch's caching allocator fragments, so a plan this
 # close to the limit may still run out of memory.
 WARN_FRACTION = 0.9
@@ -62,10 +73,22 @@ FP32 = 4
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-# Kinds of item: model states live through the step, saved activations from the forward to their layer's backward,
-# a transient within one phase of the backward, what the optimizer step allocates (after the backward), and a copy
-# made while the engine is built (beside the states, before any step).
-STATE, SAVED, TRANSIENT, STEP, BUILD = "state", "saved", "transient", "step", "build"
+# Kinds of item: model states live through the step; parameter gradients are made during the backward, as the
+# activations are freed, and live until the step; saved activations from the forward to their layer's backward; the
+# loss chunk's logits at the backward's start; a transient within one phase of the backward (a layer recomputed);
+# the gradients' reduction after the backward (beside all gradients, once the activations are freed); what the
+# optimizer step allocates (after the backward); and a copy made while the engine is built (beside the states, before
+# any step).
+STATE, GRAD, SAVED, LOSS, TRANSIENT, REDUCE, STEP, BUILD = (
+    "state",
+    "gradient",
+    "saved",
+    "loss",
+    "transient",
+    "reduce",
+    "step",
+    "build",
+)
 
 
 @dataclass(frozen=True)
@@ -84,16 +107,29 @@ class MemoryPlan:
     ranks_per_host: int
 
     def total(self, where: str) -> int:
-        """Peak bytes in `where`: the states, and the largest of the backward's peak (the saved activations and the
-        largest transient), the optimizer step's (its items together; the activations are gone by then) and the
-        engine construction's copies."""
+        """Peak bytes in `where`: the states, and the largest of the backward's start (the saved activations and the
+        largest of the loss chunk and a transient; no parameter has its gradient yet), the backward's end (every
+        gradient and the larger of a transient and the reduction's copy; the activations are freed), the optimizer
+        step's (the gradients and its
+        items) and the engine construction's copies. Within the backward the gradients grow by a layer's parameters
+        as the activations shrink by a layer's, so the largest sum is at one of its ends (measured on SmolLM2-135M on
+        CPU, tests/test_memory_real_model.py: its 2K-token step peaks in the loss's backward, before any gradient)."""
         here = [i for i in self.items if i.where == where]
-        backward = sum(i.bytes for i in here if i.kind == SAVED) + max(
-            (i.bytes for i in here if i.kind == TRANSIENT), default=0
-        )
-        step = sum(i.bytes for i in here if i.kind == STEP)
-        build = max((i.bytes for i in here if i.kind == BUILD), default=0)
-        return sum(i.bytes for i in here if i.kind == STATE) + max(backward, step, build)
+
+        def largest(*kinds: str) -> int:
+            return max((i.bytes for i in here if i.kind in kinds), default=0)
+
+        def summed(kind: str) -> int:
+            return sum(i.bytes for i in here if i.kind == kind)
+
+        start = summed(SAVED) + largest(LOSS, TRANSIENT)
+        end = summed(GRAD) + max(largest(TRANSIENT), summed(REDUCE))
+        step = summed(GRAD) + summed(STEP)
+        return summed(STATE) + max(start, end, step, largest(BUILD))
+
+    def cpu_allocator_bytes(self) -> int:
+        """What the host's allocator keeps of freed tensors when this rank computes on the CPU."""
+        return int(CPU_ALLOCATOR_FRACTION * (self.total("device") + self.total("host")))
 
     def host_bytes(self) -> int:
         """Host memory of this host's ranks: their host items and each process's runtime."""
@@ -127,7 +163,7 @@ def need(plan: MemoryPlan, gpu: bool) -> tuple[int, int]:
     (`gpu` False) every item lands in host memory and the device needs 0."""
     host = plan.host_bytes()
     if not gpu:
-        return 0, host + plan.ranks_per_host * plan.total("device")
+        return 0, host + plan.ranks_per_host * (plan.total("device") + plan.cpu_allocator_bytes())
     return plan.total("device") + DEVICE_RUNTIME_BYTES, host
 
 
@@ -170,6 +206,14 @@ def _zero_settings(ds_config: dict) -> dict:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     return DeepSpeedZeroConfig(**ds_config["zero_optimization"]).model_dump()
+
+
+def allreduce_elements() -> int:
+    """Elements DeepSpeed's engine flattens at once to all-reduce gradients without ZeRO."""
+    # deepspeed on use: it takes seconds to import (start-up time)
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+
+    return MEMORY_OPT_ALLREDUCE_SIZE
 
 
 def reduce_element_bytes(ds_config: dict, model_bytes: int) -> int:
@@ -223,10 +267,13 @@ def model_state_items(
         )
     ]
     if stage == 0:
-        items.append(Item("gradients", n * b, "device"))
+        items.append(Item("gradients", n * b, "device", GRAD))
+        # DeepSpeed 0.19.8 without ZeRO all-reduces the gradients after the backward, even in one process, through a
+        # flattened copy of up to MEMORY_OPT_ALLREDUCE_SIZE elements (engine.py: buffered_allreduce_fallback)
+        items.append(Item("gradients flattened for the all-reduce", min(n, allreduce_elements()) * b, "device", REDUCE))
     else:
         if stage == 1:
-            items.append(Item("gradients (param.grad until the step)", n * b, "device"))
+            items.append(Item("gradients (param.grad until the step)", n * b, "device", GRAD))
         # An offloaded optimizer's host buffers that DeepSpeed page-locks (offload_optimizer.pin_memory): ZeRO-3 its
         # two fp32 gradient buffers (stage3.py: the reduced partitions are copied into the fp32 master's own .grad for
         # the host step); ZeRO-1/2 the fp32 master, its gradient and a model-dtype copy for the upload
@@ -282,7 +329,11 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     all_to_all = 4 * tokens * shape.width * b if layout.sp > 1 else 0
     final_norm = tokens * (shape.hidden * (FP32 + b) + FP32)
     logits = logits_bytes(shape, micro_batch * positions_per_chunk(micro_batch, seq_tokens), b)
-    items = [Item("loss chunk logits", logits, "device", TRANSIENT), Item("final norm", final_norm, "device", SAVED)]
+    items = [Item("loss chunk logits", logits, "device", LOSS), Item("final norm", final_norm, "device", SAVED)]
+    chunks = math.ceil(seq_tokens / positions_per_chunk(micro_batch, seq_tokens))
+    if chunks > 1 and cfg.parallel.zero_stage < 2:
+        # lm_head's gradient exists from the first chunk's backward on, beside the next chunk's logits
+        items.append(Item("lm_head gradient during the loss", shape.vocab * shape.hidden * b, "device", SAVED))
     mode = m.checkpointing_mode
     if mode != "none":
         # the recomputed layer's kept tensors are the cached ones, not new allocations

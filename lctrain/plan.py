@@ -15,7 +15,15 @@ from rich.table import Table
 from lctrain.config import Config
 from lctrain.errors import UserError
 from lctrain.hardware import known_gpu
-from lctrain.memory import WARN_FRACTION, Budget, faster_fit, fixes, longest_seq_len, plan_memory
+from lctrain.memory import (
+    HOST_RUNTIME_BYTES,
+    WARN_FRACTION,
+    Budget,
+    faster_fit,
+    fixes,
+    longest_seq_len,
+    plan_memory,
+)
 from lctrain.model import model_shape
 from lctrain.units import GB, gb_to_bytes
 
@@ -81,6 +89,7 @@ def report(cfg: Config, budget: Budget) -> dict:
         "host_memory_bytes": budget.host,
         "items": [vars(i) for i in plan.items],
         "ranks_per_host": plan.ranks_per_host,
+        "cpu_allocator_bytes": 0 if budget.gpu else plan.cpu_allocator_bytes(),
         "device_need_bytes": device,
         "host_need_bytes": host,
         "fits": budget.fits(plan),
@@ -99,17 +108,23 @@ def print_report(r: dict) -> None:
         table.add_row(i["name"], _gb(i["bytes"]), i["where"], i["kind"])
     console.print(table)
     console.print(
-        "states add up with the largest of the backward (saved activations and the largest transient), "
-        "the optimizer step (its items together) and the engine's construction"
+        "states add up with the largest of the backward's start (saved activations and the largest of the loss and "
+        "a transient), its end (gradients and the largest transient), the optimizer step (gradients and its items) "
+        "and the engine's construction"
     )
     if r["device_memory_bytes"] is not None:
         console.print(
             f"device: {_gb(r['device_need_bytes'])} GB needed of {_gb(r['device_memory_bytes'])} GB "
             f"(runtime overhead included)"
         )
+    kept = (
+        f", {_gb(r['cpu_allocator_bytes'])} GB per rank that the CPU allocator keeps of freed tensors"
+        if r["cpu_allocator_bytes"]
+        else ""
+    )
     console.print(
         f"host: {_gb(r['host_need_bytes'])} GB needed for {r['ranks_per_host']} rank(s) of "
-        f"{_gb(r['host_memory_bytes'])} GB ({r['budget']})"
+        f"{_gb(r['host_memory_bytes'])} GB ({r['budget']}; {_gb(HOST_RUNTIME_BYTES)} GB runtime per process{kept})"
     )
     console.print("[bold green]FITS[/]" if r["fits"] else "[bold red]DOES NOT FIT[/]")
     longest = r["longest_seq_len"]

@@ -174,6 +174,11 @@ class RunDir:
     def metrics_file(self) -> Path:
         return self.path / "metrics.jsonl"
 
+    @property
+    def tensorboard_dir(self) -> Path:
+        """TensorBoard's event files (`logging.tensorboard`): `tensorboard --logdir RUN_DIR/tensorboard`."""
+        return self.path / "tensorboard"
+
     def append_metrics(self, record: dict) -> None:
         with writing(self.metrics_file, "the metrics"), open(self.metrics_file, "a") as f:
             f.write(json.dumps(record) + "\n")

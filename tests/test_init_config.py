@@ -5,7 +5,8 @@ line."""
 
 import pytest
 import yaml
-from transformers import LlamaConfig
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -13,6 +14,8 @@ from lctrain.config import load_config, with_overrides
 from lctrain.costmodel import ModelShape
 from lctrain.memory import WARN_FRACTION, Budget, plan_memory
 from lctrain.model import model_shape
+from lctrain.tokenizer import load_tokenizer
+from lctrain.train.metrics import import_wandb
 from lctrain.train.runplan import RunPlan
 from lctrain.units import gb_to_bytes
 
@@ -36,6 +39,12 @@ def tiny_dir(tmp_path):
         vocab_size=1000,
         rope_theta=10000.0,
         max_position_embeddings=2048,
+    ).save_pretrained(d)
+    # a model directory as save_pretrained leaves it, with its tokenizer (a tiny word-level one: quick to load)
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     ).save_pretrained(d)
     return d
 
@@ -98,7 +107,7 @@ def test_a_known_hub_name_without_network(tmp_path, monkeypatch):
     RunPlan.of(cfg)
 
 
-def test_an_own_base_above_the_rule_is_kept_and_a_scaled_rope_is_named(tmp_path, monkeypatch):
+def test_an_own_base_above_the_rule_is_kept_and_a_scaled_rope_is_named(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "l31.yaml"
     r = run_init("--model", "meta-llama/Llama-3.1-8B", "--seq-len", "16384", "--gpus", "8", "--out", str(out))
@@ -110,7 +119,8 @@ def test_an_own_base_above_the_rule_is_kept_and_a_scaled_rope_is_named(tmp_path,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, rope_theta=2e7
     ).save_pretrained(d)
     out2 = tmp_path / "high.yaml"
-    assert run_init("--model", str(d), "--seq-len", "32768", "--gpus", "1", "--out", str(out2)).exit_code == 0
+    args = ["--model", str(d), "--seq-len", "32768", "--gpus", "1", "--out", str(out2), "--tokenizer", str(tiny_dir)]
+    assert run_init(*args).exit_code == 0
     assert load_config(str(out2)).model.rope_theta == 2e7
 
 
@@ -157,3 +167,63 @@ def test_an_existing_file_is_kept_without_force(tiny_dir, tmp_path):
     r = run_init(*args)
     assert r.exit_code == 2 and "--force" in r.output and out.read_text() == "keep me"
     assert run_init(*args, "--force").exit_code == 0 and load_config(str(out)).data.seq_len == 32768
+
+
+def test_a_directory_without_a_tokenizer_needs_one_named(tiny_dir, tmp_path):
+    """A model directory with only config.json (weights saved without the tokenizer): init does not write a
+    tokenizer `prepare` cannot load; --tokenizer names one, written as a path that loads from anywhere."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((tiny_dir / "config.json").read_text())
+    out = tmp_path / "bare.yaml"
+    r = run_init("--model", str(bare), "--seq-len", "32768", "--gpus", "1", "--out", str(out))
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and "holds no tokenizer" in lines[0] and "--tokenizer" in lines[0]
+    assert not out.exists()
+    for given, want in [
+        ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M"),
+        (str(tiny_dir), str(tiny_dir.resolve())),
+    ]:
+        r = run_init(
+            *["--model", str(bare), "--seq-len", "32768", "--gpus", "1", "--out", str(out), "--force"],
+            *["--tokenizer", given],
+        )
+        assert r.exit_code == 0, r.output
+        cfg = load_config(str(out))
+        assert cfg.data.tokenizer == want and "# --tokenizer" in out.read_text()
+    assert len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))) == 4  # what prepare loads
+    r = run_init(
+        "--model",
+        str(bare),
+        "--seq-len",
+        "32768",
+        "--gpus",
+        "1",
+        "--out",
+        str(out),
+        "--force",
+        "--tokenizer",
+        str(tmp_path),
+    )
+    assert r.exit_code == 2 and r.output.strip().startswith(f"error: --tokenizer {tmp_path}: tokenizer")
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_wandb_only_when_installed(installed, tiny_dir, tmp_path, monkeypatch):
+    """train's preflight refuses a wandb mode whose package is missing: init writes offline only when it is there."""
+    import importlib.util
+
+    import lctrain.init_config as init_config
+
+    monkeypatch.setattr(init_config, "installed", lambda package: installed if package == "wandb" else None)
+    out = tmp_path / "w.yaml"
+    r = run_init("--model", str(tiny_dir), "--seq-len", "32768", "--gpus", "1", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    cfg = load_config(str(out))
+    if installed:
+        assert cfg.logging.wandb == "offline"
+    else:
+        assert cfg.logging.wandb == "disabled" and "pip install 'lctrain[wandb]'" in out.read_text()
+        if importlib.util.find_spec("wandb") is None:
+            with pytest.raises(Exception, match="needs Weights & Biases"):
+                import_wandb(load_config(str(out), ["logging.wandb=offline"]))

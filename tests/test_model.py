@@ -316,3 +316,25 @@ def test_from_pretrained_directory(tmp_path):
         weights.unlink()
     with pytest.raises(UserError, match="cannot load the weights"):
         build_model(config("model.arch=null", f"model.name_or_path={tmp_path}", arch=None))
+
+
+def saved_tensor_count(model, batch) -> int:
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        model(**batch.model_kwargs(labels=True), use_cache=False)
+    return len(kept)
+
+
+def test_a_pretrained_model_is_built_for_training_and_checkpoints(tmp_path):
+    """from_pretrained returns an eval-mode model, where transformers skips checkpointing: built here, a pretrained
+    model trains with its layers checkpointed (autograd keeps far fewer tensors than without)."""
+    build_model(config(), vocab_size=100).model.save_pretrained(tmp_path)
+    ids = torch.randint(3, 100, (1, 64))
+    batch = make_batch(ids, [[64]], "anchor", seg_doc=[[0]])
+    saved = {}
+    for mode in ("none", "full"):
+        cfg = config("model.arch=null", f"model.name_or_path={tmp_path}", f"model.checkpointing={mode}", arch=None)
+        model = build_model(cfg).model
+        assert model.training
+        saved[mode] = saved_tensor_count(model, batch)
+    assert saved["full"] < saved["none"] / 2, saved

@@ -16,6 +16,11 @@ converted fast tokenizer (what prepare used before); the table counts the docume
     python scripts/bench_prepare.py                      # budgets 10M and 50M tokens, 64K windows, and agreement
     python scripts/bench_prepare.py --tokens 2000000     # a quick run
     python scripts/bench_prepare.py --tokens ""          # agreement only
+    python scripts/bench_prepare.py --interleave 20000,20000,20000 --weights 3,1,1   # the draw vs datasets'
+
+`--interleave`: lctrain's weighted draw of `data.sources` (its jsonl reader and `mixed_batches`) against
+`datasets`' streaming `load_dataset("json")` and `interleave_datasets` with the same probabilities and seed, on
+local jsonl files: documents per second of the draw alone and whether the orders agree.
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import sentencepiece as spm
 from rich.console import Console
 from rich.table import Table
 
+from lctrain.data.prepare import SOURCES_DRAW_SEED
+from lctrain.data.sources import SourceStream, local_batches, mixed_batches
 from lctrain.data.synthetic import generate
 from lctrain.hardware import usable_cpus
 from lctrain.tokenizer import BUILTIN_PREFIX, BUILTIN_TOKENIZERS, builtin_model_file, load_encoder, load_tokenizer
@@ -168,13 +176,109 @@ def agreement() -> dict:
     return out
 
 
+def write_sources(root: Path, docs_per_source: list[int], seed: int = 0) -> list[Path]:
+    """One jsonl file of synthetic documents per source, each document's text prefixed with its source and index."""
+    paths = []
+    for i, n in enumerate(docs_per_source):
+        path = root / f"source{i}.jsonl"
+        with path.open("w") as f:
+            for j in range(n):
+                text, _ = generate(seed + i, j, 250, 4000, 0.0)
+                f.write(json.dumps({"text": f"s{i}d{j} {text}"}) + "\n")
+        paths.append(path)
+    return paths
+
+
+def lctrain_draw(paths: list[Path], weights: list[float], seed: int) -> tuple[list[str], float, float]:
+    """(the documents' source-and-index tags in the order lctrain's weighted draw takes them, seconds, CPU seconds
+    of this process): prepare's own `mixed_batches` over its own jsonl reader, records parsed only for the
+    comparison, outside the timing."""
+    streams = [
+        SourceStream(f"s{i}", "text", None, w, local_batches([p]), f"data.sources[{i}]")
+        for i, (p, w) in enumerate(zip(paths, weights))
+    ]
+    t0, c0 = time.perf_counter(), time.process_time()
+    items = [
+        item
+        for b in mixed_batches(streams, np.random.SeedSequence(seed, spawn_key=(SOURCES_DRAW_SEED,)))
+        for item in b.items
+    ]
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return [json.loads(item[-1])["text"].split(" ", 1)[0] for item in items], seconds, cpu
+
+
+def datasets_draw(paths: list[Path], weights: list[float], seed: int) -> tuple[list[str], float, float]:
+    """The same with `datasets`: streaming `load_dataset("json")` per source and `interleave_datasets` with the
+    weights as probabilities, an exhausted source leaving the draw (`all_exhausted_without_replacement`), seeded
+    with the very SeedSequence lctrain draws from."""
+    # datasets on use (start-up time); only this comparison needs it
+    from datasets import interleave_datasets, load_dataset
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    sources = [load_dataset("json", data_files=str(p), split="train", streaming=True) for p in paths]
+    total = sum(weights)
+    mixed = interleave_datasets(
+        sources,
+        probabilities=[w / total for w in weights],
+        seed=np.random.SeedSequence(seed, spawn_key=(SOURCES_DRAW_SEED,)),
+        stopping_strategy="all_exhausted_without_replacement",
+    )
+    texts = [r["text"] for r in mixed]
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return [t.split(" ", 1)[0] for t in texts], seconds, cpu
+
+
+def interleave_comparison(docs_per_source: list[int], weights: list[float], seed: int = 0) -> dict:
+    """lctrain's weighted draw against `datasets.interleave_datasets` on a local jsonl corpus: documents per
+    second of each draw alone (no tokenization) and how long their orders agree."""
+    with tempfile.TemporaryDirectory(prefix="bench_interleave_") as tmp:
+        paths = write_sources(Path(tmp), docs_per_source, seed)
+        size = sum(p.stat().st_size for p in paths)
+        ours, ours_s, ours_cpu = lctrain_draw(paths, weights, seed)
+        theirs, theirs_s, theirs_cpu = datasets_draw(paths, weights, seed)
+    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    # the draw at which a source gave its last document: after it, the remaining sources share the draw
+    first_exhausted = min(ours.index(f"s{k}d{n - 1}") + 1 for k, n in enumerate(docs_per_source))
+    return {
+        "documents": len(ours),
+        "datasets_documents": len(theirs),
+        "bytes": size,
+        "weights": weights,
+        "lctrain_seconds": round(ours_s, 3),
+        "datasets_seconds": round(theirs_s, 3),
+        "lctrain_cpu_seconds": round(ours_cpu, 3),
+        "datasets_cpu_seconds": round(theirs_cpu, 3),
+        "lctrain_docs_per_s": round(len(ours) / ours_s),
+        "datasets_docs_per_s": round(len(theirs) / theirs_s),
+        "load_average": os.getloadavg()[0],
+        "same_order_for_first": same,
+        "identical": ours == theirs,
+        "first_source_exhausted_at": first_exhausted,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="10000000,50000000", help="comma-separated token budgets")
     ap.add_argument("--seq-len", type=int, default=65536)
     ap.add_argument("--workers", type=int, default=0, help="data.num_workers (0 = all cores)")
     ap.add_argument("--json", default="bench_out/bench_prepare.json")
+    ap.add_argument(
+        "--interleave",
+        default="",
+        help="documents per source, comma-separated (e.g. 20000,20000,20000): only compare lctrain's weighted draw "
+        "with datasets' interleave_datasets on a local jsonl corpus of that many synthetic documents",
+    )
+    ap.add_argument("--weights", default="3,1,1", help="--interleave: the sources' weights")
     args = ap.parse_args()
+    if args.interleave:
+        docs = [int(x) for x in args.interleave.split(",")]
+        r = interleave_comparison(docs, [float(x) for x in args.weights.split(",")])
+        Console().print_json(json.dumps(r))
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"benchmark": "prepare --interleave", "result": r}, indent=2) + "\n")
+        return
 
     console = Console()
     cores = usable_cpus()

@@ -126,24 +126,24 @@ def _parse_line(line: bytes) -> tuple[str | None, int, str | None]:
     return (None, OTHER, reason) if reason else _record(obj)
 
 
-def _mixed(batch: RawBatch) -> list[tuple[str, int, str | None, str, str | None]]:
-    """(file, line, text, domain name, skip reason) of each record of a `data.sources` batch."""
+def _mixed(batch: RawBatch) -> list[tuple[str, int, str | None, tuple[int, str], str | None]]:
+    """(file, line, text, (source index, domain name), skip reason) of each record of a `data.sources` batch."""
     out = []
     for source, kind, file, line, item in batch.items:
         name, text_field, domain_field = batch.params["sources"][source]
         if kind == "jsonl":
             item, reason = _parsed(item)
             if reason:
-                out.append((file, line, None, name, reason))
+                out.append((file, line, None, (source, name), reason))
                 continue
         text, domain, reason = _source_record(item, name, text_field, domain_field)
-        out.append((file, line, text, domain, reason))
+        out.append((file, line, text, (source, domain), reason))
     return out
 
 
-def encode_batch(batch: RawBatch) -> list[tuple[str, int, int | str, np.ndarray | None, str | None]]:
-    """Per record: (source file or name, line or row number, domain id (a name for `data.sources`), token ids or
-    None, skip reason or None)."""
+def encode_batch(batch: RawBatch) -> list[tuple[str, int, int | tuple[int, str], np.ndarray | None, str | None]]:
+    """Per record: (source file or name, line or row number, domain id (for `data.sources` the source's index and
+    the domain's name), token ids or None, skip reason or None)."""
     if batch.kind == "mixed":
         recs = _mixed(batch)
         ids = iter(_encoder.encode_batch([t for _, _, t, _, r in recs if r is None]))

@@ -106,3 +106,38 @@ class Mixture:
 
     def target_shares(self) -> dict[str, float] | None:
         return self.shares
+
+
+class SourceShares:
+    """`data.sources` with a `token_share` each: a document of source i is packed while the tokens packed from it
+    (its anchors and tags in every window included, `placed`) are below its share of the budget; the draw already
+    picks documents in the share proportions, so this only corrects for sources whose documents are longer or
+    shorter than the others'. Without token shares every document is admitted. Counts the written tokens per
+    source, for the achieved shares."""
+
+    def __init__(self, shares: list[float | None], budget_tokens: int):
+        self.targets = None if None in shares else np.array(shares, dtype=np.float64) * budget_tokens
+        self.admitted = np.zeros(len(shares), dtype=np.int64)
+        self.written = np.zeros(len(shares), dtype=np.int64)
+        self.dropped = {"source_share_full": 0} if self.targets is not None else {}
+
+    def admit(self, source: int) -> bool:
+        if self.targets is not None and self.admitted[source] >= self.targets[source]:
+            if not np.all(self.admitted >= self.targets):
+                self.dropped["source_share_full"] += 1
+                return False
+            # every share is full but the windows are not (continuation anchors take room): grow all shares alike
+            self.targets *= 1.01
+        return True
+
+    def placed(self, source: int, tokens: int) -> None:
+        self.admitted[source] += tokens
+
+    def add_written(self, tokens_by_source: dict[int, int]) -> None:
+        for source, n in tokens_by_source.items():
+            self.written[source] += n
+
+    def achieved(self) -> list[float]:
+        """Each source's share of the tokens written so far."""
+        total = int(self.written.sum())
+        return [float(n) / total if total else 0.0 for n in self.written]

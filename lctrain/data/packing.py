@@ -43,6 +43,7 @@ from lctrain.data.store import Window
 class PackedWindow:
     window: Window
     doc_starts: list[tuple[int, int]]  # (domain, document length) for each document that begins in this window
+    source_tokens: dict[int, int]  # tokens (anchors and tags included) per data.sources index
 
 
 class Packer:
@@ -61,6 +62,7 @@ class Packer:
         self._anchor = np.array([anchor_id], dtype=np.int32)
         self._tags = {d: np.asarray(t, dtype=np.int32) for d, t in (tags or {}).items()}
         self._chunk_rng = chunk_rng
+        self.placed = 0
         longest = max((len(t) for t in self._tags.values()), default=0)
         if seq_len < longest + 2:
             raise ValueError(f"seq_len {seq_len} cannot hold an anchor, a {longest}-token tag and one token")
@@ -74,7 +76,7 @@ class Packer:
         self._tags[domain] = tag
 
     def _reset(self):
-        self._segments: list[tuple[np.ndarray, np.ndarray, int]] = []  # (header, text, domain)
+        self._segments: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # (header, text, domain, source)
         self._starts: list[tuple[int, int]] = []
         self._filled = 0
 
@@ -93,19 +95,19 @@ class Packer:
     def pending_by_domain(self) -> dict[int, int]:
         """`filled` per domain: the tokens (anchors and tags included) of the window being filled."""
         out: dict[int, int] = {}
-        for header, text, domain in self._segments:
+        for header, text, domain, _ in self._segments:
             out[domain] = out.get(domain, 0) + len(header) + len(text)
         return out
 
     def _interleaved(self, open_end: bool) -> list[tuple[np.ndarray, np.ndarray, int, int]]:
         """The window's segments as shuffled chunks `(header or empty, text, domain, segment index)`."""
         rng = self._chunk_rng
-        chunks = [split_into_chunks(text, rng) if len(text) else [text] for _, text, _ in self._segments]
+        chunks = [split_into_chunks(text, rng) if len(text) else [text] for _, text, _, _ in self._segments]
         nothing = self._anchor[:0]
         taken = [0] * len(chunks)
         out = []
         for s in chunk_order([len(c) for c in chunks], rng, open_end):
-            header, _, domain = self._segments[s]
+            header, _, domain, _ = self._segments[s]
             j = taken[s]
             taken[s] += 1
             out.append((header if j == 0 else nothing, chunks[s][j], domain, s))
@@ -113,7 +115,7 @@ class Packer:
 
     def _emit(self, open_end: bool) -> PackedWindow:
         if self._chunk_rng is None:
-            segs = [(h, t, dom, s) for s, (h, t, dom) in enumerate(self._segments)]
+            segs = [(h, t, dom, s) for s, (h, t, dom, _) in enumerate(self._segments)]
         else:
             segs = self._interleaved(open_end)
         relabel: dict[int, int] = {}
@@ -124,20 +126,26 @@ class Packer:
             seg_domain=np.array([dom for _, _, dom, _ in segs], dtype=np.int8),
             tag_lens=np.array([max(len(h) - 1, 0) for h, _, _, _ in segs], dtype=np.int32),
         )
-        out = PackedWindow(w, self._starts)
+        by_source: dict[int, int] = {}
+        for h, t, _, src in self._segments:
+            by_source[src] = by_source.get(src, 0) + len(h) + len(t)
+        out = PackedWindow(w, self._starts, by_source)
         self._reset()
         return out
 
-    def add(self, tokens: np.ndarray, domain: int) -> list[PackedWindow]:
-        """Pack one document; return the windows it completed (possibly none, possibly several)."""
+    def add(self, tokens: np.ndarray, domain: int, source: int = 0) -> list[PackedWindow]:
+        """Pack one document (of `data.sources` index `source`); return the windows it completed (possibly none,
+        possibly several). `placed` is then the tokens it took, its anchors and tags in every window included."""
         out = []
         header = self._header(domain)
         pos, n = 0, len(tokens)
+        self.placed = 0
         while pos < n:
             room = self.seq_len - self._filled
             take = max(0, min(room - len(header), n - pos))
-            self._segments.append((header[:room], tokens[pos : pos + take], domain))
+            self._segments.append((header[:room], tokens[pos : pos + take], domain, source))
             self._filled += min(room, len(header)) + take
+            self.placed += min(room, len(header)) + take
             if take and pos == 0:
                 self._starts.append((domain, n))
             pos += take

@@ -40,7 +40,7 @@ from lctrain.config import (
     write_resolved,
 )
 from lctrain.data import encode
-from lctrain.data.mixture import Mixture
+from lctrain.data.mixture import Mixture, SourceShares
 from lctrain.data.packing import Packer, ShuffleBuffer
 from lctrain.data.progress import Partial
 from lctrain.data.sources import (
@@ -148,7 +148,9 @@ def source_streams(data, files: list[LocalFiles | None]) -> list[SourceStream]:
             batches = hub_batches(s.hub, s.split, data.seed, s.subset, key=f"{key}.hub")
         else:
             batches = local_batches(f.files, fields)
-        streams.append(SourceStream(s.name, s.text_field, s.domain_field, s.weight, batches, key))
+        # token shares are drawn in their proportions; SourceShares then admits each source up to its share
+        weight = s.weight if s.token_share is None else s.token_share
+        streams.append(SourceStream(s.name, s.text_field, s.domain_field, weight, batches, key))
     return streams
 
 
@@ -191,6 +193,7 @@ class _Builder:
     RESUMABLE = (
         "buffer",
         "mixture",
+        "shares",
         "packer",
         "stats",
         "skips",
@@ -224,6 +227,9 @@ class _Builder:
             d.domain_shares,
             tuple(self.domains),
             capacity,
+        )
+        self.shares = SourceShares(
+            [None] if d.sources is None else [s.token_share for s in d.sources], self.num_windows * d.seq_len
         )
         self.packer = Packer(
             d.seq_len, anchor_id, tags, chunk_rng=np.random.default_rng(chunk_seed) if d.interleave_chunks else None
@@ -278,10 +284,12 @@ class _Builder:
 
     def read(self, batch: int, record: int, source: str, line: int, domain, ids, reason: str | None) -> None:
         """Record `record` of source batch `batch`, as the workers encoded it (`domain`: an id, or a name of a
-        `data.sources` domain)."""
+        `data.sources` (source index, domain name))."""
         self.position = (batch, record)
-        if isinstance(domain, str):
-            domain = self.domain_id(domain)
+        index = 0  # of the data.sources source
+        if isinstance(domain, tuple):
+            index, name = domain
+            domain = self.domain_id(name)
         self.counts["records"] += 1
         if reason is not None:
             self.skips.add(reason, source, line)
@@ -291,7 +299,7 @@ class _Builder:
             return
         self.counts["documents"] += 1
         self.counts["tokens"] += len(ids)
-        self.released.extend(self.buffer.add((ids, domain), len(ids)))
+        self.released.extend(self.buffer.add((ids, domain, index), len(ids)))
         self._pump()
 
     def source_ended(self, batches: int) -> None:
@@ -304,13 +312,16 @@ class _Builder:
             if self.windows:
                 pw = self.windows.popleft()
                 self.stats.add(pw)
+                self.shares.add_written(pw.source_tokens)
                 if self.writer.add(pw.window) and self.on_shard is not None:
                     self.on_shard()
                 continue
-            tokens, domain = self.released.popleft()
+            tokens, domain, source = self.released.popleft()
             tag_len = len(self.tags[domain]) if self.tags is not None and domain in self.tags else 0
-            if self.mixture.admit(domain, len(tokens), 1 + tag_len + len(tokens)):
-                self.windows.extend(self.packer.add(tokens, domain))
+            size = 1 + tag_len + len(tokens)
+            if self.mixture.admit(domain, len(tokens), size) and self.shares.admit(source):
+                self.windows.extend(self.packer.add(tokens, domain, source))
+                self.shares.placed(source, self.packer.placed)
 
 
 class _Skips:
@@ -533,7 +544,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             skipped=read["skipped"],
             mixture_dropped=builder.mixture.dropped,
             source={
-                **source,
+                **_with_achieved_shares(source, builder.shares.achieved()),
                 "records_read": read["records"],
                 "documents_read": read["documents"],
                 "tokens_read": read["tokens"],
@@ -566,12 +577,33 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             raise _write_error(out, e) from None
         raise
     render(console, stats, read["skipped"])
+    if d.sources is not None:
+        _say_source_shares(console, manifest.source["sources"])
     _say_what_was_left_out(console, manifest, num_windows)
     console.print(
         f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s "
         f"({manifest.build['packed_tokens_per_s']:,} tokens/s)"
     )
     return out
+
+
+def _with_achieved_shares(source: dict, achieved: list[float]) -> dict:
+    """The manifest's source record with each `data.sources` entry's measured share of the written tokens."""
+    if source["kind"] != "sources":
+        return source
+    return {**source, "sources": [{**e, "achieved_token_share": a} for e, a in zip(source["sources"], achieved)]}
+
+
+def _say_source_shares(console, sources: list[dict]) -> None:
+    asked = [
+        f"token_share {e['token_share']:.4f}" if e["token_share"] is not None else f"weight {e['weight']:g}"
+        for e in sources
+    ]
+    console.print(
+        "share of the written tokens per source (asked -> achieved): "
+        + ", ".join(f"{e['name']} {a} -> {e['achieved_token_share']:.4f}" for e, a in zip(sources, asked)),
+        markup=False,
+    )
 
 
 def _source_identity(files, source: dict):

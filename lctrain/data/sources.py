@@ -4,7 +4,7 @@
 - `local`: a file, a glob, or a directory of `.jsonl`, `.jsonl.zst`, `.json`, `.json.zst` or `.parquet` files
   (a SlimPajama download `train/chunk*/*.jsonl.zst` included: a directory with a `<split>/` folder reads that folder);
 - `hub`: a Hugging Face dataset streamed with `datasets` (SlimPajama-627B by default);
-- `data.sources`: several of the above, drawn document by document by weight (`mixed_batches`).
+- `data.sources`: several of the above, drawn document by document by weight or token share (`mixed_batches`).
 
 File order is shuffled with the data seed; documents are shuffled further by the token buffer in `prepare`.
 """
@@ -372,7 +372,13 @@ def describe_source(data, files: LocalFiles | None) -> dict:
     if data.sources is not None:
         described, skipped = [], []
         for s, f in zip(data.sources, files):
-            entry = {"name": s.name, "weight": s.weight, "text_field": s.text_field, "domain_field": s.domain_field}
+            entry = {
+                "name": s.name,
+                "weight": s.weight,
+                "token_share": s.token_share,
+                "text_field": s.text_field,
+                "domain_field": s.domain_field,
+            }
             if f is None:
                 entry.update(hub=s.hub, subset=s.subset, split=s.split)
             else:

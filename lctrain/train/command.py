@@ -24,7 +24,7 @@ from lctrain.parallel.launch import OutOfMemory, ProcessKilled, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
-from lctrain.train.metrics import import_wandb
+from lctrain.train.metrics import import_wandb, tensorboard_writer_class
 from lctrain.train.runplan import Prepared
 from lctrain.train.trainer import CheckpointHook, run
 
@@ -233,6 +233,8 @@ def preflight(cfg: Config) -> Prepared:
         print(reread, flush=True)
     if cfg.logging.wandb != "disabled":
         import_wandb(cfg)
+    if cfg.logging.tensorboard:
+        tensorboard_writer_class(cfg)
     if cfg.model.arch is not None:
         shape = ModelShape.from_hf_config(load_hf_config(cfg))  # a bad model.arch is refused here, before any launch
         if cfg.parallel.sequence_parallel > 1:

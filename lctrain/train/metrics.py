@@ -42,6 +42,19 @@ def import_wandb(cfg):
     return wandb
 
 
+def tensorboard_writer_class(cfg):
+    """torch's TensorBoard writer, which needs the optional `tensorboard` package."""
+    try:
+        # optional dependency: tensorboard (the `tensorboard` extra)
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError(
+            f"{cfg.source_file or 'config'}: logging.tensorboard = true needs TensorBoard "
+            f"(pip install 'lctrain[tensorboard]'); or set logging.tensorboard: false"
+        ) from None
+    return SummaryWriter
+
+
 def quiet_libraries(is_main: bool) -> None:
     """Set once per process before the model is built: no Hugging Face progress bars (a loading or saving bar tears
     through the training bar, and fills a log file with carriage returns), and on the ranks other than 0 only
@@ -55,7 +68,8 @@ def quiet_libraries(is_main: bool) -> None:
 
 
 class StepLogger:
-    """Rank 0 only: appends one JSON line per step, shows progress and logs to Weights & Biases. Progress is the rich
+    """Rank 0 only: appends one JSON line per step, shows progress and logs to Weights & Biases and TensorBoard (each
+    numeric metric as scalar `train/NAME`, every `logging.log_every` steps). Progress is the rich
     bar on a terminal; otherwise (nohup, a redirect, a batch scheduler, where the bar would print nothing until the
     end) one plain line (`report.step_line`) per `logging.log_every` steps."""
 
@@ -89,6 +103,11 @@ class StepLogger:
                 dir=str(run.path),
                 config=settings(cfg),
             )
+        self.tensorboard = None
+        if cfg.logging.tensorboard:
+            # purge_step: a resumed run drops the events a killed run wrote after its last checkpoint
+            purge = start_step + 1 if start_step else None
+            self.tensorboard = tensorboard_writer_class(cfg)(str(run.tensorboard_dir), purge_step=purge)
 
     def log(self, record: dict) -> None:
         self.run.append_metrics(record)
@@ -107,9 +126,16 @@ class StepLogger:
             print(step_line(record, self.total, eta), flush=True)
         if self.wandb is not None and step % self.every == 0:
             self.wandb.log({k: v for k, v in record.items() if v is not None}, step=step)
+        if self.tensorboard is not None and step % self.every == 0:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.tensorboard.add_scalar(f"train/{k}", v, step)
+            self.tensorboard.flush()
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
