@@ -6,6 +6,8 @@ import hashlib
 import json
 import re
 
+import datasets
+import huggingface_hub
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -204,6 +206,10 @@ def test_a_missing_text_field_names_the_source_and_the_file(tmp_path, corpora):
 def test_an_unreachable_hub_dataset_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the hub client reads the variable once, at import (an earlier test may have imported it): without this it
+    # tries the network and waits ~23 s in its retries before the same refusal
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     args = ["prepare", "--set", "data.sources=[{name: web, hub: nobody/no-such-dataset, subset: en}]"]
     r = CliRunner().invoke(app, [*args, "--set", f"data.output_dir={tmp_path / 'out'}"])
     line = r.stderr.strip()
