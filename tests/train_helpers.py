@@ -6,6 +6,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.rundir import RunDir
 
@@ -108,3 +111,11 @@ def one_error_line(result) -> str:
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result.output
     return errors[0]
+
+
+def show_config_refusal(overrides: list[str]) -> str:
+    """The one line on stderr with which `lctrain show-config --set ...` refuses `overrides` (exit code 2)."""
+    result = CliRunner().invoke(app, ["show-config", *set_args(overrides)])
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and "\n" not in line, result.output
+    return line
