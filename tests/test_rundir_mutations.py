@@ -227,8 +227,12 @@ READERS = [
     ("config.yaml", yaml_section("model"), EVAL, r"config.yaml: no model section"),
     ("config.yaml", yaml_section("train", 5), ["plot", "{run}", "--out", "{run}/c.png"], r"config.yaml: .*train"),
     ("metrics.jsonl", zeroed, ["plot", "{run}", "--out", "{run}/c.png"], r"metrics.jsonl:1: not a step record"),
-    ("config.yaml", yaml_cut(inside_a_key=True), ["show-config", "-c", "{run}/config.yaml"],
-     r"config.yaml:\d+: invalid YAML"),
+    (
+        "config.yaml",
+        yaml_cut(inside_a_key=True),
+        ["show-config", "-c", "{run}/config.yaml"],
+        r"config.yaml:\d+: invalid YAML",
+    ),
 ]
 
 
