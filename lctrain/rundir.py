@@ -4,7 +4,7 @@
     RUN/.lctrain.lock        held while anything trains the run (lctrain.lifetime.RunLock)
     RUN/metrics.jsonl        one JSON record per optimizer step, appended
     RUN/checkpoints/step_N/  resume checkpoints (lctrain.train.checkpoint: their files and `latest`)
-    RUN/hf/step_N/           evaluation checkpoints (save_pretrained weights + tokenizer)
+    RUN/hf/step_N/           evaluation checkpoints (save_pretrained weights + tokenizer; lctrain.export_record)
     RUN/eval/                `lctrain eval`'s report
 
 Runs written by earlier versions name checkpoints `step_00000020` and keep the directory `train` ran in in

@@ -9,6 +9,7 @@ import sys
 import pytest
 import sentencepiece as spm
 import torch
+from train_helpers import export_by_hand
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -95,8 +96,7 @@ def run_dir(tmp_path_factory):
     for step in STEPS:
         cfg.seed = step
         model = build_model(cfg, vocab_size=len(tok)).model
-        model.save_pretrained(RunDir(run).export(step))
-        tok.save_pretrained(RunDir(run).export(step))
+        export_by_hand(model, tok, run, step)
     write_tasks(root)
     return run
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from train_helpers import one_error_line
+from train_helpers import export_by_hand, one_error_line
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -104,9 +104,8 @@ def ruler_run(tmp_path_factory, tok, one_thread):
     for step in STEPS:
         cfg.seed = step
         model = build_model(cfg, vocab_size=len(tok)).model.eval()
-        model.save_pretrained(RunDir(run).export(step))
+        export_by_hand(model, tok, run, step)
         model.set_attn_implementation("sdpa")  # as `lctrain eval` loads a checkpoint: one causal prompt
-        tok.save_pretrained(RunDir(run).export(step))
         models[f"step_{step}"] = model
 
     def complete(model, prompt, n):

@@ -10,6 +10,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from train_helpers import export_by_hand
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -59,8 +60,7 @@ def run_dir(tmp_path_factory):
     for step in STEPS:
         cfg.seed = step  # distinct weights per checkpoint
         model = build_model(cfg, vocab_size=len(tok)).model
-        model.save_pretrained(RunDir(run).export(step))
-        tok.save_pretrained(RunDir(run).export(step))
+        export_by_hand(model, tok, run, step)
     return run
 
 

@@ -10,6 +10,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
+from lctrain import checksums
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.data import store
@@ -210,8 +211,8 @@ def test_equal_sized_shards_swapped_are_caught_by_their_checksum(built, tmp_path
 def test_large_datasets_check_edges_on_open_and_every_byte_in_inspect(tmp_path, monkeypatch):
     """Above FULL_VERIFY_BYTES an open checks sizes and the first and last EDGE_BYTES of each shard; the middle of a
     shard is checked by `lctrain inspect` (verify=True)."""
-    monkeypatch.setattr(store, "FULL_VERIFY_BYTES", 0)
-    monkeypatch.setattr(store, "EDGE_BYTES", 64)
+    monkeypatch.setattr(checksums, "FULL_VERIFY_BYTES", 0)
+    monkeypatch.setattr(checksums, "EDGE_BYTES", 64)
     copy = tmp_path / "data"
     prepare(load_config(None, [*OVER, f"data.output_dir={copy}"]))
     shard = copy / "data" / "shard-00003.arrow"

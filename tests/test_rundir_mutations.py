@@ -88,6 +88,16 @@ def yaml_cut(inside_a_key: bool):
     return cut
 
 
+def unrecorded(mutation):
+    """`mutation`, with the export's record deleted: the export is then a model directory taken as it is."""
+
+    def edit(path: Path) -> None:
+        mutation(path)
+        (path.parent / "export.json").unlink()
+
+    return edit
+
+
 def deleted(path: Path) -> None:
     shutil.rmtree(path) if path.is_dir() else path.unlink()
 
@@ -218,12 +228,23 @@ def assert_match(pattern: str, line: str) -> None:
 # (file, mutation, command, the one error line): eval reads the exports and the config, plot the metrics,
 # show-config the config.
 EVAL = ["eval", "{run}", "--lengths", "256", "--samples", "1", "--tasks", "niah_single_1"]
+EVAL_2 = ["eval", "{run}/hf/step_2", "--lengths", "256", "--samples", "1", "--tasks", "niah_single_1"]
+EVAL_4 = [a.replace("step_2", "step_4") for a in EVAL_2]
 READERS = [
+    # An export is checked against its record (export.json) first: its files, its step.
     ("hf/step_4/config.json", deleted, EVAL, r"hf/step_4/config.json: missing; restore the export, or delete"),
-    ("hf/step_4/config.json", zeroed, EVAL, r"hf/step_4: cannot load the model"),
-    ("hf/step_4/model.safetensors", truncated, EVAL, r"hf/step_4: cannot load the model \(SafetensorError"),
-    ("hf/step_2/tokenizer.json", zeroed, EVAL, r"hf/step_2: cannot load its tokenizer \(JSONDecodeError"),
-    ("hf/step_2/anchor.json", text('{"token": 1}'), EVAL, r"anchor.json: not an anchor record"),
+    ("hf/step_4/config.json", zeroed, EVAL, r"hf/step_4/config.json: not the file this export wrote"),
+    ("hf/step_4/model.safetensors", truncated, EVAL, r"hf/step_4/model.safetensors: [\d,]+ bytes, not the [\d,]+"),
+    ("hf", swapped("model.safetensors"), EVAL, r"hf/step_2/model.safetensors: not the file this export wrote"),
+    ("hf/step_2/tokenizer.json", zeroed, EVAL, r"hf/step_2/tokenizer.json: not the file this export wrote"),
+    ("hf/step_4/export.json", zeroed, EVAL, r"hf/step_4/export.json: not an export record"),
+    ("hf/step_4/export.json", json_key("step", 2), EVAL, r"hf/step_4/export.json: records step 2, not 4"),
+    ("hf/step_4/export.json", json_key("files", {}), EVAL, r"not an export record \(files: .*at least 1"),
+    # Without its record (a model directory given on its own), the loaders' own refusals.
+    ("hf/step_4/config.json", unrecorded(zeroed), EVAL_4, r"hf/step_4: cannot load .*config.json' is not a valid"),
+    ("hf/step_4/model.safetensors", unrecorded(truncated), EVAL_4, r"hf/step_4: cannot load the model \(Safetensor"),
+    ("hf/step_2/tokenizer.json", unrecorded(zeroed), EVAL_2, r"hf/step_2: cannot load its tokenizer \(JSONDecode"),
+    ("hf/step_2/anchor.json", unrecorded(text('{"token": 1}')), EVAL_2, r"anchor.json: not an anchor record"),
     ("config.yaml", yaml_section("model"), EVAL, r"config.yaml: no model section"),
     ("config.yaml", yaml_section("train", 5), ["plot", "{run}", "--out", "{run}/c.png"], r"config.yaml: .*train"),
     ("metrics.jsonl", zeroed, ["plot", "{run}", "--out", "{run}/c.png"], r"metrics.jsonl:1: not a step record"),
@@ -245,3 +266,13 @@ def test_eval_plot_and_show_config_of_a_damaged_run_directory(run, rel, mutate, 
     mutate(run / rel)
     line = one_error_line(CliRunner().invoke(app, [a.format(run=run) for a in command]))
     assert_match(expected, line)
+
+
+@pytest.mark.slow  # eval loads each export
+def test_an_export_without_its_record_is_evaluated_with_a_warning(run):
+    """As a run exported before lctrain recorded its exports: evaluated, and said to be unchecked."""
+    (run / "hf" / "step_4" / "export.json").unlink()
+    result = CliRunner().invoke(app, [a.format(run=run) for a in EVAL])
+    assert result.exit_code == 0, result.output
+    warning = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warning) == 1 and re.search(r"hf: step_4 without export.json .*evaluated unchecked", warning[0])

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
+from lctrain.export_record import write_export_record
 from lctrain.rundir import RunDir
 
 # Variables a launcher sets; a child `lctrain train` must not inherit them from the test process.
@@ -119,3 +120,13 @@ def show_config_refusal(overrides: list[str]) -> str:
     line = result.stderr.strip()
     assert result.exit_code == 2 and "\n" not in line, result.output
     return line
+
+
+def export_by_hand(model, tokenizer, run: Path, step: int) -> Path:
+    """An evaluation export of `run` at `step` written here rather than by training: the weights, the tokenizer and
+    the record `lctrain eval` checks them against."""
+    out = RunDir(run).export(step)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    write_export_record(out, step)
+    return out

@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lctrain.checksums import XXH3, digest
 from lctrain.errors import writing
 
 # 4: every shard record carries content checksums and the manifest its own (before, only the shard sizes).
@@ -33,12 +33,6 @@ _FORMAT_CHANGES = {
     1: "whose token ids (SentencePiece tokenizers) or interleaved-chunk layout this lctrain no longer trains on",
 }
 _HEX64 = r"^[0-9a-f]{64}$"
-XXH3 = r"^xxh3_128:[0-9a-f]{32}$"
-
-
-def digest(data: bytes) -> str:
-    """The checksum format of the manifest and the shards (xxh3: ~8 GiB/s, a dependency of `datasets` already)."""
-    return f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}"
 
 
 class Damaged(Exception):
@@ -58,7 +52,7 @@ class ShardRecord(_Record):
     num_windows: int = Field(ge=1)
     bytes: int = Field(ge=0)
     checksum: str = Field(pattern=XXH3, description="of the whole file")
-    edge_checksum: str = Field(pattern=XXH3, description="of its first and last EDGE_BYTES (store.shard_checksums)")
+    edge_checksum: str = Field(pattern=XXH3, description="of its first and last EDGE_BYTES (checksums.file_checksums)")
 
 
 class TokenizerRecord(_Record):

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from lctrain import __version__
+from lctrain.checksums import file_checksums
 from lctrain.config import (
     DOMAINS,
     Config,
@@ -60,7 +61,6 @@ from lctrain.data.store import (
     Manifest,
     ShardWriter,
     dataset_problem,
-    shard_checksums,
     write_manifest,
 )
 from lctrain.errors import UserError, is_environment_error, writing
@@ -619,7 +619,7 @@ def _shards_intact(directory: Path, shards: list[dict]) -> bool:
         path = directory / s["file"]
         if not path.is_file() or path.stat().st_size != s["bytes"]:
             return False
-        if shard_checksums(path) != (s["checksum"], s["edge_checksum"]):
+        if file_checksums(path) != (s["checksum"], s["edge_checksum"]):
             return False
     return True
 

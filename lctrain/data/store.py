@@ -5,12 +5,12 @@ A directory counts as a dataset only when its manifest (`lctrain.data.manifest`)
 is there with the size, content checksum, row count and schema prepare wrote: prepare writes the manifest last,
 inside a hidden directory that is renamed into place.
 
-What opening a dataset verifies (`verify_shards`): every shard's size and the checksum of its first and last
-`EDGE_BYTES` always (a missing, truncated, zeroed or swapped shard is caught there: an Arrow file's tail is its
-last record batch and footer), and the checksum of every byte when the shards total at most `FULL_VERIFY_BYTES` or
-when asked (`lctrain inspect`, a resumed `prepare`). xxh3 hashes ~8 GiB/s from memory, so a full check of a large
-dataset costs what reading it from disk costs (seconds per 10 GB, on every rank's start), which a training start
-should not pay for data it reads anyway; damage inside a large shard's middle is then caught by `lctrain inspect`.
+What opening a dataset verifies (`verify_shards`, with `lctrain.checksums`): every shard's size and the checksum of
+its first and last `EDGE_BYTES` always (a missing, truncated, zeroed or swapped shard is caught there: an Arrow file's
+tail is its last record batch and footer), and the checksum of every byte when the shards total at most
+`FULL_VERIFY_BYTES` or when asked (`lctrain inspect`, a resumed `prepare`). A full check of a large dataset costs
+what reading it from disk costs (seconds per 10 GB, on every rank's start), which a training start should not pay
+for data it reads anyway; damage inside a large shard's middle is then caught by `lctrain inspect`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import xxhash
 from datasets import Dataset, Features, List, Value, concatenate_datasets
 from datasets.arrow_writer import ArrowWriter
 
+from lctrain import checksums
+from lctrain.checksums import file_checksums
 from lctrain.data.manifest import (
     DATA_SUBDIR,
     FORMAT_VERSION,
@@ -33,7 +34,6 @@ from lctrain.data.manifest import (
     Damaged,
     Manifest,
     Outdated,
-    digest,
     load_manifest,
     shard_file,
     write_manifest,
@@ -42,9 +42,6 @@ from lctrain.errors import UserError, writing
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "Manifest", "write_manifest", "open_packed", "read_manifest"]
 
-EDGE_BYTES = 1 << 20
-FULL_VERIFY_BYTES = 1 << 30
-_READ_BLOCK = 8 << 20
 _COLUMN_DTYPES = {
     "input_ids": np.int32,
     "seg_lens": np.int32,
@@ -132,7 +129,7 @@ class ShardWriter:
                 os.fsync(f.fileno())  # a resumed prepare trusts every shard its progress file lists
         self._rows_in_shard = 0  # the next shard's first batch is a full one, as after a resume
         shard["bytes"] = path.stat().st_size
-        shard["checksum"], shard["edge_checksum"] = shard_checksums(path)
+        shard["checksum"], shard["edge_checksum"] = file_checksums(path)
 
     def _flush(self) -> bool:
         if not self._pending:
@@ -168,29 +165,11 @@ class ShardWriter:
             self._writer = None
 
 
-def shard_checksums(path: Path, full: bool = True) -> tuple[str | None, str]:
-    """(checksum of every byte or None, checksum of the first and last EDGE_BYTES) of a shard file, in one pass."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        if full:
-            h = xxhash.xxh3_128()
-            head = b""
-            while block := f.read(_READ_BLOCK):
-                h.update(block)
-                if len(head) < EDGE_BYTES:
-                    head += block[: EDGE_BYTES - len(head)]
-            whole = f"xxh3_128:{h.hexdigest()}"
-        else:
-            whole, head = None, f.read(EDGE_BYTES)
-        f.seek(max(size - EDGE_BYTES, 0))
-        return whole, digest(head + f.read(EDGE_BYTES))
-
-
 def verify_shards(path: Path, manifest: Manifest, full: bool | None = None) -> None:
     """Raise `Damaged` naming the first shard that is not what prepare wrote (module docstring); `full`: check every
     byte (None: when the shards total at most FULL_VERIFY_BYTES)."""
     if full is None:
-        full = sum(s.bytes for s in manifest.shards) <= FULL_VERIFY_BYTES
+        full = sum(s.bytes for s in manifest.shards) <= checksums.FULL_VERIFY_BYTES
     for s in manifest.shards:
         f = path / s.file
         try:
@@ -202,7 +181,7 @@ def verify_shards(path: Path, manifest: Manifest, full: bool | None = None) -> N
         if st.st_size != s.bytes:
             raise Damaged(f"{s.file} is {st.st_size:,} bytes, not the {s.bytes:,} prepare wrote")
         try:
-            whole, edges = shard_checksums(f, full)
+            whole, edges = file_checksums(f, full)
         except OSError as e:
             raise Damaged(f"{s.file} cannot be read ({e.strerror or e})") from None
         if edges != s.edge_checksum or (whole is not None and whole != s.checksum):

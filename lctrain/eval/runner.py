@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,8 @@ from lctrain.eval import score as scoring
 from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths, select_heldout
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
-from lctrain.rundir import RunDir
+from lctrain.export_record import EXPORT_RECORD, verify_export
+from lctrain.rundir import RunDir, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
 
 OFFLINE_LABEL = "RULER-style (not comparable with published RULER numbers)"
@@ -77,10 +79,21 @@ def _is_model_dir(path: Path) -> bool:
 
 
 def find_checkpoints(run: RunDir) -> list[tuple[str, Path]]:
-    """The run's evaluation checkpoints `hf/step_N/`, in step order; one without its config.json is damage."""
+    """The run's evaluation checkpoints `hf/step_N/`, in step order, each verified against its record (one without
+    its config.json is damage; those without a record are named in a warning)."""
+    unrecorded = []
     for d in run.exports():
         if not _is_model_dir(d):
             raise UserError(f"{d}/config.json: missing; restore the export, or delete {d} to evaluate the others")
+        if not verify_export(d, step_of(d)):
+            unrecorded.append(d.name)
+    if unrecorded:
+        print(
+            f"warning: {run.exports_dir}: {', '.join(unrecorded)} without {EXPORT_RECORD} (exported before lctrain "
+            f"recorded exports, or the record deleted): evaluated unchecked, under their directories' steps",
+            file=sys.stderr,
+            flush=True,
+        )
     return [(d.name, d) for d in run.exports()]
 
 
@@ -89,6 +102,7 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
     if not path.exists():
         raise UserError(f"{path}: no such run or model directory")
     if _is_model_dir(path):
+        verify_export(path, step_of(path))
         cfg = load_config(config, overrides) if config else validate(apply_overrides({}, overrides), "--set")
         return Target("model", path, cfg, [(path.name or str(path), path)])
     rd = RunDir(path)

@@ -7,7 +7,7 @@ temporary directory, which the next save or resume removes.
 
     run_dir/checkpoints/step_20/   DeepSpeed files, trainer_state.json, rng_rank<R>.pt
     run_dir/checkpoints/latest     "step_20"
-    run_dir/hf/step_20/            save_pretrained weights + tokenizer
+    run_dir/hf/step_20/            save_pretrained weights + tokenizer, anchor.json, export.json (its step, files)
 
 (the paths are `lctrain.rundir.RunDir`'s.)
 """
@@ -27,6 +27,7 @@ import torch
 
 from lctrain.compat.deepspeed import zero3_full_state_dict
 from lctrain.errors import is_environment_error, writing
+from lctrain.export_record import write_export_record
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import save_tokenizer, write_anchor
 from lctrain.train.loss import CausalLMLossSum
@@ -302,6 +303,7 @@ def save_hf(engine, lm, tokenizer, anchor, run: RunDir, step: int, *, rank: int,
             lm.save_pretrained(str(tmp), state_dict=state_dict)  # its progress bar is off (metrics.quiet_libraries)
             save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
             write_anchor(tmp, anchor)  # prompts start with it
+            write_export_record(tmp, step)  # last: eval scores these files, and only these, as this step
             _replace_dir(tmp, final)
     _barrier()
     return final
