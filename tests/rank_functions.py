@@ -44,5 +44,14 @@ def crash(request: dict) -> None:
     return {"never": "read"}
 
 
+def native_abort_on_rank_1(request: dict) -> None:
+    """As a C++ library's abort() (gloo's terminate): no Python exception, the process ends by SIGABRT."""
+    if dist_rank() == 1:
+        os.abort()
+    import time
+
+    time.sleep(60)
+
+
 def returns_nothing(request: dict) -> None:
     return None

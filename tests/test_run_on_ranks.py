@@ -8,7 +8,7 @@ import pytest
 
 from lctrain.config import load_config
 from lctrain.errors import UserError
-from lctrain.parallel.launch import Finished, OutOfMemory, RanksFailed, run_on_ranks
+from lctrain.parallel.launch import LAUNCHER_LOG, Finished, OutOfMemory, ProcessKilled, RanksFailed, run_on_ranks
 
 TESTS = Path(__file__).resolve().parent
 CFG = ["parallel.nproc_per_node=2", "parallel.launcher=torchrun"]
@@ -57,3 +57,14 @@ def test_a_crash_is_ranks_failed_with_the_launchers_exit_code(tmp_path, capfd):
         run("crash", {}, tmp_path)
     assert raised.value.exit_code == raised.value.code != 0
     assert "ValueError: a bug, not a user's mistake" in capfd.readouterr().err  # the rank's traceback, above
+
+
+@pytest.mark.usefixtures("ranks_env")
+def test_a_native_crash_is_named_with_the_python_stack_in_the_log(tmp_path):
+    with pytest.raises(ProcessKilled) as raised:
+        run("native_abort_on_rank_1", {}, tmp_path)
+    line = str(raised.value)
+    assert line.startswith("rank 1 (pid ") and "crashed with SIGABRT in native code" in line, line
+    assert "killed" not in line and "out-of-memory" not in line
+    log = (tmp_path / LAUNCHER_LOG).read_text()
+    assert "Fatal Python error: Aborted" in log and "in native_abort_on_rank_1" in log, log[-3000:]

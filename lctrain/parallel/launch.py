@@ -128,12 +128,21 @@ class ProcessKilled(UserError):
 
     @property
     def what(self) -> str:
+        if self.signal in _CRASH_SIGNALS:
+            return (
+                f"{self.who} crashed with {self.signal} in native code (a library aborted or faulted; the launcher's "
+                f"report, with the rank's Python stack at the crash, is in {self.log})"
+            )
         cause = (
             "most likely the kernel's out-of-memory killer: the host ran out of memory"
             if self.signal == "SIGKILL"
             else "stopped from outside (a scheduler or a user)"
         )
         return f"{self.who} was killed by {self.signal} ({cause}; the launcher's report is in {self.log})"
+
+
+# Signals a process raises on itself when its native code fails (abort(), a bad access): not sent from outside.
+_CRASH_SIGNALS = frozenset({"SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL"})
 
 
 def failure_file(workdir: Path, rank: int) -> Path:

@@ -6,6 +6,7 @@ environment failure such as a full disk, else its traceback)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
 import os
@@ -39,6 +40,9 @@ def report_failure(workdir: Path, rank: int, kind: str, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # A crash in native code (gloo's or a kernel's abort, a segfault) kills the rank before Python can report it:
+    # faulthandler writes the Python stack of every thread to stderr (the launcher's log) first.
+    faulthandler.enable()
     exit_with_supervisor()
     exit_with_parent()  # the guard: if it is killed, nothing would report this rank's end
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
