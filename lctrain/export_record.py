@@ -56,7 +56,7 @@ def read_export_record(directory: Path) -> ExportRecord | None:
         return None
     try:
         return ExportRecord.model_validate(json.loads(path.read_text()))
-    except (ValueError, ValidationError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSON, decoding and pydantic's ValidationError alike
         if isinstance(e, ValidationError):
             first = e.errors()[0]
             why = ": ".join(filter(None, (".".join(map(str, first["loc"])), first["msg"])))
