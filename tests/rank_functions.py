@@ -2,6 +2,7 @@
 PYTHONPATH)."""
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -51,6 +52,19 @@ def native_abort_on_rank_1(request: dict) -> None:
     import time
 
     time.sleep(60)
+
+
+def leaves_its_group_to_the_exit(request: dict) -> None:
+    """Joins a gloo group and returns without tearing it down; at the interpreter's exit, records whether the group
+    was still there (`WORKDIR/group_at_exit.RANK`)."""
+    import atexit
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    record = Path(request["workdir"]) / f"group_at_exit.{dist_rank()}"
+    atexit.register(lambda: record.write_text(str(dist.is_initialized())))
 
 
 def returns_nothing(request: dict) -> None:

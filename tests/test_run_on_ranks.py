@@ -68,3 +68,10 @@ def test_a_native_crash_is_named_with_the_python_stack_in_the_log(tmp_path):
     assert "killed" not in line and "out-of-memory" not in line
     log = (tmp_path / LAUNCHER_LOG).read_text()
     assert "Fatal Python error: Aborted" in log and "in native_abort_on_rank_1" in log, log[-3000:]
+
+
+@pytest.mark.usefixtures("ranks_env")
+def test_every_rank_tears_down_its_process_group_before_it_exits(tmp_path):
+    """Not left to the exit, where gloo's threads end unjoined and abort a rank whose work had succeeded."""
+    assert run("leaves_its_group_to_the_exit", {"workdir": str(tmp_path)}, tmp_path) == Finished(None)
+    assert [(tmp_path / f"group_at_exit.{r}").read_text() for r in (0, 1)] == ["False", "False"]
