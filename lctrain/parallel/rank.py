@@ -18,6 +18,7 @@ import torch
 
 from lctrain.errors import UserError, environment_error_message
 from lctrain.lifetime import exit_with_parent, exit_with_supervisor
+from lctrain.parallel.groups import end_process_groups
 from lctrain.parallel.launch import REQUEST_FILE, RESULT_FILE, failure_file
 
 # PyTorch's CPU allocator reports a failed allocation as a plain RuntimeError with this text.
@@ -66,11 +67,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         report_failure(args.workdir, rank, "user_error", message)
         raise SystemExit(UserError.exit_code) from None
-    if torch.distributed.is_initialized():
-        # Left to the interpreter's exit, gloo's threads are torn down unjoined: "terminate called without an active
-        # exception" and SIGABRT, on a rank whose work had succeeded (5 of 24 two-rank runs at 4 at once on 2 cores;
-        # 0 of 24 with this).
-        torch.distributed.destroy_process_group()
+    end_process_groups()
     if rank == 0:
         (args.workdir / RESULT_FILE).write_text(json.dumps({"result": result}))
 

@@ -36,7 +36,7 @@ from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.memory import need, plan_memory
 from lctrain.model import build_model, write_model_changes
-from lctrain.parallel.groups import Topology, init_topology, release_single_process
+from lctrain.parallel.groups import Topology, end_process_groups, init_topology, release_single_process
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
 from lctrain.rundir import RunDir
@@ -150,6 +150,7 @@ def run(
         trainer.fit(packed)
         if topo.is_main:
             print(summary(trainer.run_end(start_step, time.monotonic() - started)), flush=True)
+        end_process_groups()  # the ranks of a launcher the user started exit straight after this
     finally:
         release_single_process()
     return rd
