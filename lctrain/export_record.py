@@ -87,11 +87,11 @@ def verify_export(directory: Path, step: int | None) -> bool:
             raise UserError(f"{f}: missing (the export wrote it); restore it, or delete {directory}")
         size = f.stat().st_size
         if size != expected.bytes:
-            raise UserError(f"{f}: {size:,} bytes, not the {expected.bytes:,} the export wrote; restore it")
+            raise UserError(f"{f}: {size:,} bytes, not the {expected.bytes:,} the export wrote; restore the export")
         whole, edges = file_checksums(f, full)
         if edges != expected.edge_checksum or (whole is not None and whole != expected.checksum):
             raise UserError(
                 f"{f}: not the file this export wrote (checksum differs: from another export, edited or damaged); "
-                f"restore it, or delete {directory} to evaluate the others"
+                f"restore it, or, to evaluate the export as it now is, delete its {EXPORT_RECORD}"
             )
     return True
