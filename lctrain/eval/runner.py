@@ -81,8 +81,8 @@ def _is_model_dir(path: Path) -> bool:
 def find_checkpoints(run: RunDir) -> list[tuple[str, Path]]:
     """The run's evaluation checkpoints `hf/step_N/`, in step order, each verified against its record (one without
     its config.json is damage; those without a record are named in a warning)."""
-    unrecorded = []
-    for d in run.exports():
+    exports, unrecorded = run.exports(), []
+    for d in exports:
         if not _is_model_dir(d):
             raise UserError(f"{d}/config.json: missing; restore the export, or delete {d} to evaluate the others")
         if not verify_export(d, step_of(d)):
@@ -94,7 +94,7 @@ def find_checkpoints(run: RunDir) -> list[tuple[str, Path]]:
             file=sys.stderr,
             flush=True,
         )
-    return [(d.name, d) for d in run.exports()]
+    return [(d.name, d) for d in exports]
 
 
 def resolve_target(target: str | Path, config: str | None = None, overrides: list[str] | tuple = ()) -> Target:
