@@ -37,7 +37,7 @@ def lctrain(*args: str) -> list[str]:
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
-    env = clean_env(CUDA_VISIBLE_DEVICES="")
+    env = clean_env(CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -67,7 +67,11 @@ def is_launcher(p: psutil.Process) -> bool:
 
 
 def the_one_line(proc: subprocess.Popen, timeout: float = 120) -> str:
-    rc = proc.wait(timeout=timeout)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hang: SIGABRT makes faulthandler write every thread's stack
+        proc.send_signal(signal.SIGABRT)
+        pytest.fail(f"still running after {timeout} s; its threads at SIGABRT:\n{proc.communicate()[1][-6000:]}")
     err = proc.stderr.read()
     assert rc == 2, err[-3000:]
     assert "Traceback" not in err and "ChildFailedError" not in err and "exitcode" not in err, err[-3000:]
@@ -126,7 +130,10 @@ def test_the_launcher_killed_is_one_line_and_takes_its_ranks_along(workdir, tmp_
     assert not alive, [p.cmdline() for p in alive]
 
 
-def test_a_tokenizer_worker_killed_by_the_os_is_one_line(tmp_path):
+@pytest.mark.parametrize(
+    "moment", ["starting", pytest.param("encoding", marks=pytest.mark.slow)], ids=["while-starting", "while-encoding"]
+)
+def test_a_tokenizer_worker_killed_by_the_os_is_one_line(tmp_path, moment):
     over = [
         f"data.output_dir={tmp_path / 'big'}",
         "data.num_workers=2",
@@ -135,15 +142,20 @@ def test_a_tokenizer_worker_killed_by_the_os_is_one_line(tmp_path):
     ]
     proc = start(lctrain("prepare", *set_args(over)))
     deadline = time.monotonic() + 120
-    while True:  # a worker that has started encoding
+    while True:
         workers = [p for p in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
         if len(workers) == 2:
             break
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-        time.sleep(0.2)
-    time.sleep(2)
+        time.sleep(0.05)
+    while moment == "encoding" and workers[0].cpu_times().user < 3:  # past its imports, tokenizing
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.1)
+    tree = psutil.Process(proc.pid).children(recursive=True)
     workers[0].send_signal(signal.SIGKILL)
     line = the_one_line(proc)
-    assert "a tokenizer worker process (of 2, data.num_workers) was killed by the OS" in line
-    assert "SIGKILL from the out-of-memory killer" in line and "run 'lctrain prepare' again" in line
+    assert "a tokenizer worker process (of 2, data.num_workers) was killed by SIGKILL" in line
+    assert "most likely from the out-of-memory killer" in line and "run 'lctrain prepare' again" in line
     assert not (tmp_path / "big").exists()
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]

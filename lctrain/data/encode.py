@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import numpy as np
 
 from lctrain.config import DOMAINS
 from lctrain.data.sources import RawBatch
 from lctrain.data.synthetic import generate
-from lctrain.lifetime import exit_with_parent
 from lctrain.tokenizer import TextEncoder
 
 OTHER = DOMAINS.index("other")
@@ -44,8 +42,6 @@ def init_worker(encoder: TextEncoder, single_thread: bool = True) -> None:
     global _encoder
     if single_thread:  # a worker process of `prepare`
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (it shuts the pool down)
-        exit_with_parent()  # and if the parent is killed, nobody is left to read our results
         encoder = encoder.with_threads(1)
     _encoder = encoder
 

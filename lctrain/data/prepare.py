@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import multiprocessing
 import os
 import re
 import shutil
 import time
 from collections import Counter, deque
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +40,7 @@ from lctrain.config import (
 from lctrain.data import encode
 from lctrain.data.mixture import Mixture, SourceShares
 from lctrain.data.packing import Packer, ShuffleBuffer
+from lctrain.data.pool import WorkerDied, imap_ordered
 from lctrain.data.progress import Partial
 from lctrain.data.sources import (
     LocalFiles,
@@ -102,27 +100,20 @@ def _encoded(batches, encoder, workers: int):
         for b in batches:
             yield encode.encode_batch(b)
         return
-    ctx = multiprocessing.get_context("spawn")  # fork after tokenizers' threads have started can deadlock
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=encode.init_worker, initargs=(encoder,)) as ex:
-        pending = deque()
-        try:
-            for b in batches:
-                pending.append(ex.submit(encode.encode_batch, b))
-                if len(pending) >= 4 * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        except BrokenProcessPool:
-            # A worker that raises reports its exception; one that ends without a word was killed by a signal,
-            # which the pool does not keep: SIGKILL from the out-of-memory killer is the usual one.
-            raise UserError(
-                f"prepare: a tokenizer worker process (of {workers}, data.num_workers) was killed by the OS, most "
-                f"likely by SIGKILL from the out-of-memory killer; free memory or lower data.num_workers, then run "
-                f"'lctrain prepare' again: it resumes from its last complete shard"
-            ) from None
-        finally:
-            for f in pending:
-                f.cancel()
+    try:
+        yield from imap_ordered(encode.encode_batch, batches, workers, encode.init_worker, (encoder,))
+    except WorkerDied as e:
+        if e.signal == "SIGKILL":
+            how = "was killed by SIGKILL, most likely from the out-of-memory killer: free memory or lower "
+            how += "data.num_workers"
+        elif e.signal:
+            how = f"was killed by {e.signal} (a crash in native code, or a signal sent from outside)"
+        else:
+            how = f"exited with code {e.exitcode} without reporting an error"
+        raise UserError(
+            f"prepare: a tokenizer worker process (of {workers}, data.num_workers) {how}; run 'lctrain prepare' "
+            f"again: it resumes from its last complete shard"
+        ) from None
 
 
 def resolve_sources(cfg: Config) -> list[LocalFiles | None]:

@@ -1,0 +1,183 @@
+"""`prepare`'s worker processes: an ordered, bounded map over items that sees a worker's death the moment it happens.
+
+Why not `concurrent.futures.ProcessPoolExecutor`: its workers share one task queue and one result queue, each guarded
+by a lock in shared memory, and a manager thread with feeder threads stands between them and the caller. A worker
+killed by the OS (the out-of-memory killer's SIGKILL) can die holding one of those locks or with a feeder mid-write, and
+the executor's recovery runs through all of them: CI once saw `prepare` still running two minutes after such a kill,
+on a run that ends in a second every other time. Here nothing is shared between workers: each has a pipe in and a pipe
+out, and the caller waits on every result pipe and every worker's exit at once, so a death is seen whatever the worker
+was doing (starting, reading a task, computing, writing a result) and no lock can be left held.
+
+Each worker keeps `depth` items queued (a thread reads its pipe in, so the caller never blocks on a worker busy
+writing a result), so the next item is there when one ends; results come back in the items' order, and the caller
+holds at most `2 * depth * workers` items between reading one and yielding its result (memory stays bounded on any
+corpus).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import signal
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.connection import wait
+
+from lctrain.lifetime import exit_with_parent
+
+DEPTH = 2
+_STOP = object()
+
+
+class WorkerDied(Exception):
+    """A worker ended without reporting an error: killed by a signal, or exited on its own."""
+
+    def __init__(self, workers: int, exitcode: int | None):
+        self.workers = workers
+        self.exitcode = exitcode
+        self.signal = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else None
+        how = f"was killed by {self.signal}" if self.signal else f"exited with code {exitcode}"
+        super().__init__(f"a worker process (of {workers}) {how}")
+
+
+class WorkerTraceback(Exception):
+    """The worker-side traceback of an exception a worker raised (the `__cause__` of the exception re-raised here)."""
+
+
+def imap_ordered(
+    func: Callable,
+    items: Iterable,
+    workers: int,
+    initializer: Callable | None = None,
+    initargs: tuple = (),
+    depth: int = DEPTH,
+) -> Iterator:
+    """`map(func, items)` over `workers` spawned processes, results in the items' order.
+
+    `func` and `initializer` must be importable module-level functions (the workers are spawned, not forked: a fork
+    after a tokenizer's threads have started can deadlock). An exception `func` or `initializer` raises in a worker is
+    raised here, its worker traceback as its `__cause__`; a worker that ends without one raises `WorkerDied`. Every
+    worker is gone when the iterator ends, fails or is closed."""
+    ctx = multiprocessing.get_context("spawn")
+    pool: list[_Worker] = []
+    try:
+        for _ in range(workers):
+            pool.append(_Worker(ctx, func, initializer, initargs))
+        yield from _ordered(pool, iter(items), depth)
+    finally:
+        for w in pool:
+            w.end()
+
+
+class _Worker:
+    def __init__(self, ctx, func, initializer, initargs):
+        tasks_out, self.tasks = ctx.Pipe(duplex=False)
+        self.results, results_in = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=_serve, args=(tasks_out, results_in, func, initializer, initargs), daemon=True, name="lctrain-worker"
+        )
+        self.process.start()
+        # the worker's ends live in the worker only: its death closes them, which ends our reads and writes at once
+        tasks_out.close()
+        results_in.close()
+        self.outstanding: deque[int] = deque()
+
+    def send(self, seq: int, item, workers: int) -> None:
+        try:
+            self.tasks.send(item)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self.died(workers) from None
+        self.outstanding.append(seq)
+
+    def receive(self, workers: int):
+        """(seq, result) of the oldest item this worker holds; raises what the worker raised."""
+        try:
+            kind, value, trace = self.results.recv()
+        except (EOFError, ConnectionResetError):
+            raise self.died(workers) from None
+        if kind == "error":
+            raise value from WorkerTraceback(trace)
+        return self.outstanding.popleft(), value
+
+    def died(self, workers: int) -> WorkerDied:
+        self.process.join(timeout=10)  # its pipes closed as it died: reaping it is immediate
+        return WorkerDied(workers, self.process.exitcode)
+
+    def end(self) -> None:
+        self.process.kill()  # nothing a worker holds outlives it: no locks, no files, only results nobody wants
+        self.process.join()
+        self.tasks.close()
+        self.results.close()
+
+
+def _ordered(pool: list[_Worker], items: Iterator, depth: int) -> Iterator:
+    window = 2 * depth * len(pool)
+    done: dict[int, object] = {}
+    sent = yielded = 0
+    exhausted = False
+    while True:
+        while not exhausted and sent - yielded < window:
+            w = min(pool, key=lambda w: len(w.outstanding))
+            if len(w.outstanding) >= depth:
+                break
+            try:
+                item = next(items)
+            except StopIteration:
+                exhausted = True
+                break
+            w.send(sent, item, len(pool))
+            sent += 1
+        if yielded in done:
+            yield done.pop(yielded)
+            yielded += 1
+            continue
+        if exhausted and yielded == sent:
+            return
+        ready = set(wait([w.results for w in pool] + [w.process.sentinel for w in pool]))
+        for w in pool:
+            # a result written just before its worker died is still read (and an error it reported still raised)
+            if w.results in ready or (w.process.sentinel in ready and w.results.poll()):
+                seq, result = w.receive(len(pool))
+                done[seq] = result
+            elif w.process.sentinel in ready:
+                raise w.died(len(pool))
+
+
+def _serve(tasks, results, func, initializer, initargs) -> None:
+    """A worker's life: initialize, then one result per item in the order they came, until the caller closes its
+    end of `tasks` (or dies)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it ends the workers
+    exit_with_parent()  # a caller killed with SIGKILL cannot end us: stop mid-item rather than compute for nobody
+    try:
+        if initializer is not None:
+            initializer(*initargs)
+    except Exception as e:
+        _report(results, e)
+        return
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read():
+        try:
+            while True:
+                inbox.put(tasks.recv())
+        except (EOFError, OSError):
+            inbox.put(_STOP)
+
+    threading.Thread(target=read, name="lctrain-worker-inbox", daemon=True).start()
+    while (item := inbox.get()) is not _STOP:
+        try:
+            result = func(item)
+        except Exception as e:
+            _report(results, e)
+            return
+        results.send(("ok", result, None))
+
+
+def _report(results, e: Exception) -> None:
+    trace = traceback.format_exc()
+    try:
+        results.send(("error", e, trace))
+    except Exception:  # an exception that does not pickle still reaches the caller, as its text
+        results.send(("error", RuntimeError(f"{type(e).__name__}: {e}"), trace))

@@ -1,0 +1,52 @@
+"""Functions tests/test_pool.py runs in `imap_ordered`'s spawned workers (module-level: the workers import them)."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def square_after_a_while(x: int) -> tuple[int, int]:
+    """x*x after a delay that varies with x (so results finish out of order), and the worker's pid."""
+    time.sleep(0.02 * (x % 3))
+    return x * x, os.getpid()
+
+
+def fails_on_three(x: int) -> int:
+    if x == 3:
+        raise ValueError(f"no threes here: {x}")
+    return x
+
+
+class Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("this exception does not pickle")
+
+
+def fails_unpicklably(x: int) -> int:
+    raise Unpicklable("the worker's own words")
+
+
+def dies_on_two(x: int) -> int:
+    """Item 2 ends its worker the way the OS would (`("signal", n)`) or with an exit code (`("exit", n)`)."""
+    how, n = os.environ["POOL_TEST_DEATH"].split(":")
+    if x == 2:
+        if how == "signal":
+            os.kill(os.getpid(), int(n))
+        os._exit(int(n))
+    return x
+
+
+def refuse_to_start() -> None:
+    raise RuntimeError("this worker cannot start")
+
+
+def killed_while_starting() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleeps_and_says_who(path: str) -> int:
+    """Writes its pid to `path`, then works for a long time."""
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(30)
+    return 0

@@ -1,0 +1,118 @@
+"""`imap_ordered`: `prepare`'s worker processes. Results against the in-process `map`, in order and bounded; a worker's
+exception raised with its traceback; a worker's death (by a signal or an exit code, while starting, computing or
+idle) seen at once as `WorkerDied`; no worker outlives the iterator."""
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pool_functions as fn
+import pytest
+
+from lctrain.data.pool import WorkerDied, WorkerTraceback, imap_ordered
+
+
+def workers_alive() -> list:
+    return [p for p in multiprocessing.active_children() if p.name == "lctrain-worker"]
+
+
+def test_results_come_in_the_items_order_from_every_worker():
+    items = list(range(40))
+    got = list(imap_ordered(fn.square_after_a_while, items, workers=2))
+    assert [r for r, _ in got] == [x * x for x in items]
+    assert len({pid for _, pid in got}) == 2 and os.getpid() not in {pid for _, pid in got}
+    assert not workers_alive()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_no_more_than_the_window_is_read_ahead_of_the_results(depth):
+    taken = []
+
+    def items():
+        for x in range(30):
+            taken.append(x)
+            yield x
+
+    results = imap_ordered(fn.square_after_a_while, items(), workers=2, depth=depth)
+    for yielded, (r, _) in enumerate(results, start=1):
+        assert r == (yielded - 1) ** 2
+        assert len(taken) - yielded < 2 * depth * 2
+    assert len(taken) == 30
+
+
+def test_an_exception_in_a_worker_is_raised_with_its_worker_traceback():
+    results = imap_ordered(fn.fails_on_three, range(10), workers=2)
+    assert [next(results) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="no threes here: 3") as e:
+        next(results)
+    assert isinstance(e.value.__cause__, WorkerTraceback)
+    assert "in fails_on_three" in str(e.value.__cause__) and "pool_functions.py" in str(e.value.__cause__)
+    assert not workers_alive()
+
+
+def test_an_exception_that_does_not_pickle_arrives_as_its_text():
+    with pytest.raises(RuntimeError, match="Unpicklable: the worker's own words"):
+        list(imap_ordered(fn.fails_unpicklably, range(4), workers=2))
+
+
+def test_an_initializer_that_raises_is_raised():
+    with pytest.raises(RuntimeError, match="this worker cannot start"):
+        list(imap_ordered(fn.square_after_a_while, range(4), workers=2, initializer=fn.refuse_to_start))
+    assert not workers_alive()
+
+
+@pytest.mark.parametrize(
+    ("death", "signal_name", "exitcode"),
+    [
+        (f"signal:{int(signal.SIGKILL)}", "SIGKILL", -9),
+        (f"signal:{int(signal.SIGSEGV)}", "SIGSEGV", -11),
+        ("exit:3", None, 3),
+    ],
+)
+def test_a_worker_that_dies_computing_is_named_with_its_signal_or_exit_code(monkeypatch, death, signal_name, exitcode):
+    monkeypatch.setenv("POOL_TEST_DEATH", death)  # the spawned workers inherit the environment
+    results = imap_ordered(fn.dies_on_two, range(10), workers=2)
+    assert [next(results), next(results)] == [0, 1]
+    with pytest.raises(WorkerDied) as e:
+        next(results)
+    assert (e.value.signal, e.value.exitcode, e.value.workers) == (signal_name, exitcode, 2)
+    assert (
+        str(e.value)
+        == f"a worker process (of 2) {'was killed by ' + signal_name if signal_name else 'exited with code 3'}"
+    )
+    assert not workers_alive()
+
+
+def test_a_worker_killed_while_starting_is_seen():
+    with pytest.raises(WorkerDied, match="was killed by SIGKILL"):
+        list(imap_ordered(fn.square_after_a_while, range(4), workers=2, initializer=fn.killed_while_starting))
+
+
+def test_an_idle_worker_killed_is_seen_while_the_other_computes(tmp_path):
+    """One item for two workers: the one without work is killed; the caller, waiting on the other's 30 s item, learns of
+    it at once."""
+    busy = tmp_path / "busy.pid"
+
+    def kill_the_idle_one():
+        while not busy.exists() or not busy.read_text():
+            time.sleep(0.01)
+        idle = [p for p in workers_alive() if p.pid != int(busy.read_text())]
+        os.kill(idle[0].pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_idle_one, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match="was killed by SIGKILL"):
+        list(imap_ordered(fn.sleeps_and_says_who, [str(busy)], workers=2))
+    assert time.monotonic() - start < 20
+    assert not workers_alive()
+
+
+def test_closing_early_ends_every_worker():
+    results = imap_ordered(fn.square_after_a_while, range(1000), workers=2)
+    assert next(results)[0] == 0
+    assert len(workers_alive()) == 2
+    results.close()
+    assert not workers_alive()
