@@ -229,7 +229,7 @@ class DataConfig(_Section):
     )
     min_doc_tokens: Int = Field(1, ge=1, description="documents with fewer tokens are skipped (counted as too_short)")
     seed: Seed = Field(0, description="seeds the file order, the shuffle buffer, the mixture and the chunking")
-    num_workers: Int = Field(0, ge=0, description="tokenizer processes; 0 = all cores")
+    num_workers: Int = Field(0, ge=0, description="tokenizer processes, at most one per usable CPU core; 0 = all cores")
     output_dir: Text | None = Field(
         None, description="where the prepared dataset goes; null = prepared/<data fingerprint> (shared by configs)"
     )

@@ -14,6 +14,7 @@ import sentencepiece as spm
 import zstandard
 from typer.testing import CliRunner
 
+import lctrain.data.prepare as prepare_module
 from lctrain.cli import app
 from lctrain.config import DOMAINS, load_config
 from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES
@@ -230,6 +231,17 @@ def test_same_config_same_bytes_with_one_or_two_workers(tmp_path):
         assert m0 == m1
     different_seed = prepare(load_config(None, over[:-1] + ["data.seed=8", f"data.output_dir={tmp_path / 'd'}"]))
     assert (different_seed / files[0]).read_bytes() != (outs[0] / files[0]).read_bytes()
+
+
+def test_more_workers_than_cores_starts_one_per_core_and_says_so(tmp_path, monkeypatch, capsys):
+    """A config written for a larger machine (or a typo: 100000) must not start that many processes."""
+    monkeypatch.setattr(prepare_module, "usable_cpus", lambda: 2)
+    over = ["data.seq_len=256", "data.token_budget=30000", "data.synthetic.num_docs=300", "data.num_workers=100000"]
+    out = prepare(load_config(None, [*over, f"data.output_dir={tmp_path / 'o'}"]))
+    assert json.loads((out / "manifest.json").read_text())["build"]["num_workers"] == 2
+    said = " ".join(capsys.readouterr().out.split())
+    assert "data.num_workers = 100000 is more than the 2 CPU cores this process may use: 2 tokenizer processes" in said
+    assert "2 worker(s)" in said
 
 
 def test_zst_parquet_and_slimpajama_layout(tmp_path, tok, words):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from train_helpers import clean_env, losses, prepared_workdir, set_args
+from train_helpers import clean_env, losses, prepared_workdir, set_args, two_tokenizer_workers
 
 from lctrain.rundir import RunDir
 
@@ -130,6 +130,7 @@ def test_the_launcher_killed_is_one_line_and_takes_its_ranks_along(workdir, tmp_
     assert not alive, [p.cmdline() for p in alive]
 
 
+@two_tokenizer_workers
 @pytest.mark.parametrize(
     "moment", ["starting", pytest.param("encoding", marks=pytest.mark.slow)], ids=["while-starting", "while-encoding"]
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from train_helpers import clean_env, set_args
+from train_helpers import clean_env, set_args, two_tokenizer_workers
 
 from lctrain.errors import UserError
 from lctrain.lifetime import RunLock, is_alive
@@ -137,6 +137,7 @@ def test_kill_9_of_the_launching_command_takes_its_workers_along(data_dir, tmp_p
         pass
 
 
+@two_tokenizer_workers
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "kill"])
 def test_a_killed_prepare_takes_its_tokenizer_workers_along(tmp_path, sig):
     over = [

@@ -6,12 +6,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.export_record import write_export_record
+from lctrain.hardware import usable_cpus
 from lctrain.rundir import RunDir
+
+# prepare starts one tokenizer process per usable core at most: tests that watch two of them need two cores
+two_tokenizer_workers = pytest.mark.skipif(usable_cpus() < 2, reason="data.num_workers=2 needs 2 usable CPU cores")
 
 # Variables a launcher sets; a child `lctrain train` must not inherit them from the test process.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -86,8 +86,10 @@ def _console():
 
 
 def _num_workers(requested: int, budget_tokens: int) -> int:
+    """Tokenizer processes: as asked, at most one per usable core (tokenizing is CPU-bound: more only costs memory and
+    start-up, and a config written for a larger machine must not start hundreds of processes on a small one)."""
     if requested > 0:
-        return requested
+        return min(requested, usable_cpus())
     if budget_tokens < SMALL_BUDGET:
         return 1  # starting worker processes costs more than they save
     return usable_cpus()
@@ -481,6 +483,12 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         f"preparing {out}: {what_source}, tokenizer {d.tokenizer}, {num_windows:,} windows of "
         f"{d.seq_len:,} tokens, mixture {d.mixture}, {workers} worker(s)"
     )
+    if workers < d.num_workers:
+        console.print(
+            f"data.num_workers = {d.num_workers} is more than the {workers} CPU cores this process may use: "
+            f"{workers} tokenizer processes",
+            style="yellow",
+        )
     console.print(f"anchor: {anchor.token} (id {anchor.id}; {anchor.why})", markup=False)
     builder = None
     try:
