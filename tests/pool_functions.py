@@ -13,6 +13,9 @@ def square_after_a_while(x: int) -> tuple[int, int]:
 
 
 def fails_on_three(x: int) -> int:
+    """Item 0 is slow, so item 3's error (on the other worker) arrives before item 0's result."""
+    if x == 0:
+        time.sleep(0.5)
     if x == 3:
         raise ValueError(f"no threes here: {x}")
     return x

@@ -57,9 +57,11 @@ def imap_ordered(
     """`map(func, items)` over `workers` spawned processes, results in the items' order.
 
     `func` and `initializer` must be importable module-level functions (the workers are spawned, not forked: a fork
-    after a tokenizer's threads have started can deadlock). An exception `func` or `initializer` raises in a worker is
-    raised here, its worker traceback as its `__cause__`; a worker that ends without one raises `WorkerDied`. Every
-    worker is gone when the iterator ends, fails or is closed."""
+    after a tokenizer's threads have started can deadlock). An exception `func` raises is raised here in its item's
+    turn (after the results of the items before it), one `initializer` raises as soon as it arrives, each with its
+    worker traceback as its `__cause__`. A worker that dies is `WorkerDied` as soon as it is seen: the results of items
+    before it that are still computing are not waited for. Every worker is gone when the iterator ends, fails or is
+    closed."""
     ctx = multiprocessing.get_context("spawn")
     pool: list[_Worker] = []
     try:
@@ -91,15 +93,19 @@ class _Worker:
             raise self.died(workers) from None
         self.outstanding.append(seq)
 
-    def receive(self, workers: int):
-        """(seq, result) of the oldest item this worker holds; raises what the worker raised."""
+    def receive(self, workers: int) -> tuple[int, bool, object]:
+        """(seq, raised, value) of the oldest item this worker holds: `value` is the result, or the exception `func`
+        raised on it (raised here in its turn). A failed initializer is raised at once."""
         try:
             kind, value, trace = self.results.recv()
         except (EOFError, ConnectionResetError):
             raise self.died(workers) from None
-        if kind == "error":
-            raise value from WorkerTraceback(trace)
-        return self.outstanding.popleft(), value
+        if kind == "ok":
+            return self.outstanding.popleft(), False, value
+        value.__cause__ = WorkerTraceback(trace)
+        if kind == "failed to start":
+            raise value
+        return self.outstanding.popleft(), True, value
 
     def died(self, workers: int) -> WorkerDied:
         self.process.join(timeout=10)  # its pipes closed as it died: reaping it is immediate
@@ -130,7 +136,10 @@ def _ordered(pool: list[_Worker], items: Iterator, depth: int) -> Iterator:
             w.send(sent, item, len(pool))
             sent += 1
         if yielded in done:
-            yield done.pop(yielded)
+            raised, value = done.pop(yielded)
+            if raised:
+                raise value
+            yield value
             yielded += 1
             continue
         if exhausted and yielded == sent:
@@ -139,8 +148,8 @@ def _ordered(pool: list[_Worker], items: Iterator, depth: int) -> Iterator:
         for w in pool:
             # a result written just before its worker died is still read (and an error it reported still raised)
             if w.results in ready or (w.process.sentinel in ready and w.results.poll()):
-                seq, result = w.receive(len(pool))
-                done[seq] = result
+                seq, raised, value = w.receive(len(pool))
+                done[seq] = raised, value
             elif w.process.sentinel in ready:
                 raise w.died(len(pool))
 
@@ -154,7 +163,7 @@ def _serve(tasks, results, func, initializer, initargs) -> None:
         if initializer is not None:
             initializer(*initargs)
     except Exception as e:
-        _report(results, e)
+        _report(results, "failed to start", e)
         return
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -170,14 +179,14 @@ def _serve(tasks, results, func, initializer, initargs) -> None:
         try:
             result = func(item)
         except Exception as e:
-            _report(results, e)
-            return
-        results.send(("ok", result, None))
+            _report(results, "raised", e)
+        else:
+            results.send(("ok", result, None))
 
 
-def _report(results, e: Exception) -> None:
+def _report(results, kind: str, e: Exception) -> None:
     trace = traceback.format_exc()
     try:
-        results.send(("error", e, trace))
+        results.send((kind, e, trace))
     except Exception:  # an exception that does not pickle still reaches the caller, as its text
-        results.send(("error", RuntimeError(f"{type(e).__name__}: {e}"), trace))
+        results.send((kind, RuntimeError(f"{type(e).__name__}: {e}"), trace))
