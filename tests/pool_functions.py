@@ -26,8 +26,17 @@ class Unpicklable(Exception):
         raise TypeError("this exception does not pickle")
 
 
+class NeedsTwoArguments(Exception):
+    """Pickles (as its type and args), but does not unpickle: its `__init__` wants two arguments, args holds one."""
+
+    def __init__(self, what: str, why: str):
+        super().__init__(f"{what}: {why}")
+
+
 def fails_unpicklably(x: int) -> int:
-    raise Unpicklable("the worker's own words")
+    if x == 0:
+        raise Unpicklable("the worker's own words")
+    raise NeedsTwoArguments("the worker's", "other words")
 
 
 def dies_on_two(x: int) -> int:

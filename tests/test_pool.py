@@ -54,9 +54,12 @@ def test_an_exception_in_a_worker_is_raised_with_its_worker_traceback():
     assert not workers_alive()
 
 
-def test_an_exception_that_does_not_pickle_arrives_as_its_text():
+def test_an_exception_that_does_not_travel_arrives_as_its_text():
+    """One that does not pickle, and one that pickles but does not unpickle (its `__init__` wants other arguments)."""
     with pytest.raises(RuntimeError, match="Unpicklable: the worker's own words"):
         list(imap_ordered(fn.fails_unpicklably, range(4), workers=2))
+    with pytest.raises(RuntimeError, match="NeedsTwoArguments: the worker's: other words"):
+        list(imap_ordered(fn.fails_unpicklably, range(1, 4), workers=2))
 
 
 def test_an_initializer_that_raises_is_raised():

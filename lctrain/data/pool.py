@@ -17,6 +17,7 @@ corpus).
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import queue
 import signal
 import threading
@@ -120,7 +121,7 @@ class _Worker:
 
 def _ordered(pool: list[_Worker], items: Iterator, depth: int) -> Iterator:
     window = 2 * depth * len(pool)
-    done: dict[int, object] = {}
+    done: dict[int, tuple[bool, object]] = {}  # seq -> (raised, result or exception)
     sent = yielded = 0
     exhausted = False
     while True:
@@ -187,6 +188,7 @@ def _serve(tasks, results, func, initializer, initargs) -> None:
 def _report(results, kind: str, e: Exception) -> None:
     trace = traceback.format_exc()
     try:
-        results.send((kind, e, trace))
-    except Exception:  # an exception that does not pickle still reaches the caller, as its text
-        results.send((kind, RuntimeError(f"{type(e).__name__}: {e}"), trace))
+        pickle.loads(pickle.dumps(e))  # the caller must be able to rebuild it, not only this process to write it
+    except Exception:  # an exception that does not travel still reaches the caller, as its text
+        e = RuntimeError(f"{type(e).__name__}: {e}")
+    results.send((kind, e, trace))
