@@ -35,8 +35,9 @@ def lctrain(*args: str) -> list[str]:
     return [sys.executable, "-m", "lctrain.cli", *args]
 
 
-def start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def start(cmd: list[str], **popen) -> subprocess.Popen:
+    env = clean_env()
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
 
 
 def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -138,27 +139,37 @@ def test_kill_9_of_the_launching_command_takes_its_workers_along(data_dir, tmp_p
 
 
 @two_tokenizer_workers
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "kill"])
-def test_a_killed_prepare_takes_its_tokenizer_workers_along(tmp_path, sig):
+@pytest.mark.parametrize(
+    ("sig", "moment"),
+    [(signal.SIGKILL, "encoding"), (signal.SIGTERM, "encoding"), (signal.SIGINT, "starting")],
+    ids=["kill-9", "kill", "ctrl-c-while-the-workers-start"],
+)
+def test_a_killed_prepare_takes_its_tokenizer_workers_along(tmp_path, sig, moment):
+    """SIGINT goes to the process group, as a terminal's Ctrl-C does: the workers get it too, while their interpreters
+    start."""
     over = [
         f"data.output_dir={tmp_path / 'big'}",
         "data.num_workers=2",
         "data.token_budget=50000000",
         "data.synthetic.num_docs=200000",
     ]
-    proc = start(lctrain("prepare", *set_args(over)))
+    proc = start(lctrain("prepare", *set_args(over)), start_new_session=True)
     deadline = time.monotonic() + 120
     while len(psutil.Process(proc.pid).children()) < 3:  # the two workers and multiprocessing's resource tracker
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-        time.sleep(0.2)
-    time.sleep(2)  # the workers are encoding
+        time.sleep(0.01)
+    if moment == "encoding":
+        time.sleep(2)
     tree = psutil.Process(proc.pid).children(recursive=True)
-    proc.send_signal(sig)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     rc = proc.wait(timeout=60)
     assert not survivors(tree), [p.cmdline() for p in survivors(tree, 0)]
-    if sig == signal.SIGTERM:  # cleaned up like Ctrl-C: one line, no partial output
+    if sig != signal.SIGKILL:  # cleaned up like Ctrl-C: one line, no partial output
         err = proc.stderr.read()
-        assert rc == 143 and err.count("interrupted") == 1 and "Traceback" not in err, err[-3000:]
+        assert rc == 128 + sig and err.count("interrupted") == 1 and "Traceback" not in err, err[-3000:]
         assert not list(tmp_path.glob(".big.partial-*")) and not (tmp_path / "big").exists()
 
 

@@ -114,6 +114,19 @@ def test_an_idle_worker_killed_is_seen_while_the_other_computes(tmp_path):
     assert not workers_alive()
 
 
+def test_ctrl_c_never_reaches_a_worker_even_while_its_interpreter_starts():
+    """A terminal's Ctrl-C goes to the whole process group; here it reaches the workers the moment they are started
+    (the items are read only then), long before their imports end."""
+
+    def items():
+        for p in workers_alive():
+            os.kill(p.pid, signal.SIGINT)
+        yield from range(6)
+
+    got = [r for r, _ in imap_ordered(fn.square_after_a_while, items(), workers=2)]
+    assert got == [x * x for x in range(6)]
+
+
 def test_closing_early_ends_every_worker():
     results = imap_ordered(fn.square_after_a_while, range(1000), workers=2)
     assert next(results)[0] == 0

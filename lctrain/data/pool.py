@@ -81,7 +81,14 @@ class _Worker:
         self.process = ctx.Process(
             target=_serve, args=(tasks_out, results_in, func, initializer, initargs), daemon=True, name="lctrain-worker"
         )
-        self.process.start()
+        # Ctrl-C in a terminal goes to the whole process group; it is the caller's to handle (it ends the workers), so
+        # a worker must never see it, not even while its interpreter starts: it inherits SIGINT blocked (the mask
+        # survives exec), and `_serve` ignores it before unblocking it, which discards one sent in between.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # the worker's ends live in the worker only: its death closes them, which ends our reads and writes at once
         tasks_out.close()
         results_in.close()
@@ -158,7 +165,8 @@ def _ordered(pool: list[_Worker], items: Iterator, depth: int) -> Iterator:
 def _serve(tasks, results, func, initializer, initargs) -> None:
     """A worker's life: initialize, then one result per item in the order they came, until the caller closes its
     end of `tasks` (or dies)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it ends the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     exit_with_parent()  # a caller killed with SIGKILL cannot end us: stop mid-item rather than compute for nobody
     try:
         if initializer is not None:
