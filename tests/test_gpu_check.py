@@ -3,12 +3,14 @@ partial benchmark results, and the loss comparison of the kill-and-resume check.
 
 import json
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import devtools.gpu_check.cli as gpu_check_cli
 from devtools.gpu_check.cli import main
 from devtools.gpu_check.junit import junit_summary
 from devtools.gpu_check.report import merge_report, render_markdown
@@ -130,6 +132,31 @@ def test_the_command_line_runs_the_chosen_stages_into_the_report(tmp_path, monke
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| tests | passed |" in md and "- resumed losses differ" in md and md in capsys.readouterr().out
     assert main(["--out", str(tmp_path), "tests"]) == 0
+
+
+def test_a_total_limit_shares_its_time_and_skips_what_no_longer_fits(tmp_path, monkeypatch, capsys):
+    """One device call: each stage gets what is left of --total-limit; a stage left with too little is skipped, and a
+    skip never replaces an earlier invocation's result."""
+    limits = {}
+
+    def stage(run, args):
+        limits[run.result.stage] = run.limit
+        time.sleep(0.3 if run.result.stage == "tests" else max(run.remaining(), 0))  # the second uses all it has
+
+    monkeypatch.setattr(gpu_check_cli, "MIN_STAGE_S", 0.2)
+    for name in ("tests", "attention", "train"):
+        monkeypatch.setitem(STAGE_FNS, name, stage)
+    assert main(["--out", str(tmp_path), "--stage-limit", "0.3", "train"]) == 0  # an earlier invocation
+    assert main(["--out", str(tmp_path), "--total-limit", "1.5", "tests", "attention", "train"]) == 1
+    assert limits["tests"] == pytest.approx(1.5, abs=0.05) and 0.2 <= limits["attention"] <= 1.5 - 0.3
+    assert "[gpu_check] train: skipped in 0 s" in capsys.readouterr().out
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert {s: r["status"] for s, r in report["stages"].items()} == dict.fromkeys(
+        ("tests", "attention", "train"), "passed"
+    )
+    assert main(["--out", str(tmp_path / "fresh"), "--total-limit", "0.1", "train"]) == 1
+    fresh = json.loads((tmp_path / "fresh" / "gpu_check.json").read_text())["stages"]["train"]
+    assert fresh["status"] == "skipped" and fresh["notes"] == ["skipped: 0 s left of --total-limit 0"]
 
 
 def test_train_stage_rows_and_issue_20_targets():

@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from devtools.gpu_check.gguf_parts import split_example_model, use_joined
 from devtools.gpu_check.report import gpu_meta, merge_report, render_markdown
-from devtools.gpu_check.stages import STAGE_LIMIT_S, STAGES, run_stage, select_stages
+from devtools.gpu_check.stages import MIN_STAGE_S, STAGE_LIMIT_S, STAGES, run_stage, select_stages, skipped
 from devtools.gpu_check.wheels import build_wheelhouse
 
 
@@ -93,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         help="folders written by `gpu_check.py gguf-parts` (each carried in an earlier call): the example model's GGUF",
     )
     ap.add_argument("--stage-limit", type=float, default=STAGE_LIMIT_S, help="seconds per stage")
+    ap.add_argument(
+        "--total-limit",
+        type=float,
+        default=None,
+        help="seconds for this whole invocation (one device call's limit, less the interpreter's start): each stage "
+        f"gets at most what is left, and one with under {MIN_STAGE_S:.0f} s left is skipped, so the report comes back "
+        "before the call is killed",
+    )
     ap.add_argument("--attention-lengths", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--attention-engines", nargs="+", default=["varlen", "sdpa", "flex"])
     ap.add_argument("--train-seq-len", type=int, default=65536)
@@ -130,9 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.gguf_parts:
         print(f"[gpu_check] example model GGUF: {use_joined([Path(p) for p in args.gguf_parts], out / 'gguf')}")
     results = []
+    end = None if args.total_limit is None else time.monotonic() + args.total_limit
     for stage in stages:
-        print(f"[gpu_check] {stage} ...", flush=True)
-        results.append(run_stage(stage, args, out))
+        left = args.stage_limit if end is None else min(args.stage_limit, end - time.monotonic())
+        if left < MIN_STAGE_S:
+            why = f"skipped: {max(left, 0):.0f} s left of --total-limit {args.total_limit:.0f}"
+            results.append(skipped(stage, why))
+        else:
+            print(f"[gpu_check] {stage} ...", flush=True)
+            results.append(run_stage(stage, args, out, limit=left))
         print(f"[gpu_check] {stage}: {results[-1].status} in {results[-1].seconds:.0f} s", flush=True)
         report = merge_report(out / "gpu_check.json", results, gpu_meta())
         (out / "gpu_check.md").write_text(render_markdown(report))

@@ -16,7 +16,8 @@ def merge_report(path: Path, results: list[StageResult], meta: dict) -> dict:
     report = json.loads(path.read_text()) if path.is_file() else {"stages": {}}
     report["meta"] = {**report.get("meta", {}), **meta}
     for r in results:
-        report["stages"][r.stage] = vars(r)
+        if r.status != "skipped" or r.stage not in report["stages"]:
+            report["stages"][r.stage] = vars(r)
     report["stages"] = {s: report["stages"][s] for s in STAGES if s in report["stages"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))

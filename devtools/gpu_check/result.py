@@ -25,7 +25,7 @@ STAGES = (
 @dataclass
 class StageResult:
     stage: str
-    status: str = "passed"  # passed | failed | error (could not run)
+    status: str = "passed"  # passed | failed | error (could not run) | skipped (no time left)
     seconds: float = 0.0
     commands: list[str] = field(default_factory=list)
     columns: list[str] = field(default_factory=list)

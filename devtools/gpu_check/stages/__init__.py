@@ -25,6 +25,7 @@ from devtools.gpu_check.stages.install import stage_install
 from devtools.gpu_check.stages.rope import stage_rope, stage_rope_real
 
 STAGE_LIMIT_S = 570  # one stage fits a 10-minute slot with room for the interpreter start and the report
+MIN_STAGE_S = 60  # under this a stage measures nothing worth its start (installs, model loads)
 
 
 def select_stages(names: list[str]) -> list[str]:
@@ -57,9 +58,10 @@ STAGE_FNS: dict[str, Callable] = {
 }
 
 
-def run_stage(stage: str, args, out: Path) -> StageResult:
+def run_stage(stage: str, args, out: Path, limit: float | None = None) -> StageResult:
+    """Run `stage` for at most `limit` seconds (default `args.stage_limit`)."""
     result = StageResult(stage)
-    runner = Runner(result, out, args.stage_limit)
+    runner = Runner(result, out, args.stage_limit if limit is None else limit)
     runner.log.write_text("")
     t0 = time.monotonic()
     try:
@@ -69,3 +71,8 @@ def run_stage(stage: str, args, out: Path) -> StageResult:
         result.notes.append(f"{type(e).__name__}: {e}")
     result.seconds = time.monotonic() - t0
     return result
+
+
+def skipped(stage: str, why: str) -> StageResult:
+    """A stage that did not run; in a report it never replaces a result of an earlier invocation."""
+    return StageResult(stage, status="skipped", notes=[why])
