@@ -18,6 +18,7 @@ import lctrain.data.prepare as prepare_module
 from lctrain.cli import app
 from lctrain.config import DOMAINS, load_config
 from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES
+from lctrain.data.pool import WorkerDied
 from lctrain.data.prepare import prepare
 from lctrain.data.store import FORMAT_VERSION, ShardWriter, open_packed
 from lctrain.errors import UserError
@@ -242,6 +243,28 @@ def test_more_workers_than_cores_starts_one_per_core_and_says_so(tmp_path, monke
     said = " ".join(capsys.readouterr().out.split())
     assert "data.num_workers = 100000 is more than the 2 CPU cores this process may use: 2 tokenizer processes" in said
     assert "2 worker(s)" in said
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "how"),
+    [
+        (-9, "was killed by SIGKILL, most likely from the out-of-memory killer: free memory or lower data.num_workers"),
+        (-11, "was killed by SIGSEGV (a crash in native code, or a signal sent from outside)"),
+        (1, "exited with code 1 without reporting an error"),
+    ],
+)
+def test_a_dead_tokenizer_worker_is_one_line_naming_how_it_ended(monkeypatch, exitcode, how):
+    def dies(*args):
+        raise WorkerDied(3, exitcode)
+        yield
+
+    monkeypatch.setattr(prepare_module, "imap_ordered", dies)
+    with pytest.raises(UserError) as e:
+        list(prepare_module._encoded(iter([]), None, workers=3))
+    assert str(e.value) == (
+        f"prepare: a tokenizer worker process (of 3, data.num_workers) {how}; run 'lctrain prepare' again: it "
+        f"resumes from its last complete shard"
+    )
 
 
 def test_zst_parquet_and_slimpajama_layout(tmp_path, tok, words):

@@ -39,8 +39,13 @@ class WorkerDied(Exception):
         self.workers = workers
         self.exitcode = exitcode
         self.signal = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else None
-        how = f"was killed by {self.signal}" if self.signal else f"exited with code {exitcode}"
-        super().__init__(f"a worker process (of {workers}) {how}")
+        super().__init__(f"a worker process (of {workers}) {self.how}")
+
+    @property
+    def how(self) -> str:
+        if self.signal:
+            return f"was killed by {self.signal}"
+        return "ended (its exit code unknown)" if self.exitcode is None else f"exited with code {self.exitcode}"
 
 
 class WorkerTraceback(Exception):

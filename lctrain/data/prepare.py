@@ -109,9 +109,9 @@ def _encoded(batches, encoder, workers: int):
             how = "was killed by SIGKILL, most likely from the out-of-memory killer: free memory or lower "
             how += "data.num_workers"
         elif e.signal:
-            how = f"was killed by {e.signal} (a crash in native code, or a signal sent from outside)"
+            how = f"{e.how} (a crash in native code, or a signal sent from outside)"
         else:
-            how = f"exited with code {e.exitcode} without reporting an error"
+            how = f"{e.how} without reporting an error"
         raise UserError(
             f"prepare: a tokenizer worker process (of {workers}, data.num_workers) {how}; run 'lctrain prepare' "
             f"again: it resumes from its last complete shard"
