@@ -35,6 +35,8 @@ LOCK_NAME = ".lctrain.lock"
 # Set by a supervising `lctrain train` for the workers it launches: "pid:create_time" of the supervisor.
 SUPERVISOR_ENV = "LCTRAIN_SUPERVISOR"
 POLL_S = 0.5
+# Signals a process raises on itself when its native code fails (abort(), a bad access): not sent from outside.
+CRASH_SIGNALS = frozenset({"SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL"})
 
 
 class Terminated(KeyboardInterrupt):

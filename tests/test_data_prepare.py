@@ -249,7 +249,8 @@ def test_more_workers_than_cores_starts_one_per_core_and_says_so(tmp_path, monke
     ("exitcode", "how"),
     [
         (-9, "was killed by SIGKILL, most likely from the out-of-memory killer: free memory or lower data.num_workers"),
-        (-11, "was killed by SIGSEGV (a crash in native code, or a signal sent from outside)"),
+        (-11, "crashed with SIGSEGV in native code (a library aborted or faulted)"),
+        (-15, "was killed by SIGTERM (stopped from outside: a scheduler or a user)"),
         (1, "exited with code 1 without reporting an error"),
     ],
 )

@@ -63,7 +63,7 @@ from lctrain.data.store import (
 )
 from lctrain.errors import UserError, is_environment_error, writing
 from lctrain.hardware import usable_cpus
-from lctrain.lifetime import is_alive
+from lctrain.lifetime import CRASH_SIGNALS, is_alive
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor, text_encoder, tokenizer_fingerprint
 
 SKIP_EXAMPLES = 5
@@ -108,8 +108,10 @@ def _encoded(batches, encoder, workers: int):
         if e.signal == "SIGKILL":
             how = "was killed by SIGKILL, most likely from the out-of-memory killer: free memory or lower "
             how += "data.num_workers"
+        elif e.signal in CRASH_SIGNALS:
+            how = f"crashed with {e.signal} in native code (a library aborted or faulted)"
         elif e.signal:
-            how = f"{e.how} (a crash in native code, or a signal sent from outside)"
+            how = f"{e.how} (stopped from outside: a scheduler or a user)"
         else:
             how = f"{e.how} without reporting an error"
         raise UserError(

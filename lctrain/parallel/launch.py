@@ -22,7 +22,7 @@ import torch
 
 from lctrain.config import Config, check_on_this_machine
 from lctrain.errors import UserError
-from lctrain.lifetime import supervise
+from lctrain.lifetime import CRASH_SIGNALS, supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 from lctrain.parallel.guard import EXIT_PREFIX
 
@@ -128,7 +128,7 @@ class ProcessKilled(UserError):
 
     @property
     def what(self) -> str:
-        if self.signal in _CRASH_SIGNALS:
+        if self.signal in CRASH_SIGNALS:
             return (
                 f"{self.who} crashed with {self.signal} in native code (a library aborted or faulted; the launcher's "
                 f"report, with the rank's Python stack at the crash, is in {self.log})"
@@ -139,10 +139,6 @@ class ProcessKilled(UserError):
             else "stopped from outside (a scheduler or a user)"
         )
         return f"{self.who} was killed by {self.signal} ({cause}; the launcher's report is in {self.log})"
-
-
-# Signals a process raises on itself when its native code fails (abort(), a bad access): not sent from outside.
-_CRASH_SIGNALS = frozenset({"SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL"})
 
 
 def failure_file(workdir: Path, rank: int) -> Path:
