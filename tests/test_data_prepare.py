@@ -3,6 +3,7 @@ documents (round trip, no token lost or duplicated), the layout rules of docs/de
 contract."""
 
 import json
+import multiprocessing
 import random
 from pathlib import Path
 
@@ -266,6 +267,26 @@ def test_a_dead_tokenizer_worker_is_one_line_naming_how_it_ended(monkeypatch, ex
         f"prepare: a tokenizer worker process (of 3, data.num_workers) {how}; run 'lctrain prepare' again: it "
         f"resumes from its last complete shard"
     )
+
+
+def test_an_error_while_packing_ends_the_workers_before_it_leaves_prepare(tmp_path, monkeypatch):
+    """The error's traceback holds the loop's frame, and with it the workers' iterator: they must not live as long."""
+    calls = []
+
+    def fails_on_the_tenth_record(self, *args):
+        calls.append(1)
+        if len(calls) == 10:
+            raise RuntimeError("a shard could not be written")
+
+    monkeypatch.setattr(prepare_module._Builder, "read", fails_on_the_tenth_record)
+    over = ["data.seq_len=256", "data.token_budget=30000", "data.synthetic.num_docs=300", "data.num_workers=2"]
+    try:
+        prepare(load_config(None, [*over, f"data.output_dir={tmp_path / 'o'}"]))
+    except RuntimeError as e:  # checked here, while the error (and its traceback) is alive: pytest.raises clears it
+        assert str(e) == "a shard could not be written"
+        assert not [p for p in multiprocessing.active_children() if p.name == "lctrain-worker"]
+    else:
+        pytest.fail("prepare did not raise")
 
 
 def test_zst_parquet_and_slimpajama_layout(tmp_path, tok, words):

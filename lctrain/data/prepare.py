@@ -658,19 +658,23 @@ def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: i
         # a resumed run skips the batches it consumed without tokenizing them
         encoded = _encoded(itertools.islice(batches, first_batch, None), encoder, workers)
         b = first_batch - 1
-        for b, batch in enumerate(encoded, start=first_batch):
-            for j, (source, line, domain, ids, reason) in enumerate(batch):
-                if b > first_batch or j > last_record:
-                    builder.read(b, j, source, line, domain, ids, reason)
-            bar.update(
-                task,
-                completed=builder.writer.num_windows * seq_len,
-                docs=builder.counts["documents"],
-                docs_per_s=builder.counts["documents"] / max(time.perf_counter() - t0, 1e-9),
-            )
-            if builder.done:
-                break
-        encoded.close()  # stops the workers now when the budget is full before the source ends
+        try:
+            for b, batch in enumerate(encoded, start=first_batch):
+                for j, (source, line, domain, ids, reason) in enumerate(batch):
+                    if b > first_batch or j > last_record:
+                        builder.read(b, j, source, line, domain, ids, reason)
+                bar.update(
+                    task,
+                    completed=builder.writer.num_windows * seq_len,
+                    docs=builder.counts["documents"],
+                    docs_per_s=builder.counts["documents"] / max(time.perf_counter() - t0, 1e-9),
+                )
+                if builder.done:
+                    break
+        finally:
+            # the workers end now: when the budget is full before the source ends, and on an error here (a full disk
+            # while a shard is written), before the cleanup, not when the error's traceback is let go
+            encoded.close()
         if not builder.done:
             builder.source_ended(b + 1)
         exhausted = not builder.done
