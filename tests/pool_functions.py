@@ -53,6 +53,11 @@ def refuse_to_start() -> None:
     raise RuntimeError("this worker cannot start")
 
 
+def takes_a_blob(blob: bytes) -> None:
+    """An initializer with a large argument, as a tokenizer is."""
+    assert len(blob) > 0
+
+
 def killed_while_starting() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 

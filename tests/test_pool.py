@@ -2,6 +2,7 @@
 exception raised with its traceback; a worker's death (by a signal or an exit code, while starting, computing or
 idle) seen at once as `WorkerDied`; no worker outlives the iterator."""
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -9,6 +10,7 @@ import threading
 import time
 
 import pool_functions as fn
+import psutil
 import pytest
 
 from lctrain.data.pool import WorkerDied, WorkerTraceback, imap_ordered
@@ -92,6 +94,39 @@ def test_a_worker_that_dies_computing_is_named_with_its_signal_or_exit_code(monk
 def test_a_worker_killed_while_starting_is_seen():
     with pytest.raises(WorkerDied, match="was killed by SIGKILL"):
         list(imap_ordered(fn.square_after_a_while, range(4), workers=2, initializer=fn.killed_while_starting))
+
+
+def test_a_worker_killed_before_it_reads_its_start_is_seen():
+    """Each worker is SIGKILLed the moment its interpreter exists, long before it could read an 8 MB initializer
+    argument. Given to the process itself, that argument would leave `Process.start()` writing forever into a pipe
+    whose reading end the parent holds (multiprocessing's spawn); it travels on the worker's own pipe instead."""
+    me = psutil.Process()
+    stop = threading.Event()
+
+    def kill_every_worker_as_it_appears():
+        while not stop.is_set():
+            for child in me.children():
+                with contextlib.suppress(psutil.Error):
+                    if "spawn_main" in " ".join(child.cmdline()):
+                        child.kill()
+            time.sleep(0.001)
+
+    outcome = []
+
+    def run_the_pool():
+        try:
+            list(imap_ordered(fn.square_after_a_while, range(4), 2, fn.takes_a_blob, (b"x" * 8_000_000,)))
+        except WorkerDied as e:
+            outcome.append(e)
+
+    threading.Thread(target=kill_every_worker_as_it_appears, daemon=True).start()
+    pool = threading.Thread(target=run_the_pool, daemon=True)
+    pool.start()
+    pool.join(timeout=60)
+    stop.set()
+    assert not pool.is_alive(), "the pool hung on a worker killed as it started"
+    assert len(outcome) == 1 and outcome[0].signal == "SIGKILL"
+    assert not workers_alive()
 
 
 def test_an_idle_worker_killed_is_seen_while_the_other_computes(tmp_path):

@@ -72,7 +72,9 @@ def imap_ordered(
     pool: list[_Worker] = []
     try:
         for _ in range(workers):
-            pool.append(_Worker(ctx, func, initializer, initargs))
+            pool.append(_Worker(ctx, func))
+        for w in pool:
+            w.post((initializer, initargs), workers)
         yield from _ordered(pool, iter(items), depth)
     finally:
         for w in pool:
@@ -80,11 +82,14 @@ def imap_ordered(
 
 
 class _Worker:
-    def __init__(self, ctx, func, initializer, initargs):
+    def __init__(self, ctx, func):
         tasks_out, self.tasks = ctx.Pipe(duplex=False)
         self.results, results_in = ctx.Pipe(duplex=False)
+        # The initializer's arguments (a tokenizer: megabytes) go through `tasks`, not with the process: `start()`
+        # writes what it is given into a pipe whose reading end the parent itself holds until the write ends, so a
+        # child that dies before reading it all (killed as it starts) would leave `start()` blocked forever.
         self.process = ctx.Process(
-            target=_serve, args=(tasks_out, results_in, func, initializer, initargs), daemon=True, name="lctrain-worker"
+            target=_serve, args=(tasks_out, results_in, func), daemon=True, name="lctrain-worker"
         )
         # Ctrl-C in a terminal goes to the whole process group; it is the caller's to handle (it ends the workers), so
         # a worker must never see it, not even while its interpreter starts: it inherits SIGINT blocked (the mask
@@ -99,11 +104,14 @@ class _Worker:
         results_in.close()
         self.outstanding: deque[int] = deque()
 
-    def send(self, seq: int, item, workers: int) -> None:
+    def post(self, message, workers: int) -> None:
         try:
-            self.tasks.send(item)
+            self.tasks.send(message)
         except (BrokenPipeError, ConnectionResetError):
             raise self.died(workers) from None
+
+    def send(self, seq: int, item, workers: int) -> None:
+        self.post(item, workers)
         self.outstanding.append(seq)
 
     def receive(self, workers: int) -> tuple[int, bool, object]:
@@ -167,12 +175,16 @@ def _ordered(pool: list[_Worker], items: Iterator, depth: int) -> Iterator:
                 raise w.died(len(pool))
 
 
-def _serve(tasks, results, func, initializer, initargs) -> None:
-    """A worker's life: initialize, then one result per item in the order they came, until the caller closes its
-    end of `tasks` (or dies)."""
+def _serve(tasks, results, func) -> None:
+    """A worker's life: initialize (the first message on `tasks`), then one result per item in the order they came,
+    until the caller closes its end of `tasks` (or dies)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     exit_with_parent()  # a caller killed with SIGKILL cannot end us: stop mid-item rather than compute for nobody
+    try:
+        initializer, initargs = tasks.recv()
+    except (EOFError, OSError):
+        return
     try:
         if initializer is not None:
             initializer(*initargs)
