@@ -134,7 +134,7 @@ class _Worker:
 
     def end(self) -> None:
         self.process.kill()  # nothing a worker holds outlives it: no locks, no files, only results nobody wants
-        self.process.join()
+        self.process.join(timeout=10)  # a process stuck in the kernel (a dead network mount) must not hold us too
         self.tasks.close()
         self.results.close()
 
