@@ -4,9 +4,11 @@ Why not `concurrent.futures.ProcessPoolExecutor`: its workers share one task que
 by a lock in shared memory, and a manager thread with feeder threads stands between them and the caller. A worker
 killed by the OS (the out-of-memory killer's SIGKILL) can die holding one of those locks or with a feeder mid-write, and
 the executor's recovery runs through all of them: CI once saw `prepare` still running two minutes after such a kill,
-on a run that ends in a second every other time. Here nothing is shared between workers: each has a pipe in and a pipe
-out, and the caller waits on every result pipe and every worker's exit at once, so a death is seen whatever the worker
-was doing (starting, reading a task, computing, writing a result) and no lock can be left held.
+on a run that ends in a second every other time; and it hands its initializer's arguments (here a tokenizer) to each
+process's start, which blocks forever when the worker is killed as it starts (see `_Worker`). Here nothing is shared
+between workers: each has a pipe in and a pipe out, and the caller waits on every result pipe and every worker's exit
+at once, so a death is seen whatever the worker was doing (starting, reading a task, computing, writing a result) and
+no lock can be left held.
 
 Each worker keeps `depth` items queued (a thread reads its pipe in, so the caller never blocks on a worker busy
 writing a result), so the next item is there when one ends; results come back in the items' order, and the caller
