@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from lctrain import __version__
 from lctrain.checksums import file_checksums
@@ -64,6 +64,7 @@ from lctrain.data.store import (
 from lctrain.errors import UserError, is_environment_error, writing
 from lctrain.hardware import usable_cpus
 from lctrain.lifetime import CRASH_SIGNALS, is_alive
+from lctrain.progress_bar import ProgressBar
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor, text_encoder, tokenizer_fingerprint
 
 SKIP_EXAMPLES = 5
@@ -340,7 +341,7 @@ class _Skips:
 
 
 def _progress(console):
-    return Progress(
+    return ProgressBar(
         TextColumn("[bold]prepare"),
         BarColumn(),
         TextColumn("{task.completed:,}/{task.total:,} tokens"),

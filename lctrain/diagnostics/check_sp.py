@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 
 from lctrain.attention import MODES, Batch, make_batch, resolve_engine
 from lctrain.config import Config, data_dir, load_config, with_overrides, write_resolved
@@ -46,6 +46,7 @@ from lctrain.parallel.groups import init_topology, pick_backend, release_single_
 from lctrain.parallel.launch import OutOfMemory, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.parallel.ulysses import wrap_model
+from lctrain.progress_bar import ProgressBar
 from lctrain.tokenizer import anchor_token_id, load_tokenizer
 from lctrain.train.data import open_checked
 
@@ -251,7 +252,7 @@ def compare_on_ranks(request: dict) -> dict | None:
         lm = build_model(cfg, vocab_size=request["vocab_size"], device=topo.device).model.eval()
         _check_same_weights(lm)
         rows = []
-        progress = Progress(
+        progress = ProgressBar(
             TextColumn("[bold]check sp"),
             BarColumn(),
             MofNCompleteColumn(),

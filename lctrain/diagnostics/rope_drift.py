@@ -46,14 +46,6 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 from transformers import AttentionInterface, AutoModelForCausalLM
 
@@ -66,6 +58,7 @@ from lctrain.errors import UserError
 from lctrain.eval.runner import pick_device
 from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.model import build_model, rotary_in_fp32
+from lctrain.progress_bar import counted_bar
 from lctrain.reports.plots import plot_rope_figure1, plot_rope_figure7
 from lctrain.tokenizer import ANCHOR_AUTO, load_tokenizer, recorded_anchor
 from lctrain.units import to_gb
@@ -432,17 +425,6 @@ def estimate_flops(model, plan: Plan) -> float:
     return step_flops(dense_params(model), shape.layers, shape.width, plan.tokens(), squares, passes=1)
 
 
-def _progress():
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        transient=False,
-    )
-
-
 def diagnose_rope(
     src: ModelSource,
     *,
@@ -499,7 +481,7 @@ def diagnose_rope(
         return [measure_sequence(m, x, plan, advance) for x in ids]
 
     results_cases, timing = {}, {}
-    with _progress() as bar, torch.inference_mode():
+    with counted_bar() as bar, torch.inference_mode():
         jobs = {c: bar.add_task(c, total=samples * plan.passes()) for c in cases}
         for name, m, notes in case_models(model, cases, seed):
             reset_peak(probe_device)

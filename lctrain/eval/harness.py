@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from lctrain.errors import UserError
 from lctrain.eval.runner import eval_anchor, load_eval_tokenizer, load_model, pick_device
+from lctrain.progress_bar import ProgressBar
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import resolve_anchor, text_encoder
 
@@ -304,7 +305,7 @@ def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -
     anchor = eval_anchor(target.checkpoints[0][1], target.cfg, tokenizer)
     per_checkpoint: dict[str, dict[str, dict[str, float]]] = {}
     # the harness builds its requests inside simple_evaluate, so the bar counts requests answered, without a total
-    with Progress(
+    with ProgressBar(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} requests"), TimeElapsedColumn()
     ) as bar:
         job = bar.add_task("harness", total=None)

@@ -21,14 +21,6 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from lctrain.compat.transformers import load_errors
@@ -40,6 +32,7 @@ from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths, se
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
 from lctrain.export_record import EXPORT_RECORD, verify_export
+from lctrain.progress_bar import counted_bar
 from lctrain.rundir import RunDir, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
 
@@ -193,17 +186,6 @@ def greedy_generate(model, tokenizer, encoder, prompt: str, max_new_tokens: int,
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
-def _progress():
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        transient=False,
-    )
-
-
 @dataclass
 class Suite:
     """The samples one evaluation scores, one source per task and length (a list, or a RULER file read again for
@@ -237,7 +219,7 @@ def offline_suite(
     specs = task_specs(seed, {t: load_qa(qa_paths[t], t) for t in QA_FORMATS if t in runnable})
     count = _counter(encoder)
     sources: list[list[Sample]] = []
-    with _progress() as bar:
+    with counted_bar() as bar:
         job = bar.add_task("generating task samples", total=len(runnable) * len(lengths))
         for name in runnable:
             for length in lengths:
@@ -268,7 +250,7 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
     not_scored += [
         {"task": None, "length": L, "why": f"no directory {root / str(L)}"} for L in wanted if L not in found
     ]
-    with _progress() as bar:
+    with counted_bar() as bar:
         job = bar.add_task("reading RULER data", total=len(names) * len(present))
         for length in present:
             for task in names:
@@ -343,7 +325,7 @@ def score_checkpoints(
     ppl: dict[str, dict[int, float]] = {}
     notes: dict[str, str] = {}
     memory: dict[str, str] = {}
-    with predictions_path.open("w") as pred_file, _progress() as bar:
+    with predictions_path.open("w") as pred_file, counted_bar() as bar:
         job = bar.add_task("evaluating", total=len(tgt.checkpoints) * sum(len(src) for src in suite.sources))
         for ckpt_name, ckpt_dir in tgt.checkpoints:
             bar.update(job, description=f"evaluating {ckpt_name}")

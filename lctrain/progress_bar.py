@@ -1,0 +1,87 @@
+"""Progress of long work (prepare, eval, diagnose, check sp), on a terminal and in a log.
+
+On a terminal it is rich's live bar. Anywhere else (nohup, a redirect, a batch scheduler's log file) that bar writes
+nothing until the work ends, which leaves someone following a cluster job's log unable to tell a slow job from a hung
+one; there the same columns (less the bar) are written as one plain line every `every_s` seconds and once at the end.
+Training has its own per-step lines (`train.metrics.StepLogger`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rich import get_console
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+
+LOG_EVERY_S = 30.0
+
+
+class ProgressBar(Progress):
+    """rich's `Progress` on a terminal; in a log, a plain line of its columns every `every_s` seconds and at
+    `stop()`."""
+
+    def __init__(
+        self,
+        *columns: str | ProgressColumn,
+        console: Console | None = None,
+        disable: bool = False,
+        every_s: float = LOG_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+        **kwargs,
+    ):
+        console = console or get_console()
+        self.in_log = not disable and not console.is_terminal and not console.is_jupyter
+        super().__init__(*columns, console=console, disable=disable or self.in_log, get_time=clock, **kwargs)
+        self.every_s, self.clock = every_s, clock
+        self.last_line = clock()
+
+    def update(self, task_id: TaskID, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        self._tick()
+
+    def advance(self, task_id: TaskID, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._tick()
+
+    def stop(self) -> None:
+        super().stop()
+        if self.in_log:
+            self._write_lines()
+
+    def _tick(self) -> None:
+        if self.in_log and self.clock() - self.last_line >= self.every_s:
+            self._write_lines()
+
+    def _write_lines(self) -> None:
+        self.last_line = self.clock()
+        for task in self.tasks:
+            if task.visible:
+                cells = [column(task) for column in self.columns if not isinstance(column, BarColumn)]
+                line = " ".join(c.plain if isinstance(c, Text) else str(c) for c in cells)
+                self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def counted_bar(console: Console | None = None) -> ProgressBar:
+    """The bar of work counted in items of a known total (samples, checkpoints): description, done/total, elapsed and
+    remaining time."""
+    return ProgressBar(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
