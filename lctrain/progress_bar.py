@@ -2,7 +2,8 @@
 
 On a terminal it is rich's live bar. Anywhere else (nohup, a redirect, a batch scheduler's log file) that bar writes
 nothing until the work ends, which leaves someone following a cluster job's log unable to tell a slow job from a hung
-one; there the same columns (less the bar) are written as one plain line every `every_s` seconds and once at the end.
+one; there the same columns (less the bar) are written as one plain line every `every_s` seconds and once at the end,
+each time only for the tasks that moved since their last line (a diagnosis's finished and waiting cases stay quiet).
 Training has its own per-step lines (`train.metrics.StepLogger`).
 """
 
@@ -46,6 +47,8 @@ class ProgressBar(Progress):
         super().__init__(*columns, console=console, disable=disable or self.in_log, get_time=clock, **kwargs)
         self.every_s, self.clock = every_s, clock
         self.last_line = clock()
+        # each task's (description, completed) at its last line; one that has not moved yet has nothing to say
+        self.written: dict[TaskID, tuple] = {}
 
     def update(self, task_id: TaskID, **kwargs) -> None:
         super().update(task_id, **kwargs)
@@ -67,7 +70,9 @@ class ProgressBar(Progress):
     def _write_lines(self) -> None:
         self.last_line = self.clock()
         for task in self.tasks:
-            if task.visible:
+            state = (task.description, task.completed)
+            if task.visible and self.written.get(task.id, (task.description, 0)) != state:
+                self.written[task.id] = state
                 cells = [column(task) for column in self.columns if not isinstance(column, BarColumn)]
                 line = " ".join(c.plain if isinstance(c, Text) else str(c) for c in cells)
                 self.console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -17,6 +17,10 @@ class Clock:
         return self.now
 
 
+def out_console(out) -> Console:
+    return Console(file=out, force_terminal=False, width=200)
+
+
 def prepare_like_bar(console, clock) -> ProgressBar:
     return ProgressBar(
         TextColumn("[bold]prepare"),
@@ -46,6 +50,19 @@ def test_in_a_log_a_plain_line_every_interval_and_at_the_end():
         "prepare 5,000/10,000 tokens 15 docs 0:01:02",
         "prepare 5,500/10,000 tokens 15 docs 0:01:10",
     ]
+
+
+def test_in_a_log_only_the_tasks_that_moved():
+    """Three cases run one after another (as `diagnose rope` does): a line is written for the cases that moved since
+    their last one, never for those waiting or done."""
+    out, clock = io.StringIO(), Clock()
+    columns = TextColumn("{task.description} {task.completed}/{task.total}")
+    with ProgressBar(columns, console=out_console(out), clock=clock) as bar:
+        jobs = [bar.add_task(case, total=4) for case in ("fp32", "bf16", "random")]
+        for t, job, n in [(31, 0, 2), (40, 0, 2), (62, 1, 4), (70, 2, 1)]:
+            clock.now = 1000 + t
+            bar.advance(jobs[job], n)
+    assert out.getvalue().splitlines() == ["fp32 2/4", "fp32 4/4", "bf16 4/4", "random 1/4"]
 
 
 def test_on_a_terminal_the_live_bar_and_no_plain_lines():
