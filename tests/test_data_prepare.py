@@ -289,6 +289,18 @@ def test_an_error_while_packing_ends_the_workers_before_it_leaves_prepare(tmp_pa
         pytest.fail("prepare did not raise")
 
 
+def test_tokenizing_out_of_memory_is_one_line(monkeypatch):
+    """A MemoryError a worker raised (the pool sends it back as it is)."""
+
+    def runs_out(*args):
+        raise MemoryError()
+        yield
+
+    monkeypatch.setattr(prepare_module, "imap_ordered", runs_out)
+    with pytest.raises(UserError, match=r"^prepare: tokenizing ran out of memory \(2 tokenizer process\(es\)"):
+        list(prepare_module._encoded(iter([]), None, workers=2))
+
+
 def test_zst_parquet_and_slimpajama_layout(tmp_path, tok, words):
     docs = make_docs(words, 90, seed=2)
     root = tmp_path / "SlimPajama-627B"

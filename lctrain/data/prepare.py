@@ -98,13 +98,17 @@ def _num_workers(requested: int, budget_tokens: int) -> int:
 
 def _encoded(batches, encoder, workers: int):
     """Encoded batches in submission order; at most a few batches per worker in flight (bounded memory)."""
-    if workers <= 1:
-        encode.init_worker(encoder, single_thread=False)
-        for b in batches:
-            yield encode.encode_batch(b)
-        return
     try:
-        yield from imap_ordered(encode.encode_batch, batches, workers, encode.init_worker, (encoder,))
+        if workers <= 1:
+            encode.init_worker(encoder, single_thread=False)
+            yield from map(encode.encode_batch, batches)
+        else:
+            yield from imap_ordered(encode.encode_batch, batches, workers, encode.init_worker, (encoder,))
+    except MemoryError:  # Python's own, raised in a worker (and sent here) or in this process
+        raise UserError(
+            f"prepare: tokenizing ran out of memory ({workers} tokenizer process(es), data.num_workers); free memory "
+            f"or lower data.num_workers, then run 'lctrain prepare' again: it resumes from its last complete shard"
+        ) from None
     except WorkerDied as e:
         if e.signal == "SIGKILL":
             how = "was killed by SIGKILL, most likely from the out-of-memory killer: free memory or lower "
