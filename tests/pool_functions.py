@@ -67,3 +67,24 @@ def sleeps_and_says_who(path: str) -> int:
     Path(path).write_text(str(os.getpid()))
     time.sleep(30)
     return 0
+
+
+def spawn_masks() -> list[tuple[str, bool]]:
+    """Run a pool in this (fresh) interpreter and say, for each process multiprocessing spawns for it, whether SIGINT
+    was blocked in the spawning thread, i.e. in the child as its interpreter starts. The first worker also starts
+    multiprocessing's resource tracker, which blocks and then *unblocks* SIGINT around its own spawn."""
+    import multiprocessing.util
+
+    from lctrain.data.pool import imap_ordered
+
+    seen = []
+    spawn = multiprocessing.util.spawnv_passfds
+
+    def watched(path, args, passfds):
+        kind = "worker" if "spawn_main" in str(args) else "tracker"
+        seen.append((kind, signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+        return spawn(path, args, passfds)
+
+    multiprocessing.util.spawnv_passfds = watched
+    assert [r for r, _ in imap_ordered(square_after_a_while, range(4), workers=2)] == [0, 1, 4, 9]
+    return seen

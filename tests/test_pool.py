@@ -3,9 +3,12 @@ exception raised with its traceback; a worker's death (by a signal or an exit co
 idle) seen at once as `WorkerDied`; no worker outlives the iterator."""
 
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -160,6 +163,19 @@ def test_ctrl_c_never_reaches_a_worker_even_while_its_interpreter_starts():
 
     got = [r for r, _ in imap_ordered(fn.square_after_a_while, items(), workers=2)]
     assert got == [x * x for x in range(6)]
+
+
+def test_every_worker_starts_with_ctrl_c_blocked_in_a_fresh_interpreter():
+    """Only a fresh interpreter starts multiprocessing's resource tracker with its first worker, and the tracker's start
+    unblocks SIGINT on its way out: the first worker then started with Ctrl-C live (CI saw its import traceback)."""
+    code = "import json, pool_functions; print(json.dumps(pool_functions.spawn_masks()))"
+    here = os.path.dirname(fn.__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    workers = [blocked for kind, blocked in seen if kind == "worker"]
+    assert workers == [True, True], seen
 
 
 def test_closing_early_ends_every_worker():

@@ -19,6 +19,7 @@ corpus).
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.resource_tracker
 import pickle
 import queue
 import signal
@@ -95,7 +96,10 @@ class _Worker:
         )
         # Ctrl-C in a terminal goes to the whole process group; it is the caller's to handle (it ends the workers), so
         # a worker must never see it, not even while its interpreter starts: it inherits SIGINT blocked (the mask
-        # survives exec), and `_serve` ignores it before unblocking it, which discards one sent in between.
+        # survives exec), and `_serve` ignores it before unblocking it, which discards one sent in between. The first
+        # `start()` in an interpreter also starts multiprocessing's resource tracker, which unblocks SIGINT after its
+        # own spawn, before the worker's: it is started here first.
+        multiprocessing.resource_tracker.ensure_running()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self.process.start()
