@@ -12,7 +12,7 @@ import typer
 from lctrain.config import bundled_config_names, load_config, to_yaml
 from lctrain.config_reference import reference_markdown
 from lctrain.errors import UserError, environment_error_message
-from lctrain.lifetime import Terminated, terminate_as_interrupt
+from lctrain.lifetime import Terminated, is_supervised, terminate_as_interrupt
 
 # Each command imports its implementation when it runs: `lctrain --help` and the quick commands must not pay for
 # torch/transformers/deepspeed (start-up time).
@@ -50,7 +50,8 @@ def user_errors(fn):
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(UserError.exit_code) from None
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (terminate_as_interrupt)
-            typer.echo("interrupted", err=True)
+            if not is_supervised():  # else the lctrain command that started this one says it, once
+                typer.echo("interrupted", err=True)
             raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
         except (OSError, RuntimeError) as e:
             message = environment_error_message(e)
@@ -594,7 +595,7 @@ def experiment_extend(
         seeds=seeds,
         modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
         checkpoints=checkpoints,
-        eval_lengths=parse_lengths(eval_lengths) if eval_lengths else None,
+        eval_lengths=parse_lengths(eval_lengths, "--eval-lengths") if eval_lengths else None,
         device=device,
         model=model,
         overrides=tuple(set_ or []),

@@ -139,6 +139,23 @@ def supervisor_token() -> str:
     return f"{me.pid}:{me.create_time()}"
 
 
+def signal_name(number: int) -> str:
+    """9 -> "SIGKILL"; a number that is no signal of this platform stays a number."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+# A supervised lctrain command stopped by a signal it turned into `KeyboardInterrupt` exits with one of these.
+STOPPED = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}
+
+
+def is_supervised() -> bool:
+    """Started by an lctrain command's `supervise`, which stops it on Ctrl-C and says "interrupted" itself."""
+    return bool(os.environ.get(SUPERVISOR_ENV))
+
+
 def exit_with_supervisor() -> None:
     """In a training worker: end with the `lctrain train` that launched it, if one did."""
     token = os.environ.get(SUPERVISOR_ENV)

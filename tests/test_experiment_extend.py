@@ -4,6 +4,7 @@ not the science. References: the schedule that writes the evaluation checkpoints
 and plain transformers (fp32) for each mode's first-step loss."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -75,6 +76,7 @@ def test_the_bundled_experiment_configs():
         ({"steps": 0}, "--steps 0"),
         ({"train_seconds": -1.0}, "--train-seconds -1.0"),
         ({"seeds": 0}, "--seeds 0"),
+        ({"checkpoints": 0}, "--checkpoints 0"),
         ({"modes": ("full", "nope")}, "--modes full,nope"),
         ({"modes": ("full", "full")}, "each once"),
         ({"seq_len": 2050}, "--seq-len 2050"),
@@ -87,6 +89,29 @@ def test_bad_requests_are_refused_before_anything_is_built(tmp_path, kwargs, mes
     with pytest.raises(UserError, match=message):
         ex.extend(out, device="cpu", **kwargs)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "exit_by, message",
+    [
+        (
+            "os.kill(os.getpid(), signal.SIGKILL)",
+            "was killed by SIGKILL (most likely the out-of-memory killer)",
+        ),
+        ("os.kill(os.getpid(), signal.SIGSEGV)", "lctrain train (anchor) was killed by SIGSEGV; run the same"),
+        ("sys.exit(143)", "lctrain train (anchor) was stopped by SIGTERM (from outside: a scheduler or a user)"),
+        ("sys.exit(2)", "lctrain train (anchor) failed (exit code 2; its output is above)"),
+    ],
+)
+def test_a_stage_that_ends_badly_is_one_line_naming_how(monkeypatch, tmp_path, exit_by, message):
+    """A stage's command (here a stand-in that ends as a killed, stopped or failed `lctrain train` would) ends the
+    experiment in one line that says how it ended and that rerunning continues."""
+    code = f"import os, signal, sys; {exit_by}"
+    monkeypatch.setattr(ex, "lctrain_command", lambda *args: [sys.executable, "-c", code])
+    exp = ex.Experiment(tmp_path, 2048, ex.MODES, 1, 5, (512, 1024, 2048), "cpu", None, ())
+    with pytest.raises(UserError, match=re.escape(message)) as e:
+        exp.run("lctrain train (anchor)", ["train"])
+    assert str(e.value).endswith("run the same `lctrain experiment extend` again to continue from what is finished")
 
 
 # ---------------------------------------------------------------- the CPU smoke version, on the example model

@@ -13,8 +13,10 @@ import psutil
 import pytest
 from train_helpers import clean_env, set_args, two_tokenizer_workers
 
+from lctrain.cli import main
+from lctrain.data import shipped_text
 from lctrain.errors import UserError
-from lctrain.lifetime import RunLock, is_alive
+from lctrain.lifetime import SUPERVISOR_ENV, RunLock, Terminated, is_alive, supervisor_token
 from lctrain.rundir import RunDir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,6 +84,26 @@ def test_run_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
     with pytest.raises(UserError, match="cannot create the run directory's lock file"):
         with RunLock(tmp_path / "file" / "run", "lctrain train"):
             pass
+
+
+@pytest.mark.parametrize("supervised", [False, True])
+@pytest.mark.parametrize("stop, code", [(KeyboardInterrupt, 130), (Terminated, 143)])
+def test_an_interrupted_command_says_so_once_whoever_started_it(monkeypatch, capsys, supervised, stop, code):
+    """A command started by another lctrain command (`experiment extend` runs `train`, `eval`, ...) is stopped by it,
+    which says "interrupted" itself: the stopped one exits with the same code in silence."""
+
+    def interrupted(*args, **kwargs):
+        raise stop()
+
+    monkeypatch.setattr(shipped_text, "write_jsonl", interrupted)
+    if supervised:
+        monkeypatch.setenv(SUPERVISOR_ENV, supervisor_token())
+    else:
+        monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
+    with pytest.raises(SystemExit) as done:
+        main(["example-text", "corpus.jsonl"])
+    assert done.value.code == code
+    assert capsys.readouterr().err == ("" if supervised else "interrupted\n")
 
 
 def test_is_alive_sees_running_zombie_reaped_and_reused_processes():

@@ -48,3 +48,15 @@ def test_cli_writes_the_corpus_and_says_what_it_holds(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"prose: {len(topics)} documents" in out and "fingerprint" in out
     assert not list((tmp_path / "c").glob(".*partial"))
+
+
+@pytest.mark.parametrize("where", [".", "corpus"])
+def test_a_directory_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, where):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    with pytest.raises(SystemExit) as done:
+        main(["example-text", where])
+    assert done.value.code == 2
+    suggested = Path(where) / "shipped.jsonl"
+    assert f"{where}: a directory; give the file to write, e.g. {suggested}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"] and not list((tmp_path / "corpus").iterdir())

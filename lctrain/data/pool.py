@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import wait
 
-from lctrain.lifetime import exit_with_parent
+from lctrain.lifetime import exit_with_parent, signal_name
 
 DEPTH = 2
 _STOP = object()
@@ -41,7 +41,7 @@ class WorkerDied(Exception):
     def __init__(self, workers: int, exitcode: int | None):
         self.workers = workers
         self.exitcode = exitcode
-        self.signal = signal.Signals(-exitcode).name if exitcode is not None and exitcode < 0 else None
+        self.signal = signal_name(-exitcode) if exitcode is not None and exitcode < 0 else None
         super().__init__(f"a worker process (of {workers}) {self.how}")
 
     @property

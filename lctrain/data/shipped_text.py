@@ -72,6 +72,8 @@ def write_jsonl(out: Path, kinds: tuple[str, ...] = KINDS) -> dict:
     """Write the corpus to `out` (staged, then renamed) and return what it holds: documents and characters per kind,
     the Python version and the fingerprint."""
     out = Path(out)
+    if out.is_dir():
+        raise UserError(f"{out}: a directory; give the file to write, e.g. {out / 'shipped.jsonl'}")
     counts = {k: {"documents": 0, "characters": 0} for k in kinds}
     h = xxhash.xxh3_64()
     staging = out.with_name(f".{out.name}.partial")

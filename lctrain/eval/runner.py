@@ -50,13 +50,13 @@ class Target:
     checkpoints: list[tuple[str, Path]] = field(default_factory=list)
 
 
-def parse_lengths(text: str) -> list[int]:
-    """'4k,8k,128k' or '4096,8192' -> [4096, 8192, ...] (k = 1024)."""
+def parse_lengths(text: str, option: str = "--lengths") -> list[int]:
+    """'4k,8k,128k' or '4096,8192' -> [4096, 8192, ...] (k = 1024); errors name the command's `option`."""
     out = []
     for item in (t.strip() for t in text.split(",")):
         m = re.fullmatch(r"(\d+)\s*([kK]?)", item)
         if not m or int(m.group(1)) <= 0:
-            raise UserError(f"--lengths '{text}': '{item}' is not a length; use e.g. --lengths 4k,8k,16k or 4096,8192")
+            raise UserError(f"{option} '{text}': '{item}' is not a length; use e.g. {option} 4k,8k,16k or 4096,8192")
         out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
     return sorted(set(out))
 

@@ -33,7 +33,7 @@ from lctrain.config import Config, config_fingerprint, data_dir, data_fingerprin
 from lctrain.data.shipped_text import write_jsonl
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError, writing
-from lctrain.lifetime import supervise
+from lctrain.lifetime import STOPPED, signal_name, supervise
 from lctrain.reports.compare import print_report, write_report
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
@@ -152,11 +152,18 @@ class Experiment:
     def run(self, what: str, args: list[str]) -> None:
         """One lctrain command in a fresh process, its output passed through; a failure is one line."""
         rc = supervise(lctrain_command(*args), self.env())
-        if rc:
-            raise UserError(
-                f"{what} failed (exit code {rc}; its output is above); run the same `lctrain experiment extend` "
-                f"again to continue from what is finished"
-            )
+        if rc == 0:
+            return
+        if rc < 0:
+            name = signal_name(-rc)
+            how = f"was killed by {name}" + (" (most likely the out-of-memory killer)" if name == "SIGKILL" else "")
+        elif rc in STOPPED:  # stopped by someone else: it said nothing, being supervised
+            how = f"was stopped by {STOPPED[rc]} (from outside: a scheduler or a user)"
+        else:
+            how = f"failed (exit code {rc}; its output is above)"
+        raise UserError(
+            f"{what} {how}; run the same `lctrain experiment extend` again to continue from what is finished"
+        )
 
 
 class State:
@@ -385,6 +392,8 @@ def extend(
         raise UserError(f"--train-seconds {train_seconds}: expected a time in seconds > 0")
     if seeds < 1:
         raise UserError(f"--seeds {seeds}: run at least 1 seed")
+    if checkpoints < 1:
+        raise UserError(f"--checkpoints {checkpoints}: evaluate at least 1 checkpoint")
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes or len(set(modes)) != len(modes):
         raise UserError(f"--modes {','.join(modes)}: expected some of {', '.join(MODES)}, each once")

@@ -13,7 +13,6 @@ its callers."""
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from lctrain.config import Config, check_on_this_machine
 from lctrain.errors import UserError
-from lctrain.lifetime import CRASH_SIGNALS, supervise
+from lctrain.lifetime import CRASH_SIGNALS, signal_name, supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 from lctrain.parallel.guard import EXIT_PREFIX
 
@@ -162,7 +161,7 @@ def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path)
     if rc == 0:
         return Finished(json.loads((workdir / RESULT_FILE).read_text())["result"])
     if rc < 0:  # the launcher itself; its ranks end with it (their guards stop them)
-        raise ProcessKilled(f"the launcher ({cfg.parallel.launcher})", _signal_name(-rc), log)
+        raise ProcessKilled(f"the launcher ({cfg.parallel.launcher})", signal_name(-rc), log)
     failures = {f["rank"]: f for f in _records(workdir, FAILURE_PREFIX)}
     oom = next((f for _, f in sorted(failures.items()) if f["kind"] == "out_of_memory"), None)
     if oom is not None:
@@ -174,7 +173,7 @@ def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path)
     ended = sorted((e for e in _records(workdir, EXIT_PREFIX) if e["code"] != 0), key=lambda e: e["time"])
     first = ended[0] if ended else None
     if first is not None and first["code"] < 0 and first["rank"] not in failures:
-        raise ProcessKilled(f"rank {first['rank']} (pid {first['pid']})", _signal_name(-first["code"]), log)
+        raise ProcessKilled(f"rank {first['rank']} (pid {first['pid']})", signal_name(-first["code"]), log)
     crash = failures.get(first["rank"]) if first is not None else None
     crash = crash or next((f for _, f in sorted(failures.items())), None)
     who = "the ranks"
@@ -193,10 +192,3 @@ def _records(workdir: Path, prefix: str) -> list[dict]:
         except (OSError, ValueError):
             continue  # torn by the end of its writer: it names nothing
     return out
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
