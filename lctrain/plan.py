@@ -9,10 +9,10 @@ from pathlib import Path
 
 import psutil
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from lctrain.config import Config
+from lctrain.console import plain_console
 from lctrain.errors import UserError
 from lctrain.hardware import known_gpu
 from lctrain.memory import (
@@ -100,7 +100,7 @@ def report(cfg: Config, budget: Budget) -> dict:
 
 
 def print_report(r: dict) -> None:
-    console = Console()
+    console = plain_console()
     table = Table(title=f"memory per rank: {Path(r['config'] or 'config').stem}, seq_len {r['seq_len']:,}")
     for col in ("item", "GB", "where", "kind"):
         table.add_column(col, justify="right" if col == "GB" else "left")

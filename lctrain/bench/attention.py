@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
 from lctrain.attention import ENGINES, MODES, Batch, make_batch
+from lctrain.console import plain_console
 from lctrain.costmodel import attention_flops, full_square_pairs, visible_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.packing import chunk_order, split_into_chunks
@@ -264,7 +264,7 @@ def main(argv=None):
         "device_name": torch.cuda.get_device_name() if gpu else "cpu",
         "threads": torch.get_num_threads(),
     }
-    console = Console(width=180)
+    console = plain_console(width=180)
     results = []
     for L, w, seg_lens, seg_doc, engine, mode in track(jobs, description="benchmarking", console=console):
         ids = torch.randint(3, 32000, (1, L))

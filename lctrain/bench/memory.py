@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
-from rich.console import Console
 from rich.table import Table
 from transformers import AutoConfig
 
 from lctrain.config import load_config
+from lctrain.console import plain_console
 from lctrain.costmodel import ModelShape
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.errors import UserError
@@ -556,7 +556,7 @@ def main() -> None:
                 f"{r['predicted_gb']:.3f}",
                 f"{r['predicted_over_measured']:.2f}",
             )
-    Console().print(table)
+    plain_console().print(table)
     print(f"wrote {out}")
 
 

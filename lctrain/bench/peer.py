@@ -37,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from lctrain.console import plain_console
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.shapes import SHAPES, hf_arch
@@ -407,7 +407,7 @@ def main(argv=None) -> None:
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    console = Console(width=160)
+    console = plain_console(width=160)
     rows = []
     for i, spec in enumerate(specs, 1):
         rows.append(run_fresh(spec, args.timeout))

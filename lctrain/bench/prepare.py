@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 import sentencepiece as spm
-from rich.console import Console
 from rich.table import Table
 
+from lctrain.console import plain_console
 from lctrain.data.prepare import SOURCES_DRAW_SEED
 from lctrain.data.sources import SourceStream, local_batches, mixed_batches
 from lctrain.data.synthetic import generate
@@ -274,13 +274,13 @@ def main() -> None:
     if args.interleave:
         docs = [int(x) for x in args.interleave.split(",")]
         r = interleave_comparison(docs, [float(x) for x in args.weights.split(",")])
-        Console().print_json(json.dumps(r))
+        plain_console().print_json(json.dumps(r))
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"benchmark": "prepare --interleave", "result": r}, indent=2) + "\n")
         return
 
-    console = Console()
+    console = plain_console()
     cores = usable_cpus()
     results = []
     scratch = Path(tempfile.mkdtemp(prefix="bench_prepare_"))

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from lctrain.config import load_config
+from lctrain.console import plain_console
 from lctrain.costmodel import full_square_pairs
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.fused import MODES as MODES_FUSED
@@ -156,7 +156,7 @@ def main() -> None:
             mfu,
             f"{r['peak_mem_gb']:.2f}",
         )
-    Console().print(table)
+    plain_console().print(table)
     print(f"wrote {out}")
 
 

@@ -23,7 +23,6 @@ from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from lctrain import __version__
@@ -37,6 +36,7 @@ from lctrain.config import (
     reread_warning,
     write_resolved,
 )
+from lctrain.console import plain_console
 from lctrain.data import encode
 from lctrain.data.mixture import Mixture, SourceShares
 from lctrain.data.packing import Packer, ShuffleBuffer
@@ -80,10 +80,6 @@ _SKIP_TEXT = {
     "empty_text": "empty text",
     "undecodable": "not valid UTF-8",
 }
-
-
-def _console():
-    return Console(highlight=False, soft_wrap=True)
 
 
 def _num_workers(requested: int, budget_tokens: int) -> int:
@@ -428,7 +424,7 @@ def _tokenizer_info(spec: str, tok, encoder, anchor_id: int) -> dict:
 def prepare(cfg: Config, force: bool = False) -> Path:
     """Build the packed dataset of `cfg.data` at `data_dir(cfg)`; a no-op when it is already there."""
     d = cfg.data
-    console = _console()
+    console = plain_console()
     out = data_dir(cfg)
     fingerprint = data_fingerprint(d)
     num_windows = d.token_budget // d.seq_len

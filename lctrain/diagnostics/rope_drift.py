@@ -45,13 +45,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from transformers import AttentionInterface, AutoModelForCausalLM
 
 from lctrain.attention.engines.common import expand_kv_heads, unify_dtypes
 from lctrain.compat.transformers import load_errors
 from lctrain.config import Config, bundled_config_names, data_dir, load_config
+from lctrain.console import plain_console
 from lctrain.costmodel import ModelShape, dense_params, step_flops
 from lctrain.diagnostics.probe_text import probe_sequences
 from lctrain.errors import UserError
@@ -447,7 +447,7 @@ def diagnose_rope(
     directory."""
     _check(seq_len, max_len, samples, delta2, shift_batch)
     dev = pick_device(device)
-    console = Console()
+    console = plain_console()
     started = time.perf_counter()
     model = src.load("float32" if "fp32" in cases else "bfloat16", dev)  # first: a bad model is the likelier mistake
     loaded = time.perf_counter() - started

@@ -24,10 +24,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from lctrain.console import plain_console
 from lctrain.errors import UserError
 from lctrain.eval.runner import eval_anchor, load_eval_tokenizer, load_model, pick_device
 from lctrain.progress_bar import ProgressBar
@@ -366,6 +366,6 @@ def print_harness_report(report: dict, out_dir: Path) -> None:
         shown = value * 100 if metric != "score" else value
         column = LONGBENCH_CATEGORIES.get(task, {"hellaswag": "HellaSwag", "mmlu": "MMLU"}.get(task, ""))
         table.add_row(task, column, metric, f"{shown:.2f}")
-    console = Console()
+    console = plain_console()
     console.print(table)
     console.print(f"wrote {out_dir}/harness.json")

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from lctrain.compat.transformers import load_errors
 from lctrain.config import Config, apply_overrides, load_config, validate
+from lctrain.console import plain_console
 from lctrain.errors import UserError
 from lctrain.eval import ruler
 from lctrain.eval import score as scoring
@@ -163,7 +163,10 @@ def load_model(model_dir: Path, device: str):
     # torch/transformers on use: this module loads without them (start-up time)
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    # a "Loading weights" bar per checkpoint would tear through eval's own bar (and fill a log with carriage returns)
+    hf_logging.disable_progress_bar()
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
@@ -500,7 +503,7 @@ def print_report(results: dict, out_dir: Path) -> None:
     # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import length_label
 
-    console = Console()
+    console = plain_console()
     console.print(f"[bold]{escape(results['suite'])}[/bold]")
     task_set = results["task_set"]
     excluded = f" (excluded: {', '.join(results['excluded'])})" if results["excluded"] else ""

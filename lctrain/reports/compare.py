@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean, stdev
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from lctrain.config import Config, settings
+from lctrain.console import plain_console
 from lctrain.errors import UserError, writing
 from lctrain.eval import score as scoring
 from lctrain.rundir import RunDir, step_of
@@ -370,7 +370,7 @@ def markdown(report: dict) -> str:
 
 
 def print_report(report: dict, out: Path) -> None:
-    console = Console(highlight=False)
+    console = plain_console()
     for title, header, body in _tables(report):
         table = Table(title=title)
         for i, h in enumerate(header):

@@ -15,10 +15,10 @@ import json
 import math
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from lctrain.config import Config, data_dir
+from lctrain.console import plain_console
 from lctrain.costmodel import attention_flops, dense_flops, training_passes, window_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.store import open_packed
@@ -147,7 +147,7 @@ def estimate(
 
 
 def _print(result: dict) -> None:
-    console = Console()
+    console = plain_console()
     t = Table(
         title=f"{result['config']}: predicted hours per 1B tokens at {result['seq_len']} tokens on "
         f"{result['gpus']} GPU(s)"

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from lctrain.attention.modes import MODES
+from lctrain.console import plain_console
 from lctrain.costmodel import window_pairs
 from lctrain.data.store import open_packed
 from lctrain.reports.plots import plot_dataset
@@ -95,7 +95,7 @@ def inspect(data_dir: str | Path, out: str | Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "dataset_stats.json").write_text(json.dumps(stats, indent=2))
     plot_dataset(stats, out_dir / "dataset.png")
-    console = Console()
+    console = plain_console()
     t = Table(
         title=f"{data_dir}: {stats['windows']} windows of {stats['seq_len']} tokens, {stats['segments']} segments "
         f"({stats['segments_per_window']['mean']:.1f} per window, max {stats['segments_per_window']['max']})"

@@ -20,10 +20,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from lctrain.config import Config, with_overrides
+from lctrain.console import plain_console
 from lctrain.data.prepare import prepare
 from lctrain.errors import UserError
 from lctrain.hardware import device_peak_flops
@@ -180,6 +180,6 @@ def _print(results: dict, work: Path) -> None:
             f"{p['predicted_days_per_1b_tokens']:.3g}",
             f"{p['ratio']:.2f}",
         )
-    console = Console()
+    console = plain_console()
     console.print(t)
     console.print(f"wrote {work}/figure6.json, figure6.png")
