@@ -190,7 +190,8 @@ class DataConfig(_Section):
     tokenizer: Text = Field(
         "builtin:mistral-7b-v0.1",
         description="a hub name, a local tokenizer or model directory, or a tokenizer bundled with lctrain "
-        "(builtin:NAME)",
+        "(builtin:NAME); for a pretrained model, its own (prepare and train refuse one whose ids mean other tokens "
+        "to the model)",
     )
     anchor: Text = Field(
         "auto",

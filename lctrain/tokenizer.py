@@ -22,10 +22,14 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lctrain.errors import UserError, WriteFailed, writing
+
+if TYPE_CHECKING:
+    from lctrain.config import Config
 
 BUILTIN_PREFIX = "builtin:"
 # name -> file in mistral_common/data. v1 is the Mistral-7B-v0.1 (Llama-2-style) 32000-token model, v3 the
@@ -138,6 +142,65 @@ def tokenizer_fingerprint(tok) -> str:
     a tokenizer loaded from its source and from the copy an evaluation checkpoint saved."""
     vocab = sorted(tok.get_vocab().items())
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def foreign_ids(data_vocab: dict[str, int], model_vocab: dict[str, int]) -> list[tuple[int, str, str | None]]:
+    """The ids of `data_vocab` that mean something else under `model_vocab`, in id order, each as (id, the data's
+    token, the model's token at that id or None). Empty when the model's vocabulary extends the data's (a model whose
+    tokenizer adds a padding token reads the data as written)."""
+    model_tokens = {i: t for t, i in model_vocab.items()}
+    return sorted((i, t, model_tokens.get(i)) for t, i in data_vocab.items() if model_vocab.get(t) != i)
+
+
+def _model_tokenizer(source: str):
+    """The tokenizer saved with a pretrained model (a local directory, or a hub name already cached), or None: nothing
+    is downloaded."""
+    # transformers on use (start-up time)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except Exception:  # no tokenizer beside the model, or not in the cache (each cause its own type): none to compare
+        return None
+
+
+def _embedding_rows(model_dir: str) -> int | None:
+    """`vocab_size` of a local model directory's config, None when it has none to read (its load, later, says why)."""
+    from transformers import AutoConfig
+
+    try:
+        return getattr(AutoConfig.from_pretrained(model_dir), "vocab_size", None)
+    except Exception:  # a damaged or foreign config: the model's own load refuses it in one line
+        return None
+
+
+def check_matches_model(cfg: Config, data_tokenizer=None) -> None:
+    """A pretrained model trained on the ids of another tokenizer reads other words than the text holds (a config
+    whose `base:` pairs its model with another tokenizer, a `--set model.name_or_path` that left `data.tokenizer`
+    behind): refused, by `prepare` and `train` before any work, when the model's own tokenizer gives any of the
+    data's ids another meaning, or when the data's ids run past the model's embedding rows. `data_tokenizer`:
+    `data.tokenizer` already loaded."""
+    if cfg.model.arch is not None:
+        return  # random init: its vocabulary is the data tokenizer's
+    model_source, data_source = cfg.resolve_source(cfg.model.name_or_path), cfg.resolve_source(cfg.data.tokenizer)
+    if model_source == data_source:
+        return
+    data_vocab = (data_tokenizer or load_tokenizer(data_source)).get_vocab()
+    where = f"data.tokenizer = '{cfg.data.tokenizer}' is not the tokenizer of model.name_or_path = "
+    where += f"'{cfg.model.name_or_path}'"
+    fix = f"set data.tokenizer to the model's ({cfg.model.name_or_path}) and run 'lctrain prepare' again"
+    own = _model_tokenizer(model_source)
+    foreign = foreign_ids(data_vocab, own.get_vocab()) if own is not None else []
+    if foreign:
+        i, ours, theirs = foreign[0]
+        raise UserError(
+            f"{where}: {len(foreign):,} of its {len(data_vocab):,} ids mean other tokens to the model (id {i} is "
+            f"{ours!r} in the data, {theirs!r} to the model); {fix}"
+        )
+    rows = _embedding_rows(model_source) if Path(model_source).is_dir() else None  # a hub config is not downloaded
+    top = max(data_vocab.values())
+    if rows is not None and top >= rows:
+        raise UserError(f"{where}: its ids reach {top:,}, past the model's {rows:,} embedding rows; {fix}")
 
 
 ANCHOR_AUTO = "auto"

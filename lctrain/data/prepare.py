@@ -65,7 +65,14 @@ from lctrain.errors import UserError, is_environment_error, writing
 from lctrain.hardware import usable_cpus
 from lctrain.lifetime import CRASH_SIGNALS, is_alive
 from lctrain.progress_bar import ProgressBar
-from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor, text_encoder, tokenizer_fingerprint
+from lctrain.tokenizer import (
+    BUILTIN_PREFIX,
+    check_matches_model,
+    load_tokenizer,
+    resolve_anchor,
+    text_encoder,
+    tokenizer_fingerprint,
+)
 
 SKIP_EXAMPLES = 5
 # the shards store a segment's domain id as int8
@@ -451,6 +458,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         files = None
     source = describe_source(d, files)
     tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
+    check_matches_model(cfg, tok)
     encoder = text_encoder(tok)
     anchor = resolve_anchor(tok, d.anchor)
     anchor_id = anchor.id

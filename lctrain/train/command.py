@@ -23,6 +23,7 @@ from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import OutOfMemory, ProcessKilled, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.rundir import RunDir
+from lctrain.tokenizer import check_matches_model
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.metrics import import_wandb, tensorboard_writer_class
 from lctrain.train.runplan import Prepared
@@ -227,6 +228,7 @@ def preflight(cfg: Config) -> Prepared:
     check_on_this_machine(cfg, torch.cuda.is_available())
     if cfg.model.fused_kernels == "liger":
         fused.require_liger("cuda" if torch.cuda.is_available() else "cpu")
+    check_matches_model(cfg)
     prepared = Prepared.of(cfg, layout_of(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None))
     reread = reread_warning(cfg, len(prepared.packed))
     if reread:
