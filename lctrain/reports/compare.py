@@ -107,14 +107,18 @@ def read_evaluated(path: str | Path) -> Evaluated:
     return Evaluated(run.path, file, run.read_config(), results)
 
 
+def check_last(last: int | None) -> None:
+    if last is not None and last < 1:
+        raise UserError(f"--last {last}: average over at least 1 checkpoint")
+
+
 def last_checkpoints(results: dict, last: int | None, where: str) -> list[str]:
     """The evaluated checkpoints to average, oldest first: the last `last`, by default the paper's 5 (all of them
     when fewer were evaluated)."""
+    check_last(last)
     ckpts = list(results["checkpoints"])
     if all(step_of(c) is not None for c in ckpts):
         ckpts.sort(key=step_of)
-    if last is not None and last < 1:
-        raise UserError(f"--last {last}: average over at least 1 checkpoint")
     if not ckpts:
         raise UserError(f"{where}: no evaluated checkpoint in its results; run `lctrain eval` again")
     n = min(DEFAULT_LAST, len(ckpts)) if last is None else last
@@ -390,6 +394,7 @@ def write_report(run_dirs: list[Path], out: Path, last: int | None = None) -> di
     # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import plot_report
 
+    check_last(last)  # before any run is read: the arguments first
     report = compare([read_evaluated(p) for p in run_dirs], last)
     out = Path(out)
     with writing(out, "the report"):
