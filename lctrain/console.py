@@ -8,3 +8,13 @@ from rich.console import Console
 def plain_console(**kwargs) -> Console:
     """`kwargs`: rich's own (`stderr=True`, `width=...`)."""
     return Console(highlight=False, soft_wrap=True, **kwargs)
+
+
+def no_library_bars() -> None:
+    """Turn off Hugging Face's progress bars (transformers' "Loading weights", the hub's) for this process: lctrain's
+    commands show their own progress, which a library's bar would tear through, and in a log file a bar is a line
+    of carriage returns."""
+    # transformers on use: the console is imported by commands that never load it (start-up time)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

@@ -51,7 +51,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from lctrain.attention.engines.common import expand_kv_heads, unify_dtypes
 from lctrain.compat.transformers import load_errors
 from lctrain.config import Config, bundled_config_names, data_dir, load_config
-from lctrain.console import plain_console
+from lctrain.console import no_library_bars, plain_console
 from lctrain.costmodel import ModelShape, dense_params, step_flops
 from lctrain.diagnostics.probe_text import probe_sequences
 from lctrain.errors import UserError
@@ -335,6 +335,7 @@ class ModelSource:
         return path
 
     def load(self, dtype: str, device: str):
+        no_library_bars()  # a "Loading weights" bar per case would tear through diagnose's own
         if self.cfg is None:
             try:
                 model = AutoModelForCausalLM.from_pretrained(self.spec, dtype=getattr(torch, dtype))

@@ -24,7 +24,7 @@ from rich.table import Table
 
 from lctrain.compat.transformers import load_errors
 from lctrain.config import Config, apply_overrides, load_config, validate
-from lctrain.console import plain_console
+from lctrain.console import no_library_bars, plain_console
 from lctrain.errors import UserError
 from lctrain.eval import ruler
 from lctrain.eval import score as scoring
@@ -163,10 +163,8 @@ def load_model(model_dir: Path, device: str):
     # torch/transformers on use: this module loads without them (start-up time)
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    # a "Loading weights" bar per checkpoint would tear through eval's own bar (and fill a log with carriage returns)
-    hf_logging.disable_progress_bar()
+    no_library_bars()  # a "Loading weights" bar per checkpoint would tear through eval's own bar
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
@@ -552,6 +550,6 @@ def print_report(results: dict, out_dir: Path) -> None:
         console.print(f"perplexity {c}: {v:.3f} on {ppl['windows']} held-out windows of {ppl['data']}")
         shorter = {L: p for L, p in ppl["per_length"][c].items() if int(L) != ppl["window"]}
         if shorter:
-            at = ", ".join(f"{length_label(int(L))} {p:.3f}" for L, p in shorter.items())
-            console.print(f"  first L tokens of each window: {at}")
+            at = ", ".join(f"{p:.3f} at {length_label(int(L))}" for L, p in shorter.items())
+            console.print(f"  on the first L tokens of each window: {at}")
     console.print(f"wrote {out_dir}/results.json, predictions.jsonl, ruler.png")

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers.utils import logging as hf_logging
 
 from lctrain.config import settings
+from lctrain.console import no_library_bars
 from lctrain.errors import UserError
 from lctrain.rundir import RunDir
 from lctrain.train.report import eta_seconds, step_line
@@ -59,7 +60,7 @@ def quiet_libraries(is_main: bool) -> None:
     """Set once per process before the model is built: no Hugging Face progress bars (a loading or saving bar tears
     through the training bar, and fills a log file with carriage returns), and on the ranks other than 0 only
     errors from the libraries, whose warnings rank 0 prints once."""
-    hf_logging.disable_progress_bar()
+    no_library_bars()
     if not is_main:
         hf_logging.set_verbosity_error()
         for name in _RANK_LOGGERS:
