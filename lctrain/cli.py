@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import platform
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from lctrain import __version__
 from lctrain.config import bundled_config_names, load_config, to_yaml
 from lctrain.config_reference import reference_markdown
 from lctrain.errors import UserError, environment_error_message
@@ -23,6 +26,32 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+# what a bug report needs beside lctrain's own version; read from the installed metadata, nothing is imported
+VERSION_OF = ("torch", "transformers", "deepspeed", "flash-attn", "liger-kernel")
+
+
+def _print_version(asked: bool) -> None:
+    if not asked:
+        return
+    versions = []
+    for name in VERSION_OF:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} not installed")
+    typer.echo(f"lctrain {__version__} (python {platform.python_version()}, {', '.join(versions)})")
+    raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="print the versions and exit")
+    ] = False,
+):
+    """Long-context continual pretraining with AnchorAttention: prepare data, train, resume, evaluate."""
+
 
 ConfigOpt = Annotated[
     str | None,
