@@ -53,6 +53,18 @@ def refuse_to_start() -> None:
     raise RuntimeError("this worker cannot start")
 
 
+def cannot_import_its_class(name: str):
+    raise ModuleNotFoundError(f"No module named '{name}'")
+
+
+class BuiltByAModuleTheWorkerLacks:
+    """Pickles here; unpickling it (in a worker) fails as a tokenizer of `trust_remote_code` would without its
+    module."""
+
+    def __reduce__(self):
+        return cannot_import_its_class, ("custom_tokenizer",)
+
+
 def takes_a_blob(blob: bytes) -> None:
     """An initializer with a large argument, as a tokenizer is."""
     assert len(blob) > 0

@@ -19,7 +19,7 @@ import lctrain.data.prepare as prepare_module
 from lctrain.cli import app
 from lctrain.config import DOMAINS, load_config
 from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES
-from lctrain.data.pool import WorkerDied
+from lctrain.data.pool import WorkerDied, WorkerStartFailed
 from lctrain.data.prepare import prepare
 from lctrain.data.store import FORMAT_VERSION, ShardWriter, open_packed
 from lctrain.errors import UserError
@@ -298,6 +298,27 @@ def test_tokenizing_out_of_memory_is_one_line(monkeypatch):
 
     monkeypatch.setattr(prepare_module, "imap_ordered", runs_out)
     with pytest.raises(UserError, match=r"^prepare: tokenizing ran out of memory \(2 tokenizer process\(es\)"):
+        list(prepare_module._encoded(iter([]), None, workers=2))
+
+
+@pytest.mark.parametrize(
+    "error, line",
+    [
+        (
+            ModuleNotFoundError("No module named 'custom_tokenizer'"),
+            r"^prepare: the tokenizer could not be set up in a "
+            r"worker process \(ModuleNotFoundError: No module named 'custom_tokenizer'\); set data.num_workers=1",
+        ),
+        (MemoryError(), r"^prepare: tokenizing ran out of memory \(2 tokenizer process\(es\)"),
+    ],
+)
+def test_a_worker_that_cannot_set_up_the_tokenizer_is_one_line(monkeypatch, error, line):
+    def cannot_start(*args):
+        raise WorkerStartFailed(2, error) from error
+        yield
+
+    monkeypatch.setattr(prepare_module, "imap_ordered", cannot_start)
+    with pytest.raises(UserError, match=line):
         list(prepare_module._encoded(iter([]), None, workers=2))
 
 

@@ -16,7 +16,7 @@ import pool_functions as fn
 import psutil
 import pytest
 
-from lctrain.data.pool import WorkerDied, WorkerTraceback, imap_ordered
+from lctrain.data.pool import WorkerDied, WorkerStartFailed, WorkerTraceback, imap_ordered
 
 
 def workers_alive() -> list:
@@ -67,9 +67,19 @@ def test_an_exception_that_does_not_travel_arrives_as_its_text():
         list(imap_ordered(fn.fails_unpicklably, range(1, 4), workers=2))
 
 
-def test_an_initializer_that_raises_is_raised():
-    with pytest.raises(RuntimeError, match="this worker cannot start"):
+def test_an_initializer_that_raises_is_worker_start_failed_with_its_exception():
+    with pytest.raises(WorkerStartFailed, match="could not start: RuntimeError: this worker cannot start") as e:
         list(imap_ordered(fn.square_after_a_while, range(4), workers=2, initializer=fn.refuse_to_start))
+    assert isinstance(e.value.__cause__, RuntimeError) and isinstance(e.value.__cause__.__cause__, WorkerTraceback)
+    assert "refuse_to_start" in str(e.value.__cause__.__cause__)
+    assert not workers_alive()
+
+
+def test_initializer_arguments_that_do_not_unpickle_in_the_worker_are_worker_start_failed():
+    args = (fn.BuiltByAModuleTheWorkerLacks(),)
+    with pytest.raises(WorkerStartFailed, match="ModuleNotFoundError: No module named 'custom_tokenizer'") as e:
+        list(imap_ordered(fn.square_after_a_while, range(4), 2, fn.takes_a_blob, args))
+    assert isinstance(e.value.__cause__, ModuleNotFoundError)
     assert not workers_alive()
 
 

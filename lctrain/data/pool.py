@@ -51,6 +51,15 @@ class WorkerDied(Exception):
         return "ended (its exit code unknown)" if self.exitcode is None else f"exited with code {self.exitcode}"
 
 
+class WorkerStartFailed(Exception):
+    """A worker could not start: its initializer raised, or the initializer's arguments did not unpickle in it (a
+    class it cannot import). The `__cause__` is that exception, with its worker traceback as its own cause."""
+
+    def __init__(self, workers: int, error: BaseException):
+        self.workers = workers
+        super().__init__(f"a worker process (of {workers}) could not start: {type(error).__name__}: {error}")
+
+
 class WorkerTraceback(Exception):
     """The worker-side traceback of an exception a worker raised (the `__cause__` of the exception re-raised here)."""
 
@@ -67,10 +76,10 @@ def imap_ordered(
 
     `func` and `initializer` must be importable module-level functions (the workers are spawned, not forked: a fork
     after a tokenizer's threads have started can deadlock). An exception `func` raises is raised here in its item's
-    turn (after the results of the items before it), one `initializer` raises as soon as it arrives, each with its
-    worker traceback as its `__cause__`. A worker that dies is `WorkerDied` as soon as it is seen: the results of items
-    before it that are still computing are not waited for. Every worker is gone when the iterator ends, fails or is
-    closed."""
+    turn (after the results of the items before it), with its worker traceback as its `__cause__`. A worker that
+    cannot start (`initializer` raised, or its `initargs` do not unpickle there) is `WorkerStartFailed` as soon as it
+    is seen, one that dies `WorkerDied`: the results of items before it that are still computing are not waited for.
+    Every worker is gone when the iterator ends, fails or is closed."""
     ctx = multiprocessing.get_context("spawn")
     pool: list[_Worker] = []
     try:
@@ -122,7 +131,7 @@ class _Worker:
 
     def receive(self, workers: int) -> tuple[int, bool, object]:
         """(seq, raised, value) of the oldest item this worker holds: `value` is the result, or the exception `func`
-        raised on it (raised here in its turn). A failed initializer is raised at once."""
+        raised on it (raised here in its turn). A worker that could not start is `WorkerStartFailed` at once."""
         try:
             kind, value, trace = self.results.recv()
         except (EOFError, ConnectionResetError):
@@ -131,7 +140,7 @@ class _Worker:
             return self.outstanding.popleft(), False, value
         value.__cause__ = WorkerTraceback(trace)
         if kind == "failed to start":
-            raise value
+            raise WorkerStartFailed(workers, value) from value
         return self.outstanding.popleft(), True, value
 
     def died(self, workers: int) -> WorkerDied:
@@ -190,6 +199,9 @@ def _serve(tasks, results, func) -> None:
     try:
         initializer, initargs = tasks.recv()
     except (EOFError, OSError):
+        return
+    except Exception as e:  # the arguments do not unpickle here: whatever unpickling them raised
+        _report(results, "failed to start", e)
         return
     try:
         if initializer is not None:

@@ -40,7 +40,7 @@ from lctrain.console import plain_console
 from lctrain.data import encode
 from lctrain.data.mixture import Mixture, SourceShares
 from lctrain.data.packing import Packer, ShuffleBuffer
-from lctrain.data.pool import WorkerDied, imap_ordered
+from lctrain.data.pool import WorkerDied, WorkerStartFailed, imap_ordered
 from lctrain.data.progress import Partial
 from lctrain.data.sources import (
     LocalFiles,
@@ -99,6 +99,13 @@ def _num_workers(requested: int, budget_tokens: int) -> int:
     return usable_cpus()
 
 
+def _out_of_memory(workers: int) -> UserError:
+    return UserError(
+        f"prepare: tokenizing ran out of memory ({workers} tokenizer process(es), data.num_workers); free memory "
+        f"or lower data.num_workers, then run 'lctrain prepare' again: it resumes from its last complete shard"
+    )
+
+
 def _encoded(batches, encoder, workers: int):
     """Encoded batches in submission order; at most a few batches per worker in flight (bounded memory)."""
     try:
@@ -108,9 +115,13 @@ def _encoded(batches, encoder, workers: int):
         else:
             yield from imap_ordered(encode.encode_batch, batches, workers, encode.init_worker, (encoder,))
     except MemoryError:  # Python's own, raised in a worker (and sent here) or in this process
+        raise _out_of_memory(workers) from None
+    except WorkerStartFailed as e:
+        if isinstance(e.__cause__, MemoryError):
+            raise _out_of_memory(workers) from None
         raise UserError(
-            f"prepare: tokenizing ran out of memory ({workers} tokenizer process(es), data.num_workers); free memory "
-            f"or lower data.num_workers, then run 'lctrain prepare' again: it resumes from its last complete shard"
+            f"prepare: the tokenizer could not be set up in a worker process ({type(e.__cause__).__name__}: "
+            f"{e.__cause__}); set data.num_workers=1 to tokenize in this process"
         ) from None
     except WorkerDied as e:
         if e.signal == "SIGKILL":
