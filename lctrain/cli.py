@@ -50,7 +50,7 @@ def _options(
         bool, typer.Option("--version", callback=_print_version, is_eager=True, help="print the versions and exit")
     ] = False,
 ):
-    """Long-context continual pretraining with AnchorAttention: prepare data, train, resume, evaluate."""
+    """The options before any command."""
 
 
 ConfigOpt = Annotated[
