@@ -166,6 +166,7 @@ def _model_tokenizer(source: str):
 
 def _embedding_rows(model_dir: str) -> int | None:
     """`vocab_size` of a local model directory's config, None when it has none to read (its load, later, says why)."""
+    # transformers on use (start-up time)
     from transformers import AutoConfig
 
     try:
