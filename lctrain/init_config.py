@@ -17,7 +17,7 @@ from lctrain.config import validate
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.memory import WARN_FRACTION, Budget, plan_memory
-from lctrain.model import default_rope_theta
+from lctrain.model import default_rope_theta, require_rope
 from lctrain.parallel.layout import kv_replication
 from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, Positions
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer
@@ -51,10 +51,12 @@ class Layout:
 
 
 def _hf_base(name_or_path: str, hf, stem: str, source: str) -> BaseModel:
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    require_rope(hf, name_or_path)
+    rope = dict(hf.rope_parameters)
     if "rope_theta" not in rope:
         raise UserError(
-            f"{name_or_path}: model type '{hf.model_type}' has no RoPE base (rope_theta); lctrain extends RoPE models"
+            f"{name_or_path}: model type '{hf.model_type}' has no single RoPE base (rope_parameters.rope_theta: "
+            f"one per layer type?); lctrain init reads one"
         )
     return BaseModel(
         name_or_path,

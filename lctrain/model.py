@@ -144,17 +144,31 @@ def load_hf_config(cfg: Config):
         check_arch(arch)
         model_type = arch.pop("model_type")
         try:
-            return AutoConfig.for_model(model_type, **arch)
+            hf = AutoConfig.for_model(model_type, **arch)
         except (ValueError, TypeError, ZeroDivisionError, StrictDataclassError) as e:
             raise UserError(f"model.arch: cannot build a '{model_type}' config ({' '.join(str(e).split())})") from None
+        require_rope(hf, "model.arch")
+        return hf
     try:
-        return AutoConfig.from_pretrained(cfg.resolve_source(cfg.model.name_or_path))
+        hf = AutoConfig.from_pretrained(cfg.resolve_source(cfg.model.name_or_path))
     except (OSError, ValueError, StrictDataclassError) as e:
         raise UserError(
             f"model.name_or_path = '{cfg.model.name_or_path}' cannot be loaded as a Hugging Face model "
             f"directory or hub name ({type(e).__name__}); download it first or point to a local "
             f"directory"
         ) from None
+    require_rope(hf, f"model.name_or_path = '{cfg.model.name_or_path}'")
+    return hf
+
+
+def require_rope(hf_config, what: str) -> None:
+    """lctrain extends the context of RoPE models: one with other positions (GPT-2's learned ones, ALiBi) is refused
+    in one line wherever its config is read, before anything is built."""
+    if not getattr(hf_config, "rope_parameters", None):
+        raise UserError(
+            f"{what}: model type '{hf_config.model_type}' has no RoPE (rope_parameters); lctrain extends RoPE models "
+            f"(Llama, Mistral, Qwen, ...)"
+        )
 
 
 def shape_without_download(cfg: Config) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from train_helpers import one_error_line, set_args
+from transformers import GPT2Config
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -64,6 +65,7 @@ def w(tmp_path_factory) -> Path:
     (run.export(2) / "config.json").write_text("{}")
     for step in (1, 2):
         run.append_metrics({"step": step, "loss": 3.0 - step})
+    GPT2Config(n_embd=32, n_layer=1, n_head=2).save_pretrained(w / "gpt2")  # learned positions, no RoPE
     data = w / "dataset"
     data.mkdir()
     (data / MANIFEST).write_text("{}")
@@ -278,6 +280,20 @@ CASES = [
     ("report-nothing-there", "args", ["report", "emptydir"], {}, r"emptydir: neither an evaluated run directory"),
     ("report-not-evaluated", "args", ["report", "run"], {}, r"run: not evaluated yet .*lctrain eval run"),
     ("report-last-0", "args", ["report", "run", "--last", "0"], {}, r"--last 0: average over at least 1 checkpoint"),
+    (
+        "train-a-model-without-rope",
+        "config",
+        ["train", "--set", "model.name_or_path={w}/gpt2", "--set", "model.arch=null"],
+        {},
+        r"model.name_or_path = '.*gpt2': model type 'gpt2' has no RoPE .*lctrain extends RoPE models",
+    ),
+    (
+        "plan-an-arch-without-rope",
+        "config",
+        ["plan", "--set", "model.arch={model_type: gpt2, n_embd: 32, n_layer: 1, n_head: 2}"],
+        {},
+        r"model.arch: model type 'gpt2' has no RoPE",
+    ),
     # ---- sources and files
     ("src-empty-file", "sources", src("empty.jsonl"), {}, r"yielded 0 tokens in 0 usable documents"),
     ("src-blank-lines", "sources", src("blank_lines.jsonl"), {}, r"skipped: 3 blank_line"),

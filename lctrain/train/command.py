@@ -26,7 +26,7 @@ from lctrain.rundir import RunDir
 from lctrain.tokenizer import check_matches_model
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.metrics import import_wandb, tensorboard_writer_class
-from lctrain.train.runplan import Prepared
+from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.trainer import CheckpointHook, run
 
 
@@ -228,8 +228,14 @@ def preflight(cfg: Config) -> Prepared:
     check_on_this_machine(cfg, torch.cuda.is_available())
     if cfg.model.fused_kernels == "liger":
         fused.require_liger("cuda" if torch.cuda.is_available() else "cpu")
+    plan = RunPlan.of(cfg, layout_of(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None))
+    if cfg.model.arch is not None or Path(cfg.resolve_source(cfg.model.name_or_path)).is_dir():
+        # a bad model.arch, a model without RoPE: refused here, before the dataset is opened or anything launched
+        shape = ModelShape.from_hf_config(load_hf_config(cfg))
+        if cfg.parallel.sequence_parallel > 1:
+            kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
     check_matches_model(cfg)
-    prepared = Prepared.of(cfg, layout_of(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None))
+    prepared = Prepared.of(cfg, plan=plan)
     reread = reread_warning(cfg, len(prepared.packed))
     if reread:
         print(reread, flush=True)
@@ -237,10 +243,6 @@ def preflight(cfg: Config) -> Prepared:
         import_wandb(cfg)
     if cfg.logging.tensorboard:
         tensorboard_writer_class(cfg)
-    if cfg.model.arch is not None:
-        shape = ModelShape.from_hf_config(load_hf_config(cfg))  # a bad model.arch is refused here, before any launch
-        if cfg.parallel.sequence_parallel > 1:
-            kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
     if shape_without_download(cfg):  # an unknown hub name is not downloaded just to plan
         from lctrain.plan import memory_warning
 

@@ -46,5 +46,7 @@ class Prepared:
     packed: object
 
     @classmethod
-    def of(cls, cfg: Config, layout: ParallelLayout | None = None) -> Prepared:
-        return cls(RunPlan.of(cfg, layout), open_checked(cfg))
+    def of(cls, cfg: Config, layout: ParallelLayout | None = None, plan: RunPlan | None = None) -> Prepared:
+        """`plan`: `RunPlan.of(cfg, layout)` already checked (the checks between it and the dataset's then come
+        first)."""
+        return cls(plan or RunPlan.of(cfg, layout), open_checked(cfg))
