@@ -163,7 +163,12 @@ def test_kill_9_of_the_launching_command_takes_its_workers_along(data_dir, tmp_p
 @two_tokenizer_workers
 @pytest.mark.parametrize(
     ("sig", "moment"),
-    [(signal.SIGKILL, "encoding"), (signal.SIGTERM, "encoding"), (signal.SIGINT, "starting")],
+    [
+        (signal.SIGKILL, "encoding"),
+        # the same clean-up path as Ctrl-C (tested below): slow-marked to keep the default suite under its budget
+        pytest.param(signal.SIGTERM, "encoding", marks=pytest.mark.slow),
+        (signal.SIGINT, "starting"),
+    ],
     ids=["kill-9", "kill", "ctrl-c-while-the-workers-start"],
 )
 def test_a_killed_prepare_takes_its_tokenizer_workers_along(tmp_path, sig, moment):

@@ -193,7 +193,12 @@ def _truncated_model_states(path: Path) -> None:
     f.write_bytes(f.read_bytes()[:4096])
 
 
-@pytest.mark.parametrize("damage", [_empty_state, _truncated_model_states], ids=["empty-state", "truncated-states"])
+@pytest.mark.parametrize(
+    "damage",
+    # the same fallback for another damage: slow-marked to keep the default suite under its budget
+    [pytest.param(_empty_state, marks=pytest.mark.slow), _truncated_model_states],
+    ids=["empty-state", "truncated-states"],
+)
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(reference, workdir, damage):
     run_dir = workdir / f"damaged_{damage.__name__}"
     proc = start_killed_in_checkpoint(workdir, run_dir, 6)  # dies writing step 6: step 2 and 4 complete
