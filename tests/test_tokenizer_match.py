@@ -4,7 +4,7 @@ vocabularies), or run past its embedding rows; the model's own tokenizer, or one
 
 import pytest
 import sentencepiece as spm
-from train_helpers import one_error_line
+from train_helpers import one_error_line, set_args
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -59,13 +59,16 @@ def test_a_vocabulary_the_model_extends_or_lacks():
 
 def test_prepare_and_train_refuse_data_of_another_tokenizer_before_any_work(tmp_path):
     model = pretrained(tmp_path / "model", 32768, V3)
-    common = [f"model.name_or_path={model}", "model.arch=null", f"data.tokenizer={V1}"]
-    for command in ("prepare", "train"):
-        sets = [
-            a
-            for kv in common + [f"data.output_dir={tmp_path / 'data'}", f"train.run_dir={tmp_path / 'run'}"]
-            for a in ("--set", kv)
+    sets = set_args(
+        [
+            f"model.name_or_path={model}",
+            "model.arch=null",
+            f"data.tokenizer={V1}",
+            f"data.output_dir={tmp_path / 'data'}",
+            f"train.run_dir={tmp_path / 'run'}",
         ]
+    )
+    for command in ("prepare", "train"):
         line = one_error_line(CliRunner().invoke(app, [command, *sets]))
         assert f"data.tokenizer = '{V1}' is not the tokenizer of model.name_or_path = '{model}'" in line
         assert "ids mean other tokens to the model (id 3 is '<0x00>' in the data, '[INST]' to the model)" in line
