@@ -147,6 +147,16 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def death_of(name: str) -> str:
+    """How a process killed by the signal `name` ended and the likely cause, in words ("was killed by SIGKILL (...)"),
+    the one wording of every line about a killed process: tokenizer workers, training ranks, launchers, stages."""
+    if name in CRASH_SIGNALS:
+        return f"crashed with {name} in native code (a library aborted or faulted)"
+    if name == "SIGKILL":
+        return "was killed by SIGKILL (most likely the kernel's out-of-memory killer: the host ran out of memory)"
+    return f"was killed by {name} (stopped from outside: a scheduler or a user)"
+
+
 # A supervised lctrain command stopped by a signal it turned into `KeyboardInterrupt` exits with one of these.
 STOPPED = {128 + signal.SIGINT: "SIGINT", 128 + signal.SIGTERM: "SIGTERM"}
 

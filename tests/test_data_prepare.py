@@ -249,7 +249,11 @@ def test_more_workers_than_cores_starts_one_per_core_and_says_so(tmp_path, monke
 @pytest.mark.parametrize(
     ("exitcode", "how"),
     [
-        (-9, "was killed by SIGKILL, most likely from the out-of-memory killer: free memory or lower data.num_workers"),
+        (
+            -9,
+            "was killed by SIGKILL (most likely the kernel's out-of-memory killer: the host ran out of memory): "
+            "free memory or lower data.num_workers",
+        ),
         (-11, "crashed with SIGSEGV in native code (a library aborted or faulted)"),
         (-15, "was killed by SIGTERM (stopped from outside: a scheduler or a user)"),
         (1, "exited with code 1 without reporting an error"),

@@ -96,9 +96,12 @@ def test_bad_requests_are_refused_before_anything_is_built(tmp_path, kwargs, mes
     [
         (
             "os.kill(os.getpid(), signal.SIGKILL)",
-            "was killed by SIGKILL (most likely the out-of-memory killer)",
+            "was killed by SIGKILL (most likely the kernel's out-of-memory killer",
         ),
-        ("os.kill(os.getpid(), signal.SIGSEGV)", "lctrain train (anchor) was killed by SIGSEGV; run the same"),
+        (
+            "os.kill(os.getpid(), signal.SIGSEGV)",
+            "lctrain train (anchor) crashed with SIGSEGV in native code (a library aborted or faulted); run the same",
+        ),
         ("sys.exit(143)", "lctrain train (anchor) was stopped by SIGTERM (from outside: a scheduler or a user)"),
         ("sys.exit(2)", "lctrain train (anchor) failed (exit code 2; its output is above)"),
     ],

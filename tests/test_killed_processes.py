@@ -156,7 +156,7 @@ def test_a_tokenizer_worker_killed_by_the_os_is_one_line(tmp_path, moment):
     workers[0].send_signal(signal.SIGKILL)
     line = the_one_line(proc)
     assert "a tokenizer worker process (of 2, data.num_workers) was killed by SIGKILL" in line
-    assert "most likely from the out-of-memory killer" in line and "run 'lctrain prepare' again" in line
+    assert "most likely the kernel's out-of-memory killer" in line and "run 'lctrain prepare' again" in line
     assert not (tmp_path / "big").exists()
     gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive, [p.cmdline() for p in alive]

@@ -63,7 +63,7 @@ from lctrain.data.store import (
 )
 from lctrain.errors import UserError, is_environment_error, writing
 from lctrain.hardware import usable_cpus
-from lctrain.lifetime import CRASH_SIGNALS, is_alive
+from lctrain.lifetime import death_of, is_alive
 from lctrain.progress_bar import ProgressBar
 from lctrain.tokenizer import (
     BUILTIN_PREFIX,
@@ -124,15 +124,9 @@ def _encoded(batches, encoder, workers: int):
             f"{e.__cause__}); set data.num_workers=1 to tokenize in this process"
         ) from None
     except WorkerDied as e:
+        how = death_of(e.signal) if e.signal else f"{e.how} without reporting an error"
         if e.signal == "SIGKILL":
-            how = "was killed by SIGKILL, most likely from the out-of-memory killer: free memory or lower "
-            how += "data.num_workers"
-        elif e.signal in CRASH_SIGNALS:
-            how = f"crashed with {e.signal} in native code (a library aborted or faulted)"
-        elif e.signal:
-            how = f"{e.how} (stopped from outside: a scheduler or a user)"
-        else:
-            how = f"{e.how} without reporting an error"
+            how += ": free memory or lower data.num_workers"
         raise UserError(
             f"prepare: a tokenizer worker process (of {workers}, data.num_workers) {how}; run 'lctrain prepare' "
             f"again: it resumes from its last complete shard"

@@ -33,7 +33,7 @@ from lctrain.config import Config, config_fingerprint, data_dir, data_fingerprin
 from lctrain.data.shipped_text import write_jsonl
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError, writing
-from lctrain.lifetime import STOPPED, signal_name, supervise
+from lctrain.lifetime import STOPPED, death_of, signal_name, supervise
 from lctrain.reports.compare import print_report, write_report
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
@@ -155,8 +155,7 @@ class Experiment:
         if rc == 0:
             return
         if rc < 0:
-            name = signal_name(-rc)
-            how = f"was killed by {name}" + (" (most likely the out-of-memory killer)" if name == "SIGKILL" else "")
+            how = death_of(signal_name(-rc))
         elif rc in STOPPED:  # stopped by someone else: it said nothing, being supervised
             how = f"was stopped by {STOPPED[rc]} (from outside: a scheduler or a user)"
         else:

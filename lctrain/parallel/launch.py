@@ -21,7 +21,7 @@ import torch
 
 from lctrain.config import Config, check_on_this_machine
 from lctrain.errors import UserError
-from lctrain.lifetime import CRASH_SIGNALS, signal_name, supervise
+from lctrain.lifetime import CRASH_SIGNALS, death_of, signal_name, supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 from lctrain.parallel.guard import EXIT_PREFIX
 
@@ -127,17 +127,8 @@ class ProcessKilled(UserError):
 
     @property
     def what(self) -> str:
-        if self.signal in CRASH_SIGNALS:
-            return (
-                f"{self.who} crashed with {self.signal} in native code (a library aborted or faulted; the launcher's "
-                f"report, with the rank's Python stack at the crash, is in {self.log})"
-            )
-        cause = (
-            "most likely the kernel's out-of-memory killer: the host ran out of memory"
-            if self.signal == "SIGKILL"
-            else "stopped from outside (a scheduler or a user)"
-        )
-        return f"{self.who} was killed by {self.signal} ({cause}; the launcher's report is in {self.log})"
+        stack = ", with the rank's Python stack at the crash," if self.signal in CRASH_SIGNALS else ""
+        return f"{self.who} {death_of(self.signal)}; the launcher's report{stack} is in {self.log}"
 
 
 def failure_file(workdir: Path, rank: int) -> Path:
