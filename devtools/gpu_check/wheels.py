@@ -72,7 +72,7 @@ def build_wheelhouse(args) -> None:
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     have = read_freeze(Path(args.have).read_text().splitlines())
-    reqs = carried_requirements(ROOT / "pyproject.toml")
+    reqs = carried_requirements(ROOT / "pyproject.toml", args.extras)
     env = {
         "python_version": args.python_version,
         "python_full_version": f"{args.python_version}.0",

@@ -9,7 +9,7 @@ from devtools.wheelhouse import carried_requirements, installed_distributions, p
 
 def stage_install(run: Runner, args) -> None:
     r = run.result
-    reqs = carried_requirements(ROOT / "pyproject.toml")
+    reqs = carried_requirements(ROOT / "pyproject.toml", args.extras)
     have = installed_distributions()
     if args.wheels:
         plan = plan_install(reqs, have, wheel_finder(args.wheels))
