@@ -309,6 +309,19 @@ def test_local_text_errors(stdlib_text, tokenizer, tmp_path):
         probe_sequences(tmp_path / "x.csv", tokenizer, 4, 1, vocab_size=len(tokenizer))
 
 
+def test_a_text_given_twice_is_one_sample(tmp_path, tokenizer):
+    """A corpus can hold one text twice (the standard library has copies): the copy is no second sample."""
+    src = Path(sysconfig.get_path("stdlib"))
+    texts = [(src / f"{n}.py").read_text() for n in ("csv", "csv", "json/decoder")]
+    corpus = tmp_path / "copies.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    got = probe_sequences(corpus, tokenizer, 300, 2, vocab_size=len(tokenizer))
+    assert got.origins == [f"{corpus}:1", f"{corpus}:3"]
+    assert got.sequences[0].tolist() != got.sequences[1].tolist()
+    with pytest.raises(UserError, match="2 of its 3 documents have 300 tokens .*, not counting 1 that repeat"):
+        probe_sequences(corpus, tokenizer, 300, 3, vocab_size=len(tokenizer))
+
+
 # ---- the command ---------------------------------------------------------------------------------------------------
 
 TINY = [

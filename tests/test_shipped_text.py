@@ -31,6 +31,25 @@ def test_code_is_the_standard_library_outside_its_tests():
     assert first[2] == (root / first[1]).read_text(encoding="utf-8")
 
 
+def test_code_holds_each_text_of_the_standard_library_once():
+    """The standard library has copies (one text under two names): the corpus keeps the first name of each text."""
+    root = Path(sysconfig.get_path("stdlib"))
+    every = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"} & set(rel.parts[:-1]):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if text.strip():
+            every.setdefault(text, rel.as_posix())
+    corpus = [(name, text) for _, name, text in shipped_text.documents(("code",))]
+    assert len({text for _, text in corpus}) == len(corpus)
+    assert sorted(corpus) == sorted((name, text) for text, name in every.items())
+
+
 def test_corpus_kinds_have_distinct_fingerprints():
     assert shipped_text.fingerprint(("prose",)) != shipped_text.fingerprint(("prose", "code"))
 

@@ -4,7 +4,7 @@ Two kinds of document, each a record `{"text": ..., "meta": {"kind": ..., "name"
 `data.sources` (or `data.path`) and `diagnose rope --text` read like any other corpus:
 - `prose`: Python's reference documentation as pydoc shows it (`pydoc_data.topics`, one document per topic: English
   prose with code and numbers, ~465 KB in CPython 3.11);
-- `code`: the standard library's own modules (one document per `.py` file outside its tests, ~12 MB).
+- `code`: the standard library's own modules (one document per `.py` file outside its tests, each text once, ~12 MB).
 
 The documents are read in sorted order, so a given Python version gives the same corpus, byte for byte, on every
 machine; another Python version gives another corpus (`fingerprint` tells them apart, and is recorded in the file).
@@ -51,8 +51,15 @@ def documents(kinds: tuple[str, ...] = KINDS) -> Iterator[tuple[str, str, str]]:
         for name in sorted(topics):
             yield "prose", name, topics[name]
     if "code" in kinds:
+        # the standard library holds copies (CPython 3.11: __phello__/spam.py of __phello__/__init__.py, and two
+        # one-line __init__.py; 3.12.3 a pair of long modules, which made two of a GPU run's ten rope probes one):
+        # a copy adds no text to train on, and two probe sequences of one text are not two samples
+        seen = set()
         for name, text in _stdlib_modules():
-            yield "code", name, text
+            digest = xxhash.xxh3_128_digest(text.encode())
+            if digest not in seen:
+                seen.add(digest)
+                yield "code", name, text
 
 
 def _hash(h, kind: str, name: str, text: str) -> None:

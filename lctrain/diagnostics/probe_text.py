@@ -141,19 +141,26 @@ def _jsonl_documents(f: Path) -> Iterator[tuple[str, str]]:
 def _from_local(path: Path, tokenizer, length: int, count: int, seed: int, anchor_spec: str) -> ProbeText:
     anchor = resolve_anchor(tokenizer, anchor_spec)
     encoder = text_encoder(tokenizer)
-    sequences, origins, seen = [], [], 0
+    sequences, origins, seen, taken = [], [], 0, set()
+    repeats = 0  # a corpus can hold one text twice (the standard library has copies): a copy measures nothing new
     for origin, text in _documents(path, seed):
         seen += 1
         if len(text) < length - 1:  # every token covers at least one character
             continue
         ids = encoder.encode(text[: _CHARS_PER_TOKEN_BOUND * length])[: length - 1]
         if len(ids) == length - 1:
+            key = bytes(np.asarray(ids, dtype=np.int64))
+            if key in taken:
+                repeats += 1
+                continue
+            taken.add(key)
             sequences.append(np.array([anchor.id, *ids], dtype=np.int64))
             origins.append(origin)
             if len(sequences) == count:
                 return ProbeText(sequences, origins, count, anchor.record())
+    repeated = f", not counting {repeats} that repeat an earlier one's" if repeats else ""
     raise UserError(
-        f"{path}: {len(sequences)} of its {seen} documents have {length:,} tokens (with the anchor), need "
+        f"{path}: {len(sequences)} of its {seen} documents have {length:,} tokens (with the anchor){repeated}, need "
         f"{count}; pass more or longer text, or lower --samples, --seq-len or --max-len"
     )
 
