@@ -19,7 +19,7 @@ from devtools.gpu_check.runner import Runner
 from devtools.gpu_check.stages import STAGE_FNS, run_stage, select_stages
 from devtools.gpu_check.stages.benchmarks import run_bench
 from devtools.gpu_check.stages.end_to_end import compare_losses, read_losses
-from devtools.gpu_check.stages.experiment import stage_experiment
+from devtools.gpu_check.stages.experiment import stage_experiment, training_seconds
 from devtools.gpu_check.stages.gpu_tests import judge_tests
 from lctrain.reports.compare import spread
 
@@ -365,7 +365,8 @@ def test_experiment_stage_sizes_the_driver_and_reports_its_table(tmp_path):
         experiment_samples=3,
     )
     result = StageResult("experiment")
-    stage_experiment(SimpleNamespace(result=result, run=fake_run, log=tmp_path / "experiment.log"), args)
+    runner = SimpleNamespace(result=result, run=fake_run, log=tmp_path / "experiment.log", remaining=lambda: 3600.0)
+    stage_experiment(runner, args)
     (cmd,) = commands
     assert cmd[cmd.index("--device") + 1] == "cuda" and cmd[cmd.index("--train-seconds") + 1] == "45.0"
     assert "eval.tasks=[niah_single_1,niah_multikey_1]" in cmd and "eval.samples_per_task=3" in cmd
@@ -375,3 +376,22 @@ def test_experiment_stage_sizes_the_driver_and_reports_its_table(tmp_path):
         ["anchor", 2, 2_621_440, "70 ± 0", "2.5 ± 0", "3.5 ± 0"],
     ]
     assert result.data["steps"] == 20 and result.status == "passed"
+
+
+def test_the_experiment_trains_for_what_the_stage_has_left():
+    """The H200 run of 2026-11-26 stopped at its limit: 332 s left after rope_real, 30 s of training asked. The
+    stage now sizes training from the time left, and refuses at once what cannot fit."""
+    args = SimpleNamespace(
+        experiment_train_seconds=45.0,
+        experiment_seeds=1,
+        experiment_checkpoints=3,
+        experiment_tasks="niah_single_1,niah_multikey_1",
+        experiment_samples=3,
+    )
+    assert training_seconds(args, 570.0) == 45.0  # a call of its own
+    alone = 60 + 15 + 3 * (50 + 54)
+    assert training_seconds(args, alone + 3 * 20) == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="needs about 417 s .* has 332 s: run it in a call of its own"):
+        training_seconds(args, 332.0)
+    with pytest.raises(ValueError, match="6 runs"):
+        training_seconds(SimpleNamespace(**{**vars(args), "experiment_seeds": 2}), 570.0)

@@ -30,8 +30,41 @@ def report_rows(report: dict) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
+# What the stage spends beside training, measured on one H200 (2026-11-26, SmolLM2-135M at 32K, 12 steps per run):
+# the example model, corpus, prepare and the sizing run ~60 s; each run's start, exports and evaluation start ~50 s;
+# ~1 s per needle sample generated (54 per run: 3 checkpoints x 2 tasks x 3 samples x 3 lengths, in 71 s); the report.
+FIXED_S = 60.0
+PER_RUN_S = 50.0
+PER_SAMPLE_S = 1.0
+REPORT_S = 15.0
+MIN_TRAIN_S = 10.0  # under this a run is a handful of steps: the comparison is not worth the stage
+MODES = 3  # full, intra_doc, anchor
+
+
+def training_seconds(args, left: float) -> float:
+    """Training seconds per run that let the whole experiment end within `left` seconds: the asked
+    `--experiment-train-seconds`, or less when the stage has less time; raises ValueError when not even MIN_TRAIN_S
+    fits (more seeds, checkpoints, tasks or samples than the time affords)."""
+    runs = MODES * args.experiment_seeds
+    samples = args.experiment_checkpoints * len(args.experiment_tasks.split(",")) * args.experiment_samples * 3
+    other = FIXED_S + REPORT_S + runs * (PER_RUN_S + PER_SAMPLE_S * samples)
+    fits = (left - other) / runs
+    if fits < MIN_TRAIN_S:
+        raise ValueError(
+            f"the experiment needs about {other + runs * MIN_TRAIN_S:.0f} s ({runs} runs, {samples} needle samples "
+            f"each) and the stage has {left:.0f} s: run it in a call of its own, or with fewer seeds, checkpoints, "
+            "tasks or samples"
+        )
+    return min(args.experiment_train_seconds, fits)
+
+
 def stage_experiment(run: Runner, args) -> None:
     r = run.result
+    train_s = training_seconds(args, run.remaining())
+    if train_s < args.experiment_train_seconds:
+        r.notes.append(
+            f"{train_s:.0f} s of training per run instead of {args.experiment_train_seconds:.0f}: the time left"
+        )
     out = (Path(args.work) if args.work else run.log.parent) / "experiment"
     run.run(
         lctrain_cli()
@@ -43,7 +76,7 @@ def stage_experiment(run: Runner, args) -> None:
             "--device",
             "cuda",
             "--train-seconds",
-            str(args.experiment_train_seconds),
+            f"{train_s:.1f}",
             "--seeds",
             str(args.experiment_seeds),
             "--checkpoints",
