@@ -17,11 +17,14 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import load_config, write_resolved
 from lctrain.errors import UserError
+from lctrain.eval.generation import greedy_ids, plan_for
 from lctrain.eval.perplexity import heldout_rows, perplexity
-from lctrain.eval.runner import evaluate, load_model, parse_lengths, resolve_target
+from lctrain.eval.ruler import Sample
+from lctrain.eval.runner import evaluate, greedy_generate, load_model, parse_lengths, resolve_target, until_answered
+from lctrain.eval.score import sample_score, settled
 from lctrain.reports.compare import write_report
 from lctrain.rundir import RunDir
-from lctrain.tokenizer import load_tokenizer
+from lctrain.tokenizer import load_tokenizer, text_encoder
 
 TINY = [
     "model.arch.hidden_size=64",
@@ -282,3 +285,35 @@ def test_vllm_backend_errors_are_one_line(run_dir, tmp_path, monkeypatch):
         evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, backend="vllm", out=tmp_path / "b")
     with pytest.raises(UserError, match="--backend tgi: choose hf"):
         evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, backend="tgi", out=tmp_path / "c")
+
+
+def test_settled_needs_every_answer_before_the_last_character():
+    assert not settled("all", ["1234", "abc"], "the numbers are 1234 and ab")
+    assert not settled("all", ["1234"], "the number is 1234")  # the end may still be rewritten by the next token
+    assert settled("all", ["1234"], "the number is 1234.")
+    assert settled("part", ["Paris", "France"], "It is in paris, ")
+    assert not settled("all", ["Paris"], "  ")
+
+
+def test_generation_stops_once_the_score_is_settled_with_the_full_lengths_score(run_dir):
+    """Against the continuation without the stop (the RULER-length reference): a sample whose answer appears early
+    gets a prefix of it, one token past the answer, scoring what the whole reference scores; one whose answer never
+    appears gets the whole reference; the vLLM path's cut (`until_answered`) gives the same prediction."""
+    ckpt = RunDir(run_dir).export(STEPS[0])
+    tok = load_tokenizer(str(ckpt))
+    encoder = text_encoder(tok)
+    model = load_model(ckpt, "cpu")
+    plan = plan_for(model, 256)
+    prompt = "The special magic number for the quiet lake is 7261. What is the special magic number?"
+    ref = greedy_ids(model, encoder.encode(prompt, specials=True), 64, plan, eos=tok.eos_token_id)
+    text = tok.decode(ref, skip_special_tokens=True)
+    k = next(k for k in range(1, len(ref)) if tok.decode(ref[:k], skip_special_tokens=True).strip()[:-1])
+    answer = tok.decode(ref[:k], skip_special_tokens=True).strip()[:-1]  # appears k tokens in
+    early = Sample("niah_single_1", 256, 0, prompt, (answer,), 64, "all", 0)
+    never = Sample("niah_single_1", 256, 1, prompt, ("\u2603 not generated",), 64, "all", 0)
+    got = greedy_generate(model, tok, encoder, early, plan)
+    assert text.startswith(got) and len(got) < len(text)
+    assert sample_score("all", early.answers, got) == sample_score("all", early.answers, text) == 1.0
+    assert tok.decode(until_answered(tok, early, ref), skip_special_tokens=True) == got
+    assert greedy_generate(model, tok, encoder, never, plan) == text
+    assert until_answered(tok, never, ref) == ref

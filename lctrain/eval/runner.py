@@ -175,16 +175,30 @@ def load_model(model_dir: Path, device: str):
     return model.to(device).eval()
 
 
-def greedy_generate(model, tokenizer, encoder, prompt: str, max_new_tokens: int, plan, cache=None) -> str:
-    """The greedy answer to `prompt` under a `generation.GenerationPlan` (and its reusable `planned_cache`):
-    `encoder` turns the prompt into ids exactly as the model's reference tokenizer does, after the anchor
-    (`TextEncoder.prompted`), `tokenizer` decodes."""
+def greedy_generate(model, tokenizer, encoder, sample: Sample, plan, cache=None) -> str:
+    """The greedy answer to `sample` under a `generation.GenerationPlan` (and its reusable `planned_cache`), up to
+    its `max_new_tokens`, EOS, or the token after which its score cannot change (`answered`): `encoder` turns the
+    prompt into ids exactly as the model's reference tokenizer does, after the anchor (`TextEncoder.prompted`),
+    `tokenizer` decodes."""
     # eval.generation imports torch/transformers: on use (start-up time)
     from lctrain.eval.generation import greedy_ids
 
-    ids = encoder.encode(prompt, specials=True)
-    new = greedy_ids(model, ids, max_new_tokens, plan, cache=cache, eos=tokenizer.eos_token_id)
+    ids = encoder.encode(sample.prompt, specials=True)
+    done = answered(tokenizer, sample)
+    new = greedy_ids(model, ids, sample.max_new_tokens, plan, cache=cache, eos=tokenizer.eos_token_id, stop=done)
     return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def answered(tokenizer, sample: Sample):
+    """stop(new ids) for `sample`'s generation: true once the text so far is `score.settled`."""
+    return lambda new: scoring.settled(sample.metric, sample.answers, tokenizer.decode(new, skip_special_tokens=True))
+
+
+def until_answered(tokenizer, sample: Sample, new: list[int]) -> list[int]:
+    """A full continuation cut where the HF path's generation stops (`answered`), so both backends record the same
+    prediction."""
+    done = answered(tokenizer, sample)
+    return next((new[:k] for k in range(1, len(new) + 1) if done(new[:k])), new)
 
 
 @dataclass
@@ -295,9 +309,7 @@ def _json_table(table: dict) -> dict:
 def _hf_answers(model, tokenizer, encoder, plan, cache):
     """Answers a batch of samples one by one (lazily, so each is recorded as soon as it is made) with the HF model
     under a generation plan, in one cache allocated for the checkpoint."""
-    return lambda batch: (
-        greedy_generate(model, tokenizer, encoder, s.prompt, s.max_new_tokens, plan, cache) for s in batch
-    )
+    return lambda batch: (greedy_generate(model, tokenizer, encoder, s, plan, cache) for s in batch)
 
 
 def _vllm_answers(generator, tokenizer, encoder):
@@ -305,7 +317,9 @@ def _vllm_answers(generator, tokenizer, encoder):
         new = generator.greedy(
             [encoder.encode(s.prompt, specials=True) for s in batch], [s.max_new_tokens for s in batch]
         )
-        return [tokenizer.decode(ids, skip_special_tokens=True) for ids in new]
+        return [
+            tokenizer.decode(until_answered(tokenizer, s, ids), skip_special_tokens=True) for s, ids in zip(batch, new)
+        ]
 
     return answer
 
@@ -351,7 +365,7 @@ def score_checkpoints(
             for src in suite.sources:
                 batch = list(src)  # one task file at a time: vLLM batches within it, the HF path goes one by one
                 for s, pred in zip(batch, answer(batch)):
-                    value = scoring.METRICS[s.metric](scoring.postprocess(pred), s.answers)
+                    value = scoring.sample_score(s.metric, s.answers, pred)
                     table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
                     pred_file.write(
                         json.dumps(

@@ -38,6 +38,20 @@ def string_match_part(prediction: str, answers: tuple[str, ...] | list[str]) -> 
 METRICS = {"all": string_match_all, "part": string_match_part}
 
 
+def sample_score(metric: str, answers: tuple[str, ...] | list[str], prediction: str) -> float:
+    """One sample's score: its task's metric on the cleaned-up prediction."""
+    return METRICS[metric](postprocess(prediction), answers)
+
+
+def settled(metric: str, answers: tuple[str, ...] | list[str], prediction: str) -> bool:
+    """Whether the prediction so far already scores the most a sample can (every answer, or one for QA, is in it).
+    The metrics only look for answers inside the text, so a longer prediction keeps them: generation can stop here
+    with the score it would have had at the full RULER length (128 new tokens for a needle), at a fraction of the
+    decoding. A match touching the text's last character is not trusted: tokenizers may rewrite a text's end when
+    more tokens follow (a partial UTF-8 character, spaces cleaned up before punctuation)."""
+    return sample_score(metric, answers, prediction[:-1]) >= 1.0
+
+
 def task_score(per_sample: list[float]) -> float:
     """A task's score at one length, in percent, rounded as RULER's summary.csv reports it."""
     return round(100.0 * mean(per_sample), 2)
