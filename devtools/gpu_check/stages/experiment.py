@@ -32,8 +32,8 @@ def report_rows(report: dict) -> tuple[list[str], list[list]]:
 
 # What the stage spends beside training, measured on one H200 (2026-11-26, SmolLM2-135M at 32K, 12 steps per run):
 # the example model, corpus, prepare and the sizing run ~60 s; each run's start, exports and evaluation start ~50 s;
-# ~1 s per needle sample generated (54 per run: 3 checkpoints x 2 tasks x 3 samples x 3 lengths, in 71 s, each decoding
-# its full 128 tokens; decoding now stops once a sample's score is settled, so this is an upper bound); the report.
+# ~1 s per needle sample generated (54 per run: 3 checkpoints x 2 tasks x 3 samples x 3 lengths, in 71 s with the
+# checkpoints' loads: the model ends its answers with EOS, so decoding is short; prefill at 8K-32K); the report.
 FIXED_S = 60.0
 PER_RUN_S = 50.0
 PER_SAMPLE_S = 1.0
