@@ -26,6 +26,7 @@ from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.tags import Tag, sys_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
@@ -136,10 +137,25 @@ def plan_install(
 ) -> InstallPlan:
     """Walk `requirements` and, for missing distributions, the requirements of the wheels `find` returns.
     `environment` overrides PEP 508 marker variables (e.g. the target's python_version). A requirement's extras
-    (`pkg[extra]`) bring in the wheel's requirements for them; an installed distribution's are the machine's own."""
+    (`pkg[extra]`) bring in the wheel's requirements for them; an installed distribution's are the machine's own.
+    When a later requirement rules out the wheel chosen for an earlier one (lctrain asks `datasets>=3.0` and gets
+    the newest, torchtitan then asks `datasets<4.8`), the walk starts again asking for both at once; a conflict no
+    wheel satisfies is reported."""
     env = {**default_environment(), **(environment or {})}
+    narrowed: dict[str, SpecifierSet] = {}  # every specifier seen for a name whose first choice another ruled out
+    while True:
+        plan, conflict = _walk(requirements, installed, find, env, narrowed)
+        if conflict is None:
+            return plan
+        name, spec = conflict
+        narrowed[name] = spec
+
+
+def _walk(requirements, installed, find, env, narrowed) -> tuple[InstallPlan, tuple[str, SpecifierSet] | None]:
+    """One walk of plan_install: the plan, or the (name, joint specifier) of a choice to make again."""
     plan = InstallPlan()
     chosen: dict[str, Wheel] = {}
+    asked: dict[str, SpecifierSet] = {}  # what the choice of each chosen wheel was asked for
     expanded: dict[str, set[str]] = {}  # extras of a chosen wheel whose requirements are queued
     queue = [(Requirement(r), "") for r in requirements]
 
@@ -166,24 +182,35 @@ def plan_install(
             continue
         if name in chosen:
             if not _matches(str(chosen[name].version), req):
+                joint = asked[name] & req.specifier
+                if joint != narrowed.get(name):
+                    return plan, (name, joint)
                 plan.unavailable.append(
-                    f"{req} (the wheelhouse's {name} {chosen[name].version} was chosen for another requirement)"
+                    f"{req} (the wheelhouse's {name} {chosen[name].version} was chosen for another requirement, "
+                    f"and no wheel satisfies both: {name}{joint})"
                 )
             queue_requirements(chosen[name], set(req.extras) | {""})
             continue
-        wheel = None if name in PROTECTED else find(req)
+        spec = req.specifier & narrowed.get(name, SpecifierSet())
+        wheel = None if name in PROTECTED else find(_with_specifier(req, spec))
         if wheel is None:
             why = (
                 "never taken from a wheelhouse; install the machine's own build"
                 if name in PROTECTED
                 else "not installed and no matching wheel"
             )
-            plan.unavailable.append(f"{req} ({why})")
+            plan.unavailable.append(f"{_with_specifier(req, spec)} ({why})")
             continue
-        chosen[name] = wheel
+        chosen[name], asked[name] = wheel, spec
         plan.install.append(wheel)
         queue_requirements(wheel, set(req.extras) | {""})
-    return plan
+    return plan, None
+
+
+def _with_specifier(req: Requirement, spec: SpecifierSet) -> Requirement:
+    joint = Requirement(str(req))
+    joint.specifier = spec
+    return joint
 
 
 def wheel_finder(wheel_dir: str | Path, tags: Iterable[Tag] | None = None) -> Callable[[Requirement], Wheel | None]:

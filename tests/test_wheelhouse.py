@@ -89,6 +89,23 @@ def test_unavailable_requirements_are_reported(house):
     assert any("pydantic<2.10" in u for u in plan.unavailable)
 
 
+def test_a_later_requirement_that_rules_out_the_first_choice_chooses_again(tmp_path):
+    """lctrain asks datasets>=3.0 (the newest, 5.2.0, fits), torchtitan then asks datasets<4.8: the plan takes the
+    one version both accept, with that version's own requirements, not the first choice's."""
+    make_wheel(tmp_path, "datasets", "5.2.0", ["fsspec>=2025"])
+    make_wheel(tmp_path, "datasets", "4.7.0", ["fsspec<=2024.12"])
+    make_wheel(tmp_path, "fsspec", "2025.3.0")
+    make_wheel(tmp_path, "fsspec", "2024.12.0")
+    make_wheel(tmp_path, "torchtitan", "0.3.0", ["datasets<4.8.0,>=3.6.0"])
+    plan = plan_install(["datasets>=3.0", "torchtitan==0.3.0"], {}, wheel_finder(tmp_path, PY312))
+    assert plan.ok, plan.unavailable
+    assert {w.name: str(w.version) for w in plan.install} == {
+        "datasets": "4.7.0",
+        "fsspec": "2024.12.0",
+        "torchtitan": "0.3.0",
+    }
+
+
 def test_markers_use_the_target_environment(house):
     reqs = ['hjson; python_version >= "3.12"']
     assert names(plan_install(reqs, {}, wheel_finder(house, PY312), environment={"python_version": "3.12"})) == [

@@ -83,6 +83,13 @@ def build_wheelhouse(args) -> None:
     pins = read_freeze((ROOT / "constraints.txt").read_text().splitlines())
     finder = pip_download_finder(dest, args.python_version, args.platform, pins)
     plan = plan_install(reqs, have, finder, environment=env)
+    planned = {w.path.resolve() for w in plan.install}
+    names = {w.name for w in plan.install}
+    for path in sorted(dest.glob("*.whl")):
+        # a version the walk downloaded, then chose again (two versions in one wheelhouse stop an install)
+        if path.resolve() not in planned and read_wheel(path).name in names:
+            path.unlink()
+            print(f"removed {path.name} (another version of it is planned)")
     for w in plan.install:
         print(f"wheel  {w.path.name}")
     for k in plan.kept:
