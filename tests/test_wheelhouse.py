@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from packaging.tags import Tag
 
+from devtools.gpu_check.wheels import DEVICE_FREEZE
 from devtools.wheelhouse import (
     carried_requirements,
     plan_install,
@@ -163,3 +164,9 @@ def test_fewer_extras_carry_fewer_wheels():
     reqs = carried_requirements(ROOT / "pyproject.toml", ("example",))
     assert any(r.startswith("deepspeed") for r in reqs) and any(r.startswith("gguf") for r in reqs)
     assert not any(r.startswith(("torchtitan", "ruff", "lm-eval")) for r in reqs)
+
+
+def test_the_lent_machines_freeze_ships_for_the_wheelhouse():
+    """`gpu_check.py wheels` plans against the lent GPU machine's own `pip freeze` by default."""
+    have = read_freeze(DEVICE_FREEZE.read_text().splitlines())
+    assert have["torch"] == "2.11.0" and have["transformers"] == "5.17.0" and "deepspeed" not in have

@@ -3,7 +3,7 @@
     python scripts/gpu_check.py                          # every stage, in order (about 65 minutes on an H100)
     python scripts/gpu_check.py install tests attention  # some stages; the report keeps the other stages' results
     python scripts/gpu_check.py --wheels .whl install    # on an offline machine: install what it lacks from wheels
-    python scripts/gpu_check.py wheels --have freeze.txt --dest .whl   # on a connected machine: build that wheelhouse
+    python scripts/gpu_check.py wheels --dest .whl        # on a connected machine: build that wheelhouse (--have FREEZE)
     python scripts/gpu_check.py gguf-parts --dest .gguf    # here: the example model's GGUF in parts (carry limit)
     python scripts/gpu_check.py --gguf-parts .gguf1 .gguf2 rope_real experiment   # there, each part carried before
 
@@ -48,7 +48,7 @@ from pathlib import Path
 from devtools.gpu_check.gguf_parts import split_example_model, use_joined
 from devtools.gpu_check.report import gpu_meta, merge_report, render_markdown
 from devtools.gpu_check.stages import MIN_STAGE_S, STAGE_LIMIT_S, STAGES, run_stage, select_stages, skipped
-from devtools.gpu_check.wheels import build_wheelhouse
+from devtools.gpu_check.wheels import DEVICE_FREEZE, build_wheelhouse
 from devtools.wheelhouse import CARRIED_EXTRAS
 
 
@@ -69,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
             prog="gpu_check.py wheels",
             description="build the wheelhouse for an offline machine from its `pip freeze` (run here, with internet)",
         )
-        ap.add_argument("--have", required=True, help="the target machine's `python -m pip freeze` output")
+        ap.add_argument(
+            "--have",
+            default=str(DEVICE_FREEZE),
+            help="the target machine's `python -m pip freeze` output (default: the lent GPU machine's, as read there "
+            "on 2026-11-26)",
+        )
         ap.add_argument("--dest", default=".whl")
         add_extras_argument(ap)
         ap.add_argument("--python-version", default="3.12")

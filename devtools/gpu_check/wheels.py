@@ -12,6 +12,10 @@ from devtools.gpu_check import ROOT
 from devtools.wheelhouse import carried_requirements, plan_install, read_freeze, read_wheel
 
 
+# `pip freeze` on the lent GPU machine (python3 of its image, 2026-11-26): what the wheelhouse need not carry
+DEVICE_FREEZE = Path(__file__).with_name("device_freeze.txt")
+
+
 def pip_download_finder(dest: Path, python_version: str, platforms: list[str], pins: dict[str, str | None]):
     """`find` for plan_install that downloads a wheel for the target with pip: the version `pins` (the tested lock,
     constraints.txt) names where it fits, else the newest. A package published only as a source distribution
