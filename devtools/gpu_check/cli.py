@@ -3,7 +3,7 @@
     python scripts/gpu_check.py                          # every stage, in order (about 65 minutes on an H100)
     python scripts/gpu_check.py install tests attention  # some stages; the report keeps the other stages' results
     python scripts/gpu_check.py --wheels .whl install    # on an offline machine: install what it lacks from wheels
-    python scripts/gpu_check.py wheels --dest .whl        # on a connected machine: build that wheelhouse (--have FREEZE)
+    python scripts/gpu_check.py wheels --dest .whl       # on a connected machine: build that wheelhouse (--have FREEZE)
     python scripts/gpu_check.py gguf-parts --dest .gguf    # here: the example model's GGUF in parts (carry limit)
     python scripts/gpu_check.py --gguf-parts .gguf1 .gguf2 rope_real experiment   # there, each part carried before
 

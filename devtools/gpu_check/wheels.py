@@ -11,7 +11,6 @@ from packaging.utils import canonicalize_name
 from devtools.gpu_check import ROOT
 from devtools.wheelhouse import carried_requirements, plan_install, read_freeze, read_wheel
 
-
 # `pip freeze` on the lent GPU machine (python3 of its image, 2026-11-26): what the wheelhouse need not carry
 DEVICE_FREEZE = Path(__file__).with_name("device_freeze.txt")
 
