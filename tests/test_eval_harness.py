@@ -16,7 +16,7 @@ from lctrain.cli import app
 from lctrain.config import load_config, write_resolved
 from lctrain.errors import UserError
 
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = pytest.importorskip("lm_eval", reason="optional package lm-eval (lctrain's harness extra) not installed")
 
 from lctrain.eval.harness import (  # noqa: E402
     HarnessSettings,
