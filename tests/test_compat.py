@@ -12,7 +12,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from lctrain.compat.deepspeed import DEEPSPEED_VERSION, disable_cpu_shm_comm_op
+from lctrain.compat.deepspeed import DEEPSPEED_VERSION, disable_cpu_shm_comm_op, no_bf16_optimizer_memory_report
 from lctrain.compat.transformers import TRANSFORMERS_RELEASES, nested_rope_keys, rotary_in_fp32, set_attn_implementation
 from lctrain.config import load_config
 from lctrain.errors import UserError
@@ -83,6 +83,21 @@ def test_deepspeed_is_the_release_the_compat_entries_were_checked_against():
         f"accelerator it consults and its unpack's `_restore_tensor(cache=...)` (tests/test_offload_activations.py), "
         f"then update DEEPSPEED_VERSION"
     )
+
+
+def test_the_bf16_optimizers_forced_memory_report_is_silent_while_the_engine_is_built(capsys):
+    """BF16_Optimizer reports memory through its module's `see_memory_usage` (printing, whatever the log level): the
+    name the context replaces, and only for its duration."""
+    import inspect
+
+    from deepspeed.runtime import bf16_optimizer
+
+    assert "see_memory_usage(" in inspect.getsource(bf16_optimizer.BF16_Optimizer.__init__)
+    with no_bf16_optimizer_memory_report():
+        bf16_optimizer.see_memory_usage("begin bf16_optimizer", force=True)
+    assert capsys.readouterr().out == ""
+    bf16_optimizer.see_memory_usage("begin bf16_optimizer", force=True)
+    assert "begin bf16_optimizer" in capsys.readouterr().out
 
 
 def test_sequence_parallel_state_module_is_what_the_engine_reads_from_mpu():

@@ -158,3 +158,17 @@ def test_an_injected_nan_loss_names_the_step_and_keeps_the_checkpoint_before_it(
     resumed = CliRunner().invoke(app, ["resume", str(run_dir)])  # the kept checkpoint resumes
     assert resumed.exit_code == 0, resumed.output
     assert [r["step"] for r in rd.read_metrics()] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("backend, device_ids", [("gloo", None), ("nccl", [3])])
+def test_checkpoint_barriers_name_their_gpu_on_nccl(monkeypatch, backend, device_ids):
+    """NCCL's barrier warns at every checkpoint of a one-GPU run unless it is told its device (seen on an H200)."""
+    import deepspeed.comm
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(deepspeed.comm, "barrier", lambda **kw: calls.append(kw))
+    ckpt._barrier()
+    assert calls == [{"device_ids": device_ids}]

@@ -3,6 +3,7 @@ fails when the installed release is another, so an upgrade re-checks every entry
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -18,6 +19,23 @@ def disable_cpu_shm_comm_op() -> None:
     import deepspeed.ops
 
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+
+
+@contextlib.contextmanager
+def no_bf16_optimizer_memory_report():
+    """DeepSpeed 0.19.8's `BF16_Optimizer` (bf16 with ZeRO 0-1) prints a memory report at four points of its set-up,
+    forced past every log level (`see_memory_usage(..., force=True)`, plain `print`: 15 lines before lctrain's
+    banner, in every run's log). It also resets the device's peak-memory counters; lctrain reports its own memory
+    plan and per-step peak. Silenced for the engine's construction only."""
+    # deepspeed on use: it takes seconds to import (start-up time)
+    from deepspeed.runtime import bf16_optimizer
+
+    report = bf16_optimizer.see_memory_usage
+    bf16_optimizer.see_memory_usage = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        bf16_optimizer.see_memory_usage = report
 
 
 def grad_divisor(zero_stage: int, dp: int, world: int) -> int:

@@ -28,7 +28,7 @@ import torch
 
 from lctrain import fused
 from lctrain.attention import make_batch
-from lctrain.compat.deepspeed import checkpoint_offload_context
+from lctrain.compat.deepspeed import checkpoint_offload_context, no_bf16_optimizer_memory_report
 from lctrain.config import Config, config_fingerprint, settings
 from lctrain.costmodel import ModelShape, count_params, dense_params, full_square_pairs, step_flops, visible_pairs
 from lctrain.errors import UserError, WriteFailed
@@ -196,13 +196,14 @@ class Trainer:
             self.attention = wrap_model(self.lm, self.attention, topo.sp_group)
         model = CausalLMLossSum(self.lm, fused_loss_sum=fused.loss_sum(cfg.model.fused_kernels))
         self.n_dense = dense_params(self.lm)
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            model_parameters=param_groups(model, cfg.train.weight_decay, cfg.train.decay_norms_and_biases),
-            config=ds_config,
-            mpu=topo.mpu,
-            lr_scheduler=partial(_lambda_lr, train_cfg=cfg.train),
-        )
+        with no_bf16_optimizer_memory_report():
+            self.engine, _, _, _ = deepspeed.initialize(
+                model=model,
+                model_parameters=param_groups(model, cfg.train.weight_decay, cfg.train.decay_norms_and_biases),
+                config=ds_config,
+                mpu=topo.mpu,
+                lr_scheduler=partial(_lambda_lr, train_cfg=cfg.train),
+            )
         del hf_ds_config
         # DeepSpeed reports the gradient norm for ZeRO and mixed precision only; plain fp32 without ZeRO keeps the
         # reduced gradients in .grad, where we can measure it before the step.
