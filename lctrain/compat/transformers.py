@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 # The first and the last minor release each entry here was checked against; pyproject.toml admits exactly these.
@@ -116,3 +118,19 @@ def llama_attention_forward(rotary):
         return self.o_proj(attn_output), attn_weights
 
     return forward
+
+
+@contextlib.contextmanager
+def quiet_gguf_conversion():
+    """transformers' GGUF reader shows its own tqdm bar ("Converting and de-quantizing GGUF tensors...", 5.17 to
+    5.23: `modeling_gguf_pytorch_utils.tqdm`, tqdm's own, outside transformers' progress-bar switch): in a log file,
+    a line of carriage returns. Off while a GGUF file is read."""
+    # transformers' GGUF reader on use: only `example-model` reads GGUF (start-up time)
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+
+    bar = gguf_reader.tqdm
+    gguf_reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_reader.tqdm = bar
