@@ -317,3 +317,19 @@ def test_generation_stops_once_the_score_is_settled_with_the_full_lengths_score(
     assert tok.decode(until_answered(tok, early, ref), skip_special_tokens=True) == got
     assert greedy_generate(model, tok, encoder, never, plan) == text
     assert until_answered(tok, never, ref) == ref
+
+
+def test_the_vllm_cut_is_the_first_settled_prefix_wherever_the_answer_lies():
+    """until_answered bisects: against a token-by-token scan, for the answer at every position and for none."""
+
+    class Words:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(ids)
+
+    new = [f" w{i}" for i in range(20)]
+    for at in range(20):
+        tokens = new[:at] + [" 7261"] + new[at + 1 :]
+        sample = Sample("niah_single_1", 256, 0, "", ("7261",), 20, "all", 0)
+        first = next(k for k in range(1, 21) if settled("all", ("7261",), "".join(tokens[:k])))
+        assert until_answered(Words(), sample, tokens) == tokens[:first]
+    assert until_answered(Words(), Sample("qa_1", 256, 0, "", ("absent",), 20, "part", 0), new) == new

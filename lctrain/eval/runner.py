@@ -196,9 +196,16 @@ def answered(tokenizer, sample: Sample):
 
 def until_answered(tokenizer, sample: Sample, new: list[int]) -> list[int]:
     """A full continuation cut where the HF path's generation stops (`answered`), so both backends record the same
-    prediction."""
+    prediction. A settled text stays settled as it grows, so the first settled prefix is found by bisection: a few
+    decodes per sample, not one per token (RULER's full sets are thousands of samples)."""
     done = answered(tokenizer, sample)
-    return next((new[:k] for k in range(1, len(new) + 1) if done(new[:k])), new)
+    if not done(new):
+        return new
+    lo, hi = 1, len(new)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if done(new[:mid]) else (mid + 1, hi)
+    return new[:lo]
 
 
 @dataclass

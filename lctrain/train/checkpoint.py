@@ -180,7 +180,7 @@ def _barrier() -> None:
     import deepspeed.comm as dist
 
     # NCCL's barrier guesses its device unless told: a UserWarning at every checkpoint of a one-GPU run, whose
-    # process group DeepSpeed binds to no device (measured on an H200, 2026-11-26)
+    # process group DeepSpeed binds to no device (seen on an H200, 2026-11-26)
     nccl = torch.distributed.get_backend() == "nccl"
     dist.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)
 
