@@ -330,6 +330,7 @@ def test_the_vllm_cut_is_the_first_settled_prefix_wherever_the_answer_lies():
     for at in range(20):
         tokens = new[:at] + [" 7261"] + new[at + 1 :]
         sample = Sample("niah_single_1", 256, 0, "", ("7261",), 20, "all", 0)
-        first = next(k for k in range(1, 21) if settled("all", ("7261",), "".join(tokens[:k])))
+        first = next((k for k in range(1, 21) if settled("all", ("7261",), "".join(tokens[:k]))), 20)
         assert until_answered(Words(), sample, tokens) == tokens[:first]
+        assert first == (at + 2 if at < 19 else 20)  # one token past the answer; at the end, not trusted: all of it
     assert until_answered(Words(), Sample("qa_1", 256, 0, "", ("absent",), 20, "part", 0), new) == new
