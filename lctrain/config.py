@@ -174,8 +174,9 @@ class DataConfig(_Section):
     )
     path: Text | None = Field(
         None,
-        description="data.source local: a .jsonl/.json/.parquet/.jsonl.zst file, a directory of them (its "
-        "data.hub_split subdirectory if there is one) or a glob; relative to where lctrain runs",
+        description="data.source local (and only then: refused with another source): a .jsonl/.json/.parquet/"
+        ".jsonl.zst file, a directory of them (its data.hub_split subdirectory if there is one) or a glob; relative to "
+        "where lctrain runs",
     )
     hub_name: Text = Field(DEFAULT_HUB, description="data.source hub: the dataset's hub name")
     hub_split: Text = Field(
@@ -254,6 +255,12 @@ class DataConfig(_Section):
     def _source_needs_path(self):
         if self.source == "local" and not self.path:
             raise ValueError("data.path is required when data.source is 'local'")
+        if self.path is not None and self.source != "local" and self.sources is None:
+            # a path given with the synthetic default would be ignored: training on other data than the user's
+            raise ValueError(
+                f"data.path is read only when data.source is 'local', and it is '{self.source}': set "
+                "data.source=local to use the files, or data.path=null"
+            )
         return self
 
     @field_validator("domain_shares", mode="before")
