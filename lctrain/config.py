@@ -178,7 +178,9 @@ class DataConfig(_Section):
         ".jsonl.zst file, a directory of them (its data.hub_split subdirectory if there is one) or a glob; relative to "
         "where lctrain runs",
     )
-    hub_name: Text = Field(DEFAULT_HUB, description="data.source hub: the dataset's hub name")
+    hub_name: Text = Field(
+        DEFAULT_HUB, description="data.source hub (another name is refused with another source): the dataset's hub name"
+    )
     hub_split: Text = Field(
         "train", description="the hub dataset's split; with data.source local, the subdirectory read if present"
     )
@@ -255,12 +257,18 @@ class DataConfig(_Section):
     def _source_needs_path(self):
         if self.source == "local" and not self.path:
             raise ValueError("data.path is required when data.source is 'local'")
-        if self.path is not None and self.source != "local" and self.sources is None:
-            # a path given with the synthetic default would be ignored: training on other data than the user's
-            raise ValueError(
-                f"data.path is read only when data.source is 'local', and it is '{self.source}': set "
-                "data.source=local to use the files, or data.path=null"
-            )
+        if self.sources is None:
+            # a path or dataset given beside another source would be ignored: training on other data than the user's
+            if self.path is not None and self.source != "local":
+                raise ValueError(
+                    f"data.path is read only when data.source is 'local', and it is '{self.source}': set "
+                    "data.source=local to use the files, or data.path=null"
+                )
+            if self.hub_name != DEFAULT_HUB and self.source != "hub":
+                raise ValueError(
+                    f"data.hub_name is read only when data.source is 'hub', and it is '{self.source}': set "
+                    "data.source=hub to stream that dataset, or leave data.hub_name out"
+                )
         return self
 
     @field_validator("domain_shares", mode="before")

@@ -82,6 +82,7 @@ def test_base_loop_is_reported(tmp_path):
         ("data.source=local", r"data: data.path is required"),
         # a path without data.source=local was ignored: the synthetic corpus trained instead of the user's files
         ("data.path=corpus.jsonl", r"data: data.path is read only when data.source is 'local', and it is 'synthetic'"),
+        ("data.hub_name=me/corpus", r"data: data.hub_name is read only when data.source is 'hub', and it is 'synth"),
         ("model.name_or_path=x", r"model: set exactly one of model.name_or_path"),
         ("bogus=1", r"unknown key 'bogus'"),
         ("train.steps=true", r"train.steps = True: a boolean; expected a number"),

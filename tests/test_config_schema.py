@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from lctrain.cli import main
-from lctrain.config import Config, check_on_this_machine, load_config
+from lctrain.config import DEFAULT_HUB, Config, check_on_this_machine, load_config
 from lctrain.errors import UserError
 from lctrain.eval.ruler import TASK_NAMES
 
@@ -238,6 +238,7 @@ COUPLED = {
     "model.rope_fp32",
     "data.source",
     "data.path",
+    "data.hub_name",
     "data.mixture",
     "data.domain_shares",
     "data.sources",
@@ -273,8 +274,10 @@ def coupled(draw) -> dict[str, Any]:
     checkpointed = (mode or ("full" if gc else "none")) != "none"
     v["model.offload_activations"] = checkpointed and draw(st.booleans())
     v["data.source"] = draw(st.sampled_from(["synthetic", "hub", "local"]))
-    # a path is read only from local files, and refused with another source (tests/test_config.py)
+    # a path is read only from local files, a dataset name from the hub, each refused with another source
+    # (tests/test_config.py)
     v["data.path"] = draw(_text()) if v["data.source"] == "local" else None
+    v["data.hub_name"] = draw(_text()) if v["data.source"] == "hub" else DEFAULT_HUB
     v["data.mixture"] = draw(st.sampled_from(["slimpajama", "upsampled"]))
     shares = None
     if v["data.mixture"] == "upsampled" and draw(st.booleans()):
