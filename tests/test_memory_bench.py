@@ -3,10 +3,12 @@ of its measurements."""
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
 import lctrain.bench.memory as bench
+from lctrain.errors import UserError
 
 
 def test_cpu_rows_are_written_and_predicted(tmp_path, monkeypatch):
@@ -243,3 +245,33 @@ def test_out_of_memory_on_the_launched_ranks_ends_the_ladder(tmp_path, monkeypat
     assert [(r["seq_len"], r["oom"]) for r in rows] == [(1024, False), (2048, False), (3072, True)]
     assert launched == [("lctrain.bench.memory:measure_length", n, n) for n in (1024, 2048, 3072)]
     assert meta["device"] == "simulated" and json.loads((tmp_path / "l.json").read_text())["results"] == rows
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l.json"]  # the ranks' folders go once they succeed
+
+
+def test_a_crashed_rank_names_a_launcher_log_that_still_exists(tmp_path, monkeypatch):
+    """The message of a failed length points into the ranks' folder, which is kept (a temporary one was gone by
+    the time the message was read: seen when a rank aborted in CI)."""
+    from types import SimpleNamespace
+
+    def ranks(cfg, function, request, workdir):
+        (Path(workdir) / "launcher.log").write_text("rank 1: SIGABRT\n")
+        raise UserError(
+            f"rank 1 (pid 1) crashed with SIGABRT in native code; the launcher's report ... is in "
+            f"{Path(workdir) / 'launcher.log'}"
+        )
+
+    monkeypatch.setattr(bench, "run_on_ranks", ranks)
+    spec = {
+        "arch": bench.ROW_ARCHS["small"],
+        "vocab": 1024,
+        "settings": [],
+        "nproc": 2,
+        "warmup": 1,
+        "steps": 1,
+        "seed": 0,
+    }
+    args = SimpleNamespace(ladder=True, ladder_step=1024, ladder_max=2048, time_limit=None)
+    with pytest.raises(SystemExit, match="SIGABRT") as err:
+        bench.launched_rows(args, spec, 1024, tmp_path / "l.json", [], {})
+    log = Path(str(err.value).rsplit(" is in ", 1)[1])
+    assert log.read_text() == "rank 1: SIGABRT\n" and log.parent == tmp_path / "l.ranks-1024"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+import shutil
 import time
 from pathlib import Path
 
@@ -368,16 +368,20 @@ def launched_rows(args, spec: dict, first: int, out: Path, rows: list, meta: dic
         if out_of_time(args, started, rows, length, spec["warmup"], spec["steps"], build=True):
             break
         cfg = make_config(spec["arch"], length, spec["settings"])
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                outcome = run_on_ranks(cfg, f"{__name__}:measure_length", {**spec, "seq_len": length}, tmp)
-            except RanksFailed as e:
-                raise SystemExit(
-                    f"error: the {spec['nproc']} workers at {length} tokens exited with code {e.exit_code} "
-                    f"(their output is above)"
-                ) from None
-            except UserError as e:
-                raise SystemExit(f"error: {e}") from None
+        # beside the output, not in a temporary folder: a failure's message names the launcher's log in it
+        work = out.with_name(f"{out.stem}.ranks-{length}")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        try:
+            outcome = run_on_ranks(cfg, f"{__name__}:measure_length", {**spec, "seq_len": length}, work)
+        except RanksFailed as e:
+            raise SystemExit(
+                f"error: the {spec['nproc']} workers at {length} tokens exited with code {e.exit_code} "
+                f"(their output is above; the launcher's log is in {work})"
+            ) from None
+        except UserError as e:
+            raise SystemExit(f"error: {e}") from None
+        shutil.rmtree(work)
         row = {"seq_len": length, "oom": True} if isinstance(outcome, OutOfMemory) else outcome.result
         meta["device"] = row.pop("device", meta.get("device"))
         rows.append(row)
