@@ -213,10 +213,27 @@ def test_a_bad_layer_count_is_a_usage_error(monkeypatch, capsys, layers):
     assert stop.value.code == 2 and "expected 'auto' or a number of layers >= 1" in capsys.readouterr().err
 
 
+# a 2-rank ladder of the small row model, its ranks replaced by each test
+LADDER_SPEC = {
+    "arch": bench.ROW_ARCHS["small"],
+    "vocab": 1024,
+    "settings": [],
+    "nproc": 2,
+    "warmup": 1,
+    "steps": 1,
+    "seed": 0,
+}
+
+
+def ladder_args(ladder_max: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ladder=True, ladder_step=1024, ladder_max=ladder_max, time_limit=None)
+
+
 def test_out_of_memory_on_the_launched_ranks_ends_the_ladder(tmp_path, monkeypatch):
     # run_on_ranks's typed outcome drives the ladder: the ranks themselves are replaced (test_run_on_ranks.py runs
     # real ones), out of memory beyond 2048 tokens
-    from types import SimpleNamespace
 
     from lctrain.parallel.launch import Finished, OutOfMemory
 
@@ -230,18 +247,8 @@ def test_out_of_memory_on_the_launched_ranks_ends_the_ladder(tmp_path, monkeypat
         return Finished({**row, "build_s": 1.0, "device": "simulated"})
 
     monkeypatch.setattr(bench, "run_on_ranks", ranks)
-    spec = {
-        "arch": bench.ROW_ARCHS["small"],
-        "vocab": 1024,
-        "settings": [],
-        "nproc": 2,
-        "warmup": 1,
-        "steps": 1,
-        "seed": 0,
-    }
-    args = SimpleNamespace(ladder=True, ladder_step=1024, ladder_max=8192, time_limit=None)
     rows, meta = [], {}
-    bench.launched_rows(args, spec, 1024, tmp_path / "l.json", rows, meta)
+    bench.launched_rows(ladder_args(8192), LADDER_SPEC, 1024, tmp_path / "l.json", rows, meta)
     assert [(r["seq_len"], r["oom"]) for r in rows] == [(1024, False), (2048, False), (3072, True)]
     assert launched == [("lctrain.bench.memory:measure_length", n, n) for n in (1024, 2048, 3072)]
     assert meta["device"] == "simulated" and json.loads((tmp_path / "l.json").read_text())["results"] == rows
@@ -251,7 +258,6 @@ def test_out_of_memory_on_the_launched_ranks_ends_the_ladder(tmp_path, monkeypat
 def test_a_crashed_rank_names_a_launcher_log_that_still_exists(tmp_path, monkeypatch):
     """The message of a failed length points into the ranks' folder, which is kept (a temporary one was gone by
     the time the message was read: seen when a rank aborted in CI)."""
-    from types import SimpleNamespace
 
     def ranks(cfg, function, request, workdir):
         (Path(workdir) / "launcher.log").write_text("rank 1: SIGABRT\n")
@@ -261,17 +267,7 @@ def test_a_crashed_rank_names_a_launcher_log_that_still_exists(tmp_path, monkeyp
         )
 
     monkeypatch.setattr(bench, "run_on_ranks", ranks)
-    spec = {
-        "arch": bench.ROW_ARCHS["small"],
-        "vocab": 1024,
-        "settings": [],
-        "nproc": 2,
-        "warmup": 1,
-        "steps": 1,
-        "seed": 0,
-    }
-    args = SimpleNamespace(ladder=True, ladder_step=1024, ladder_max=2048, time_limit=None)
     with pytest.raises(SystemExit, match="SIGABRT") as err:
-        bench.launched_rows(args, spec, 1024, tmp_path / "l.json", [], {})
+        bench.launched_rows(ladder_args(2048), LADDER_SPEC, 1024, tmp_path / "l.json", [], {})
     log = Path(str(err.value).rsplit(" is in ", 1)[1])
     assert log.read_text() == "rank 1: SIGABRT\n" and log.parent == tmp_path / "l.ranks-1024"
