@@ -206,6 +206,7 @@ import deepspeed, torch
 from lctrain.compat.deepspeed import disable_cpu_shm_comm_op
 from lctrain.errors import UserError
 from lctrain.diagnostics.check_sp import _check_same_weights
+from lctrain.parallel.groups import end_process_groups
 disable_cpu_shm_comm_op()
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 rank = torch.distributed.get_rank()
@@ -216,6 +217,7 @@ try:
     _check_same_weights(torch.nn.Linear(4, 3))
 except UserError as e:
     print(f"rank {rank} refused: {e}")
+end_process_groups()  # as every lctrain rank: gloo's threads left to the exit abort it now and then
 """
 
 
