@@ -1,6 +1,9 @@
 """The compat modules: each library internal or version difference lctrain relies on, checked against the installed
 library (and, for the version differences, against a stand-in of the older API)."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +15,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from lctrain.compat.deepspeed import DEEPSPEED_VERSION, disable_cpu_shm_comm_op, no_bf16_optimizer_memory_report
+from lctrain.compat.deepspeed import (
+    DEEPSPEED_VERSION,
+    disable_cpu_shm_comm_op,
+    no_bf16_optimizer_memory_report,
+)
 from lctrain.compat.transformers import (
     TRANSFORMERS_RELEASES,
     nested_rope_keys,
@@ -104,6 +111,28 @@ def test_the_bf16_optimizers_forced_memory_report_is_silent_while_the_engine_is_
     assert capsys.readouterr().out == ""
     bf16_optimizer.see_memory_usage("begin bf16_optimizer", force=True)
     assert "begin bf16_optimizer" in capsys.readouterr().out
+
+
+QUIET_AND_IMPORT = """
+import sys
+from lctrain.compat.deepspeed import quiet_cpu_fallback_notice
+if sys.argv[1] == "quiet":
+    quiet_cpu_fallback_notice()
+import deepspeed
+deepspeed.utils.logger.warning("another warning")
+"""
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_deepspeeds_cpu_fallback_notice_alone_is_filtered(quiet):
+    # a process of its own: DeepSpeed decides its accelerator, and warns, once per process
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"} | {"CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-c", QUIET_AND_IMPORT, "quiet" if quiet else "loud"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    output = proc.stdout + proc.stderr
+    assert "another warning" in output
+    assert ("Setting accelerator to CPU" in output) is not quiet, output
 
 
 def test_sequence_parallel_state_module_is_what_the_engine_reads_from_mpu():

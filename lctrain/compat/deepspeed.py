@@ -4,6 +4,7 @@ fails when the installed release is another, so an upgrade re-checks every entry
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -19,6 +20,23 @@ def disable_cpu_shm_comm_op() -> None:
     import deepspeed.ops
 
     vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
+
+
+_CPU_FALLBACK_NOTICE = "Setting accelerator to CPU"
+
+
+def _not_cpu_fallback_notice(record: logging.LogRecord) -> bool:
+    return _CPU_FALLBACK_NOTICE not in record.getMessage()
+
+
+def quiet_cpu_fallback_notice() -> None:
+    """0.19.8 warns "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    from every process that imports it on a machine without CUDA (lctrain's, each rank's, accelerate's
+    `save_pretrained` in `example-model`): the first lines of every command on a CPU, where the CPU is the device
+    asked for. A filter on its logger ("DeepSpeed", which it fetches by name when it builds it), set before it is
+    imported and without importing it; its other warnings pass. A GPU that CUDA cannot see still shows: the training
+    banner names the device."""
+    logging.getLogger("DeepSpeed").addFilter(_not_cpu_fallback_notice)
 
 
 @contextlib.contextmanager

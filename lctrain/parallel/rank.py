@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from lctrain.compat.deepspeed import quiet_cpu_fallback_notice
 from lctrain.errors import UserError, environment_error_message
 from lctrain.lifetime import exit_with_parent, exit_with_supervisor
 from lctrain.parallel.groups import end_process_groups
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     # A crash in native code (gloo's or a kernel's abort, a segfault) kills the rank before Python can report it:
     # faulthandler writes the Python stack of every thread to stderr (the launcher's log) first.
     faulthandler.enable()
+    quiet_cpu_fallback_notice()
     exit_with_supervisor()
     exit_with_parent()  # the guard: if it is killed, nothing would report this rank's end
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
