@@ -446,11 +446,14 @@ def check_sp(
 @app.command("inspect")
 @user_errors
 def inspect_(
-    data_dir: Annotated[str, typer.Argument(help="prepared dataset directory (written by `lctrain prepare`)")],
+    data_dir: Annotated[
+        str,
+        typer.Argument(help="prepared dataset directory (written by `lctrain prepare`), or a run directory"),
+    ],
     out: Annotated[str | None, typer.Option(help="output directory; default DATA_DIR/inspect")] = None,
 ):
     """Per-domain shares of documents and tokens, the length histogram, segment counts and the attention work each
-    mode does on this dataset. Table, JSON and PNG."""
+    mode does on this dataset (or the one a run directory trains on). Table, JSON and PNG."""
     from lctrain.reports.inspect_data import inspect as run_inspect
 
     run_inspect(data_dir, out=out)

@@ -70,6 +70,29 @@ def test_inspect_outputs(data, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
 
 
+def test_a_run_directory_is_inspected_as_the_dataset_it_trains_on(data, tmp_path):
+    from lctrain.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.write_config(load_config(None, [f"data.output_dir={data}"]))
+    r = CliRunner().invoke(app, ["inspect", str(run), "--out", str(tmp_path / "i")])
+    assert r.exit_code == 0, r.output
+    assert f"{run} is a run directory; its dataset: {data}" in " ".join(r.output.split())
+    reference = inspect(data, out=tmp_path / "reference")
+    read = json.loads((tmp_path / "i" / "dataset_stats.json").read_text())
+    assert read == json.loads((reference / "dataset_stats.json").read_text())
+
+
+def test_a_run_directory_whose_dataset_is_gone_says_to_prepare_it(tmp_path):
+    from lctrain.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.write_config(load_config(None, [f"data.output_dir={tmp_path / 'gone'}"]))
+    r = CliRunner().invoke(app, ["inspect", str(run)])
+    assert r.exit_code == 2 and f"error: {tmp_path / 'gone'}: no prepared dataset here" in r.output
+    assert "lctrain prepare" in r.output
+
+
 def test_inspect_cli_missing_dir(tmp_path):
     r = CliRunner().invoke(app, ["inspect", str(tmp_path / "nothing")])
     assert r.exit_code == 2 and r.output.startswith("error: ") and "lctrain prepare" in r.output

@@ -1,5 +1,6 @@
-"""`lctrain inspect DATA_DIR`: a prepared dataset's composition (the paper's Table 9: per-domain share of documents
-and of tokens), its length histogram (Figure 8), and what each attention mode would compute on it.
+"""`lctrain inspect DATA_DIR` (or a run directory: the dataset it trains on): a prepared dataset's composition (the
+paper's Table 9: per-domain share of documents and of tokens), its length histogram (Figure 8), and what each attention
+mode would compute on it.
 
 Attention cost is counted in causally visible (query, key) pairs, which is what the FLOPs of QK^T and AV scale with,
 under the masks the engines compute (docs/design.md §3), counted by the cost model (`lctrain.costmodel`) that `estimate`
@@ -15,10 +16,12 @@ import numpy as np
 from rich.table import Table
 
 from lctrain.attention.modes import MODES
+from lctrain.config import data_dir
 from lctrain.console import plain_console
 from lctrain.costmodel import window_pairs
 from lctrain.data.store import open_packed
 from lctrain.reports.plots import plot_dataset
+from lctrain.rundir import RunDir
 
 
 def _log2_edges(max_len: int) -> list[int]:
@@ -87,17 +90,28 @@ def dataset_stats(packed) -> dict:
     }
 
 
-def inspect(data_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Print the tables and write dataset_stats.json and dataset.png (default DATA_DIR/inspect/)."""
-    packed = open_packed(data_dir, verify=True)  # it reads every window anyway: check every byte
+def dataset_of(path: str | Path) -> Path:
+    """`path` itself, or for a run directory the prepared dataset its config trains on (a run directory is what a
+    user has at hand after training; it was refused as a damaged dataset)."""
+    run = RunDir(path)
+    return data_dir(run.read_config()) if run.is_run() else Path(path)
+
+
+def inspect(path: str | Path, out: str | Path | None = None) -> Path:
+    """Print the tables and write dataset_stats.json and dataset.png (default DATA_DIR/inspect/) for the prepared
+    dataset at `path` or the one run directory `path` trains on."""
+    dataset = dataset_of(path)
+    console = plain_console()
+    if dataset != Path(path):
+        console.print(f"{path} is a run directory; its dataset: {dataset}")
+    packed = open_packed(dataset, verify=True)  # it reads every window anyway: check every byte
     stats = dataset_stats(packed)
-    out_dir = Path(out) if out else Path(data_dir) / "inspect"
+    out_dir = Path(out) if out else dataset / "inspect"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "dataset_stats.json").write_text(json.dumps(stats, indent=2))
     plot_dataset(stats, out_dir / "dataset.png")
-    console = plain_console()
     t = Table(
-        title=f"{data_dir}: {stats['windows']} windows of {stats['seq_len']} tokens, {stats['segments']} segments "
+        title=f"{dataset}: {stats['windows']} windows of {stats['seq_len']} tokens, {stats['segments']} segments "
         f"({stats['segments_per_window']['mean']:.1f} per window, max {stats['segments_per_window']['max']})"
     )
     t.add_column("domain")
