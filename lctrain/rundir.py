@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from lctrain.config import Config, load_config, run_dir, to_yaml
+from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError, writing
 from lctrain.lifetime import RunLock
 
@@ -74,8 +75,17 @@ class RunDir:
     def config_file(self) -> Path:
         return self.path / "config.yaml"
 
+    def not_a_run(self) -> str | None:
+        """None for a run directory, else why it is not one, for a one-line refusal. A prepared dataset holds a
+        config.yaml too (prepare writes its resolved config beside the manifest): it is told apart by its manifest."""
+        if (self.path / MANIFEST).is_file():
+            return f"a prepared dataset (it holds {MANIFEST}), not a run directory"
+        if not self.config_file.is_file():
+            return "not a run directory (no config.yaml)"
+        return None
+
     def is_run(self) -> bool:
-        return self.config_file.is_file()
+        return self.not_a_run() is None
 
     def write_config(self, cfg: Config) -> Path:
         """The resolved config, with the directory its relative paths resolve against, so that `read_config` from any

@@ -187,7 +187,11 @@ def test_bad_input_exits_2_with_one_line(run_dir, tmp_path):
     runner = CliRunner()
     empty = tmp_path / "emptyrun"
     write_resolved(load_config(None), empty)
+    dataset = tmp_path / "dataset"  # prepare writes its config.yaml beside the manifest
+    write_resolved(load_config(None), dataset)
+    (dataset / "manifest.json").write_text("{}")
     cases = [
+        ([str(dataset)], "neither a run directory"),
         ([str(tmp_path / "missing")], "no such run or model directory"),
         ([str(empty)], "no evaluation checkpoints"),
         ([str(run_dir), "--exclude", "niah_multikey_3,nope"], "unknown task(s) nope"),

@@ -74,8 +74,12 @@ def test_the_command_writes_one_png_with_a_panel_per_metric(runs, tmp_path):
 
 def test_bad_input_is_one_line(runs, tmp_path):
     (tmp_path / "empty").mkdir()
+    dataset = RunDir(tmp_path / "dataset")  # prepare writes its config.yaml beside the manifest
+    dataset.write_config(load_config(None))
+    (dataset.path / "manifest.json").write_text("{}")
     cases = [
-        ([str(tmp_path / "empty")], "not a run directory"),
+        ([str(tmp_path / "empty")], "empty: not a run directory (no config.yaml)"),
+        ([str(dataset)], "dataset: a prepared dataset (it holds manifest.json), not a run directory"),
         ([str(runs[0]), "--metric", "perplexity"], "--metric perplexity: not in these runs' metrics.jsonl; one of"),
     ]
     for args, expected in cases:

@@ -50,8 +50,9 @@ def read_run(path: str | Path) -> Run:
     """A run directory's name, attention mode and metrics, refusing in one line a directory that is not a run or
     has no step yet."""
     rd = RunDir(Path(path))
-    if not rd.is_run():
-        raise UserError(f"{path}: not a run directory (no config.yaml); give directories written by 'lctrain train'")
+    why = rd.not_a_run()
+    if why is not None:
+        raise UserError(f"{path}: {why}; give directories written by 'lctrain train'")
     records = rd.read_metrics()
     if not records:
         raise UserError(f"{path}: no step recorded yet ({rd.metrics_file} is missing or empty)")

@@ -16,7 +16,6 @@ import torch
 from lctrain import fused
 from lctrain.config import Config, check_on_this_machine, reread_warning, settings
 from lctrain.costmodel import ModelShape
-from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
@@ -72,12 +71,9 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | 
     was started from, whatever the current one."""
     check_launcher_env()
     rd = RunDir(Path(run_dir).absolute())
-    if (rd.path / MANIFEST).is_file():  # prepare writes its resolved config.yaml beside the manifest
-        raise UserError(
-            f"{run_dir}: a prepared dataset (it holds {MANIFEST}), not a run directory; give the train.run_dir of a run"
-        )
-    if not rd.is_run():
-        raise UserError(f"{run_dir}: not a run directory (no config.yaml); start a run with 'lctrain train'")
+    why = rd.not_a_run()
+    if why is not None:
+        raise UserError(f"{run_dir}: {why}; give the train.run_dir of a run started with 'lctrain train'")
     leader = _leader()
     with _run_lock(rd, "lctrain resume", leader):
         if ckpt.latest_checkpoint(rd) is None:
