@@ -663,6 +663,11 @@ def _locate(name_or_path: str, relative_to: Path | None = None) -> Path:
     for c in candidates:
         if c.is_file():
             return c
+    folder = next((c for c in candidates if c.is_dir()), None)
+    if folder is not None:  # a run directory, most likely: the config it trains with is inside
+        inside = folder / "config.yaml"
+        hint = f"its config is {inside}" if inside.is_file() else "give a YAML file"
+        raise UserError(f"config '{name_or_path}' is a directory; {hint}")
     raise UserError(
         f"config '{name_or_path}' not found (neither a file nor a bundled config); "
         f"run 'lctrain configs' to list the bundled ones"

@@ -105,6 +105,17 @@ def test_bad_override_syntax_and_missing_config():
         load_config(None, ["seed.x=1"])
 
 
+def test_a_directory_given_as_config_names_the_config_inside(tmp_path):
+    from lctrain.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.write_config(load_config(None))
+    with pytest.raises(UserError, match=f"config '{run}' is a directory; its config is {run}/config.yaml$"):
+        load_config(str(run))
+    with pytest.raises(UserError, match=f"config '{tmp_path}' is a directory; give a YAML file$"):
+        load_config(str(tmp_path))
+
+
 def test_invalid_yaml_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ndata:\n  seq_len: [1, 2\n")
