@@ -132,8 +132,18 @@ def test_kv_cache_of_llama2_7b_at_128k():
 def test_plan_llama2_7b_on_an_80gb_gpu():
     weights = 13.5e9
     free = int(80e9 - weights)
-    # 64K: the 32 GiB cache fits beside the weights
-    assert plan_generation(LLAMA2_7B, 65536 + 128, 2, free, host_free=200 * GIB).offload is False
+    # 64K: the 32 GiB cache fits beside the weights, and so do the whole prompt's activations: one pass, no mask.
+    # By hand: 65664 x 512 KiB of cache, and 65664 x (4 x 4096 x 2 + 3 x 11008 x 2 + 2 x 4096 x 2) + 32000 x 4 B
+    plan = plan_generation(LLAMA2_7B, 65536 + 128, 2, free, host_free=200 * GIB)
+    assert plan.offload is False and plan.one_pass and plan.prefill_chunk == 65664
+    one_pass = 65664 * (4 * 4096 * 2 + 3 * 11008 * 2 + 2 * 4096 * 2) + 32000 * 4
+    assert plan.device_bytes == 65664 * 512 * 1024 + one_pass
+    assert "prefill in one pass" in plan.describe()
+    # 42 GB free: 90% of it holds the cache (34.4 GB) and an 8K chunk (1.5 GB with its mask), not the one pass (7.6 GB)
+    chunked = plan_generation(LLAMA2_7B, 65536 + 128, 2, int(42e9), host_free=200 * GIB)
+    assert (chunked.offload, chunked.prefill_chunk) == (False, 8192)
+    assert chunked.device_bytes == 65664 * 512 * 1024 + 8192 * (115200 + 65664) + 32000 * 4
+    assert "prefill in chunks of 8192" in chunked.describe()
     # 128K: 64 GiB of cache does not fit in the 66.5 GB left. By hand: a layer's cache is 131200 x 2 x 4096 x 2 B
     # = 2.15 GB, one 8K prefill chunk's activations 8192 x (4 x 4096 x 2 + 3 x 11008 x 2 + 2 x 4096 x 2 + 131200)
     # + 32000 x 4 B = 2.01 GB, and 90% of 66.5 GB is 59.85 GB: (r + 2 staging) x 2.15 + 2.01 <= 59.85 gives r = 24
@@ -144,6 +154,7 @@ def test_plan_llama2_7b_on_an_80gb_gpu():
     plan = plan_generation(LLAMA2_7B, 131072 + 128, 2, free, host_free=200 * GIB)
     assert (plan.resident_layers, plan.layers) == (resident, 32) == (24, 32)
     assert plan.host_bytes == 8 * layer and plan.device_bytes == 26 * layer + chunk
+    assert plan.prefill_chunk == 8192  # an offloaded cache is prefilled in chunks
     assert "8 of 32 layers offloaded" in plan.describe()
     # without the host memory for those 8 layers it cannot run at all
     with pytest.raises(UserError, match=r"longest that fits here is \d+ tokens") as e:

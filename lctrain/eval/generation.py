@@ -6,7 +6,10 @@ At the paper's lengths the KV cache, not the weights, decides what fits. For Lla
 Two measures bound the device memory:
 
 - **chunked prefill**: the prompt goes through the model `prefill_chunk` tokens at a time, appending to the cache,
-  so activations scale with the chunk, not the prompt, and only the last position's logits are computed;
+  so activations scale with the chunk, not the prompt, and only the last position's logits are computed. When the
+  whole prompt's activations fit beside a cache kept entirely on the device, it goes through in one pass instead:
+  its attention is then causal without a mask, which SDPA runs on its fastest kernel (FlashAttention on a GPU),
+  where every chunk after the first attends to the cache through a boolean mask, which only the slower kernels take;
 - **partly offloaded cache** (when the whole cache does not fit on the device): as many layers as fit keep their
   keys and values on the device; the others live in pinned host memory and are streamed to the device one layer at a
   time through two staging buffers, the next layer's copy overlapping the current layer's compute.
@@ -19,8 +22,8 @@ than the 128 GiB of host memory of an H100 machine, which killed the process (me
 Device memory for a prompt of T tokens plus N generated ones (`plan_generation`): weights, plus the cache of T + N
 tokens for the resident layers, plus two staging layers when any layer is offloaded, plus the activations of one
 prefill chunk of c tokens (q, k, v and output projections, the MLP's gate, up and product, and the c x (T + N)
-attention mask). Host memory: the cache of the offloaded layers. If even the most offloaded plan does not fit,
-`lctrain eval` stops before generating, saying the longest prompt that fits.
+attention mask, none for a single pass). Host memory: the cache of the offloaded layers. If even the most offloaded
+plan does not fit, `lctrain eval` stops before generating, saying the longest prompt that fits.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def prefill_activation_bytes(config, chunk: int, context: int, dtype_bytes: int)
     projections = chunk * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * dtype_bytes  # q, k, v, attention output
     mlp = 3 * chunk * m.intermediate * dtype_bytes  # gate, up and their product live together
     hidden = 2 * chunk * m.hidden * dtype_bytes  # the residual stream and the normed input
-    mask = chunk * context  # boolean mask of the chunk's queries over the cache
+    mask = chunk * context if chunk < context else 0  # boolean mask of a later chunk's queries over the cache
     return projections + mlp + hidden + mask + m.vocab * 4  # last position's fp32 logits
 
 
@@ -75,6 +78,10 @@ class GenerationPlan:
     def offload(self) -> bool:
         return self.resident_layers < self.layers
 
+    @property
+    def one_pass(self) -> bool:
+        return self.prefill_chunk >= self.tokens
+
     def describe(self) -> str:
         gb = 1e9
         where = (
@@ -84,7 +91,8 @@ class GenerationPlan:
             else "KV cache on the device"
         )
         return (
-            f"{self.tokens} tokens: {where}, prefill in chunks of {self.prefill_chunk}; "
+            f"{self.tokens} tokens: {where}, "
+            f"{'prefill in one pass' if self.one_pass else f'prefill in chunks of {self.prefill_chunk}'}; "
             f"{self.device_bytes / gb:.1f} GB on the device beside the weights "
             f"(of {self.available_bytes / gb:.1f} GB free)"
         )
@@ -136,7 +144,12 @@ def plan_generation(
     config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None, prefill_chunk: int = PREFILL_CHUNK
 ) -> GenerationPlan:
     """The plan that fits `tokens` (prompt + generated) into `device_free` bytes beside the weights with the fewest
-    layers offloaded; `host_free` None means the device is the host (CPU), where offloading saves nothing."""
+    layers offloaded, prefilling in one pass when that fits with no layer offloaded, else in chunks of
+    `prefill_chunk` (the module docstring says why); `host_free` None means the device is the host (CPU), where
+    offloading saves nothing."""
+    whole = _fitting(config, tokens, dtype_bytes, device_free, host_free, tokens)
+    if whole is not None and not whole.offload:
+        return whole
     plan = _fitting(config, tokens, dtype_bytes, device_free, host_free, prefill_chunk)
     if plan is not None:
         return plan
