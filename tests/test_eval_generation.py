@@ -68,7 +68,7 @@ def test_chunked_prefill_equals_generate(tiny, chunk, resident):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the offloaded cache streams layers to a CUDA device")
-@pytest.mark.parametrize("chunk,resident", [(1, 0), (5, 1), (5, 2)])
+@pytest.mark.parametrize("chunk,resident", [(1, 0), (5, 1), (5, 2), (64, 3)])  # 64: one pass, no mask
 def test_offloaded_cache_equals_generate_on_gpu(tiny, chunk, resident):
     check_equals_generate(tiny.to("cuda"), chunk, resident)
     tiny.to("cpu")
