@@ -739,8 +739,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item or not item.split("=", 1)[0].strip():
         raise UserError(f"--set '{item}': expected KEY=VALUE, e.g. --set data.seq_len=4096")
     key, value = item.split("=", 1)
+    if not value.strip():
+        # `--set model.name_or_path=$MODEL` with MODEL unset would clear the key: for a key that may be null, a
+        # silently different run (the default config's random model)
+        raise UserError(
+            f"--set '{item}': no value after '=' (an unset shell variable?); to clear a key write {key.strip()}=null"
+        )
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = yaml.safe_load(value)
     except yaml.YAMLError:
         parsed = value
     return key.strip().split("."), parsed

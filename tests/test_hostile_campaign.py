@@ -110,7 +110,15 @@ CASES = [
         r"train.steps = 0: .*greater than or equal",
     ),
     ("name-escapes-runs", "config", ["show-config", "--set", "name=../../x"], {}, r"name = '../../x': the name is one"),
-    ("tokenizer-empty", "config", ["show-config", "--set", "data.tokenizer="], {}, r"data.tokenizer = None"),
+    ("tokenizer-empty", "config", ["show-config", "--set", "data.tokenizer="], {}, r"no value after '='"),
+    (
+        "model-path-empty",
+        "config",
+        ["show-config", "--set", "model.name_or_path="],
+        {},
+        r"--set 'model.name_or_path=': no value after '=' \(an unset shell variable\?\); to clear a key write "
+        r"model.name_or_path=null",
+    ),
     ("mode-upper-case", "config", ["show-config", "--set", "attention.mode=ANCHOR"], {}, r"attention.mode = 'ANCHOR'"),
     ("eval-length-4k-string", "config", ["show-config", "--set", "eval.lengths=[4k]"], {}, r"eval.lengths\[0\] = '4k'"),
     (
@@ -168,7 +176,7 @@ CASES = [
         {},
         r"afile: File exists; fix the path or choose",
     ),
-    ("eval-dataset-dir", "cli", ["eval", "{w}/dataset"], {}, r"dataset/hf: no evaluation checkpoints"),
+    ("eval-dataset-dir", "cli", ["eval", "{w}/dataset"], {}, r"dataset: neither a run directory"),
     ("rope-samples-zero", "cli", ["diagnose", "rope", "tiny_anchor", "--samples", "0"], {}, r"need samples >= 1"),
     ("rope-shifts-words", "cli", ["diagnose", "rope", "tiny_anchor", "--shifts", "a,b"], {}, r"--shifts a,b: expected"),
     ("rope-cases-unknown", "cli", ["diagnose", "rope", "tiny_anchor", "--cases", "foo"], {}, r"--cases foo: expected"),
@@ -191,7 +199,13 @@ CASES = [
     ("plan-host-mem-nan", "cli", ["plan", "--host-mem", "nan"], {}, r"--host-mem = nan: expected a memory size"),
     ("plot-metric-unknown", "cli", ["plot", "{w}/run", "--metric", "nosuch", "--out", "{w}/c.png"], {}, r"--metric no"),
     ("plot-out-not-png", "cli", ["plot", "{w}/run", "--out", "{w}/c.txt"], {}, r"--out .*c.txt: the curves are a PNG"),
-    ("plot-dataset-dir", "cli", ["plot", "{w}/dataset", "--out", "{w}/c.png"], {}, r"no step recorded yet"),
+    (
+        "plot-dataset-dir",
+        "cli",
+        ["plot", "{w}/dataset", "--out", "{w}/c.png"],
+        {},
+        r"dataset: a prepared dataset \(it holds manifest.json\), not a run directory",
+    ),
     (
         "init-seq-len-zero",
         "cli",
