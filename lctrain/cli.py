@@ -339,8 +339,8 @@ def eval_(
 
     evaluate(
         resolve_target(target, config, list(set_ or [])),
-        lengths=parse_lengths(lengths) if lengths else None,
-        tasks=parse_names(tasks),
+        lengths=parse_lengths(lengths) if lengths is not None else None,
+        tasks=parse_names(tasks, "--tasks"),
         exclude=parse_names(exclude) if exclude is not None else None,
         samples=samples,
         ruler_data=ruler_data,
@@ -543,7 +543,7 @@ def estimate(
         cfg = load_config(config, list(set_ or []))
         run_measure(
             cfg,
-            lengths=parse_lengths(lengths) if lengths else [cfg.data.seq_len],
+            lengths=parse_lengths(lengths) if lengths is not None else [cfg.data.seq_len],
             modes=parse_modes(modes),
             steps=steps,
             warmup=warmup,
@@ -628,7 +628,7 @@ def experiment_extend(
         seeds=seeds,
         modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
         checkpoints=checkpoints,
-        eval_lengths=parse_lengths(eval_lengths, "--eval-lengths") if eval_lengths else None,
+        eval_lengths=parse_lengths(eval_lengths, "--eval-lengths") if eval_lengths is not None else None,
         device=device,
         model=model,
         overrides=tuple(set_ or []),

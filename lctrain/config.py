@@ -822,7 +822,9 @@ def check_on_this_machine(cfg: Config, cuda_available: bool) -> None:
 
 def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a config by path or bundled name (default: the embedded tiny CPU config), apply overrides, validate."""
-    path = _locate(name_or_path or DEFAULT_CONFIG)
+    if name_or_path is not None and not name_or_path.strip():
+        raise UserError("config '': an empty name (an unset shell variable?); leave --config out for the default")
+    path = _locate(DEFAULT_CONFIG if name_or_path is None else name_or_path)
     raw = apply_overrides(_load_raw(path), overrides)
     raw.pop("source_file", None)
     cfg = validate(raw, source=str(path))

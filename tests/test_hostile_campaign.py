@@ -167,7 +167,12 @@ CASES = [
     ("eval-task-unknown", "cli", ["eval", "{w}/run", "--tasks", "nosuch"], {}, r"--tasks: unknown task\(s\) nosuch"),
     ("eval-harness-batch", "cli", ["eval", "{w}/run", "--harness", "x", "--harness-batch", "0"], {}, r"batch 0"),
     ("eval-device-index", "cli", ["eval", "{w}/run", "--device", "cuda:abc"], {}, r"--device cuda:abc: not a device"),
-    ("eval-ppl-data-empty", "cli", ["eval", "{w}/run", "--ppl-data", "{w}/emptydir"], {}, r"manifest.json is missing"),
+    ("eval-ppl-data-empty", "cli", ["eval", "{w}/run", "--ppl-data", "{w}/emptydir"], {}, r"no prepared dataset here"),
+    ("eval-lengths-empty", "cli", ["eval", "{w}/run", "--lengths", ""], {}, r"--lengths '': '' is not a length"),
+    ("eval-tasks-empty", "cli", ["eval", "{w}/run", "--tasks", " , "], {}, r"--tasks ' , ': names nothing"),
+    ("config-empty-name", "cli", ["train", "-c", ""], {}, r"config '': an empty name \(an unset shell variable\?\)"),
+    ("sp-modes-empty", "cli", ["check", "sp", "--modes", ""], {}, r"--modes '': unknown mode \(none given\)"),
+    ("inspect-an-empty-dir", "cli", ["inspect", "{w}/emptydir"], {}, r"emptydir: no prepared dataset here"),
     ("eval-ruler-data-empty", "cli", ["eval", "{w}/run", "--ruler-data", "{w}/emptydir"], {}, r"no length directories"),
     (
         "eval-out-a-file",

@@ -184,7 +184,7 @@ def dense_mask(layout: Layout, mode: str, device=None) -> torch.Tensor:
 
 def parse_modes(modes: str | None) -> list[str]:
     """`--modes full,anchor` -> the modes (default all four), refusing unknown ones in one line."""
-    if not modes:
+    if modes is None:
         return list(MODES)
     chosen = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in MODES]

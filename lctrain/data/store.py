@@ -252,7 +252,8 @@ def open_packed(path, verify: bool | None = None, rebuild: str = REBUILD) -> Pac
     """Open a prepared dataset directory, checked as the module docstring says (`verify`: True checks every byte);
     anything missing, incomplete or damaged is a UserError naming the file and ending in `rebuild`."""
     path = Path(path)
-    if not path.is_dir():
+    # a directory with neither the manifest nor the shards' folder was never a dataset (`inspect .`): not "damaged"
+    if not path.is_dir() or not ((path / MANIFEST).exists() or (path / DATA_SUBDIR).exists()):
         raise UserError(f"{path}: no prepared dataset here; {rebuild.replace('rebuild', 'build')}")
     try:
         manifest = load_manifest(path)

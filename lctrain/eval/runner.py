@@ -61,10 +61,15 @@ def parse_lengths(text: str, option: str = "--lengths") -> list[int]:
     return sorted(set(out))
 
 
-def parse_names(text: str | None) -> list[str] | None:
+def parse_names(text: str | None, required: str | None = None) -> list[str] | None:
+    """'a, b' -> ['a', 'b']; None when not given. `required`: the option's name, when naming nothing is refused (an
+    empty `--tasks "$TASKS"` fell back to every task)."""
     if text is None:
         return None
-    return [t.strip() for t in text.split(",") if t.strip()]
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if required and not names:
+        raise UserError(f"{required} '{text}': names nothing; give comma-separated names, or leave the option out")
+    return names
 
 
 def _is_model_dir(path: Path) -> bool:
