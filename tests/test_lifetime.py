@@ -37,9 +37,24 @@ def lctrain(*args: str) -> list[str]:
     return [sys.executable, "-m", "lctrain.cli", *args]
 
 
+def as_from_a_terminal() -> None:
+    """Ctrl-C live in the started command, as in a terminal's foreground job: a test run started in the background
+    (`make test &`, `nohup ... &`) has SIGINT ignored, which every child inherits, and then the command never sees it
+    (a prepare ran to its end with exit code 0)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cmd: list[str], **popen) -> subprocess.Popen:
     env = clean_env()
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_from_a_terminal,
+        **popen,
+    )
 
 
 def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
