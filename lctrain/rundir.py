@@ -75,10 +75,13 @@ class RunDir:
     def config_file(self) -> Path:
         return self.path / "config.yaml"
 
+    def holds_dataset(self) -> bool:
+        return (self.path / MANIFEST).is_file()
+
     def not_a_run(self) -> str | None:
         """None for a run directory, else why it is not one, for a one-line refusal. A prepared dataset holds a
         config.yaml too (prepare writes its resolved config beside the manifest): it is told apart by its manifest."""
-        if (self.path / MANIFEST).is_file():
+        if self.holds_dataset():
             return f"a prepared dataset (it holds {MANIFEST}), not a run directory"
         if not self.config_file.is_file():
             return "not a run directory (no config.yaml)"

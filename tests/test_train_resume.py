@@ -300,6 +300,20 @@ def test_resume_without_checkpoints_is_a_user_error(tmp_path):
     assert "not a run directory" in _cli_error(["resume", str(tmp_path)])
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]], ids=["plain", "force"])
+def test_a_prepared_dataset_as_run_directory_is_refused_and_left_alone(tmp_path, force):
+    # train once wrote its config.yaml over the dataset's (prepare writes one beside the manifest) and its
+    # outputs into the dataset, --force or not
+    data = tmp_path / "dataset"
+    data.mkdir()
+    files = {"manifest.json": "{}", "config.yaml": "base: tiny_anchor\n"}
+    for name, text in files.items():
+        (data / name).write_text(text)
+    error = _cli_error(["train", "--set", f"train.run_dir={data}", *force])
+    assert f"train.run_dir = {data}: a prepared dataset (it holds manifest.json), not a run directory" in error
+    assert {p.name: p.read_text() for p in data.iterdir()} == files
+
+
 @pytest.mark.parametrize(
     "extra, expected",
     [

@@ -16,6 +16,7 @@ import torch
 from lctrain import fused
 from lctrain.config import Config, check_on_this_machine, reread_warning, settings
 from lctrain.costmodel import ModelShape
+from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
@@ -34,6 +35,11 @@ def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Check
     evaluation exports) unless `force`."""
     check_launcher_env()
     rd = RunDir.of(cfg)
+    if rd.holds_dataset():  # --force or not: the run's config.yaml and outputs would land in the dataset
+        raise UserError(
+            f"train.run_dir = {rd}: a prepared dataset (it holds {MANIFEST}), not a run directory; "
+            f"set train.run_dir to another directory"
+        )
     leader = _leader()
     prepared = preflight(cfg) if leader else None
     with _run_lock(rd, "lctrain train", leader):
