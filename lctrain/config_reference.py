@@ -27,7 +27,8 @@ edit by hand.
 A config is a YAML file of the sections below. `base: NAME_OR_PATH` names a config it inherits from (a bundled one,
 see `lctrain configs`, or a path relative to the file), overriding it key by key; the mappings {replaced}
 replace the base's value whole instead of merging into it. Any key can be overridden on the
-command line with `--set KEY=VALUE` (VALUE is YAML, e.g. `--set train.betas=[0.9,0.95]`), and `lctrain show-config`
+command line with `--set KEY=VALUE` (VALUE is YAML, e.g. `--set train.betas=[0.9,0.95]`; `KEY=null` clears a key,
+and an empty VALUE is refused: it is what an unset shell variable leaves), and `lctrain show-config`
 prints the resolved config with the values a `null` or `auto` resolves to. A value outside its domain, an unknown key
 or a broken rule between keys is refused in one line naming the key, before anything runs. The defaults are what a
 key takes when neither the file nor its `base:` chain sets it; the bundled configs set most of them.
