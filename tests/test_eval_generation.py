@@ -2,6 +2,8 @@
 transformers' own greedy `generate`; the memory plan against the paper's worked numbers for Llama-2-7B and a
 hand count of the cache; a prompt that cannot fit fails in one line naming the longest that does."""
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -165,6 +167,20 @@ def test_plan_llama2_7b_on_an_80gb_gpu():
     assert plan_generation(LLAMA2_7B, longest, 2, free, host_free=8 * GIB)
     with pytest.raises(UserError):
         plan_generation(LLAMA2_7B, longest + 1, 2, free, host_free=8 * GIB)
+
+
+@pytest.mark.parametrize("window", [{"sliding_window": 4096}, {"sliding_window": 4096, "use_sliding_window": False}])
+def test_a_sliding_windows_mask_is_counted_in_one_pass_too(window):
+    """transformers gives SDPA a full prompt x prompt mask for a model with a window (Mistral-7B-v0.1's 4096), one
+    pass or not; a window the model does not use (Qwen2's) needs none."""
+    config = copy.deepcopy(LLAMA2_7B)
+    for key, value in window.items():
+        setattr(config, key, value)
+    plain = plan_generation(LLAMA2_7B, 65664, 2, int(66.5e9), host_free=200 * GIB)
+    plan = plan_generation(config, 65664, 2, int(66.5e9), host_free=200 * GIB)
+    assert plain.one_pass and plan.one_pass
+    masked = window.get("use_sliding_window", True)
+    assert plan.device_bytes - plain.device_bytes == (65664 * 65664 if masked else 0)
 
 
 def test_cpu_plan_never_offloads():

@@ -22,8 +22,9 @@ than the 128 GiB of host memory of an H100 machine, which killed the process (me
 Device memory for a prompt of T tokens plus N generated ones (`plan_generation`): weights, plus the cache of T + N
 tokens for the resident layers, plus two staging layers when any layer is offloaded, plus the activations of one
 prefill chunk of c tokens (q, k, v and output projections, the MLP's gate, up and product, and the c x (T + N)
-attention mask, none for a single pass). Host memory: the cache of the offloaded layers. If even the most offloaded
-plan does not fit, `lctrain eval` stops before generating, saying the longest prompt that fits.
+attention mask, none for a single pass of a model without a sliding window). Host memory: the cache of the
+offloaded layers. If even the most offloaded plan does not fit, `lctrain eval` stops before generating, saying the
+longest prompt that fits.
 """
 
 from __future__ import annotations
@@ -54,13 +55,24 @@ def kv_cache_bytes(config, tokens: int, dtype_bytes: int, layers: int | None = N
     return (m.layers if layers is None else layers) * 2 * m.kv_heads * m.head_dim * tokens * dtype_bytes
 
 
+def sliding_window(config) -> int | None:
+    """The model's attention window, or None when it attends to every earlier position (Qwen2 ships a window it
+    does not use: `use_sliding_window: false`)."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None)
+
+
 def prefill_activation_bytes(config, chunk: int, context: int, dtype_bytes: int) -> int:
     """Peak activations of one decoder layer for a chunk of `chunk` new tokens attending to `context` positions."""
     m = ModelShape.from_hf_config(config)
+    # transformers passes SDPA a boolean mask of the chunk over the cache, except to a single pass over the whole
+    # prompt of a model without a window (causal attention needs none)
+    masked = chunk < context or sliding_window(config) is not None
     projections = chunk * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * dtype_bytes  # q, k, v, attention output
     mlp = 3 * chunk * m.intermediate * dtype_bytes  # gate, up and their product live together
     hidden = 2 * chunk * m.hidden * dtype_bytes  # the residual stream and the normed input
-    mask = chunk * context if chunk < context else 0  # boolean mask of a later chunk's queries over the cache
+    mask = chunk * context if masked else 0
     return projections + mlp + hidden + mask + m.vocab * 4  # last position's fp32 logits
 
 
