@@ -320,13 +320,13 @@ def eval_(
     a table, results.json, predictions.jsonl and ruler.png. With --ruler-data, RULER's own data and metrics;
     without, the offline RULER-style suite (not comparable with published RULER numbers). With --harness:
     lm-evaluation-harness tasks instead (harness.json)."""
-    from lctrain.eval.runner import resolve_target
+    from lctrain.eval.runner import parse_names, resolve_target
 
     if harness is not None:
         from lctrain.eval.harness import HarnessSettings, evaluate_harness
 
         settings = HarnessSettings(
-            [t.strip() for t in harness.split(",") if t.strip()],
+            parse_names(harness),
             harness_tasks,
             harness_fewshot,
             harness_limit,
@@ -335,13 +335,13 @@ def eval_(
         )
         evaluate_harness(resolve_target(target, config, list(set_ or [])), settings, out=out, device=device)
         return
-    from lctrain.eval.runner import evaluate, parse_lengths, parse_names
+    from lctrain.eval.runner import evaluate, parse_lengths
 
     evaluate(
         resolve_target(target, config, list(set_ or [])),
         lengths=parse_lengths(lengths) if lengths is not None else None,
         tasks=parse_names(tasks, "--tasks"),
-        exclude=parse_names(exclude) if exclude is not None else None,
+        exclude=parse_names(exclude),
         samples=samples,
         ruler_data=ruler_data,
         squad=squad,
@@ -616,7 +616,7 @@ def experiment_extend(
     Python's shipped text in full, intra_doc and anchor modes with the same windows, steps and schedule, each run
     evaluated the same way (needle tasks and perplexity at 8K, 16K, 32K over its last checkpoints), one report.
     Rerunning continues: finished runs and evaluations are skipped. docs/experiment.md."""
-    from lctrain.eval.runner import parse_lengths
+    from lctrain.eval.runner import parse_lengths, parse_names
     from lctrain.experiments.extend import extend
 
     extend(
@@ -626,7 +626,7 @@ def experiment_extend(
         tokens=tokens,
         train_seconds=train_seconds,
         seeds=seeds,
-        modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+        modes=tuple(parse_names(modes)),
         checkpoints=checkpoints,
         eval_lengths=parse_lengths(eval_lengths, "--eval-lengths") if eval_lengths is not None else None,
         device=device,

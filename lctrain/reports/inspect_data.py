@@ -90,19 +90,14 @@ def dataset_stats(packed) -> dict:
     }
 
 
-def dataset_of(path: str | Path) -> Path:
-    """`path` itself, or for a run directory the prepared dataset its config trains on (a run directory is what a
-    user has at hand after training; it was refused as a damaged dataset)."""
-    run = RunDir(path)
-    return data_dir(run.read_config()) if run.is_run() else Path(path)
-
-
 def inspect(path: str | Path, out: str | Path | None = None) -> Path:
     """Print the tables and write dataset_stats.json and dataset.png (default DATA_DIR/inspect/) for the prepared
-    dataset at `path` or the one run directory `path` trains on."""
-    dataset = dataset_of(path)
+    dataset at `path`, or the one the run directory `path` trains on (what a user has at hand after training)."""
     console = plain_console()
-    if dataset != Path(path):
+    run = RunDir(path)
+    dataset = Path(path)
+    if run.is_run():
+        dataset = data_dir(run.read_config())
         console.print(f"{path} is a run directory; its dataset: {dataset}")
     packed = open_packed(dataset, verify=True)  # it reads every window anyway: check every byte
     stats = dataset_stats(packed)
