@@ -1,5 +1,5 @@
 """What lctrain knows about the machine: each accelerator model's memory and dense bf16 peak, the CPU's measured
-matmul rate, and the CPU cores this process may use.
+matmul rate in the run's dtype, and the CPU cores this process may use.
 
 GPUs are matched on their exact model name as `torch.cuda.get_device_name()` reports it (case and spacing aside, the
 "NVIDIA " prefix optional): variants of one chip differ in memory and peak (an H100 PCIe has 756 dense bf16 TFLOP/s,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: `prepare` (usable_cpus) starts without it
@@ -97,27 +97,39 @@ def known_gpu(name: str) -> GPU | None:
     return _BY_NAME.get(normalize(name))
 
 
-@lru_cache(maxsize=1)
-def _cpu_matmul_peak() -> float:
-    """Achievable fp32 FLOP/s of this CPU: the best of several 2048^3 matmuls (CPUs have no spec-sheet peak to
-    use; on a busy machine this under-estimates the peak, so CPU MFU is indicative only)."""
+@cache
+def _cpu_matmul_peak(dtype: str) -> float:
+    """Achievable FLOP/s of this CPU in `dtype` (a torch dtype's name): the best of several square matmuls (up to
+    2048). CPUs have no spec-sheet peak to use, and their rates differ by dtype far more than a GPU's tensor cores do
+    (bf16 is several times fp32's on a CPU with AMX, a fraction of it on one without bf16 instructions), so the peak is
+    measured in the dtype the run computes in. On a busy machine this under-estimates the peak: CPU MFU is indicative
+    only."""
     # torch (and lctrain.measure, which imports it) on use: this module loads without torch (start-up time)
     import torch
 
     from lctrain.measure import timed
 
-    n = 2048
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
-    a @ b
     cpu = torch.device("cpu")
-    best = min(timed(lambda: a @ b, cpu)[1] for _ in range(8))
-    return 2 * n**3 / best
+
+    def rate(n: int, repeats: int) -> float:
+        a = torch.randn(n, n).to(getattr(torch, dtype))
+        b = torch.randn(n, n).to(getattr(torch, dtype))
+        a @ b
+        return 2 * n**3 / min(timed(lambda: a @ b, cpu)[1] for _ in range(repeats))
+
+    # sized from a small probe so that one matmul takes ~0.5 s: 2048 for fp32 and bf16 on a modern core, smaller
+    # for a dtype this CPU computes slowly (fp16 runs at a few GFLOP/s on most), whose 2048^3 would take minutes
+    probe = rate(256, 2)
+    n = round(min(2048, max(256, (probe * 0.5 / 2) ** (1 / 3))))
+    return max(probe, rate(n, 8))
 
 
-def device_peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
+def device_peak_flops(
+    device: torch.device, override_tflops: float | None = None, dtype: str = "float32"
+) -> float | None:
     """The peak FLOP/s MFU is measured against: `override_tflops`, else a GPU's dense bf16 peak from the table (None,
-    with an `UnknownGPUWarning`, for a GPU the table does not hold), else the CPU's measured matmul rate."""
+    with an `UnknownGPUWarning`, for a GPU the table does not hold; MFU's convention divides by the bf16 peak whatever
+    the run's dtype), else the CPU's matmul rate measured in `dtype`, the name of the run's compute dtype."""
     if override_tflops:
         return override_tflops * 1e12
     if device.type == "cuda":
@@ -136,7 +148,7 @@ def device_peak_flops(device: torch.device, override_tflops: float | None = None
             )
             return None
         return gpu.bf16_tflops * 1e12
-    return _cpu_matmul_peak()
+    return _cpu_matmul_peak(dtype)
 
 
 def usable_cpus() -> int:

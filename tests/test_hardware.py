@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lctrain import plan
+from lctrain import hardware, measure, plan
 from lctrain.hardware import GPUS, UnknownGPUWarning, device_peak_flops, known_gpu, normalize, usable_cpus
 from lctrain.units import GB
 
@@ -85,3 +85,24 @@ def test_usable_cpus_follows_the_affinity_mask(monkeypatch):
     assert usable_cpus() == len(os.sched_getaffinity(0))
     monkeypatch.delattr(os, "sched_getaffinity")  # macOS has none
     assert usable_cpus() == os.cpu_count()
+
+
+def test_cpu_peak_is_measured_in_the_runs_dtype(monkeypatch):
+    """The CPU's peak times matmuls in the dtype it is asked for, sized from a probe so that a dtype the CPU computes
+    slowly does not take minutes; a fake clock at a known rate is the reference."""
+    rate, seen = 1e10, []
+
+    def clock(fn, device):
+        out = fn()
+        seen.append((out.dtype, out.shape[0]))
+        return out, 2 * out.shape[0] ** 3 / rate
+
+    monkeypatch.setattr(measure, "timed", clock)
+    hardware._cpu_matmul_peak.cache_clear()
+    try:
+        assert device_peak_flops(torch.device("cpu"), dtype="bfloat16") == pytest.approx(rate)
+    finally:
+        hardware._cpu_matmul_peak.cache_clear()
+    assert {dtype for dtype, _ in seen} == {torch.bfloat16}
+    # the probe is 256; the measured matmul takes ~0.5 s at the probe's rate: (1e10 * 0.5 / 2) ** (1/3) = 1357
+    assert sorted({n for _, n in seen}) == [256, 1357]

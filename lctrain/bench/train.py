@@ -77,7 +77,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     tokens = args.batch * args.seq_len
     flops = trainer.step_flops(tokens, result.pairs)
     square = trainer.step_flops(tokens, args.batch * full_square_pairs(args.seq_len))
-    peak = device_peak_flops(device, args.peak_tflops)
+    peak = device_peak_flops(device, args.peak_tflops, trainer.cfg.model.dtype)
     out = {
         "mode": mode,
         "engine": trainer.attention.name,

@@ -103,7 +103,7 @@ def measure(
         raise UserError(f"--steps {steps} --warmup {warmup}: need at least 1 timed step and no negative warmup")
     n_gpus = cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
     if tflops is None:
-        peak = device_peak_flops(_local_device(), cfg.logging.peak_tflops)
+        peak = device_peak_flops(_local_device(), cfg.logging.peak_tflops, cfg.model.dtype)
         if peak is None:
             raise UserError(
                 "this GPU's peak is not in lctrain's table; pass --tflops (the per-GPU rate for the "

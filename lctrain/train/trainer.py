@@ -354,7 +354,7 @@ class Trainer:
         cfg, topo = self.cfg, self.topo
         total = cfg.train.steps
         hf_steps = set(hf_checkpoint_steps(total, cfg.checkpoint))
-        peak = device_peak_flops(topo.device, cfg.logging.peak_tflops)
+        peak = device_peak_flops(topo.device, cfg.logging.peak_tflops, cfg.model.dtype)
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
         try:
             for step_index in range(self.state.step, total):
