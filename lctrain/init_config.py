@@ -101,6 +101,14 @@ def rope_base(own: float, seq_len: int) -> tuple[float, str]:
     return rule, f"the paper's base for {seq_len:,}-token windows (Table 1 rule); the model's own is {own:,.0f}"
 
 
+def eval_lengths(seq_len: int) -> list[int]:
+    """RULER's lengths to evaluate a model trained on `seq_len`-token windows: the paper's, doubling from 4K, up to the
+    training length and including it (Table 2 scores its 64K models at 4K-64K, Table 5 its 128K ones at 4K-128K);
+    a longer length is a generalisation study, asked for with `--lengths`."""
+    below = [n for n in (4096 << i for i in range(seq_len.bit_length())) if n < seq_len]
+    return [*below, seq_len]
+
+
 def _sp_sizes(shape: ModelShape, gpus: int, seq_len: int) -> list[int]:
     sizes = [s for s in (1 << i for i in range(gpus.bit_length())) if gpus % s == 0 and seq_len % s == 0]
     return [s for s in sizes if shape.heads % s == 0 and shape.heads % shape.kv_heads == 0]
@@ -331,6 +339,8 @@ logging:
   # {wandb[1]}
   wandb: {wandb[0]}
 eval:
+  # RULER from 4K up to the training length, as the paper scores its 64K and 128K models (Tables 2 and 5)
+  lengths: {_v(eval_lengths(d["seq_len"]))}
   tasks: null   # RULER's 13 tasks (docs/evaluation.md)
   exclude: []
 """

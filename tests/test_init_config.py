@@ -23,6 +23,23 @@ from lctrain.units import gb_to_bytes
 PAPER_BASE = {32768: 1e6, 65536: 5e6, 131072: 1e7, 262144: 5e7}
 
 
+@pytest.mark.parametrize(
+    "seq_len, lengths",
+    [
+        (131072, [4096, 8192, 16384, 32768, 65536, 131072]),  # Table 5
+        (65536, [4096, 8192, 16384, 32768, 65536]),  # Table 2
+        (49152, [4096, 8192, 16384, 32768, 49152]),  # a length that is not a power of two is evaluated too
+        (4096, [4096]),
+        (2048, [2048]),  # a CPU run's window: no prompt longer than it was trained on
+    ],
+)
+def test_eval_lengths_run_up_to_the_training_length(tiny_dir, tmp_path, seq_len, lengths):
+    out = tmp_path / "mine.yaml"
+    r = run_init("--model", str(tiny_dir), "--seq-len", str(seq_len), "--gpus", "1", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert load_config(str(out)).eval.lengths == lengths
+
+
 def run_init(*args):
     return CliRunner().invoke(app, ["init", *args])
 
@@ -78,6 +95,7 @@ def test_a_local_model_directory(tiny_dir, tmp_path):
     assert cfg.model.arch is None
     assert cfg.model.rope_theta == PAPER_BASE[65536]
     assert cfg.data.seq_len == 65536 and cfg.attention.mode == "anchor"
+    assert cfg.eval.lengths == [4096, 8192, 16384, 32768, 65536]  # Table 2's lengths for its 64K models
     assert cfg.parallel.nproc_per_node * cfg.parallel.num_nodes == 8
     assert cfg.train.lr == 2e-5 and cfg.train.global_batch == 8 and cfg.train.steps == 2000
     assert cfg.data.token_budget == 2000 * 8 * 65536
