@@ -131,11 +131,16 @@ def train(
 
 @app.command()
 @user_errors
-def resume(run_dir: Annotated[str, typer.Argument(help="run directory written by `lctrain train`")]):
-    """Continue a stopped or killed run from its last complete checkpoint; needs nothing but the run directory."""
+def resume(
+    run_dir: Annotated[str, typer.Argument(help="run directory written by `lctrain train`")],
+    set_: SetOpt = None,
+):
+    """Continue a stopped or killed run from its last complete checkpoint; needs nothing but the run directory.
+    --set changes the run's config from here on: more steps (train.steps), or another parallel layout (e.g.
+    parallel.num_nodes after a requeue on fewer nodes), for which the checkpoint is converted once."""
     from lctrain.train.command import resume as run_resume
 
-    run_resume(run_dir)
+    run_resume(run_dir, list(set_ or []))
 
 
 @app.command()

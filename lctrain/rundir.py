@@ -95,7 +95,10 @@ class RunDir:
         directory (a resume, a launched worker, another node) means the same files."""
         with writing(self.config_file, "the run's config"):
             self.path.mkdir(parents=True, exist_ok=True)
-            self.config_file.write_text(to_yaml(cfg, workdir=True))
+            # replaced whole: the ranks of a launcher the user started read it while `resume --set` rewrites it
+            partial = self.config_file.with_name(f".{self.config_file.name}.partial")
+            partial.write_text(to_yaml(cfg, workdir=True))
+            partial.replace(self.config_file)
         return self.config_file
 
     def read_config(self, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lctrain.compat.deepspeed import zero3_full_state_dict
+from lctrain.compat.deepspeed import loading_universal, zero3_full_state_dict
 from lctrain.errors import is_environment_error, writing
 from lctrain.export_record import write_export_record
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import save_tokenizer, write_anchor
+from lctrain.train import reshard
 from lctrain.train.loss import CausalLMLossSum
 
 TMP_PREFIX = ".tmp-"
@@ -247,7 +248,7 @@ DAMAGED = (
 )
 
 
-def _not_damage(e: BaseException) -> bool:
+def machine_failure(e: BaseException) -> bool:
     """Failures of the machine while loading (out of memory, a device or collective error, permissions, a full disk),
     which DAMAGED's broad types also catch."""
     return (
@@ -257,30 +258,41 @@ def _not_damage(e: BaseException) -> bool:
     )
 
 
-def load_resume(engine, path: Path, *, rank: int) -> tuple[dict | None, str]:
+def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> tuple[dict | None, str]:
     """Restore DeepSpeed state and this rank's RNG from a complete checkpoint: (trainer state, "") or, if this
-    rank's part cannot be loaded or is another step's (files moved between checkpoints), (None, why)."""
+    rank's part cannot be loaded or is another step's (files moved between checkpoints), (None, why). `now`: the
+    run's settings; a checkpoint written with another parallel layout loads from its universal form (reshard.py)."""
     state, why = state_or_why(path)
     if state is None:
         return None, why
     step = state["step"]
+    changed = reshard.layout_changes(state.get("config"), now) if now is not None else []
+    if changed and not reshard.universal_dir(path).is_dir():
+        return None, f"it was written with another parallel layout ({', '.join(changed)}) and is not converted"
+    own_rng = rng_file(reshard.rng_rank(rank, state["config"]) if changed else rank)
     try:
-        loaded, _ = engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        if changed:
+            with loading_universal(engine):
+                loaded, _ = engine.load_checkpoint(
+                    str(path), tag=reshard.UNIVERSAL, load_optimizer_states=True, load_lr_scheduler_states=True
+                )
+        else:
+            loaded, _ = engine.load_checkpoint(
+                str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
         if loaded is None:
             return None, "DeepSpeed found no loadable state (another parallel layout or DeepSpeed version?)"
         if engine.global_steps != step:
             moved = f"DeepSpeed's state is of step {engine.global_steps}, not {step}"
             return None, f"{moved} (moved from another checkpoint?)"
-        rng = torch.load(path / rng_file(rank), weights_only=False)
+        rng = torch.load(path / own_rng, weights_only=False)
         if not isinstance(rng, dict):
-            return None, f"{rng_file(rank)} is not an RNG state"
+            return None, f"{own_rng} is not an RNG state"
         if rng.get("step", step) != step:  # checkpoints written before the RNG state recorded its step have none
-            return None, f"{rng_file(rank)} is of step {rng['step']}, not {step} (moved from another checkpoint?)"
+            return None, f"{own_rng} is of step {rng['step']}, not {step} (moved from another checkpoint?)"
         set_rng_state(rng)
     except DAMAGED as e:
-        if _not_damage(e):
+        if machine_failure(e):
             raise  # the machine failed, not the checkpoint: falling back to an older one would hide it
         if isinstance(e, FileNotFoundError):
             return None, f"{Path(e.filename or '').name or 'a file'} is missing"

@@ -25,6 +25,7 @@ from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import check_matches_model
 from lctrain.train import checkpoint as ckpt
+from lctrain.train import reshard
 from lctrain.train.metrics import import_wandb, tensorboard_writer_class
 from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.trainer import CheckpointHook, run
@@ -71,11 +72,20 @@ def refuse_to_replace(rd: RunDir) -> None:
     raise UserError(f"{rd}: a run already finished {shown} here; {choices}")
 
 
-def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
+def resume(
+    run_dir: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    before_checkpoint_complete: CheckpointHook | None = None,
+) -> Path:
     """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory: relative
     paths in its config (the prepared data, a local model or tokenizer) resolve against the directory `train`
-    was started from, whatever the current one."""
+    was started from, whatever the current one. `overrides` (`--set KEY=VALUE`) change the run's config.yaml for
+    this and later resumes: more steps, another parallel layout (the checkpoint is converted: reshard.py)."""
     check_launcher_env()
+    moved = [o for o in overrides if o.split("=", 1)[0].strip() == "train.run_dir"]
+    if moved:
+        raise UserError(f"--set {moved[0]}: a run resumes in its own directory, {run_dir}; train.run_dir stays")
     rd = RunDir(Path(run_dir).absolute())
     why = rd.not_a_run()
     if why is not None:
@@ -87,7 +97,7 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | 
                 f"{rd}: no complete checkpoint to resume from; start the run again with "
                 f"'lctrain train --config {rd.config_file} --force'"
             )
-        cfg = rd.read_config()
+        cfg = rd.read_config(overrides)
         named = ckpt.latest_named(rd)
         if leader and named is not None and named != ckpt.latest_checkpoint(rd):
             print(
@@ -115,8 +125,31 @@ def resume(run_dir: str | Path, *, before_checkpoint_complete: CheckpointHook | 
         if leader:
             check_resumable(cfg, states[0][1], f"{rd.config_file}", states[0][0].name)
             prepared = preflight(cfg)
+            if overrides:
+                rd.write_config(cfg)  # what launched ranks and later resumes read
+            _convert_for_layout(cfg, states)
         _start(cfg, rd, prepared, resuming=True, before_checkpoint_complete=before_checkpoint_complete)
         return rd.path
+
+
+def _convert_for_layout(cfg: Config, states: list[tuple[Path, dict]]) -> None:
+    """Convert the checkpoint the ranks will load first, if it was written with another parallel layout; one that
+    cannot be converted (damaged) is reported and the next tried, as loading falls back (Trainer.load_checkpoint)."""
+    now = settings(cfg)
+    for path, state in states:
+        changed = reshard.layout_changes(state.get("config"), now)
+        if not changed:
+            return
+        try:
+            seconds = reshard.convert(path, changed)
+        except ckpt.DAMAGED as e:
+            if ckpt.machine_failure(e):
+                raise
+            print(f"warning: checkpoint {path.name} could not be converted ({type(e).__name__}: {e})", flush=True)
+            continue
+        if seconds:
+            print(f"converted {path.name} in {seconds:.0f} s", flush=True)
+        return
 
 
 def train_on_rank(request: dict) -> None:
@@ -152,10 +185,10 @@ def _start(
             )
 
 
-# Settings a checkpoint fixes: the model it holds, the data order it continues, how DeepSpeed partitioned its state,
-# and the weight decay of the optimizer's parameter groups (loading the optimizer state restores the saved groups'
-# decay, so a new value would be silently ignored). Anything else (steps, learning rate, logging, checkpoint and eval
-# schedule, engine) may change on resume.
+# Settings a checkpoint fixes: the model it holds, the data order it continues, and the weight decay of the
+# optimizer's parameter groups (loading the optimizer state restores the saved groups' decay, so a new value would be
+# silently ignored). The parallel layout may change (lctrain/train/reshard.py), and so may anything else (steps,
+# learning rate, logging, checkpoint and eval schedule, engine).
 _FIXED_BY_CHECKPOINT = (
     "seed",
     "model.",
@@ -165,12 +198,6 @@ _FIXED_BY_CHECKPOINT = (
     "train.micro_batch",
     "train.weight_decay",
     "train.decay_norms_and_biases",
-    "parallel.zero_stage",
-    "parallel.sequence_parallel",
-    "parallel.nproc_per_node",
-    "parallel.num_nodes",
-    "parallel.offload_optimizer",
-    "parallel.offload_params",
 )
 # ...except these, which change how the same computation runs (or where a dataset is found), not what it computes.
 _FREE_KEYS = (
@@ -209,9 +236,10 @@ def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> N
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
         raise UserError(
             f"{source}: {shown}{more} changed since checkpoint {checkpoint}; a checkpoint resumes only "
-            f"with the model, data, batch and parallel layout it was written with: restore them, or start "
+            f"with the model, data and batch it was written with: restore them, or start "
             f"over with 'lctrain train --config {source} --force'"
         )
+    reshard.check_reshardable(saved, settings(cfg), source, checkpoint)
 
 
 def _leader() -> bool:

@@ -405,7 +405,7 @@ class Trainer:
         rd, topo = self.run_dir, self.topo
         tried = []
         for path in ckpt.resume_candidates(rd):
-            record, why = ckpt.load_resume(self.engine, path, rank=topo.rank)
+            record, why = ckpt.load_resume(self.engine, path, rank=topo.rank, now=settings(self.cfg))
             failed = torch.tensor([0.0 if record is not None else 1.0], device=topo.device)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if failed.item() == 0:

@@ -1,0 +1,107 @@
+"""Resuming on another parallel layout: a resume checkpoint written by N ranks, continued on M.
+
+A cluster job is often requeued on a different allocation (two nodes instead of four, after a preemption), and a run
+that outgrew its memory plan may need a higher ZeRO stage or more sequence parallelism. DeepSpeed's ZeRO checkpoint
+holds each rank's partition of the fp32 master weights and Adam moments, so it loads only into the world size and
+ZeRO stage it was written with. lctrain converts it once to DeepSpeed's *universal* checkpoint (every parameter's
+state unpartitioned, `step_N/universal/`) and loads that into the new layout; nothing else of the run changes: the
+windows of each step are the same (`train.global_batch` is fixed, only their split over ranks moves), the learning
+rate schedule is lctrain's own function of the step, and each rank's RNG state is that of the rank it replaces
+(`rank % old world size`).
+
+What converts: a change of `parallel.nproc_per_node`, `num_nodes`, `sequence_parallel`, `offload_optimizer` and
+`offload_params`, and of `zero_stage` within ZeRO-1/2 or within ZeRO-3. Refused in one line: a move between ZeRO-1/2
+and ZeRO-3 (DeepSpeed 0.19.8 loads a universal checkpoint only with the model-state files of the stage it was
+converted from: `mp_rank_00_model_states.pt` for ZeRO-1/2, one `zero_pp_rank_N_...` per rank for ZeRO-3; tried both
+ways, each found its file missing) and any change of a ZeRO-0 run (its optimizer is not ZeRO's, whose partitions the
+conversion reads).
+
+Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load are mended where it is called
+(`lctrain.compat.deepspeed.loading_universal`): every parameter group got the first group's weight decay, and all
+groups one shared Adam step counter. Tested against the ordinary load of the same checkpoint, to the bit
+(tests/test_resume_reshard.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from lctrain.compat.deepspeed import to_universal_checkpoint
+from lctrain.errors import UserError, writing
+from lctrain.hardware import usable_cpus
+
+LAYOUT_KEYS = (
+    "parallel.zero_stage",
+    "parallel.sequence_parallel",
+    "parallel.nproc_per_node",
+    "parallel.num_nodes",
+    "parallel.offload_optimizer",
+    "parallel.offload_params",
+)
+UNIVERSAL = "universal"
+_PARTIAL = ".tmp-" + UNIVERSAL
+
+
+def _family(zero_stage: int) -> str:
+    return {0: "ZeRO-0", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}[zero_stage]
+
+
+def layout_changes(saved: dict | None, now: dict) -> list[str]:
+    """The parallel-layout keys (flattened, `parallel.x`) whose values differ between a checkpoint's saved settings
+    and the run's; none for a checkpoint written before checkpoints stored their settings."""
+    if saved is None:
+        return []
+    before, after = saved.get("parallel", {}), now.get("parallel", {})
+    return [k for k in LAYOUT_KEYS if before.get(k.split(".")[1]) != after.get(k.split(".")[1])]
+
+
+def check_reshardable(saved: dict, now: dict, source: str, checkpoint: str) -> None:
+    """Refuse, in one line, a layout change the universal checkpoint cannot carry (module docstring)."""
+    if not layout_changes(saved, now):
+        return
+    stage_before, stage_now = saved["parallel"]["zero_stage"], now["parallel"]["zero_stage"]
+    if 0 in (stage_before, stage_now):
+        raise UserError(
+            f"{source}: checkpoint {checkpoint} was written with parallel.zero_stage={stage_before} and the run now "
+            f"asks for zero_stage={stage_now}; resuming on another parallel layout needs ZeRO 1-3 before and after: "
+            f"restore the checkpoint's parallel settings"
+        )
+    if _family(stage_before) != _family(stage_now):
+        raise UserError(
+            f"{source}: parallel.zero_stage {stage_before} -> {stage_now} changed since checkpoint {checkpoint}; "
+            f"a checkpoint resumes on another layout within ZeRO-1/2 or within ZeRO-3, not across them: keep "
+            f"zero_stage {'3' if stage_before == 3 else '1 or 2'} (world size, sequence_parallel and offloading may "
+            f"change)"
+        )
+
+
+def universal_dir(checkpoint: Path) -> Path:
+    return checkpoint / UNIVERSAL
+
+
+def convert(checkpoint: Path, changed: list[str]) -> float:
+    """Write `checkpoint`'s universal form, unless a complete one is there; the seconds it took (0 if it was).
+    Written under a temporary name and renamed when complete, so a kill mid-way leaves no half-converted state that
+    a later resume would load."""
+    final, partial = universal_dir(checkpoint), checkpoint / _PARTIAL
+    if final.is_dir():
+        return 0.0
+    print(
+        f"resuming on another parallel layout ({', '.join(changed)} changed): converting {checkpoint.name} to "
+        f"DeepSpeed's universal checkpoint in {final}",
+        flush=True,
+    )
+    t0 = time.monotonic()
+    shutil.rmtree(partial, ignore_errors=True)
+    with writing(partial, "the universal checkpoint"):
+        to_universal_checkpoint(checkpoint, partial, workers=min(8, usable_cpus()))
+        partial.rename(final)
+    return time.monotonic() - t0
+
+
+def rng_rank(rank: int, saved: dict) -> int:
+    """The rank whose saved RNG state rank `rank` continues with (`saved`: the checkpoint's settings): its own where
+    the old layout had it."""
+    return rank % (saved["parallel"]["nproc_per_node"] * saved["parallel"]["num_nodes"])

@@ -1,0 +1,264 @@
+"""`lctrain resume RUN --set parallel...`: a checkpoint written by one parallel layout continues on another.
+
+The reference is an uninterrupted 1-process run of all the steps. Each resharded run trains the first half in one
+layout, then `resume` converts the checkpoint to DeepSpeed's universal form and trains the rest in another; its
+losses must be the reference's. Tolerance: the losses are fp32 sums over the same tokens in another order and on other
+ranks (a few ulps per step; 1e-5 relative is ~100x that), while a checkpoint restored wrongly (moments lost, a shard
+in the wrong place, the wrong step) changes the first resumed loss by far more, as the negative control shows.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from train_helpers import clean_env, losses, one_error_line, prepared_workdir, reference_run, run_cli_train, set_args
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.compat.deepspeed import loading_universal
+from lctrain.config import load_config, settings, with_overrides
+from lctrain.errors import UserError
+from lctrain.parallel.groups import init_topology
+from lctrain.rundir import RunDir
+from lctrain.train import reshard
+from lctrain.train.command import train
+from lctrain.train.runplan import Prepared
+from lctrain.train.trainer import Trainer
+
+STEPS = 4
+ARCH = (
+    "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+    "num_key_value_heads: 1, tie_word_embeddings: false}"
+)
+LOSS_RTOL = 1e-5
+
+
+def overrides(data_dir: Path, run_dir: Path) -> list[str]:
+    return [
+        "data.seq_len=128",
+        "data.token_budget=12000",
+        f"data.output_dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        f"train.steps={STEPS}",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+        "train.warmup_steps=0",
+        "train.lr=3e-3",
+        "train.grad_clip=0",
+        "checkpoint.every_steps=2",
+        "checkpoint.hf_last=0",
+        "parallel.zero_stage=2",
+        f"model.arch={ARCH}",
+    ]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return prepared_workdir(tmp_path_factory, "reshard", overrides)
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    return reference_run(workdir, overrides)
+
+
+def resume(run_dir: Path, items: list[str]) -> str:
+    """`lctrain resume RUN --set ...` in a subprocess (it may launch ranks); its output."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lctrain.cli", "resume", str(run_dir), *set_args(items)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def assert_continues_the_reference(run_dir: Path, reference: Path) -> None:
+    got, want = losses(run_dir), losses(reference)
+    assert len(got) == STEPS
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=LOSS_RTOL, atol=0)
+
+
+def assert_resharded(run_dir: Path, out: str, changed: str, parallel: dict) -> None:
+    """Converted once, for the keys that changed, and the run's config now says the new layout."""
+    step = RunDir(run_dir).checkpoint(STEPS // 2)
+    assert f"resuming on another parallel layout ({changed} changed): converting {step.name}" in out
+    assert reshard.universal_dir(step).is_dir()
+    assert not (step / "latest_universal").exists()  # DeepSpeed's marker would name the temporary directory
+    written = yaml.safe_load(RunDir(run_dir).config_file.read_text())["parallel"]
+    assert {k: written[k] for k in parallel} == parallel
+
+
+def train_half(workdir: Path, name: str, extra: list[str]) -> Path:
+    """The first half of a run, in this process (1 process: no launcher)."""
+    run_dir = workdir / name
+    train(load_config(None, overrides(workdir / "data", run_dir) + [f"train.steps={STEPS // 2}", *extra]))
+    return run_dir
+
+
+def resume_here(run_dir: Path, items: list[str]):
+    result = CliRunner().invoke(app, ["resume", str(run_dir), *set_args(items)])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_a_zero2_checkpoint_continues_as_zero1(workdir, reference):
+    """In this process, the conversion and the universal load without a launcher: ZeRO-2 -> ZeRO-1."""
+    run_dir = train_half(workdir, "zero2_to_1", [])
+    out = resume_here(run_dir, [f"train.steps={STEPS}", "parallel.zero_stage=1"])
+    assert_resharded(run_dir, out, "parallel.zero_stage", {"zero_stage": 1})
+    assert_continues_the_reference(run_dir, reference)
+
+
+def test_a_restore_that_loses_adams_moments_is_told_apart(workdir, reference):
+    """Negative control: the same conversion with Adam's first moments zeroed before the load. The first resumed loss
+    is computed before any update from the restored weights, so it still matches; the next one, after an update
+    with the wrong moments, must be far outside the tolerance, or the comparisons above could not see a bad restore."""
+    run_dir = train_half(workdir, "moments_lost", [])
+    step = RunDir(run_dir).checkpoint(STEPS // 2)
+    reshard.convert(step, ["parallel.zero_stage"])
+    moments = list(reshard.universal_dir(step).glob("zero/*/exp_avg.pt"))
+    assert moments
+    for path in moments:  # ZeRO-1/2's universal files hold {"param": tensor, ...}
+        state = torch.load(path)
+        torch.save({k: torch.zeros_like(v) if torch.is_tensor(v) else v for k, v in state.items()}, path)
+    out = resume_here(run_dir, [f"train.steps={STEPS}", "parallel.zero_stage=1"])
+    assert "converting" not in out  # the universal checkpoint there is loaded as it is
+    got, want = losses(run_dir), losses(reference)
+    assert got[STEPS // 2] == pytest.approx(want[STEPS // 2], rel=LOSS_RTOL)
+    assert abs(got[STEPS // 2 + 1] - want[STEPS // 2 + 1]) > 100 * LOSS_RTOL * abs(want[STEPS // 2 + 1])
+
+
+def zero3_optimizer_state(engine) -> tuple[list, list]:
+    """(each flat fp32 partition with its Adam state, each group's hyperparameters) of a ZeRO-3 engine."""
+    zero = engine.optimizer
+    flats = [
+        (flat.clone(), {k: v.clone() for k, v in zero.optimizer.state[flat].items()})
+        for flat in zero.fp32_partitioned_groups_flat
+    ]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
+    return flats, groups
+
+
+def test_the_universal_load_restores_zero3_exactly(workdir):
+    """ZeRO-3's universal load against its ordinary load of the same checkpoint, and one step after each: the fp32
+    weights, Adam's moments and step count, and each group's hyperparameters are the same to the bit. (DeepSpeed
+    0.19.8 alone gives the norms' group the matrices' weight decay and both groups one step counter, which then counts
+    two per update: lctrain.compat.deepspeed.loading_universal puts both right.)"""
+    run_dir = train_half(workdir, "zero3_state", ["parallel.zero_stage=3"])
+    step = RunDir(run_dir).checkpoint(STEPS // 2)
+    reshard.convert(step, ["parallel.offload_optimizer"])
+    cfg = RunDir(run_dir).read_config()
+    topo = init_topology(cfg)
+    prepared = Prepared.of(cfg, topo.layout)
+    states = []
+    for universal in (False, True):
+        trainer = Trainer(cfg, topo, vocab_size=prepared.packed.manifest.tokenizer.vocab_size, plan=prepared.plan)
+        if universal:
+            with loading_universal(trainer.engine):
+                trainer.engine.load_checkpoint(str(step), tag=reshard.UNIVERSAL, load_optimizer_states=True)
+        else:
+            trainer.engine.load_checkpoint(str(step.parent), tag=step.name, load_optimizer_states=True)
+        loaded = zero3_optimizer_state(trainer.engine)
+        trainer.train_step(trainer.read_windows(prepared.packed, STEPS // 2))
+        states.append((loaded, zero3_optimizer_state(trainer.engine)))
+    (ordinary, ordinary_after), (universal, universal_after) = states
+    for want, got in ((ordinary, universal), (ordinary_after, universal_after)):
+        assert got[1] == want[1]  # hyperparameters, weight decay per group included
+        for (flat_w, state_w), (flat_g, state_g) in zip(want[0], got[0], strict=True):
+            assert torch.equal(flat_g, flat_w)
+            assert state_g.keys() == state_w.keys()
+            for key in state_w:
+                assert torch.equal(state_g[key], state_w[key]), key
+    assert len({float(s["step"]) for _, s in universal_after[0]}) == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_continue_on_one(workdir, reference):
+    """A requeue on a smaller allocation: 2 data-parallel ranks (ZeRO-2) -> 1 process."""
+    run_dir = workdir / "two_to_one"
+    run_cli_train(overrides, workdir, run_dir.name, [f"train.steps={STEPS // 2}", "parallel.nproc_per_node=2"])
+    out = resume(run_dir, [f"train.steps={STEPS}", "parallel.nproc_per_node=1"])
+    assert_resharded(run_dir, out, "parallel.nproc_per_node", {"nproc_per_node": 1})
+    assert_continues_the_reference(run_dir, reference)
+    # the next resume loads the new layout's own checkpoint: nothing to convert
+    out = resume(run_dir, [f"train.steps={STEPS + 1}"])
+    assert "converting" not in out and len(losses(run_dir)) == STEPS + 1
+
+
+@pytest.mark.slow
+def test_one_process_continues_on_two_ranks_with_sequence_parallelism(workdir, reference):
+    """More GPUs, and the sequence split over them: 1 process (ZeRO-3) -> Ulysses SP 2 (ZeRO-3)."""
+    run_dir = train_half(workdir, "one_to_sp2", ["parallel.zero_stage=3"])
+    out = resume(run_dir, [f"train.steps={STEPS}", "parallel.nproc_per_node=2", "parallel.sequence_parallel=2"])
+    assert_resharded(
+        run_dir,
+        out,
+        "parallel.sequence_parallel, parallel.nproc_per_node",
+        {"nproc_per_node": 2, "sequence_parallel": 2, "zero_stage": 3},
+    )
+    assert_continues_the_reference(run_dir, reference)
+
+
+def layout(**parallel) -> dict:
+    items = [f"parallel.{k}={v}" for k, v in parallel.items()]
+    return settings(with_overrides(load_config(None), items, "test"))
+
+
+def test_layout_changes_name_the_parallel_keys_only():
+    before = layout(nproc_per_node=8, zero_stage=2)
+    assert reshard.layout_changes(before, layout(nproc_per_node=8, zero_stage=2)) == []
+    assert reshard.layout_changes(before, layout(nproc_per_node=4, zero_stage=1, offload_optimizer=True)) == [
+        "parallel.zero_stage",
+        "parallel.nproc_per_node",
+        "parallel.offload_optimizer",
+    ]
+    assert reshard.layout_changes(None, before) == []  # a checkpoint from before states stored their settings
+
+
+ACROSS = "within ZeRO-1/2 or within ZeRO-3, not across them"
+
+
+@pytest.mark.parametrize(
+    "before, after, refusal",
+    [
+        (
+            {"zero_stage": 2},
+            {"zero_stage": 3},
+            f"{ACROSS}: keep zero_stage 1 or 2",
+        ),
+        ({"zero_stage": 3}, {"zero_stage": 1}, f"{ACROSS}: keep zero_stage 3"),
+        ({"zero_stage": 0}, {"zero_stage": 0, "nproc_per_node": 2}, "needs ZeRO 1-3 before and after"),
+        ({"zero_stage": 2}, {"zero_stage": 0}, "needs ZeRO 1-3 before and after"),
+        ({"zero_stage": 1}, {"zero_stage": 2, "nproc_per_node": 2, "sequence_parallel": 2}, None),
+        ({"zero_stage": 3}, {"zero_stage": 3, "offload_params": True, "num_nodes": 2}, None),
+    ],
+)
+def test_which_layout_changes_convert(before, after, refusal):
+    check = lambda: reshard.check_reshardable(layout(**before), layout(**after), "run/config.yaml", "step_2")  # noqa: E731
+    if refusal is None:
+        check()
+    else:
+        with pytest.raises(UserError, match=refusal):
+            check()
+
+
+def test_each_new_rank_continues_an_old_ranks_rng():
+    four = layout(nproc_per_node=4)
+    assert [reshard.rng_rank(r, four) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [reshard.rng_rank(r, layout(nproc_per_node=8)) for r in range(2)] == [0, 1]
+
+
+def test_resume_keeps_its_run_directory(tmp_path):
+    result = CliRunner().invoke(app, ["resume", str(tmp_path), "--set", "train.run_dir=elsewhere"])
+    assert one_error_line(result) == (
+        f"error: --set train.run_dir=elsewhere: a run resumes in its own directory, {tmp_path}; train.run_dir stays"
+    )
