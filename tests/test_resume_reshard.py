@@ -137,23 +137,33 @@ def test_a_restore_that_loses_adams_moments_is_told_apart(workdir, reference):
     assert abs(got[STEPS // 2 + 1] - want[STEPS // 2 + 1]) > 100 * LOSS_RTOL * abs(want[STEPS // 2 + 1])
 
 
-def zero3_optimizer_state(engine) -> tuple[list, list]:
-    """(each flat fp32 partition with its Adam state, each group's hyperparameters) of a ZeRO-3 engine."""
+def optimizer_state(engine) -> tuple[list, list]:
+    """(each fp32 master partition with its Adam state, each group's hyperparameters) of a ZeRO engine. ZeRO-3 hands
+    its flat partitions to the inner optimizer only during a step; ZeRO-1/2 and bf16's optimizer keep them there."""
     zero = engine.optimizer
-    flats = [
-        (flat.clone(), {k: v.clone() for k, v in zero.optimizer.state[flat].items()})
-        for flat in zero.fp32_partitioned_groups_flat
-    ]
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in zero.optimizer.param_groups]
-    return flats, groups
+    inner = zero.optimizer
+    flats = getattr(zero, "fp32_partitioned_groups_flat", None) or [p for g in inner.param_groups for p in g["params"]]
+    state = [(flat.detach().clone(), {k: v.clone() for k, v in inner.state[flat].items()}) for flat in flats]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    return state, groups
 
 
-def test_the_universal_load_restores_zero3_exactly(workdir):
-    """ZeRO-3's universal load against its ordinary load of the same checkpoint, and one step after each: the fp32
+@pytest.mark.parametrize(
+    "zero_stage, dtype",
+    [
+        (3, "float32"),
+        pytest.param(1, "bfloat16", marks=pytest.mark.slow),  # DeepSpeed's BF16_Optimizer: bf16 with ZeRO-1
+        pytest.param(2, "bfloat16", marks=pytest.mark.slow),
+    ],
+)
+def test_the_universal_load_restores_the_optimizer_exactly(workdir, zero_stage, dtype):
+    """The universal load against the ordinary load of the same checkpoint, and one step after each: the fp32
     weights, Adam's moments and step count, and each group's hyperparameters are the same to the bit. (DeepSpeed
-    0.19.8 alone gives the norms' group the matrices' weight decay and both groups one step counter, which then counts
-    two per update: lctrain.compat.deepspeed.loading_universal puts both right.)"""
-    run_dir = train_half(workdir, "zero3_state", ["parallel.zero_stage=3"])
+    0.19.8 alone gives ZeRO-3's norms' group the matrices' weight decay and both groups one step counter, which then
+    counts two per update: lctrain.compat.deepspeed.loading_universal puts both right.)"""
+    run_dir = train_half(
+        workdir, f"state_zero{zero_stage}_{dtype}", [f"parallel.zero_stage={zero_stage}", f"model.dtype={dtype}"]
+    )
     step = RunDir(run_dir).checkpoint(STEPS // 2)
     reshard.convert(step, ["parallel.offload_optimizer"])
     cfg = RunDir(run_dir).read_config()
@@ -167,9 +177,9 @@ def test_the_universal_load_restores_zero3_exactly(workdir):
                 trainer.engine.load_checkpoint(str(step), tag=reshard.UNIVERSAL, load_optimizer_states=True)
         else:
             trainer.engine.load_checkpoint(str(step.parent), tag=step.name, load_optimizer_states=True)
-        loaded = zero3_optimizer_state(trainer.engine)
+        loaded = optimizer_state(trainer.engine)
         trainer.train_step(trainer.read_windows(prepared.packed, STEPS // 2))
-        states.append((loaded, zero3_optimizer_state(trainer.engine)))
+        states.append((loaded, optimizer_state(trainer.engine)))
     (ordinary, ordinary_after), (universal, universal_after) = states
     for want, got in ((ordinary, universal), (ordinary_after, universal_after)):
         assert got[1] == want[1]  # hyperparameters, weight decay per group included

@@ -297,6 +297,7 @@ def test_resume_of_a_finished_run_says_it_is_complete(reference):
     before = RunDir(reference).metrics_file.read_text()
     result = CliRunner().invoke(app, ["resume", str(reference)])
     assert result.exit_code == 0 and f"{reference} is complete: step {STEPS} of {STEPS}" in result.output
+    assert f"--set train.steps=N, N > {STEPS}" in result.output
     assert RunDir(reference).metrics_file.read_text() == before
 
 

@@ -116,8 +116,8 @@ def resume(
         if done >= cfg.train.steps:
             if leader:
                 print(
-                    f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (raise train.steps in "
-                    f"{rd.config_file} to train further)",
+                    f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (to train further: "
+                    f"lctrain resume {run_dir} --set train.steps=N, N > {done})",
                     flush=True,
                 )
             return rd.path
