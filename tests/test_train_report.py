@@ -233,6 +233,16 @@ def test_summary_of_a_stopped_run_and_of_no_step():
     assert summary(end(last=None)) == "no step trained: runs/x is at step 20 of 60"
 
 
+def test_deepspeeds_deprecated_collectives_are_not_shown_but_other_deprecations_are():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_libraries(is_main=True)
+        for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            warnings.warn(f"`torch.distributed.{name}` is deprecated. Please use ... instead.", FutureWarning, 1)
+        warnings.warn("`torch.distributed.something_else` is deprecated.", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["`torch.distributed.something_else` is deprecated."]
+
+
 def test_ranks_other_than_0_keep_only_errors_of_the_libraries():
     verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     loggers = [logging.getLogger(name) for name in ("DeepSpeed", "torch.distributed")]

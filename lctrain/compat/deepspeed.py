@@ -97,8 +97,9 @@ def to_universal_checkpoint(source: Path, out: Path, workers: int) -> None:
     another world size, sequence-parallel degree or ZeRO stage of the same family loads with `loading_universal`.
     0.19.8 offers it as the script `deepspeed/checkpoint/ds_to_universal.py`, whose `main` takes its parsed
     arguments. A plain (non-Megatron) model records no `universal_checkpoint_info`: the script's
-    `inject_missing_state` supplies the empty one such a model has. The script prints its progress (plain `print` and
-    tqdm bars): kept out of lctrain's log, and shown when it fails. It also writes a `latest_universal` file beside
+    `inject_missing_state` supplies the empty one such a model has. Its tqdm bars (stderr) show the progress of a
+    conversion that takes minutes for a 7B model; its `print`s of each stage are kept out of lctrain's log, and
+    shown when it fails. It also writes a `latest_universal` file beside
     `out` naming `out` for a load without a tag; lctrain always names the tag, and `out` is renamed after, so the file
     would name a directory that is gone: removed."""
     # deepspeed on use: it takes seconds to import (start-up time)
@@ -115,7 +116,7 @@ def to_universal_checkpoint(source: Path, out: Path, workers: int) -> None:
     )
     chatter = io.StringIO()
     try:
-        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+        with contextlib.redirect_stdout(chatter):
             ds_to_universal.main(args)
     except BaseException:
         sys.stderr.write(chatter.getvalue())

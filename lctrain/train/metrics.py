@@ -59,8 +59,15 @@ def tensorboard_writer_class(cfg):
 def quiet_libraries(is_main: bool) -> None:
     """Set once per process before the model is built: no Hugging Face progress bars (a loading or saving bar tears
     through the training bar, and fills a log file with carriage returns), and on the ranks other than 0 only
-    errors from the libraries, whose warnings rank 0 prints once."""
+    errors from the libraries, whose warnings rank 0 prints once. On every rank, torch's deprecation of the collectives
+    DeepSpeed 0.19.8's ZeRO-3 calls (`all_gather_into_tensor`, `reduce_scatter_tensor`; torch 2.13) is not shown:
+    nine FutureWarnings at the start of every ZeRO-3 run's log, about code the user does not own."""
     no_library_bars()
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+    )
     if not is_main:
         hf_logging.set_verbosity_error()
         for name in _RANK_LOGGERS:
