@@ -111,10 +111,15 @@ def resume_here(run_dir: Path, items: list[str]):
 
 
 def test_a_zero2_checkpoint_continues_as_zero1(workdir, reference):
-    """In this process, the conversion and the universal load without a launcher: ZeRO-2 -> ZeRO-1."""
+    """In this process, the conversion and the universal load without a launcher: ZeRO-2 -> ZeRO-1; the leftover of
+    a conversion killed before is not taken for a finished one."""
     run_dir = train_half(workdir, "zero2_to_1", [])
+    killed = RunDir(run_dir).checkpoint(STEPS // 2) / ".tmp-universal"  # what a conversion killed mid-way leaves
+    killed.mkdir()
+    (killed / "zero").write_text("half")
     out = resume_here(run_dir, [f"train.steps={STEPS}", "parallel.zero_stage=1"])
     assert_resharded(run_dir, out, "parallel.zero_stage", {"zero_stage": 1})
+    assert not killed.exists()
     assert_continues_the_reference(run_dir, reference)
 
 
