@@ -1,5 +1,5 @@
-"""The cli stage: lctrain prepare, train (ZeRO-1 and ZeRO-3), kill -9 and resume to the same losses, eval and
-diagnose rope, with a bundled config."""
+"""The cli stage: lctrain prepare, train (ZeRO-1 and ZeRO-3), kill -9 and resume to the same losses (as it was, and
+as ZeRO-2 through the universal checkpoint), eval and diagnose rope, with a bundled config."""
 
 from __future__ import annotations
 
@@ -61,23 +61,28 @@ def stage_cli(run: Runner, args) -> None:
             + ["train", *cfg, "--set", f"parallel.zero_stage={z}", "--set", f"train.run_dir={rd}", "--force"],
             cwd=work,
         )
-    killed = work / "zero1_killed"
-    cmd = lctrain_cli() + [
-        "train",
-        *cfg,
-        "--set",
-        "parallel.zero_stage=1",
-        "--set",
-        f"train.run_dir={killed}",
-        "--force",
-    ]
-    if not kill_after_step(run, cmd, killed, args.kill_step, work):
-        r.fail(f"the run to kill finished before step {args.kill_step}")
-    run.run(lctrain_cli() + ["resume", str(killed)], cwd=work)
-    losses = {name: read_losses(rd) for name, rd in [("zero1", runs["1"]), ("zero3", runs["3"]), ("resumed", killed)]}
+    # killed, then resumed as it was and resumed as ZeRO-2 (the checkpoint converted to DeepSpeed's universal form:
+    # bf16's optimizer -> ZeRO-2's, CUDA tensors converted on the host)
+    killed = {"resumed": work / "zero1_killed", "resharded": work / "zero1_killed_to_zero2"}
+    for name, rd in killed.items():
+        cmd = lctrain_cli() + [
+            "train",
+            *cfg,
+            "--set",
+            "parallel.zero_stage=1",
+            "--set",
+            f"train.run_dir={rd}",
+            "--force",
+        ]
+        if not kill_after_step(run, cmd, rd, args.kill_step, work):
+            r.fail(f"the run to kill finished before step {args.kill_step}")
+        layout = ["--set", "parallel.zero_stage=2"] if name == "resharded" else []
+        run.run(lctrain_cli() + ["resume", str(rd), *layout], cwd=work)
+    losses = {name: read_losses(rd) for name, rd in [("zero1", runs["1"]), ("zero3", runs["3"]), *killed.items()]}
     r.columns = ["comparison", "steps", "bit-identical", "max rel diff", "limit"]
     for name, other in (
         (f"zero1 killed at step {args.kill_step} + resumed vs uninterrupted", "resumed"),
+        (f"zero1 killed at step {args.kill_step} + resumed as ZeRO-2 vs uninterrupted", "resharded"),
         ("zero3 vs zero1", "zero3"),
     ):
         c = compare_losses(losses["zero1"], losses[other])
