@@ -47,7 +47,9 @@ RESUME_MAX_REL = 1e-2
 
 
 def stage_cli(run: Runner, args) -> None:
-    from lctrain.rundir import RunDir  # the install stage runs before lctrain is installed: import it in the stages
+    # the install stage runs before lctrain is installed: import it in the stages
+    from lctrain.config import load_config
+    from lctrain.rundir import RunDir
 
     r = run.result
     work = Path(args.work) if args.work else run.log.parent / "cli_work"
@@ -100,6 +102,9 @@ def stage_cli(run: Runner, args) -> None:
     results = json.loads((RunDir(runs["1"]).eval_dir / "results.json").read_text())
     r.data["eval"] = {k: v for k, v in results.items() if k != "predictions"}
     hf = RunDir(runs["1"]).exports()
+    # within the prepared windows: 16K on a GPU (gpu_small_16k), 1K for a CPU run of the stage (tiny_anchor)
+    window = load_config(args.cli_config).data.seq_len
+    max_len = min(4096, window // 2)
     run.run(
         lctrain_cli()
         + [
@@ -111,9 +116,9 @@ def stage_cli(run: Runner, args) -> None:
             "--samples",
             "4",
             "--seq-len",
-            "1024",
+            str(min(1024, max_len)),
             "--max-len",
-            "4096",
+            str(max_len),
             "--out",
             str(work / "diagnose"),
         ],
