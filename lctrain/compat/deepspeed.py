@@ -99,9 +99,9 @@ def to_universal_checkpoint(source: Path, out: Path, workers: int) -> None:
     arguments. A plain (non-Megatron) model records no `universal_checkpoint_info`: the script's
     `inject_missing_state` supplies the empty one such a model has. Its tqdm bars (stderr) show the progress of a
     conversion that takes minutes for a 7B model; its `print`s of each stage are kept out of lctrain's log, and
-    shown when it fails. It also writes a `latest_universal` file beside
-    `out` naming `out` for a load without a tag; lctrain always names the tag, and `out` is renamed after, so the file
-    would name a directory that is gone: removed."""
+    shown when it fails. It also writes a `latest_universal` file beside `out` naming `out` for a load without a tag;
+    lctrain always names the tag, and `out` is renamed after, so the file would name a directory that is gone:
+    removed."""
     # deepspeed on use: it takes seconds to import (start-up time)
     from deepspeed.checkpoint import ds_to_universal
 
