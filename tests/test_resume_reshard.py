@@ -110,6 +110,7 @@ def resume_here(run_dir: Path, items: list[str]):
     return result.output
 
 
+@pytest.mark.slow  # ~7 s with the reference run: `make test` keeps the exact check of the load below
 def test_a_zero2_checkpoint_continues_as_zero1(workdir, reference):
     """In this process, the conversion and the universal load without a launcher: ZeRO-2 -> ZeRO-1; the leftover of
     a conversion killed before is not taken for a finished one."""
@@ -123,6 +124,7 @@ def test_a_zero2_checkpoint_continues_as_zero1(workdir, reference):
     assert_continues_the_reference(run_dir, reference)
 
 
+@pytest.mark.slow
 def test_a_restore_that_loses_adams_moments_is_told_apart(workdir, reference):
     """Negative control: the same conversion with Adam's first moments zeroed before the load. The first resumed loss
     is computed before any update from the restored weights, so it still matches; the next one, after an update
