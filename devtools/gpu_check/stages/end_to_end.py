@@ -52,7 +52,8 @@ def stage_cli(run: Runner, args) -> None:
     from lctrain.rundir import RunDir
 
     r = run.result
-    work = Path(args.work) if args.work else run.log.parent / "cli_work"
+    # absolute: the commands run in `work`, while this process reads their run directories from its own directory
+    work = (Path(args.work) if args.work else run.log.parent / "cli_work").absolute()
     work.mkdir(parents=True, exist_ok=True)
     cfg = ["-c", args.cli_config, "--set", f"data.output_dir={work / 'prepared'}"]
     run.run(lctrain_cli() + ["prepare", *cfg], cwd=work)
