@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from lctrain import fused
-from lctrain.config import Config, check_on_this_machine, reread_warning, settings
+from lctrain.config import Config, check_on_this_machine, parse_override, reread_warning, settings
 from lctrain.costmodel import ModelShape
 from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError
@@ -83,7 +83,7 @@ def resume(
     was started from, whatever the current one. `overrides` (`--set KEY=VALUE`) change the run's config.yaml for
     this and later resumes: more steps, another parallel layout (the checkpoint is converted: reshard.py)."""
     check_launcher_env()
-    moved = [o for o in overrides if o.split("=", 1)[0].strip() == "train.run_dir"]
+    moved = [o for o in overrides if parse_override(o)[0] == ["train", "run_dir"]]
     if moved:
         raise UserError(f"--set {moved[0]}: a run resumes in its own directory, {run_dir}; train.run_dir stays")
     rd = RunDir(Path(run_dir).absolute())
