@@ -51,6 +51,17 @@ def test_document_positions_restart_exactly_at_the_anchors():
     assert positions.shape == ids.shape
 
 
+def test_document_ends_mark_the_last_token_of_every_document_but_the_window_s_last():
+    """torchtitan 0.2 starts a document after every marked token: the marks must fall just before each anchor."""
+    ids, seg_lens = peer.windows(peer.RunSpec(peer="torchtitan", seq_len=4096, mode="document", **COMMON))
+    ends = peer.document_ends(ids)
+    want = np.zeros(4096, dtype=ids.dtype)
+    want[np.cumsum(seg_lens[0])[:-1] - 1] = 1  # the documents' last tokens, the window's own end excluded
+    np.testing.assert_array_equal(ends[0], want)
+    starts_after_marks = np.flatnonzero(np.concatenate([[1], ends[0][:-1]]))
+    np.testing.assert_array_equal(starts_after_marks, np.flatnonzero(peer.document_positions(ids)[0] == 0))
+
+
 def test_document_positions_refuse_a_window_without_a_leading_anchor():
     with pytest.raises(ValueError, match="start with the anchor"):
         peer.document_positions(np.array([[5, 1, 7]]))

@@ -11,11 +11,12 @@ so a drift of the machine (clocks, a neighbour) falls on every peer alike; the r
 What each peer runs, one optimizer step = forward, backward, gradient clipping at 1.0 and AdamW:
 - `lctrain`: `Trainer.train_step` (its engine `auto`, ZeRO-1 with fp32 master weights on a GPU, fused AdamW), in mode
   `full` or `intra_doc` (document).
-- `torchtitan`: its Llama-3 model at lctrain's shape (`llama3_configs["1B"]` with lctrain's vocabulary; other shapes
-  are refused), varlen attention in bf16 (flex in fp32), its full activation checkpointing, fp32 weights under bf16
-  autocast, fused AdamW, no torch.compile (its default). Its document mask reads document starts from `positions`
-  (0 at every start): they are 0 exactly at lctrain's anchor tokens, so it masks what `intra_doc` masks (its RoPE
-  then counts from each document's start, as `intra_doc_reset` does: the same FLOPs).
+- `torchtitan` (0.2.2, the newest that runs on a released PyTorch; 0.3.0 needs a nightly): its Llama-3 `Transformer`
+  at lctrain's shape (layers, width, heads, KV heads, MLP width, vocabulary; untied output as its own), its full
+  activation checkpointing, fp32 weights under bf16 autocast, fused AdamW, no torch.compile (its default). Full
+  attention is its default SDPA (cuDNN first, causal); document mode is its varlen attention in bf16 (flex in fp32)
+  with its `block_causal` mask, which starts a document after every end-of-sequence token: it reads marks at the
+  token before every lctrain anchor (`document_ends`), so it masks what `intra_doc` masks, with the same positions.
 - `transformers`: `AutoModelForCausalLM` with `attn_implementation="sdpa"`, transformers' gradient checkpointing,
   fp32 weights under bf16 autocast, `torch.optim.AdamW(fused=True)`, its own loss; document mode passes position ids
   that restart at every anchor, from which transformers builds its packed-sequence mask.
@@ -34,6 +35,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -50,8 +52,6 @@ MODES = ("full", "document")
 LCTRAIN_MODES = {"full": "full", "document": "intra_doc"}
 ANCHOR = 1  # the anchor token id of the windows (lctrain's `builtin` tokenizers' BOS)
 DTYPES = ("bfloat16", "float32")
-# The shape torchtitan's own config of that name has (its vocabulary aside), checked before a run.
-TITAN_FLAVORS = {"llama-1b": "1B"}
 
 
 @dataclass(frozen=True)
@@ -196,47 +196,63 @@ def _transformers_step(spec: RunSpec, device: torch.device) -> Callable[[], None
     return step
 
 
+def document_ends(ids: np.ndarray, anchor: int = ANCHOR) -> np.ndarray:
+    """1 at the last token of every document but a window's last, else 0: the token before each anchor. torchtitan
+    0.2 reads document boundaries as "after each end-of-sequence token", so these marks, read with end-of-sequence id
+    1, start its documents exactly at lctrain's anchors."""
+    ends = np.zeros_like(ids)
+    ends[:, :-1] = ids[:, 1:] == anchor
+    return ends
+
+
 def _torchtitan_step(spec: RunSpec, device: torch.device) -> Callable[[], None]:
     # torchtitan is a peer, not a dependency of lctrain: imported by its runner only (and it imports triton)
     import torch.nn.functional as F
-    from torchtitan.distributed.activation_checkpoint import FullAC
-    from torchtitan.models.llama3 import llama3_configs
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 
-    if spec.model not in TITAN_FLAVORS:
-        raise SystemExit(f"torchtitan: no Llama-3 config of {spec.model}'s shape; one of {', '.join(TITAN_FLAVORS)}")
     shape = SHAPES[spec.model]
-    config = llama3_configs[TITAN_FLAVORS[spec.model]](attn_backend="varlen" if spec.dtype == "bfloat16" else "flex")
-    config = dataclasses.replace(
-        config,
+    if spec.mode == "document":
+        attention = {"attn_type": "varlen" if spec.dtype == "bfloat16" else "flex", "attn_mask_type": "block_causal"}
+    else:  # its default: SDPA (cuDNN first), causal
+        attention = {"attn_type": "sdpa", "attn_mask_type": "causal"}
+    args = TransformerModelArgs(
+        dim=shape.hidden,
+        n_layers=shape.layers,
+        n_heads=shape.heads,
+        n_kv_heads=shape.kv_heads,
         vocab_size=shape.vocab,
-        tok_embeddings=dataclasses.replace(config.tok_embeddings, num_embeddings=shape.vocab),
-        lm_head=dataclasses.replace(config.lm_head, out_features=shape.vocab),
+        # its SwiGLU width is int(multiplier * int(8 * dim / 3)) rounded up to multiple_of: exactly lctrain's
+        multiple_of=1,
+        ffn_dim_multiplier=(shape.intermediate + 0.5) / int(8 * shape.hidden / 3),
+        max_seq_len=spec.seq_len,
+        **attention,
     )
     with torch.device("meta"):
-        model = config.build()
+        model = Transformer(args)
     model.to_empty(device=device)
     torch.manual_seed(spec.seed)
-    model.init_states(buffer_device=device)
-    built = (len(config.layers), config.dim, config.layers[0].attention.n_heads)
-    if built != (shape.layers, shape.hidden, shape.heads):
-        raise SystemExit(f"torchtitan's {TITAN_FLAVORS[spec.model]} (layers, dim, heads) = {built}: not {spec.model}")
+    with torch.no_grad():  # as its trainer calls it
+        model.init_weights(buffer_device=device)
+    built = (len(model.layers), model.layers["0"].attention.head_dim, model.layers["0"].feed_forward.w1.out_features)
+    if built != (shape.layers, shape.head_dim, shape.intermediate):
+        raise SystemExit(f"torchtitan's model (layers, head dim, MLP width) = {built}: not {spec.model}'s")
     if spec.checkpointing:
-        FullAC.Config().build().apply(model)
+        apply_ac(model, ActivationCheckpoint(mode="full"))
     model.train()
     optimizer = _adamw(model)
     ids_np, _ = windows(spec)
     tokens = torch.as_tensor(ids_np, device=device)
     labels = torch.roll(tokens, -1, dims=1)
     labels[:, -1] = -100
-    if spec.mode == "document":
-        positions = torch.as_tensor(document_positions(ids_np), device=device)
-    else:  # one document: the causal mask
-        positions = torch.arange(spec.seq_len, device=device).expand(spec.batch, -1)
+    ends = torch.as_tensor(document_ends(ids_np), device=device)
+    marks = SimpleNamespace(eos_id=1)  # the one field of a tokenizer its mask builders read
 
     def step():
-        masks = model.get_attention_masks(positions)
+        masks = model.get_attention_masks(ends, marks) if spec.mode == "document" else None
         with _autocast(spec, device):
-            logits = model(tokens, positions, masks)
+            logits = model(tokens, masks)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         loss.backward()
         _optimizer_step(model, optimizer)
