@@ -6,6 +6,7 @@ References: the window layouts themselves (`lctrain.data.layouts`: anchors exact
 ratios written out by hand, argparse's own exit on bad input.
 """
 
+import dataclasses
 import json
 import statistics
 
@@ -16,7 +17,7 @@ from rich.console import Console
 from lctrain.bench import peer
 from lctrain.data.layouts import slimpajama_like_layouts
 
-COMMON = dict(model="tiny", batch=1, dtype="float32", steps=1, warmup=0, checkpointing=False, device="cpu", seed=0)
+COMMON = dict(model="tiny", batch=1, dtype="float32", steps=1, warmup=0, checkpointing="none", device="cpu", seed=0)
 
 
 def test_schedule_alternates_the_peers_within_each_length_and_mode():
@@ -37,8 +38,10 @@ def test_schedule_alternates_the_peers_within_each_length_and_mode():
 
 
 def test_a_run_spec_survives_the_command_line_of_its_process():
-    spec = peer.RunSpec(peer="transformers", seq_len=4096, mode="document", **{**COMMON, "checkpointing": True})
+    spec = peer.RunSpec(peer="transformers", seq_len=4096, mode="document", **{**COMMON, "checkpointing": "full"})
     assert peer.RunSpec.from_argv(spec.argv()) == spec
+    tuned = dataclasses.replace(spec, lctrain_set=('model.arch={"a": 1}', "model.fused_kernels=liger"))
+    assert peer.RunSpec.from_argv(tuned.argv()) == tuned
     assert spec.tokens == 4096
 
 
@@ -108,18 +111,31 @@ def test_arguments_default_by_device_and_refuse_bad_values(capsys):
     args = peer.parse_args(["--device", "cpu"])
     assert (args.dtype, args.checkpointing, args.lengths, args.peers) == (
         "float32",
-        False,
+        "none",
         [32768, 65536],
         list(peer.PEERS),
     )
-    assert peer.parse_args(["--device", "cuda", "--checkpointing", "off"]).dtype == "bfloat16"
-    assert peer.parse_args(["--device", "cuda"]).checkpointing is True
+    assert peer.parse_args(["--device", "cuda", "--checkpointing", "none"]).dtype == "bfloat16"
+    assert peer.parse_args(["--device", "cuda"]).checkpointing == "full"
+    tuned = [
+        "--peers",
+        "lctrain",
+        "torchtitan",
+        "--checkpointing",
+        "selective",
+        "--lctrain-set",
+        "model.fused_kernels=liger",
+    ]
+    assert peer.parse_args(["--device", "cpu", *tuned]).lctrain_set == ["model.fused_kernels=liger"]
     for bad in (
         ["--lengths", "0"],
         ["--rounds", "0"],
         ["--warmup", "-1"],
         ["--peers", "lctrain", "lctrain"],
         ["--modes", "anchor"],
+        ["--checkpointing", "selective"],  # transformers, among the default peers, has no selective policy
+        ["--lctrain-set", "model.fused_kernels=fast"],  # not a value lctrain's config takes
+        ["--lctrain-set", "model.nonsense=1"],
     ):
         with pytest.raises(SystemExit):
             peer.parse_args(["--device", "cpu", *bad])

@@ -226,6 +226,16 @@ def test_peer_stage_rows_and_torchtitan_targets(monkeypatch):
     }
     assert result.notes == ["transformers L=65536 full: exit 1: out of memory"]
 
+    data = {"bench_peer_64k_tuned": {"rows": [], "ratios": ratios[:2]}}
+    result, calls = _stage_with(monkeypatch, partial(stage_peer, length=65536, tuned=True), data, peer_rounds=1)
+    options = calls[0][1]
+    assert options[options.index("--peers") + 1 : options.index("--peers") + 3] == ["lctrain", "torchtitan"]
+    assert "--titan-compile" in options and options[options.index("--checkpointing") + 1] == "selective"
+    assert [t["name"] for t in result.targets] == [
+        "lctrain / torchtitan tokens/s, full at 64K, each tuned",
+        "lctrain / torchtitan tokens/s, document at 64K, each tuned",
+    ]
+
 
 def test_fused_stage_compares_each_variant_with_none(monkeypatch):
     from devtools.gpu_check.stages.benchmarks import FUSED_VARIANTS, stage_fused

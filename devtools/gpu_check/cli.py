@@ -17,6 +17,8 @@ Stages:
   peer       scripts/bench_peer.py at 64K: lctrain, torchtitan and transformers + SDPA, full and document, A/B/A/B
              in fresh processes; lctrain / torchtitan against issue 20's goals (needs torchtitan: the `peer` extra)
   peer_32k   the same at 32K
+  peer_tuned the same at 64K with each side's own speed-ups: lctrain's selective checkpointing and Liger kernels,
+             torchtitan's op-level selective checkpointing and compiled layers
   cli        lctrain prepare + train (ZeRO-1 and ZeRO-3, nccl) + kill -9 + resume to the same losses + eval +
              diagnose rope, with the bundled config gpu_small_16k
   rope       the paper's Figure 1 on a Llama-2-7B-shaped model: lctrain diagnose rope at 4096 tokens, fp32 / bf16 /

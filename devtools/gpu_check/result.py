@@ -12,6 +12,7 @@ STAGES = (
     "fused",
     "peer",
     "peer_32k",
+    "peer_tuned",
     "cli",
     "rope",
     "rope_real",

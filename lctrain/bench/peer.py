@@ -21,7 +21,10 @@ What each peer runs, one optimizer step = forward, backward, gradient clipping a
   fp32 weights under bf16 autocast, `torch.optim.AdamW(fused=True)`, its own loss; document mode passes position ids
   that restart at every anchor, from which transformers builds its packed-sequence mask.
 
-Activation checkpointing is the same for all (`--checkpointing`, default on a GPU, off on the CPU).
+Activation checkpointing is the same for all (`--checkpointing`: full by default on a GPU, none on the CPU; selective
+is each peer's own policy). Each peer's own speed-ups are opt-in, so the default compares like with like:
+`--lctrain-set model.fused_kernels=liger` (or any lctrain config item) and `--titan-compile` (torchtitan's
+`compile.enable`: each decoder layer compiled).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ MODES = ("full", "document")
 LCTRAIN_MODES = {"full": "full", "document": "intra_doc"}
 ANCHOR = 1  # the anchor token id of the windows (lctrain's `builtin` tokenizers' BOS)
 DTYPES = ("bfloat16", "float32")
+CHECKPOINTING = ("full", "selective", "none")
 
 
 @dataclass(frozen=True)
@@ -66,22 +70,20 @@ class RunSpec:
     dtype: str
     steps: int
     warmup: int
-    checkpointing: bool
+    checkpointing: str  # one of CHECKPOINTING
     device: str
     seed: int = 0
+    lctrain_set: tuple[str, ...] = ()  # lctrain's own further `--set` items (its runs only)
+    titan_compile: bool = False  # torchtitan compiles each decoder layer (its `compile.enable`)
 
     def argv(self) -> list[str]:
-        """The command-line arguments of `--one` that describe this run (`from_argv` reads them back)."""
-        return [f"--{field.name.replace('_', '-')}={getattr(self, field.name)}" for field in dataclasses.fields(self)]
+        """The command-line argument of `--one` that describes this run (`from_argv` reads it back)."""
+        return [json.dumps(dataclasses.asdict(self))]
 
     @classmethod
     def from_argv(cls, argv: list[str]) -> RunSpec:
-        values = dict(arg.removeprefix("--").split("=", 1) for arg in argv)
-        kwargs = {}
-        for field in dataclasses.fields(cls):
-            raw = values[field.name.replace("_", "-")]
-            kwargs[field.name] = raw == "True" if field.type == "bool" else int(raw) if field.type == "int" else raw
-        return cls(**kwargs)
+        values = json.loads(argv[0])
+        return cls(**{**values, "lctrain_set": tuple(values["lctrain_set"])})
 
     @property
     def tokens(self) -> int:
@@ -136,12 +138,13 @@ def _lctrain_step(spec: RunSpec, device: torch.device) -> Callable[[], None]:
             f"attention.mode={LCTRAIN_MODES[spec.mode]}",
             "attention.engine=auto",
             f"model.dtype={spec.dtype}",
-            f"model.checkpointing={'full' if spec.checkpointing else 'none'}",
+            f"model.checkpointing={spec.checkpointing}",
             f"model.arch={json.dumps(hf_arch(SHAPES[spec.model]))}",
             f"train.global_batch={spec.batch}",
             f"train.micro_batch={spec.batch}",
             "train.fused_optimizer=true",
             f"parallel.zero_stage={1 if gpu else 0}",  # bf16 needs ZeRO's fp32 master weights
+            *spec.lctrain_set,
         ],
     )
     trainer = Trainer(cfg, init_topology(cfg), vocab_size=SHAPES[spec.model].vocab)
@@ -179,7 +182,9 @@ def _transformers_step(spec: RunSpec, device: torch.device) -> Callable[[], None
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model.config.use_cache = False
-    if spec.checkpointing:
+    if spec.checkpointing == "selective":
+        raise SystemExit("transformers has no selective activation checkpointing of its own: --checkpointing full")
+    if spec.checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer = _adamw(model)
@@ -208,9 +213,12 @@ def document_ends(ids: np.ndarray, anchor: int = ANCHOR) -> np.ndarray:
 def _torchtitan_step(spec: RunSpec, device: torch.device) -> Callable[[], None]:
     # torchtitan is a peer, not a dependency of lctrain: imported by its runner only (and it imports triton)
     import torch.nn.functional as F
-    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.config.job_config import ActivationCheckpoint, Compile
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+    from torchtitan.models.llama3.infra.parallelize import apply_compile
+
+    from lctrain.compat.torchtitan import op_sac_save_list
 
     shape = SHAPES[spec.model]
     if spec.mode == "document":
@@ -238,8 +246,11 @@ def _torchtitan_step(spec: RunSpec, device: torch.device) -> Callable[[], None]:
     built = (len(model.layers), model.layers["0"].attention.head_dim, model.layers["0"].feed_forward.w1.out_features)
     if built != (shape.layers, shape.head_dim, shape.intermediate):
         raise SystemExit(f"torchtitan's model (layers, head dim, MLP width) = {built}: not {spec.model}'s")
-    if spec.checkpointing:
-        apply_ac(model, ActivationCheckpoint(mode="full"))
+    if spec.checkpointing != "none":  # its own policies; `selective` is its op-level one, as its Llama-3 recipes
+        policy = ActivationCheckpoint(mode=spec.checkpointing, selective_ac_option="op")
+        apply_ac(model, policy, model_compile_enabled=spec.titan_compile, op_sac_save_list=op_sac_save_list())
+    if spec.titan_compile:  # after checkpointing, as its parallelize_llama orders them
+        apply_compile(model, Compile(enable=True))
     model.train()
     optimizer = _adamw(model)
     ids_np, _ = windows(spec)
@@ -377,9 +388,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2, help="runs of every peer per (length, mode), alternating")
     ap.add_argument(
         "--checkpointing",
-        choices=["on", "off"],
+        choices=CHECKPOINTING,
         default=None,
-        help="activation checkpointing of every decoder layer in every peer (default: on a GPU, off on the CPU)",
+        help="activation checkpointing of every decoder layer in every peer, each by its own policy (default: full "
+        "on a GPU, none on the CPU; selective: lctrain's model.checkpointing=selective, torchtitan's op-level "
+        "policy; transformers has none)",
+    )
+    ap.add_argument(
+        "--lctrain-set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="lctrain's runs only: further config items, e.g. model.fused_kernels=liger",
+    )
+    ap.add_argument(
+        "--titan-compile", action="store_true", help="torchtitan's runs only: torch.compile of each decoder layer"
     )
     ap.add_argument("--device", default=None, help="default: cuda when there is one, else cpu")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run")
@@ -397,7 +420,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.device(args.device).type == "cuda"
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    args.checkpointing = gpu if args.checkpointing is None else args.checkpointing == "on"
+    args.checkpointing = args.checkpointing or ("full" if gpu else "none")
+    if args.checkpointing == "selective" and "transformers" in args.peers:
+        ap.error("--checkpointing selective: transformers has no selective policy of its own; leave it out of --peers")
+    if args.lctrain_set:
+        from lctrain.config import load_config  # on use: the driver needs the config only to check these items
+        from lctrain.errors import UserError
+
+        try:
+            load_config(None, args.lctrain_set)
+        except UserError as e:
+            ap.error(f"--lctrain-set: {e}")
     return args
 
 
@@ -420,6 +453,8 @@ def main(argv=None) -> None:
         checkpointing=args.checkpointing,
         device=args.device,
         seed=args.seed,
+        lctrain_set=tuple(args.lctrain_set),
+        titan_compile=args.titan_compile,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

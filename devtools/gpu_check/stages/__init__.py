@@ -48,6 +48,7 @@ STAGE_FNS: dict[str, Callable] = {
     "fused": stage_fused,
     "peer": functools.partial(stage_peer, length=65536),
     "peer_32k": functools.partial(stage_peer, length=32768),
+    "peer_tuned": functools.partial(stage_peer, length=65536, tuned=True),
     "cli": stage_cli,
     "rope": stage_rope,
     "rope_real": stage_rope_real,
