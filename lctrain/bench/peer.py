@@ -438,6 +438,9 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--one"]:
         print(json.dumps(measure(RunSpec.from_argv(argv[1:]))), flush=True)
+        from lctrain.parallel.groups import release_single_process  # lctrain's run made a process group
+
+        release_single_process()  # else NCCL warns at exit that it was never destroyed
         return
     args = parse_args(argv)
     specs = schedule(

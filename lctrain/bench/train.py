@@ -29,7 +29,7 @@ from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.fused import MODES as MODES_FUSED
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
-from lctrain.parallel.groups import init_topology
+from lctrain.parallel.groups import init_topology, release_single_process
 from lctrain.shapes import SHAPES, hf_arch
 from lctrain.train.trainer import Trainer
 from lctrain.units import to_gb
@@ -158,6 +158,7 @@ def main() -> None:
         )
     plain_console().print(table)
     print(f"wrote {out}")
+    release_single_process()  # else NCCL warns at exit that the process group was never destroyed
 
 
 if __name__ == "__main__":
