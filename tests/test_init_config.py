@@ -72,17 +72,49 @@ def fits(cfg, shape, gpu_mem_gb=80, host_mem_gb=512):
 
 
 def assert_least_sharded_that_fits(cfg, shape):
+    """The layout is the least sharded that fits with whole-layer checkpointing, and the checkpointing selective
+    exactly when that fits on it (or on it at ZeRO-2, from ZeRO-1)."""
     assert fits(cfg, shape)
-    p = cfg.parallel
+    whole = with_overrides(cfg, ["model.checkpointing=full"], "whole layers")
+    selective = with_overrides(cfg, ["model.checkpointing=selective"], "selective")
+    if cfg.model.checkpointing == "selective" and cfg.parallel.zero_stage == 2:
+        at_one = with_overrides(whole, ["parallel.zero_stage=1"], "ZeRO-1")
+        if fits(at_one, shape):  # the layout was ZeRO-1, raised to 2 for selective checkpointing
+            assert not fits(with_overrides(selective, ["parallel.zero_stage=1"], "ZeRO-1"), shape)
+            whole = at_one
+    elif cfg.model.checkpointing == "full":
+        assert not fits(selective, shape)
+        if cfg.parallel.zero_stage == 1:
+            assert not fits(with_overrides(selective, ["parallel.zero_stage=2"], "ZeRO-2"), shape)
+    p = whole.parallel
     world = p.nproc_per_node * p.num_nodes
     for zero in range(1, 4):
         for sp in (1, 2, 4, 8):
             less = zero < p.zero_stage or (zero == p.zero_stage and sp < p.sequence_parallel)
             if less and world % sp == 0 and shape.heads % sp == 0 and not p.offload_optimizer:
                 other = with_overrides(
-                    cfg, [f"parallel.zero_stage={zero}", f"parallel.sequence_parallel={sp}"], "less sharded"
+                    whole, [f"parallel.zero_stage={zero}", f"parallel.sequence_parallel={sp}"], "less sharded"
                 )
                 assert not fits(other, shape), (zero, sp)
+
+
+@pytest.mark.parametrize(
+    "model, seq_len, zero, checkpointing, comment",
+    [
+        ("meta-llama/Llama-3.2-1B", 65536, 1, "selective", "the backward does not rerun attention"),
+        ("meta-llama/Llama-2-7b-hf", 57344, 2, "selective", "selective at ZeRO-2 (ZeRO-1 fits only whole layers)"),
+        ("meta-llama/Llama-2-7b-hf", 65536, 1, "full", "GB per GPU, over the 72.0 GB planned at ZeRO-2"),
+    ],
+)
+def test_selective_checkpointing_where_it_fits(model, seq_len, zero, checkpointing, comment, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "c.yaml"
+    r = run_init("--model", model, "--seq-len", str(seq_len), "--gpus", "8", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    cfg = load_config(str(out))
+    assert (cfg.parallel.zero_stage, cfg.model.checkpointing) == (zero, checkpointing)
+    assert comment in out.read_text() and f"ZeRO-{zero}," in r.output
+    assert_least_sharded_that_fits(cfg, model_shape(cfg))
 
 
 def test_a_local_model_directory(tiny_dir, tmp_path):
