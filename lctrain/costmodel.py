@@ -153,3 +153,23 @@ def dense_params(lm) -> int:
     out = lm.get_output_embeddings()
     tied = out is not None and out.weight is emb
     return total if tied else total - int(getattr(emb, "ds_numel", emb.numel()))
+
+
+# Forward passes that each activation checkpointing reruns in every decoder layer: (its projections, its attention).
+# `selective` keeps the attention kernel's output; `selective_matmul` every matmul's too, so it reruns no FLOPs.
+RECOMPUTED_PASSES = {"full": (1, 1), "selective": (1, 0), "selective_matmul": (0, 0), "none": (0, 0)}
+
+
+def hardware_step_flops(shape: ModelShape, dense_params: int, tokens: float, pairs: float, checkpointing: str) -> float:
+    """`step_flops` plus the forward that activation checkpointing reruns in the decoder layers (not the LM head,
+    which is outside them, nor the down projection, below): the FLOPs the hardware runs, for the hardware FLOPs
+    utilisation (HFU) of Megatron's "Reducing Activation Recomputation" and PaLM, against MFU's model FLOPs."""
+    dense_rerun, attention_rerun = RECOMPUTED_PASSES[checkpointing]
+    # torch's checkpoint stops recomputing once it holds every tensor the backward needs (early stop): the MLP's
+    # down projection, the layer's last matmul, produces none of them and is not rerun
+    rerun_params = shape.layer_projection_params() - shape.hidden * shape.intermediate
+    return (
+        step_flops(dense_params, shape.layers, shape.width, tokens, pairs)
+        + dense_flops(shape.layers * rerun_params, tokens, dense_rerun)
+        + shape.layers * attention_flops(pairs, shape.width, attention_rerun)
+    )

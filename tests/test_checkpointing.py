@@ -1,16 +1,19 @@
 """Activation checkpointing (lctrain/checkpointing.py, `model.checkpointing`).
 
-References: the same model trained without checkpointing (fp32 on CPU: losses and gradients equal), and a count of
-the attention kernels that actually run, taken by a dispatch mode below the checkpoint's own.
+References: the same model trained without checkpointing (fp32 on CPU: losses and gradients equal), a count of
+the attention kernels that actually run, taken by a dispatch mode below the checkpoint's own, and torch's
+FlopCounterMode for the FLOPs each checkpointing reruns.
 """
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from lctrain import checkpointing
 from lctrain.attention import make_batch
 from lctrain.config import load_config
+from lctrain.costmodel import ModelShape, dense_params, hardware_step_flops
 from lctrain.errors import UserError
 from lctrain.model import build_model
 
@@ -121,3 +124,41 @@ def test_offload_accepts_selective():
     assert cfg.model.offload_activations
     with pytest.raises(UserError, match="needs model.gradient_checkpointing=true"):
         load_config(None, ["model.checkpointing=none", "model.offload_activations=true"])
+
+
+def cpu_attention_forward_flops(query_shape, key_shape, *args, **kwargs):
+    """The CPU flash kernel's forward, which FlopCounterMode has no formula for: QK^T and PV over the whole square."""
+    batch, heads, queries, dim = query_shape
+    return 4 * batch * heads * queries * key_shape[-2] * dim
+
+
+def counted_flops(mode):
+    """FLOPs of one forward and backward as torch's FlopCounterMode counts the matmuls and attention kernels that
+    run (its own convention: attention over the whole L x L square)."""
+    cfg = config(f"model.checkpointing={mode}", "attention.mode=full", "attention.engine=sdpa")
+    model = build_model(cfg, vocab_size=100).model.train()
+    cpu_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    with FlopCounterMode(display=False, custom_mapping={cpu_kernel: cpu_attention_forward_flops}) as counter:
+        model(**batch("full").model_kwargs(labels=True), use_cache=False).loss.backward()
+    return counter.get_total_flops(), model
+
+
+def test_hardware_flops_add_what_each_checkpointing_reruns():
+    """costmodel.hardware_step_flops against the FLOPs that run: each checkpointing's surplus over `none`, counted.
+    Selective reruns the projections' forward alone, but for the down projection (torch's checkpoint stops once it
+    holds what the backward needs); full also attention's; selective_matmul no FLOPs."""
+    base, model = counted_flops("none")
+    shape = ModelShape.from_hf_config(model.config)
+    tokens, pairs = 2 * 64, 2 * 64 * 65 // 2  # two windows of 64 tokens, causal pairs (the strict count)
+
+    def predicted_surplus(mode):
+        args = (shape, dense_params(model), tokens, pairs)
+        return hardware_step_flops(*args, mode) - hardware_step_flops(*args, "none")
+
+    surplus = {mode: counted_flops(mode)[0] - base for mode in ("selective", "full", "selective_matmul")}
+    rerun = shape.layer_projection_params() - ARCH["hidden_size"] * ARCH["intermediate_size"]
+    assert surplus["selective"] == predicted_surplus("selective") == 2 * LAYERS * rerun * tokens
+    assert surplus["selective_matmul"] == predicted_surplus("selective_matmul") == 0
+    attention_forward = 4 * shape.width * 2 * 64 * 64  # one forward of each layer's attention, the counter's square
+    assert surplus["full"] - surplus["selective"] == LAYERS * attention_forward
+    assert predicted_surplus("full") - predicted_surplus("selective") == LAYERS * 4 * shape.width * pairs

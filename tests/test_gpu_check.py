@@ -166,8 +166,24 @@ def test_train_stage_rows_and_issue_20_targets():
     assert TARGETS["full_mfu"] == 0.45 and TARGETS["anchor_mfu"] == 0.40
     result = StageResult("train")
     rows = [
-        {"mode": "full", "engine": "sdpa", "step_s": 4.0, "tokens_per_s": 1.0, "mfu": 0.46, "mfu_full_square": 0.9},
-        {"mode": "anchor", "engine": "varlen", "step_s": 1.0, "tokens_per_s": 4.0, "mfu": 0.3, "mfu_full_square": 0.5},
+        {
+            "mode": "full",
+            "engine": "sdpa",
+            "step_s": 4.0,
+            "tokens_per_s": 1.0,
+            "mfu": 0.46,
+            "mfu_full_square": 0.9,
+            "hfu": 0.6,
+        },
+        {
+            "mode": "anchor",
+            "engine": "varlen",
+            "step_s": 1.0,
+            "tokens_per_s": 4.0,
+            "mfu": 0.3,
+            "mfu_full_square": 0.5,
+            "hfu": 0.4,
+        },
     ]
     train_rows(result, "selective", rows, 65536)
     assert [row[:2] for row in result.rows] == [["selective", "full"], ["selective", "anchor"]]
@@ -243,8 +259,18 @@ def test_fused_stage_compares_each_variant_with_none(monkeypatch):
     def results(full_s, anchor_s):
         return {
             "results": [
-                dict(mode="full", engine="sdpa", step_s=full_s, tokens_per_s=1.0, mfu=0.3, mfu_full_square=0.5),
-                dict(mode="anchor", engine="varlen", step_s=anchor_s, tokens_per_s=1.0, mfu=0.2, mfu_full_square=0.4),
+                dict(
+                    mode="full", engine="sdpa", step_s=full_s, tokens_per_s=1.0, mfu=0.3, mfu_full_square=0.5, hfu=0.4
+                ),
+                dict(
+                    mode="anchor",
+                    engine="varlen",
+                    step_s=anchor_s,
+                    tokens_per_s=1.0,
+                    mfu=0.2,
+                    mfu_full_square=0.4,
+                    hfu=0.25,
+                ),
             ]
         }
 

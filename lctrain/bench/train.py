@@ -77,6 +77,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     tokens = args.batch * args.seq_len
     flops = trainer.step_flops(tokens, result.pairs)
     square = trainer.step_flops(tokens, args.batch * full_square_pairs(args.seq_len))
+    hardware = trainer.hardware_flops(tokens, result.pairs)
     peak = device_peak_flops(device, args.peak_tflops, trainer.cfg.model.dtype)
     out = {
         "mode": mode,
@@ -89,6 +90,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
         "fused_optimizer": args.fused_optimizer,
         "mfu": flops / step / peak if peak else None,
         "mfu_full_square": square / step / peak if peak else None,
+        "hfu": hardware / step / peak if peak else None,
         "peak_mem_gb": to_gb(peak_bytes(device)),
         "peak_mem_scope": mem_scope,
         "docs_per_window": float(np.mean([len(s) for s in seg_lens])),
@@ -142,21 +144,31 @@ def main() -> None:
         out.write_text(json.dumps({"args": vars(args), "device": str(device), "results": rows}, indent=1))
     full = next((r for r in rows if r["mode"] == "full"), None)
     table = Table(title=f"train step, {args.model}, {args.batch} x {args.seq_len} tokens, {device.type}")
-    for col in ("mode", "engine", "step s", "vs full", "tokens/s", "MFU", "peak mem GB"):
+    for col in (
+        "mode",
+        "engine",
+        "step s",
+        "vs full",
+        "tokens/s",
+        "MFU strict",
+        "MFU full-square",
+        "HFU",
+        "peak mem GB",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         rel = f"{r['step_s'] / full['step_s']:.0%}" if full else "-"
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        share = [f"{r[k]:.1%}" if r[k] is not None else "n/a" for k in ("mfu", "mfu_full_square", "hfu")]
         table.add_row(
             r["mode"],
             r["engine"],
             f"{r['step_s']:.3f}",
             rel,
             f"{r['tokens_per_s']:,.0f}",
-            mfu,
+            *share,
             f"{r['peak_mem_gb']:.2f}",
         )
-    plain_console().print(table)
+    plain_console(width=140).print(table)
     print(f"wrote {out}")
     release_single_process()  # else NCCL warns at exit that the process group was never destroyed
 

@@ -30,7 +30,15 @@ from lctrain import fused
 from lctrain.attention import make_batch
 from lctrain.compat.deepspeed import checkpoint_offload_context, no_bf16_optimizer_memory_report
 from lctrain.config import Config, config_fingerprint, settings
-from lctrain.costmodel import ModelShape, count_params, dense_params, full_square_pairs, step_flops, visible_pairs
+from lctrain.costmodel import (
+    ModelShape,
+    count_params,
+    dense_params,
+    full_square_pairs,
+    hardware_step_flops,
+    step_flops,
+    visible_pairs,
+)
 from lctrain.errors import UserError, WriteFailed
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
@@ -271,6 +279,11 @@ class Trainer:
         shape = ModelShape.from_hf_config(self.lm.config)
         return step_flops(self.n_dense, shape.layers, shape.width, tokens, pairs)
 
+    def hardware_flops(self, tokens: int, pairs: int) -> float:
+        """`step_flops` and what this run's activation checkpointing reruns (costmodel.hardware_step_flops)."""
+        shape = ModelShape.from_hf_config(self.lm.config)
+        return hardware_step_flops(shape, self.n_dense, tokens, pairs, self.cfg.model.checkpointing_mode)
+
     def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None, mem_scope: str) -> dict:
         """The metrics.jsonl record of update `step_index`: `peak_mem_gb` in GB (10^9 bytes), the peak since
         `reset_peak` returned `mem_scope` (the step, or the process's life where the host's peak cannot be reset)."""
@@ -294,6 +307,7 @@ class Trainer:
                 if peak
                 else None
             ),
+            "hfu": self.hardware_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
             "peak_mem_gb": to_gb(peak_bytes(self.topo.device)),
             "peak_mem_scope": mem_scope,
         }

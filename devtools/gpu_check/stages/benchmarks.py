@@ -145,6 +145,7 @@ def train_rows(r, variant: str, results: list[dict], seq_len: int, title: str = 
         ("tokens/s", lambda x: x["tokens_per_s"]),
         ("MFU strict", lambda x: x["mfu"]),
         ("MFU full-square", lambda x: x["mfu_full_square"]),
+        ("HFU", lambda x: x["hfu"]),
     ]
     add_rows(r, columns, results, prefix=[(title, lambda x: variant)])
     where = f"1B at {seq_len // 1024}K, {variant} {title}"
