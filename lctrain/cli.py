@@ -510,7 +510,10 @@ def report(
 def estimate(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    tflops: Annotated[float | None, typer.Option(help="achieved TFLOP/s per GPU (model FLOPs)")] = None,
+    tflops: Annotated[
+        float | None,
+        typer.Option(help="achieved TFLOP/s per GPU on the FLOPs it runs (model FLOPs and what checkpointing reruns)"),
+    ] = None,
     from_bench: Annotated[str | None, typer.Option(help="JSON from scripts/bench_train.py with tflops_per_gpu")] = None,
     gpus: Annotated[
         int | None, typer.Option(help="GPU count; default parallel.nproc_per_node x parallel.num_nodes")

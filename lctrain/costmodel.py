@@ -6,8 +6,8 @@ backward (the gradients of both operands), so training is 3 forward passes. That
 layers and, per causally visible (query, key) pair and layer, 4 x width forward (QK^T and PV, `width` = heads x
 head dim) and 12 x width for training. FlashAttention's backward recomputes the scores (2.5x forward instead of 2x);
 that recomputation is the kernel's implementation, like activation checkpointing, so the model FLOPs count neither.
-Only `estimate`, which predicts wall time rather than utilisation, adds the one extra forward pass that gradient
-checkpointing runs (`training_passes(recompute=True)`).
+The FLOPs the device runs add what activation checkpointing reruns (`recomputed_flops`): the hardware FLOPs
+utilisation (HFU) of a run, and `estimate`, which predicts wall time rather than utilisation, count them.
 
 Visible pairs follow the masks the engines compute (docs/design.md §3): the causal window for `full`; for the document
 modes, each token sees the earlier tokens of its own document, an interleaved document's earlier chunks included.
@@ -53,11 +53,6 @@ def full_square_pairs(seq_len: int) -> int:
 def window_pairs(seq_len: int, seg_lens, seg_doc) -> dict[str, int]:
     """Visible pairs of one window under each attention mode."""
     return {m: visible_pairs(seg_lens, seg_doc, m, seq_len) for m in MODES}
-
-
-def training_passes(recompute: bool = False) -> int:
-    """Forward-pass equivalents of one training step: 3, plus the forward that activation checkpointing reruns."""
-    return TRAINING_PASSES + (1 if recompute else 0)
 
 
 def attention_flops(pairs: float, width: int, passes: float = TRAINING_PASSES) -> float:
@@ -160,16 +155,20 @@ def dense_params(lm) -> int:
 RECOMPUTED_PASSES = {"full": (1, 1), "selective": (1, 0), "selective_matmul": (0, 0), "none": (0, 0)}
 
 
-def hardware_step_flops(shape: ModelShape, dense_params: int, tokens: float, pairs: float, checkpointing: str) -> float:
-    """`step_flops` plus the forward that activation checkpointing reruns in the decoder layers (not the LM head,
-    which is outside them, nor the down projection, below): the FLOPs the hardware runs, for the hardware FLOPs
-    utilisation (HFU) of Megatron's "Reducing Activation Recomputation" and PaLM, against MFU's model FLOPs."""
+def recomputed_flops(shape: ModelShape, tokens: float, pairs: float, checkpointing: str) -> float:
+    """FLOPs that activation checkpointing reruns over `tokens` tokens whose windows keep `pairs` visible pairs in
+    each layer: the decoder layers' forward (not the LM head, outside them) under `full`, all of it but attention
+    under `selective`. torch's checkpoint stops recomputing once it holds every tensor the backward needs (early
+    stop): the MLP's down projection, the layer's last matmul, produces none of them and is not rerun."""
     dense_rerun, attention_rerun = RECOMPUTED_PASSES[checkpointing]
-    # torch's checkpoint stops recomputing once it holds every tensor the backward needs (early stop): the MLP's
-    # down projection, the layer's last matmul, produces none of them and is not rerun
     rerun_params = shape.layer_projection_params() - shape.hidden * shape.intermediate
-    return (
-        step_flops(dense_params, shape.layers, shape.width, tokens, pairs)
-        + dense_flops(shape.layers * rerun_params, tokens, dense_rerun)
-        + shape.layers * attention_flops(pairs, shape.width, attention_rerun)
+    return dense_flops(shape.layers * rerun_params, tokens, dense_rerun) + shape.layers * attention_flops(
+        pairs, shape.width, attention_rerun
     )
+
+
+def hardware_step_flops(shape: ModelShape, dense_params: int, tokens: float, pairs: float, checkpointing: str) -> float:
+    """`step_flops` plus `recomputed_flops`: the FLOPs the device runs, for the hardware FLOPs utilisation (HFU) of
+    Megatron's "Reducing Activation Recomputation" and PaLM, against MFU's model FLOPs."""
+    model = step_flops(dense_params, shape.layers, shape.width, tokens, pairs)
+    return model + recomputed_flops(shape, tokens, pairs, checkpointing)

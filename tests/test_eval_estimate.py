@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.config import load_config
+from lctrain.config import load_config, with_overrides
 from lctrain.errors import UserError
 from lctrain.reports.estimate import estimate, read_bench
 
@@ -41,6 +41,19 @@ def test_hand_computed_full_attention_hours(tmp_path):
     )
     extra = 2 * layers * 3 * d * ffn * L
     assert tiled["modes"]["full"]["flops_per_window"] == pytest.approx(flops + extra)
+    # activation checkpointing reruns each layer's forward but its down projection (torch stops once the backward
+    # has what it needs; tests/test_checkpointing.py counts it): attention too under `full`, not under `selective`
+    rerun = 2 * layers * (2 * d * heads * hd + 2 * d * kv * hd + 2 * d * ffn) * L
+    attention_forward = 4 * heads * hd * layers * L * (L + 1) / 2
+    for mode, more in (("selective", rerun), ("full", rerun + attention_forward), ("none", 0)):
+        cfg = load_config(None, ARCH + ["data.seq_len=1024", f"data.output_dir={tmp_path / 'none'}"])
+        cfg = with_overrides(cfg, [f"model.checkpointing={mode}"], "test")
+        row = estimate(cfg, tflops=50.0, gpus=2)["modes"]["full"]
+        assert row["flops_per_window"] == pytest.approx(flops + more), mode
+        share = (4 * heads * hd * layers * 3 * L * (L + 1) / 2 + (attention_forward if mode == "full" else 0)) / (
+            flops + more
+        )
+        assert row["attention_share"] == pytest.approx(share), mode
 
 
 def test_from_bench_per_mode(tmp_path):
@@ -54,6 +67,11 @@ def test_from_bench_per_mode(tmp_path):
         )
     )
     assert read_bench(bench) == {"*": 80.0, "full": 100.0, "anchor": 50.0}
+    # a bench_train result: its rate on the FLOPs the device ran, which the prediction counts
+    bench_train = tmp_path / "bench_train.json"
+    rows = [{"mode": "full", "tflops_per_gpu": 100.0, "hardware_tflops_per_gpu": 130.0}]
+    bench_train.write_text(json.dumps({"results": rows}))
+    assert read_bench(bench_train) == {"full": 130.0}
     out = tmp_path / "est.json"
     r = estimate(
         load_config(None, ARCH + [f"data.output_dir={tmp_path / 'none'}"]), from_bench=str(bench), gpus=1, out=str(out)

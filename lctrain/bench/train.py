@@ -85,6 +85,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
         "step_s": step,
         "tokens_per_s": tokens / step,
         "tflops_per_gpu": flops / step / 1e12,
+        "hardware_tflops_per_gpu": hardware / step / 1e12,
         "checkpointing": trainer.cfg.model.checkpointing_mode,
         "fused_kernels": args.fused_kernels,
         "fused_optimizer": args.fused_optimizer,

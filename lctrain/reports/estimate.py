@@ -2,8 +2,10 @@
 
 FLOPs per window come from the cost model (`lctrain.costmodel`, the convention MFU uses): the linear layers (q, k,
 v, o, the gated MLP, the LM head) and attention over the causally visible (query, key) pairs, each 3 forward passes
-for training, plus the forward pass gradient checkpointing reruns and, with `model.tiled_mlp`, the MLP forward that
-TiledMLP reruns in the backward (wall time, not utilisation, is predicted here).
+for training, plus what activation checkpointing reruns (`costmodel.recomputed_flops`: the layers' forward under
+`full`, all of it but attention under `selective`) and, with `model.tiled_mlp`, the MLP forward that TiledMLP reruns
+in the backward: the FLOPs the device runs (HFU's), as wall time, not utilisation, is predicted here. The rate is
+per GPU on those FLOPs: bench_train's `hardware_tflops_per_gpu`, or the device's peak for the time at 100% HFU.
 The visible pairs per mode come from the actual segment layout of the prepared dataset; without one, from a
 synthetic packing of SlimPajama-like document lengths (`lctrain.data.layouts`, the benchmarks' windows), flagged
 as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs).
@@ -19,7 +21,7 @@ from rich.table import Table
 
 from lctrain.config import Config, data_dir
 from lctrain.console import plain_console
-from lctrain.costmodel import attention_flops, dense_flops, training_passes, window_pairs
+from lctrain.costmodel import attention_flops, dense_flops, recomputed_flops, window_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError
@@ -54,7 +56,9 @@ def mean_pairs(cfg: Config) -> tuple[dict[str, float], str]:
 
 def read_bench(path: str | Path) -> dict[str, float]:
     """Achieved TFLOP/s per GPU from a benchmark JSON: either {"tflops_per_gpu": x} or per mode, as
-    {"results": [{"mode": m, "tflops_per_gpu": x}, ...]} or {"tflops_per_gpu": {mode: x}}. Returns {mode or "*": x}."""
+    {"results": [{"mode": m, "tflops_per_gpu": x}, ...]} or {"tflops_per_gpu": {mode: x}}. Returns {mode or "*": x}.
+    A result of scripts/bench_train.py gives its `hardware_tflops_per_gpu` (what checkpointing reruns counted, as the
+    prediction counts it); its `tflops_per_gpu` is model FLOPs, which checkpointing's rerun takes time from."""
     p = Path(path)
     try:
         raw = json.loads(p.read_text())
@@ -69,8 +73,9 @@ def read_bench(path: str | Path) -> dict[str, float]:
     elif isinstance(value, dict):
         found.update({str(k): float(v) for k, v in value.items() if isinstance(v, (int, float))})
     for r in raw.get("results", []) if isinstance(raw, dict) else []:
-        if isinstance(r, dict) and isinstance(r.get("tflops_per_gpu"), (int, float)) and r.get("mode") in MODES:
-            found[r["mode"]] = float(r["tflops_per_gpu"])
+        rate = r.get("hardware_tflops_per_gpu", r.get("tflops_per_gpu")) if isinstance(r, dict) else None
+        if isinstance(rate, (int, float)) and r.get("mode") in MODES:
+            found[r["mode"]] = float(rate)
     if not found or any(not (math.isfinite(v) and v > 0) for v in found.values()):
         raise UserError(
             f"--from-bench {p}: no positive 'tflops_per_gpu' found (top level, per mode, or in "
@@ -87,21 +92,23 @@ def predict(
     shape = model_shape(cfg)
     L = cfg.data.seq_len
     pairs, source = mean_pairs(cfg)
-    passes = training_passes(recompute=cfg.model.gradient_checkpointing)
-    linear = dense_flops(shape.linear_params(), L, passes)
+    linear = dense_flops(shape.linear_params(), L)
     if cfg.model.tiled_mlp:  # TiledMLP recomputes each MLP slice's forward in the backward: one more MLP pass
         linear += dense_flops(shape.mlp_params(), L, 1)
-    per_pair = shape.layers * attention_flops(1, shape.width, passes)
+    per_pair = shape.layers * attention_flops(1, shape.width)
     windows_per_b = 1e9 / L
     rows = {}
     for mode in modes:
         r = rate.get(mode, rate.get("*"))
         if r is None:
             raise UserError(f"--from-bench {from_bench}: no throughput for mode '{mode}' and no overall one")
-        flops = linear + per_pair * pairs[mode]
+        checkpointing = cfg.model.checkpointing_mode
+        # over no tokens, what checkpointing reruns is its attention part alone
+        attention = per_pair * pairs[mode] + recomputed_flops(shape, 0, pairs[mode], checkpointing)
+        flops = linear + attention + recomputed_flops(shape, L, 0, checkpointing)
         rows[mode] = {
             "flops_per_window": flops,
-            "attention_share": per_pair * pairs[mode] / flops,
+            "attention_share": attention / flops,
             "tflops_per_gpu": r,
             "hours_per_1b_tokens": windows_per_b * flops / (r * 1e12 * n_gpus) / 3600,
         }

@@ -9,7 +9,7 @@ checkpoints. The mean `step_time_s` of the last `steps` steps in the run's `metr
     days per 1B tokens = 1e9 / (global_batch x seq_len / step time) / 86400
 
 and the FLOP model (`lctrain.reports.estimate.predict`) gives the same quantity at `--tflops` per GPU (default: the
-device's peak, so its prediction is the time at 100% MFU), over the segment layout of the data each run trained on.
+device's peak, so its prediction is the time at 100% HFU), over the segment layout of the data each run trained on.
 The ratio measured / predicted is printed beside each point.
 """
 
