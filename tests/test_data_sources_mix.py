@@ -14,7 +14,8 @@ from train_helpers import show_config_refusal
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.config import config_fingerprint, data_fingerprint, load_config
+from lctrain.config import DOMAINS, config_fingerprint, data_fingerprint, load_config
+from lctrain.data import encode
 from lctrain.data.prepare import SOURCES_DRAW_SEED, prepare
 from lctrain.data.progress import Partial
 from lctrain.data.store import open_packed
@@ -118,6 +119,21 @@ def test_domains_from_a_metadata_field(tmp_path, corpora):
         i = int(word.removeprefix("alpha").removeprefix("beta"))
         assert dom == ("beta" if word.startswith("beta") else "fr" if i % 3 else "en"), (word, dom)
     assert set(data.manifest.domains) == {"beta", "fr", "en"}
+
+
+def test_slimpajama_set_names_read_as_the_domains_of_a_single_source():
+    """A `domain_field` naming SlimPajama's `meta.redpajama_set_name` gives the domains `data.domain_shares` and
+    the single-source path use (`ArXiv`, not `RedPajamaArXiv`), also from a JSON-encoded `meta` (SlimPajama's
+    parquet); other values are kept as they are, and a record without one takes its source's name."""
+    field = "meta.redpajama_set_name"
+    records = [
+        ({"text": "x", "meta": {"redpajama_set_name": "RedPajamaArXiv"}}, "ArXiv"),
+        ({"text": "x", "meta": json.dumps({"redpajama_set_name": "RedPajamaStackExchange"})}, "StackExchange"),
+        ({"text": "x", "meta": {"redpajama_set_name": "MyCorpus"}}, "MyCorpus"),
+        ({"text": "x", "meta": {}}, "web"),
+    ]
+    assert [encode._source_record(r, "web", "text", field)[1] for r, _ in records] == [d for _, d in records]
+    assert set(encode.REDPAJAMA_SET_NAMES.values()) <= set(DOMAINS)
 
 
 def test_domain_shares_keyed_by_the_sources_domains(tmp_path, corpora):

@@ -95,12 +95,15 @@ def _field(obj, dotted: str):
 
 
 def _source_record(item, name: str, text_field: str, domain_field: str | None) -> tuple[str | None, str, str | None]:
-    """A record of `data.sources`: its domain is the value at `domain_field` (as text), else the source's name."""
+    """A record of `data.sources`: its domain is the value at `domain_field` (as text; SlimPajama's set names read as
+    the domains a single source gets, `RedPajamaArXiv` -> `ArXiv`), else the source's name."""
     if not isinstance(item, dict):
         return None, name, "malformed_json"
     text, reason = _check_text(item.get(text_field))
     domain = _field(item, domain_field) if domain_field else None
-    return text, name if domain is None or isinstance(domain, (dict, list)) else str(domain), reason
+    if domain is None or isinstance(domain, (dict, list)):
+        return text, name, reason
+    return text, REDPAJAMA_SET_NAMES.get(str(domain), str(domain)), reason
 
 
 def _parsed(line: bytes):
