@@ -110,7 +110,7 @@ def windows(spec: RunSpec) -> tuple[np.ndarray, list[list[int]]]:
 
 def document_positions(ids: np.ndarray, anchor: int = ANCHOR) -> np.ndarray:
     """Positions that restart at 0 at every anchor token and count up to the next: the document starts as
-    torchtitan's document mask and transformers' packed-sequence mask read them."""
+    transformers' packed-sequence mask reads them."""
     positions = np.empty_like(ids)
     for row, out in zip(ids, positions):
         starts = np.flatnonzero(row == anchor)
@@ -258,10 +258,10 @@ def _torchtitan_step(spec: RunSpec, device: torch.device) -> Callable[[], None]:
     labels = torch.roll(tokens, -1, dims=1)
     labels[:, -1] = -100
     ends = torch.as_tensor(document_ends(ids_np), device=device)
-    marks = SimpleNamespace(eos_id=1)  # the one field of a tokenizer its mask builders read
+    tokenizer = SimpleNamespace(eos_id=1)  # the one field of a tokenizer its mask builders read: the marks' value
 
     def step():
-        masks = model.get_attention_masks(ends, marks) if spec.mode == "document" else None
+        masks = model.get_attention_masks(ends, tokenizer) if spec.mode == "document" else None
         with _autocast(spec, device):
             logits = model(tokens, masks)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
