@@ -251,6 +251,15 @@ def test_peer_stage_rows_and_torchtitan_targets(monkeypatch):
         "lctrain / torchtitan tokens/s, full at 64K, each tuned",
         "lctrain / torchtitan tokens/s, document at 64K, each tuned",
     ]
+    # the options bench_peer gets on the GPU pass its own checks (the lctrain items against lctrain's config)
+    from lctrain.bench.peer import parse_args
+
+    parsed = parse_args(["--device", "cuda", *options[: options.index("--timeout")]])
+    assert (parsed.checkpointing, parsed.lctrain_set, parsed.titan_compile) == (
+        "selective",
+        ["model.fused_kernels=liger"],
+        True,
+    )
 
 
 def test_fused_stage_compares_each_variant_with_none(monkeypatch):
