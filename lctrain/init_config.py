@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from lctrain.config import validate
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
-from lctrain.memory import WARN_FRACTION, Budget, plan_memory
+from lctrain.memory import SELECTIVE, WARN_FRACTION, Budget, plan_memory, replan
 from lctrain.model import default_rope_theta, require_rope
 from lctrain.parallel.layout import kv_replication
 from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, Positions
@@ -151,28 +151,22 @@ def choose_checkpointing(
     output, so the backward does not rerun attention: the 1B model's full-attention step at 64K took 3.68 s against
     4.31 s with whole layers on one H100 (docs/performance.md)."""
     p = raw["parallel"]
-    stages = [p["zero_stage"]] + ([2] if p["zero_stage"] == 1 else [])
-    for zero in stages:
-        laid = _with_layout(raw, zero, p["sequence_parallel"], p["offload_optimizer"], gpus)
-        selective = laid | {"model": laid["model"] | {"checkpointing": "selective"}}
-        plan = plan_memory(validate(selective, "lctrain init"), shape, gpu=True)
-        if budget.fits(plan):
-            device, host = budget.need(plan)
-            chosen = dataclasses.replace(layout, zero_stage=zero, device_bytes=device, host_bytes=host)
-            at = (
-                ""
-                if zero == layout.zero_stage
-                else f" at ZeRO-{zero} (ZeRO-{layout.zero_stage} fits only whole layers)"
-            )
+    cfg = validate(raw, "lctrain init")
+    for zero in [p["zero_stage"]] + ([2] if p["zero_stage"] == 1 else []):
+        fix = replan(cfg, [SELECTIVE, f"parallel.zero_stage={zero}"], shape, budget)
+        if fix.fits:
+            laid = _with_layout(raw, zero, p["sequence_parallel"], p["offload_optimizer"], gpus)
+            selective = laid | {"model": laid["model"] | {"checkpointing": "selective"}}
+            chosen = dataclasses.replace(layout, zero_stage=zero, device_bytes=fix.device, host_bytes=fix.host)
+            at = "" if zero == p["zero_stage"] else f" at ZeRO-{zero} (ZeRO-{p['zero_stage']} fits only whole layers)"
             why = f"selective{at}: the backward does not rerun attention; each layer's attention output is kept"
             return selective, chosen, why
-    device, host = budget.need(plan)
     over = (
-        f"{device / GB:.1f} GB per GPU, over the {budget.device / GB:.1f} GB"
-        if device > budget.device
-        else f"{host / GB:.1f} GB of host memory, over the {budget.host / GB:.1f} GB"
+        f"{fix.device / GB:.1f} GB per GPU, over the {budget.device / GB:.1f} GB"
+        if fix.device > budget.device
+        else f"{fix.host / GB:.1f} GB of host memory, over the {budget.host / GB:.1f} GB"
     )
-    at = f" at ZeRO-{zero}" if zero != layout.zero_stage else ""
+    at = f" at ZeRO-{zero}" if zero != p["zero_stage"] else ""
     return raw, layout, f"full: selective (the backward would not rerun attention) needs {over} planned{at}"
 
 

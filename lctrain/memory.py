@@ -443,7 +443,8 @@ class Fix:
     fits: bool
 
 
-def _replan(cfg: Config, overrides: list[str], shape: ModelShape, budget: Budget) -> Fix:
+def replan(cfg: Config, overrides: list[str], shape: ModelShape, budget: Budget) -> Fix:
+    """`cfg` with `overrides` planned against `budget`: its needs and whether it fits."""
     plan = plan_memory(with_overrides(cfg, overrides, "memory fix"), shape, budget.gpu)
     device, host = budget.need(plan)
     return Fix(tuple(overrides), device, host, budget.fits(plan))
@@ -467,12 +468,12 @@ def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
     none fits alone, one more: the candidates combined, the largest device saving first, up to the first that fits
     (with the highest ZeRO stage any of them asks for, e.g. ZeRO-3 over the ZeRO-1 that optimizer offload alone
     needs)."""
-    out = [_replan(cfg, overrides, shape, budget) for overrides in candidate_fixes(cfg)]
+    out = [replan(cfg, overrides, shape, budget) for overrides in candidate_fixes(cfg)]
     if len(out) > 1 and not any(f.fits for f in out):
         combined: list[str] = []
         for single in sorted(out, key=lambda f: f.device):
             combined = _combined(combined, single.overrides)
-            fix = _replan(cfg, combined, shape, budget)
+            fix = replan(cfg, combined, shape, budget)
             if fix.fits:
                 break
         if len(fix.overrides) > max(len(f.overrides) for f in out):
@@ -488,5 +489,5 @@ def faster_fit(cfg: Config, shape: ModelShape, budget: Budget) -> Fix | None:
     saving but for each layer's attention output, and a backward that does not rerun attention."""
     if cfg.model.checkpointing_mode != "full":
         return None
-    fix = _replan(cfg, [SELECTIVE], shape, budget)
+    fix = replan(cfg, [SELECTIVE], shape, budget)
     return fix if fix.fits else None
