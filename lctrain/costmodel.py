@@ -155,15 +155,17 @@ def dense_params(lm) -> int:
 RECOMPUTED_PASSES = {"full": (1, 1), "selective": (1, 0), "selective_matmul": (0, 0), "none": (0, 0)}
 
 
-def recomputed_flops(shape: ModelShape, tokens: float, pairs: float, checkpointing: str) -> float:
-    """FLOPs that activation checkpointing reruns over `tokens` tokens whose windows keep `pairs` visible pairs in
-    each layer: the decoder layers' forward (not the LM head, outside them) under `full`, all of it but attention
-    under `selective`. torch's checkpoint stops recomputing once it holds every tensor the backward needs (early
-    stop): the MLP's down projection, the layer's last matmul, produces none of them and is not rerun."""
+def recomputed_flops(shape: ModelShape, tokens: float, pairs: float, checkpointing: str) -> tuple[float, float]:
+    """(projection, attention) FLOPs that activation checkpointing reruns over `tokens` tokens whose windows keep
+    `pairs` visible pairs in each layer: the decoder layers' forward (not the LM head, outside them) under `full`, all
+    of it but attention under `selective`. torch's checkpoint stops recomputing once it holds every tensor the
+    backward needs (early stop): the MLP's down projection, the layer's last matmul, produces none of them and is not
+    rerun."""
     dense_rerun, attention_rerun = RECOMPUTED_PASSES[checkpointing]
     rerun_params = shape.layer_projection_params() - shape.hidden * shape.intermediate
-    return dense_flops(shape.layers * rerun_params, tokens, dense_rerun) + shape.layers * attention_flops(
-        pairs, shape.width, attention_rerun
+    return (
+        dense_flops(shape.layers * rerun_params, tokens, dense_rerun),
+        shape.layers * attention_flops(pairs, shape.width, attention_rerun),
     )
 
 
@@ -171,4 +173,4 @@ def hardware_step_flops(shape: ModelShape, dense_params: int, tokens: float, pai
     """`step_flops` plus `recomputed_flops`: the FLOPs the device runs, for the hardware FLOPs utilisation (HFU) of
     Megatron's "Reducing Activation Recomputation" and PaLM, against MFU's model FLOPs."""
     model = step_flops(dense_params, shape.layers, shape.width, tokens, pairs)
-    return model + recomputed_flops(shape, tokens, pairs, checkpointing)
+    return model + sum(recomputed_flops(shape, tokens, pairs, checkpointing))

@@ -102,10 +102,9 @@ def predict(
         r = rate.get(mode, rate.get("*"))
         if r is None:
             raise UserError(f"--from-bench {from_bench}: no throughput for mode '{mode}' and no overall one")
-        checkpointing = cfg.model.checkpointing_mode
-        # over no tokens, what checkpointing reruns is its attention part alone
-        attention = per_pair * pairs[mode] + recomputed_flops(shape, 0, pairs[mode], checkpointing)
-        flops = linear + attention + recomputed_flops(shape, L, 0, checkpointing)
+        dense_rerun, attention_rerun = recomputed_flops(shape, L, pairs[mode], cfg.model.checkpointing_mode)
+        attention = per_pair * pairs[mode] + attention_rerun
+        flops = linear + dense_rerun + attention
         rows[mode] = {
             "flops_per_window": flops,
             "attention_share": attention / flops,

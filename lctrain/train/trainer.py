@@ -204,6 +204,7 @@ class Trainer:
             self.attention = wrap_model(self.lm, self.attention, topo.sp_group)
         model = CausalLMLossSum(self.lm, fused_loss_sum=fused.loss_sum(cfg.model.fused_kernels))
         self.n_dense = dense_params(self.lm)
+        self.shape = ModelShape.from_hf_config(self.lm.config)
         with no_bf16_optimizer_memory_report():
             self.engine, _, _, _ = deepspeed.initialize(
                 model=model,
@@ -276,13 +277,11 @@ class Trainer:
         )
 
     def step_flops(self, tokens: int, pairs: int) -> float:
-        shape = ModelShape.from_hf_config(self.lm.config)
-        return step_flops(self.n_dense, shape.layers, shape.width, tokens, pairs)
+        return step_flops(self.n_dense, self.shape.layers, self.shape.width, tokens, pairs)
 
     def hardware_flops(self, tokens: int, pairs: int) -> float:
         """`step_flops` and what this run's activation checkpointing reruns (costmodel.hardware_step_flops)."""
-        shape = ModelShape.from_hf_config(self.lm.config)
-        return hardware_step_flops(shape, self.n_dense, tokens, pairs, self.cfg.model.checkpointing_mode)
+        return hardware_step_flops(self.shape, self.n_dense, tokens, pairs, self.cfg.model.checkpointing_mode)
 
     def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None, mem_scope: str) -> dict:
         """The metrics.jsonl record of update `step_index`: `peak_mem_gb` in GB (10^9 bytes), the peak since
@@ -315,11 +314,10 @@ class Trainer:
     def run_start(self) -> RunStart:
         """The facts of the start banner."""
         cfg, layout = self.cfg, self.layout
-        shape = ModelShape.from_hf_config(self.lm.config)
         gpu = self.topo.device.type == "cuda"
         planned = None
         if layout.world == cfg.parallel.nproc_per_node * cfg.parallel.num_nodes:  # the plan is of the config's world
-            device, host = need(plan_memory(cfg, shape, gpu), gpu)
+            device, host = need(plan_memory(cfg, self.shape, gpu), gpu)
             planned = PlannedMemory(to_gb(device) if gpu else None, to_gb(host))
         return RunStart(
             name=cfg.name,
