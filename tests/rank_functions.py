@@ -55,16 +55,22 @@ def native_abort_on_rank_1(request: dict) -> None:
 
 
 def leaves_its_group_to_the_exit(request: dict) -> None:
-    """Joins a gloo group and returns without tearing it down; at the interpreter's exit, records whether the group
-    was still there (`WORKDIR/group_at_exit.RANK`)."""
-    import atexit
+    """Joins a gloo group and returns without tearing it down; when the rank exits (`os._exit`, past the
+    interpreter's teardown), records whether the group was still there (`WORKDIR/group_at_exit.RANK`)."""
+    import os
 
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     dist.barrier()
     record = Path(request["workdir"]) / f"group_at_exit.{dist_rank()}"
-    atexit.register(lambda: record.write_text(str(dist.is_initialized())))
+    real_exit = os._exit
+
+    def exit_and_record(code: int) -> None:
+        record.write_text(str(dist.is_initialized()))
+        real_exit(code)
+
+    os._exit = exit_and_record
 
 
 def returns_nothing(request: dict) -> None:
