@@ -530,6 +530,24 @@ class CheckpointConfig(_Section):
     save_final: bool = Field(True, description="a resume checkpoint after the last step (off for throughput runs)")
 
 
+class ProfileConfig(_Section):
+    start: Int | None = Field(
+        None,
+        ge=1,
+        description="the first training step profiled (numbered as metrics.jsonl's step); null: no profile. The "
+        "trace goes to the run directory's profile/ (lctrain/profiling.py)",
+    )
+    steps: Int = Field(2, ge=1, description="how many steps are profiled from `start`")
+    ranks: Literal["all"] | list[Annotated[Int, Field(ge=0)]] = Field(
+        [0], min_length=1, description="the ranks that write a trace: a list of global ranks, or all"
+    )
+    memory: bool = Field(
+        False,
+        description="also record every tensor allocation in the trace, and on CUDA write the allocator's snapshot "
+        "(rank<r>.memory.pickle, for pytorch.org/memory_viz): larger files, slower profiled steps",
+    )
+
+
 class LoggingConfig(_Section):
     wandb: Literal["disabled", "offline", "online"] = Field("disabled", description="Weights & Biases logging")
     wandb_project: Text = Field("lctrain", description="the Weights & Biases project")
@@ -541,6 +559,9 @@ class LoggingConfig(_Section):
     log_every: Int = Field(1, ge=1, description="log metrics every this many steps")
     peak_tflops: Float | None = Field(
         None, gt=0, description="per-device peak for MFU; null: known GPU or measured CPU"
+    )
+    profile: ProfileConfig = Field(
+        ProfileConfig(), description="a PyTorch profiler trace of chosen steps (where a step's time goes)"
     )
 
 
@@ -617,6 +638,23 @@ class Config(_Section):
             raise ValueError(
                 "train.fused_optimizer is torch's fused AdamW, but an offloaded optimizer on a GPU runs DeepSpeed's "
                 "CPU Adam (already one fused C++ step); set train.torch_adam=true or train.fused_optimizer=false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _profile_within_the_run(self):
+        start = self.logging.profile.start
+        if start is not None and start > self.train.steps:
+            raise ValueError(
+                f"logging.profile.start {start} is after the run's last step (train.steps {self.train.steps}); "
+                f"set it to a step of the run, or null"
+            )
+        ranks = self.logging.profile.ranks
+        world = self.parallel.nproc_per_node * self.parallel.num_nodes
+        if ranks != "all" and max(ranks) >= world:
+            raise ValueError(
+                f"logging.profile.ranks {ranks}: the run has ranks 0-{world - 1} "
+                f"(parallel.nproc_per_node x parallel.num_nodes)"
             )
         return self
 

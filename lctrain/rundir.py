@@ -6,6 +6,7 @@
     RUN/checkpoints/step_N/  resume checkpoints (lctrain.train.checkpoint: their files and `latest`)
     RUN/hf/step_N/           evaluation checkpoints (save_pretrained weights + tokenizer; lctrain.export_record)
     RUN/eval/                `lctrain eval`'s report
+    RUN/profile/steps_A-B/   `logging.profile`'s traces of steps A to B (lctrain.profiling)
 
 Runs written by earlier versions name checkpoints `step_00000020` and keep the directory `train` ran in in
 `origin.json` (their config.yaml has no `workdir`); both are still read, so such a run resumes.
@@ -162,6 +163,10 @@ class RunDir:
     def eval_dir(self) -> Path:
         return self.path / "eval"
 
+    @property
+    def profile_dir(self) -> Path:
+        return self.path / "profile"
+
     def finished_outputs(self) -> list[str]:
         """What a run finished here besides its checkpoints, by name: its evaluation exports, and its metrics once
         they reach the run's last step. The metrics of a run stopped before its first checkpoint are no result:
@@ -179,9 +184,10 @@ class RunDir:
             return True  # a damaged metrics file or config cannot show the run unfinished: keep it
 
     def clear_outputs(self) -> None:
-        """Remove what a new run in this directory replaces: checkpoints, exports and metrics."""
+        """Remove what a new run in this directory replaces: checkpoints, exports, profiles and metrics."""
         shutil.rmtree(self.checkpoints, ignore_errors=True)
         shutil.rmtree(self.exports_dir, ignore_errors=True)
+        shutil.rmtree(self.profile_dir, ignore_errors=True)
         self.metrics_file.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ metrics

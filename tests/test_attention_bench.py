@@ -124,18 +124,3 @@ def test_profile_logs_the_operators_by_self_time(bench, tmp_path, capsys):
         "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
     } & names
     assert "top kernels by self time" in capsys.readouterr().out
-
-
-def test_top_kernels_orders_by_self_time_of_the_device(bench):
-    from types import SimpleNamespace
-
-    events = [
-        SimpleNamespace(key="a", count=2, self_cpu_time_total=5000.0, self_device_time_total=0.0),
-        SimpleNamespace(key="b", count=1, self_cpu_time_total=1000.0, self_device_time_total=9000.0),
-        SimpleNamespace(key="c", count=3, self_cpu_time_total=0.0, self_device_time_total=3000.0),
-    ]
-    assert bench.top_kernels(events, 5, "cpu") == [
-        {"name": "a", "count": 2, "total_ms": 5.0},
-        {"name": "b", "count": 1, "total_ms": 1.0},
-    ]
-    assert [k["name"] for k in bench.top_kernels(events, 1, "cuda")] == ["b"]

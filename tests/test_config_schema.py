@@ -247,6 +247,8 @@ COUPLED = {
     "parallel.offload_params",
     "eval.tasks",
     "eval.exclude",
+    "logging.profile.start",
+    "logging.profile.ranks",
 }
 SHARE_DOMAINS = ["CommonCrawl", "C4", "GitHub", "ArXiv", "Book", "Wikipedia", "StackExchange"]
 

@@ -1,9 +1,12 @@
 """What a run prints: the plain step lines a log file gets (checked against metrics.jsonl), the start banner and the
 end summary (checked against known values)."""
 
+import gzip
+import json
 import logging
 import re
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,9 @@ def overrides(data_dir: Path, run_dir: Path) -> list[str]:
         "checkpoint.hf_every=4",
         "checkpoint.hf_last=4",
         f"logging.log_every={LOG_EVERY}",
+        "logging.profile.start=2",
+        "logging.profile.steps=2",
+        "logging.profile.memory=true",
         f"model.arch={TINY_ARCH}",
     ]
 
@@ -100,6 +106,22 @@ def test_the_run_prints_a_banner_and_a_summary_of_its_records(trained):
     assert f"checkpoint   {run_dir / 'checkpoints' / 'step_4'}" in out
     assert f"hf exports   {run_dir / 'hf'}/ (step_4)" in out
     assert f"next         lctrain eval {run_dir}; lctrain plot {run_dir}" in out
+
+
+def test_the_profiled_steps_leave_a_trace_a_table_and_a_log_line(trained):
+    run_dir, out = trained
+    where = run_dir / "profile" / "steps_2-3"
+    assert sorted(p.name for p in where.iterdir()) == ["rank0.pt.trace.json.gz", "rank0.top.txt"]
+    events = json.loads(gzip.decompress((where / "rank0.pt.trace.json.gz").read_bytes()))["traceEvents"]
+    names = Counter(e.get("name") for e in events)
+    # two steps of two micro-batches each: step 1 (the profiler's warm-up) and step 4 are not in it
+    assert (names["lctrain.forward"], names["lctrain.backward"], names["lctrain.optimizer"]) == (4, 4, 4)
+    assert names["[memory]"] > 0  # logging.profile.memory
+    assert "aten::mm" in (where / "rank0.top.txt").read_text()
+    assert [r["profiled"] for r in RunDir(run_dir).read_metrics()] == [False, True, True, False]
+    line = next(li for li in out.splitlines() if li.startswith("profile of "))
+    assert line.startswith(f"profile of 2-3: {where}/ (rank 0; Chrome traces for ui.perfetto.dev); most self time: ")
+    assert out.index("step=2/4") < out.index(line) < out.index("step=4/4")
 
 
 def test_step_line_formats_a_record():

@@ -39,6 +39,7 @@ from lctrain.costmodel import attention_flops, full_square_pairs, visible_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.packing import chunk_order, split_into_chunks
 from lctrain.data.store import open_packed
+from lctrain.profiling import activities, top_kernels
 from lctrain.shapes import SHAPES
 
 CPU_ENGINES = ("sdpa", "reference")
@@ -78,23 +79,11 @@ def token_major_qkv(L: int, heads: int, kv_heads: int, head_dim: int, dtype, dev
     )
 
 
-def top_kernels(averages, n: int, device_type: str) -> list[dict]:
-    """The `n` entries of a profiler's `key_averages()` with the most self time, as {name, count, total_ms}: on
-    CUDA the device kernels (self device time), on CPU the operators (self CPU time: what each op runs itself)."""
-    attr = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
-    timed_events = [e for e in averages if getattr(e, attr) > 0]
-    timed_events.sort(key=lambda e: getattr(e, attr), reverse=True)
-    return [{"name": e.key, "count": e.count, "total_ms": getattr(e, attr) / 1000} for e in timed_events[:n]]
-
-
 def profiled_kernels(step, device, n: int) -> list[dict]:
     """`top_kernels` of one more forward + backward (`step`) under torch.profiler, after the timed ones so the
     profiler's overhead is in no reported time."""
     device_type = torch.device(device).type
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device_type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities(device)) as prof:
         step()
         if device_type == "cuda":
             torch.cuda.synchronize()

@@ -54,6 +54,16 @@ def step_line(record: dict, total_steps: int, eta_s: float | None) -> str:
     )
 
 
+def profile_line(out_dir: Path, ranks: str | list[int], top: list[dict]) -> str:
+    """Where `logging.profile` wrote its traces, and the operators with the most self time in this rank's (`top`:
+    `lctrain.profiling.top_kernels` rows; empty where this rank wrote none)."""
+    who = "every rank" if ranks == "all" else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    line = f"profile of {out_dir.name.removeprefix('steps_')}: {out_dir}/ ({who}; Chrome traces for ui.perfetto.dev)"
+    if top:
+        line += "; most self time: " + ", ".join(f"{k['name']} {k['share']:.0%}" for k in top)
+    return line
+
+
 @dataclass(frozen=True)
 class PlannedMemory:
     """`lctrain.memory`'s plan of one rank: bytes on its device (None on the CPU, where everything is host memory)

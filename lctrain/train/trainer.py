@@ -25,6 +25,7 @@ import deepspeed
 import deepspeed.comm as dist
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from lctrain import fused
 from lctrain.attention import make_batch
@@ -47,6 +48,7 @@ from lctrain.model import build_model, write_model_changes
 from lctrain.parallel.groups import Topology, end_process_groups, init_topology, release_single_process
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
+from lctrain.profiling import ProfiledSteps, StepProfiler
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer, resolve_anchor, write_anchor
 from lctrain.train import checkpoint as ckpt
@@ -54,7 +56,7 @@ from lctrain.train.data import collate
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
 from lctrain.train.loss import CausalLMLossSum
 from lctrain.train.metrics import StepLogger, quiet_libraries
-from lctrain.train.report import PlannedMemory, RunEnd, RunStart, banner, summary
+from lctrain.train.report import PlannedMemory, RunEnd, RunStart, banner, profile_line, summary
 from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 from lctrain.units import to_gb
@@ -260,11 +262,14 @@ class Trainer:
             # Offloaded hidden states come back only while the context is active, so it spans the forward and the
             # backward of each micro-batch, which only this loop holds together (not the loss module, not the model).
             with self.offload:
-                token_loss_sum = self.engine(b)
-                self.engine.backward(token_loss_sum * scale, scale_wrt_gas=False)
+                with record_function("lctrain.forward"):
+                    token_loss_sum = self.engine(b)
+                with record_function("lctrain.backward"):
+                    self.engine.backward(token_loss_sum * scale, scale_wrt_gas=False)
             if i == len(micro) - 1 and self.own_grad_norm:
                 grad_norm = _grad_norm(self.engine.module)
-            self.engine.step()
+            with record_function("lctrain.optimizer"):
+                self.engine.step()
             loss_sum += token_loss_sum.detach().double()
         dist.all_reduce(loss_sum)
         if grad_norm is None:  # every rank: DeepSpeed's norm is reduced over the ranks, and `fit` checks it on each
@@ -368,21 +373,48 @@ class Trainer:
         hf_steps = set(hf_checkpoint_steps(total, cfg.checkpoint))
         peak = device_peak_flops(topo.device, cfg.logging.peak_tflops, cfg.model.dtype)
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
+        profiler = self.step_profiler()
         try:
             for step_index in range(self.state.step, total):
                 mem_scope = reset_peak(topo.device)
+                profiler.before(step_index)
                 result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
+                profiler.after(step_index)
+                if profiler.finished(step_index) and topo.is_main:
+                    print(profile_line(profiler.out, cfg.logging.profile.ranks, profiler.top), flush=True)
                 check_finite(result, step_index, cfg, self.run_dir)
                 self.state.step = step_index + 1
                 if logger is not None:
-                    logger.log(self.metrics(step_index, result, seconds, peak, mem_scope))
+                    record = self.metrics(step_index, result, seconds, peak, mem_scope)
+                    logger.log({**record, "profiled": profiler.recording(step_index)})
                 if self.state.step in hf_steps:
                     self.export_hf()
                 if resume_checkpoint_due(self.state.step, total, cfg.checkpoint):
                     self.save_checkpoint()
         finally:
+            profiler.close()
             if logger is not None:
                 logger.close()
+
+    def step_profiler(self) -> StepProfiler:
+        """`logging.profile` on this rank: a profiler of no steps where the rank writes no trace, or where the
+        profiled steps are behind a resumed run."""
+        cfg, topo = self.cfg.logging.profile, self.topo
+        steps = ProfiledSteps.of(cfg.start, cfg.steps, self.cfg.train.steps, resumed_at=self.state.step)
+        if cfg.start is not None and steps is None and topo.is_main:
+            print(
+                f"logging.profile: steps {cfg.start}-{cfg.start + cfg.steps - 1} are before step "
+                f"{self.state.step + 1}, where this run resumes: nothing is profiled",
+                flush=True,
+            )
+        return StepProfiler(
+            steps,
+            self.run_dir.profile_dir,
+            writes=cfg.ranks == "all" or topo.rank in cfg.ranks,
+            rank=topo.rank,
+            device=topo.device,
+            memory=cfg.memory,
+        )
 
     def export_hf(self) -> None:
         """The evaluation checkpoint of the current step (all ranks call: ZeRO-3 gathers the shards)."""
