@@ -156,8 +156,14 @@ def test_ulysses_sp2_with_zero3_matches_one_process(reference, workdir):
             "parallel.sequence_parallel=2",
             "parallel.zero_stage=3",
             "parallel.launcher=torchrun",
+            # profiled on both ranks: the profiler changes no number, and a launched rank exits cleanly after it
+            "logging.profile.start=2",
+            "logging.profile.steps=1",
+            "logging.profile.ranks=all",
         ],
     )
+    traces = sorted(p.name for p in (RunDir(run_dir).profile_dir / "steps_2-2").glob("*.pt.trace.json.gz"))
+    assert traces == ["rank0.pt.trace.json.gz", "rank1.pt.trace.json.gz"]
     checkpoint = RunDir(run_dir).checkpoint(4)
     assert json.loads((checkpoint / "trainer_state.json").read_text())["sp"] == 2
     assert len(list(checkpoint.glob("zero_pp_rank_*_optim_states.pt"))) == 2
