@@ -30,6 +30,7 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
+from lctrain.errors import UserError
 from lctrain.measure import reset_host_peak
 from lctrain.rundir import RunDir, step_name
 from lctrain.train import checkpoint as ckpt
@@ -395,3 +396,14 @@ def test_resume_with_no_readable_checkpoint_state_is_one_line(reference, tmp_pat
         (path / ckpt.STATE_FILE).write_text("")
     msg = _cli_error(["resume", str(run_dir)])
     assert "no checkpoint has a readable trainer_state.json" in msg and "--force" in msg
+
+
+def test_a_resume_may_change_the_kernels_and_checkpointing_but_not_the_model():
+    from lctrain.config import settings
+    from lctrain.train.command import check_resumable
+
+    saved = {"config": settings(load_config(None, []))}
+    faster = load_config(None, ["model.fused_kernels=compile", "model.checkpointing=selective"])
+    check_resumable(faster, saved, "config.yaml", "step_4")
+    with pytest.raises(UserError, match=r"model.rope_fp32 False -> True changed since checkpoint step_4"):
+        check_resumable(load_config(None, ["model.rope_fp32=true"]), saved, "config.yaml", "step_4")
