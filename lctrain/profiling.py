@@ -50,6 +50,17 @@ def top_kernels(averages, n: int, device_type: str) -> list[dict]:
     ]
 
 
+def profiled_kernels(step, device, n: int) -> list[dict]:
+    """`top_kernels` of one more call of `step` under torch.profiler: the benchmarks run it after their timed calls,
+    so the profiler's overhead is in no reported time."""
+    device_type = torch.device(device).type
+    with profile(activities=activities(device)) as prof:
+        step()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+    return top_kernels(prof.key_averages(), n, device_type)
+
+
 @dataclass(frozen=True)
 class ProfiledSteps:
     """Which 0-based step indices a run profiles: `first` to `last` recorded, `warmup` steps before them run under

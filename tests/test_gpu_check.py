@@ -284,6 +284,10 @@ def test_fused_stage_compares_each_variant_with_none(monkeypatch):
         }
 
     data = {"bench_train_fused_none": results(4.0, 2.0), "bench_train_fused_compile": results(3.0, 1.0)}
+    data["bench_train_fused_compile"]["results"][1]["kernels"] = [
+        {"name": "flash_fwd", "count": 16, "total_ms": 400.0, "share": 0.4},
+        {"name": "nvjet_gemm", "count": 96, "total_ms": 250.0, "share": 0.25},
+    ]
     result, calls = _stage_with(monkeypatch, stage_fused, data, train_seq_len=65536)
     assert [name for name, _ in calls] == [f"bench_train_fused_{v}" for v in FUSED_VARIANTS]
     assert "--fused-kernels" not in calls[0][1] and calls[1][1][-3:] == [
@@ -292,7 +296,12 @@ def test_fused_stage_compares_each_variant_with_none(monkeypatch):
         "--fused-optimizer",
     ]
     assert result.columns[0] == "fused kernels" and [row[:2] for row in result.rows][2] == ["compile", "full"]
-    assert result.notes == ["compile / none step time, full: 0.750", "compile / none step time, anchor: 0.500"]
+    assert all(options[options.index("--profile") + 1] == "8" for _, options in calls)
+    assert result.notes == [
+        "compile / none step time, full: 0.750",
+        "compile / none step time, anchor: 0.500",
+        "compile, anchor: kernels by self time: flash_fwd 40.0%, nvjet_gemm 25.0%",
+    ]
 
 
 def test_memory_stage_rows_keep_the_out_of_memory_length(monkeypatch):

@@ -39,7 +39,7 @@ from lctrain.costmodel import attention_flops, full_square_pairs, visible_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.packing import chunk_order, split_into_chunks
 from lctrain.data.store import open_packed
-from lctrain.profiling import activities, top_kernels
+from lctrain.profiling import profiled_kernels
 from lctrain.shapes import SHAPES
 
 CPU_ENGINES = ("sdpa", "reference")
@@ -77,17 +77,6 @@ def token_major_qkv(L: int, heads: int, kv_heads: int, head_dim: int, dtype, dev
         torch.randn(1, L, h, head_dim, generator=gen).to(device, dtype).requires_grad_(True)
         for h in (heads, kv_heads, kv_heads)
     )
-
-
-def profiled_kernels(step, device, n: int) -> list[dict]:
-    """`top_kernels` of one more forward + backward (`step`) under torch.profiler, after the timed ones so the
-    profiler's overhead is in no reported time."""
-    device_type = torch.device(device).type
-    with torch.profiler.profile(activities=activities(device)) as prof:
-        step()
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-    return top_kernels(prof.key_averages(), n, device_type)
 
 
 def time_engine(

@@ -30,6 +30,7 @@ from lctrain.fused import MODES as MODES_FUSED
 from lctrain.hardware import device_peak_flops
 from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.parallel.groups import init_topology, release_single_process
+from lctrain.profiling import profiled_kernels
 from lctrain.shapes import SHAPES, hf_arch
 from lctrain.train.trainer import Trainer
 from lctrain.units import to_gb
@@ -73,6 +74,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
             mem_scope = reset_peak(device)
         result, seconds = timed(partial(trainer.train_step, windows), device)
         times.append(seconds)
+    kernels = profiled_kernels(partial(trainer.train_step, windows), device, args.profile) if args.profile else []
     step = float(np.median(times[args.warmup :]))
     tokens = args.batch * args.seq_len
     flops = trainer.step_flops(tokens, result.pairs)
@@ -95,6 +97,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
         "peak_mem_gb": to_gb(peak_bytes(device)),
         "peak_mem_scope": mem_scope,
         "docs_per_window": float(np.mean([len(s) for s in seg_lens])),
+        **({"kernels": kernels} if args.profile else {}),
     }
     del trainer
     if gpu:
@@ -102,7 +105,7 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -127,8 +130,16 @@ def main() -> None:
         "--fused-kernels", choices=MODES_FUSED, default="none", help="model.fused_kernels (lctrain.fused)"
     )
     parser.add_argument("--fused-optimizer", action="store_true", help="train.fused_optimizer: torch's fused AdamW")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="log the N kernels (CPU: operators) with the most self time in one more profiled step per mode, after "
+        "the timed ones",
+    )
     parser.add_argument("--out", default="bench_out/bench_train.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = init_topology(load_config(None, [])).device
     out = Path(args.out)
@@ -170,8 +181,21 @@ def main() -> None:
             f"{r['peak_mem_gb']:.2f}",
         )
     plain_console(width=140).print(table)
+    if args.profile:
+        plain_console(width=140).print(kernel_table(rows))
     print(f"wrote {out}")
     release_single_process()  # else NCCL warns at exit that the process group was never destroyed
+
+
+def kernel_table(rows: list[dict]) -> Table:
+    """Each mode's profiled kernels: name, calls, milliseconds and share of the step's self time."""
+    table = Table(title="top kernels by self time (one profiled step per mode)")
+    for col in ("mode", "kernel", "calls", "total ms", "share"):
+        table.add_column(col, justify="left" if col == "kernel" else "right")
+    for r in rows:
+        for k in r["kernels"]:
+            table.add_row(r["mode"], k["name"], str(k["count"]), f"{k['total_ms']:.1f}", f"{k['share']:.1%}")
+    return table
 
 
 if __name__ == "__main__":

@@ -166,11 +166,16 @@ FUSED_VARIANTS = {
 }
 
 
+# kernels per (variant, mode) from one profiled step after the timed ones: where the step's time goes
+FUSED_PROFILE_KERNELS = 8
+
+
 def stage_fused(run: Runner, args) -> None:
     r = run.result
     r.data = {}
     for variant, extra in FUSED_VARIANTS.items():
-        options = train_args(args, "--checkpointing", "selective", *extra)
+        profile = ["--profile", str(FUSED_PROFILE_KERNELS)]
+        options = train_args(args, "--checkpointing", "selective", *profile, *extra)
         data = run_script(run, "bench_train", options, f"bench_train_fused_{variant}")
         if data is None:
             continue
@@ -181,6 +186,11 @@ def stage_fused(run: Runner, args) -> None:
         for mode, seconds in steps.get(variant, {}).items():
             if mode in steps.get("none", {}):
                 r.notes.append(f"{variant} / none step time, {mode}: {seconds / steps['none'][mode]:.3f}")
+    for variant, data in r.data.items():
+        for x in data["results"]:
+            if x.get("kernels"):
+                top = ", ".join(f"{k['name']} {k['share']:.1%}" for k in x["kernels"])
+                r.notes.append(f"{variant}, {x['mode']}: kernels by self time: {top}")
 
 
 PEER_COLUMNS: list[Column] = [
