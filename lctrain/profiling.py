@@ -11,8 +11,8 @@ A training run with `logging.profile.start: S` records steps S to S + steps - 1 
   allocator's history with the stack of every live block (pytorch.org/memory_viz).
 
 The step before the first recorded one, when the run has one, runs under the profiler unrecorded (torch.profiler's
-warm-up: its start-up cost stays out of the trace). Profiled steps are slower than the others; their metrics.jsonl
-records say `profiled: true`.
+warm-up: its start-up cost stays out of the trace). Steps under the profiler, the warm-up included, are slower than
+the others; their metrics.jsonl records say `profiled: true`.
 """
 
 from __future__ import annotations
@@ -100,8 +100,9 @@ class StepProfiler:
         self.written: Path | None = None  # the directory, once the trace is written
         self.top: list[dict] = []  # top_kernels of the written trace
 
-    def recording(self, step_index: int) -> bool:
-        return self.steps is not None and self.steps.first <= step_index <= self.steps.last
+    def slowed(self, step_index: int) -> bool:
+        """Whether step `step_index` runs under a profiler: the recorded steps and their warm-up."""
+        return self.steps is not None and self.steps.first - self.steps.warmup <= step_index <= self.steps.last
 
     def finished(self, step_index: int) -> bool:
         """Whether `step_index` is the last profiled step."""
@@ -110,8 +111,7 @@ class StepProfiler:
     def before(self, step_index: int) -> None:
         if not self.writes or self.steps is None or step_index != self.steps.first - self.steps.warmup:
             return
-        gpu_memory = self.memory and self.device.type == "cuda"
-        if gpu_memory:
+        if self.memory and self.device.type == "cuda":
             record_memory_history()
         recorded = self.steps.last - self.steps.first + 1
         self.prof = profile(

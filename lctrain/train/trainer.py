@@ -386,7 +386,7 @@ class Trainer:
                 self.state.step = step_index + 1
                 if logger is not None:
                     record = self.metrics(step_index, result, seconds, peak, mem_scope)
-                    logger.log({**record, "profiled": profiler.recording(step_index)})
+                    logger.log({**record, "profiled": profiler.slowed(step_index)})
                 if self.state.step in hf_steps:
                     self.export_hf()
                 if resume_checkpoint_due(self.state.step, total, cfg.checkpoint):
@@ -397,8 +397,8 @@ class Trainer:
                 logger.close()
 
     def step_profiler(self) -> StepProfiler:
-        """`logging.profile` on this rank: a profiler of no steps where the rank writes no trace, or where the
-        profiled steps are behind a resumed run."""
+        """`logging.profile` on this rank: which steps the run profiles (none where they are behind a resumed
+        run), and whether this rank writes a trace of them."""
         cfg, topo = self.cfg.logging.profile, self.topo
         steps = ProfiledSteps.of(cfg.start, cfg.steps, self.cfg.train.steps, resumed_at=self.state.step)
         if cfg.start is not None and steps is None and topo.is_main:
