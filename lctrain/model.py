@@ -424,6 +424,10 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
     changes to the model's config, or why a value cannot be resolved here (a hub model not downloaded)."""
     used: dict[str, Any] = {}
     notes: list[str] = []
+    if cfg.model.checkpointing is None:
+        used["model.checkpointing"] = cfg.model.checkpointing_mode
+    else:
+        notes.append(f"model.checkpointing: {cfg.model.checkpointing} (model.gradient_checkpointing is not read)")
     tokenizer = _local_copy(cfg.resolve_source(cfg.data.tokenizer), "tokenizer_config.json", BUILTIN_PREFIX)
     try:
         if tokenizer is None:

@@ -200,6 +200,26 @@ def test_cli_show_config_shows_the_values_used(capsys):
     assert "# data.anchor: <s> (id 1; auto: the BOS the tokenizer puts before every text)" in out
 
 
+@pytest.mark.parametrize(
+    "items, shown_mode, note",
+    [
+        (["model.gradient_checkpointing=true"], "full", None),
+        (
+            ["model.checkpointing=selective"],
+            "selective",
+            "# model.checkpointing: selective (model.gradient_checkpointing is not read)",
+        ),
+    ],
+)
+def test_cli_show_config_says_which_checkpointing_switch_decides(capsys, items, shown_mode, note):
+    with pytest.raises(SystemExit) as exc:
+        main(["show-config", *[a for item in items for a in ("--set", item)]])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["model"]["checkpointing"] == shown_mode
+    assert (note in out) if note else "is not read" not in out
+
+
 UPSAMPLED = "data.mixture=upsampled"
 
 
