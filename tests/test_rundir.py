@@ -108,6 +108,7 @@ def test_clear_outputs_removes_what_a_new_run_replaces(tmp_path):
     rd = RunDir(tmp_path)
     rd.checkpoint(2).mkdir(parents=True)
     rd.export(2).mkdir(parents=True)
+    (rd.profile_dir / "steps_1-2").mkdir(parents=True)
     rd.append_metrics({"step": 1})
     rd.config_file.write_text("seed: 0\n")
     rd.clear_outputs()
