@@ -105,6 +105,7 @@ def test_config_changes_keep_the_models_own(model_dir):
         "model.rope_scaling": {"rope_type": "default"},
         "model.max_position_embeddings": 8192,
         "data.anchor": "<|endoftext|>",
+        "model.checkpointing": "none",
     }
     assert any("attn_implementation: None -> 'lctrain_sdpa'" in n for n in notes)
 
