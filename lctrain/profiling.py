@@ -24,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from lctrain.compat.torch import dump_memory_history, record_memory_history, stop_memory_history
+from lctrain.errors import writing
 
 TOP_ROWS = 40  # operators in rank<r>.top.txt
 
@@ -145,13 +146,14 @@ class StepProfiler:
             stop_memory_history()
 
     def _write(self, prof: profile) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.out / f"rank{self.rank}.pt.trace.json.gz"))
         averages = prof.key_averages()
-        (self.out / f"rank{self.rank}.top.txt").write_text(
-            averages.table(sort_by=self_time_attr(self.device.type), row_limit=TOP_ROWS) + "\n"
-        )
-        if self.memory and self.device.type == "cuda":
-            dump_memory_history(self.out / f"rank{self.rank}.memory.pickle")
+        with writing(self.out, "the profile"):
+            self.out.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(self.out / f"rank{self.rank}.pt.trace.json.gz"))
+            (self.out / f"rank{self.rank}.top.txt").write_text(
+                averages.table(sort_by=self_time_attr(self.device.type), row_limit=TOP_ROWS) + "\n"
+            )
+            if self.memory and self.device.type == "cuda":
+                dump_memory_history(self.out / f"rank{self.rank}.memory.pickle")
         self.written = self.out
         self.top = top_kernels(averages, 3, self.device.type)

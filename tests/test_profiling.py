@@ -145,3 +145,15 @@ def test_on_cuda_the_trace_has_the_kernels_and_memory_the_allocator_history(tmp_
     events = json.loads(gzip.decompress((out / "rank0.pt.trace.json.gz").read_bytes()))["traceEvents"]
     kernels = {e["name"] for e in events if e.get("cat") == "kernel"}
     assert kernels and profiler.top and all(k["total_ms"] > 0 for k in profiler.top)  # ranked by device time
+
+
+def test_an_unwritable_profile_directory_is_one_line(tmp_path):
+    from lctrain.errors import WriteFailed
+
+    blocked = tmp_path / "profile"
+    blocked.write_text("a file where the directory goes")
+    profiler = StepProfiler(ProfiledSteps.of(1, 1, 2, 0), blocked, writes=True, rank=0, device="cpu", memory=False)
+    profiler.before(0)
+    torch.ones(4).sum()
+    with pytest.raises(WriteFailed, match="the profile"):
+        profiler.after(0)

@@ -26,7 +26,6 @@ def test_a_profiled_cpu_run_ranks_each_modes_operators(tmp_path, capsys, one_thr
     rows = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in rows] == ["full", "anchor"]
     for r in rows:
-        assert r["tokens_per_s"] == 256 / r["step_s"]
         kernels = r["kernels"]
         assert len(kernels) == 3
         assert [k["total_ms"] for k in kernels] == sorted((k["total_ms"] for k in kernels), reverse=True)
