@@ -121,7 +121,7 @@ def test_the_profiled_steps_leave_a_trace_a_table_and_a_log_line(trained):
     assert [r["profiled"] for r in RunDir(run_dir).read_metrics()] == [True, True, True, False]  # step 1: warm-up
     line = next(li for li in out.splitlines() if li.startswith("profile of "))
     assert line.startswith(f"profile of 2-3: {where}/ (rank 0; Chrome traces for ui.perfetto.dev); most self time: ")
-    assert out.index("step=2/4") < out.index(line) < out.index("step=4/4")
+    assert out.index("step=2/4") < out.index(line) < out.index("step=4/4")  # after its last step's line
 
 
 def test_step_line_formats_a_record():

@@ -380,13 +380,13 @@ class Trainer:
                 profiler.before(step_index)
                 result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
                 profiler.after(step_index)
-                if profiler.finished(step_index) and topo.is_main:
-                    print(profile_line(profiler.out, cfg.logging.profile.ranks, profiler.top), flush=True)
                 check_finite(result, step_index, cfg, self.run_dir)
                 self.state.step = step_index + 1
                 if logger is not None:
                     record = self.metrics(step_index, result, seconds, peak, mem_scope)
                     logger.log({**record, "profiled": profiler.slowed(step_index)})
+                if profiler.finished(step_index) and topo.is_main:  # after the step's own line
+                    print(profile_line(profiler.out, cfg.logging.profile.ranks, profiler.top), flush=True)
                 if self.state.step in hf_steps:
                     self.export_hf()
                 if resume_checkpoint_due(self.state.step, total, cfg.checkpoint):
