@@ -170,9 +170,9 @@ KEPT_ARCH = dict(ARCH, hidden_size=1024, intermediate_size=2816, num_hidden_laye
 KEPT_TOKENS = 16384
 
 
-def left_for_the_backward(mode, attention_mode, engine, device, measure) -> tuple[int, ModelShape]:
+def left_for_the_backward(mode, attention_mode, engine, device, measure, fused="none") -> tuple[int, ModelShape]:
     """Bytes a training forward of the decoder leaves allocated under `model.checkpointing=mode` (`measure()`: the
-    device's allocated bytes), and the model's shape."""
+    device's allocated bytes) with `model.fused_kernels=fused`, and the model's shape."""
     from lctrain.data.layouts import slimpajama_like_layouts
 
     cfg = load_config(
@@ -183,6 +183,7 @@ def left_for_the_backward(mode, attention_mode, engine, device, measure) -> tupl
             f"model.checkpointing={mode}",
             f"attention.mode={attention_mode}",
             f"attention.engine={engine}",
+            f"model.fused_kernels={fused}",
         ],
     )
     cfg.model.arch = dict(KEPT_ARCH)
@@ -199,23 +200,32 @@ def left_for_the_backward(mode, attention_mode, engine, device, measure) -> tupl
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("engine,attention_mode", [("sdpa", "full"), ("varlen", "anchor"), ("flex", "anchor")])
-def test_on_cuda_selective_keeps_what_the_plan_counts(engine, attention_mode):
+@pytest.mark.parametrize(
+    "engine,attention_mode,fused",
+    [("sdpa", "full", "none"), ("varlen", "anchor", "none"), ("flex", "anchor", "none"), ("sdpa", "full", "liger"),
+     ("varlen", "anchor", "liger")],
+)  # fmt: skip
+def test_on_cuda_selective_keeps_what_the_plan_counts(engine, attention_mode, fused):
     """Selective checkpointing's forward leaves, beyond whole-layer checkpointing's, what the plan counts per layer
-    (`memory.kept_bytes`), in every engine; the allocator's count is the reference. On an H100 the anchor step
-    (varlen) with selective peaked 6.7 GB above the full-attention one (sdpa) at 64K, which the plan does not count."""
+    (`memory.kept_bytes`), in every engine, with and without Liger's kernels; the allocator's count is the
+    reference. On an H100 the anchor step (varlen) with selective peaked 6.7 GB above the full-attention one (sdpa)
+    at 64K, and 8.9 GB more with Liger, which the plan does not count."""
     from lctrain.memory import kept_bytes
+
+    if fused == "liger":
+        pytest.importorskip("liger_kernel")
 
     def allocated():
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
 
     (full, shape), (selective, _) = (
-        left_for_the_backward(m, attention_mode, engine, "cuda", allocated) for m in ("full", "selective")
+        left_for_the_backward(m, attention_mode, engine, "cuda", allocated, fused) for m in ("full", "selective")
     )
     planned = shape.layers * kept_bytes(shape, KEPT_TOKENS, 2, "selective")
     extra = selective - full
     assert abs(extra - planned) <= 0.1 * planned, (
-        f"{engine}/{attention_mode}: selective keeps {extra / 2**20:.1f} MiB beyond full checkpointing, "
+        f"{engine}/{attention_mode}/{fused}: selective keeps {extra / 2**20:.1f} MiB beyond full checkpointing "
+        f"({full / 2**20:.1f} MiB), "
         f"the plan counts {planned / 2**20:.1f} MiB"
     )
