@@ -274,6 +274,37 @@ def test_each_new_rank_continues_an_old_ranks_rng():
     assert [reshard.rng_rank(r, layout(nproc_per_node=8)) for r in range(2)] == [0, 1]
 
 
+def test_the_ranks_old_rng_states_are_those_they_continue():
+    assert reshard.rng_ranks(layout(nproc_per_node=4), layout(nproc_per_node=2)) == [0, 1]
+    assert reshard.rng_ranks(layout(nproc_per_node=2), layout(nproc_per_node=8)) == [0, 1]
+
+
+def test_a_checkpoint_without_a_needed_rng_state_is_passed_over_for_the_next(tmp_path, monkeypatch, capsys):
+    """The ranks fall back from a checkpoint they cannot load to the next, so the one converted must be one they can
+    load: a checkpoint lacking an RNG state a new rank continues with is not converted, the one before it is."""
+    from lctrain.train import command
+
+    converted = []
+    monkeypatch.setattr(reshard, "convert", lambda path, changed: converted.append(path.name) or 1.0)
+    written_by_two = layout(nproc_per_node=2)
+    states = []
+    for step, ranks in ((4, [0]), (2, [0, 1])):
+        path = tmp_path / f"step_{step}"
+        path.mkdir()
+        for rank in ranks:
+            (path / f"rng_rank{rank}.pt").touch()
+        states.append((path, {"step": step, "config": written_by_two}))
+    cfg = with_overrides(load_config(None), ["parallel.nproc_per_node=1"], "test")
+    command._convert_for_layout(cfg, states)
+    assert converted == ["step_4"]  # one rank now: it continues rank 0's state, which step_4 has
+
+    converted.clear()
+    cfg = with_overrides(load_config(None), ["parallel.nproc_per_node=4"], "test")  # ranks 2, 3 continue 0, 1
+    command._convert_for_layout(cfg, states)
+    assert converted == ["step_2"]
+    assert "warning: checkpoint step_4 is not converted: rng_rank1.pt missing" in capsys.readouterr().out
+
+
 def test_resume_keeps_its_run_directory(tmp_path):
     result = CliRunner().invoke(app, ["resume", str(tmp_path), "--set", "train.run_dir=elsewhere"])
     assert one_error_line(result) == (

@@ -134,12 +134,18 @@ def resume(
 
 def _convert_for_layout(cfg: Config, states: list[tuple[Path, dict]]) -> None:
     """Convert the checkpoint the ranks will load first, if it was written with another parallel layout; one that
-    cannot be converted (damaged) is reported and the next tried, as loading falls back (Trainer.load_checkpoint)."""
+    cannot be converted (damaged, or without an RNG state a new rank continues with) is reported and the next
+    tried, as loading falls back (Trainer.load_checkpoint): the ranks find the one they reach converted."""
     now = settings(cfg)
     for path, state in states:
         changed = reshard.layout_changes(state.get("config"), now)
         if not changed:
             return
+        lacking = [ckpt.rng_file(r) for r in reshard.rng_ranks(state["config"], now)]
+        lacking = [name for name in lacking if not (path / name).is_file()]
+        if lacking:
+            print(f"warning: checkpoint {path.name} is not converted: {', '.join(lacking)} missing", flush=True)
+            continue
         try:
             seconds = reshard.convert(path, changed)
         except ckpt.DAMAGED as e:

@@ -104,4 +104,13 @@ def convert(checkpoint: Path, changed: list[str]) -> float:
 def rng_rank(rank: int, saved: dict) -> int:
     """The rank whose saved RNG state rank `rank` continues with (`saved`: the checkpoint's settings): its own where
     the old layout had it."""
-    return rank % (saved["parallel"]["nproc_per_node"] * saved["parallel"]["num_nodes"])
+    return rank % _world(saved)
+
+
+def _world(settings: dict) -> int:
+    return settings["parallel"]["nproc_per_node"] * settings["parallel"]["num_nodes"]
+
+
+def rng_ranks(saved: dict, now: dict) -> list[int]:
+    """The saved ranks whose RNG states the new layout's ranks continue with (`rng_rank` of each)."""
+    return sorted({rng_rank(rank, saved) for rank in range(_world(now))})
