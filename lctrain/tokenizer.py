@@ -194,9 +194,10 @@ def check_matches_model(cfg: Config, data_tokenizer=None) -> None:
     foreign = foreign_ids(data_vocab, own.get_vocab()) if own is not None else []
     if foreign:
         i, ours, theirs = foreign[0]
+        meaning = "no token" if theirs is None else repr(theirs)
         raise UserError(
             f"{where}: {len(foreign):,} of its {len(data_vocab):,} ids mean other tokens to the model (id {i} is "
-            f"{ours!r} in the data, {theirs!r} to the model); {fix}"
+            f"{ours!r} in the data, {meaning} to the model); {fix}"
         )
     rows = _embedding_rows(model_source) if Path(model_source).is_dir() else None  # a hub config is not downloaded
     top = max(data_vocab.values())

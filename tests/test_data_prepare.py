@@ -641,5 +641,8 @@ def test_explicit_anchor_is_used_recorded_and_checked_at_train(tmp_path, tok, wo
     write_manifest(tmp_path / "out", m.model_copy(update=other))
     with pytest.raises(UserError, match=r"segments start with anchor <s> \(id 1\), data.anchor = eos is </s> \(id 2\)"):
         open_checked(cfg)
+    write_manifest(tmp_path / "out", m.model_copy(update={**other, "data_fingerprint": "0" * 64}))
+    with pytest.raises(UserError, match=r"prepared with other data settings \(data.anchor <s> -> </s>\); run '.* --force'"):
+        open_checked(cfg)
     with pytest.raises(UserError, match="data.anchor = 'nope' is not a token of tokenizer"):
         prepare(cfg_for(tmp_path / "other", "data.anchor=nope", source=src))

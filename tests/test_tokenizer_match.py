@@ -2,6 +2,8 @@
 whose ids mean other tokens to the model (checked against SentencePiece's own pieces of the two built-in Mistral
 vocabularies), or run past its embedding rows; the model's own tokenizer, or one that only extends it, passes."""
 
+import copy
+
 import pytest
 import sentencepiece as spm
 from train_helpers import one_error_line, set_args
@@ -85,3 +87,12 @@ def test_ids_past_the_embedding_rows_are_refused_when_the_model_has_no_tokenizer
 def test_the_models_own_tokenizer_passes(tmp_path):
     check_matches_model(config(pretrained(tmp_path / "same", 32000, V1), V1, tmp_path))
     check_matches_model(config(pretrained(tmp_path / "bigger", 32768, None), V1, tmp_path))
+
+
+def test_a_data_token_the_model_lacks_is_named_as_none_of_its_tokens(tmp_path):
+    padded = copy.deepcopy(load_tokenizer(V1))  # load_tokenizer's are shared: this one gains a token
+    padded.add_special_tokens({"pad_token": "<|pad|>"})
+    save_tokenizer(padded, tmp_path / "padded")
+    model = pretrained(tmp_path / "model", 32000, V1)
+    with pytest.raises(UserError, match=r"\(id 32000 is '<\|pad\|>' in the data, no token to the model\)"):
+        check_matches_model(config(model, str(tmp_path / "padded"), tmp_path))

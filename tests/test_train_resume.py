@@ -332,7 +332,7 @@ def test_a_prepared_dataset_as_run_directory_is_refused_and_left_alone(tmp_path,
             ["parallel.nproc_per_node=8", "parallel.sequence_parallel=8"],
             "4 attention heads are not divisible by parallel.sequence_parallel = 8",
         ),
-        (["data.seed=7"], "prepared with different data settings"),
+        (["data.seed=7"], "prepared with other data settings (data.seed 0 -> 7); run 'lctrain prepare"),
     ],
 )
 def test_bad_configs_fail_before_training(workdir, tmp_path, extra, expected):

@@ -33,33 +33,55 @@ def prepare_command(cfg: Config) -> str:
     return f"lctrain prepare{arg}"
 
 
-def prepare_hint(cfg: Config) -> str:
-    return f"run '{prepare_command(cfg)}' (with the same --set overrides) first"
+def prepare_hint(cfg: Config, force: bool = False) -> str:
+    command = prepare_command(cfg) + (" --force" if force else "")
+    return f"run '{command}' (with the same --set overrides) first"
+
+
+# The data settings a manifest records as they are in the config: a changed one is named when the fingerprints differ.
+_RECORDED = (
+    "seq_len",
+    "mixture",
+    "token_budget",
+    "domain_tags",
+    "interleave_chunks",
+    "short_doc_tokens",
+    "down_sample_ratio",
+    "seed",
+)
 
 
 def open_checked(cfg: Config):
     """The prepared dataset of `cfg`, refusing a missing or damaged one (`open_packed`) or one built from different
-    data settings, each in one line naming the file and the command that rebuilds it."""
+    data settings, each in one line naming the file, what differs and the command that rebuilds it."""
     path = data_dir(cfg)
     if not (path / MANIFEST).is_file():
         raise UserError(f"{path}: no prepared dataset for this config; {prepare_hint(cfg)}")
     packed = open_packed(path, rebuild=f"run '{prepare_command(cfg)}' (with the same --set overrides) to rebuild it")
     manifest = packed.manifest
+    anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
     if manifest.data_fingerprint != data_fingerprint(cfg.data):
+        changed = [
+            f"data.{k} {getattr(manifest, k)} -> {getattr(cfg.data, k)}"
+            for k in _RECORDED
+            if getattr(manifest, k) != getattr(cfg.data, k)
+        ]
+        if manifest.anchor.id != anchor.id:
+            changed.append(f"data.anchor {manifest.anchor.token} -> {anchor.token}")
+        what = ", ".join(changed) or "a setting the manifest does not show, such as data.path or data.tokenizer"
         raise UserError(
-            f"{path}/{MANIFEST}: the dataset was prepared with different data settings "
-            f"(data_fingerprint differs); {prepare_hint(cfg)} --force"
+            f"{path}/{MANIFEST}: the dataset was prepared with other data settings ({what}); "
+            f"{prepare_hint(cfg, force=True)}"
         )
     if manifest.seq_len != cfg.data.seq_len:
         raise UserError(
             f"{path}/{MANIFEST}: seq_len {manifest.seq_len} != data.seq_len {cfg.data.seq_len}; {prepare_hint(cfg)}"
         )
-    anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
     if manifest.anchor.id != anchor.id:
         raise UserError(
             f"{path}/{MANIFEST}: the dataset's segments start with anchor {manifest.anchor.token} (id "
             f"{manifest.anchor.id}), data.anchor = {cfg.data.anchor} is {anchor.token} (id {anchor.id}); "
-            f"{prepare_hint(cfg)} --force"
+            f"{prepare_hint(cfg, force=True)}"
         )
     return packed
 
