@@ -532,6 +532,27 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, overrides, needle):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_rerun_after_the_input_grew_is_refused_not_a_noop(tmp_path, words):
+    """The data fingerprint holds the settings, not the files: records appended to the corpus since it was prepared
+    are named (count and bytes then and now) instead of being left unread; --force rebuilds from them. An input
+    that is gone leaves the dataset prepared."""
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 20, seed=3))
+    cfg = cfg_for(tmp_path / "out", "data.token_budget=1280000", source=src)
+    prepared_windows = len(open_packed(prepare(cfg)))
+    size = src.stat().st_size
+    with src.open("a") as f:
+        f.write("".join(json.dumps(d) + "\n" for d in make_docs(words, 20, seed=4)))
+    with pytest.raises(
+        UserError,
+        match=rf"the input files changed since \(it was prepared from 1 file, {size:,} "
+        rf"bytes, the input is now 1 file, {src.stat().st_size:,} bytes\); .* --force",
+    ):
+        prepare(cfg)
+    assert len(open_packed(prepare(cfg, force=True))) > prepared_windows
+    src.unlink()
+    assert prepare(cfg) == tmp_path / "out"
+
+
 def test_rerun_is_a_noop_and_other_fingerprint_needs_force(tmp_path):
     out = tmp_path / "out"
     over = ["data.seq_len=128", "data.token_budget=2560", f"data.output_dir={out}"]
@@ -642,7 +663,9 @@ def test_explicit_anchor_is_used_recorded_and_checked_at_train(tmp_path, tok, wo
     with pytest.raises(UserError, match=r"segments start with anchor <s> \(id 1\), data.anchor = eos is </s> \(id 2\)"):
         open_checked(cfg)
     write_manifest(tmp_path / "out", m.model_copy(update={**other, "data_fingerprint": "0" * 64}))
-    with pytest.raises(UserError, match=r"prepared with other data settings \(data.anchor <s> -> </s>\); run '.* --force'"):
+    with pytest.raises(
+        UserError, match=r"prepared with other data settings \(data.anchor <s> -> </s>\); run '.* --force'"
+    ):
         open_checked(cfg)
     with pytest.raises(UserError, match="data.anchor = 'nope' is not a token of tokenizer"):
         prepare(cfg_for(tmp_path / "other", "data.anchor=nope", source=src))

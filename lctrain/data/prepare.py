@@ -366,30 +366,73 @@ def _progress(console):
     )
 
 
-def _existing_is_current(out: Path, fingerprint: str, force: bool) -> tuple[bool, str | None]:
-    """(True when `out` already holds this dataset, why a damaged one of ours there is rebuilt); raises when `out`
-    holds something else and force is off."""
+def _input_change(prepared: dict, now: dict) -> str | None:
+    """How the input files differ from those a dataset was prepared from (`describe_source` then and now), as far
+    as their count and sizes tell without reading them; None when they agree or there is nothing to compare (a hub
+    or synthetic source)."""
+
+    def sizes(source: dict) -> list[tuple]:
+        entries = source.get("sources") if source.get("kind") == "sources" else [source]
+        return [(e.get("name"), e.get("files"), e.get("bytes")) for e in entries if "bytes" in e]
+
+    then, current = sizes(prepared), sizes(now)
+    if then == current:
+        return None
+
+    def says(rows: list[tuple]) -> str:
+        return "; ".join(f"{f'{n}: ' if n else ''}{files:,} file{'' if files == 1 else 's'}, {size:,} bytes" for n, files, size in rows)
+
+    return f"it was prepared from {says(then)}, the input is now {says(current)}"
+
+
+def _resolve_inputs(cfg: Config):
+    """The local input files (`LocalFiles`, a list of them with data.sources), None for a hub or synthetic source."""
+    if cfg.data.sources is not None:
+        return resolve_sources(cfg)
+    if cfg.data.source == "local":
+        return resolve_local_files(str(cfg.resolve_path(cfg.data.path)), cfg.data.hub_split, cfg.data.seed)
+    return None
+
+
+def _check_input_unchanged(cfg: Config, out: Path, manifest: Manifest) -> None:
+    """Refuse to call `out` prepared when its input files changed since: the data fingerprint holds the settings,
+    not the files, so data appended to the corpus would otherwise go unread without a word."""
+    try:
+        now = describe_source(cfg.data, _resolve_inputs(cfg))
+    except UserError:
+        return  # the input is gone (a dataset may outlive its raw corpus): nothing to compare
+    changed = _input_change(manifest.source, now)
+    if changed:
+        raise UserError(
+            f"{out}: already prepared, but the input files changed since ({changed}); run prepare again with --force "
+            f"to rebuild it from them"
+        )
+
+
+def _existing_is_current(out: Path, fingerprint: str, force: bool) -> tuple[Manifest | None, str | None]:
+    """(the manifest when `out` already holds this dataset, why a damaged one of ours there is rebuilt); raises when
+    `out` holds something else and force is off."""
     if not out.exists():
-        return False, None
+        return None, None
     if not out.is_dir():
         raise UserError(f"data.output_dir = '{out}' exists and is not a directory; choose another data.output_dir")
     manifest, problem = dataset_problem(out)
     if manifest is None:
         if (out / MANIFEST).exists():
-            return False, problem  # a damaged dataset of ours, or one of an older format: rebuild it
+            return None, problem  # a damaged dataset of ours, or one of an older format: rebuild it
         if not any(out.iterdir()):
-            return False, None
+            return None, None
         raise UserError(
             f"{out} exists, is not empty and is not a prepared dataset; remove it or choose another data.output_dir"
         )
     if manifest.data_fingerprint == fingerprint:
-        return not force, None
+        return (None if force else manifest), None
     if not force:
         raise UserError(
             f"{out} holds a dataset with another data fingerprint ({manifest.data_fingerprint[:12]}, this config "
             f"{fingerprint[:12]}); rerun with --force to replace it or set data.output_dir"
         )
-    return False, None
+    return None, None
 
 
 def _remove_stale(out: Path) -> None:
@@ -449,18 +492,14 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     if reread:
         console.print(reread, markup=False)
     current, damage = _existing_is_current(out, fingerprint, force)
-    if current:
+    if current is not None:
+        _check_input_unchanged(cfg, out, current)
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         return out
     if damage:
         console.print(f"{out}: rebuilding it ({damage})", markup=False)
     # resolving validates local paths before the slow tokenizer load; done once, a SlimPajama tree is large
-    if d.sources is not None:
-        files = resolve_sources(cfg)
-    elif d.source == "local":
-        files = resolve_local_files(str(cfg.resolve_path(d.path)), d.hub_split, d.seed)
-    else:
-        files = None
+    files = _resolve_inputs(cfg)
     source = describe_source(d, files)
     tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
     check_matches_model(cfg, tok)
