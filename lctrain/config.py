@@ -913,20 +913,26 @@ def data_dir(cfg: Config) -> Path:
     return cfg.resolve_path("prepared") / data_fingerprint(cfg.data)[:12]
 
 
-def reread_warning(cfg: Config, windows: int) -> str | None:
+def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) -> str | None:
     """One line when training reads more windows (`train.steps` x `train.global_batch`) than `windows` hold, else
     None. Reading runs through the windows in order (train/data.py), so the re-read windows are the last steps',
-    which hold every evaluation checkpoint."""
+    which hold every evaluation checkpoint. `source_exhausted`: the input ran out before `data.token_budget`, so a
+    larger budget would not help."""
     needed = cfg.train.steps * cfg.train.global_batch
     if needed <= windows:
         return None
     seq_len = cfg.data.seq_len
-    rereading_steps = cfg.train.steps - windows // cfg.train.global_batch
+    fits = windows // cfg.train.global_batch
+    if source_exhausted or cfg.data.token_budget >= needed * seq_len:
+        fix = (
+            f"the input ran out before data.token_budget: add input data (and prepare again) or set train.steps={fits}"
+        )
+    else:
+        fix = f"set data.token_budget={needed * seq_len} (and prepare again) or lower train.steps"
     return (
         f"warning: {cfg.train.steps:,} steps x {cfg.train.global_batch} windows x {seq_len:,} tokens = "
         f"{needed * seq_len:,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "
-        f"windows, {windows * seq_len:,} tokens): the last {rereading_steps:,} steps re-read windows; set "
-        f"data.token_budget={needed * seq_len} (and prepare again) or lower train.steps"
+        f"windows, {windows * seq_len:,} tokens): the last {cfg.train.steps - fits:,} steps re-read windows; {fix}"
     )
 
 

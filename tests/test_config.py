@@ -290,6 +290,13 @@ def test_reread_warning_counts_the_steps_that_read_windows_twice():
     )
     assert reread_warning(cfg, 16_000) is None
     assert "the last 1 steps" in reread_warning(cfg, 15_999)
+    # the input ran out before the budget: a larger budget would change nothing, more data or fewer steps would
+    ran_out = "; the input ran out before data.token_budget: add input data (and prepare again) or set train.steps=1907"
+    assert reread_warning(cfg, 15_258, source_exhausted=True).endswith(ran_out)
+    enough_budget = load_config(
+        None, ["data.seq_len=131072", "data.token_budget=3000000000", "train.steps=2000", "train.global_batch=8"]
+    )
+    assert reread_warning(enough_budget, 15_258).endswith(ran_out)
 
 
 def test_with_overrides_derives_a_validated_config():

@@ -553,6 +553,16 @@ def test_a_rerun_after_the_input_grew_is_refused_not_a_noop(tmp_path, words):
     assert prepare(cfg) == tmp_path / "out"
 
 
+def test_an_input_shorter_than_the_budget_says_so_and_what_training_would_re_read(tmp_path, words, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 10, seed=5))
+    cfg = cfg_for(tmp_path / "out", "data.token_budget=1280000", "train.steps=1000", source=src)
+    windows = len(open_packed(prepare(cfg)))
+    out = capsys.readouterr().out
+    assert f"the source ran out before the budget: {windows:,} of 10,000 windows" in out
+    fits = windows // cfg.train.global_batch
+    assert f"add input data (and prepare again) or set train.steps={fits}" in " ".join(out.split())
+
+
 def test_rerun_is_a_noop_and_other_fingerprint_needs_force(tmp_path):
     out = tmp_path / "out"
     over = ["data.seq_len=128", "data.token_budget=2560", f"data.output_dir={out}"]

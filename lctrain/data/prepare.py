@@ -380,7 +380,10 @@ def _input_change(prepared: dict, now: dict) -> str | None:
         return None
 
     def says(rows: list[tuple]) -> str:
-        return "; ".join(f"{f'{n}: ' if n else ''}{files:,} file{'' if files == 1 else 's'}, {size:,} bytes" for n, files, size in rows)
+        return "; ".join(
+            f"{f'{n}: ' if n else ''}{files:,} file{'' if files == 1 else 's'}, {size:,} bytes"
+            for n, files, size in rows
+        )
 
     return f"it was prepared from {says(then)}, the input is now {says(current)}"
 
@@ -633,7 +636,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     render(console, stats, read["skipped"])
     if d.sources is not None:
         _say_source_shares(console, manifest.source["sources"])
-    _say_what_was_left_out(console, manifest, num_windows)
+    _say_what_was_left_out(console, manifest, num_windows, cfg)
     console.print(
         f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s "
         f"({manifest.build['packed_tokens_per_s']:,} tokens/s)"
@@ -678,7 +681,7 @@ def _shards_intact(directory: Path, shards: list[dict]) -> bool:
     return True
 
 
-def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int) -> None:
+def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int, cfg: Config) -> None:
     """The input files not read, the source's tail that could not fill a window, a source shorter than the budget."""
     skipped = manifest.source.get("skipped_files") or []
     if skipped:
@@ -699,6 +702,9 @@ def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int) ->
             f"({manifest.num_tokens:,} tokens) written",
             style="yellow",
         )
+        reread = reread_warning(cfg, manifest.num_windows, source_exhausted=True)
+        if reread:
+            console.print(reread, style="yellow", markup=False)
 
 
 def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: int) -> dict:

@@ -273,7 +273,7 @@ def preflight(cfg: Config) -> Prepared:
             kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
     check_matches_model(cfg)
     prepared = Prepared.of(cfg, plan=plan)
-    reread = reread_warning(cfg, len(prepared.packed))
+    reread = reread_warning(cfg, len(prepared.packed), prepared.packed.manifest.source_exhausted)
     if reread:
         print(reread, flush=True)
     if cfg.logging.wandb != "disabled":
