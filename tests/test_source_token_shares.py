@@ -63,8 +63,12 @@ def test_written_tokens_follow_the_asked_shares(tmp_path, corpus, capsys):
     got = counted_shares(path)
     for name, share in SHARES.items():
         assert got[name] == pytest.approx(share, abs=0.01), got
-    reported = {e["name"]: e["achieved_token_share"] for e in open_packed(path).manifest.source["sources"]}
+    manifest = open_packed(path).manifest
+    reported = {e["name"]: e["achieved_token_share"] for e in manifest.source["sources"]}
     assert reported == pytest.approx(got, abs=1e-12)
+    # the long source's share fills first: its later documents are skipped, and counted
+    dropped = manifest.mixture_dropped["source_share_full"]
+    assert 0 < dropped <= manifest.source["documents_read"] - manifest.stats["documents"]
     said = " ".join(capsys.readouterr().out.split())
     assert "per source (asked -> achieved): short token_share 0.5000 -> " in said
 

@@ -599,7 +599,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             shuffle={"file_order": "seeded permutation", "buffer_tokens": builder.buffer.max_tokens},
             stats=stats,
             skipped=read["skipped"],
-            mixture_dropped=builder.mixture.dropped,
+            mixture_dropped={**builder.mixture.dropped, **builder.shares.dropped},
             source={
                 **_with_achieved_shares(source, builder.shares.achieved()),
                 "records_read": read["records"],
