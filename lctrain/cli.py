@@ -161,6 +161,10 @@ def init(
         str | None,
         typer.Option(help="the model's tokenizer (directory, .model file or hub name); default: the model's own"),
     ] = None,
+    data: Annotated[
+        str | None,
+        typer.Option(help="your corpus: a .jsonl/.parquet file, folder or glob (data.path); default: SlimPajama"),
+    ] = None,
 ):
     """Write a commented config of the paper's recipe for your base model: the paper's RoPE base for --seq-len, the
     least sharded parallel layout and ZeRO stage whose memory plan fits, batch, schedule and checkpoints. Reads only
@@ -178,6 +182,7 @@ def init(
         gpus_per_node=gpus_per_node,
         force=force,
         tokenizer=tokenizer,
+        data=data,
     )
     typer.echo(summary(path, layout))
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import yaml
 from transformers import AutoConfig
 
-from lctrain.config import validate
+from lctrain.config import DataConfig, validate
 from lctrain.costmodel import ModelShape
+from lctrain.data.sources import resolve_local_files
 from lctrain.errors import UserError
 from lctrain.memory import SELECTIVE, WARN_FRACTION, Budget, plan_memory, replan
 from lctrain.model import default_rope_theta, require_rope
@@ -224,14 +225,21 @@ def wandb_mode() -> tuple[str, str]:
 
 
 def _recipe(
-    base: BaseModel, seq_len: int, gpus_per_node: int, mode: str, name: str, theta: float, tokenizer: str
+    base: BaseModel,
+    seq_len: int,
+    gpus_per_node: int,
+    mode: str,
+    name: str,
+    theta: float,
+    tokenizer: str,
+    data: str | None = None,
 ) -> dict:
-    """The settings that do not depend on the layout."""
+    """The settings that do not depend on the layout; `data`: a local corpus, else SlimPajama from the hub."""
+    source = {"source": "local", "path": data} if data else {"source": "hub", "hub_name": SLIMPAJAMA}
     return {
         "name": name,
         "data": {
-            "source": "hub",
-            "hub_name": "cerebras/SlimPajama-627B",
+            **source,
             "tokenizer": tokenizer,
             "anchor": "auto",
             "seq_len": seq_len,
@@ -265,6 +273,22 @@ def _v(value) -> str:
 
 def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+SLIMPAJAMA = "cerebras/SlimPajama-627B"
+
+
+def _data_source(d: dict) -> str:
+    """The data section's lines saying where the text comes from, with what the other choice would be."""
+    if d["source"] == "local":
+        return f"""  # your corpus (--data): a jsonl/parquet file, folder or glob (docs/data.md); the paper's SlimPajama
+  # from the hub instead: source: hub and hub_name: {SLIMPAJAMA}
+  source: local
+  path: {_v(d["path"])}"""
+    return f"""  # SlimPajama streamed from the hub, as in the paper. Your own corpus: source: local and path: a
+  # jsonl/parquet file, folder or glob (docs/data.md), or `lctrain init --data PATH`.
+  source: hub
+  hub_name: {_v(d["hub_name"])}"""
 
 
 def render(
@@ -312,10 +336,7 @@ def render(
 name: {_v(raw["name"])}
 description: {_v(f"{base.stem}, {d['seq_len'] // 1024}K windows, {raw['attention']['mode']} attention (lctrain init)")}
 data:
-  # SlimPajama streamed from the hub, as in the paper. Your own corpus: source: local and path: a jsonl/parquet
-  # file, folder or glob (docs/data.md).
-  source: {d["source"]}
-  hub_name: {_v(d["hub_name"])}
+{_data_source(d)}
   tokenizer: {_v(d["tokenizer"])}   # {why_tokenizer}
   # the token that starts every segment and prompt; auto = the tokenizer's BOS when it adds one to plain text, else
   # <|endoftext|>, else EOS (`lctrain prepare` says which)
@@ -389,8 +410,10 @@ def init_config(
     gpus_per_node: int = 8,
     force: bool = False,
     tokenizer: str | None = None,
+    data: str | None = None,
 ) -> tuple[Path, Layout]:
-    """Write the config; (its path, the layout chosen)."""
+    """Write the config; (its path, the layout chosen). `data`: the corpus (`data.path`, checked to hold input
+    files now), else SlimPajama from the hub."""
     if gpus < 1:
         raise UserError(f"--gpus {gpus}: expected at least 1 GPU")
     if gpus_per_node < 1:
@@ -417,7 +440,12 @@ def init_config(
         int(WARN_FRACTION * gb_to_bytes(host_mem_gb)),
         f"{WARN_FRACTION:.0%} of {gpu_mem_gb:g} GB per GPU and of {host_mem_gb:g} GB per node",
     )
-    recipe = _recipe(base, seq_len, per_node, mode, name, theta, tokenizer)
+    if data:
+        try:
+            resolve_local_files(data, DataConfig.model_fields["hub_split"].default, 0)
+        except UserError as e:
+            raise UserError(str(e).replace(f"data.path = '{data}'", f"--data {data}")) from None
+    recipe = _recipe(base, seq_len, per_node, mode, name, theta, tokenizer, data)
     layout, tried = choose_layout(recipe, base.shape, budget, gpus)
     raw = _with_layout(recipe, layout.zero_stage, layout.sequence_parallel, layout.offload_optimizer, gpus)
     raw, layout, why_checkpointing = choose_checkpointing(raw, layout, base.shape, budget, gpus)

@@ -197,6 +197,10 @@ def test_several_nodes_and_the_batch(tmp_path, monkeypatch):
         (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "1000", "--gpus", "8"], "--seq-len 1000"),
         (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--mode", "x"], "--mode x"),
         (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "4194304", "--gpus", "1", "--gpu-mem", "8"], "no layout fits"),
+        (
+            ["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--data", "{empty}/c.jsonl"],
+            "--data {empty}/c.jsonl: no such file or directory",
+        ),
     ],
 )
 def test_bad_input_is_one_line(args, message, tmp_path, monkeypatch):
@@ -206,8 +210,21 @@ def test_bad_input_is_one_line(args, message, tmp_path, monkeypatch):
     r = run_init(*args)
     assert r.exit_code == 2
     lines = r.output.strip().splitlines()
+    message = message.replace("{empty}", str(tmp_path / "empty"))
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.output
     assert not (tmp_path / "o.yaml").exists()
+
+
+def test_your_own_corpus_is_written_as_the_local_source(tiny_dir, tmp_path, monkeypatch):
+    """`--data` makes the config prepare that corpus: what `prepare -c` and `train -c` then read without --set."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "one"}\n')
+    r = run_init("--model", str(tiny_dir), "--seq-len", "8192", "--gpus", "1", "--out", "mine.yaml", "--data", "corpus")
+    assert r.exit_code == 0, r.output
+    cfg = load_config("mine.yaml")
+    assert (cfg.data.source, cfg.data.path) == ("local", "corpus")
+    assert "# your corpus (--data)" in (tmp_path / "mine.yaml").read_text()
 
 
 def test_an_existing_file_is_kept_without_force(tiny_dir, tmp_path):
