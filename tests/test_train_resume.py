@@ -8,6 +8,7 @@ ends (CPU, fp32).
 import json
 import random
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -283,6 +284,25 @@ def _cli_error(args: list[str]) -> str:
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     return lines[0]
+
+
+def test_a_resume_trains_on_with_the_configs_learning_rate_betas_and_eps(reference, tmp_path):
+    """The checkpoint's optimizer state restores the rate, betas and eps it was written with; a resume that changes
+    them (a lower rate after a divergence) trains with the new ones. At train.lr=1e-30 an AdamW update (its decoupled
+    decay is scaled by the rate too) is below half an fp32 ulp of every weight, so step 9's weights are step 8's,
+    bit for bit."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    sets = ["train.steps=9", "train.lr=1e-30", "train.betas=[0.8, 0.9]", "train.eps=1e-6"]
+    result = CliRunner().invoke(app, ["resume", str(run_dir), *set_args(sets)])
+    assert result.exit_code == 0, result.output
+    before = final_state(run_dir)
+    after = torch.load(RunDir(run_dir).checkpoint(9) / "mp_rank_00_model_states.pt", weights_only=False)
+    for k in before["module"]:
+        assert torch.equal(after["module"][k], before["module"][k]), k
+    assert before["optimizer"]["param_groups"][0]["lr"] > 0
+    assert {(tuple(g["betas"]), g["eps"]) for g in after["optimizer"]["param_groups"]} == {((0.8, 0.9), 1e-6)}
+    assert set(after["lr_scheduler"]["base_lrs"]) == {1e-30}
 
 
 def test_train_refuses_a_run_directory_with_checkpoints(reference, workdir):

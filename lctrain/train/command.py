@@ -192,9 +192,10 @@ def _start(
 
 
 # Settings a checkpoint fixes: the model it holds, the data order it continues, and the weight decay of the
-# optimizer's parameter groups (loading the optimizer state restores the saved groups' decay, so a new value would be
-# silently ignored). The parallel layout may change (lctrain/train/reshard.py), and so may anything else (steps,
-# learning rate, logging, checkpoint and eval schedule, engine).
+# optimizer's parameter groups (loading the optimizer state restores the saved groups' decay, and which groups decay).
+# The parallel layout may change (lctrain/train/reshard.py), and so may anything else (steps, learning rate, betas and
+# eps, which the trainer gives the restored optimizer again: `apply_optimizer_settings`; logging, checkpoint and eval
+# schedule, engine).
 _FIXED_BY_CHECKPOINT = (
     "seed",
     "model.",

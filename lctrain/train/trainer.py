@@ -459,6 +459,7 @@ class Trainer:
                         flush=True,
                     )
                 self.state = TrainState.from_record(record)
+                apply_optimizer_settings(self.engine, self.cfg.train, self.state.step)
                 if topo.is_main:
                     if record.get("config_fingerprint") != config_fingerprint(self.cfg):
                         print(
@@ -534,3 +535,14 @@ def _grad_norm(module: torch.nn.Module) -> float:
 
 def _lambda_lr(optimizer, train_cfg):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, train=train_cfg))
+
+
+def apply_optimizer_settings(engine, train, next_index: int) -> None:
+    """Give the optimizer the config's learning rate, betas and eps after a checkpoint's state restored those it was
+    written with (the scheduler's `base_lrs` and every parameter group's values): a resume may change them
+    (docs/training.md), e.g. a lower `train.lr` after a divergence. `next_index`: the 0-based index of the next
+    update, whose rate the group must hold now (LambdaLR set it after the last step)."""
+    scheduler = engine.lr_scheduler
+    scheduler.base_lrs = [train.lr] * len(scheduler.base_lrs)
+    for group in scheduler.optimizer.param_groups:
+        group.update(lr=train.lr * lr_factor(next_index, train), betas=tuple(train.betas), eps=train.eps)
