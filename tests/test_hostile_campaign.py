@@ -323,7 +323,13 @@ CASES = [
     ("src-empty-dir", "sources", src("emptydir"), {}, r"emptydir': no .jsonl, .json, .*files under"),
     ("src-empty-texts", "sources", src("empty_text.jsonl"), {}, r"skipped: 50 empty_text"),
     ("src-utf16", "sources", src("utf16.jsonl"), {}, r"malformed_json"),
-    ("src-other-field", "sources", src("other_field.jsonl"), {}, r"skipped: 50 no_text"),
+    (
+        "src-other-field",
+        "sources",
+        src("other_field.jsonl"),
+        {},
+        r"other_field.jsonl: record 1 has no 'text' field \(it has: .*text_field: ",
+    ),
     ("src-json-array-lines", "sources", src("array.jsonl"), {}, r"skipped: 1 malformed_json"),
     ("src-txt", "sources", src("plain.txt"), {}, r"unsupported file type"),
     (

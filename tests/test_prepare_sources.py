@@ -1,11 +1,15 @@
 """Sources resolved explicitly: an existing path is a path even with glob characters in its name, only regular files
-are read (a named pipe is refused in one line, never opened), and dangling symlinks and unreadable files are skipped,
-counted and named in the summary and the manifest."""
+are read (a named pipe is refused in one line, never opened), and dangling symlinks, unreadable files and files of
+other types are skipped, counted and named in the summary and the manifest. A `.json` file is JSON Lines or one JSON
+array of records; a `data.path` corpus whose records keep their text under another name is refused in one line
+saying how to name it."""
 
 import json
 import os
+import re
 
 import pytest
+import zstandard
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -15,11 +19,24 @@ from lctrain.data.prepare import prepare
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError
 
+OTHER_TYPE = "unsupported file type: not .jsonl, .json, .jsonl.zst, .json.zst or .parquet"
+
 
 def corpus(path, n=30):
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 60}) + "\n" for i in range(n)))
+    path.write_text("".join(json.dumps(r) + "\n" for r in records(n)))
     return path
+
+
+def records(n=30):
+    return [{"text": f"document {i} " + "word " * 60} for i in range(n)]
+
+
+def run_prepare(tmp_path, data_path):
+    args = ["prepare", "--set", "data.source=local", "--set", f"data.path={data_path}", "--set", "data.seq_len=64"]
+    return CliRunner().invoke(
+        app, [*args, "--set", "data.token_budget=640", "--set", f"data.output_dir={tmp_path / 'o'}"]
+    )
 
 
 def cfg(tmp_path, data_path, *extra):
@@ -120,3 +137,130 @@ def test_the_tail_that_cannot_fill_a_window_is_said_per_domain(tmp_path):
     assert f"the source's last {m.dropped_tail_tokens:,} tokens ({per_domain}; anchors and tags included) cannot " in (
         " ".join(r.output.split())
     )
+
+
+def test_files_of_other_types_in_a_folder_or_a_glob_are_skipped_and_named(tmp_path):
+    src = tmp_path / "gzdir"
+    corpus(src / "a.jsonl")
+    for name in ["x.jsonl.gz", "b.jsonl.gz", "sub/notes.txt", ".DS_Store", ".cache/huggingface/a.jsonl.lock"]:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(b"\x1f\x8b not read")
+    r = run_prepare(tmp_path, src)
+    assert r.exit_code == 0, r.output
+    other = [src / "b.jsonl.gz", src / "sub" / "notes.txt", src / "x.jsonl.gz"]
+    summary = " ".join(r.output.split())
+    assert "skipped 3 input file(s): " + "; ".join(f"{f} ({OTHER_TYPE})" for f in other) in summary
+    source = open_packed(tmp_path / "o").manifest.source
+    assert source["files"] == 1
+    assert source["skipped_files"] == [{"path": str(f), "reason": OTHER_TYPE} for f in other]
+
+    # a glob: what it matches that is not a supported type is named too
+    resolved = sources.resolve_local_files(str(src / "*.*"), "train", 0)
+    assert resolved.files == [src / "a.jsonl"]
+    assert resolved.skipped == [(src / "b.jsonl.gz", OTHER_TYPE), (src / "x.jsonl.gz", OTHER_TYPE)]
+
+
+@pytest.mark.parametrize("path", ["only_gz", "only_gz/*"])
+def test_only_files_of_other_types_is_one_line_naming_one(tmp_path, path):
+    (tmp_path / "only_gz").mkdir()
+    (tmp_path / "only_gz" / "a.jsonl.gz").write_bytes(b"\x1f\x8b")
+    with pytest.raises(UserError, match=r"no .*\.jsonl.* file.* \(1 file\(s\) of other types, e\.g\. a\.jsonl\.gz; "):
+        sources.resolve_local_files(str(tmp_path / path), "train", 0)
+
+
+@pytest.mark.parametrize(
+    "name,dump",
+    [
+        ("indented.json", lambda recs: json.dumps(recs, indent=2).encode()),
+        ("compact.json", lambda recs: json.dumps(recs).encode()),
+        ("bom_and_blank_lines.json", lambda recs: b"\xef\xbb\xbf\n\n  " + json.dumps(recs).encode()),
+        ("array.json.zst", lambda recs: zstandard.ZstdCompressor().compress(json.dumps(recs).encode())),
+        ("json_lines.json", lambda recs: "".join(json.dumps(r) + "\n" for r in recs).encode()),
+    ],
+)
+def test_a_json_array_file_reads_as_the_same_records_as_json_lines(tmp_path, name, dump):
+    recs = records()
+    (tmp_path / name).write_bytes(dump(recs))
+    reference = open_packed(
+        prepare(cfg(tmp_path, corpus(tmp_path / "ref" / "c.jsonl"), "data.output_dir=" + str(tmp_path / "ref_out")))
+    )
+    data = open_packed(prepare(cfg(tmp_path, tmp_path / name)))
+    assert data.manifest.source["documents_read"] == len(recs) == reference.manifest.source["documents_read"]
+    assert [data[w]["input_ids"].tolist() for w in range(len(data))] == [
+        reference[w]["input_ids"].tolist() for w in range(len(reference))
+    ]
+
+
+def test_a_json_array_counts_and_numbers_its_elements_like_lines(tmp_path):
+    recs = records(300)  # more than one batch of records
+    bad = {257: 5, 258: ["not", "an", "object"], 260: {"meta": {}}, 299: {"text": "  "}}  # element numbers, 1-based
+    for n, value in bad.items():
+        recs[n - 1] = value
+    src = tmp_path / "c.json"
+    src.write_text(json.dumps(recs, indent=1))
+    data = open_packed(prepare(cfg(tmp_path, src, "data.token_budget=64000")))
+    sk = data.manifest.skipped
+    assert sk["counts"] == {"malformed_json": 2, "no_text": 1, "empty_text": 1}
+    assert [(e["reason"], e["line"]) for e in sk["examples"]] == [
+        ("malformed_json", 257),
+        ("malformed_json", 258),
+        ("no_text", 260),
+        ("empty_text", 299),
+    ]
+    assert {e["source"] for e in sk["examples"]} == {str(src)}
+    assert data.manifest.source["documents_read"] == 300 - len(bad)
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (b'[{"text": "a"}, {"text": "b"', "not a valid JSON array (JSONDecodeError: Expecting ',' delimiter"),
+        (b'[{"text": "a"}]\n[{"text": "b"}]\n', "not a valid JSON array (JSONDecodeError: Extra data: line 2"),
+        (b'[{"text": "\xff"}]', "not a valid JSON array (UnicodeDecodeError"),
+    ],
+)
+def test_a_broken_json_array_is_one_line_naming_the_file(tmp_path, content, needle):
+    (tmp_path / "c.json").write_bytes(content)
+    r = run_prepare(tmp_path, tmp_path / "c.json")
+    line = r.stderr.strip()
+    assert r.exit_code == 2 and "\n" not in line, r.output
+    assert f"{tmp_path / 'c.json'}: {needle}" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_truncated_json_array_zst_is_one_line_naming_the_file(tmp_path):
+    whole = zstandard.ZstdCompressor().compress(json.dumps(records()).encode())
+    (tmp_path / "c.json.zst").write_bytes(whole[: len(whole) // 2])
+    r = run_prepare(tmp_path, tmp_path / "c.json.zst")
+    assert r.exit_code == 2 and "\n" not in r.stderr.strip(), r.output
+    assert f"{tmp_path / 'c.json.zst'}: the file ends inside a zstd frame (truncated)" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["c.jsonl", "c.json"])
+def test_text_under_another_field_is_refused_saying_how_to_read_it(tmp_path, name):
+    # the first JSON object is the one checked (5 is not one)
+    items = [5, {"meta": {"k": 1}, "content": "x"}, *({"content": r["text"], "id": i} for i, r in enumerate(records()))]
+    src = tmp_path / name
+    src.write_text("".join(json.dumps(r) + "\n" for r in items) if name.endswith(".jsonl") else json.dumps(items))
+    r = run_prepare(tmp_path, src)
+    line = r.stderr.strip()
+    assert r.exit_code == 2 and "\n" not in line, r.output
+    assert f"{src}: record 2 has no 'text' field (it has: content, meta); data.path reads the text from 'text'" in line
+    assert not (tmp_path / "o").exists()
+
+    # the advice, followed as written, reads the corpus
+    advice = re.search(r"data\.sources=\[.*\]", line).group(0)
+    assert "text_field: content" in advice
+    advised = advice.replace("<data.path>", f"'{src}'")
+    args = ["prepare", "--set", advised, "--set", "data.seq_len=64", "--set", "data.token_budget=640"]
+    r = CliRunner().invoke(app, [*args, "--set", f"data.output_dir={tmp_path / 'advised'}"])
+    assert r.exit_code == 0, r.output
+    assert open_packed(tmp_path / "advised").manifest.source["documents_read"] == 31  # and record 2
+
+
+def test_records_without_text_after_the_first_are_counted_not_refused(tmp_path):
+    src = tmp_path / "c.jsonl"
+    recs = [*records(), {"content": "elsewhere"}, {"meta": {}}, *records(5)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    data = open_packed(prepare(cfg(tmp_path, src)))
+    assert data.manifest.skipped["counts"] == {"no_text": 2}

@@ -1,8 +1,9 @@
 """Where documents come from, as a stream of raw record batches (parsing and tokenization happen in the workers).
 
 - `synthetic`: document indices of the seeded generator;
-- `local`: a file, a glob, or a directory of `.jsonl`, `.jsonl.zst`, `.json`, `.json.zst` or `.parquet` files
-  (a SlimPajama download `train/chunk*/*.jsonl.zst` included: a directory with a `<split>/` folder reads that folder);
+- `local`: a file, a glob, or a directory of `.jsonl`, `.jsonl.zst`, `.json`, `.json.zst` (JSON Lines, or one JSON
+  array of records) or `.parquet` files (a SlimPajama download `train/chunk*/*.jsonl.zst` included: a directory
+  with a `<split>/` folder reads that folder); files of other types are skipped and named;
 - `hub`: a Hugging Face dataset streamed with `datasets` (SlimPajama-627B by default);
 - `data.sources`: several of the above, drawn document by document by weight or token share (`mixed_batches`).
 
@@ -11,9 +12,11 @@ File order is shuffled with the data seed; documents are shuffled further by the
 
 from __future__ import annotations
 
+import codecs
 import errno
 import glob
 import io
+import itertools
 import json
 import os
 import stat
@@ -29,8 +32,13 @@ from lctrain.errors import UserError
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED = JSONL_SUFFIXES + PARQUET_SUFFIXES
+# what data.path reads of a record (parquet columns); data.sources read their own text_field and domain_field
+PATH_FIELDS = ("text", "meta")
+UNSUPPORTED = f"unsupported file type: not {', '.join(SUPPORTED[:-1])} or {SUPPORTED[-1]}"
 BATCH_RECORDS = 256
 BATCH_BYTES = 4 << 20
+# the whitespace JSON allows before a value
+_JSON_BLANK = b" \t\r\n"
 
 
 @dataclass
@@ -74,8 +82,9 @@ class LocalFiles:
 
 
 def _candidates(path: str, split: str) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """Entries with a supported name under `data.path`, and unlistable directories. A path that exists is taken as
-    a path even when its name holds glob characters (a directory `data[1]`); only one that does not is a pattern."""
+    """Entries with a supported name under `data.path`; the others, and unlistable directories, with the reason. A
+    path that exists is taken as a path even when its name holds glob characters (a directory `data[1]`); only one
+    that does not is a pattern."""
     p = Path(path)
     if p.exists() or p.is_symlink():
         if not p.is_dir():
@@ -83,20 +92,39 @@ def _candidates(path: str, split: str) -> tuple[list[Path], list[tuple[Path, str
                 raise UserError(f"data.path = '{path}': unsupported file type; use one of {', '.join(SUPPORTED)}")
             return [p], []
         root = p / split if (p / split).is_dir() else p
-        found, unlistable = [], []
+        found, other, unlistable = [], [], []
         for top, dirs, names in os.walk(root, onerror=lambda e: unlistable.append((Path(e.filename), e.strerror))):
             dirs.sort()
-            found += [Path(top) / n for n in sorted(names) if _supported(Path(n))]
+            # hidden files and folders (.DS_Store, the hub client's .cache/) are bookkeeping, not data someone
+            # expected read: naming them would only bury the files that matter
+            hidden = any(part.startswith(".") for part in Path(top).relative_to(root).parts)
+            for n in sorted(names):
+                if _supported(Path(n)):
+                    found.append(Path(top) / n)
+                elif not (hidden or n.startswith(".")):
+                    other.append(Path(top) / n)
         if not found and not unlistable:
-            raise UserError(f"data.path = '{path}': no {', '.join(SUPPORTED)} files under {root}")
-        return sorted(found), [(d, f"directory cannot be listed: {why}") for d, why in unlistable]
+            raise UserError(f"data.path = '{path}': no {', '.join(SUPPORTED)} files under {root}{_others(other)}")
+        return sorted(found), [(d, f"directory cannot be listed: {why}") for d, why in unlistable] + [
+            (f, UNSUPPORTED) for f in sorted(other)
+        ]
     if any(ch in path for ch in "*?["):
-        found = sorted(Path(m) for m in glob.glob(path, recursive=True) if _supported(Path(m)))
-        found = [f for f in found if f.is_symlink() or not f.is_dir()]
+        matched = [
+            m for m in sorted(Path(m) for m in glob.glob(path, recursive=True)) if m.is_symlink() or not m.is_dir()
+        ]
+        found = [m for m in matched if _supported(m)]
+        other = [m for m in matched if not (_supported(m) or m.is_dir())]  # a linked folder is not a file
         if not found:
-            raise UserError(f"data.path = '{path}': the pattern matches no {'/'.join(SUPPORTED)} file")
-        return found, []
+            raise UserError(f"data.path = '{path}': the pattern matches no {'/'.join(SUPPORTED)} file{_others(other)}")
+        return found, [(f, UNSUPPORTED) for f in other]
     raise UserError(f"data.path = '{path}': no such file or directory")
+
+
+def _others(files: list[Path]) -> str:
+    """The files of other types found instead, for a message that says none was usable."""
+    if not files:
+        return ""
+    return f" ({len(files)} file(s) of other types, e.g. {files[0].name}; convert them to one of these)"
 
 
 def _why_unreadable(f: Path) -> str | None:
@@ -199,6 +227,13 @@ class _ZstdReader(io.RawIOBase):
         super().close()
 
 
+def _read_error(path: Path, e: Exception, where: str) -> UserError:
+    if isinstance(e, TruncatedSource):
+        return UserError(f"{path}: {e} {where}; re-download the file or remove it from data.path")
+    # zstandard raises ZstdError, plain files OSError
+    return UserError(f"{path}: unreadable {where} ({type(e).__name__}: {e}); re-download or remove the file")
+
+
 def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
     src = str(path)
     with _open_binary(path) as f:
@@ -212,16 +247,47 @@ def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
                 if len(lines) >= BATCH_RECORDS or size >= BATCH_BYTES:
                     yield RawBatch("jsonl", src, first, lines)
                     lines, size = [], 0
-        except TruncatedSource as e:
-            raise UserError(
-                f"{path}: {e} after line {lineno}; re-download the file or remove it from data.path"
-            ) from None
-        except Exception as e:  # zstandard raises ZstdError, plain files OSError
-            raise UserError(
-                f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e}); re-download or remove the file"
-            ) from None
+        except Exception as e:
+            raise _read_error(path, e, f"after line {lineno}") from None
         if lines:
             yield RawBatch("jsonl", src, first, lines)
+
+
+def _is_json_array(path: Path) -> bool:
+    """Whether a `.json` file is one JSON array (its first character past a byte-order mark and whitespace is `[`)
+    rather than JSON Lines."""
+    with _open_binary(path) as f:
+        try:
+            head = f.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip(_JSON_BLANK)
+            while not head:
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    return False
+                head = chunk.lstrip(_JSON_BLANK)
+        except Exception as e:
+            raise _read_error(path, e, "at its start") from None
+    return head.startswith(b"[")
+
+
+def _json_array_batches(path: Path) -> Iterator[RawBatch]:
+    """The elements of a `.json` file holding one JSON array, numbered from 1. Read and parsed whole: an array has no
+    record boundaries to stream by, unlike JSON Lines."""
+    with _open_binary(path) as f:
+        try:
+            data = f.read()
+        except Exception as e:
+            raise _read_error(path, e, "while reading the JSON array") from None
+    try:
+        records = json.loads(data)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        raise UserError(
+            f"{path}: not a valid JSON array ({type(e).__name__}: {e}); a .json file starting with '[' is read as "
+            f"one array of records: repair or re-download it"
+        ) from None
+    del data
+    # batches by count only: the whole array is in memory already, and batches in flight are slices of it
+    for start in range(0, len(records), BATCH_RECORDS):
+        yield RawBatch("rows", str(path), start + 1, records[start : start + BATCH_RECORDS])
 
 
 def _parquet_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
@@ -244,10 +310,43 @@ def _parquet_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
         ) from None
 
 
-def local_batches(files: list[Path], fields: tuple[str, ...] = ("text", "meta")) -> Iterator[RawBatch]:
-    """`fields`: the top-level fields a parquet file is read for (jsonl lines are passed whole)."""
-    for f in files:
-        yield from (_parquet_batches(f, fields) if f.name.endswith(PARQUET_SUFFIXES) else _jsonl_batches(f))
+def _file_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
+    if path.name.endswith(PARQUET_SUFFIXES):
+        return _parquet_batches(path, fields)
+    if path.name.endswith((".json", ".json.zst")) and _is_json_array(path):
+        return _json_array_batches(path)
+    return _jsonl_batches(path)
+
+
+def local_batches(files: list[Path], fields: tuple[str, ...] | None = None) -> Iterator[RawBatch]:
+    """The records of local files (jsonl lines are passed whole). `fields`: with `data.sources`, the top-level fields
+    a parquet file is read for (`mixed_batches` checks the text field); None for `data.path`: `text` and `meta`, and
+    the first record is checked for `text` here."""
+    batches = itertools.chain.from_iterable(_file_batches(f, fields or PATH_FIELDS) for f in files)
+    return batches if fields is not None else _with_text_checked(batches)
+
+
+def _with_text_checked(batches: Iterator[RawBatch]) -> Iterator[RawBatch]:
+    """`data.path`'s batches, refused at the first JSON object when it has fields but no `text` (`meta` aside): the
+    corpus keeps its text under another name, which only `data.sources` can name, and every record would be skipped.
+    A record of `meta` alone is a record without text, for the workers to count."""
+    checking = True
+    for b in batches:
+        for j, item in enumerate(b.items if checking else ()):
+            record = _json_object(item)
+            if record is None:
+                continue
+            checking = False
+            others = [k for k in sorted(map(str, record)) if k != "meta"]
+            if "text" not in record and others:
+                field = next((k for k in others if isinstance(record[k], str)), others[0])
+                raise UserError(
+                    f"{b.source}: record {b.first + j} has no 'text' field (it has: {_field_names(record)}); data.path "
+                    f"reads the text from 'text': for another field replace data.source and data.path with "
+                    f"data.sources=[{{name: corpus, path: <data.path>, text_field: {field}}}]"
+                )
+            break
+        yield b
 
 
 def hub_batches(
@@ -309,21 +408,31 @@ def _records(stream: SourceStream) -> Iterator[tuple[str, str, int, object]]:
             yield b.kind, b.source, b.first + j, item
 
 
-def _check_text_field(stream: SourceStream, file: str, line: int, item) -> bool:
-    """Raises when the source's first JSON object lacks the text field (a wrong text_field, not one bad record);
-    True once a record has been checked."""
+def _json_object(item) -> dict | None:
+    """A raw record (a jsonl line's bytes or a row) as a JSON object; None for anything else (malformed lines are the
+    workers' to count)."""
     if isinstance(item, bytes):
         try:
             item = json.loads(item)
         except (ValueError, RecursionError):
-            return False  # malformed lines are the workers' to count
-    if not isinstance(item, dict):
+            return None
+    return item if isinstance(item, dict) else None
+
+
+def _field_names(record: dict) -> str:
+    return ", ".join(sorted(map(str, record))[:10]) or "none"
+
+
+def _check_text_field(stream: SourceStream, file: str, line: int, item) -> bool:
+    """Raises when the source's first JSON object lacks the text field (a wrong text_field, not one bad record);
+    True once a record has been checked."""
+    record = _json_object(item)
+    if record is None:
         return False
-    if stream.text_field not in item:
-        fields = ", ".join(sorted(map(str, item))[:10]) or "none"
+    if stream.text_field not in record:
         raise UserError(
             f"{stream.key}.text_field = '{stream.text_field}': source '{stream.name}' has no such field in {file} "
-            f"(record {line} has: {fields}); set text_field to the field that holds the text"
+            f"(record {line} has: {_field_names(record)}); set text_field to the field that holds the text"
         )
     return True
 
