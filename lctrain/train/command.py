@@ -69,7 +69,7 @@ def refuse_to_replace(rd: RunDir) -> None:
             "it has no checkpoint to resume from: start over (deleting them) with 'lctrain train --force', "
             "or set train.run_dir to another directory"
         )
-    raise UserError(f"{rd}: a run already finished {shown} here; {choices}")
+    raise UserError(f"{rd}: a run already wrote {shown} here; {choices}")
 
 
 def resume(
