@@ -556,7 +556,7 @@ class LoggingConfig(_Section):
         description="also write the step metrics as TensorBoard event files in the run directory's tensorboard/ "
         "(needs the tensorboard package: pip install 'lctrain[tensorboard]')",
     )
-    log_every: Int = Field(1, ge=1, description="log metrics every this many steps")
+    log_every: Int = Field(1, ge=1, description="log metrics every this many steps, and the last step")
     peak_tflops: Float | None = Field(
         None, gt=0, description="per-device peak for MFU; null: known GPU or measured CPU"
     )

@@ -46,6 +46,11 @@ def test_metrics_read_back_from_the_event_files(tmp_path):
         logger.log(r)
     logger.close()
     assert scalars(run.path)["train/loss"] == [(2, 8.0), (4, 104.0), (6, 106.0)]
+    # the last step is logged whatever log_every says
+    logger = StepLogger(run, cfg, start_step=6, total_steps=7, wandb_id="x")
+    logger.log(records(range(7, 8), lambda s: 1.0)[0])
+    logger.close()
+    assert scalars(run.path)["train/loss"][-1] == (7, 1.0)
 
 
 def test_without_the_package_one_line(monkeypatch):

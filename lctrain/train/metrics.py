@@ -79,9 +79,9 @@ def quiet_libraries(is_main: bool) -> None:
 
 class StepLogger:
     """Rank 0 only: appends one JSON line per step, shows progress and logs to Weights & Biases and TensorBoard (each
-    numeric metric as scalar `train/NAME`, every `logging.log_every` steps). Progress is the rich
+    numeric metric as scalar `train/NAME`, every `logging.log_every` steps and the last). Progress is the rich
     bar on a terminal; otherwise (nohup, a redirect, a batch scheduler, where the bar would print nothing until the
-    end) one plain line (`report.step_line`) per `logging.log_every` steps."""
+    end) one plain line (`report.step_line`) per `logging.log_every` steps, and one for the last step."""
 
     def __init__(self, run: RunDir, cfg, start_step: int, total_steps: int, wandb_id: str):
         self.run = run
@@ -122,6 +122,8 @@ class StepLogger:
     def log(self, record: dict) -> None:
         self.run.append_metrics(record)
         step = record["step"]
+        # the last step is always shown: the curve's end is the number a run is read for
+        due = step % self.every == 0 or step == self.total
         if self.progress is not None:
             mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
             square = f"{record['mfu_full_square']:.1%}" if record.get("mfu_full_square") is not None else "n/a"
@@ -131,12 +133,12 @@ class StepLogger:
                 f"mem {record['peak_mem_gb']:.1f} GB"
             )
             self.progress.update(self.task, completed=step, info=info)
-        elif step % self.every == 0:
+        elif due:
             eta = eta_seconds(time.monotonic() - self.started, step - self.start_step, self.total - step)
             print(step_line(record, self.total, eta), flush=True)
-        if self.wandb is not None and step % self.every == 0:
+        if self.wandb is not None and due:
             self.wandb.log({k: v for k, v in record.items() if v is not None}, step=step)
-        if self.tensorboard is not None and step % self.every == 0:
+        if self.tensorboard is not None and due:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
                     self.tensorboard.add_scalar(f"train/{k}", v, step)
