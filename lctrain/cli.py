@@ -133,11 +133,19 @@ def train(
 @user_errors
 def resume(
     run_dir: Annotated[str, typer.Argument(help="run directory written by `lctrain train`")],
-    set_: SetOpt = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            "-s",
+            help="change the run's config from here on, e.g. --set train.steps=3000 or --set train.lr=1e-5 "
+            "(repeatable; model, data and batch are the checkpoint's)",
+        ),
+    ] = None,
 ):
     """Continue a stopped or killed run from its last complete checkpoint; needs nothing but the run directory.
-    --set changes the run's config from here on: more steps (train.steps), or another parallel layout (e.g.
-    parallel.num_nodes after a requeue on fewer nodes), for which the checkpoint is converted once."""
+    --set changes the run's config from here on: more steps (train.steps), a lower learning rate, or another parallel
+    layout (e.g. parallel.num_nodes after a requeue on fewer nodes), for which the checkpoint is converted once."""
     from lctrain.train.command import resume as run_resume
 
     run_resume(run_dir, list(set_ or []))

@@ -253,7 +253,12 @@ ACROSS = "within ZeRO-1/2 or within ZeRO-3, not across them"
             f"{ACROSS}: keep zero_stage 1 or 2",
         ),
         ({"zero_stage": 3}, {"zero_stage": 1}, f"{ACROSS}: keep zero_stage 3"),
-        ({"zero_stage": 0}, {"zero_stage": 0, "nproc_per_node": 2}, "needs ZeRO 1-3 before and after"),
+        (
+            {"zero_stage": 0},
+            {"zero_stage": 0, "nproc_per_node": 2},
+            "parallel.nproc_per_node changed since checkpoint step_2, which was written with parallel.zero_stage=0: "
+            "only a ZeRO 1-3 checkpoint",
+        ),
         ({"zero_stage": 2}, {"zero_stage": 0}, "needs ZeRO 1-3 before and after"),
         ({"zero_stage": 1}, {"zero_stage": 2, "nproc_per_node": 2, "sequence_parallel": 2}, None),
         ({"zero_stage": 3}, {"zero_stage": 3, "offload_params": True, "num_nodes": 2}, None),

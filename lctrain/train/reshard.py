@@ -59,9 +59,16 @@ def layout_changes(saved: dict | None, now: dict) -> list[str]:
 
 def check_reshardable(saved: dict, now: dict, source: str, checkpoint: str) -> None:
     """Refuse, in one line, a layout change the universal checkpoint cannot carry (module docstring)."""
-    if not layout_changes(saved, now):
+    changed = layout_changes(saved, now)
+    if not changed:
         return
     stage_before, stage_now = saved["parallel"]["zero_stage"], now["parallel"]["zero_stage"]
+    if stage_before == stage_now == 0:
+        raise UserError(
+            f"{source}: {', '.join(changed)} changed since checkpoint {checkpoint}, which was written with "
+            f"parallel.zero_stage=0: only a ZeRO 1-3 checkpoint resumes on another parallel layout; restore the "
+            f"checkpoint's parallel settings"
+        )
     if 0 in (stage_before, stage_now):
         raise UserError(
             f"{source}: checkpoint {checkpoint} was written with parallel.zero_stage={stage_before} and the run now "
