@@ -843,13 +843,31 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"{source}: {msg}"
 
 
-def validate(raw: dict, source: str = "<config>", context: dict | None = None) -> Config:
-    """`raw` as a Config, or a UserError of one line naming `source` and the key; `context`: facts about this
-    machine the schema's machine-dependent rules read (`check_on_this_machine`)."""
+def validate(
+    raw: dict, source: str = "<config>", context: dict | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """`raw` as a Config, or a UserError of one line naming `source` (or the `--set` among `overrides` that gave the
+    key at fault) and the key; `context`: facts about this machine the schema's machine-dependent rules read
+    (`check_on_this_machine`)."""
     try:
         return Config.model_validate(raw, context=context)
     except ValidationError as err:
-        raise UserError(_format_validation_error(err, source)) from None
+        raise UserError(_format_validation_error(err, _blamed(err, source, overrides))) from None
+
+
+def _blamed(err: ValidationError, source: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """The `--set` that gave the first error's key (the last one, as it wins), else `source`: a mistyped value on the
+    command line is not the config file's."""
+    first = err.errors()[0]
+    key = _dotted(tuple(first["loc"]))
+    keys = [(item, item.split("=", 1)[0].strip()) for item in reversed(overrides)]
+    for item, k in keys:
+        if key == k or key.startswith((k + ".", k + "[")):
+            return f"--set {item}"
+    # a rule across a section's fields (data.path is required with data.source local), or across sections: the
+    # --set in that section, or those the rule's message names
+    within = [f"--set {item}" for item, k in keys if (k.startswith(key + ".") if key else k in first["msg"])]
+    return ", ".join(within) if within else source
 
 
 def check_on_this_machine(cfg: Config, cuda_available: bool) -> None:
@@ -865,7 +883,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
     path = _locate(DEFAULT_CONFIG if name_or_path is None else name_or_path)
     raw = apply_overrides(_load_raw(path), overrides)
     raw.pop("source_file", None)
-    cfg = validate(raw, source=str(path))
+    cfg = validate(raw, source=str(path), overrides=overrides)
     cfg.source_file = str(path)
     return cfg
 

@@ -1,11 +1,15 @@
 """The config tree: loading, `base:` inheritance, overrides, validation errors, fingerprints."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
+import lctrain
 from lctrain.cli import main
 from lctrain.config import (
     Config,
+    apply_overrides,
     bundled_config_names,
     config_fingerprint,
     data_dir,
@@ -89,11 +93,19 @@ def test_base_loop_is_reported(tmp_path):
         ("logging.peak_tflops=false", r"logging.peak_tflops = False: a boolean; expected a number"),
     ],
 )
-def test_bad_values_name_file_key_and_allowed_values(override, expected):
+def test_bad_values_name_file_key_and_allowed_values(override, expected, tmp_path):
+    """A bad value is named where it was written: the --set that gave it, or the config file."""
     with pytest.raises(UserError, match=expected) as err:
         load_config(None, [override])
     msg = str(err.value)
-    assert "tiny_anchor.yaml" in msg and "\n" not in msg
+    assert msg.startswith(f"--set {override}: ") and "\n" not in msg
+    key, value = override.split("=")
+    path = tmp_path / "mine.yaml"
+    tiny = str(Path(lctrain.__file__).parent / "configs" / "tiny_anchor.yaml")
+    path.write_text(yaml.safe_dump(apply_overrides({"base": tiny}, [f"{key}={value}"])))
+    with pytest.raises(UserError, match=expected) as err:
+        load_config(str(path), ["seed=3"])
+    assert str(err.value).startswith(f"{path}: ")
 
 
 def test_bad_override_syntax_and_missing_config():
