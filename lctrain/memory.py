@@ -392,9 +392,13 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
     return MemoryPlan(tuple(items), cfg.parallel.nproc_per_node)
 
 
-def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int = 1 << 24) -> int | None:
+# where the search for the longest window stops: 16M tokens, 128x the paper's longest
+SEARCH_LIMIT = 1 << 24
+
+
+def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int = SEARCH_LIMIT) -> int | None:
     """The longest data.seq_len below `limit`, a multiple of sequence_parallel x 1024, whose plan fits; None if none
-    does."""
+    does. One within a step of `limit` (`searched_to_the_limit`) is a lower bound: the search stopped there."""
     step = cfg.parallel.sequence_parallel * 1024
 
     def fits(seq_len: int) -> bool:
@@ -403,6 +407,11 @@ def longest_seq_len(cfg: Config, shape: ModelShape, budget: Budget, limit: int =
         )
 
     return longest_fitting(fits, step, limit - 1, step)
+
+
+def searched_to_the_limit(cfg: Config, longest: int, limit: int = SEARCH_LIMIT) -> bool:
+    """Whether `longest_seq_len` stopped at its limit rather than at a window that does not fit."""
+    return longest + cfg.parallel.sequence_parallel * 1024 >= limit
 
 
 def candidate_fixes(cfg: Config) -> list[list[str]]:

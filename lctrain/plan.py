@@ -17,12 +17,14 @@ from lctrain.errors import UserError
 from lctrain.hardware import known_gpu
 from lctrain.memory import (
     HOST_RUNTIME_BYTES,
+    SEARCH_LIMIT,
     WARN_FRACTION,
     Budget,
     faster_fit,
     fixes,
     longest_seq_len,
     plan_memory,
+    searched_to_the_limit,
 )
 from lctrain.model import model_shape
 from lctrain.units import GB, gb_to_bytes
@@ -81,6 +83,7 @@ def report(cfg: Config, budget: Budget) -> dict:
     plan = plan_memory(cfg, shape, budget.gpu)
     device, host = budget.need(plan)
     faster = faster_fit(cfg, shape, budget)
+    longest = longest_seq_len(cfg, shape, budget)
     return {
         "config": cfg.source_file,
         "seq_len": cfg.data.seq_len,
@@ -93,7 +96,8 @@ def report(cfg: Config, budget: Budget) -> dict:
         "device_need_bytes": device,
         "host_need_bytes": host,
         "fits": budget.fits(plan),
-        "longest_seq_len": longest_seq_len(cfg, shape, budget),
+        "longest_seq_len": longest,
+        "longest_is_a_lower_bound": longest is not None and searched_to_the_limit(cfg, longest),
         "fixes": [vars(f) | {"overrides": list(f.overrides)} for f in fixes(cfg, shape, budget)],
         "faster": None if faster is None else vars(faster) | {"overrides": list(faster.overrides)},
     }
@@ -128,7 +132,12 @@ def print_report(r: dict) -> None:
     )
     console.print("[bold green]FITS[/]" if r["fits"] else "[bold red]DOES NOT FIT[/]")
     longest = r["longest_seq_len"]
-    console.print(f"longest seq_len that fits: {longest:,}" if longest else "no seq_len fits with these settings")
+    if not longest:
+        console.print("no seq_len fits with these settings")
+    elif r["longest_is_a_lower_bound"]:
+        console.print(f"longest seq_len that fits: at least {longest:,} (the search stops at {SEARCH_LIMIT:,} tokens)")
+    else:
+        console.print(f"longest seq_len that fits: {longest:,}")
     if r["faster"]:
         f = r["faster"]
         console.print(

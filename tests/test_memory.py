@@ -301,6 +301,18 @@ def test_longest_seq_len_fits_and_the_next_does_not():
     assert not budget.fits(plan_memory(config(longest + 1024, "model.gradient_checkpointing=true"), shape))
 
 
+def test_a_longest_seq_len_at_the_search_limit_is_a_lower_bound():
+    from lctrain.memory import searched_to_the_limit
+
+    shape = ModelShape.from_hf_config(hf_config())
+    cfg = config(1024, "model.gradient_checkpointing=true")
+    roomy = Budget(device=10**18, host=10**18, label="test")
+    longest = longest_seq_len(cfg, shape, roomy, limit=64 * 1024)
+    assert longest == 63 * 1024 and searched_to_the_limit(cfg, longest, limit=64 * 1024)
+    tight = longest_seq_len(cfg, shape, Budget(device=int(2 * GB), host=64 * 2**30, label="test"))
+    assert not searched_to_the_limit(cfg, tight)
+
+
 def test_fixes_combine_when_none_fits_alone():
     from lctrain.config import with_overrides
     from lctrain.memory import fixes
