@@ -70,6 +70,13 @@ def test_inspect_outputs(data, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
 
 
+def test_an_out_that_cannot_be_a_directory_is_one_line(data, tmp_path):
+    (tmp_path / "f").write_text("a file")
+    r = CliRunner().invoke(app, ["inspect", str(data), "--out", str(tmp_path / "f" / "i")])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert f"--out {tmp_path / 'f' / 'i'}: cannot create the directory (Not a directory)" in " ".join(r.output.split())
+
+
 def test_a_run_directory_is_inspected_as_the_dataset_it_trains_on(data, tmp_path):
     from lctrain.rundir import RunDir
 

@@ -20,6 +20,7 @@ from lctrain.config import data_dir
 from lctrain.console import plain_console
 from lctrain.costmodel import window_pairs
 from lctrain.data.store import open_packed
+from lctrain.errors import UserError, writing
 from lctrain.reports.plots import plot_dataset
 from lctrain.rundir import RunDir
 
@@ -100,11 +101,15 @@ def inspect(path: str | Path, out: str | Path | None = None) -> Path:
         dataset = data_dir(run.read_config())
         console.print(f"{path} is a run directory; its dataset: {dataset}")
     packed = open_packed(dataset, verify=True)  # it reads every window anyway: check every byte
-    stats = dataset_stats(packed)
     out_dir = Path(out) if out else dataset / "inspect"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "dataset_stats.json").write_text(json.dumps(stats, indent=2))
-    plot_dataset(stats, out_dir / "dataset.png")
+    try:  # before the reading of every window: a bad --out fails at once
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out_dir}: cannot create the directory ({e.strerror}); choose another --out") from None
+    stats = dataset_stats(packed)
+    with writing(out_dir, "the inspection"):
+        (out_dir / "dataset_stats.json").write_text(json.dumps(stats, indent=2))
+        plot_dataset(stats, out_dir / "dataset.png")
     t = Table(
         title=f"{dataset}: {stats['windows']} windows of {stats['seq_len']} tokens, {stats['segments']} segments "
         f"({stats['segments_per_window']['mean']:.1f} per window, max {stats['segments_per_window']['max']})"
