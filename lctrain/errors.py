@@ -120,3 +120,15 @@ def writing(path: str | os.PathLike, what: str) -> Iterator[None]:
             remedy = _REMEDY.get(number, "fix the path or choose another one")
         where = e.filename if isinstance(e, OSError) and e.filename else path
         raise WriteFailed(where, what, cause, remedy) from e
+
+
+def output_dir(path: Path, option: str = "--out") -> Path:
+    """Create the output directory a command was given, before its work: one that cannot be (a file in the way,
+    a read-only or special filesystem) is one line naming the option, not a traceback after minutes of computing."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"{option} {path}: cannot create the directory ({e.strerror}); choose another {option}"
+        ) from None
+    return path

@@ -39,7 +39,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from lctrain.attention import MODES, Batch, make_batch, resolve_engine
 from lctrain.config import Config, data_dir, load_config, with_overrides, write_resolved
 from lctrain.costmodel import ModelShape
-from lctrain.errors import UserError
+from lctrain.errors import UserError, output_dir
 from lctrain.hardware import usable_cpus
 from lctrain.model import build_model, load_hf_config, model_shape
 from lctrain.parallel.groups import init_topology, pick_backend, release_single_process
@@ -168,7 +168,7 @@ def check_sp(
         raise UserError(f"--window {window}: a window index is 0 or more")
     cfg = check_config(cfg, nproc, dtype)
     win, source, vocab = pick_window(cfg, window)
-    out_dir = Path(out) if out else Path("check_sp") / cfg.name
+    out_dir = output_dir(Path(out) if out else Path("check_sp") / cfg.name)
     write_resolved(cfg, out_dir)
     np.savez(out_dir / WINDOW_FILE, **win)
     (out_dir / RESULT_FILE).unlink(missing_ok=True)

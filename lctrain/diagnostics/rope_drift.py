@@ -54,7 +54,7 @@ from lctrain.config import Config, bundled_config_names, data_dir, load_config
 from lctrain.console import no_library_bars, plain_console
 from lctrain.costmodel import ModelShape, dense_params, step_flops
 from lctrain.diagnostics.probe_text import probe_sequences
-from lctrain.errors import UserError
+from lctrain.errors import UserError, output_dir
 from lctrain.eval.runner import pick_device
 from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.model import build_model, rotary_in_fp32
@@ -447,6 +447,8 @@ def diagnose_rope(
     rope_figure1.png and rope_figure7.png to `out` (default diagnose/<name>) and print tables. Returns the output
     directory."""
     _check(seq_len, max_len, samples, delta2, shift_batch)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(src.name).name or src.name)
+    out_dir = output_dir(Path(out) if out else Path("diagnose") / safe)
     dev = pick_device(device)
     console = plain_console()
     started = time.perf_counter()
@@ -517,9 +519,6 @@ def diagnose_rope(
             "D_vary_delta2": "Figure 7 (right): D(X, Δ1 = 0, Δ2) for Δ2 in shifts",
         },
     }
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(src.name).name or src.name)
-    out_dir = Path(out) if out else Path("diagnose") / safe
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "rope_drift.json").write_text(json.dumps(results, indent=2))
     plot_rope_figure1(results, out_dir / "rope_figure1.png")
     plot_rope_figure7(results, out_dir / "rope_figure7.png")

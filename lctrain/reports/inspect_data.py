@@ -20,7 +20,7 @@ from lctrain.config import data_dir
 from lctrain.console import plain_console
 from lctrain.costmodel import window_pairs
 from lctrain.data.store import open_packed
-from lctrain.errors import UserError, writing
+from lctrain.errors import output_dir, writing
 from lctrain.reports.plots import plot_dataset
 from lctrain.rundir import RunDir
 
@@ -101,11 +101,7 @@ def inspect(path: str | Path, out: str | Path | None = None) -> Path:
         dataset = data_dir(run.read_config())
         console.print(f"{path} is a run directory; its dataset: {dataset}")
     packed = open_packed(dataset, verify=True)  # it reads every window anyway: check every byte
-    out_dir = Path(out) if out else dataset / "inspect"
-    try:  # before the reading of every window: a bad --out fails at once
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out {out_dir}: cannot create the directory ({e.strerror}); choose another --out") from None
+    out_dir = output_dir(Path(out) if out else dataset / "inspect")  # before every window is read
     stats = dataset_stats(packed)
     with writing(out_dir, "the inspection"):
         (out_dir / "dataset_stats.json").write_text(json.dumps(stats, indent=2))
