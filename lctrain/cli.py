@@ -548,9 +548,11 @@ def estimate(
     lengths: Annotated[
         str | None, typer.Option(help="with --measure: context lengths, e.g. 16k,32k,64k; default data.seq_len")
     ] = None,
-    modes: Annotated[str, typer.Option(help="with --measure: attention modes")] = "full,anchor",
-    steps: Annotated[int, typer.Option(help="with --measure: timed steps per point")] = 3,
-    warmup: Annotated[int, typer.Option(help="with --measure: untimed steps first (compilation, allocator)")] = 2,
+    modes: Annotated[str | None, typer.Option(help="with --measure: attention modes; default full,anchor")] = None,
+    steps: Annotated[int | None, typer.Option(help="with --measure: timed steps per point; default 3")] = None,
+    warmup: Annotated[
+        int | None, typer.Option(help="with --measure: untimed steps first (compilation, allocator); default 2")
+    ] = None,
 ):
     """Predicted hours per 1B tokens for each attention mode at the config's length and GPU count (Figure 6), from
     the FLOPs of the prepared dataset's segment layout; with --measure, days per 1B tokens measured by training."""
@@ -565,13 +567,23 @@ def estimate(
         run_measure(
             cfg,
             lengths=parse_lengths(lengths) if lengths is not None else [cfg.data.seq_len],
-            modes=parse_modes(modes),
-            steps=steps,
-            warmup=warmup,
+            modes=parse_modes(modes or "full,anchor"),
+            steps=3 if steps is None else steps,
+            warmup=2 if warmup is None else warmup,
             work=Path(out) if out else Path("runs") / f"figure6_{cfg.name}",
             tflops=tflops,
         )
         return
+    measuring_only = [
+        o
+        for o, v in (("--lengths", lengths), ("--modes", modes), ("--steps", steps), ("--warmup", warmup))
+        if v is not None
+    ]
+    if measuring_only:
+        raise UserError(
+            f"{', '.join(measuring_only)} apply with --measure; the FLOP estimate is for data.seq_len (--set "
+            f"data.seq_len=N) and every mode"
+        )
     from lctrain.reports.estimate import estimate as run_estimate
 
     run_estimate(load_config(config, list(set_ or [])), tflops=tflops, from_bench=from_bench, gpus=gpus, out=out)

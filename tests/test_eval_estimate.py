@@ -95,6 +95,9 @@ def test_bad_input(tmp_path):
     bad.write_text('{"tflops_per_gpu": NaN}')
     with pytest.raises(UserError, match="no positive 'tflops_per_gpu'"):
         read_bench(bad)
+    # the measured run's options are not silently dropped from the FLOP estimate
+    r = CliRunner().invoke(app, ["estimate", "--tflops", "100", "--lengths", "16k", "--steps", "5"])
+    assert r.exit_code == 2 and r.output.startswith("error: --lengths, --steps apply with --measure")
 
 
 def test_prepared_dataset_layout(tmp_path):
