@@ -133,6 +133,18 @@ def check_arch(arch: dict[str, Any]) -> None:
             raise UserError(f"model.arch.{key} = {value!r} must be a positive integer")
 
 
+def unloadable_because(source: str, e: BaseException) -> str:
+    """Why `from_pretrained(source)` failed, in words a user acts on: a directory without config.json, a hub name
+    neither cached nor reachable, else the library's first sentence (its messages run on with links)."""
+    path = Path(source)
+    if path.is_dir() and not (path / "config.json").is_file():
+        return f"the directory {source} has no config.json"
+    if not path.exists() and isinstance(e, OSError):
+        return "not a local directory, and not in the Hugging Face cache with no connection to the hub"
+    first = " ".join(str(e).split()).split(". ")[0]
+    return f"{type(e).__name__}: {first[:160]}"
+
+
 def load_hf_config(cfg: Config):
     """The Hugging Face config of the model a config asks for (`model.arch` checked first), before lctrain's
     long-context settings are applied."""
@@ -149,12 +161,13 @@ def load_hf_config(cfg: Config):
             raise UserError(f"model.arch: cannot build a '{model_type}' config ({' '.join(str(e).split())})") from None
         require_rope(hf, "model.arch")
         return hf
+    source = cfg.resolve_source(cfg.model.name_or_path)
     try:
-        hf = AutoConfig.from_pretrained(cfg.resolve_source(cfg.model.name_or_path))
+        hf = AutoConfig.from_pretrained(source)
     except (OSError, ValueError, StrictDataclassError) as e:
         raise UserError(
             f"model.name_or_path = '{cfg.model.name_or_path}' cannot be loaded as a Hugging Face model "
-            f"directory or hub name ({type(e).__name__}); download it first or point to a local "
+            f"directory or hub name ({unloadable_because(source, e)}); download it first or point to a local "
             f"directory"
         ) from None
     require_rope(hf, f"model.name_or_path = '{cfg.model.name_or_path}'")

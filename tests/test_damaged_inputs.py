@@ -106,3 +106,17 @@ def test_damaged_model_directories_in_eval_and_diagnose(model_dir):
 def test_diagnose_refuses_a_length_it_cannot_hold():
     line = one_error_line(CliRunner().invoke(app, ["diagnose", "rope", "tiny_anchor", "--seq-len", "200000"]))
     assert "need 2 <= seq_len <= 16384" in line
+
+
+def test_why_a_model_cannot_be_loaded_is_said_in_words(tmp_path):
+    from lctrain.model import unloadable_because
+
+    (tmp_path / "empty").mkdir()
+    assert (
+        unloadable_because(str(tmp_path / "empty"), OSError("x"))
+        == f"the directory {tmp_path / 'empty'} has no config.json"
+    )
+    offline = OSError("We couldn't connect to 'https://huggingface.co' to load the files. Check your internet or see")
+    assert "not in the Hugging Face cache" in unloadable_because("nobody/nothing", offline)
+    (tmp_path / "config.json").write_text("{}")
+    assert unloadable_because(str(tmp_path), ValueError("bad value. More text")) == "ValueError: bad value"

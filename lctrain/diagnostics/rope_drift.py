@@ -57,7 +57,7 @@ from lctrain.diagnostics.probe_text import probe_sequences
 from lctrain.errors import UserError, output_dir
 from lctrain.eval.runner import pick_device
 from lctrain.measure import peak_bytes, reset_peak, timed
-from lctrain.model import build_model, rotary_in_fp32
+from lctrain.model import build_model, rotary_in_fp32, unloadable_because
 from lctrain.progress_bar import counted_bar
 from lctrain.reports.plots import plot_rope_figure1, plot_rope_figure7
 from lctrain.tokenizer import ANCHOR_AUTO, load_tokenizer, recorded_anchor
@@ -341,9 +341,8 @@ class ModelSource:
                 model = AutoModelForCausalLM.from_pretrained(self.spec, dtype=getattr(torch, dtype))
             except load_errors() as e:
                 raise UserError(
-                    f"'{self.spec}' cannot be loaded as a Hugging Face model ({type(e).__name__}: "
-                    f"{' '.join(str(e).split())[:160]}); pass a local model directory, a hub name that is "
-                    f"cached, or an lctrain config"
+                    f"'{self.spec}' cannot be loaded as a Hugging Face model ({unloadable_because(self.spec, e)}); "
+                    f"pass a local model directory, a hub name that is cached, or an lctrain config"
                 ) from None
             return model.to(device).eval()
         cfg = self.cfg.model_copy(deep=True)
