@@ -392,7 +392,8 @@ logging:
   # {wandb[1]}
   wandb: {wandb[0]}
 eval:
-  # RULER from 4K up to the training length, as the paper scores its 64K and 128K models (Tables 2 and 5)
+  # RULER doubling from 4K up to the training length (and at it), as the paper scores its 64K and 128K models
+  # (Tables 2 and 5)
   lengths: {_v(eval_lengths(d["seq_len"]))}
   tasks: null   # RULER's 13 tasks (docs/evaluation.md)
   exclude: []
