@@ -272,7 +272,11 @@ def resolve_anchor(tokenizer, spec: str = ANCHOR_AUTO) -> Anchor:
                 f"data.anchor = {spec!r} is not a token of tokenizer '{name}'; use auto, bos, eos or one token of "
                 f"its vocabulary (e.g. {END_OF_TEXT})"
             )
-        return Anchor(spec, int(token_id), "data.anchor")
+        special = int(token_id) in set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+        # an ordinary piece ("none", "hello") also occurs inside text, where it would read as a document start
+        ordinary = "; warning: an ordinary vocabulary token, which text contains too"
+        why = "data.anchor" + ("" if special else ordinary)
+        return Anchor(spec, int(token_id), why)
     if bos is not None and int(bos) in _special_affixes(tokenizer)[0]:
         return Anchor(tokenizer.bos_token, int(bos), "auto: the BOS the tokenizer puts before every text")
     separator = _vocabulary_id(tokenizer, END_OF_TEXT)

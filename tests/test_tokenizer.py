@@ -276,6 +276,10 @@ def test_anchor_rule():
         resolve_anchor(no_separator, "nope")
     with pytest.raises(UserError, match="neither a BOS nor an EOS"):
         resolve_anchor(_word_tokenizer(["hello", "[UNK]"]))
+    # a named token is taken as it is, with a warning when it is an ordinary word text contains too
+    assert resolve_anchor(llama, "</s>").why == "data.anchor"
+    word = resolve_anchor(llama, "none")
+    assert word.id == llama.convert_tokens_to_ids("none") and "warning: an ordinary vocabulary token" in word.why
 
 
 def test_anchor_record_round_trip(tmp_path):
