@@ -163,6 +163,25 @@ def test_report_of_the_evaluated_run(evaluated, run_dir, tmp_path):
     assert (tmp_path / "report" / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_perplexity_data_of_another_anchor_is_scored_with_a_note(run_dir, tmp_path):
+    import shutil
+
+    from lctrain.data.manifest import AnchorRecord
+    from lctrain.data.store import read_manifest, write_manifest
+    from lctrain.eval.perplexity import select_heldout
+
+    cfg = load_config(str(run_dir / "config.yaml"))
+    other = tmp_path / "other"
+    shutil.copytree(cfg.data.output_dir, other)
+    m = read_manifest(other)
+    anchor = {"anchor": AnchorRecord(token="</s>", id=2), "tokenizer": m.tokenizer.model_copy(update={"anchor_id": 2})}
+    write_manifest(other, m.model_copy(update=anchor))
+    target = resolve_target(str(run_dir))
+    heldout = select_heldout(target, str(other), load_tokenizer(cfg.data.tokenizer))
+    assert heldout.rows and f"{other} starts its segments with </s>, the model's data.anchor is <s>" in heldout.note
+    assert select_heldout(target, str(cfg.data.output_dir), load_tokenizer(cfg.data.tokenizer)).note == ""
+
+
 def test_no_heldout_windows_says_so():
     assert heldout_rows(10, 10, 0, 5) == ([], 0)
     assert heldout_rows(10, 40, 0, 5) == ([], 0)

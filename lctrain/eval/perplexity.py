@@ -26,7 +26,7 @@ import numpy as np
 from lctrain.config import data_dir, data_fingerprint
 from lctrain.data.store import PackedData, open_packed
 from lctrain.errors import UserError
-from lctrain.tokenizer import tokenizer_fingerprint
+from lctrain.tokenizer import resolve_anchor, tokenizer_fingerprint
 from lctrain.train.data import stream_rows
 
 
@@ -103,6 +103,16 @@ def select_heldout(tgt, ppl_data: str | None, tokenizer) -> Heldout:
             0,
             f"none held out: training consumed {consumed} window reads of the {n} windows in "
             f"{path}; prepare a larger token budget or pass --ppl-data DIR",
+        )
+    anchor = resolve_anchor(tokenizer, cfg.data.anchor)
+    if packed.manifest.anchor.id != anchor.id:
+        # scored as it is, said beside the number: segments open with a token the model did not train on there
+        return Heldout(
+            packed,
+            rows,
+            available,
+            f"{path} starts its segments with {packed.manifest.anchor.token}, the model's data.anchor is "
+            f"{anchor.token}: the perplexity is of differently anchored text",
         )
     return Heldout(packed, rows, available)
 
