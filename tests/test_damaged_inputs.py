@@ -52,6 +52,9 @@ def test_truncated_zst_source_is_an_error_not_a_short_corpus(tmp_path):
     src.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(UserError, match=r"part.jsonl.zst: the file ends inside a zstd frame \(truncated\) after line"):
         prepare(load_config(None, local(src, f"data.output_dir={tmp_path / 'out'}", "data.token_budget=10000000")))
+    src.write_bytes(whole[:40])  # cut before a line is whole: no "after line 0"
+    with pytest.raises(UserError, match=r"\(truncated\) before its first line"):
+        prepare(load_config(None, local(src, f"data.output_dir={tmp_path / 'out'}", "data.token_budget=10000000")))
     # a complete file of two concatenated frames is read whole
     src.write_bytes(whole + zstandard.ZstdCompressor().compress(lines))
     data = open_packed(

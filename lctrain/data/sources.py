@@ -248,7 +248,7 @@ def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
                     yield RawBatch("jsonl", src, first, lines)
                     lines, size = [], 0
         except Exception as e:
-            raise _read_error(path, e, f"after line {lineno}") from None
+            raise _read_error(path, e, f"after line {lineno}" if lineno else "before its first line") from None
         if lines:
             yield RawBatch("jsonl", src, first, lines)
 
