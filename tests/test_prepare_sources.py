@@ -258,6 +258,18 @@ def test_text_under_another_field_is_refused_saying_how_to_read_it(tmp_path, nam
     assert open_packed(tmp_path / "advised").manifest.source["documents_read"] == 31  # and record 2
 
 
+def test_a_parquet_file_without_its_text_column_is_refused_naming_its_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "c.parquet"
+    rows = [{"content": r["text"], "meta": {"k": 1}} for r in records()]
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    r = run_prepare(tmp_path, src)
+    assert r.exit_code == 2, r.output
+    assert f"{src}: record 1 has no 'text' field (it has: content, meta)" in r.stderr
+
+
 def test_records_without_text_after_the_first_are_counted_not_refused(tmp_path):
     src = tmp_path / "c.jsonl"
     recs = [*records(), {"content": "elsewhere"}, {"meta": {}}, *records(5)]

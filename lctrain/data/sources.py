@@ -299,8 +299,9 @@ def _parquet_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
     try:
         pf = pq.ParquetFile(path)
         names = set(pf.schema_arrow.names)
-        columns = [c for c in fields if c in names]
-        for batch in pf.iter_batches(batch_size=BATCH_RECORDS, columns=columns or None):
+        # without its text column every column is read: the first record's check then names them all
+        columns = [c for c in fields if c in names] if fields[0] in names else None
+        for batch in pf.iter_batches(batch_size=BATCH_RECORDS, columns=columns):
             records = batch.to_pylist()
             yield RawBatch("rows", str(path), row, records)
             row += len(records)
