@@ -134,13 +134,14 @@ def check_arch(arch: dict[str, Any]) -> None:
 
 
 def unloadable_because(source: str, e: BaseException) -> str:
-    """Why `from_pretrained(source)` failed, in words a user acts on: a directory without config.json, a hub name
-    neither cached nor reachable, else the library's first sentence (its messages run on with links)."""
+    """Why `from_pretrained(source)` failed, in words a user acts on: a directory without config.json, a name that
+    is neither a directory nor a hub model found (cached, or online), else the library's first sentence (its
+    messages run on with links)."""
     path = Path(source)
     if path.is_dir() and not (path / "config.json").is_file():
         return f"the directory {source} has no config.json"
     if not path.exists() and isinstance(e, OSError):
-        return "not a local directory, and not in the Hugging Face cache with no connection to the hub"
+        return "not a local directory, nor a hub model in the cache or on a reachable hub (a typo, or offline?)"
     first = " ".join(str(e).split()).split(". ")[0]
     return f"{type(e).__name__}: {first[:160]}"
 

@@ -120,6 +120,6 @@ def test_why_a_model_cannot_be_loaded_is_said_in_words(tmp_path):
         == f"the directory {tmp_path / 'empty'} has no config.json"
     )
     offline = OSError("We couldn't connect to 'https://huggingface.co' to load the files. Check your internet or see")
-    assert "not in the Hugging Face cache" in unloadable_because("nobody/nothing", offline)
+    assert "nor a hub model in the cache or on a reachable hub" in unloadable_because("nobody/nothing", offline)
     (tmp_path / "config.json").write_text("{}")
     assert unloadable_because(str(tmp_path), ValueError("bad value. More text")) == "ValueError: bad value"

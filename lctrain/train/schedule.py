@@ -24,6 +24,11 @@ def lr_factor(step_index: int, train: TrainConfig) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def learning_rate(step_index: int, train: TrainConfig) -> float:
+    """The rate of the update with 0-based index `step_index`: what the optimizer steps with and the log shows."""
+    return train.lr * lr_factor(step_index, train)
+
+
 def resume_checkpoint_due(step: int, total_steps: int, ckpt: CheckpointConfig) -> bool:
     """Resume checkpoints every `every_steps` updates and after the last one (unless `save_final` is off)."""
     return (step == total_steps and ckpt.save_final) or step % ckpt.every_steps == 0

@@ -58,7 +58,7 @@ from lctrain.train.loss import CausalLMLossSum
 from lctrain.train.metrics import StepLogger, quiet_libraries
 from lctrain.train.report import PlannedMemory, RunEnd, RunStart, banner, profile_line, summary
 from lctrain.train.runplan import Prepared, RunPlan
-from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
+from lctrain.train.schedule import hf_checkpoint_steps, learning_rate, lr_factor, resume_checkpoint_due
 from lctrain.units import to_gb
 
 # Fault injection for tests: called on rank 0 with the step after DeepSpeed has written its files of that step's
@@ -297,7 +297,7 @@ class Trainer:
         return {
             "step": step,
             "loss": result.loss,
-            "lr": cfg.train.lr * lr_factor(step_index, cfg.train),
+            "lr": learning_rate(step_index, cfg.train),
             "grad_norm": result.grad_norm,
             "tokens": step * tokens,
             "valid_labels": result.valid_labels,
@@ -506,7 +506,7 @@ def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -
         then = "no checkpoint was written before it: lower train.lr and start over with 'lctrain train --force'"
     else:
         then = f"the last checkpoint is {last.name}: lower train.lr in {rd.config_file}, then 'lctrain resume {rd}'"
-    lr = cfg.train.lr * lr_factor(step_index, cfg.train)
+    lr = learning_rate(step_index, cfg.train)
     raise UserError(
         f"step {step}: the {' and the '.join(bad)}; training stopped without logging or saving this step. "
         f"Likely cause: a learning rate too high (train.lr = {cfg.train.lr:g}, {lr:g} at this step) "
@@ -545,4 +545,4 @@ def apply_optimizer_settings(engine, train, next_index: int) -> None:
     scheduler = engine.lr_scheduler
     scheduler.base_lrs = [train.lr] * len(scheduler.base_lrs)
     for group in scheduler.optimizer.param_groups:
-        group.update(lr=train.lr * lr_factor(next_index, train), betas=tuple(train.betas), eps=train.eps)
+        group.update(lr=learning_rate(next_index, train), betas=tuple(train.betas), eps=train.eps)
