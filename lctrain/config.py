@@ -913,6 +913,26 @@ def settings(cfg: Config) -> dict:
     return cfg.model_dump(mode="json", exclude=set(NOT_SETTINGS))
 
 
+def settings_changes(before: dict, now: dict) -> dict[str, tuple]:
+    """The keys (dotted) whose value differs between two `settings`, with (before, now); a key one side lacks is
+    None there."""
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(before), flat(now)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def shown_changes(changes: dict[str, tuple], most: int = 4) -> str:
+    """`key before -> now, ...` for a message, the first `most` and a count of the rest."""
+    shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:most])
+    return shown + (f" and {len(changes) - most} more" if len(changes) > most else "")
+
+
 def config_fingerprint(cfg: Config) -> str:
     return _digest(settings(cfg))
 

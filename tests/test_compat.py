@@ -18,6 +18,7 @@ from packaging.version import Version
 from lctrain.compat.deepspeed import (
     DEEPSPEED_VERSION,
     disable_cpu_shm_comm_op,
+    no_bf16_optimizer_load_print,
     no_bf16_optimizer_memory_report,
 )
 from lctrain.compat.transformers import (
@@ -111,6 +112,22 @@ def test_the_bf16_optimizers_forced_memory_report_is_silent_while_the_engine_is_
     assert capsys.readouterr().out == ""
     bf16_optimizer.see_memory_usage("begin bf16_optimizer", force=True)
     assert "begin bf16_optimizer" in capsys.readouterr().out
+
+
+def test_the_bf16_optimizers_print_on_loading_a_checkpoint_is_silent_while_it_loads(capsys):
+    """The print sits in `_load_legacy_checkpoint`; the context shadows `print` in that module alone, while it lasts."""
+    import inspect
+
+    from deepspeed.runtime import bf16_optimizer
+
+    assert "print(" in inspect.getsource(bf16_optimizer.BF16_Optimizer._load_legacy_checkpoint)
+    in_module = vars(bf16_optimizer)
+    with no_bf16_optimizer_load_print():
+        eval("print('_load_legacy_checkpoint')", in_module)
+        print("lctrain's own line")
+    assert capsys.readouterr().out == "lctrain's own line\n"
+    eval("print('_load_legacy_checkpoint')", in_module)
+    assert capsys.readouterr().out == "_load_legacy_checkpoint\n"
 
 
 QUIET_AND_IMPORT = """

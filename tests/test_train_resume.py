@@ -296,6 +296,8 @@ def test_a_resume_trains_on_with_the_configs_learning_rate_betas_and_eps(referen
     sets = ["train.steps=9", "train.lr=1e-30", "train.betas=[0.8, 0.9]", "train.eps=1e-6"]
     result = CliRunner().invoke(app, ["resume", str(run_dir), *set_args(sets)])
     assert result.exit_code == 0, result.output
+    assert "(train.betas [0.9, 0.95] -> [0.8, 0.9], train.eps 1e-08 -> 1e-06, train.lr " in result.output
+    assert f"-> 1e-30, train.steps {STEPS} -> 9); continuing with the new values" in result.output
     before = final_state(run_dir)
     after = torch.load(RunDir(run_dir).checkpoint(9) / "mp_rank_00_model_states.pt", weights_only=False)
     for k in before["module"]:

@@ -60,6 +60,22 @@ def no_bf16_optimizer_memory_report():
         bf16_optimizer.see_memory_usage = report
 
 
+@contextlib.contextmanager
+def no_bf16_optimizer_load_print():
+    """0.19.8's `BF16_Optimizer._load_legacy_checkpoint` (every resume of a bf16 run with ZeRO 0-1) prints
+    `_load_legacy_checkpoint current_rank_sd[BASE_OPTIMIZER_STATE]` with a bare `print`, once per rank, into the
+    run's log between lctrain's resume line and its banner. A module-level `print` shadows the builtin for that
+    module's functions alone, and only while a checkpoint loads; what lctrain and other modules print passes."""
+    # deepspeed on use: it takes seconds to import (start-up time)
+    from deepspeed.runtime import bf16_optimizer
+
+    bf16_optimizer.print = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del bf16_optimizer.print
+
+
 def grad_divisor(zero_stage: int, dp: int, world: int) -> int:
     """What DeepSpeed 0.19.8 divides the summed gradients by: the data-parallel size for ZeRO 0-2 (the engine's
     `gradient_average` over its data-parallel group), but all ranks (data x sequence parallel) for ZeRO-3's

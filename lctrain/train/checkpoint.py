@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lctrain.compat.deepspeed import loading_universal, zero3_full_state_dict
+from lctrain.compat.deepspeed import loading_universal, no_bf16_optimizer_load_print, zero3_full_state_dict
 from lctrain.errors import is_environment_error, writing
 from lctrain.export_record import write_export_record
 from lctrain.rundir import RunDir, by_step, step_of
@@ -277,9 +277,10 @@ def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> tu
                     str(path), tag=reshard.UNIVERSAL, load_optimizer_states=True, load_lr_scheduler_states=True
                 )
         else:
-            loaded, _ = engine.load_checkpoint(
-                str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-            )
+            with no_bf16_optimizer_load_print():
+                loaded, _ = engine.load_checkpoint(
+                    str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+                )
         if loaded is None:
             return None, "DeepSpeed found no loadable state (another parallel layout or DeepSpeed version?)"
         if engine.global_steps != step:

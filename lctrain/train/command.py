@@ -14,7 +14,15 @@ from pathlib import Path
 import torch
 
 from lctrain import fused
-from lctrain.config import Config, check_on_this_machine, parse_override, reread_warning, settings
+from lctrain.config import (
+    Config,
+    check_on_this_machine,
+    parse_override,
+    reread_warning,
+    settings,
+    settings_changes,
+    shown_changes,
+)
 from lctrain.costmodel import ModelShape
 from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError
@@ -218,32 +226,19 @@ _FREE_KEYS = (
 )
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> None:
     """Refuse, in one line naming the keys, a config edited since the checkpoint in a way it cannot resume with."""
     saved = state.get("config")
     if saved is None:
         return  # a checkpoint from before configs were stored: the fingerprint warning in `run` is all there is
-    before, now = _flatten(saved), _flatten(settings(cfg))
-    changed = [
-        k
-        for k in sorted(set(before) | set(now))
-        if before.get(k) != now.get(k) and k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_KEYS
-    ]
+    changed = {
+        k: v
+        for k, v in settings_changes(saved, settings(cfg)).items()
+        if k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_KEYS
+    }
     if changed:
-        shown = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])
-        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
         raise UserError(
-            f"{source}: {shown}{more} changed since checkpoint {checkpoint}; a checkpoint resumes only "
+            f"{source}: {shown_changes(changed)} changed since checkpoint {checkpoint}; a checkpoint resumes only "
             f"with the model, data and batch it was written with: restore them, or start "
             f"over with 'lctrain train --config {source} --force'"
         )

@@ -30,7 +30,7 @@ from torch.profiler import record_function
 from lctrain import fused
 from lctrain.attention import make_batch
 from lctrain.compat.deepspeed import checkpoint_offload_context, no_bf16_optimizer_memory_report
-from lctrain.config import Config, config_fingerprint, settings
+from lctrain.config import Config, config_fingerprint, settings, settings_changes, shown_changes
 from lctrain.costmodel import (
     ModelShape,
     count_params,
@@ -462,8 +462,10 @@ class Trainer:
                 apply_optimizer_settings(self.engine, self.cfg.train, self.state.step)
                 if topo.is_main:
                     if record.get("config_fingerprint") != config_fingerprint(self.cfg):
+                        changes = settings_changes(record["config"], settings(self.cfg)) if "config" in record else {}
+                        named = f" ({shown_changes(changes)})" if changes else ""
                         print(
-                            f"warning: {rd.config_file} changed since checkpoint {path.name}; continuing with "
+                            f"note: {rd.config_file} changed since checkpoint {path.name}{named}; continuing with "
                             f"the new values",
                             flush=True,
                         )
