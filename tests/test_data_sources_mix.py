@@ -256,7 +256,11 @@ def test_an_interrupted_prepare_resumes_to_the_same_bytes(tmp_path, corpora, mon
     monkeypatch.setattr(Partial, "save", real_save)
     out = prepare(sources_cfg(tmp_path, a, b, *extra, domain_field="meta.lang"))
     resumed = json.loads((out / "manifest.json").read_text())
-    assert resumed["build"]["resumed_after_shards"] == 3
+    build = resumed["build"]
+    assert build["resumed_after_shards"] == 3 and build["resumed_after_windows"] == saves[2]
+    # this session's rate: the windows written before the interruption are not counted again
+    written_now = (resumed["num_windows"] - saves[2]) * resumed["seq_len"]
+    assert build["packed_tokens_per_s"] == pytest.approx(written_now / build["seconds"], rel=0.05)
     shards = sorted(p.relative_to(out) for p in (out / "data").iterdir())
     assert len(shards) == 20 and all((out / s).read_bytes() == (reference / s).read_bytes() for s in shards)
     want = json.loads((reference / "manifest.json").read_text())

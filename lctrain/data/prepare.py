@@ -562,6 +562,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
                 f"{saved['num_windows']:,} windows)"
             )
         resumed_shards = len(builder.writer.shards)
+        # what an interrupted run wrote and read before: this session's rates leave it out
+        windows_before, tokens_before = builder.writer.num_windows, builder.counts["tokens"]
         builder.on_shard = lambda: partial.save(resume_key, builder.state())
         t0 = time.perf_counter()
         read = _read(builder, _batches(d, files), encoder, workers, console, d.seq_len)
@@ -577,6 +579,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         shards = builder.writer.close()
         stats = builder.stats.to_dict(builder.mixture.target_shares(), tuple(builder.domains))
         packed = builder.writer.num_windows * d.seq_len
+        packed_now = packed - windows_before * d.seq_len
         manifest = Manifest(
             format_version=FORMAT_VERSION,
             complete=True,
@@ -612,11 +615,15 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             shards=shards,
             build={
                 "seconds": round(elapsed, 3),
-                "packed_tokens_per_s": round(packed / max(elapsed, 1e-9)),
-                "tokenized_tokens_per_s": round(read["tokens"] / max(elapsed, 1e-9)),
+                "packed_tokens_per_s": round(packed_now / max(elapsed, 1e-9)),
+                "tokenized_tokens_per_s": round((read["tokens"] - tokens_before) / max(elapsed, 1e-9)),
                 "num_workers": workers,
                 "lctrain_version": __version__,
-                **({"resumed_after_shards": resumed_shards} if resumed_shards else {}),
+                **(
+                    {"resumed_after_shards": resumed_shards, "resumed_after_windows": windows_before}
+                    if resumed_shards
+                    else {}
+                ),
             },
         )
         write_resolved(cfg, partial.dir)
@@ -638,7 +645,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         _say_source_shares(console, manifest.source["sources"])
     _say_what_was_left_out(console, manifest, num_windows, cfg)
     console.print(
-        f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s "
+        f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s"
+        f"{f' after resuming at {windows_before:,}' if resumed_shards else ''} "
         f"({manifest.build['packed_tokens_per_s']:,} tokens/s)"
     )
     return out
@@ -711,9 +719,12 @@ def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: i
     """Feed the source to `builder`, from where an interrupted run left it (`builder.position`)."""
     first_batch, last_record = builder.position
     budget = builder.num_windows * seq_len
-    t0 = time.perf_counter()
+    t0, docs_before = time.perf_counter(), builder.counts["documents"]
     with _progress(console) as bar:
-        task = bar.add_task("prepare", total=budget, docs=0, docs_per_s=0.0)
+        # a resumed run's bar starts where it was left, so its rate and ETA are this session's
+        task = bar.add_task(
+            "prepare", total=budget, completed=builder.writer.num_windows * seq_len, docs=docs_before, docs_per_s=0.0
+        )
         # a resumed run skips the batches it consumed without tokenizing them
         encoded = _encoded(itertools.islice(batches, first_batch, None), encoder, workers)
         b = first_batch - 1
@@ -726,7 +737,7 @@ def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: i
                     task,
                     completed=builder.writer.num_windows * seq_len,
                     docs=builder.counts["documents"],
-                    docs_per_s=builder.counts["documents"] / max(time.perf_counter() - t0, 1e-9),
+                    docs_per_s=(builder.counts["documents"] - docs_before) / max(time.perf_counter() - t0, 1e-9),
                 )
                 if builder.done:
                     break
