@@ -2,8 +2,10 @@
 
 On a terminal it is rich's live bar. Anywhere else (nohup, a redirect, a batch scheduler's log file) that bar writes
 nothing until the work ends, which leaves someone following a cluster job's log unable to tell a slow job from a hung
-one; there the same columns (less the bar) are written as one plain line every `every_s` seconds and once at the end,
-each time only for the tasks that moved since their last line (a diagnosis's finished and waiting cases stay quiet).
+one; there the same columns (less the bar) are written as one plain line when work starts (a task added while no
+other is under way: the first sample of a long evaluation can take minutes), every `every_s` seconds and once at the
+end, each time only for the tasks that moved since their last line (a diagnosis's finished and waiting cases stay
+quiet).
 Training has its own per-step lines (`train.metrics.StepLogger`).
 """
 
@@ -50,6 +52,13 @@ class ProgressBar(Progress):
         # each task's (description, completed) at its last line; one that has not moved yet has nothing to say
         self.written: dict[TaskID, tuple] = {}
 
+    def add_task(self, description: str, *args, **kwargs) -> TaskID:
+        under_way = any(not t.finished for t in self.tasks)
+        task_id = super().add_task(description, *args, **kwargs)
+        if self.in_log and not under_way:
+            self._write_lines(starting=task_id)
+        return task_id
+
     def update(self, task_id: TaskID, **kwargs) -> None:
         super().update(task_id, **kwargs)
         self._tick()
@@ -67,11 +76,12 @@ class ProgressBar(Progress):
         if self.in_log and self.clock() - self.last_line >= self.every_s:
             self._write_lines()
 
-    def _write_lines(self) -> None:
+    def _write_lines(self, starting: TaskID | None = None) -> None:
         self.last_line = self.clock()
         for task in self.tasks:
             state = (task.description, task.completed)
-            if task.visible and self.written.get(task.id, (task.description, 0)) != state:
+            moved = self.written.get(task.id, (task.description, 0)) != state
+            if task.visible and (moved or task.id == starting):
                 self.written[task.id] = state
                 cells = [column(task) for column in self.columns if not isinstance(column, BarColumn)]
                 line = " ".join(c.plain if isinstance(c, Text) else str(c) for c in cells)

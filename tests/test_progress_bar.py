@@ -46,6 +46,7 @@ def test_in_a_log_a_plain_line_every_interval_and_at_the_end():
         clock.now = 1070
         bar.advance(task, 500)
     assert out.getvalue().splitlines() == [
+        "prepare 0/10,000 tokens 0 docs 0:00:00",
         "prepare 3,000/10,000 tokens 9 docs 0:00:31",
         "prepare 5,000/10,000 tokens 15 docs 0:01:02",
         "prepare 5,500/10,000 tokens 15 docs 0:01:10",
@@ -53,8 +54,8 @@ def test_in_a_log_a_plain_line_every_interval_and_at_the_end():
 
 
 def test_in_a_log_only_the_tasks_that_moved():
-    """Three cases run one after another (as `diagnose rope` does): a line is written for the cases that moved since
-    their last one, never for those waiting or done."""
+    """Three cases run one after another (as `diagnose rope` does): a line when the work starts, then for the cases
+    that moved since their last one, never for those waiting or done."""
     out, clock = io.StringIO(), Clock()
     columns = TextColumn("{task.description} {task.completed}/{task.total}")
     with ProgressBar(columns, console=out_console(out), clock=clock) as bar:
@@ -62,7 +63,22 @@ def test_in_a_log_only_the_tasks_that_moved():
         for t, job, n in [(31, 0, 2), (40, 0, 2), (62, 1, 4), (70, 2, 1)]:
             clock.now = 1000 + t
             bar.advance(jobs[job], n)
-    assert out.getvalue().splitlines() == ["fp32 2/4", "fp32 4/4", "bf16 4/4", "random 1/4"]
+    assert out.getvalue().splitlines() == ["fp32 0/4", "fp32 2/4", "fp32 4/4", "bf16 4/4", "random 1/4"]
+
+
+def test_in_a_log_a_line_when_work_starts_after_earlier_work_ended():
+    """eval: its samples are generated, then its checkpoints evaluated; the second task's start has its own line, a
+    task added beside one under way waits for its first move."""
+    out, clock = io.StringIO(), Clock()
+    columns = TextColumn("{task.description} {task.completed}/{task.total}")
+    with ProgressBar(columns, console=out_console(out), clock=clock) as bar:
+        bar.advance(bar.add_task("generating", total=2), 2)
+        clock.now += 5
+        evaluating = bar.add_task("evaluating", total=3)
+        bar.add_task("beside", total=1)
+        clock.now += 31
+        bar.advance(evaluating)
+    assert out.getvalue().splitlines() == ["generating 0/2", "generating 2/2", "evaluating 0/3", "evaluating 1/3"]
 
 
 def test_on_a_terminal_the_live_bar_and_no_plain_lines():
@@ -91,4 +107,5 @@ def test_the_counted_bar_in_a_log_ends_with_its_line():
     out = io.StringIO()
     with counted_bar(Console(file=out, force_terminal=False, width=200)) as bar:
         bar.advance(bar.add_task("ruler 4096", total=8), 2)
-    assert out.getvalue().startswith("ruler 4096 2/8 0:00:00 ") and out.getvalue().count("\n") == 1
+    lines = out.getvalue().splitlines()
+    assert [line.split()[:3] for line in lines] == [["ruler", "4096", "0/8"], ["ruler", "4096", "2/8"]]
