@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from lctrain import __version__
+from lctrain.compat import typer as compat_typer
 from lctrain.compat.deepspeed import quiet_cpu_fallback_notice
 from lctrain.config import bundled_config_names, load_config, to_yaml
 from lctrain.config_reference import reference_markdown
@@ -671,7 +672,7 @@ def experiment_extend(
 def main(argv: list[str] | None = None) -> None:
     terminate_as_interrupt()
     quiet_cpu_fallback_notice()
-    app(args=argv if argv is not None else sys.argv[1:], prog_name="lctrain")
+    sys.exit(compat_typer.run(app, argv if argv is not None else sys.argv[1:], prog_name="lctrain"))
 
 
 if __name__ == "__main__":
