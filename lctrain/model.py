@@ -432,10 +432,17 @@ def _local_copy(name: str, probe: str, prefix: str | None = None) -> str | None:
     return str(Path(cached).parent) if isinstance(cached, str) else None
 
 
+class _NotHere(UserError):
+    """A value resolved on the machine that trains, not on this one: a hub model or tokenizer not in this cache, an
+    engine this device cannot run."""
+
+
 def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
     """What training on `device` uses where `cfg` leaves a value to the model or the tokenizer (`model.rope_theta`,
     `model.rope_scaling`, `model.max_position_embeddings`, `data.anchor`), by dotted key, and comment lines: the
-    changes to the model's config, or why a value cannot be resolved here (a hub model not downloaded)."""
+    changes to the model's config, or why a value cannot be resolved here (a hub model not downloaded). A model or
+    tokenizer that `prepare` and `train` would refuse (an architecture that cannot be built, a missing anchor token)
+    raises their UserError."""
     used: dict[str, Any] = {}
     notes: list[str] = []
     if cfg.model.checkpointing is None:
@@ -443,28 +450,32 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
     else:
         notes.append(f"model.checkpointing: {cfg.model.checkpointing} (model.gradient_checkpointing is not read)")
     tokenizer = _local_copy(cfg.resolve_source(cfg.data.tokenizer), "tokenizer_config.json", BUILTIN_PREFIX)
-    try:
-        if tokenizer is None:
-            raise UserError(f"'{cfg.data.tokenizer}' is not downloaded here")
+    if tokenizer is None:
+        notes.append(
+            f"data.anchor = {cfg.data.anchor}: resolved when the tokenizer is loaded ('{cfg.data.tokenizer}' "
+            f"is not downloaded here)"
+        )
+    else:
         anchor = resolve_anchor(load_tokenizer(tokenizer), cfg.data.anchor)
         used["data.anchor"] = anchor.token
         notes.append(f"data.anchor: {anchor.token} (id {anchor.id}; {anchor.why})")
-    except UserError as e:
-        notes.append(f"data.anchor = {cfg.data.anchor}: resolved when the tokenizer is loaded ({e})")
     try:
         local = cfg
         if cfg.model.name_or_path is not None:
             path = _local_copy(cfg.resolve_source(cfg.model.name_or_path), "config.json")
             if path is None:
-                raise UserError(f"'{cfg.model.name_or_path}' is not downloaded here")
+                raise _NotHere(f"'{cfg.model.name_or_path}' is not downloaded here")
             local = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": path})})
         hf_config = load_hf_config(local)
         _check_rope(hf_config)
-        engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
+        try:
+            engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
+        except UserError as e:
+            raise _NotHere(f"on this machine: {e}") from None
         changes = config_changes(
             hf_config, cfg, vocab_size=_arch_vocab_size(cfg, None), attn_implementation=engine.hf_name
         )
-    except UserError as e:
+    except _NotHere as e:
         return used, [*notes, f"model settings left null: resolved when the model is loaded ({e})"]
     params = rope_parameters(hf_config, cfg)
     if cfg.model.rope_theta is None:

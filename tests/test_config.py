@@ -232,6 +232,21 @@ def test_cli_show_config_says_which_checkpointing_switch_decides(capsys, items, 
     assert (note in out) if note else "is not read" not in out
 
 
+def test_cli_show_config_refuses_what_train_refuses_and_notes_what_another_machine_resolves(capsys):
+    """An architecture that cannot be built is `train`'s one-line refusal (it was a note saying it would be resolved
+    when the model is loaded); an engine this CPU cannot run is a note, as the GPU machine that trains resolves it."""
+    with pytest.raises(SystemExit) as exc:
+        main(["show-config", "--set", "model.arch.num_attention_heads=3"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: model.arch: cannot build a 'llama' config") and "attention heads (3)" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["show-config", "--set", "attention.engine=varlen"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and yaml.safe_load(out)["attention"]["engine"] == "varlen"
+    assert "# model settings left null: resolved when the model is loaded (on this machine: attention.engine" in out
+
+
 UPSAMPLED = "data.mixture=upsampled"
 
 
