@@ -951,6 +951,12 @@ def data_dir(cfg: Config) -> Path:
     return cfg.resolve_path("prepared") / data_fingerprint(cfg.data)[:12]
 
 
+def tokens_to_prepare(steps: int, global_batch: int, seq_len: int, held_out: int) -> int:
+    """The `data.token_budget` that gives every step windows no step read before and leaves `held_out` windows
+    (`eval.ppl_windows`) that training never reads, for `lctrain eval`'s held-out perplexity."""
+    return (steps * global_batch + held_out) * seq_len
+
+
 def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) -> str | None:
     """One line when training reads more windows (`train.steps` x `train.global_batch`) than `windows` hold, else
     None. Reading runs through the windows in order (train/data.py), so the re-read windows are the last steps',
@@ -966,7 +972,8 @@ def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) ->
             f"the input ran out before data.token_budget: add input data (and prepare again) or set train.steps={fits}"
         )
     else:
-        fix = f"set data.token_budget={needed * seq_len} (and prepare again) or lower train.steps"
+        budget = tokens_to_prepare(cfg.train.steps, cfg.train.global_batch, seq_len, cfg.eval.ppl_windows)
+        fix = f"set data.token_budget={budget} (and prepare again) or lower train.steps"
     return (
         f"warning: {cfg.train.steps:,} steps x {cfg.train.global_batch} windows x {seq_len:,} tokens = "
         f"{needed * seq_len:,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "

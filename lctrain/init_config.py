@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from transformers import AutoConfig
 
-from lctrain.config import DataConfig, validate
+from lctrain.config import DataConfig, EvalConfig, tokens_to_prepare, validate
 from lctrain.costmodel import ModelShape
 from lctrain.data.sources import resolve_local_files
 from lctrain.errors import UserError
@@ -306,7 +306,8 @@ def render(
     d, m, t, p = raw["data"], raw["model"], raw["train"], raw["parallel"]
     gpus = p["nproc_per_node"] * p["num_nodes"]
     dp = gpus // layout.sequence_parallel
-    tokens = t["steps"] * t["global_batch"] * d["seq_len"]
+    held_out = EvalConfig.model_fields["ppl_windows"].default
+    tokens = tokens_to_prepare(t["steps"], t["global_batch"], d["seq_len"], held_out)
     s = base.shape
     scaling_note = (
         f"\n  # the model's own rope_type '{base.positions.rope_type}' scaling is kept (rope_scaling: null); set\n"
@@ -342,7 +343,8 @@ data:
   # <|endoftext|>, else EOS (`lctrain prepare` says which)
   anchor: {d["anchor"]}
   seq_len: {d["seq_len"]}
-  # {t["steps"]} steps x {t["global_batch"]} windows x {d["seq_len"]:,} tokens: the dataset is read once
+  # ({t["steps"]} steps x {t["global_batch"]} windows + {held_out} held out for perplexity) x {d["seq_len"]:,} tokens:
+  # training reads each window at most once and leaves {held_out} unread (eval.ppl_windows)
   token_budget: {tokens}
   mixture: {d["mixture"]}
 model:

@@ -313,7 +313,7 @@ def test_reread_warning_counts_the_steps_that_read_windows_twice():
     assert line == (
         "warning: 2,000 steps x 8 windows x 131,072 tokens = 2,097,152,000 tokens, 97,255,424 more than "
         "the data has (15,258 windows, 1,999,896,576 tokens): the last 93 steps re-read windows; set "
-        "data.token_budget=2097152000 (and prepare again) or lower train.steps"
+        "data.token_budget=2098200576 (and prepare again) or lower train.steps"
     )
     assert reread_warning(cfg, 16_000) is None
     assert "the last 1 steps" in reread_warning(cfg, 15_999)

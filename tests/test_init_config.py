@@ -130,7 +130,7 @@ def test_a_local_model_directory(tiny_dir, tmp_path):
     assert cfg.eval.lengths == [4096, 8192, 16384, 32768, 65536]  # Table 2's lengths for its 64K models
     assert cfg.parallel.nproc_per_node * cfg.parallel.num_nodes == 8
     assert cfg.train.lr == 2e-5 and cfg.train.global_batch == 8 and cfg.train.steps == 2000
-    assert cfg.data.token_budget == 2000 * 8 * 65536
+    assert cfg.data.token_budget == (2000 * 8 + 8) * 65536  # 8 windows held out for perplexity
     RunPlan.of(cfg)
     shape = model_shape(cfg)
     assert shape == ModelShape(4, 256, 8, 4, 32, 688, 1000)  # read from the directory's config.json

@@ -68,7 +68,7 @@ def test_prepare_and_train_say_when_steps_re_read_windows(shares_run, capsys):
     # 20 x 4 = 80 windows wanted, 64 there: 16 x 512 = 8,192 tokens more; 64 // 4 = 16 steps read fresh windows
     line = (
         "warning: 20 steps x 4 windows x 512 tokens = 40,960 tokens, 8,192 more than the data has (64 windows, "
-        "32,768 tokens): the last 4 steps re-read windows; set data.token_budget=40960 (and prepare again) or "
+        "32,768 tokens): the last 4 steps re-read windows; set data.token_budget=45056 (and prepare again) or "
         "lower train.steps"
     )
     prepare(cfg)  # already prepared: says so, and warns again

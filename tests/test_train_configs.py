@@ -47,7 +47,6 @@ def test_bundled_config_is_valid_and_runnable(name):
         heads, kv = SMOLLM2_HEADS
         assert cfg.data.tokenizer == cfg.model.name_or_path and cfg.data.sources is not None
         assert cfg.model.dtype == "bfloat16" and layout.world == 1
-        assert cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len <= cfg.data.token_budget
     else:
         heads, kv = HEADS[cfg.model.name_or_path]
         assert cfg.data.tokenizer == cfg.model.name_or_path
@@ -55,8 +54,9 @@ def test_bundled_config_is_valid_and_runnable(name):
         assert cfg.model.dtype == "bfloat16" and layout.world == 8
         # Table 1's AdamW, decaying every parameter as the paper's released code does
         assert (cfg.train.weight_decay, cfg.train.betas, cfg.train.decay_norms_and_biases) == (0.1, (0.9, 0.95), True)
-        # no paper run reads a window twice
-        assert cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len <= cfg.data.token_budget
+    # no run reads a window twice, and eval.ppl_windows are left for the held-out perplexity (Figure 4's curve,
+    # report's Table 4 column): the windows the budget packs, counted apart from config.tokens_to_prepare
+    assert cfg.data.token_budget // cfg.data.seq_len >= cfg.train.steps * cfg.train.global_batch + cfg.eval.ppl_windows
     kv_replication(heads, kv, cfg.parallel.sequence_parallel, name)
 
 
@@ -70,8 +70,9 @@ def test_table1_has_every_cell(data, seq_len, mixture):
         assert (cfg.data.seq_len, cfg.data.mixture) == (seq_len, mixture)
         # Table 1's base by length, set explicitly: a pretrained model otherwise keeps its own (test_model.py)
         assert cfg.train.steps == 2000 and cfg.model.rope_theta == default_rope_theta(seq_len)
-        # "2 billion token dataset"; at 128K the 2000 steps read 2000 x 8 x 131,072 tokens, so exactly those
-        assert cfg.data.token_budget == (2_000_000_000 if seq_len == 65536 else 2_097_152_000)
+        # "2 billion token dataset"; at 128K the 2000 steps read 2000 x 8 x 131,072 tokens, so exactly those and
+        # 8 windows held out for perplexity
+        assert cfg.data.token_budget == (2_000_000_000 if seq_len == 65536 else 2_098_200_576)
         assert (cfg.attention.mode, cfg.data.domain_tags) == (mode, tags)
         assert cfg.model.name_or_path == "meta-llama/Llama-2-7b-hf"
 
@@ -171,8 +172,8 @@ def test_table3_grid_and_figure4():
         cfg = load_config(f"llama2_32k_table3_rope_{row}")
         assert (cfg.model.rope_theta, cfg.model.rope_scaling, cfg.attention.mode) == (base, None, "full")
         assert cfg.data.seq_len == 32768 and max(cfg.eval.lengths) == 32768
-        # 1B tokens at 8 x 32,768 = 262,144 tokens per step: 3815 steps, the budget exactly what they read
-        assert cfg.train.steps == 3815 and cfg.data.token_budget == 3815 * 8 * 32768 == 1_000_079_360
+        # 1B tokens at 8 x 32,768 = 262,144 tokens per step: 3815 steps, the budget what they read and 8 windows
+        assert cfg.train.steps == 3815 and cfg.data.token_budget == (3815 * 8 + 8) * 32768 == 1_000_341_504
     fig4 = load_config("llama2_16k_fig4_full")
     assert (fig4.data.seq_len, fig4.attention.mode, fig4.data.mixture, fig4.model.rope_theta) == (
         16384,
