@@ -25,6 +25,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -634,6 +635,11 @@ class Config(_Section):
                 "model.fused_kernels=liger runs Triton kernels, which need CUDA, and this machine has none; set "
                 "model.fused_kernels=compile or none"
             )
+        if self.model.dtype == "float16" and cuda is False:
+            raise ValueError(
+                "model.dtype = float16 trains through DeepSpeed's fp16 optimizer (loss scaling), which needs CUDA, and "
+                "this machine has none; set model.dtype=bfloat16 (with parallel.zero_stage >= 1) or float32"
+            )
         if self.train.fused_optimizer and cuda and self.parallel.offload_optimizer and not self.train.torch_adam:
             raise ValueError(
                 "train.fused_optimizer is torch's fused AdamW, but an offloaded optimizer on a GPU runs DeepSpeed's "
@@ -664,6 +670,15 @@ class Config(_Section):
         if "/" in name or "\\" in name or name in (".", ".."):
             raise ValueError("the name is one directory name under runs/ (no '/', not '.' or '..')")
         return name
+
+    # the `--set` items it was loaded with (load_config): `origin` names them in messages
+    _overrides: tuple[str, ...] = PrivateAttr(default=())
+
+    def origin(self, *keys: str) -> str:
+        """Where the values of `keys` (dotted) come from, for a message about them: the `--set` items that gave one
+        (or a key inside one), else the config file. A value mistyped on the command line is not the file's."""
+        given = [item for item in self._overrides if _overridden(item, keys)]
+        return ", ".join(f"--set {item}" for item in given) if given else (self.source_file or "config")
 
     def resolve_path(self, value: str | Path) -> Path:
         """A path setting of this config (data.path, data.output_dir, parallel.hostfile, ...), relative to `workdir`."""
@@ -836,11 +851,11 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     if e["type"] == "literal_error":
         return f"{source}: {key} = {e.get('input')!r} is not allowed; expected {e['ctx']['expected']}"
     msg = e["msg"].removeprefix("Value error, ")
+    if not loc:  # a rule across sections: its message names the keys
+        return f"{source}: {msg}"
     if isinstance(e.get("input"), dict):
         return f"{source}: {key}: {msg}"
-    if loc:
-        return f"{source}: {key} = {e.get('input')!r}: {msg}"
-    return f"{source}: {msg}"
+    return f"{source}: {key} = {e.get('input')!r}: {msg}"
 
 
 def validate(
@@ -853,6 +868,12 @@ def validate(
         return Config.model_validate(raw, context=context)
     except ValidationError as err:
         raise UserError(_format_validation_error(err, _blamed(err, source, overrides))) from None
+
+
+def _overridden(item: str, keys: tuple[str, ...]) -> bool:
+    """Whether the `--set` `item` gives one of `keys`, a key inside one, or a section holding one."""
+    k = item.split("=", 1)[0].strip()
+    return any(k == key or k.startswith((key + ".", key + "[")) or key.startswith(k + ".") for key in keys)
 
 
 def _blamed(err: ValidationError, source: str, overrides: list[str] | tuple[str, ...]) -> str:
@@ -873,7 +894,9 @@ def _blamed(err: ValidationError, source: str, overrides: list[str] | tuple[str,
 def check_on_this_machine(cfg: Config, cuda_available: bool) -> None:
     """The schema's rules that depend on the machine a run starts on (the nccl backend needs CUDA), checked before
     any process starts; loading alone does not check them, so a GPU config loads and plans on any machine."""
-    validate(settings(cfg), cfg.source_file or "config", context={CUDA_AVAILABLE: cuda_available})
+    validate(
+        settings(cfg), cfg.source_file or "config", context={CUDA_AVAILABLE: cuda_available}, overrides=cfg._overrides
+    )
 
 
 def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -885,6 +908,7 @@ def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[st
     raw.pop("source_file", None)
     cfg = validate(raw, source=str(path), overrides=overrides)
     cfg.source_file = str(path)
+    cfg._overrides = tuple(overrides)
     return cfg
 
 
@@ -894,7 +918,7 @@ def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...], why: str
     `workdir`."""
     raw = apply_overrides(settings(cfg), overrides)
     derived = validate(raw, f"{cfg.source_file or 'config'} ({why})")
-    derived.source_file, derived.workdir = cfg.source_file, cfg.workdir
+    derived.source_file, derived.workdir, derived._overrides = cfg.source_file, cfg.workdir, cfg._overrides
     return derived
 
 

@@ -335,3 +335,34 @@ def test_with_overrides_derives_a_validated_config():
     assert (cfg.data.seq_len, cfg.attention.mode) == (1024, "anchor")  # the original is untouched
     with pytest.raises(UserError, match=r"tiny_anchor.yaml \(a check\).*attention.mode"):
         with_overrides(cfg, ["attention.mode=sparse"], "a check")
+
+
+def test_float16_is_refused_on_a_machine_without_cuda_in_one_line():
+    """DeepSpeed's fp16 optimizer asks the accelerator for fp16 support: on CPU a 59-line traceback, after the model
+    was built. `train` checks the machine's rules before anything starts (test_fused.py runs it for liger's)."""
+    from lctrain.config import check_on_this_machine
+
+    cfg = load_config(None, ["model.dtype=float16", "parallel.zero_stage=1"])
+    with pytest.raises(UserError, match=r"model.dtype = float16 .* needs CUDA, and this machine has none"):
+        check_on_this_machine(cfg, cuda_available=False)
+    check_on_this_machine(cfg, cuda_available=True)  # the same config plans and loads anywhere
+
+
+def test_a_refusal_names_the_set_that_gave_the_value_not_the_config_file(tmp_path):
+    """Checks past the schema (the precision rule, a missing hostfile, the machine's rules) name the `--set` that
+    gave a key they are about, as the schema's own errors do; a value from the file is the file's."""
+    from lctrain.config import check_on_this_machine
+    from lctrain.parallel.launch import worker_command
+    from lctrain.train.runplan import RunPlan
+
+    with pytest.raises(UserError, match=r"^--set model.dtype=bfloat16: model.dtype = bfloat16 needs parallel.zero"):
+        RunPlan.of(load_config(None, ["model.dtype=bfloat16"]))
+    two_nodes = ["parallel.num_nodes=2", f"parallel.hostfile={tmp_path / 'hosts'}"]
+    with pytest.raises(UserError, match=rf"^--set parallel.hostfile={tmp_path / 'hosts'}: .*: no such file"):
+        worker_command(load_config(None, two_nodes), ["lctrain.cli"])
+    half = load_config(None, ["model.dtype=float16", "parallel.zero_stage=1"])
+    with pytest.raises(UserError, match=r"^--set .*--set model.dtype=float16: model.dtype = float16 trains"):
+        check_on_this_machine(half, cuda_available=False)
+    from_file = load_config(None, ["train.lr=0.5"])
+    assert from_file.origin("model.dtype") == from_file.source_file
+    assert from_file.origin("train") == "--set train.lr=0.5"

@@ -393,7 +393,7 @@ def test_nccl_loads_anywhere_and_is_refused_on_a_machine_without_cuda():
     cfg = load_config(None, ["parallel.backend=nccl"])  # a GPU config is read and planned on a laptop
     check_on_this_machine(cfg, cuda_available=True)
     check_on_this_machine(load_config(), cuda_available=False)
-    with pytest.raises(UserError, match=r"tiny_anchor.yaml: parallel: parallel.backend = nccl needs CUDA"):
+    with pytest.raises(UserError, match=r"^--set parallel.backend=nccl: parallel: parallel.backend = nccl needs CUDA"):
         check_on_this_machine(cfg, cuda_available=False)
 
 

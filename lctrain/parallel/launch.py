@@ -41,7 +41,8 @@ def worker_command(cfg: Config, worker: list[str]) -> list[str]:
     if p.launcher == "torchrun":
         if p.num_nodes > 1:
             raise UserError(
-                f"{cfg.source_file or 'config'}: parallel.launcher = torchrun cannot start other nodes; "
+                f"{cfg.origin('parallel.launcher', 'parallel.num_nodes')}: parallel.launcher = torchrun cannot "
+                f"start other nodes; "
                 f"run 'torchrun --nnodes {p.num_nodes} ... -m lctrain.cli train' on every node, or set "
                 f"parallel.launcher: deepspeed with parallel.hostfile"
             )
@@ -73,10 +74,15 @@ def worker_command(cfg: Config, worker: list[str]) -> list[str]:
     ]
     if p.num_nodes > 1:
         hostfile = cfg.resolve_path(p.hostfile) if p.hostfile else None
-        if hostfile is None or not hostfile.is_file():
+        if hostfile is None:
             raise UserError(
-                f"{cfg.source_file or 'config'}: parallel.num_nodes = {p.num_nodes} needs "
+                f"{cfg.origin('parallel.num_nodes')}: parallel.num_nodes = {p.num_nodes} needs "
                 f"parallel.hostfile naming the hosts (DeepSpeed hostfile: 'host slots=8' per line)"
+            )
+        if not hostfile.is_file():
+            raise UserError(
+                f"{cfg.origin('parallel.hostfile')}: parallel.hostfile = {p.hostfile}: no such file ({hostfile}); "
+                f"write the DeepSpeed hostfile ('host slots=8' per line) there, or name the one you have"
             )
         cmd += ["--hostfile", str(hostfile), "--num_nodes", str(p.num_nodes), "--num_gpus", str(p.nproc_per_node)]
     else:

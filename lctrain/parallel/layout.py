@@ -41,17 +41,17 @@ class ParallelLayout:
 def layout_of(cfg: Config, world: int | None = None) -> ParallelLayout:
     """The layout of `cfg` on `world` processes (default: the processes it asks for), refusing one that cannot run
     in one line naming the keys and a fix."""
-    source = cfg.source_file or "config"
     p = cfg.parallel
     world = world or p.nproc_per_node * p.num_nodes
     if world % p.sequence_parallel:
         raise UserError(
-            f"{source}: world size {world} (parallel.nproc_per_node x parallel.num_nodes) is not "
+            f"{cfg.origin('parallel')}: world size {world} (parallel.nproc_per_node x parallel.num_nodes) is not "
             f"divisible by parallel.sequence_parallel = {p.sequence_parallel}"
         )
     if cfg.data.seq_len % p.sequence_parallel:
         raise UserError(
-            f"{source}: data.seq_len = {cfg.data.seq_len} is not divisible by parallel.sequence_parallel "
+            f"{cfg.origin('data.seq_len', 'parallel.sequence_parallel')}: data.seq_len = {cfg.data.seq_len} is "
+            f"not divisible by parallel.sequence_parallel "
             f"= {p.sequence_parallel}"
         )
     return ParallelLayout(world=world, sp=p.sequence_parallel)

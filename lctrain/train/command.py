@@ -238,9 +238,9 @@ def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> N
     }
     if changed:
         raise UserError(
-            f"{source}: {shown_changes(changed)} changed since checkpoint {checkpoint}; a checkpoint resumes only "
-            f"with the model, data and batch it was written with: restore them, or start "
-            f"over with 'lctrain train --config {source} --force'"
+            f"{cfg.origin(*changed)}: {shown_changes(changed)} changed since checkpoint {checkpoint}; a checkpoint "
+            f"resumes only with the model, data and batch it was written with: restore them, or start over with "
+            f"'lctrain train --config {source} --force'"
         )
     reshard.check_reshardable(saved, settings(cfg), source, checkpoint)
 
@@ -266,7 +266,8 @@ def preflight(cfg: Config) -> Prepared:
         # a bad model.arch, a model without RoPE: refused here, before the dataset is opened or anything launched
         shape = ModelShape.from_hf_config(load_hf_config(cfg))
         if cfg.parallel.sequence_parallel > 1:
-            kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.source_file or "config")
+            source = cfg.origin("parallel.sequence_parallel", "model")
+            kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, source)
     check_matches_model(cfg)
     prepared = Prepared.of(cfg, plan=plan)
     reread = reread_warning(cfg, len(prepared.packed), prepared.packed.manifest.source_exhausted)

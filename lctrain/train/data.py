@@ -123,7 +123,8 @@ class BatchPlan:
         t = cfg.train
         if t.global_batch % (t.micro_batch * layout.dp):
             raise UserError(
-                f"{cfg.source_file or 'config'}: train.global_batch = {t.global_batch} is not divisible by "
+                f"{cfg.origin('train.global_batch', 'train.micro_batch', 'parallel')}: train.global_batch = "
+                f"{t.global_batch} is not divisible by "
                 f"train.micro_batch x data-parallel size = {t.micro_batch} x {layout.dp}; change train.global_batch "
                 f"or train.micro_batch"
             )

@@ -39,7 +39,7 @@ def import_wandb(cfg):
         import wandb
     except ImportError:
         raise UserError(
-            f"{cfg.source_file or 'config'}: logging.wandb = {cfg.logging.wandb} needs Weights & Biases "
+            f"{cfg.origin('logging.wandb')}: logging.wandb = {cfg.logging.wandb} needs Weights & Biases "
             f"(pip install 'lctrain[wandb]'); or set logging.wandb: disabled"
         ) from None
     return wandb
@@ -52,7 +52,7 @@ def tensorboard_writer_class(cfg):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise UserError(
-            f"{cfg.source_file or 'config'}: logging.tensorboard = true needs TensorBoard "
+            f"{cfg.origin('logging.tensorboard')}: logging.tensorboard = true needs TensorBoard "
             f"(pip install 'lctrain[tensorboard]'); or set logging.tensorboard: false"
         ) from None
     return SummaryWriter

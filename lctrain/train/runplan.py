@@ -17,7 +17,8 @@ def check_precision(cfg: Config) -> None:
     update bf16 weights directly, which loses the small updates of continual pretraining (lr 2e-5)."""
     if cfg.model.dtype != "float32" and cfg.parallel.zero_stage == 0:
         raise UserError(
-            f"{cfg.source_file or 'config'}: model.dtype = {cfg.model.dtype} needs parallel.zero_stage "
+            f"{cfg.origin('model.dtype', 'parallel.zero_stage')}: model.dtype = {cfg.model.dtype} needs "
+            f"parallel.zero_stage "
             f">= 1 (fp32 master weights); set parallel.zero_stage: 1, or model.dtype: float32"
         )
 
