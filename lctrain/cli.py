@@ -318,7 +318,7 @@ def eval_(
         str | None,
         typer.Option(
             help="run lm-evaluation-harness tasks instead, e.g. longbench,hellaswag,mmlu "
-            "(Table 7; needs lctrain[harness])"
+            "(Table 7; needs lctrain\\[harness])"
         ),
     ] = None,
     harness_tasks: Annotated[str | None, typer.Option(help="directory of extra harness task YAML files")] = None,
