@@ -127,7 +127,8 @@ class SourceConfig(_Section):
 
     name: Text = Field(description="the source's name: its domain unless domain_field is set, and its key in messages")
     path: Text | None = Field(
-        None, description="local files: a .jsonl/.json/.parquet/.jsonl.zst file, a directory of them or a glob"
+        None,
+        description="local files: a .jsonl/.json/.parquet/.jsonl.zst/.json.zst file, a directory of them or a glob",
     )
     hub: Text | None = Field(None, description="a Hugging Face hub dataset, streamed (exactly one of path and hub)")
     subset: Text | None = Field(None, description="hub: the dataset's subset (its config name); null = its default")
@@ -176,8 +177,8 @@ class DataConfig(_Section):
     path: Text | None = Field(
         None,
         description="data.source local (and only then: refused with another source): a .jsonl/.json/.parquet/"
-        ".jsonl.zst file, a directory of them (its data.hub_split subdirectory if there is one) or a glob; relative to "
-        "where lctrain runs",
+        ".jsonl.zst/.json.zst file, a directory of them (its data.hub_split subdirectory if there is one) or a glob; "
+        "relative to where lctrain runs",
     )
     hub_name: Text = Field(
         DEFAULT_HUB, description="data.source hub (another name is refused with another source): the dataset's hub name"
@@ -234,7 +235,12 @@ class DataConfig(_Section):
     )
     min_doc_tokens: Int = Field(1, ge=1, description="documents with fewer tokens are skipped (counted as too_short)")
     seed: Seed = Field(0, description="seeds the file order, the shuffle buffer, the mixture and the chunking")
-    num_workers: Int = Field(0, ge=0, description="tokenizer processes, at most one per usable CPU core; 0 = all cores")
+    num_workers: Int = Field(
+        0,
+        ge=0,
+        description="tokenizer processes, at most one per usable CPU core; 0 = all cores (one under a 2M-token "
+        "budget, where starting processes costs more than they save)",
+    )
     output_dir: Text | None = Field(
         None, description="where the prepared dataset goes; null = prepared/<data fingerprint> (shared by configs)"
     )
@@ -341,7 +347,8 @@ class ModelConfig(_Section):
     max_position_embeddings: Int | None = Field(
         None,
         ge=1,
-        description="the model's context length; null keeps the model's own, raised to data.seq_len if smaller",
+        description="the model's context length; null keeps the model's own, raised to data.seq_len if smaller "
+        "(a model.arch that names none: data.seq_len)",
     )
     dtype: Literal["bfloat16", "float32", "float16"] = Field(
         "bfloat16", description="the weights' and the computation's dtype (bf16/fp16 keep fp32 master weights)"
@@ -455,7 +462,9 @@ class TrainConfig(_Section):
     eps: Float = Field(1e-8, gt=0, description="AdamW's epsilon")
     warmup_steps: Int = Field(0, ge=0, description="linear warmup from lr/warmup_steps to lr over this many steps")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="the learning rate after warmup: constant, or decaying to 0 at the last step"
+        "constant",
+        description="the learning rate after warmup: constant, or decaying towards 0, which it reaches after the "
+        "last update (the last step's rate is one step's decay above it)",
     )
     grad_clip: Float = Field(1.0, ge=0, description="clip the gradients' global norm to this; 0 = no clipping")
     torch_adam: bool = Field(
@@ -542,6 +551,17 @@ class ProfileConfig(_Section):
     ranks: Literal["all"] | list[Annotated[Int, Field(ge=0)]] = Field(
         [0], min_length=1, description="the ranks that write a trace: a list of global ranks, or all"
     )
+
+    @field_validator("ranks", mode="before")
+    @classmethod
+    def _all_or_ranks(cls, ranks: Any) -> Any:
+        # one message for both forms: the union's own errors named a branch ("ranks.literal['all']")
+        if ranks == "all" or (
+            isinstance(ranks, list) and ranks and all(type(r) is int and r >= 0 for r in ranks)  # noqa: E721
+        ):
+            return ranks
+        raise ValueError("expected all, or a list of global ranks (integers >= 0)")
+
     memory: bool = Field(
         False,
         description="also record every tensor allocation in the trace, and on CUDA write the allocator's snapshot "
@@ -557,7 +577,12 @@ class LoggingConfig(_Section):
         description="also write the step metrics as TensorBoard event files in the run directory's tensorboard/ "
         "(needs the tensorboard package: pip install 'lctrain[tensorboard]')",
     )
-    log_every: Int = Field(1, ge=1, description="log metrics every this many steps, and the last step")
+    log_every: Int = Field(
+        1,
+        ge=1,
+        description="print the step line (and log to W&B and TensorBoard) every this many steps, and the last "
+        "step; metrics.jsonl keeps every step",
+    )
     peak_tflops: Float | None = Field(
         None, gt=0, description="per-device peak for MFU; null: known GPU or measured CPU"
     )
@@ -644,6 +669,17 @@ class Config(_Section):
             raise ValueError(
                 "train.fused_optimizer is torch's fused AdamW, but an offloaded optimizer on a GPU runs DeepSpeed's "
                 "CPU Adam (already one fused C++ step); set train.torch_adam=true or train.fused_optimizer=false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _context_holds_the_window(self):
+        own = self.model.max_position_embeddings
+        if own is not None and own < self.data.seq_len:
+            raise ValueError(
+                f"model.max_position_embeddings = {own:,} is below data.seq_len = {self.data.seq_len:,}: the model "
+                f"would train on positions past its stated context; set it to at least data.seq_len, or null (the "
+                f"model's own, raised to data.seq_len)"
             )
         return self
 
@@ -795,9 +831,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not value.strip():
         # `--set model.name_or_path=$MODEL` with MODEL unset would clear the key: for a key that may be null, a
         # silently different run (the default config's random model)
-        raise UserError(
-            f"--set '{item}': no value after '=' (an unset shell variable?); to clear a key write {key.strip()}=null"
-        )
+        field = _field_of(key.strip())
+        if field is None:
+            advice = f"give {key.strip()}=VALUE"
+        elif type(None) in get_args(field.annotation):
+            advice = f"to clear the key write {key.strip()}=null"
+        else:
+            advice = f"{key.strip()} takes a value (its default: {field.get_default(call_default_factory=True)!r})"
+        raise UserError(f"--set '{item}': no value after '=' (an unset shell variable?); {advice}")
     try:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:
@@ -821,19 +862,32 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     return raw
 
 
-def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    for part in loc[:-1]:
-        if isinstance(part, int):  # an item of a list of sections (data.sources[0]): the section is already known
+def _section_of(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """The section class at `path` (names, and list indices which stay in the section: data.sources[0]) below
+    `model`; None where a name is not a section."""
+    for part in path:
+        if isinstance(part, int):
             continue
-        field = model.model_fields.get(part)
-        ann = getattr(field, "annotation", None)
+        ann = getattr(model.model_fields.get(part), "annotation", None)
         # `list[Section] | None` -> Section
         items = [a for arg in get_args(ann) for a in (get_args(arg) or (arg,))] if get_args(ann) else [ann]
         sections = [a for a in items if isinstance(a, type) and issubclass(a, BaseModel)]
         if not sections:
-            return []
+            return None
         model = sections[0]
-    return list(model.model_fields)
+    return model
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    section = _section_of(model, loc[:-1])
+    return list(section.model_fields) if section is not None else []
+
+
+def _field_of(dotted: str):
+    """The schema's field of a dotted key (`train.lr`), None for a key the schema does not have."""
+    *sections, name = dotted.split(".")
+    section = _section_of(Config, tuple(sections))
+    return section.model_fields.get(name) if section is not None else None
 
 
 def _dotted(loc: tuple) -> str:

@@ -236,6 +236,8 @@ COUPLED = {
     "model.fused_kernels",
     "model.tiled_mlp",
     "model.rope_fp32",
+    "model.max_position_embeddings",
+    "data.seq_len",
     "data.source",
     "data.path",
     "data.hub_name",
@@ -300,6 +302,10 @@ def coupled(draw) -> dict[str, Any]:
     )
     v["model.tiled_mlp"] = 0 if fused != "none" else draw(st.one_of(st.just("auto"), st.integers(0, 8)))
     v["model.rope_fp32"] = fused != "liger" and draw(st.booleans())
+    # a context length set is at least the training window
+    v["data.seq_len"] = seq_len = draw(valid(LEAVES["data.seq_len"]))
+    own = draw(valid(LEAVES["model.max_position_embeddings"]))
+    v["model.max_position_embeddings"] = own if own is None else max(own, seq_len)
     v["eval.tasks"] = draw(st.one_of(st.none(), st.lists(st.sampled_from(TASK_NAMES), min_size=1, unique=True)))
     v["eval.exclude"] = draw(st.lists(st.sampled_from(TASK_NAMES), unique=True))
     return v

@@ -116,8 +116,16 @@ CASES = [
         "config",
         ["show-config", "--set", "model.name_or_path="],
         {},
-        r"--set 'model.name_or_path=': no value after '=' \(an unset shell variable\?\); to clear a key write "
+        r"--set 'model.name_or_path=': no value after '=' \(an unset shell variable\?\); to clear the key write "
         r"model.name_or_path=null",
+    ),
+    (
+        "split-empty",  # a key that cannot be null is not told to write null
+        "config",
+        ["show-config", "--set", "data.hub_split="],
+        {},
+        r"--set 'data.hub_split=': no value after '=' \(an unset shell variable\?\); data.hub_split takes a value "
+        r"\(its default: 'train'\)",
     ),
     ("mode-upper-case", "config", ["show-config", "--set", "attention.mode=ANCHOR"], {}, r"attention.mode = 'ANCHOR'"),
     ("eval-length-4k-string", "config", ["show-config", "--set", "eval.lengths=[4k]"], {}, r"eval.lengths\[0\] = '4k'"),
@@ -150,7 +158,8 @@ CASES = [
     ("config-binary-file", "config", ["prepare", "--config", "{w}/binary.jsonl"], {}, r"binary.jsonl: not UTF-8 text"),
     ("batch-indivisible", "config", train("train.global_batch=3", "train.micro_batch=2"), {}, r"not divisible by"),
     ("micro-over-global", "config", train("train.micro_batch=4", "train.global_batch=2"), {}, r"not divisible by"),
-    ("float16-zero-0", "config", train("model.dtype=float16"), {}, r"float16 needs parallel.zero_stage >= 1"),
+    ("bfloat16-zero-0", "config", train("model.dtype=bfloat16"), {}, r"bfloat16 needs parallel.zero_stage >= 1"),
+    ("float16-on-cpu", "config", train("model.dtype=float16"), {}, r"float16 trains through DeepSpeed's fp16 .* CUDA"),
     (
         "sp-not-dividing-length",
         "config",
