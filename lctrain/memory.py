@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
-from lctrain.model import auto_mlp_shards
+from lctrain.model import auto_mlp_shards, training_mlp_rows
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.search import longest_fitting
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
@@ -322,7 +322,7 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     b = dtype_bytes(m.dtype)
     seq_tokens = cfg.data.seq_len // layout.sp
     micro_batch = cfg.train.micro_batch
-    tokens = seq_tokens * micro_batch
+    tokens = training_mlp_rows(cfg, layout)
     shards = auto_mlp_shards(tokens, shape.hidden) if m.tiled_mlp == "auto" else m.tiled_mlp
     shard_tokens = math.ceil(tokens / shards) if shards else tokens
     # the engine's whole-sequence q, k, v and output under Ulysses, beside the local ones the projections keep

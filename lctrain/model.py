@@ -8,6 +8,7 @@ MLP, fused kernels (`lctrain.fused`), and the attention engine (`lctrain_<engine
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import logging
@@ -27,9 +28,13 @@ from lctrain.attention.engines.common import check_dropout
 from lctrain.compat.deepspeed import tiled_mlp_apply
 from lctrain.compat.transformers import attn_implementation_of, nested_rope_keys, set_attn_implementation
 from lctrain.compat.transformers import rotary_in_fp32 as compat_rotary_in_fp32
-from lctrain.config import Config
+from lctrain.config import Config, data_dir
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
+from lctrain.eval.ruler import select_task_set
+from lctrain.parallel.groups import pick_backend
+from lctrain.parallel.layout import ParallelLayout, layout_of
+from lctrain.rundir import RunDir
 from lctrain.shapes import HUB_NAMES, SHAPES
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor
 
@@ -376,6 +381,8 @@ def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str) -> lis
     _check_rope(hf_config)
     changes = config_changes(hf_config, cfg, vocab_size=vocab_size, attn_implementation=impl)
     apply_changes(hf_config, changes)
+    if cfg.model.arch is not None:
+        _check_pad_token(hf_config, cfg, changes)
     hf_config.standardize_rope_params()
     try:
         hf_config.validate_rope()
@@ -393,6 +400,26 @@ def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str) -> lis
         raise UserError(f"model num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}")
     check_dropout(getattr(hf_config, "attention_dropout", 0.0))  # at build time, not at the first forward
     return changes
+
+
+def _check_pad_token(hf_config, cfg: Config, changes: list[ConfigChange]) -> None:
+    """A random init builds its embedding with `padding_idx = pad_token_id`, which torch asserts is in the vocabulary,
+    mid-build; a model type's default can miss the vocabulary `model.arch` gets from the tokenizer (phi3's 32000 with
+    a 32,000-token tokenizer). bos/eos ids are not checked: nothing is built from them, and lctrain trains and
+    generates with the tokenizer's."""
+    pad, vocab = getattr(hf_config, "pad_token_id", None), hf_config.vocab_size
+    if pad is None or 0 <= pad < vocab:
+        return
+    arch = cfg.model.arch
+    named = "" if "pad_token_id" in arch else f" (the '{arch['model_type']}' default)"
+    if any(c.key == "vocab_size" for c in changes):
+        source = f"data.tokenizer '{cfg.data.tokenizer}'"
+    else:
+        source = "model.arch.vocab_size" if "vocab_size" in arch else f"the '{arch['model_type']}' default"
+    raise UserError(
+        f"model.arch.pad_token_id = {pad}{named} is outside the model's vocabulary of {vocab} tokens ({source}); "
+        f"set model.arch.pad_token_id to a token id below {vocab}, or null"
+    )
 
 
 def _check_anchor(cfg: Config, vocab: int) -> None:
@@ -438,17 +465,41 @@ class _NotHere(UserError):
 
 
 def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
-    """What training on `device` uses where `cfg` leaves a value to the model or the tokenizer (`model.rope_theta`,
-    `model.rope_scaling`, `model.max_position_embeddings`, `data.anchor`), by dotted key, and comment lines: the
-    changes to the model's config, or why a value cannot be resolved here (a hub model not downloaded). A model or
-    tokenizer that `prepare` and `train` would refuse (an architecture that cannot be built, a missing anchor token)
-    raises their UserError."""
+    """What `prepare`, `train` and `eval` use where `cfg` leaves a value null or auto, by dotted key, each from the
+    function they call: the prepared dataset's and the run's directories, the evaluated tasks, the parallel backend and
+    attention engine of a run on `device` (this machine), and the model's and tokenizer's values
+    (`model.rope_theta`, `model.rope_scaling`, `model.max_position_embeddings`, `model.tiled_mlp`, `data.anchor`).
+    Also comment lines: the changes to the model's config, which values this machine decides, or why a value cannot
+    be resolved here (a hub model not downloaded). A model or tokenizer that `prepare` and `train` would refuse (an
+    architecture that cannot be built, a pad token outside the vocabulary, a missing anchor token) raises their
+    UserError."""
     used: dict[str, Any] = {}
     notes: list[str] = []
     if cfg.model.checkpointing is None:
         used["model.checkpointing"] = cfg.model.checkpointing_mode
     else:
         notes.append(f"model.checkpointing: {cfg.model.checkpointing} (model.gradient_checkpointing is not read)")
+    if cfg.data.output_dir is None:
+        used["data.output_dir"] = str(data_dir(cfg))
+    if cfg.train.run_dir is None:
+        used["train.run_dir"] = str(RunDir.of(cfg).path)
+    if cfg.eval.tasks is None:
+        used["eval.tasks"], _ = select_task_set(None, list(cfg.eval.exclude))
+    if cfg.parallel.backend == "auto":
+        used["parallel.backend"] = pick_backend(cfg)
+        notes.append(
+            f"parallel.backend: auto is {used['parallel.backend']} on this machine (nccl with CUDA, else gloo)"
+        )
+    try:
+        engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
+    except UserError as e:
+        engine, refused = None, e
+    if cfg.attention.engine == "auto":
+        used["attention.engine"] = engine.name
+        notes.append(
+            f"attention.engine: auto is {engine.name} on this machine (device {device}, model.dtype "
+            f"{cfg.model.dtype}, attention.mode {cfg.attention.mode})"
+        )
     tokenizer = _local_copy(cfg.resolve_source(cfg.data.tokenizer), "tokenizer_config.json", BUILTIN_PREFIX)
     if tokenizer is None:
         notes.append(
@@ -467,16 +518,19 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
                 raise _NotHere(f"'{cfg.model.name_or_path}' is not downloaded here")
             local = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": path})})
         hf_config = load_hf_config(local)
-        _check_rope(hf_config)
-        try:
-            engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
-        except UserError as e:
-            raise _NotHere(f"on this machine: {e}") from None
-        changes = config_changes(
-            hf_config, cfg, vocab_size=_arch_vocab_size(cfg, None), attn_implementation=engine.hf_name
-        )
+        if cfg.model.tiled_mlp == "auto":
+            used["model.tiled_mlp"] = auto_mlp_shards(
+                training_mlp_rows(cfg), ModelShape.from_hf_config(hf_config).hidden
+            )
+        if engine is None:
+            raise _NotHere(f"on this machine: {refused}")
+        # train's checks and changes, on a copy: the values below are read from the model's own config
+        changes = _configure(copy.deepcopy(hf_config), cfg, _arch_vocab_size(cfg, None), engine.hf_name)
     except _NotHere as e:
-        return used, [*notes, f"model settings left null: resolved when the model is loaded ({e})"]
+        notes.append(f"model settings left null: resolved when the model is loaded ({e})")
+        if "model.tiled_mlp" not in used and cfg.model.tiled_mlp == "auto":
+            notes.append("model.tiled_mlp: auto is resolved from the model's hidden_size when the model is loaded")
+        return used, notes
     params = rope_parameters(hf_config, cfg)
     if cfg.model.rope_theta is None:
         used["model.rope_theta"] = params["rope_theta"]
@@ -545,6 +599,12 @@ def rotary_in_fp32(model) -> int:
 _GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
+def training_mlp_rows(cfg: Config, layout: ParallelLayout | None = None) -> int:
+    """The rows every rank's MLP sees in a training forward on `layout` (default: `cfg`'s): `train.micro_batch`
+    windows, each sharded over the sequence-parallel group (`ParallelLayout` makes data.seq_len divisible)."""
+    return cfg.train.micro_batch * cfg.data.seq_len // (layout or layout_of(cfg)).sp
+
+
 def auto_mlp_shards(tokens: int, hidden: int) -> int:
     """`model.tiled_mlp: auto`: ceil(tokens / hidden_size) shards, DeepSpeed's own choice in its TiledMLP example, so
     each shard's [tokens / shards, intermediate_size] intermediate is at most hidden x intermediate."""
@@ -558,8 +618,7 @@ def tile_mlps(model, shards: int | str) -> int:
     for one more MLP forward per layer in the backward. Each layer's `mlp` instance gets its own forward; the
     transformers class is untouched. `shards` is a count, or "auto" (`auto_mlp_shards` of the MLP's rows). Under ZeRO-3
     every slice's forward gathers the weights, a collective, so all ranks must run as many slices: they do, since every
-    rank's MLP sees micro_batch x seq_len / sequence_parallel rows (ParallelLayout makes seq_len divisible), so the
-    automatic count needs no per-call all-reduce.
+    rank's MLP sees as many rows (`training_mlp_rows`), so the automatic count needs no per-call all-reduce.
     Returns the number of MLPs wrapped."""
     layers = getattr(model.get_decoder(), "layers", None)
     mlps = [getattr(layer, "mlp", None) for layer in layers or ()]
