@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 import zstandard
+from train_helpers import one_error_line, set_args
 from typer.testing import CliRunner
 
 import lctrain.data.prepare as prepare_module
@@ -23,7 +24,7 @@ from lctrain.data.pool import WorkerDied, WorkerStartFailed
 from lctrain.data.prepare import prepare
 from lctrain.data.store import FORMAT_VERSION, ShardWriter, open_packed
 from lctrain.errors import UserError
-from lctrain.tokenizer import builtin_model_file, load_tokenizer
+from lctrain.tokenizer import builtin_model_file, load_tokenizer, save_tokenizer
 
 TOKENIZER = "builtin:mistral-7b-v0.1"
 # SlimPajama's spelling, in the order of DOMAINS
@@ -576,6 +577,21 @@ def test_rerun_is_a_noop_and_other_fingerprint_needs_force(tmp_path):
     prepare(load_config(None, over + ["data.seed=1"]), force=True)
     assert open_packed(out).manifest.seed == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_already_prepared_dataset_is_refused_for_a_model_of_another_tokenizer(tmp_path):
+    """The model is not in the data fingerprint, so its dataset is already there: `prepare` still refuses a tokenizer
+    whose ids mean other tokens to the model, in the line a fresh `prepare` (another output_dir) refuses it with. The
+    check reads only the tokenizer saved beside the model."""
+    model = tmp_path / "model"
+    save_tokenizer(load_tokenizer("builtin:mistral-7b-v0.3"), model)
+    over = ["data.seq_len=128", "data.token_budget=2560", f"data.output_dir={tmp_path / 'out'}"]
+    prepare(load_config(None, over))
+    with_model = [*over, f"model.name_or_path={model}", "model.arch=null"]
+    line = one_error_line(CliRunner().invoke(app, ["prepare", *set_args(with_model)]))
+    fresh = [*with_model, f"data.output_dir={tmp_path / 'fresh'}"]
+    assert line == one_error_line(CliRunner().invoke(app, ["prepare", *set_args(fresh)]))
+    assert f"data.tokenizer = '{TOKENIZER}' is not the tokenizer of model.name_or_path = '{model}'" in line
 
 
 def dataset_bytes(out: Path) -> dict:

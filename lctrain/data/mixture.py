@@ -4,7 +4,7 @@ upsampling.
 `upsampled` gives each domain a target token share of the budget (`data.domain_shares`, by default the paper's
 UpSampledMix-128K); within a domain, documents shorter than `short_doc_tokens` are kept with probability
 `down_sample_ratio` and longer ones always, until the domain's share is full. Documents of a domain without a share
-(by default `other`) are not used.
+(by default `other`) are not used. After a build, `share_misses` names the domains whose achieved share is off.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from lctrain.config import DOMAINS
+from lctrain.data.encode import REDPAJAMA_SET_NAMES
+from lctrain.errors import UserError
 
 # SlimPajama-627B's token shares per domain, as its release publishes them (Soboleva et al. 2023); Fu et al. (2024)
 # upsample long documents while keeping these overall shares. `data.domain_shares` selects them.
@@ -37,6 +39,33 @@ UPSAMPLED_MIX_128K_TOKEN_SHARES = {
     "StackExchange": 0.0164,
     "other": 0.0,
 }
+
+
+# How far (absolute) a domain's achieved token share may be from its target before `prepare` warns. The paper states
+# its mixtures in whole percents (Table 1 rounds Table 9 to 58/20/7/6/5/4/2, and data.domain_shares accepts sums off
+# by 0.5% per share for that rounding), so a miss under one point is below the precision of the targets themselves;
+# a larger one is another mixture than the one asked for (the paper's two mixtures differ by 0.3 to 7 points per
+# domain). The mixture itself errs by up to one document per domain, which only a larger budget makes small.
+SHARE_TOLERANCE = 0.01
+
+
+def keyed_by_domain(data) -> dict[str, float] | None:
+    """`data.domain_shares` keyed by the domains documents are read as: a SlimPajama set name means the domain a
+    domain_field reads it as (`RedPajamaArXiv` -> `ArXiv`, `lctrain.data.encode`), unless a source has that name
+    (its records' domain). None without domain_shares."""
+    if data.domain_shares is None:
+        return None
+    names = {s.name for s in data.sources or ()}
+    shares, key_of = {}, {}
+    for key, share in data.domain_shares.items():
+        domain = key if key in names else REDPAJAMA_SET_NAMES.get(key, key)
+        if domain in shares:
+            raise UserError(
+                f"data.domain_shares: {key_of[domain]} and {key} both name the domain {domain} (SlimPajama's set "
+                f"names are read without their RedPajama prefix); keep one of them"
+            )
+        shares[domain], key_of[domain] = share, key
+    return shares
 
 
 def target_shares(domain_shares: dict[str, float] | None, domains: tuple[str, ...] = DOMAINS) -> dict[str, float]:
@@ -75,6 +104,8 @@ class Mixture:
             self.targets[: len(domains)] = [self.shares[d] * budget_tokens for d in domains]
         self.admitted = np.zeros(capacity, dtype=np.int64)
         self.dropped = {"short_doc_downsampled": 0, "domain_share_full": 0, "domain_without_share": 0}
+        # per domain, for the warning that names them (the manifest keeps the total)
+        self.without_share = np.zeros(capacity, dtype=np.int64)
 
     def admit(self, domain: int, doc_tokens: int, size: int) -> bool:
         """`doc_tokens` is the document's length, `size` the tokens it will occupy (anchor and tag included)."""
@@ -83,6 +114,7 @@ class Mixture:
             return True
         if self.targets[domain] <= 0:
             self.dropped["domain_without_share"] += 1
+            self.without_share[domain] += 1
             return False
         if self.admitted[domain] >= self.targets[domain]:
             if not self.all_full():
@@ -106,6 +138,21 @@ class Mixture:
 
     def target_shares(self) -> dict[str, float] | None:
         return self.shares
+
+
+def share_misses(domains: dict[str, dict]) -> list[tuple[str, float, float]]:
+    """(domain, target, achieved) token shares of the domains of a build's statistics (`DatasetStats.to_dict`) that
+    miss their target by more than `SHARE_TOLERANCE`, or have a target and no tokens, the worst first."""
+    misses = [
+        (name, e["target_tokens_share"], e["tokens_share"])
+        for name, e in domains.items()
+        if "target_tokens_share" in e
+        and (
+            abs(e["tokens_share"] - e["target_tokens_share"]) > SHARE_TOLERANCE
+            or (e["target_tokens_share"] > 0 and not e["tokens"])
+        )
+    ]
+    return sorted(misses, key=lambda m: -abs(m[2] - m[1]))
 
 
 class SourceShares:

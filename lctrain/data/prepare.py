@@ -38,7 +38,7 @@ from lctrain.config import (
 )
 from lctrain.console import plain_console
 from lctrain.data import encode
-from lctrain.data.mixture import Mixture, SourceShares
+from lctrain.data.mixture import SHARE_TOLERANCE, Mixture, SourceShares, keyed_by_domain, share_misses
 from lctrain.data.packing import Packer, ShuffleBuffer
 from lctrain.data.pool import WorkerDied, WorkerStartFailed, imap_ordered
 from lctrain.data.progress import Partial
@@ -80,7 +80,11 @@ MAX_DOMAINS = 127
 # the SeedSequence child of data.seed that draws documents from data.sources (children 0-2 seed the _Builder)
 SOURCES_DRAW_SEED = 3
 NAMED_FILES = 5
+NAMED_DOMAINS = 5
 SMALL_BUDGET = 2_000_000
+# The layout of the state an interrupted build saves (`_Builder.state`, the Mixture in it): raised when it changes, so
+# a build interrupted under an older lctrain starts over instead of failing on the state it cannot read.
+STATE_LAYOUT = 2
 _SKIP_TEXT = {
     "malformed_json": "not a JSON object",
     "no_text": "no string 'text' field",
@@ -167,7 +171,7 @@ def initial_domains(data) -> tuple[str, ...]:
     domain_field and the domains `data.domain_shares` names (a domain_field's values get ids as they come)."""
     if data.sources is None:
         return DOMAINS
-    names = [s.name for s in data.sources if not s.domain_field] + list(data.domain_shares or {})
+    names = [s.name for s in data.sources if not s.domain_field] + list(keyed_by_domain(data) or {})
     return tuple(dict.fromkeys(names))
 
 
@@ -209,6 +213,7 @@ class _Builder:
         "windows",
         "position",
         "counts",
+        "read_by_domain",
         "domains",
         "tags",
     )
@@ -232,7 +237,7 @@ class _Builder:
             d.short_doc_tokens,
             d.down_sample_ratio,
             np.random.default_rng(mix_seed),
-            d.domain_shares,
+            keyed_by_domain(d),
             tuple(self.domains),
             capacity,
         )
@@ -249,6 +254,8 @@ class _Builder:
         self.windows: deque = deque()  # packed windows, not yet written
         self.position = (0, -1)  # (batch, record in it) of the last source record taken
         self.counts = {"records": 0, "documents": 0, "tokens": 0}
+        # documents with text per domain id, also those left in the shuffle buffer: which domains the input has
+        self.read_by_domain = np.zeros(capacity, dtype=np.int64)
         self.on_shard = None
 
     @property
@@ -302,6 +309,7 @@ class _Builder:
         if reason is not None:
             self.skips.add(reason, source, line)
             return
+        self.read_by_domain[domain] += 1
         if len(ids) < self.min_doc_tokens:
             self.skips.add("too_short", source, line)
             return
@@ -496,6 +504,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         console.print(reread, markup=False)
     current, damage = _existing_is_current(out, fingerprint, force)
     if current is not None:
+        check_matches_model(cfg)
         _check_input_unchanged(cfg, out, current)
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         return out
@@ -503,6 +512,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         console.print(f"{out}: rebuilding it ({damage})", markup=False)
     # resolving validates local paths before the slow tokenizer load; done once, a SlimPajama tree is large
     files = _resolve_inputs(cfg)
+    domains = initial_domains(d)
     source = describe_source(d, files)
     tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
     check_matches_model(cfg, tok)
@@ -511,7 +521,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     anchor_id = anchor.id
     tags = None
     if d.domain_tags:
-        tags = {i: np.array(encoder.encode(name), dtype=np.int32) for i, name in enumerate(initial_domains(d))}
+        tags = {i: np.array(encoder.encode(name), dtype=np.int32) for i, name in enumerate(domains)}
         longest = max((len(t) for t in tags.values()), default=0)
         if d.seq_len < longest + 2:
             raise UserError(
@@ -531,6 +541,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     # what must not have changed for an interrupted run's state to be resumed
     resume_key = {
         "format_version": FORMAT_VERSION,
+        "state_layout": STATE_LAYOUT,
         "data_fingerprint": fingerprint,
         "shard_tokens": d.shard_tokens,
         "tokenizer": tokenizer,
@@ -644,6 +655,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     if d.sources is not None:
         _say_source_shares(console, manifest.source["sources"])
     _say_what_was_left_out(console, manifest, num_windows, cfg)
+    _say_domains_left_out(console, d, builder)
+    _say_share_misses(console, stats, manifest.source_exhausted)
     console.print(
         f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s"
         f"{f' after resuming at {windows_before:,}' if resumed_shards else ''} "
@@ -713,6 +726,56 @@ def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int, cf
         reread = reread_warning(cfg, manifest.num_windows, source_exhausted=True)
         if reread:
             console.print(reread, style="yellow", markup=False)
+
+
+def _named(items: list[str]) -> str:
+    """At most `NAMED_DOMAINS` of a warning's domains, and how many more."""
+    more = f" and {len(items) - NAMED_DOMAINS:,} more" if len(items) > NAMED_DOMAINS else ""
+    return ", ".join(items[:NAMED_DOMAINS]) + more
+
+
+def _say_domains_left_out(console, data, builder: _Builder) -> None:
+    """The `data.domain_shares` domains the input has no document of (their shares stay unfilled), and the documents
+    skipped because their domain has no share: a misspelt domain would otherwise only show as fewer windows."""
+    shares = keyed_by_domain(data)
+    if shares is not None:
+        read = [name for i, name in enumerate(builder.domains) if builder.read_by_domain[i]]
+        unread = [name for name, share in shares.items() if share > 0 and name not in read]
+        if unread:
+            console.print(
+                f"data.domain_shares: the input has no document of {', '.join(unread)} (the domains read: "
+                f"{', '.join(read) or 'none'}); {'its share stays' if len(unread) == 1 else 'their shares stay'} "
+                f"unfilled: key data.domain_shares by the domains read",
+                style="yellow",
+                markup=False,
+            )
+    skipped = builder.mixture.without_share
+    if skipped.sum():
+        per_domain = [f"{builder.domains[i]} {int(n):,}" for i, n in enumerate(skipped) if n]
+        console.print(
+            f"skipped {int(skipped.sum()):,} documents whose domain has no token share (data.domain_shares): "
+            f"{_named(per_domain)}; give a domain a share to use its documents",
+            style="yellow",
+            markup=False,
+        )
+
+
+def _say_share_misses(console, stats: dict, source_exhausted: bool) -> None:
+    """The domains whose written token share is off its `upsampled` target (`share_misses`)."""
+    misses = share_misses(stats["domains"])
+    if not misses:
+        return
+    named = _named([f"{name} {target:.1%} -> {achieved:.1%}" for name, target, achieved in misses])
+    if source_exhausted:
+        advice = "the input ran out before the budget: add documents of these domains or lower their data.domain_shares"
+    else:
+        advice = "each domain may miss by up to one document: a larger data.token_budget brings the shares closer"
+    console.print(
+        f"the upsampled mixture missed the token shares of {len(misses)} domain(s) by more than "
+        f"{100 * SHARE_TOLERANCE:g} percentage point (target -> achieved): {named}; {advice}",
+        style="yellow",
+        markup=False,
+    )
 
 
 def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: int) -> dict:

@@ -75,7 +75,8 @@ def render(console, stats: dict, skipped: dict) -> None:
     if has_target:
         t.add_column("target %", justify="right")
     for name, e in stats["domains"].items():
-        if not e["documents"] and not e["tokens"]:
+        # a domain asked for and not written is shown, with its 0
+        if not (e["documents"] or e["tokens"] or e.get("target_tokens_share")):
             continue
         row = [
             name,
