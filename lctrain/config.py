@@ -292,7 +292,7 @@ class DataConfig(_Section):
             return self
         if not self.sources:
             raise ValueError("data.sources is empty; list at least one source or set data.sources=null")
-        if self.path is not None or self.source == "local" or self.hub_name != DEFAULT_HUB:
+        if self.path is not None or self.source != "synthetic" or self.hub_name != DEFAULT_HUB:
             raise ValueError(
                 "data.sources replaces data.source, data.path and data.hub_name; set data.path=null and "
                 "data.source=synthetic, or data.sources=null"

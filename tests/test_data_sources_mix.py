@@ -187,6 +187,7 @@ def test_configs_without_sources_keep_their_fingerprint():
         ("[{name: a, path: A}, {name: a, path: B}]", [], "duplicate source name(s) a"),
         ("[{name: a}]", [], "source 'a': set exactly one of path and hub"),
         ("[{name: a, path: A}]", ["data.source=local", "data.path=x"], "data.sources replaces data.source"),
+        ("[{name: a, path: A}]", ["data.source=hub"], "data.sources replaces data.source"),
         ("[{name: a, path: A}]", ["data.mixture=upsampled"], "needs data.domain_shares keyed by their domains"),
     ],
 )
