@@ -510,7 +510,7 @@ def report(
         typer.Option(help="average each run's last N evaluated checkpoints; default 5 (the paper's), or all if fewer"),
     ] = None,
 ):
-    """The paper's Table 4 for these runs: RULER (mean over tasks) and held-out perplexity per length, one row per
+    """The paper's Table 5 for these runs: RULER (mean over tasks) and held-out perplexity per length, one row per
     attention mode, averaged over each run's last checkpoints and over the runs that differ only in their seeds
     (mean ± std, the number of seeds); each row's difference from the first row read against the seed spread."""
     from lctrain.reports.compare import print_report, write_report

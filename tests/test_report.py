@@ -1,4 +1,4 @@
-"""`lctrain report`: the Table 4-style comparison of evaluated runs. Synthetic results.json beside real configs in run
+"""`lctrain report`: the Table 5-style comparison of evaluated runs. Synthetic results.json beside real configs in run
 directories (no training): the averages against a loop over the per-checkpoint results, the seed groups and their
 spread against a hand computation, the reading of differences against that spread, bad input in one line, the command
 end to end; and per-length perplexity against a direct loop over truncated windows on a tiny fp32 model."""
@@ -244,7 +244,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_command_end_to_end(tmp_path, monkeypatch):
     runs = [fake_evaluated(tmp_path, f"full_{s}", "full", seed=s) for s in (0, 1)]
     runs += [fake_evaluated(tmp_path, "anchor", "anchor", shift=2)]
-    out = tmp_path / "table4"
+    out = tmp_path / "table5"
     wide = {"COLUMNS": "200"}  # rich wraps table cells to the terminal's width
     result = CliRunner().invoke(app, ["report", *map(str, runs), "--out", str(out), "--last", "3"], env=wide)
     assert result.exit_code == 0, result.output

@@ -55,7 +55,7 @@ def test_bundled_config_is_valid_and_runnable(name):
         # Table 1's AdamW, decaying every parameter as the paper's released code does
         assert (cfg.train.weight_decay, cfg.train.betas, cfg.train.decay_norms_and_biases) == (0.1, (0.9, 0.95), True)
     # no run reads a window twice, and eval.ppl_windows are left for the held-out perplexity (Figure 4's curve,
-    # report's Table 4 column): the windows the budget packs, counted apart from config.tokens_to_prepare
+    # report's Table 5 column): the windows the budget packs, counted apart from config.tokens_to_prepare
     assert cfg.data.token_budget // cfg.data.seq_len >= cfg.train.steps * cfg.train.global_batch + cfg.eval.ppl_windows
     kv_replication(heads, kv, cfg.parallel.sequence_parallel, name)
 

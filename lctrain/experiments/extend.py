@@ -1,4 +1,4 @@
-"""`lctrain experiment extend`: the paper's headline comparison (Table 4: full attention, intra-document attention and
+"""`lctrain experiment extend`: the paper's headline comparison (Table 5: full attention, intra-document attention and
 AnchorAttention extending one model's context with the same data, tokens and schedule), small and offline
 (docs/experiment.md): the example model SmolLM2-135M-Instruct extended 4x, 8K -> 32K, on Python's shipped text.
 

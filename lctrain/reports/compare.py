@@ -1,4 +1,4 @@
-"""`lctrain report RUN [RUN...]`: the paper's Table 4 for any set of evaluated runs. One row per attention mode (per
+"""`lctrain report RUN [RUN...]`: the paper's Table 5 for any set of evaluated runs. One row per attention mode (per
 experiment when modes repeat with other differences), the evaluated lengths as columns: RULER's mean over tasks and
 held-out perplexity, each averaged over a run's last evaluation checkpoints (§4.2: the last five, saved every 10
 steps over the last 50), then over the runs that differ only in their seeds (`seed`, `data.seed`).
