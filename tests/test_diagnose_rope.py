@@ -468,3 +468,13 @@ def test_cli_model_directory_without_text_and_with_short_text(tmp_path, tokenize
         )
     )
     assert "0 of its 1 documents have 64 tokens" in line
+
+
+def test_a_run_directory_given_as_model_points_to_its_newest_export(tmp_path):
+    """A run directory holds no config.json: the refusal names the export to diagnose instead."""
+    for step in (2, 10, 4):
+        (tmp_path / "hf" / f"step_{step}").mkdir(parents=True)
+    with pytest.raises(UserError, match=rf"its hf/step_N exports, e.g. {tmp_path / 'hf' / 'step_10'}$"):
+        rd.model_source(str(tmp_path))
+    with pytest.raises(UserError, match=r"nor a config YAML$"):
+        rd.model_source(str(tmp_path / "hf"))  # no exports below: nothing more to say

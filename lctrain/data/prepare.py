@@ -365,7 +365,7 @@ def _progress(console):
         TextColumn("[bold]prepare"),
         BarColumn(),
         TextColumn("{task.completed:,}/{task.total:,} tokens"),
-        TextColumn("{task.fields[docs]:,} docs ({task.fields[docs_per_s]:,.0f}/s)"),
+        TextColumn("{task.fields[docs]:,} docs read ({task.fields[docs_per_s]:,.0f}/s)"),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),

@@ -60,6 +60,7 @@ from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.model import build_model, rotary_in_fp32, unloadable_because
 from lctrain.progress_bar import counted_bar
 from lctrain.reports.plots import plot_rope_figure1, plot_rope_figure7
+from lctrain.rundir import RunDir
 from lctrain.tokenizer import ANCHOR_AUTO, load_tokenizer, recorded_anchor
 from lctrain.units import to_gb
 
@@ -359,7 +360,9 @@ def model_source(spec: str, overrides: list[str] | tuple = ()) -> ModelSource:
     if overrides:
         raise UserError("--set applies to an lctrain config; pass a config name or YAML file as MODEL to use it")
     if path.exists() and not (path / "config.json").is_file():
-        raise UserError(f"{path}: not a Hugging Face model directory (no config.json) nor a config YAML")
+        exports = RunDir(path).exports()
+        hint = f"; a run directory's models are its hf/step_N exports, e.g. {exports[-1]}" if exports else ""
+        raise UserError(f"{path}: not a Hugging Face model directory (no config.json) nor a config YAML{hint}")
     return ModelSource(spec)
 
 
