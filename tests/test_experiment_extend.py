@@ -53,10 +53,11 @@ def test_steps_from_tokens_data_and_time():
 
 
 def test_the_bundled_experiment_configs():
-    """One data setting for the three modes (one prepared dataset), the paper's RoPE base rule for a 4x extension
-    of the model's own 1e5, the evaluation lengths and checkpoints of the experiment."""
-    configs = {m: load_config(ex.CONFIG.format(mode=m)) for m in ex.MODES}
-    assert {m: c.attention.mode for m, c in configs.items()} == {m: m for m in ex.MODES}
+    """One data setting for the modes (one prepared dataset; intra_doc_reset's on request too), the paper's RoPE base
+    rule for a 4x extension of the model's own 1e5, the evaluation lengths and checkpoints of the experiment."""
+    modes = ex.MODES + ex.OPTIONAL_MODES
+    configs = {m: load_config(ex.CONFIG.format(mode=m)) for m in modes}
+    assert {m: c.attention.mode for m, c in configs.items()} == {m: m for m in modes}
     assert len({data_fingerprint(c.data) for c in configs.values()}) == 1
     cfg = configs["anchor"]
     assert cfg.model.name_or_path == cfg.data.tokenizer == ex.MODEL_DIR
