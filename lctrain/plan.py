@@ -86,6 +86,8 @@ def report(cfg: Config, budget: Budget) -> dict:
     longest = longest_seq_len(cfg, shape, budget)
     return {
         "config": cfg.source_file,
+        # a --set model.name_or_path plans another model than the config file's name says
+        "model": cfg.model.name_or_path or f"{cfg.model.arch['model_type']} (model.arch)",
         "seq_len": cfg.data.seq_len,
         "budget": budget.label,
         "device_memory_bytes": budget.device,
@@ -105,7 +107,8 @@ def report(cfg: Config, budget: Budget) -> dict:
 
 def print_report(r: dict) -> None:
     console = plain_console()
-    table = Table(title=f"memory per rank: {Path(r['config'] or 'config').stem}, seq_len {r['seq_len']:,}")
+    stem = Path(r["config"] or "config").stem
+    table = Table(title=f"memory per rank: {stem}, model {r['model']}, seq_len {r['seq_len']:,}")
     for col in ("item", "GB", "where", "kind"):
         table.add_column(col, justify="right" if col == "GB" else "left")
     for i in r["items"]:

@@ -372,6 +372,12 @@ def test_plan_cli_prints_a_verdict_and_json(tmp_path):
     assert result.exit_code == 0, result.output
     assert "FITS" in result.output
     assert json.loads(out.read_text())["fits"] is True
+    assert "memory per rank: tiny_anchor, model llama (model.arch), seq_len 1,024" in result.output
+    # the model planned, also when a --set replaces the config file's
+    sets = ["--set", "model.arch=null", "--set", "model.name_or_path=meta-llama/Llama-2-7b-hf"]
+    result = CliRunner().invoke(app, ["plan", "--gpu-mem", "80", *sets, "--json", str(out)])
+    assert "memory per rank: tiny_anchor, model meta-llama/Llama-2-7b-hf, seq_len 1,024" in result.output
+    assert json.loads(out.read_text())["model"] == "meta-llama/Llama-2-7b-hf"
 
 
 @pytest.mark.parametrize(
