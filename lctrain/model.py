@@ -423,7 +423,7 @@ def _check_pad_token(hf_config, cfg: Config, changes: list[ConfigChange]) -> Non
 
 
 def _check_anchor(cfg: Config, vocab: int) -> None:
-    anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
+    anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor, cfg.data.tokenizer)
     if not 0 <= anchor.id < vocab:
         raise UserError(
             f"the anchor token id {anchor.id} of data.tokenizer '{cfg.data.tokenizer}' is outside the "
@@ -507,7 +507,7 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
             f"is not downloaded here)"
         )
     else:
-        anchor = resolve_anchor(load_tokenizer(tokenizer), cfg.data.anchor)
+        anchor = resolve_anchor(load_tokenizer(tokenizer), cfg.data.anchor, cfg.data.tokenizer)
         used["data.anchor"] = anchor.token
         notes.append(f"data.anchor: {anchor.token} (id {anchor.id}; {anchor.why})")
     try:

@@ -253,10 +253,11 @@ def _vocabulary_id(tokenizer, token: str) -> int | None:
     return tokenizer.get_vocab().get(token)
 
 
-def resolve_anchor(tokenizer, spec: str = ANCHOR_AUTO) -> Anchor:
+def resolve_anchor(tokenizer, spec: str = ANCHOR_AUTO, name: str | None = None) -> Anchor:
     """`data.anchor` for `tokenizer`: "auto" (the rule `config.DataConfig.anchor` describes), "bos", "eos", or one
-    token of its vocabulary."""
-    name = getattr(tokenizer, "name_or_path", "?")
+    token of its vocabulary. `name`: the tokenizer as the user named it (`data.tokenizer`) for messages; a built-in
+    one's own is the cache directory it was written to."""
+    name = name or getattr(tokenizer, "name_or_path", "?")
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     if spec in ("bos", "eos"):
         token_id = bos if spec == "bos" else eos

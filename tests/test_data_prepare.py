@@ -693,5 +693,7 @@ def test_explicit_anchor_is_used_recorded_and_checked_at_train(tmp_path, tok, wo
         UserError, match=r"prepared with other data settings \(data.anchor <s> -> </s>\); run '.* --force'"
     ):
         open_checked(cfg)
-    with pytest.raises(UserError, match="data.anchor = 'nope' is not a token of tokenizer"):
-        prepare(cfg_for(tmp_path / "other", "data.anchor=nope", source=src))
+    bad = cfg_for(tmp_path / "other", "data.anchor=nope", source=src)
+    # named as the config names it (a built-in tokenizer's own name is the cache directory it was written to)
+    with pytest.raises(UserError, match=rf"data.anchor = 'nope' is not a token of tokenizer '{bad.data.tokenizer}';"):
+        prepare(bad)

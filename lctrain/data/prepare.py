@@ -517,7 +517,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
     check_matches_model(cfg, tok)
     encoder = text_encoder(tok)
-    anchor = resolve_anchor(tok, d.anchor)
+    anchor = resolve_anchor(tok, d.anchor, d.tokenizer)
     anchor_id = anchor.id
     tags = None
     if d.domain_tags:

@@ -59,7 +59,7 @@ def open_checked(cfg: Config):
         raise UserError(f"{path}: no prepared dataset for this config; {prepare_hint(cfg)}")
     packed = open_packed(path, rebuild=f"run '{prepare_command(cfg)}' (with the same --set overrides) to rebuild it")
     manifest = packed.manifest
-    anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
+    anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor, cfg.data.tokenizer)
     if manifest.data_fingerprint != data_fingerprint(cfg.data):
         changed = [
             f"data.{k} {getattr(manifest, k)} -> {getattr(cfg.data, k)}"

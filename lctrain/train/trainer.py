@@ -190,7 +190,7 @@ class Trainer:
         plan = plan or RunPlan.of(cfg, self.layout)
         self.batches = plan.batches
         self.run_dir, self.tokenizer = run_dir, tokenizer
-        self.anchor = resolve_anchor(tokenizer, cfg.data.anchor) if tokenizer is not None else None
+        self.anchor = resolve_anchor(tokenizer, cfg.data.anchor, cfg.data.tokenizer) if tokenizer is not None else None
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
         ds_config = deepspeed_config(cfg, plan, gpu=topo.device.type == "cuda")
