@@ -269,3 +269,29 @@ def test_the_gguf_readers_own_bar_is_off_only_while_a_gguf_is_read(capsys):
     assert "Converting" not in capsys.readouterr().err
     list(gguf_reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
     assert "Converting" in capsys.readouterr().err
+
+
+ORPHANED_CONVERSION_POOL = """
+import os, time
+from deepspeed.checkpoint import ds_to_universal
+from lctrain.compat.deepspeed import conversion_workers_die_with_this_process
+with conversion_workers_die_with_this_process():
+    pool = ds_to_universal.ProcessPoolExecutor(max_workers=1)
+    print(pool.submit(os.getpid).result(), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_the_universal_conversions_workers_exit_when_its_process_is_killed():
+    """A `kill -9` mid-conversion left DeepSpeed's pool workers waiting on their queue for ever, holding the run's
+    lock; the pool the conversion gets has workers that exit once their parent is gone."""
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", ORPHANED_CONVERSION_POOL], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = psutil.Process(int(proc.stdout.readline()))
+    finally:
+        proc.kill()
+    proc.wait()
+    gone, _ = psutil.wait_procs([worker], timeout=10)
+    assert gone, "the conversion's worker outlived the process that started it"

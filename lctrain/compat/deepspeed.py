@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import logging
 import math
 import sys
+import types
 from pathlib import Path
+
+from lctrain.lifetime import exit_with_parent
 
 DEEPSPEED_VERSION = "0.19.8"
 
@@ -132,12 +136,32 @@ def to_universal_checkpoint(source: Path, out: Path, workers: int) -> None:
     )
     chatter = io.StringIO()
     try:
-        with contextlib.redirect_stdout(chatter):
+        with contextlib.redirect_stdout(chatter), conversion_workers_die_with_this_process():
             ds_to_universal.main(args)
     except BaseException:
         sys.stderr.write(chatter.getvalue())
         raise
     (out.parent / "latest_universal").unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def conversion_workers_die_with_this_process():
+    """0.19.8's `ds_to_universal` extracts and merges on a `ProcessPoolExecutor` of forked workers: after a `kill -9`
+    of this process (the out-of-memory killer, likeliest while the whole optimizer state is read) they waited
+    forever on their task queue, whose write end each holds, and held the run directory's lock they inherited, so
+    every later `resume` was refused. The module's name is given a pool whose workers watch this process and exit
+    when it is gone (`lifetime.exit_with_parent`), for the conversion only. Its tqdm bars are drawn on a terminal
+    only (`disable=None`): in a log file they were lines of carriage returns."""
+    # deepspeed on use: it takes seconds to import (start-up time)
+    from deepspeed.checkpoint import ds_to_universal
+
+    real_pool, real_tqdm = ds_to_universal.ProcessPoolExecutor, ds_to_universal.tqdm
+    ds_to_universal.ProcessPoolExecutor = functools.partial(real_pool, initializer=exit_with_parent)
+    ds_to_universal.tqdm = types.SimpleNamespace(tqdm=functools.partial(real_tqdm.tqdm, disable=None))
+    try:
+        yield
+    finally:
+        ds_to_universal.ProcessPoolExecutor, ds_to_universal.tqdm = real_pool, real_tqdm
 
 
 def _not_tp_size_notice(record: logging.LogRecord) -> bool:
