@@ -136,3 +136,44 @@ def _swap(a: Path, b: Path) -> None:
     a.rename(tmp)
     b.rename(a)
     tmp.rename(b)
+
+
+def test_an_export_generates_with_its_kv_cache_and_is_as_readable_as_its_config(tmp_path, monkeypatch):
+    """Training runs without the KV cache; the export is saved with it on (a plain `generate()` recomputed the whole
+    prefix per token), the training model keeps its own setting, and the weights file gets the mode the config was
+    created with (safetensors writes 0600 whatever the umask)."""
+    import os
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lctrain.rundir import RunDir
+    from lctrain.tokenizer import Anchor, load_tokenizer
+    from lctrain.train import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_barrier", lambda: None)  # one process, no group
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        use_cache=False,
+    )
+    lm = LlamaForCausalLM(config)
+    umask = os.umask(0o022)
+    try:
+        out = checkpoint.save_hf(
+            None,
+            lm,
+            load_tokenizer("builtin:mistral-7b-v0.1"),
+            Anchor("<s>", 1, "test"),
+            RunDir(tmp_path),
+            3,
+            rank=0,
+            zero_stage=0,
+        )
+    finally:
+        os.umask(umask)
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
+    assert lm.config.use_cache is False
+    assert {f.stat().st_mode & 0o777 for f in out.iterdir()} == {0o644}

@@ -14,6 +14,7 @@ temporary directory, which the next save or resume removes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -303,6 +304,32 @@ def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> tu
     return state, ""
 
 
+@contextlib.contextmanager
+def _with_kv_cache(lm):
+    """Training turns the model's KV cache off (`use_cache: false`, lctrain.model); an export saved so made every
+    plain `generate()` of its users recompute the whole prefix per token (9x slower at 1K tokens, quadratic in the
+    length). Saved with the cache on, the training model's config restored after."""
+    configs = [c for c in (lm.config, getattr(lm, "generation_config", None)) if hasattr(c, "use_cache")]
+    before = [c.use_cache for c in configs]
+    for c in configs:
+        c.use_cache = True
+    try:
+        yield
+    finally:
+        for c, value in zip(configs, before):
+            c.use_cache = value
+
+
+def _readable_as_the_config(directory: Path) -> None:
+    """safetensors writes the weights with mode 0600 whatever the umask, so on a shared filesystem a colleague or an
+    evaluation service could read every file of an export but its weights; they get the mode config.json was
+    created with (the umask's)."""
+    mode = (directory / "config.json").stat().st_mode & 0o777
+    for f in directory.iterdir():
+        if f.is_file() and f.stat().st_mode & 0o777 != mode:
+            f.chmod(mode)
+
+
 def save_hf(engine, lm, tokenizer, anchor, run: RunDir, step: int, *, rank: int, zero_stage: int) -> Path:
     """Export weights + tokenizer with `save_pretrained`, and the `anchor` trained with (all ranks call: ZeRO-3
     gathers the shards)."""
@@ -315,8 +342,9 @@ def save_hf(engine, lm, tokenizer, anchor, run: RunDir, step: int, *, rank: int,
         state_dict = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        with writing(tmp, "the evaluation checkpoint"):
+        with writing(tmp, "the evaluation checkpoint"), _with_kv_cache(lm):
             lm.save_pretrained(str(tmp), state_dict=state_dict)  # its progress bar is off (metrics.quiet_libraries)
+            _readable_as_the_config(tmp)
             save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
             write_anchor(tmp, anchor)  # prompts start with it
             write_export_record(tmp, step)  # last: eval scores these files, and only these, as this step
