@@ -73,3 +73,19 @@ def test_variables_set_for_a_single_process_run_are_not_a_launcher():
         os.environ.update(saved)
         groups._SELF_SET.clear()
         groups._SELF_SET.update(saved_self_set)
+
+
+def test_a_launcher_that_starts_no_rank_is_named_with_its_last_error(tmp_path, monkeypatch, capsys):
+    """DeepSpeed's multi-node launcher without pdsh (or ssh to a node) exits before any rank starts: the line names
+    the launcher and its error, not "the ranks"."""
+    from lctrain.parallel import launch
+
+    failing = "import sys; print(\"RuntimeError: launcher 'pdsh' not installed.\", file=sys.stderr); sys.exit(1)"
+    monkeypatch.setattr(launch, "worker_command", lambda cfg, worker: [sys.executable, "-c", failing])
+    with pytest.raises(launch.RanksFailed):
+        launch.run_on_ranks(load_config(None, ["parallel.nproc_per_node=2"]), "x:y", {}, tmp_path)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (
+        "error: the launcher (deepspeed), before any rank started, failed (exit code 1): RuntimeError: launcher "
+        f"'pdsh' not installed.; the launcher's report is in {tmp_path / launch.LAUNCHER_LOG}"
+    )

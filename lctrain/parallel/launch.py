@@ -173,12 +173,27 @@ def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path)
         raise ProcessKilled(f"rank {first['rank']} (pid {first['pid']})", signal_name(-first["code"]), log)
     crash = failures.get(first["rank"]) if first is not None else None
     crash = crash or next((f for _, f in sorted(failures.items())), None)
-    who = "the ranks"
+    who, cause = "the ranks", ""
     if crash is not None:
         print(crash["message"].rstrip(), file=sys.stderr)  # its traceback
         who = f"rank {crash['rank']}"
-    print(f"error: {who} failed (exit code {rc}); the launcher's report is in {log}", file=sys.stderr)
+    elif first is None:
+        # no rank started (no ssh to a node, no pdsh for DeepSpeed's multi-node launcher): the launcher's last error
+        who = f"the launcher ({cfg.parallel.launcher}), before any rank started,"
+        cause = last_error_line(log)
+        cause = f": {cause}" if cause else ""
+    print(f"error: {who} failed (exit code {rc}){cause}; the launcher's report is in {log}", file=sys.stderr)
     raise RanksFailed(rc)
+
+
+def last_error_line(log: Path) -> str:
+    """The last line of a launcher's log that names an error (`...Error: ...`, `error: ...`), else ""."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line.strip() for line in lines if "Error:" in line or line.lstrip().lower().startswith("error")]
+    return errors[-1] if errors else ""
 
 
 def _records(workdir: Path, prefix: str) -> list[dict]:
