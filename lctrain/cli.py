@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import platform
 import sys
 from pathlib import Path
@@ -81,7 +82,9 @@ def user_errors(fn):
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(UserError.exit_code) from None
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (terminate_as_interrupt)
-            if not is_supervised():  # else the lctrain command that started this one says it, once
+            # once: a supervising lctrain command says it, and under a launcher the user started (torchrun, srun)
+            # rank 0 alone
+            if not is_supervised() and os.environ.get("RANK", "0") == "0":
                 typer.echo("interrupted", err=True)
             raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
         except (OSError, RuntimeError) as e:

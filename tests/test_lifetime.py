@@ -101,11 +101,12 @@ def test_run_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
             pass
 
 
-@pytest.mark.parametrize("supervised", [False, True])
+@pytest.mark.parametrize("supervised, rank", [(False, None), (True, None), (False, "0"), (False, "1")])
 @pytest.mark.parametrize("stop, code", [(KeyboardInterrupt, 130), (Terminated, 143)])
-def test_an_interrupted_command_says_so_once_whoever_started_it(monkeypatch, capsys, supervised, stop, code):
+def test_an_interrupted_command_says_so_once_whoever_started_it(monkeypatch, capsys, supervised, rank, stop, code):
     """A command started by another lctrain command (`experiment extend` runs `train`, `eval`, ...) is stopped by it,
-    which says "interrupted" itself: the stopped one exits with the same code in silence."""
+    which says "interrupted" itself: the stopped one exits with the same code in silence. Under a launcher the user
+    started (torchrun stopped by SLURM), rank 0 says it for all."""
 
     def interrupted(*args, **kwargs):
         raise stop()
@@ -115,10 +116,14 @@ def test_an_interrupted_command_says_so_once_whoever_started_it(monkeypatch, cap
         monkeypatch.setenv(SUPERVISOR_ENV, supervisor_token())
     else:
         monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
     with pytest.raises(SystemExit) as done:
         main(["example-text", "corpus.jsonl"])
     assert done.value.code == code
-    assert capsys.readouterr().err == ("" if supervised else "interrupted\n")
+    assert capsys.readouterr().err == ("" if supervised or rank == "1" else "interrupted\n")
 
 
 def test_is_alive_sees_running_zombie_reaped_and_reused_processes():
