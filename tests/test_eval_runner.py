@@ -129,6 +129,9 @@ def test_perplexity_on_heldout_windows(evaluated, run_dir):
     rows, available = heldout_rows(len(packed), cfg.train.steps * cfg.train.global_batch, cfg.seed, 100)
     assert set(rows).isdisjoint(trained) and available == len(packed) - len(trained) > 0
     assert ppl["windows"] == 2 and set(ppl["per_checkpoint"]) == {f"step_{s}" for s in STEPS}
+    # which windows, recorded: the first two that no training step read, of the run's own dataset
+    assert ppl["rows"] == sorted(set(range(len(packed))) - trained)[:2]
+    assert ppl["data_fingerprint"] == packed.manifest.data_fingerprint
 
     # independent reference: HF's own shifted loss with anchors and tags masked in the labels
     model = load_model(RunDir(run_dir).export(STEPS[0]), "cpu")
@@ -357,3 +360,23 @@ def test_the_vllm_cut_is_the_first_settled_prefix_wherever_the_answer_lies():
         assert until_answered(Words(), sample, tokens) == tokens[:first]
         assert first == (at + 2 if at < 19 else 20)  # one token past the answer; at the end, not trusted: all of it
     assert until_answered(Words(), Sample("qa_1", 256, 0, "", ("absent",), 20, "part", 0), new) == new
+
+
+def test_an_unfinished_run_is_noted_and_recorded(evaluated, run_dir, tmp_path):
+    # the fixture's run is finished: its exports reach train.steps (2)
+    assert evaluated[1]["training"] == {"steps": STEPS[-1], "train_steps": 2, "finished": True}
+    assert "unfinished run" not in evaluated[1]["notes"]
+    # the same run planned for 100 steps: killed at step 47 (its metrics), after its last export (step_40)
+    metrics = RunDir(run_dir).metrics_file
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 48)))
+    try:
+        target = resolve_target(run_dir, overrides=["train.steps=100"])
+        out = evaluate(target, lengths=[512], tasks=["vt"], samples=1, out=tmp_path / "e")
+    finally:
+        metrics.unlink()
+    results = json.loads((out / "results.json").read_text())
+    assert results["training"] == {"steps": 47, "train_steps": 100, "finished": False}
+    assert results["notes"]["unfinished run"] == (
+        f"trained 47 of its 100 steps (train.steps), last evaluation checkpoint step_40: not the finished run's "
+        f"scores; `lctrain resume {run_dir}`, then evaluate again"
+    )

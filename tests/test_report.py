@@ -16,14 +16,16 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.config import load_config
+from lctrain.config import data_fingerprint, load_config
 from lctrain.errors import UserError
 from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths
 from lctrain.reports.compare import (
     BEYOND,
     UNKNOWN,
     WITHIN,
+    _notes,
     compare,
+    markdown,
     read_evaluated,
     reading,
     write_report,
@@ -48,12 +50,18 @@ def fake_evaluated(
     tasks: list[str] = TASKS,
     extra: tuple[str, ...] = (),
     noise: str | None = None,
+    eval_seed: int = 0,
+    samples: int = 25,
+    ppl_rows: list[int] | None = None,
+    training: dict | None = None,
 ) -> Path:
     """A run directory with its config and an eval/results.json laid out as `lctrain eval` writes it; the scores are
     noise seeded by `noise` (default: the run's name and seeds) plus `shift`, perplexity per length for the lengths up
     to 8K (the held-out window)."""
     rd = RunDir(root / name)
-    overrides = [f"name={name}", f"attention.mode={mode}", f"seed={seed}", f"data.seed={data_seed}", *extra]
+    # a finished run by default: its last evaluation checkpoint at train.steps
+    overrides = [f"name={name}", f"attention.mode={mode}", f"seed={seed}", f"data.seed={data_seed}"]
+    overrides += [f"train.steps={steps[-1]}", *extra]
     rd.write_config(load_config(None, overrides))
     rng = random.Random(noise or f"{name}/{seed}/{data_seed}")
     ckpts = [f"step_{s}" for s in steps]
@@ -65,11 +73,16 @@ def fake_evaluated(
         "task_set": tasks,
         "target": str(rd.path),
         "kind": "run",
+        **({"training": training} if training else {}),
         "checkpoints": ckpts,
         "tasks": tasks,
         "lengths": lengths,
+        "samples_per_task": samples,
+        "seed": eval_seed,
         "scores": scores,
         "perplexity": {
+            "windows": 8,
+            "rows": ppl_rows or list(range(8)),
             "per_checkpoint": {c: v[max(v, key=int)] for c, v in per_length.items()},
             "per_length": per_length,
         },
@@ -79,8 +92,12 @@ def fake_evaluated(
     return rd.path
 
 
+def results_file(run: Path) -> Path:
+    return RunDir(run).eval_dir / "results.json"
+
+
 def results_of(run: Path) -> dict:
-    return json.loads((RunDir(run).eval_dir / "results.json").read_text())
+    return json.loads(results_file(run).read_text())
 
 
 def loop_average(results: dict, ckpts: list[str]) -> tuple[dict, dict]:
@@ -124,7 +141,7 @@ def hand_spread(values: list[float]) -> tuple[float, float]:
 
 
 def test_seed_replicates_are_one_row_with_their_spread(tmp_path):
-    steps_tokens = ["train.steps=40", "train.global_batch=4", "data.seq_len=512"]
+    steps_tokens = ["train.global_batch=4", "data.seq_len=512"]
     full = [fake_evaluated(tmp_path, f"full_s{s}", "full", seed=s, extra=steps_tokens) for s in (0, 1, 2)]
     anchor = [
         fake_evaluated(tmp_path, "anchor_a", "anchor", seed=0, data_seed=0, shift=3, extra=steps_tokens),
@@ -132,7 +149,7 @@ def test_seed_replicates_are_one_row_with_their_spread(tmp_path):
     ]
     report = compare([read_evaluated(p) for p in (full[0], anchor[0], full[1], anchor[1], full[2])])
     assert [(row["label"], row["seeds"]) for row in report["rows"]] == [("full", 3), ("anchor", 2)]
-    assert report["rows"][0]["training_tokens"] == 40 * 4 * 512
+    assert report["rows"][0]["training_tokens"] == STEPS[-1] * 4 * 512
     ckpts = [f"step_{s}" for s in STEPS[-5:]]
     for row, runs in zip(report["rows"], (full, anchor)):
         assert [r["path"] for r in row["runs"]] == [str(p) for p in runs]
@@ -225,9 +242,12 @@ def test_bad_input_is_one_line(tmp_path):
         ([str(tmp_path / "empty")], "neither an evaluated run directory"),
         (
             [str(good), str(other_lengths)],
-            f"different lengths: {good}: 4096, 8192, 16384; {other_lengths}: 4096, 32768",
+            f"different lengths: {results_file(good)}: 4096, 8192, 16384; {results_file(other_lengths)}: 4096, 32768",
         ),
-        ([str(good), str(other_tasks)], f"different tasks: {good}: niah_single_1, vt, fwe; {other_tasks}: vt"),
+        (
+            [str(good), str(other_tasks)],
+            f"different tasks: {results_file(good)}: niah_single_1, vt, fwe; {results_file(other_tasks)}: vt",
+        ),
         ([str(good), "--last", "8"], "--last 8 asks for more checkpoints than the 7 evaluated"),
         ([str(good), "--last", "0"], "--last 0: average over at least 1 checkpoint"),
         ([str(good), str(twin)], "the same experiment with the same seeds (seed 0, data.seed 0)"),
@@ -291,3 +311,93 @@ def test_per_length_perplexity_against_truncated_windows():
             per = torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="none", ignore_index=-100)
             nll, count = nll + float(per.sum()), count + int((labels[0, 1:] != -100).sum())
         assert got[L] == pytest.approx(math.exp(nll / count), rel=1e-5)
+
+
+def test_an_unfinished_run_is_warned_marked_and_counted_by_its_trained_tokens(tmp_path, monkeypatch):
+    # 10 steps of 1 x 4096 tokens: the finished seeds export steps 8-10; seed 1 was killed at step 7 (its metrics
+    # reached 7, its last export is step_6); seed 2's results predate the training record: its checkpoints tell
+    shape = ("train.steps=10", "train.global_batch=1", "data.seq_len=4096")
+    done = fake_evaluated(tmp_path, "full_s0", "full", seed=0, steps=[8, 9, 10], extra=shape)
+    killed = fake_evaluated(
+        tmp_path,
+        "full_s1",
+        "full",
+        seed=1,
+        steps=[4, 5, 6],
+        extra=shape,
+        training={"steps": 7, "train_steps": 10, "finished": False},
+    )
+    old = fake_evaluated(tmp_path, "full_s2", "full", seed=2, steps=[4, 5, 6], extra=shape)
+    anchor = fake_evaluated(tmp_path, "anchor", "anchor", steps=[8, 9, 10], extra=shape)
+    report = compare([read_evaluated(p) for p in (done, killed, old, anchor)])
+    full, anchor_row = report["rows"]
+    assert full["unfinished"] == [str(killed), str(old)] and anchor_row["unfinished"] == []
+    assert [r["training_tokens"] for r in full["runs"]] == [10 * 4096, 7 * 4096, 6 * 4096]
+    assert full["training_tokens"] == 6 * 4096 and anchor_row["training_tokens"] == 40960
+    assert report["warnings"] == [
+        f"warning: {killed} is unfinished (trained 7 of its 10 steps), yet a seed of row full: resume it and "
+        f"evaluate again, or leave it out",
+        f"warning: {old} is unfinished (trained 6 of its 10 steps), yet a seed of row full: resume it and "
+        f"evaluate again, or leave it out",
+    ]
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["report", *map(str, (done, killed, old, anchor))], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0] == report["warnings"][0]  # at the top, before the tables
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| full | 3 (2 unfinished) | 24,576, 28,672, 40,960 |" in md and "| anchor | 1 | 40,960 |" in md
+    assert report["warnings"][1] in md.split("## ")[0]
+
+
+def test_runs_evaluated_differently_are_refused_naming_the_setting_and_results(tmp_path):
+    good = fake_evaluated(tmp_path, "good", "full")
+    cases = [
+        (dict(eval_seed=1), "different eval seeds (the offline suite's needles)", "0", "1", "same eval.seed"),
+        (dict(samples=10), "different samples per task", "25", "10", "same --samples"),
+    ]
+    for i, (change, what, a, b, fix) in enumerate(cases):
+        other = fake_evaluated(tmp_path, f"other{i}", "anchor", **change)
+        with pytest.raises(UserError) as e:
+            compare([read_evaluated(good), read_evaluated(other)])
+        assert str(e.value) == (
+            f"runs evaluated with {what}: {results_file(good)}: {a}; {results_file(other)}: {b}; evaluate them with "
+            f"the {fix}"
+        )
+    fewer = fake_evaluated(tmp_path, "fewer", "anchor")
+    results = results_of(fewer)
+    results["perplexity"]["windows"] = 4
+    results_file(fewer).write_text(json.dumps(results))
+    with pytest.raises(UserError, match=r"different numbers of perplexity windows: .*: 8; .*fewer/eval.*: 4; "):
+        compare([read_evaluated(good), read_evaluated(fewer)])
+
+
+def test_the_footnote_names_the_results_file_read(tmp_path):
+    run = fake_evaluated(tmp_path, "r", "anchor")
+    copy = tmp_path / "elsewhere.json"
+    copy.write_text(results_file(run).read_text())
+    md = markdown(compare([read_evaluated(copy)]))
+    assert f"- averaged: anchor: {copy} (seed 0, data.seed 0): last 5 checkpoints" in md
+
+
+def test_notes_when_runs_score_other_windows_or_train_on_other_data(tmp_path):
+    # seeds 0 and 1 of both modes: each seed's windows are its own, shared across modes
+    runs = [
+        fake_evaluated(tmp_path, f"{m}_{s}", m, seed=s, ppl_rows=[s, 5, 9]) for m in ("full", "anchor") for s in (0, 1)
+    ]
+    notes = _notes(compare([read_evaluated(p) for p in runs]))
+    spread = "its runs scored different held-out windows (they depend on seed and train.steps): its spread mixes"
+    assert [n for n in notes if "differ in their text" in n] == [
+        f"rows also differ in their text: perplexity of full: {spread} text with seed",
+        f"rows also differ in their text: perplexity of anchor: {spread} text with seed",
+    ]
+    same = [fake_evaluated(tmp_path, f"same_{m}", m, ppl_rows=[1, 2]) for m in ("full", "anchor")]
+    other_data = fake_evaluated(tmp_path, "reset", "intra_doc", data_seed=3, ppl_rows=[1, 3])
+    report = compare([read_evaluated(p) for p in (*same, other_data)])
+    fingerprints = [data_fingerprint(load_config(str(RunDir(p).config_file)).data)[:12] for p in (same[0], other_data)]
+    assert fingerprints[0] != fingerprints[1]
+    first, second = (f"{fp}: {', '.join(map(str, ps))}" for fp, ps in zip(fingerprints, (same, [other_data])))
+    assert report["data_notes"] == [
+        f"runs trained on 2 prepared datasets (data fingerprints {'; '.join(sorted([first, second]))})",
+        "perplexity: the rows scored different held-out windows: their differences mix text with attention mode",
+    ]
+    assert compare([read_evaluated(p) for p in same])["data_notes"] == []

@@ -3,8 +3,10 @@ that perplexity fails to track long-context ability).
 
 Training reads the windows in the order of `lctrain.train.data.stream_rows` (an epoch-wise seeded permutation), so
 the held-out windows are those outside the first `train.steps * train.global_batch` positions of that stream. A window
-is scored with plain causal attention over all of it, positions 0..L-1; targets that cannot be predicted from the
-text (each segment's anchor and its domain-tag tokens) are left out.
+is scored with plain causal attention over all of it, positions 0..L-1, whatever mask the run trained with (a
+document sees the window's earlier documents, as at inference: full attention's training condition); targets that
+cannot be predicted from the text (each segment's anchor and its domain-tag tokens) are left out. Which windows are
+held out follows the run's seed and train.steps, so runs of other seeds score other text.
 
 Perplexity at a shorter length L scores the first L tokens of each held-out window (positions 0..L-1, the window's
 opening anchor included), as YaRN (Peng et al. 2023) evaluates context-window extension: each document truncated at

@@ -33,7 +33,7 @@ from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
 from lctrain.export_record import EXPORT_RECORD, verify_export
 from lctrain.progress_bar import counted_bar
-from lctrain.rundir import RunDir, step_of
+from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
 
 OFFLINE_LABEL = "RULER-style (not comparable with published RULER numbers)"
@@ -118,6 +118,23 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
     raise UserError(
         f"{path}: neither a run directory (config.yaml, hf/step_N/) nor a Hugging Face model directory (config.json)"
     )
+
+
+def training_progress(tgt: Target) -> dict | None:
+    """How far the run trained, for a run target (None for a model directory): {"steps": the last step its metrics,
+    resume checkpoints or evaluation exports reached, "train_steps": its train.steps, "finished": whether it got
+    there}. A run killed before its last step still has evaluation checkpoints, whose scores are not the finished
+    run's: a report must not count it as a full replicate."""
+    if tgt.kind != "run":
+        return None
+    rd = RunDir(tgt.path)
+    try:
+        records = rd.read_metrics()
+    except UserError:
+        records = []  # a damaged metrics file: the checkpoints and exports still show how far it got
+    stepped = by_step([*(rd.checkpoints.iterdir() if rd.checkpoints.is_dir() else []), *rd.exports()])
+    steps = max([r["step"] for r in records[-1:]] + [step_of(p) for p in stepped], default=0)
+    return {"steps": steps, "train_steps": tgt.cfg.train.steps, "finished": steps >= tgt.cfg.train.steps}
 
 
 def _setting_path(cfg: Config, value: str | None) -> str | None:
@@ -458,6 +475,13 @@ def evaluate(
     per_sample, ppl, notes, memory = score_checkpoints(
         tgt, suite, tokenizer, encoder, dev, heldout, out_dir / "predictions.jsonl", backend
     )
+    training = training_progress(tgt)
+    if training and not training["finished"]:
+        notes["unfinished run"] = (
+            f"trained {training['steps']} of its {training['train_steps']} steps (train.steps), last evaluation "
+            f"checkpoint {tgt.checkpoints[-1][0]}: not the finished run's scores; `lctrain resume {tgt.path}`, "
+            f"then evaluate again"
+        )
 
     scores = {
         c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}
@@ -473,6 +497,7 @@ def evaluate(
         "excluded": excluded,
         "target": str(tgt.path),
         "kind": tgt.kind,
+        "training": training,
         "ruler_data": str(data_dir) if data_dir else None,
         "checkpoints": [c for c, _ in tgt.checkpoints],
         "device": dev,
@@ -493,6 +518,10 @@ def evaluate(
     results["perplexity"] = {
         "data": str(heldout.path) if heldout.path else None,
         "windows": len(heldout.rows),
+        # which windows: they depend on the run's seed and train.steps (perplexity.heldout_rows), so runs of other
+        # seeds score other text, which `lctrain report` notes
+        "rows": heldout.rows,
+        "data_fingerprint": heldout.packed.manifest.data_fingerprint if heldout.packed is not None else None,
         "heldout_available": heldout.available,
         "per_checkpoint": whole,  # the whole windows
         "average": sum(whole.values()) / len(whole) if whole else None,

@@ -18,7 +18,7 @@ from statistics import mean, stdev
 from rich.markup import escape
 from rich.table import Table
 
-from lctrain.config import Config, settings
+from lctrain.config import Config, data_fingerprint, settings
 from lctrain.console import plain_console
 from lctrain.errors import UserError, writing
 from lctrain.eval import score as scoring
@@ -170,19 +170,37 @@ def reading(cell: dict, reference: dict) -> str:
     return WITHIN if overlap else BEYOND
 
 
+# what defines an evaluation, recorded in results.json by `lctrain eval`: (key path, what, how to make them equal).
+# Runs that differ in any are scored on other samples or other windows, so their numbers do not compare
+_EVALUATION = (
+    (("suite",), "suites", "evaluate them with the same data"),
+    (("seed",), "eval seeds (the offline suite's needles)", "evaluate them with the same eval.seed"),
+    (("samples_per_task",), "samples per task", "evaluate them with the same --samples"),
+    (("lengths",), "lengths", "evaluate them at the same --lengths"),
+    (("tasks",), "tasks", "evaluate them on the same task set (--tasks, --exclude)"),
+    (("perplexity", "windows"), "numbers of perplexity windows", "evaluate them with the same eval.ppl_windows"),
+)
+
+
+def _setting(results: dict, keys: tuple[str, ...]):
+    for k in keys:
+        results = results.get(k) if isinstance(results, dict) else None
+    return results
+
+
+def _shown(value) -> str:
+    return "not recorded" if value is None else ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def _check_same_evaluation(runs: list[Evaluated]) -> None:
     first = runs[0]
     for r in runs[1:]:
-        for key, what, fix in (
-            ("suite", "suites", "evaluate them with the same data"),
-            ("lengths", "lengths", "evaluate them at the same --lengths"),
-            ("tasks", "tasks", "evaluate them on the same task set (--tasks, --exclude)"),
-        ):
-            a, b = first.results[key], r.results[key]
+        for keys, what, fix in _EVALUATION:
+            a, b = _setting(first.results, keys), _setting(r.results, keys)
             if a != b:
-                shown = (lambda v: ", ".join(map(str, v))) if isinstance(a, list) else str
                 raise UserError(
-                    f"runs evaluated on different {what}: {first.path}: {shown(a)}; {r.path}: {shown(b)}; {fix}"
+                    f"runs evaluated with different {what}: {first.results_file}: {_shown(a)}; "
+                    f"{r.results_file}: {_shown(b)}; {fix}"
                 )
 
 
@@ -193,9 +211,21 @@ def experiment_key(cfg: Config) -> str:
     return json.dumps(kept, sort_keys=True)
 
 
-def training_tokens(cfg: Config) -> int:
-    """Tokens one run trains on: steps x windows per step x tokens per window."""
-    return cfg.train.steps * cfg.train.global_batch * cfg.data.seq_len
+def training_tokens(cfg: Config, steps: int) -> int:
+    """Tokens one run trains on in `steps` steps: steps x windows per step x tokens per window."""
+    return steps * cfg.train.global_batch * cfg.data.seq_len
+
+
+def trained(run: Evaluated) -> dict:
+    """How far the run had trained when it was evaluated (`lctrain.eval.runner.training_progress`, recorded in its
+    results): {"steps", "train_steps", "finished"}. Results written before that record was kept: the step of the
+    last evaluated checkpoint, which `lctrain train` exports at the last step of a finished run."""
+    recorded = run.results.get("training")
+    if recorded:
+        return recorded
+    last = max((step_of(c) for c in run.results["checkpoints"] if step_of(c) is not None), default=None)
+    steps = run.cfg.train.steps if last is None else last
+    return {"steps": steps, "train_steps": run.cfg.train.steps, "finished": steps >= run.cfg.train.steps}
 
 
 def _labels(groups: list[list[Evaluated]]) -> tuple[list[str], list[str]]:
@@ -243,12 +273,19 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
         for r in members:
             ckpts = last_checkpoints(r.results, last, str(r.path))
             ruler, ppl = checkpoint_average(r.results, ckpts, str(r.results_file))
+            progress = trained(r)
             per_run.append(
                 {
                     "path": str(r.path),
                     "results": str(r.results_file),
                     "seed": r.cfg.seed,
                     "data_seed": r.cfg.data.seed,
+                    "data_fingerprint": data_fingerprint(r.cfg.data),
+                    "steps": progress["steps"],
+                    "train_steps": progress["train_steps"],
+                    "finished": progress["finished"],
+                    "training_tokens": training_tokens(r.cfg, progress["steps"]),
+                    "perplexity_windows": _setting(r.results, ("perplexity", "rows")),
                     "checkpoints": ckpts,
                     "ruler": {str(L): v for L, v in ruler.items()},
                     "perplexity": {str(L): v for L, v in ppl.items()},
@@ -267,7 +304,10 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
                 "label": label,
                 "mode": members[0].cfg.attention.mode,
                 "seeds": len(members),
-                "training_tokens": training_tokens(members[0].cfg),
+                # what every run of the row trained at least (each run's own is in `runs`): an unfinished run's
+                # fewer steps, not the config's
+                "training_tokens": min(p["training_tokens"] for p in per_run),
+                "unfinished": [p["path"] for p in per_run if not p["finished"]],
                 "runs": per_run,
                 **cells,
             }
@@ -286,6 +326,7 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
             for metric in METRICS
         }
     return {
+        "warnings": _unfinished_warnings(rows),
         "suite": runs[0].results["suite"],
         "tasks": runs[0].results["tasks"],
         "lengths": {m: sorted({int(L) for row in rows for L in row[m]}) for m in METRICS},
@@ -295,8 +336,50 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
         "metrics": METRICS,
         "reference": reference["label"],
         "other_differences": differing,
+        "data_notes": _data_notes(rows),
         "rows": rows,
     }
+
+
+def _unfinished_warnings(rows: list[dict]) -> list[str]:
+    """One line per run evaluated before its last step. Warned and marked rather than refused: refusing would block
+    the report of a run in progress, and a researcher may want the early numbers; what must not happen is such a run
+    passing silently as a full seed replicate (its spread would swallow a real difference)."""
+    return [
+        f"warning: {r['path']} is unfinished (trained {r['steps']} of its {r['train_steps']} steps), yet a seed of "
+        f"row {row['label']}: resume it and evaluate again, or leave it out"
+        for row in rows
+        for r in row["runs"]
+        if not r["finished"]
+    ]
+
+
+def _data_notes(rows: list[dict]) -> list[str]:
+    """What the rows' text differs in although their experiments do not: the prepared dataset each run trained on
+    (its data fingerprint; `data.seed` is one of its settings) and the held-out windows its perplexity scored (they
+    depend on the run's seed and train.steps: `lctrain.eval.perplexity.heldout_rows`)."""
+    runs = [r for row in rows for r in row["runs"]]
+    notes = []
+    prints = {r["data_fingerprint"] for r in runs}
+    if len(prints) > 1:
+        by_print = "; ".join(
+            f"{fp[:12]}: {', '.join(r['path'] for r in runs if r['data_fingerprint'] == fp)}" for fp in sorted(prints)
+        )
+        notes.append(f"runs trained on {len(prints)} prepared datasets (data fingerprints {by_print})")
+    for row in rows:
+        windows = [r["perplexity_windows"] for r in row["runs"] if r["perplexity_windows"] is not None]
+        if len({tuple(w) for w in windows}) > 1:
+            notes.append(
+                f"perplexity of {row['label']}: its runs scored different held-out windows (they depend on seed and "
+                f"train.steps): its spread mixes text with seed"
+            )
+    # rows of the same seeds score the same windows; results that do not record theirs are not compared
+    per_row = [sorted(tuple(r["perplexity_windows"] or ()) for r in row["runs"]) for row in rows]
+    if all(r["perplexity_windows"] is not None for r in runs) and any(w != per_row[0] for w in per_row[1:]):
+        notes.append(
+            "perplexity: the rows scored different held-out windows: their differences mix text with attention mode"
+        )
+    return notes
 
 
 def _cell(cell: dict | None, digits: int) -> str:
@@ -316,7 +399,7 @@ def _checkpoint_lines(report: dict) -> list[str]:
         for r in row["runs"]:
             ck = r["checkpoints"]
             lines.append(
-                f"{row['label']}: {r['path']} (seed {r['seed']}, data.seed {r['data_seed']}): last {len(ck)} "
+                f"{row['label']}: {r['results']} (seed {r['seed']}, data.seed {r['data_seed']}): last {len(ck)} "
                 f"checkpoint{'s' * (len(ck) > 1)} {', '.join(ck)}"
             )
     return lines
@@ -334,7 +417,11 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             continue
         heads = [length_label(int(L)) for L in lengths]
         body = [
-            [row["label"], str(row["seeds"]), f"{row['training_tokens']:,}"]
+            [
+                row["label"],
+                f"{row['seeds']} ({len(row['unfinished'])} unfinished)" if row["unfinished"] else str(row["seeds"]),
+                ", ".join(f"{t:,}" for t in sorted({r["training_tokens"] for r in row["runs"]})),
+            ]
             + [_cell(row[metric].get(L), _DIGITS[metric]) for L in lengths]
             for row in report["rows"]
         ]
@@ -356,6 +443,7 @@ def _notes(report: dict) -> list[str]:
     notes = [f"suite: {report['suite']}; tasks: {', '.join(report['tasks'])}", f"spread: {report['spread']}"]
     if report["other_differences"]:
         notes.append(f"rows also differ in: {', '.join(report['other_differences'])}")
+    notes += [f"rows also differ in their text: {n}" for n in report["data_notes"]]
     if not any(row["perplexity"] for row in report["rows"]):
         notes.append(
             "perplexity: none per length in these results (evaluated before per-length perplexity, or none held out)"
@@ -365,7 +453,7 @@ def _notes(report: dict) -> list[str]:
 
 def markdown(report: dict) -> str:
     """The report as Markdown: the tables, then what was averaged and how to read it."""
-    parts = ["# lctrain report", ""]
+    parts = ["# lctrain report", ""] + [f"**{w}**\n" for w in report["warnings"]]
     for title, header, body in _tables(report):
         parts += [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         parts += ["| " + " | ".join(r) + " |" for r in body] + [""]
@@ -375,6 +463,8 @@ def markdown(report: dict) -> str:
 
 def print_report(report: dict, out: Path) -> None:
     console = plain_console()
+    for w in report["warnings"]:
+        console.print(escape(w), soft_wrap=True)
     for title, header, body in _tables(report):
         table = Table(title=title)
         for i, h in enumerate(header):
