@@ -380,3 +380,21 @@ def test_an_unfinished_run_is_noted_and_recorded(evaluated, run_dir, tmp_path):
         f"trained 47 of its 100 steps (train.steps), last evaluation checkpoint step_40: not the finished run's "
         f"scores; `lctrain resume {run_dir}`, then evaluate again"
     )
+
+
+def test_an_interrupted_evaluation_leaves_the_earlier_results_and_predictions_as_a_pair(evaluated, monkeypatch):
+    """Predictions are written as they are made, into a partial file renamed with results.json at the end: Ctrl-C
+    mid-way cut predictions.jsonl to the new run's first lines beside the old results.json."""
+    from lctrain.eval import runner
+
+    out, _ = evaluated
+    before = {name: (out / name).read_bytes() for name in ("results.json", "predictions.jsonl")}
+
+    def stopped_mid_way(tgt, suite, tokenizer, encoder, device, heldout, predictions_path, backend="hf"):
+        predictions_path.write_text('{"checkpoint": "step_2"}\n')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "score_checkpoints", stopped_mid_way)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(resolve_target(out.parent), lengths=[512], tasks=["vt"], samples=3)
+    assert {name: (out / name).read_bytes() for name in before} == before

@@ -37,6 +37,8 @@ from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
 
 OFFLINE_LABEL = "RULER-style (not comparable with published RULER numbers)"
+# predictions.jsonl while an evaluation runs: renamed with results.json when it completes
+PARTIAL_PREDICTIONS = "predictions.jsonl.partial"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -473,7 +475,7 @@ def evaluate(
     heldout = select_heldout(tgt, ppl_data, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     per_sample, ppl, notes, memory = score_checkpoints(
-        tgt, suite, tokenizer, encoder, dev, heldout, out_dir / "predictions.jsonl", backend
+        tgt, suite, tokenizer, encoder, dev, heldout, out_dir / PARTIAL_PREDICTIONS, backend
     )
     training = training_progress(tgt)
     if training and not training["finished"]:
@@ -530,7 +532,12 @@ def evaluate(
         # the first L tokens of each window (lctrain.eval.perplexity): {checkpoint: {L: ppl}}
         "per_length": {c: {str(L): v for L, v in per.items()} for c, per in ppl.items()},
     }
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    # an evaluation stopped before this point leaves the earlier one's results.json and predictions.jsonl as they
+    # were, a pair; written as it goes, predictions.jsonl was cut to the new run's first lines beside the old results
+    partial_results = out_dir / "results.json.partial"
+    partial_results.write_text(json.dumps(results, indent=2))
+    (out_dir / PARTIAL_PREDICTIONS).replace(out_dir / "predictions.jsonl")
+    partial_results.replace(out_dir / "results.json")
     # reports.plots imports matplotlib: on use (start-up time)
     from lctrain.reports.plots import plot_ruler
 
