@@ -1035,6 +1035,12 @@ def tokens_to_prepare(steps: int, global_batch: int, seq_len: int, held_out: int
     return (steps * global_batch + held_out) * seq_len
 
 
+def max_steps(windows: int, held_out: int, global_batch: int) -> int:
+    """The most steps that read each prepared window at most once and leave `held_out` windows for perplexity (the
+    inverse of `tokens_to_prepare`)."""
+    return max(0, windows - held_out) // global_batch
+
+
 def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) -> str | None:
     """One line when training reads more windows (`train.steps` x `train.global_batch`) than `windows` hold, else
     None. Reading runs through the windows in order (train/data.py), so the re-read windows are the last steps',
@@ -1046,8 +1052,9 @@ def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) ->
     seq_len = cfg.data.seq_len
     fits = windows // cfg.train.global_batch
     if source_exhausted or cfg.data.token_budget >= needed * seq_len:
+        steps = max_steps(windows, cfg.eval.ppl_windows, cfg.train.global_batch)
         fix = (
-            f"the input ran out before data.token_budget: add input data (and prepare again) or set train.steps={fits}"
+            f"the input ran out before data.token_budget: add input data (and prepare again) or set train.steps={steps}"
         )
     else:
         budget = tokens_to_prepare(cfg.train.steps, cfg.train.global_batch, seq_len, cfg.eval.ppl_windows)

@@ -317,8 +317,9 @@ def test_reread_warning_counts_the_steps_that_read_windows_twice():
     )
     assert reread_warning(cfg, 16_000) is None
     assert "the last 1 steps" in reread_warning(cfg, 15_999)
-    # the input ran out before the budget: a larger budget would change nothing, more data or fewer steps would
-    ran_out = "; the input ran out before data.token_budget: add input data (and prepare again) or set train.steps=1907"
+    # the input ran out before the budget: a larger budget would change nothing, more data or fewer steps would;
+    # the steps leave eval.ppl_windows (8) held out: (15,258 - 8) // 8
+    ran_out = "; the input ran out before data.token_budget: add input data (and prepare again) or set train.steps=1906"
     assert reread_warning(cfg, 15_258, source_exhausted=True).endswith(ran_out)
     enough_budget = load_config(
         None, ["data.seq_len=131072", "data.token_budget=3000000000", "train.steps=2000", "train.global_batch=8"]

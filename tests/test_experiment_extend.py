@@ -14,7 +14,7 @@ import torch
 from train_helpers import clean_env, set_args
 from transformers import AutoModelForCausalLM
 
-from lctrain.config import data_fingerprint, load_config
+from lctrain.config import data_fingerprint, load_config, max_steps
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError
 from lctrain.experiments import extend as ex
@@ -46,7 +46,7 @@ def test_steps_from_tokens_data_and_time():
     with pytest.raises(UserError, match="less than one step"):
         ex.steps_for_tokens(1000, 131072)
     # 100 windows, 8 held out for perplexity, 4 per step: 23 steps read 92 windows once
-    assert ex.max_steps(100, 8, 4) == 23 and ex.max_steps(5, 8, 4) == 0
+    assert max_steps(100, 8, 4) == 23 and max_steps(5, 8, 4) == 0
     assert ex.sized_steps(60.0, 20000.0, 131072, 5, 23) == 9  # 1.2M tokens in 60 s
     assert ex.sized_steps(600.0, 20000.0, 131072, 5, 23) == 23  # the data's limit
     assert ex.sized_steps(1.0, 20000.0, 131072, 5, 23) == 5  # at least the checkpoints averaged
@@ -67,7 +67,7 @@ def test_the_bundled_experiment_configs():
     assert all(t.startswith("niah_") for t in cfg.eval.tasks)
     assert len(hf_checkpoint_steps(cfg.train.steps, cfg.checkpoint)) == 5
     windows = cfg.data.token_budget // cfg.data.seq_len
-    assert cfg.train.steps <= ex.max_steps(windows, cfg.eval.ppl_windows, cfg.train.global_batch)
+    assert cfg.train.steps <= max_steps(windows, cfg.eval.ppl_windows, cfg.train.global_batch)
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lctrain import example_model
-from lctrain.config import Config, config_fingerprint, data_dir, data_fingerprint, load_config
+from lctrain.config import Config, config_fingerprint, data_dir, data_fingerprint, load_config, max_steps
 from lctrain.data.shipped_text import write_jsonl
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError, writing
@@ -90,11 +90,6 @@ def steps_for_tokens(tokens: int, tokens_per_step: int) -> int:
     if steps < 1:
         raise UserError(f"--tokens {tokens:,}: less than one step of {tokens_per_step:,} tokens")
     return steps
-
-
-def max_steps(windows: int, held_out: int, global_batch: int) -> int:
-    """The most steps that read each prepared window at most once and leave `held_out` windows for perplexity."""
-    return max(0, windows - held_out) // global_batch
 
 
 def sized_steps(seconds: float, tokens_per_s: float, tokens_per_step: int, checkpoints: int, limit: int) -> int:
