@@ -100,7 +100,8 @@ def test_config_changes_keep_the_models_own(model_dir):
         }
     cfg = load_config(None, [*pretrained, "data.seq_len=512", f"data.tokenizer={model_dir}"])
     used, notes = used_values(cfg, "cpu")
-    assert used == {
+    # the model's and tokenizer's values (where the run goes, the tasks, backend and engine: test_show_config_values)
+    assert {k: v for k, v in used.items() if k.startswith(("model.", "data.anchor"))} == {
         "model.rope_theta": OWN_THETA,
         "model.rope_scaling": {"rope_type": "default"},
         "model.max_position_embeddings": 8192,
@@ -194,7 +195,8 @@ def test_export_keeps_every_setting_not_changed(trained, model_dir):
     original = json.loads((model_dir / "config.json").read_text())
     exported = json.loads((run / "hf" / f"step_{STEPS}" / "config.json").read_text())
     differ = {k for k in original.keys() | exported.keys() if original.get(k) != exported.get(k)}
-    assert differ == {"use_cache"} and exported["use_cache"] is changes["use_cache"]["to"]
+    # training's use_cache: false is not exported: the export generates with its KV cache, as the model did
+    assert differ == set() and exported["use_cache"] is changes["use_cache"]["from"] is True
     assert exported["rope_parameters"] == {"rope_theta": OWN_THETA, "rope_type": "default"}
     assert json.loads((run / "anchor.json").read_text()) == {"token": "<|endoftext|>", "id": 0}
     assert json.loads((run / "hf" / f"step_{STEPS}" / "anchor.json").read_text()) == {"token": "<|endoftext|>", "id": 0}
