@@ -32,7 +32,7 @@ from pydantic import (
     model_validator,
 )
 
-from lctrain.errors import UserError
+from lctrain.errors import UserError, first_and_more
 from lctrain.eval.ruler import TASK_NAMES
 
 DEFAULT_CONFIG = "tiny_anchor"
@@ -1007,8 +1007,7 @@ def settings_changes(before: dict, now: dict) -> dict[str, tuple]:
 
 def shown_changes(changes: dict[str, tuple], most: int = 4) -> str:
     """`key before -> now, ...` for a message, the first `most` and a count of the rest."""
-    shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:most])
-    return shown + (f" and {len(changes) - most} more" if len(changes) > most else "")
+    return first_and_more([f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()], most)
 
 
 def config_fingerprint(cfg: Config) -> str:

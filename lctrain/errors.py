@@ -56,6 +56,12 @@ _REMEDY = {
 }
 
 
+def first_and_more(items: list[str], most: int) -> str:
+    """The first `most` of a message's items, comma-separated, and how many more ("a, b and 3 more")."""
+    more = f" and {len(items) - most:,} more" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
+
+
 def _errno_of(e: BaseException) -> int | None:
     if isinstance(e, OSError) and e.errno is not None:
         return e.errno

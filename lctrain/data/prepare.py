@@ -61,7 +61,7 @@ from lctrain.data.store import (
     dataset_problem,
     write_manifest,
 )
-from lctrain.errors import UserError, is_environment_error, writing
+from lctrain.errors import UserError, first_and_more, is_environment_error, writing
 from lctrain.hardware import usable_cpus
 from lctrain.lifetime import death_of, is_alive
 from lctrain.progress_bar import ProgressBar
@@ -728,12 +728,6 @@ def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int, cf
             console.print(reread, style="yellow", markup=False)
 
 
-def _named(items: list[str]) -> str:
-    """At most `NAMED_DOMAINS` of a warning's domains, and how many more."""
-    more = f" and {len(items) - NAMED_DOMAINS:,} more" if len(items) > NAMED_DOMAINS else ""
-    return ", ".join(items[:NAMED_DOMAINS]) + more
-
-
 def _say_domains_left_out(console, data, builder: _Builder) -> None:
     """The `data.domain_shares` domains the input has no document of (their shares stay unfilled), and the documents
     skipped because their domain has no share: a misspelt domain would otherwise only show as fewer windows."""
@@ -754,7 +748,7 @@ def _say_domains_left_out(console, data, builder: _Builder) -> None:
         per_domain = [f"{builder.domains[i]} {int(n):,}" for i, n in enumerate(skipped) if n]
         console.print(
             f"skipped {int(skipped.sum()):,} documents whose domain has no token share (data.domain_shares): "
-            f"{_named(per_domain)}; give a domain a share to use its documents",
+            f"{first_and_more(per_domain, NAMED_DOMAINS)}; give a domain a share to use its documents",
             style="yellow",
             markup=False,
         )
@@ -765,7 +759,9 @@ def _say_share_misses(console, stats: dict, source_exhausted: bool) -> None:
     misses = share_misses(stats["domains"])
     if not misses:
         return
-    named = _named([f"{name} {target:.1%} -> {achieved:.1%}" for name, target, achieved in misses])
+    named = first_and_more(
+        [f"{name} {target:.1%} -> {achieved:.1%}" for name, target, achieved in misses], NAMED_DOMAINS
+    )
     if source_exhausted:
         advice = "the input ran out before the budget: add documents of these domains or lower their data.domain_shares"
     else:

@@ -25,7 +25,7 @@ from lctrain.config import (
 )
 from lctrain.costmodel import ModelShape
 from lctrain.data.manifest import MANIFEST
-from lctrain.errors import UserError
+from lctrain.errors import UserError, first_and_more
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import OutOfMemory, ProcessKilled, run_on_ranks
@@ -69,7 +69,7 @@ def refuse_to_replace(rd: RunDir) -> None:
     finished = checkpoints + rd.finished_outputs()
     if not finished:
         return
-    shown = ", ".join(finished[:8]) + (f" and {len(finished) - 8} more" if len(finished) > 8 else "")
+    shown = first_and_more(finished, 8)
     if checkpoints:
         choices = f"continue it with 'lctrain resume {rd}', or start over (deleting them) with 'lctrain train --force'"
     else:
