@@ -282,8 +282,12 @@ class DataConfig(_Section):
     @classmethod
     def _shares_are_a_distribution(cls, shares: Any, info: ValidationInfo) -> Any:
         if shares is not None:
+            # lctrain.data imports this module: imported here, once both are loaded
+            from lctrain.data.mixture import shares_by_domain
+
             sources = info.data.get("sources")
-            check_domain_shares(shares, DOMAINS if sources is None else source_domains(sources))
+            read = shares_by_domain(shares, {s.name for s in sources or ()}) if isinstance(shares, dict) else shares
+            check_domain_shares(read, DOMAINS if sources is None else source_domains(sources))
         return shares
 
     @model_validator(mode="after")

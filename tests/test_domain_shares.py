@@ -78,6 +78,38 @@ def test_a_set_name_key_means_the_domain_its_records_are_read_as(tmp_path, corpo
         prepare(shares_cfg(tmp_path, corpora, "{web: 0.5, RedPajamaArXiv: 0.25, ArXiv: 0.25}", "both"))
 
 
+def single_source_cfg(tmp_path, sp, shares, out):
+    """SlimPajama-like records read as the single local source: its domains are SlimPajama's."""
+    return load_config(
+        None,
+        [
+            "data.source=local",
+            f"data.path={sp}",
+            "data.mixture=upsampled",
+            f"data.domain_shares={shares}",
+            "data.short_doc_tokens=1",
+            "data.seq_len=128",
+            "data.token_budget=4096",
+            f"data.output_dir={tmp_path / out}",
+        ],
+    )
+
+
+def test_a_single_source_reads_set_name_keys_as_data_sources_does(tmp_path, corpora):
+    sp = corpora[1]
+    by_set_name = open_packed(prepare(single_source_cfg(tmp_path, sp, "{RedPajamaArXiv: 0.5, Book: 0.5}", "set")))
+    assert len(by_set_name) == 32 and not by_set_name.manifest.source_exhausted
+    counted = counted_shares(by_set_name)
+    assert set(counted) == {"ArXiv", "Book"}
+    assert counted["ArXiv"] == pytest.approx(0.5, abs=0.02)
+    by_domain = prepare(single_source_cfg(tmp_path, sp, "{ArXiv: 0.5, Book: 0.5}", "domain"))
+    assert shards(by_domain) == shards(by_set_name.path)
+    with pytest.raises(UserError, match=r"data.domain_shares: RedPajamaArXiv and ArXiv both name the domain ArXiv"):
+        single_source_cfg(tmp_path, sp, "{RedPajamaArXiv: 0.5, ArXiv: 0.5}", "both")
+    with pytest.raises(UserError, match=r"data.domain_shares: unknown domain 'RedPajamaArxiv'; known domains: "):
+        single_source_cfg(tmp_path, sp, "{RedPajamaArxiv: 1}", "misspelt")
+
+
 def test_a_share_no_document_had_and_documents_without_a_share_are_said(tmp_path, corpora, capsys):
     # a budget the corpus cannot fill, so that every record is read
     path = prepare(shares_cfg(tmp_path, corpora, "{web: 0.5, ArXiv: 0.3, Nope: 0.2}", "nope", budget=65536))

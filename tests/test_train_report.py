@@ -102,7 +102,10 @@ def test_the_run_prints_a_banner_and_a_summary_of_its_records(trained):
     assert out.index("lctrain train tiny_anchor: 4 steps, from step 0") < out.index("step=2/4") < out.index("done:")
     assert "batch        2 x 128 = 256 tokens per step (micro-batch 1, 2 accumulation steps)" in out
     assert "rope_parameters.rope_theta: 10000.0 -> 1000000.0 (model.rope_theta)" in out
-    assert f"final loss   {last['loss']!r} at step 4 of 4" in out
+    # as the last step line prints it, while metrics.jsonl keeps every digit
+    loss = f"{last['loss']:.4f}"
+    assert f"final loss   {loss} at step 4 of 4" in out and f"step=4/4 loss={loss} " in out
+    assert last["loss"] != float(loss)
     assert f"checkpoint   {run_dir / 'checkpoints' / 'step_4'}" in out
     assert f"hf exports   {run_dir / 'hf'}/ (step_4)" in out
     assert f"next         lctrain eval {run_dir}; lctrain plot {run_dir}" in out
@@ -236,7 +239,7 @@ def test_summary_of_a_finished_resumed_run():
     assert summary(end()) == "\n".join(
         [
             "done: runs/x",
-            "  final loss   6.010263452315494 at step 60 of 60",
+            "  final loss   6.0103 at step 60 of 60",
             "  tokens       245,760 seen (163,840 in this session)",
             "  time         0:03:20 wall, 819 tokens/s",
             "  peak memory  1.72 GB",
@@ -250,6 +253,7 @@ def test_summary_of_a_finished_resumed_run():
 
 def test_summary_of_a_stopped_run_and_of_no_step():
     stopped = summary(end(last={"step": 30, "loss": 7.5, "tokens": 122880}, exports=[], checkpoint=None))
+    assert "  final loss   7.5000 at step 30 of 60" in stopped
     assert "  hf exports   none" in stopped and "  checkpoint   none" in stopped
     assert stopped.endswith("  next         lctrain resume runs/x")
     assert summary(end(last=None)) == "no step trained: runs/x is at step 20 of 60"

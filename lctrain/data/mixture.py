@@ -9,11 +9,12 @@ UpSampledMix-128K); within a domain, documents shorter than `short_doc_tokens` a
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 
 from lctrain.config import DOMAINS
 from lctrain.data.encode import REDPAJAMA_SET_NAMES
-from lctrain.errors import UserError
 
 # SlimPajama-627B's token shares per domain, as its release publishes them (Soboleva et al. 2023); Fu et al. (2024)
 # upsample long documents while keeping these overall shares. `data.domain_shares` selects them.
@@ -49,23 +50,27 @@ UPSAMPLED_MIX_128K_TOKEN_SHARES = {
 SHARE_TOLERANCE = 0.01
 
 
+def shares_by_domain(shares: dict[str, float], source_names: Collection[str] = ()) -> dict[str, float]:
+    """`data.domain_shares` keyed by the domains documents are read as: a SlimPajama set name means the domain its
+    records are read as (`RedPajamaArXiv` -> `ArXiv`, `lctrain.data.encode`), unless a source has that name (its
+    records' domain). Two keys naming one domain are a ValueError, which the config's validation reports."""
+    shares_of, key_of = {}, {}
+    for key, share in shares.items():
+        domain = key if key in source_names else REDPAJAMA_SET_NAMES.get(key, key)
+        if domain in shares_of:
+            raise ValueError(
+                f"{key_of[domain]} and {key} both name the domain {domain} (SlimPajama's set names are read without "
+                f"their RedPajama prefix); keep one of them"
+            )
+        shares_of[domain], key_of[domain] = share, key
+    return shares_of
+
+
 def keyed_by_domain(data) -> dict[str, float] | None:
-    """`data.domain_shares` keyed by the domains documents are read as: a SlimPajama set name means the domain a
-    domain_field reads it as (`RedPajamaArXiv` -> `ArXiv`, `lctrain.data.encode`), unless a source has that name
-    (its records' domain). None without domain_shares."""
+    """`shares_by_domain` of a validated `data` section; None without domain_shares."""
     if data.domain_shares is None:
         return None
-    names = {s.name for s in data.sources or ()}
-    shares, key_of = {}, {}
-    for key, share in data.domain_shares.items():
-        domain = key if key in names else REDPAJAMA_SET_NAMES.get(key, key)
-        if domain in shares:
-            raise UserError(
-                f"data.domain_shares: {key_of[domain]} and {key} both name the domain {domain} (SlimPajama's set "
-                f"names are read without their RedPajama prefix); keep one of them"
-            )
-        shares[domain], key_of[domain] = share, key
-    return shares
+    return shares_by_domain(data.domain_shares, {s.name for s in data.sources or ()})
 
 
 def target_shares(domain_shares: dict[str, float] | None, domains: tuple[str, ...] = DOMAINS) -> dict[str, float]:

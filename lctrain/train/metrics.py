@@ -26,7 +26,7 @@ from lctrain.config import settings
 from lctrain.console import no_library_bars
 from lctrain.errors import UserError
 from lctrain.rundir import RunDir
-from lctrain.train.report import eta_seconds, step_line
+from lctrain.train.report import eta_seconds, loss_text, step_line
 
 # Library loggers that repeat on every rank what rank 0 already says.
 _RANK_LOGGERS = ("DeepSpeed", "torch.distributed")
@@ -128,7 +128,7 @@ class StepLogger:
             mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
             square = f"{record['mfu_full_square']:.1%}" if record.get("mfu_full_square") is not None else "n/a"
             info = (
-                f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu} strict, {square} "
+                f"loss {loss_text(record['loss'])}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu} strict, {square} "
                 f"full-square  "
                 f"mem {record['peak_mem_gb']:.1f} GB"
             )

@@ -37,13 +37,19 @@ def _optional(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def loss_text(loss: float) -> str:
+    """A loss as the run prints it: the step line, the progress bar and the summary alike, so the final loss reads
+    as the last step's line does (metrics.jsonl keeps every digit)."""
+    return f"{loss:.4f}"
+
+
 def step_line(record: dict, total_steps: int, eta_s: float | None) -> str:
     """One metrics.jsonl record as the plain log line: step/total, loss, lr, grad norm, tokens/s, MFU, the step's
     peak memory in GB (10^9 bytes) and the ETA."""
     return " ".join(
         [
             f"step={record['step']}/{total_steps}",
-            f"loss={record['loss']:.4f}",
+            f"loss={loss_text(record['loss'])}",
             f"lr={record['lr']:.3e}",
             f"grad_norm={_optional(record['grad_norm'], '.4f')}",
             f"tokens_per_s={record['tokens_per_s']:.0f}",
@@ -178,7 +184,7 @@ def summary(e: RunEnd) -> str:
     session_tokens = (step - e.start_step) * e.tokens_per_step
     rate = session_tokens / e.wall_s if e.wall_s > 0 else float("nan")
     rows = [
-        ("final loss", f"{e.last['loss']!r} at step {step} of {e.steps}"),
+        ("final loss", f"{loss_text(e.last['loss'])} at step {step} of {e.steps}"),
         ("tokens", f"{e.last['tokens']:,} seen ({session_tokens:,} in this session)"),
         ("time", f"{duration(e.wall_s)} wall, {rate:,.0f} tokens/s"),
     ]
