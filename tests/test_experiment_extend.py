@@ -1,25 +1,36 @@
 """`lctrain experiment extend` (lctrain/experiments/extend.py): its arithmetic against the training schedule and plain
-counting, its refusals, and (slow, on the real example model) the CPU smoke version 1K -> 2K end to end: the plumbing,
-not the science. References: the schedule that writes the evaluation checkpoints, the prepared windows themselves,
-and plain transformers (fp32) for each mode's first-step loss."""
+counting, its refusals, its reruns on a tiny random model, and (slow, on the real example model) the CPU smoke version
+1K -> 2K end to end: the plumbing, not the science. References: the schedule that writes the evaluation checkpoints,
+the prepared windows themselves, plain transformers (fp32) for each mode's first-step loss, and for a rerun the bytes
+training wrote and the settings each results.json records."""
 
+import hashlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from train_helpers import clean_env, set_args
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
 
+from lctrain import example_model
+from lctrain.cli import app
 from lctrain.config import data_fingerprint, load_config, max_steps
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError
 from lctrain.experiments import extend as ex
 from lctrain.init_config import rope_base
+from lctrain.lifetime import Terminated, terminate_as_interrupt
 from lctrain.rundir import RunDir
+from lctrain.tokenizer import load_tokenizer
 from lctrain.train.data import stream_rows
 from lctrain.train.schedule import hf_checkpoint_steps
 
@@ -116,6 +127,43 @@ def test_a_stage_that_ends_badly_is_one_line_naming_how(monkeypatch, tmp_path, e
     with pytest.raises(UserError, match=re.escape(message)) as e:
         exp.run("lctrain train (anchor)", ["train"])
     assert str(e.value).endswith("run the same `lctrain experiment extend` again to continue from what is finished")
+
+
+def test_sigterm_to_the_experiment_is_passed_to_its_stage_which_stops_in_its_own_time(monkeypatch, tmp_path):
+    """A scheduler's SIGTERM to `experiment extend` reaches the stage (a training run then writes a checkpoint where it
+    stops) and the experiment waits for it to end by itself, then says which stage stopped and how to continue."""
+    marker = tmp_path / "stopped"
+    stage = (
+        "import signal, sys, time\n"
+        "def stop(signum, frame):\n"
+        "    time.sleep(1)  # a checkpoint's write\n"
+        f"    open({str(marker)!r}, 'w').write('kept')\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"open({str(marker)!r} + '.ready', 'w')\n"
+        "time.sleep(120)\n"
+    )
+    monkeypatch.setattr(ex, "lctrain_command", lambda *args: [sys.executable, "-c", stage])
+    exp = ex.Experiment(tmp_path, 2048, ex.MODES, 1, 5, (512, 1024, 2048), "cpu", None, ())
+
+    def scheduler():
+        while not Path(f"{marker}.ready").exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    terminate_as_interrupt()
+    try:
+        threading.Thread(target=scheduler, daemon=True).start()
+        with pytest.raises(Terminated) as stopped:
+            exp.run("lctrain train (anchor)", ["train"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert marker.read_text() == "kept"
+    assert str(stopped.value) == (
+        "lctrain train (anchor) stopped by SIGTERM; run the same `lctrain experiment extend` again to continue from "
+        "what is finished"
+    )
 
 
 # ---------------------------------------------------------------- the CPU smoke version, on the example model
@@ -237,3 +285,152 @@ def test_every_run_is_evaluated_and_reported(smoke):
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("finished, skipped") == 2 * len(ex.MODES)
     assert "step=1/" not in again.stdout
+
+
+# ---------------------------------------------------------------- reruns, on a tiny model in this process
+
+TINY_SEQ_LEN = 512
+TINY_STEPS = 2
+TINY_MODES = ("anchor",)  # one run: each evaluation of it costs seconds
+TINY = [
+    "train.global_batch=1",
+    f"data.token_budget={8 * TINY_SEQ_LEN}",
+    "data.shuffle_buffer_tokens=0",
+    "data.num_workers=1",
+    "logging.peak_tflops=1",  # no CPU matmul measurement for the MFU column
+    "eval.tasks=[niah_single_1]",
+    "eval.samples_per_task=1",
+    "eval.ppl_windows=1",
+]
+
+
+def in_this_process(cmd, env, **supervision):
+    """`supervise` for the tiny experiment: the lctrain command in this process (no interpreter start per stage)."""
+    assert cmd[:3] == [sys.executable, "-m", "lctrain.cli"]
+    result = CliRunner().invoke(app, cmd[3:])
+    print(result.output)
+    return result.exit_code
+
+
+def tiny_extend(out, model, *, lengths=(TINY_SEQ_LEN,), overrides=()):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ex, "supervise", in_this_process)
+        return ex.extend(
+            out,
+            seq_len=TINY_SEQ_LEN,
+            steps=TINY_STEPS,
+            checkpoints=1,
+            eval_lengths=list(lengths),
+            modes=TINY_MODES,
+            device="cpu",
+            model=model,
+            overrides=(*TINY, *overrides),
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_experiment(tmp_path_factory):
+    """An experiment on a tiny random Llama (an example-model directory by its marker) and a small corpus of its own,
+    trained and evaluated once."""
+    root = tmp_path_factory.mktemp("tiny_extend")
+    model = root / "model"
+    tokenizer = load_tokenizer(load_config(None).data.tokenizer)
+    arch = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(arch).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    (model / example_model.DONE).write_text("")
+    out = root / "exp"
+    corpus = out / ex.CORPUS
+    corpus.parent.mkdir(parents=True)
+    words = "the quick brown fox jumps over a lazy dog while the python code runs".split()
+    with corpus.open("w") as f:
+        for doc in range(40):
+            text = " ".join(words[(doc + i) % len(words)] for i in range(200))
+            f.write(json.dumps({"text": text, "meta": {"kind": "prose"}}) + "\n")
+    tiny_extend(out, model)
+    return out, model
+
+
+def trained_bytes(out) -> dict[str, str]:
+    """A digest of every file training wrote into the runs (weights, exports, metrics, config), by path."""
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((out / "runs").rglob("*"))
+        if p.is_file() and "eval" not in p.relative_to(out / "runs").parts
+    }
+
+
+def evaluated_as(out) -> dict[str, tuple]:
+    """What each run's results.json records it was evaluated with: lengths, samples per task, and how many
+    predictions of each length predictions.jsonl holds."""
+    seen = {}
+    for mode in TINY_MODES:
+        eval_dir = out / "runs" / f"{mode}_s0" / "eval"
+        results = json.loads((eval_dir / "results.json").read_text())
+        predictions = [json.loads(line) for line in (eval_dir / "predictions.jsonl").read_text().splitlines()]
+        per_length = {L: sum(p["length"] == L for p in predictions) for L in results["lengths"]}
+        seen[mode] = (results["lengths"], results["samples_per_task"], per_length)
+    return seen
+
+
+def test_an_eval_only_change_re_evaluates_the_trained_runs_without_training(tiny_experiment, capsys):
+    out, model = tiny_experiment
+    trained = trained_bytes(out)
+    assert evaluated_as(out) == {m: ([512], 1, {512: 1}) for m in TINY_MODES}
+    capsys.readouterr()
+
+    report = tiny_extend(out, model, lengths=(256, 512), overrides=("eval.samples_per_task=2",))
+    said = capsys.readouterr().out
+    changed = [line for line in said.splitlines() if "eval settings changed" in line]
+    assert changed == [
+        "[experiment] eval: eval settings changed (eval.lengths [512] -> [256, 512], eval.samples_per_task 1 -> 2): "
+        "re-evaluating the trained runs"
+    ]
+    assert said.count("finished, skipped") == len(TINY_MODES)  # the training, not the evaluation
+    assert trained_bytes(out) == trained
+    assert evaluated_as(out) == {m: ([256, 512], 2, {256: 2, 512: 2}) for m in TINY_MODES}
+    assert report["lengths"]["ruler"] == [256, 512]
+    assert json.loads((out / ex.REPORT_DIR / "report.json").read_text()) == report
+
+    # the same command again: nothing to evaluate
+    tiny_extend(out, model, lengths=(256, 512), overrides=("eval.samples_per_task=2",))
+    said = capsys.readouterr().out
+    assert "eval settings changed" not in said and said.count("finished, skipped") == 2 * len(TINY_MODES)
+
+    # back to the settings the runs trained with (and their config.yaml holds): evaluated with those again
+    tiny_extend(out, model)
+    said = capsys.readouterr().out
+    assert "eval settings changed (eval.lengths [256, 512] -> [512], eval.samples_per_task 2 -> 1)" in said
+    assert trained_bytes(out) == trained
+    assert evaluated_as(out) == {m: ([512], 1, {512: 1}) for m in TINY_MODES}
+
+
+def test_a_training_change_is_still_refused(tiny_experiment):
+    out, model = tiny_experiment
+    results = {p: p.read_bytes() for p in (out / "runs").glob("*/eval/results.json")}
+    with pytest.raises(UserError, match="trained with other settings than this experiment's"):
+        tiny_extend(out, model, overrides=("train.lr=1e-3", "eval.samples_per_task=2"))
+    assert {p: p.read_bytes() for p in results} == results
+
+
+def test_runs_evaluated_before_the_settings_were_recorded_are_not_evaluated_again(tiny_experiment, capsys):
+    """An experiment.json written before it recorded each run's eval settings ("evaluated": true): the runs were
+    evaluated with their own config's, so the same command skips them."""
+    out, model = tiny_experiment
+    state = json.loads((out / ex.STATE_FILE).read_text())
+    for run in state["runs"].values():
+        run["evaluated"] = True
+    (out / ex.STATE_FILE).write_text(json.dumps(state))
+    results = {p: p.read_bytes() for p in (out / "runs").glob("*/eval/results.json")}
+    capsys.readouterr()
+    tiny_extend(out, model)
+    assert capsys.readouterr().out.count("eval finished, skipped") == len(TINY_MODES)
+    assert {p: p.read_bytes() for p in results} == results

@@ -11,7 +11,8 @@ Stages, each said as it starts and skipped when a rerun finds it done:
 4. train: every mode and seed, `lctrain train` (`lctrain resume` for a run stopped after a checkpoint) in a fresh
    process, into OUT/runs/<mode>_s<seed>;
 5. eval: `lctrain eval` of every run in a fresh process: its evaluation checkpoints (the last steps), the config's
-   needle tasks and lengths, held-out perplexity;
+   needle tasks and lengths, held-out perplexity, under the experiment's eval settings (`--eval-lengths`, `--set
+   eval.*`); training reads none of them, so a rerun that changes only those evaluates the trained runs again;
 6. report: `lctrain report`'s comparison of the runs (`lctrain.reports.compare`), in OUT/report.
 
 Every subprocess is given `workdir=OUT`, so the bundled configs' relative paths resolve under OUT from anywhere.
@@ -20,20 +21,34 @@ OUT/experiment.json records the plan, the prepared dataset, the sizing and every
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+
 from lctrain import example_model
-from lctrain.config import Config, config_fingerprint, data_dir, data_fingerprint, load_config, max_steps
+from lctrain.config import (
+    Config,
+    config_fingerprint,
+    data_dir,
+    data_fingerprint,
+    load_config,
+    max_steps,
+    settings,
+    settings_changes,
+    shown_changes,
+)
 from lctrain.data.shipped_text import write_jsonl
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError, writing
-from lctrain.lifetime import STOPPED, death_of, signal_name, supervise
+from lctrain.lifetime import STOPPED, Terminated, death_of, signal_name, supervise
 from lctrain.reports.compare import print_report, write_report
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
@@ -148,8 +163,15 @@ class Experiment:
         return {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else dict(os.environ)
 
     def run(self, what: str, args: list[str]) -> None:
-        """One lctrain command in a fresh process, its output passed through; a failure is one line."""
-        rc = supervise(lctrain_command(*args), self.env())
+        """One lctrain command in a fresh process, its output passed through; a failure is one line. SIGTERM is
+        passed on to it, and this waits for it to stop where it keeps its work (training: a checkpoint)."""
+        try:
+            rc = supervise(lctrain_command(*args), self.env(), on_terminate=_pass_sigterm)
+        except Terminated:
+            raise Terminated(
+                f"{what} stopped by SIGTERM; run the same `lctrain experiment extend` again to continue from what is "
+                f"finished"
+            ) from None
         if rc == 0:
             return
         if rc < 0:
@@ -161,6 +183,10 @@ class Experiment:
         raise UserError(
             f"{what} {how}; run the same `lctrain experiment extend` again to continue from what is finished"
         )
+
+
+def _pass_sigterm(stage: psutil.Process) -> None:
+    stage.send_signal(signal.SIGTERM)
 
 
 class State:
@@ -285,6 +311,10 @@ def is_trained(rd: RunDir, steps: int) -> bool:
     return bool(records) and int(records[-1]["step"]) >= steps and ckpt.latest_checkpoint(rd) is not None
 
 
+def trained_settings(cfg: Config) -> dict:
+    return {section: value for section, value in settings(cfg).items() if section != "eval"}
+
+
 def train_runs(exp: Experiment, state: State, steps: int) -> None:
     runs = exp.runs()
     for i, (mode, seed) in enumerate(runs, 1):
@@ -299,7 +329,8 @@ def train_runs(exp: Experiment, state: State, steps: int) -> None:
         ]
         if rd.is_run():
             recorded = rd.read_config()
-            if config_fingerprint(recorded) != config_fingerprint(planned):
+            # training reads no eval setting: a change of those only is the eval stage's, which evaluates again
+            if trained_settings(recorded) != trained_settings(planned):
                 raise UserError(
                     f"{where}: trained with other settings than this experiment's (config fingerprint "
                     f"{config_fingerprint(recorded)[:12]}, now {config_fingerprint(planned)[:12]}: other steps, "
@@ -316,39 +347,74 @@ def train_runs(exp: Experiment, state: State, steps: int) -> None:
         else:
             say("train", f"{label}: {steps} steps into {where}")
             exp.run(f"lctrain train ({label})", ["train", *args])
-        state.data.setdefault("runs", {})[where.name] = {
-            "mode": mode,
-            "seed": seed,
-            "run_dir": str(where),
-            "steps": steps,
-            "data_fingerprint": data_fingerprint(rd.read_config().data),
-            "exports": [p.name for p in rd.exports()],
-        }
+        # updated, not replaced: the eval stage's record of how the run was evaluated stays with it
+        state.data.setdefault("runs", {}).setdefault(where.name, {}).update(
+            {
+                "mode": mode,
+                "seed": seed,
+                "run_dir": str(where),
+                "steps": steps,
+                "data_fingerprint": data_fingerprint(rd.read_config().data),
+                "exports": [p.name for p in rd.exports()],
+            }
+        )
         state.save()
 
 
-def is_evaluated(rd: RunDir, lengths: list[int]) -> bool:
+def eval_settings(cfg: Config) -> dict:
+    return settings(cfg)["eval"]
+
+
+def results_digest(results: bytes) -> str:
+    return hashlib.sha256(results).hexdigest()
+
+
+def evaluated_with(rd: RunDir, record) -> dict | None:
+    """The eval settings the run's eval/results.json was written with: those `record` (the run's "evaluated" in
+    experiment.json) holds beside the file's digest. None when there is nothing to keep: no results, torn ones, ones
+    of other checkpoints than the run's exports now (evaluated before training ended), or ones rewritten since the
+    record (`lctrain eval` by hand, with settings not known here)."""
     results = rd.eval_dir / "results.json"
     if not results.is_file():
-        return False
+        return None
+    raw = results.read_bytes()
     try:
-        done = json.loads(results.read_text())
+        done = json.loads(raw)
     except ValueError:
-        return False
-    return done.get("checkpoints") == [p.name for p in rd.exports()] and done.get("lengths") == lengths
+        return None
+    if done.get("checkpoints") != [p.name for p in rd.exports()]:
+        return None
+    if isinstance(record, dict):
+        return record.get("eval") if record.get("results_sha256") == results_digest(raw) else None
+    # no record (an experiment.json from before it was kept): this command ran `lctrain eval` without --set then, so
+    # with the run's own config's settings
+    return eval_settings(rd.read_config())
 
 
-def evaluate_runs(exp: Experiment, state: State) -> None:
-    runs = exp.runs()
-    for i, (mode, seed) in enumerate(runs, 1):
+def evaluate_runs(exp: Experiment, state: State, steps: int) -> None:
+    """`lctrain eval` of every run under the experiment's eval settings, given whole on its command line (a run's
+    config.yaml keeps those it trained with); a run evaluated under them already is skipped."""
+    runs = []
+    for i, (mode, seed) in enumerate(exp.runs(), 1):
         where = exp.run_dir(mode, seed)
-        label = f"{mode}, seed {seed} ({i} of {len(runs)})"
-        if is_evaluated(RunDir(where), list(exp.eval_lengths)):
+        now = eval_settings(exp.config(mode, exp.run_overrides(mode, seed, steps)))
+        before = evaluated_with(RunDir(where), state.data["runs"][where.name].get("evaluated"))
+        runs.append((f"{mode}, seed {seed} ({i} of {len(exp.runs())})", where, now, before))
+    changed: dict[str, tuple] = {}
+    for _, _, now, before in runs:
+        if before is not None and before != now:
+            changed.update(settings_changes({"eval": before}, {"eval": now}))
+    if changed:
+        say("eval", f"eval settings changed ({shown_changes(changed)}): re-evaluating the trained runs")
+    for label, where, now, before in runs:
+        if before == now:
             say("eval", f"{label}: {where / 'eval'} finished, skipped")
         else:
             say("eval", f"{label}: every evaluation checkpoint of {where}")
-            exp.run(f"lctrain eval {where}", ["eval", str(where), "--device", exp.device])
-        state.data["runs"][where.name]["evaluated"] = True
+            args = ["eval", str(where), "--device", exp.device, "--set", f"eval={json.dumps(now)}"]
+            exp.run(f"lctrain eval {where}", args)
+        results = (RunDir(where).eval_dir / "results.json").read_bytes()
+        state.data["runs"][where.name]["evaluated"] = {"eval": now, "results_sha256": results_digest(results)}
         state.save()
 
 
@@ -425,7 +491,7 @@ def extend(
     state.data["tokens_per_run"] = chosen * cfg.train.global_batch * cfg.data.seq_len
     state.save()
     train_runs(exp, state, chosen)
-    evaluate_runs(exp, state)
+    evaluate_runs(exp, state, chosen)
     report_dir = exp.out / REPORT_DIR
     say("report", f"{len(exp.runs())} runs into {report_dir}")
     report = write_report([exp.run_dir(m, s) for m, s in exp.runs()], report_dir, exp.checkpoints)
