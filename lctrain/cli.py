@@ -72,7 +72,7 @@ SetOpt = Annotated[
 
 def user_errors(fn):
     """Turn a UserError or an environment failure (full disk, permissions) into one line on stderr and exit code 2;
-    Ctrl-C into "interrupted" and exit 130 (SIGTERM: 143)."""
+    Ctrl-C into "interrupted" and exit 130 (SIGTERM: 143, and a training that stopped at a checkpoint says which)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -85,7 +85,7 @@ def user_errors(fn):
             # once: a supervising lctrain command says it, and under a launcher the user started (torchrun, srun)
             # rank 0 alone
             if not is_supervised() and os.environ.get("RANK", "0") == "0":
-                typer.echo("interrupted", err=True)
+                typer.echo(str(e) or "interrupted", err=True)
             raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
         except (OSError, RuntimeError) as e:
             message = environment_error_message(e)

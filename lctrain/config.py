@@ -542,6 +542,13 @@ class CheckpointConfig(_Section):
         50, ge=0, description="the steps, counted back from the last, that hold evaluation checkpoints; 0 = none"
     )
     save_final: bool = Field(True, description="a resume checkpoint after the last step (off for throughput runs)")
+    on_sigterm: bool = Field(
+        True,
+        description="on SIGTERM (a scheduler's time limit or preemption), finish the step under way, write a resume "
+        "checkpoint of it and stop (exit code 143), so that a resume loses nothing; false: stop at once, as Ctrl-C "
+        "does. A launcher you start gives its ranks its own grace (torchrun's and DeepSpeed's: 30 s after they are "
+        "signalled): docs/cluster.md",
+    )
 
 
 class ProfileConfig(_Section):

@@ -12,6 +12,8 @@ way Ctrl-C does.
   handler can see; the orphaned launcher then exits too, having no workers left).
 - `terminate_as_interrupt`: SIGTERM raises `Terminated` (a KeyboardInterrupt) in the main thread, so cleanup runs
   exactly as for Ctrl-C.
+- `StopRequest`: while a loop runs, SIGTERM asks it to stop at its next boundary instead (training writes a checkpoint
+  there), and `supervise(..., on_terminate=...)` passes such a request on to the workers instead of killing them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -49,6 +52,30 @@ def terminate_as_interrupt() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_terminated)
+
+
+class StopRequest:
+    """While entered (in the main thread), SIGTERM sets `requested` instead of raising: the loop that polls it stops at
+    its next boundary, where its work can be kept (a scheduler's time limit or preemption then costs nothing since the
+    last checkpoint). Further SIGTERMs are the same request: a scheduler signals every process of a job, and the
+    launchers pass it on again. Ctrl-C still stops at once. On exit the previous handler is back."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._request)
+        return self
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 class RunLock:
@@ -214,17 +241,52 @@ def _signal(p: psutil.Process, sig: int) -> None:
         pass
 
 
-def supervise(cmd: list[str], env: dict, grace_s: float = 10.0, stderr: Path | None = None) -> int:
+def supervise(
+    cmd: list[str],
+    env: dict,
+    grace_s: float = 10.0,
+    stderr: Path | None = None,
+    on_terminate: Callable[[psutil.Process], None] | None = None,
+) -> int:
     """Run `cmd` (a launcher) to completion and return its exit code; `stderr`: a file that takes its standard error
     (appended). Ctrl-C or SIGTERM to this process stops the whole tree under it and re-raises here as
-    KeyboardInterrupt / Terminated."""
+    KeyboardInterrupt / Terminated.
+
+    With `on_terminate`, SIGTERM is a request instead: `on_terminate(launcher)` passes it on (to the workers, whose
+    `StopRequest` stops them at a boundary where their work is kept), and this waits for the tree to end by itself,
+    however long that takes, before re-raising `Terminated`; further SIGTERMs are ignored, Ctrl-C stops it at once.
+    The launcher itself starts with SIGTERM ignored (a scheduler signals every process of the job: a launcher's own
+    handling kills its workers 30 s later: torchrun's unless its `cmd` says otherwise, see `launch.worker_command`)."""
     env = {**env, SUPERVISOR_ENV: supervisor_token()}
     # Its own session: a terminal's Ctrl-C reaches only us, and we decide how the tree ends.
     with open(stderr, "ab") if stderr is not None else contextlib.nullcontext() as err:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=err)
+        proc = subprocess.Popen(
+            cmd, env=env, start_new_session=True, stderr=err, preexec_fn=_ignore_sigterm if on_terminate else None
+        )
     try:
         return proc.wait()
+    except Terminated as stop:
+        if on_terminate is None:
+            _stop_tree(psutil.Process(proc.pid), grace_s)
+            proc.wait()
+            raise
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                on_terminate(psutil.Process(proc.pid))
+            proc.wait()
+        except KeyboardInterrupt:
+            _stop_tree(psutil.Process(proc.pid), grace_s)
+            proc.wait()
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        raise stop
     except KeyboardInterrupt:
         _stop_tree(psutil.Process(proc.pid), grace_s)
         proc.wait()
         raise
+
+
+def _ignore_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,7 +1,8 @@
 """`lctrain train` with a fault injected: the process SIGKILLs itself once DeepSpeed has written the files of step
-STEP's resume checkpoint, before the checkpoint is complete (the case "killed inside a checkpoint write").
+STEP's resume checkpoint, before the checkpoint is complete (the case "killed inside a checkpoint write"); with
+`--signal TERM`, it sends itself that signal instead (a scheduler's SIGTERM arriving during the write).
 
-    python tests/kill_in_checkpoint.py STEP [--set key=value ...]
+    python tests/kill_in_checkpoint.py STEP [--signal NAME] [--set key=value ...]
 """
 
 import os
@@ -14,13 +15,19 @@ from lctrain.train.command import train
 
 def main(argv: list[str]) -> None:
     step = int(argv[0])
-    overrides = [value for flag, value in zip(argv[1::2], argv[2::2]) if flag == "--set"]
+    options = list(zip(argv[1::2], argv[2::2]))
+    overrides = [value for flag, value in options if flag == "--set"]
+    sig = next((signal.Signals[f"SIG{value}"] for flag, value in options if flag == "--signal"), signal.SIGKILL)
 
     def kill(at: int) -> None:
         if at == step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
 
-    train(load_config(None, overrides), before_checkpoint_complete=kill)
+    try:
+        train(load_config(None, overrides), before_checkpoint_complete=kill)
+    except KeyboardInterrupt as e:  # as the command line ends it: its words on stderr, 143
+        print(e, file=sys.stderr)
+        sys.exit(143)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from train_helpers import clean_env, set_args, two_tokenizer_workers
 from lctrain.cli import main
 from lctrain.data import shipped_text
 from lctrain.errors import UserError
-from lctrain.lifetime import SUPERVISOR_ENV, RunLock, Terminated, is_alive, supervisor_token
+from lctrain.lifetime import SUPERVISOR_ENV, RunLock, StopRequest, Terminated, is_alive, supervisor_token
 from lctrain.rundir import RunDir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,6 +126,28 @@ def test_an_interrupted_command_says_so_once_whoever_started_it(monkeypatch, cap
     assert capsys.readouterr().err == ("" if supervised or rank == "1" else "interrupted\n")
 
 
+def test_a_stop_request_takes_sigterms_as_one_request_and_gives_the_handler_back():
+    def before(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, before)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored in a background test run
+    try:
+        with StopRequest() as stop:
+            assert not stop.requested
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's, and the launcher's again: no raise
+            assert stop.requested
+            with pytest.raises(KeyboardInterrupt):  # Ctrl-C still stops at once
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGTERM) is before
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+
+
 def test_is_alive_sees_running_zombie_reaped_and_reused_processes():
     assert is_alive(os.getpid()) and is_alive(psutil.Process())
     child = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -152,8 +174,7 @@ def start_sp2_run(data_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, list
 
 
 @pytest.mark.slow  # over 20 s on 2 cores: make test-slow
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["kill", "ctrl-c"])
-def test_multiprocess_run_is_locked_and_a_signal_stops_every_process_quietly(data_dir, tmp_path, sig, code):
+def test_multiprocess_run_is_locked_and_ctrl_c_stops_every_process_quietly(data_dir, tmp_path):
     run_dir = tmp_path / "sp2"
     proc, tree, args = start_sp2_run(data_dir, run_dir)
 
@@ -162,10 +183,39 @@ def test_multiprocess_run_is_locked_and_a_signal_stops_every_process_quietly(dat
         assert other.returncode == 2
         assert other.stderr.strip().splitlines()[-1].startswith(f"error: {run_dir} is being trained by pid {proc.pid}")
 
-    proc.send_signal(sig)
-    assert proc.wait(timeout=60) == code
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
     err = proc.stderr.read()
     assert err.count("interrupted") == 1 and "Traceback" not in err, err[-3000:]
+    assert not survivors(tree)
+
+
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
+@pytest.mark.parametrize("to", ["the command", "every process", "one rank"])
+def test_multiprocess_run_stops_on_sigterm_at_a_checkpoint_of_the_last_step(data_dir, tmp_path, to):
+    """SIGTERM to `lctrain train` (kill), to every process of the job at once (a SLURM time limit or preemption:
+    the launcher too, whose own handling would kill the ranks 30 s later), or to one rank: the ranks agree to stop
+    after the same step, write its checkpoint and end; one line says where, and nothing is left running."""
+    run_dir = tmp_path / "sp2"
+    proc, tree, _ = start_sp2_run(data_dir, run_dir)
+    targets = {
+        "the command": [psutil.Process(proc.pid)],
+        "every process": [psutil.Process(proc.pid), *tree],
+        "one rank": [p for p in tree if "lctrain.parallel.rank" in p.cmdline() and p.environ().get("RANK") == "1"],
+    }[to]
+    assert targets
+    for p in targets:
+        p.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    err = proc.stderr.read()
+    assert "Traceback" not in err and "interrupted" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    step = len(RunDir(run_dir).read_metrics())
+    assert last == (
+        f"stopped by SIGTERM after step {step} of 500, checkpoint step_{step} written; 'lctrain resume "
+        f"{run_dir}' continues from it"
+    ), err[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
     assert not survivors(tree)
 
 

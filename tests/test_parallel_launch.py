@@ -81,7 +81,7 @@ def test_a_launcher_that_starts_no_rank_is_named_with_its_last_error(tmp_path, m
     from lctrain.parallel import launch
 
     failing = "import sys; print(\"RuntimeError: launcher 'pdsh' not installed.\", file=sys.stderr); sys.exit(1)"
-    monkeypatch.setattr(launch, "worker_command", lambda cfg, worker: [sys.executable, "-c", failing])
+    monkeypatch.setattr(launch, "worker_command", lambda cfg, worker, *stop: [sys.executable, "-c", failing])
     with pytest.raises(launch.RanksFailed):
         launch.run_on_ranks(load_config(None, ["parallel.nproc_per_node=2"]), "x:y", {}, tmp_path)
     line = capsys.readouterr().err.strip().splitlines()[-1]

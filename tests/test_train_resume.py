@@ -186,6 +186,57 @@ def test_sigkill_inside_a_checkpoint_write_then_resume_matches(reference, workdi
     assert_same_end(run_dir, reference)
 
 
+def stopped_by_sigterm(proc: subprocess.Popen) -> int:
+    """The step a run stopped at on SIGTERM, from its last words (exit code 143, no traceback)."""
+    assert proc.wait(timeout=180) == 143
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err, err[-3000:]
+    said = re.fullmatch(
+        r"stopped by SIGTERM after step (\d+) of 8, checkpoint step_\1 written; "
+        r"'lctrain resume (.+)' continues from it",
+        err.strip().splitlines()[-1],
+    )
+    assert said is not None, err[-3000:]
+    return int(said.group(1))
+
+
+def test_sigterm_stops_after_the_step_under_way_with_a_checkpoint_of_it_and_resume_matches(reference, workdir):
+    """A scheduler's time limit or preemption costs no step: the run ends at a step boundary with a checkpoint there,
+    whether or not one was due (odd steps are not, with checkpoint.every_steps=2)."""
+    run_dir = workdir / "sigterm"
+    proc = start_cli_train(workdir, run_dir)
+    metrics = RunDir(run_dir).metrics_file
+    deadline = time.time() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    step = stopped_by_sigterm(proc)
+    assert 3 <= step < STEPS and len(metric_records(run_dir)) == step
+    assert ckpt.latest_checkpoint(RunDir(run_dir)).name == step_name(step)
+    assert ckpt.read_state(ckpt.latest_checkpoint(RunDir(run_dir)))["step"] == step
+    result = CliRunner().invoke(app, ["resume", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert_same_end(run_dir, reference)
+
+
+@pytest.mark.slow  # the same stop, with the signal during a scheduled checkpoint's write
+def test_sigterm_inside_a_checkpoint_write_finishes_it_and_stops_there(reference, workdir):
+    run_dir = workdir / "sigterm_in_checkpoint"
+    proc = subprocess.Popen(
+        killed_in_checkpoint_command(overrides, workdir, run_dir, 4) + ["--signal", "TERM"],
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert stopped_by_sigterm(proc) == 4
+    root = RunDir(run_dir).checkpoints
+    assert sorted(p.name for p in root.iterdir()) == [ckpt.LATEST, step_name(2), step_name(4)]
+    result = CliRunner().invoke(app, ["resume", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert_same_end(run_dir, reference)
+
+
 def _empty_state(path: Path) -> None:
     (path / ckpt.STATE_FILE).write_text("")
 

@@ -40,6 +40,9 @@ def main() -> None:
     args, _ = parser.parse_known_args()  # DeepSpeed's launcher adds --local_rank: the rank reads it
     rank = int(os.environ.get("RANK", "0"))
     launcher = psutil.Process(os.getppid())
+    # The rank starts with SIGTERM's default whatever the launcher's (`supervise` starts one ignoring it): a rank that
+    # has not installed its own handling yet ends on it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     child = subprocess.Popen([sys.executable, "-m", RANK_MODULE, *sys.argv[1:]])
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))

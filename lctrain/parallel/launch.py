@@ -4,7 +4,8 @@
 calls `function(request)` and rank 0's return value comes back as `Finished(result)`. The ranks report through files
 in `workdir` (shared by every node, as a run directory is), so the caller gets typed outcomes instead of exit codes:
 an out-of-memory on any rank is `OutOfMemory`, a rank's UserError is raised here as that UserError, anything else is
-`RanksFailed` with the launcher's exit code. A process killed from outside (a rank SIGKILLed by the out-of-memory
+`RanksFailed` with the launcher's exit code, and ranks that stopped on a SIGTERM (`stop_on_sigterm`) `Terminated`
+with rank 0's words. A process killed from outside (a rank SIGKILLed by the out-of-memory
 killer, the launcher itself) is `ProcessKilled`, one line naming it and the signal: `lctrain.parallel.guard`, the
 parent of every rank, records how its rank ended. The launcher's own standard error (torch elastic's multi-line
 report, DeepSpeed's log) goes to `WORKDIR/launcher.log`, with the ranks' standard error. This module knows none of
@@ -12,16 +13,19 @@ its callers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from lctrain.config import Config, check_on_this_machine
 from lctrain.errors import UserError
-from lctrain.lifetime import CRASH_SIGNALS, death_of, signal_name, supervise
+from lctrain.lifetime import CRASH_SIGNALS, Terminated, death_of, signal_name, supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 from lctrain.parallel.guard import EXIT_PREFIX
 
@@ -35,8 +39,14 @@ def launcher_env() -> dict:
     return env
 
 
-def worker_command(cfg: Config, worker: list[str]) -> list[str]:
-    """The launcher command that runs `python -m <worker...>` on every process of `cfg`'s layout."""
+# What torchrun handles without SIGTERM: on SIGTERM it would SIGTERM its workers and SIGKILL them 30 s later, cutting
+# short the checkpoint they stop to write (`supervise` starts it with SIGTERM ignored instead).
+TORCHRUN_SIGNALS_BUT_SIGTERM = "SIGINT,SIGHUP,SIGQUIT"
+
+
+def worker_command(cfg: Config, worker: list[str], stop_on_sigterm: bool = False) -> list[str]:
+    """The launcher command that runs `python -m <worker...>` on every process of `cfg`'s layout; `stop_on_sigterm`:
+    torchrun leaves SIGTERM to the workers."""
     p = cfg.parallel
     if p.launcher == "torchrun":
         if p.num_nodes > 1:
@@ -58,6 +68,7 @@ def worker_command(cfg: Config, worker: list[str]) -> list[str]:
             "127.0.0.1",
             "--master_port",
             str(free_port()),
+            *(["--signals-to-handle", TORCHRUN_SIGNALS_BUT_SIGTERM] if stop_on_sigterm else []),
             "-m",
         ] + worker
     # The runner logs every spawned command at info level among the training lines; on one node its one warning is
@@ -96,6 +107,7 @@ LAUNCHER_LOG = "launcher.log"
 REQUEST_FILE = "ranks.request.json"
 RESULT_FILE = "ranks.result.json"
 FAILURE_PREFIX = "ranks.failure."  # + rank + ".json", written by a rank that ended in a failure it can name
+STOPPED = "stopped"  # the kind of failure record of a rank that stopped on request (`Terminated`)
 
 
 @dataclass(frozen=True)
@@ -141,10 +153,14 @@ def failure_file(workdir: Path, rank: int) -> Path:
     return workdir / f"{FAILURE_PREFIX}{rank}.json"
 
 
-def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path) -> Finished | OutOfMemory:
+def run_on_ranks(
+    cfg: Config, function: str, request: dict, workdir: str | Path, *, stop_on_sigterm: bool = False
+) -> Finished | OutOfMemory:
     """Call `function(request)` ("package.module:function", importable by every rank; `request` JSON-able) on every
     process of `cfg`'s layout and wait. Ctrl-C or SIGTERM stops them all (lifetime.supervise); a kill of this process
-    ends them too (the ranks exit with their supervisor)."""
+    ends them too (the ranks exit with their supervisor). With `stop_on_sigterm`, a SIGTERM is passed to the ranks
+    instead, which stop where `function` polls its `lifetime.StopRequest` (and raise `Terminated`); this returns
+    when they have, raising `Terminated` with what rank 0 said."""
     check_on_this_machine(cfg, torch.cuda.is_available())
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -153,13 +169,23 @@ def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path)
     for path in stale:
         path.unlink(missing_ok=True)
     (workdir / REQUEST_FILE).write_text(json.dumps({"function": function, "request": request}))
-    cmd = worker_command(cfg, [GUARD_MODULE, str(workdir.resolve())])
-    rc = supervise(cmd, env=launcher_env(), stderr=log)
+    cmd = worker_command(cfg, [GUARD_MODULE, str(workdir.resolve())], stop_on_sigterm)
+    try:
+        rc = supervise(
+            cmd,
+            env=launcher_env(),
+            stderr=log,
+            on_terminate=_pass_sigterm_to_ranks if stop_on_sigterm else None,
+        )
+    except Terminated:
+        raise Terminated(_stopped_words(workdir)) from None
     if rc == 0:
         return Finished(json.loads((workdir / RESULT_FILE).read_text())["result"])
     if rc < 0:  # the launcher itself; its ranks end with it (their guards stop them)
         raise ProcessKilled(f"the launcher ({cfg.parallel.launcher})", signal_name(-rc), log)
     failures = {f["rank"]: f for f in _records(workdir, FAILURE_PREFIX)}
+    if any(f["kind"] == STOPPED for f in failures.values()):  # a SIGTERM sent to the ranks alone
+        raise Terminated(_stopped_words(workdir))
     oom = next((f for _, f in sorted(failures.items()) if f["kind"] == "out_of_memory"), None)
     if oom is not None:
         return OutOfMemory(rank=oom["rank"], message=oom["message"])
@@ -184,6 +210,21 @@ def run_on_ranks(cfg: Config, function: str, request: dict, workdir: str | Path)
         cause = f": {cause}" if cause else ""
     print(f"error: {who} failed (exit code {rc}){cause}; the launcher's report is in {log}", file=sys.stderr)
     raise RanksFailed(rc)
+
+
+def _pass_sigterm_to_ranks(launcher: psutil.Process) -> None:
+    """SIGTERM to the guards of this host's ranks, which pass it to their rank: a rank's request stops them all (they
+    agree at the step's end), so the ranks of other hosts need none."""
+    for p in launcher.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if GUARD_MODULE in p.cmdline():
+                p.send_signal(signal.SIGTERM)
+
+
+def _stopped_words(workdir: Path) -> str:
+    """What rank 0 said when it stopped on a SIGTERM (`Terminated`'s message), else "" (it did not get that far)."""
+    said = [f["message"] for f in _records(workdir, FAILURE_PREFIX) if f["kind"] == STOPPED and f["rank"] == 0]
+    return said[0] if said else ""
 
 
 def last_error_line(log: Path) -> str:

@@ -10,6 +10,7 @@ import faulthandler
 import importlib
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -18,9 +19,9 @@ import torch
 
 from lctrain.compat.deepspeed import quiet_cpu_fallback_notice
 from lctrain.errors import UserError, environment_error_message
-from lctrain.lifetime import exit_with_parent, exit_with_supervisor
+from lctrain.lifetime import Terminated, exit_with_parent, exit_with_supervisor
 from lctrain.parallel.groups import end_process_groups
-from lctrain.parallel.launch import REQUEST_FILE, RESULT_FILE, failure_file
+from lctrain.parallel.launch import REQUEST_FILE, RESULT_FILE, STOPPED, failure_file
 
 # PyTorch's CPU allocator reports a failed allocation as a plain RuntimeError with this text.
 _CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     spec = json.loads((args.workdir / REQUEST_FILE).read_text())
     try:
         result = resolve(spec["function"])(spec["request"])
+    except Terminated as e:  # stopped on request where its work is kept (lifetime.StopRequest)
+        report_failure(args.workdir, rank, STOPPED, str(e))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
     except Exception as e:
         if is_out_of_memory(e):
             report_failure(args.workdir, rank, "out_of_memory", " ".join(str(e).split()))

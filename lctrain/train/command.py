@@ -28,7 +28,7 @@ from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError, first_and_more
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
-from lctrain.parallel.launch import OutOfMemory, ProcessKilled, run_on_ranks
+from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import check_matches_model
@@ -188,8 +188,17 @@ def _start(
         if before_checkpoint_complete is not None:
             raise ValueError("fault injection reaches only a run in this process, not launched workers")
         request = {"run_dir": str(rd.path.resolve()), "resume": resuming}
+        layout = prepared.plan.layout
+        # the ranks' start-up (imports, process groups, the model on every rank) is silent and can take minutes
+        print(
+            f"starting {layout.world} processes under {cfg.parallel.launcher} (its log: "
+            f"{rd.ranks_dir / LAUNCHER_LOG}); the run's banner follows once every rank has built the model",
+            flush=True,
+        )
         try:
-            outcome = run_on_ranks(cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir)
+            outcome = run_on_ranks(
+                cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir, stop_on_sigterm=cfg.checkpoint.on_sigterm
+            )
         except ProcessKilled as e:
             raise UserError(f"{e.what}; 'lctrain resume {rd.path}' continues from the last checkpoint") from None
         if isinstance(outcome, OutOfMemory):

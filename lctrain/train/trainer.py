@@ -42,6 +42,7 @@ from lctrain.costmodel import (
 )
 from lctrain.errors import UserError, WriteFailed
 from lctrain.hardware import device_peak_flops
+from lctrain.lifetime import StopRequest, Terminated
 from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.memory import need, plan_memory
 from lctrain.model import build_model, write_model_changes
@@ -374,27 +375,59 @@ class Trainer:
         peak = device_peak_flops(topo.device, cfg.logging.peak_tflops, cfg.model.dtype)
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
         profiler = self.step_profiler()
+        stop = StopRequest() if cfg.checkpoint.on_sigterm else None
         try:
-            for step_index in range(self.state.step, total):
-                mem_scope = reset_peak(topo.device)
-                profiler.before(step_index)
-                result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
-                profiler.after(step_index)
-                check_finite(result, step_index, cfg, self.run_dir)
-                self.state.step = step_index + 1
-                if logger is not None:
-                    record = self.metrics(step_index, result, seconds, peak, mem_scope)
-                    logger.log({**record, "profiled": profiler.slowed(step_index)})
-                if profiler.finished(step_index) and topo.is_main:  # after the step's own line
-                    print(profile_line(profiler.out, cfg.logging.profile.ranks, profiler.top), flush=True)
-                if self.state.step in hf_steps:
-                    self.export_hf()
-                if resume_checkpoint_due(self.state.step, total, cfg.checkpoint):
-                    self.save_checkpoint()
+            with stop or contextlib.nullcontext():
+                self._steps(packed, hf_steps, peak, logger, profiler, stop)
         finally:
             profiler.close()
             if logger is not None:
                 logger.close()
+
+    def _steps(
+        self,
+        packed,
+        hf_steps: set[int],
+        peak: float | None,
+        logger: StepLogger | None,
+        profiler: StepProfiler,
+        stop: StopRequest | None,
+    ) -> None:
+        """`fit`'s loop; on a `stop` request, the run ends after the step under way with a checkpoint of it."""
+        cfg, topo = self.cfg, self.topo
+        total = cfg.train.steps
+        for step_index in range(self.state.step, total):
+            mem_scope = reset_peak(topo.device)
+            profiler.before(step_index)
+            result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
+            profiler.after(step_index)
+            check_finite(result, step_index, cfg, self.run_dir)
+            self.state.step = step_index + 1
+            if logger is not None:
+                record = self.metrics(step_index, result, seconds, peak, mem_scope)
+                logger.log({**record, "profiled": profiler.slowed(step_index)})
+            if profiler.finished(step_index) and topo.is_main:  # after the step's own line
+                print(profile_line(profiler.out, cfg.logging.profile.ranks, profiler.top), flush=True)
+            if self.state.step in hf_steps:
+                self.export_hf()
+            saved = resume_checkpoint_due(self.state.step, total, cfg.checkpoint)
+            if saved:
+                self.save_checkpoint()
+            if stop is not None and self.state.step < total and self.stop_agreed(stop):
+                if not saved:
+                    self.save_checkpoint()
+                raise Terminated(
+                    f"stopped by SIGTERM after step {self.state.step} of {total}, checkpoint "
+                    f"{self.run_dir.checkpoint(self.state.step).name} written; 'lctrain resume "
+                    f"{self.run_dir}' continues from it"
+                )
+
+    def stop_agreed(self, stop: StopRequest) -> bool:
+        """Whether any rank was asked to stop (every rank decides alike: one all-reduce at the step's end, where a
+        checkpoint holds exactly the steps taken)."""
+        asked = torch.tensor([1.0 if stop.requested else 0.0], device=self.topo.device)
+        dist.all_reduce(asked, op=dist.ReduceOp.MAX)
+        return asked.item() > 0
 
     def step_profiler(self) -> StepProfiler:
         """`logging.profile` on this rank: which steps the run profiles (none where they are behind a resumed
