@@ -237,6 +237,36 @@ def test_sigterm_inside_a_checkpoint_write_finishes_it_and_stops_there(reference
     assert_same_end(run_dir, reference)
 
 
+def test_resume_refuses_a_dataset_rebuilt_with_other_windows(reference, workdir):
+    """`prepare --force` after the corpus changed rebuilds the dataset under the same data fingerprint: the checkpoint
+    knows the windows it was trained on (their number and the shards' checksums) and refuses the others."""
+    from lctrain.data.store import open_packed
+    from lctrain.train.command import check_same_dataset
+
+    cfg = load_config(None, overrides(workdir / "data", reference))
+    manifest = open_packed(workdir / "data").manifest
+    state = ckpt.read_state(ckpt.latest_checkpoint(RunDir(reference)))
+    check_same_dataset(cfg, state, manifest, "step_8")  # the dataset it trained on
+    check_same_dataset(cfg, {k: v for k, v in state.items() if k != "dataset"}, manifest, "step_8")  # an older run's
+    first = manifest.shards[0]
+    other_content = manifest.model_copy(
+        update={"shards": [first.model_copy(update={"checksum": "xxh3_128:" + "0" * 32}), *manifest.shards[1:]]}
+    )
+    with pytest.raises(
+        UserError,
+        match=rf"the prepared dataset changed since checkpoint step_8 \(the same {manifest.num_windows} windows, "
+        "with other content",
+    ):
+        check_same_dataset(cfg, state, other_content, "step_8")
+    more = manifest.model_copy(update={"num_windows": manifest.num_windows + 25})
+    with pytest.raises(
+        UserError,
+        match=rf"\(it had {manifest.num_windows} windows, now {manifest.num_windows + 25}, rebuilt from other "
+        r"input\); resuming would read other windows",
+    ):
+        check_same_dataset(cfg, state, more, "step_8")
+
+
 def _empty_state(path: Path) -> None:
     (path / ckpt.STATE_FILE).write_text("")
 

@@ -17,6 +17,7 @@ from lctrain import fused
 from lctrain.config import (
     Config,
     check_on_this_machine,
+    data_dir,
     parse_override,
     reread_warning,
     settings,
@@ -34,6 +35,7 @@ from lctrain.rundir import RunDir
 from lctrain.tokenizer import check_matches_model
 from lctrain.train import checkpoint as ckpt
 from lctrain.train import reshard
+from lctrain.train.data import dataset_change, dataset_record
 from lctrain.train.metrics import import_wandb, tensorboard_writer_class
 from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.trainer import CheckpointHook, run
@@ -133,6 +135,7 @@ def resume(
         if leader:
             check_resumable(cfg, states[0][1], f"{rd.config_file}", states[0][0].name)
             prepared = preflight(cfg)
+            check_same_dataset(cfg, states[0][1], prepared.packed.manifest, states[0][0].name)
             if overrides:
                 rd.write_config(cfg)  # what launched ranks and later resumes read
             _convert_for_layout(cfg, states)
@@ -252,6 +255,19 @@ def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> N
             f"'lctrain train --config {source} --force'"
         )
     reshard.check_reshardable(saved, settings(cfg), source, checkpoint)
+
+
+def check_same_dataset(cfg: Config, state: dict, manifest, checkpoint: str) -> None:
+    """Refuse to resume on a prepared dataset other than the checkpoint's: its windows, in an order that depends on
+    their number, would be read from the checkpoint's step on as if they were the same (some twice, some never). A
+    `prepare --force` after the corpus changed rebuilds the directory under the same data fingerprint."""
+    change = dataset_change(state.get("dataset"), dataset_record(manifest))
+    if change is not None:
+        raise UserError(
+            f"{data_dir(cfg)}: the prepared dataset changed since checkpoint {checkpoint} ({change}, rebuilt from "
+            f"other input); resuming would read other windows than the run's. Restore the dataset the run trained "
+            f"on, or start over on this one with 'lctrain train --config {cfg.source_file} --force'"
+        )
 
 
 def _leader() -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lctrain.checksums import digest
 from lctrain.config import DEFAULT_CONFIG, Config, bundled_config_dir, data_dir, data_fingerprint
 from lctrain.data.store import MANIFEST, open_packed
 from lctrain.errors import UserError
@@ -49,6 +50,24 @@ _RECORDED = (
     "down_sample_ratio",
     "seed",
 )
+
+
+def dataset_record(manifest) -> dict:
+    """What identifies the windows a run reads, for its checkpoints: their number (with the seed, the order: see the
+    module's docstring) and their content (the shards' checksums). A rebuild from other input files keeps the data
+    fingerprint, which holds the settings only, and changes this."""
+    content = digest("".join(shard.checksum for shard in manifest.shards).encode())
+    return {"windows": manifest.num_windows, "content": content}
+
+
+def dataset_change(recorded: dict | None, now: dict) -> str | None:
+    """How the dataset differs from the one a checkpoint `recorded` (None: the same, or a checkpoint from before
+    datasets were recorded)."""
+    if recorded is None or recorded == now:
+        return None
+    if recorded["windows"] != now["windows"]:
+        return f"it had {recorded['windows']:,} windows, now {now['windows']:,}"
+    return f"the same {now['windows']:,} windows, with other content ({recorded['content']} -> {now['content']})"
 
 
 def open_checked(cfg: Config):

@@ -53,7 +53,7 @@ from lctrain.profiling import ProfiledSteps, StepProfiler
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer, resolve_anchor, write_anchor
 from lctrain.train import checkpoint as ckpt
-from lctrain.train.data import collate
+from lctrain.train.data import collate, dataset_record
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
 from lctrain.train.loss import CausalLMLossSum
 from lctrain.train.metrics import StepLogger, quiet_libraries
@@ -99,11 +99,13 @@ class TrainState:
     step: int = 0
     wandb_id: str = field(default_factory=_new_wandb_id)
 
-    def record(self, cfg: Config, layout: ParallelLayout) -> dict:
-        """The checkpoint's trainer_state.json: this state, plus what `resume` checks the config against."""
+    def record(self, cfg: Config, layout: ParallelLayout, dataset: dict) -> dict:
+        """The checkpoint's trainer_state.json: this state, plus what `resume` checks the config and the prepared
+        dataset (`train.data.dataset_record`) against."""
         return {
             "step": self.step,
             "windows_consumed": self.step * cfg.train.global_batch,
+            "dataset": dataset,
             "config_fingerprint": config_fingerprint(cfg),
             "world_size": layout.world,
             "sp": layout.sp,
@@ -194,6 +196,7 @@ class Trainer:
         self.anchor = resolve_anchor(tokenizer, cfg.data.anchor, cfg.data.tokenizer) if tokenizer is not None else None
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
+        self.dataset: dict | None = None  # `fit`'s prepared dataset (`dataset_record`), for its checkpoints
         ds_config = deepspeed_config(cfg, plan, gpu=topo.device.type == "cuda")
         hf_ds_config = None
         if cfg.parallel.zero_stage == 3 and cfg.model.name_or_path:
@@ -371,6 +374,7 @@ class Trainer:
         """Train from `state.step` to `train.steps`, logging every step and writing the scheduled checkpoints."""
         cfg, topo = self.cfg, self.topo
         total = cfg.train.steps
+        self.dataset = dataset_record(packed.manifest)
         hf_steps = set(hf_checkpoint_steps(total, cfg.checkpoint))
         peak = device_peak_flops(topo.device, cfg.logging.peak_tflops, cfg.model.dtype)
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
@@ -470,7 +474,7 @@ class Trainer:
                 self.engine,
                 self.run_dir,
                 self.state.step,
-                self.state.record(self.cfg, self.layout),
+                self.state.record(self.cfg, self.layout, self.dataset),
                 rank=self.topo.rank,
                 keep=self.cfg.checkpoint.keep,
                 before_complete=self.before_checkpoint_complete,
