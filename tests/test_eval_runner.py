@@ -390,11 +390,61 @@ def test_an_interrupted_evaluation_leaves_the_earlier_results_and_predictions_as
     out, _ = evaluated
     before = {name: (out / name).read_bytes() for name in ("results.json", "predictions.jsonl")}
 
-    def stopped_mid_way(tgt, suite, tokenizer, encoder, device, heldout, predictions_path, backend="hf"):
-        predictions_path.write_text('{"checkpoint": "step_2"}\n')
+    def stopped_mid_way(tgt, suite, tokenizer, encoder, device, heldout, kept, backend="hf"):
+        kept.predictions.write_text('{"checkpoint": "step_2"}\n')
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "score_checkpoints", stopped_mid_way)
     with pytest.raises(KeyboardInterrupt):
         evaluate(resolve_target(out.parent), lengths=[512], tasks=["vt"], samples=3)
     assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_an_interrupted_evaluation_resumes_with_what_it_had_and_ends_as_an_uninterrupted_one(
+    run_dir, tmp_path, monkeypatch, capsys
+):
+    """Stopped at its third answer (the first checkpoint's two answers and its perplexity made), an evaluation run
+    again under the same settings makes only the rest (the first checkpoint is not even loaded) and writes what an
+    uninterrupted one writes; under other settings it starts over."""
+    from lctrain.eval import runner
+
+    args = dict(lengths=[512], tasks=["vt", "fwe"], samples=1)
+    whole = evaluate(resolve_target(run_dir), out=tmp_path / "whole", **args)
+    answers, calls = runner._hf_answers, []
+
+    def stops_at_the_third(*a):
+        answer = answers(*a)
+
+        def counted(batch):  # one sample per batch here: one task at one length
+            calls.append(batch)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return answer(batch)
+
+        return counted
+
+    monkeypatch.setattr(runner, "_hf_answers", stops_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(resolve_target(run_dir), out=tmp_path / "cut", **args)
+    monkeypatch.setattr(runner, "_hf_answers", answers)
+    assert not (tmp_path / "cut" / "results.json").exists()
+    load, loaded = runner.load_model, []
+    monkeypatch.setattr(runner, "load_model", lambda path, device: loaded.append(path.name) or load(path, device))
+    capsys.readouterr()
+    cut = evaluate(resolve_target(run_dir), out=tmp_path / "cut", **args)
+    assert "2 answers and the perplexity of 1 checkpoint(s) kept" in capsys.readouterr().out
+    assert loaded == [f"step_{STEPS[1]}"]
+    read = lambda d: json.loads((d / "results.json").read_text())  # noqa: E731
+    for key in ("scores", "average", "perplexity", "overall"):
+        assert read(cut)[key] == read(whole)[key], key
+    assert (cut / "predictions.jsonl").read_text() == (whole / "predictions.jsonl").read_text()
+    assert not (cut / "eval.resume.json").exists() and not (cut / "predictions.jsonl.partial").exists()
+
+    monkeypatch.setattr(runner, "_hf_answers", stops_at_the_third)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(resolve_target(run_dir), out=tmp_path / "other", **args)
+    monkeypatch.setattr(runner, "_hf_answers", answers)
+    loaded.clear()
+    evaluate(resolve_target(run_dir), out=tmp_path / "other", **{**args, "samples": 2})  # other settings: all again
+    assert loaded == [f"step_{s}" for s in STEPS]

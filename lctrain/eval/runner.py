@@ -28,6 +28,7 @@ from lctrain.console import no_library_bars, plain_console
 from lctrain.errors import UserError
 from lctrain.eval import ruler
 from lctrain.eval import score as scoring
+from lctrain.eval.kept import Kept, checkpoint_files
 from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths, select_heldout
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
@@ -356,12 +357,14 @@ def _vllm_answers(generator, tokenizer, encoder):
 
 
 def score_checkpoints(
-    tgt: Target, suite: Suite, tokenizer, encoder, device: str, heldout, predictions_path: Path, backend: str = "hf"
+    tgt: Target, suite: Suite, tokenizer, encoder, device: str, heldout, kept: Kept, backend: str = "hf"
 ):
     """Greedy answers of every checkpoint to every sample: ({checkpoint: {task: {length: [metric]}}}, perplexity per
     checkpoint {checkpoint: {length: ppl}} at the suite's lengths that fit the held-out window and the window itself,
-    notes, how generation held its memory per checkpoint); every prediction goes to `predictions_path` as it is made.
-    `backend`: "hf" (the planned generation of lctrain.eval.generation) or "vllm"."""
+    notes, how generation held its memory per checkpoint); every prediction goes to `kept.predictions` as it is made,
+    and what an interrupted evaluation under the same settings left (`kept`) is used, not measured again: a
+    checkpoint with every answer and its perplexity kept is not even loaded. `backend`: "hf" (the planned generation
+    of lctrain.eval.generation) or "vllm"."""
     # transformers and eval.generation (torch) on use (start-up time)
     from transformers import AutoConfig
 
@@ -371,21 +374,28 @@ def score_checkpoints(
     ppl: dict[str, dict[int, float]] = {}
     notes: dict[str, str] = {}
     memory: dict[str, str] = {}
-    with predictions_path.open("w") as pred_file, counted_bar() as bar:
+    with kept.predictions.open("a") as pred_file, counted_bar() as bar:
         job = bar.add_task("evaluating", total=len(tgt.checkpoints) * sum(len(src) for src in suite.sources))
         for ckpt_name, ckpt_dir in tgt.checkpoints:
             bar.update(job, description=f"evaluating {ckpt_name}")
-            model = generator = cache = None
-            if backend == "vllm":
-                generator = VllmGenerator(ckpt_dir, suite.longest, tokenizer.eos_token_id)
-                memory[ckpt_name] = generator.describe()
-                answer = _vllm_answers(generator, tokenizer, encoder)
+            batches = [list(src) for src in suite.sources]  # one task file at a time: vLLM batches within it
+            fresh = [
+                [s for s in batch if (ckpt_name, s.task, s.length, s.index) not in kept.answers] for batch in batches
+            ]
+            model = generator = cache = answer = None
+            if any(fresh):
+                if backend == "vllm":
+                    generator = VllmGenerator(ckpt_dir, suite.longest, tokenizer.eos_token_id)
+                    memory[ckpt_name] = generator.describe()
+                    answer = _vllm_answers(generator, tokenizer, encoder)
+                else:
+                    model = load_model(ckpt_dir, device)
+                    plan = plan_for(model, suite.longest)  # stops here, before any answer, when the longest cannot fit
+                    memory[ckpt_name] = plan.describe()
+                    cache = planned_cache(model, plan)  # allocated (and page-locked) once for every sample
+                    answer = _hf_answers(model, tokenizer, encoder, plan, cache)
             else:
-                model = load_model(ckpt_dir, device)
-                plan = plan_for(model, suite.longest)  # stops here, before any answer, when the longest cannot fit
-                memory[ckpt_name] = plan.describe()
-                cache = planned_cache(model, plan)  # allocated (and page-locked) once for every sample
-                answer = _hf_answers(model, tokenizer, encoder, plan, cache)
+                memory[ckpt_name] = "every answer kept from the interrupted evaluation"
             model_config = model.config if model is not None else AutoConfig.from_pretrained(str(ckpt_dir))
             limit = getattr(model_config, "max_position_embeddings", None)
             if limit and suite.longest > limit:
@@ -393,35 +403,38 @@ def score_checkpoints(
                     f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation"
                 )
             table = per_sample.setdefault(ckpt_name, {})
-            for src in suite.sources:
-                batch = list(src)  # one task file at a time: vLLM batches within it, the HF path goes one by one
-                for s, pred in zip(batch, answer(batch)):
-                    value = scoring.sample_score(s.metric, s.answers, pred)
-                    table.setdefault(s.task, {}).setdefault(s.length, []).append(value)
-                    pred_file.write(
-                        json.dumps(
-                            {
-                                "checkpoint": ckpt_name,
-                                "task": s.task,
-                                "length": s.length,
-                                "index": s.index,
-                                "tokens": s.num_tokens,
-                                "answers": list(s.answers),
-                                "prediction": pred,
-                                "score": value,
-                            }
-                        )
-                        + "\n"
-                    )
+            for batch, todo in zip(batches, fresh):
+                made = dict(zip(((s.task, s.length, s.index) for s in todo), answer(todo))) if todo else {}
+                for s in batch:
+                    prediction = made.get((s.task, s.length, s.index))
+                    if prediction is not None:
+                        record = {
+                            "checkpoint": ckpt_name,
+                            "task": s.task,
+                            "length": s.length,
+                            "index": s.index,
+                            "tokens": s.num_tokens,
+                            "answers": list(s.answers),
+                            "prediction": prediction,
+                            "score": scoring.sample_score(s.metric, s.answers, prediction),
+                        }
+                        pred_file.write(json.dumps(record) + "\n")
+                        pred_file.flush()  # whole lines, for the next evaluation should this one be stopped
+                    else:
+                        record = kept.answers[(ckpt_name, s.task, s.length, s.index)]
+                    table.setdefault(s.task, {}).setdefault(s.length, []).append(record["score"])
                     bar.advance(job)
             if generator is not None:
                 generator.close()
             if cache is not None:
                 cache.close()
-            if heldout.rows:
+            if heldout.rows and ckpt_name in kept.perplexity:
+                ppl[ckpt_name] = kept.perplexity[ckpt_name]
+            elif heldout.rows:
                 model = model or load_model(ckpt_dir, device)
                 ppl_lengths = perplexity_lengths(heldout.window, suite.lengths)
                 ppl[ckpt_name] = perplexity_by_length(model, heldout.packed, heldout.rows, ppl_lengths)
+                kept.add_perplexity(ckpt_name, ppl[ckpt_name])
             del model, answer, cache  # the closure holds the model and cache too: all go before the next loads
     return per_sample, ppl, notes, memory
 
@@ -474,9 +487,28 @@ def evaluate(
         )
     heldout = select_heldout(tgt, ppl_data, tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    per_sample, ppl, notes, memory = score_checkpoints(
-        tgt, suite, tokenizer, encoder, dev, heldout, out_dir / PARTIAL_PREDICTIONS, backend
-    )
+    key = {
+        "target": str(tgt.path),
+        "checkpoints": [[name, checkpoint_files(path)] for name, path in tgt.checkpoints],
+        "suite": suite.label,
+        "task_set": names,
+        "lengths": suite.lengths,
+        "samples": samples,
+        "eval": {k: v for k, v in ev.model_dump(mode="json").items() if k not in ("tasks", "exclude", "lengths")},
+        "data": [str(data_dir) if data_dir else None, squad, hotpotqa, ppl_data],
+        "backend": backend,
+        "device": dev,
+        "anchor": anchor.record(),
+        "heldout": [str(heldout.path) if heldout.path else None, heldout.rows],
+    }
+    kept = Kept.read(out_dir, out_dir / PARTIAL_PREDICTIONS, key)
+    if kept.answers or kept.perplexity:
+        print(
+            f"resuming the interrupted evaluation in {out_dir}: {len(kept.answers)} answers and the perplexity of "
+            f"{len(kept.perplexity)} checkpoint(s) kept, made under the same settings",
+            flush=True,
+        )
+    per_sample, ppl, notes, memory = score_checkpoints(tgt, suite, tokenizer, encoder, dev, heldout, kept, backend)
     training = training_progress(tgt)
     if training and not training["finished"]:
         notes["unfinished run"] = (
@@ -538,6 +570,7 @@ def evaluate(
     partial_results.write_text(json.dumps(results, indent=2))
     (out_dir / PARTIAL_PREDICTIONS).replace(out_dir / "predictions.jsonl")
     partial_results.replace(out_dir / "results.json")
+    kept.finish()
     # reports.plots imports matplotlib: on use (start-up time)
     from lctrain.reports.plots import plot_ruler
 

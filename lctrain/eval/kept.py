@@ -1,0 +1,97 @@
+"""What an interrupted `lctrain eval` keeps for the next one: its answers and perplexities, under the same settings.
+
+An evaluation of several checkpoints at 64K-128K takes hours; a preemption or Ctrl-C should cost the answer under
+way, not the ones before. While it runs, every answer goes to `predictions.jsonl.partial` as it is made (runner.py)
+and `eval.resume.json` holds the settings it runs under (`key`: the suite, lengths, samples, seed, backend, device,
+anchor, the held-out windows, and each checkpoint's files) with the perplexities measured so far. A new evaluation
+under the same key reuses both (a line torn by the kill is dropped); under another key, or with no such file, it
+starts over. The completed evaluation renames the predictions and removes the state (runner.evaluate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATE = "eval.resume.json"
+
+AnswerKey = tuple[str, str, int, int]  # checkpoint, task, length, sample index
+
+
+def checkpoint_files(directory: Path) -> list[list]:
+    """What identifies a checkpoint's weights without reading them: each file's name, size and modification time (a
+    re-export of the same step, after a resume trained on, writes new files)."""
+    return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in Path(directory).iterdir() if p.is_file())
+
+
+def answer_key(record: dict) -> AnswerKey:
+    return record["checkpoint"], record["task"], int(record["length"]), int(record["index"])
+
+
+@dataclass
+class Kept:
+    """The answers (by `AnswerKey`, predictions.jsonl records) and perplexities ({checkpoint: {length: ppl}}) an
+    interrupted evaluation under `key` left in `out_dir`."""
+
+    out_dir: Path
+    key: dict
+    predictions: Path
+    answers: dict[AnswerKey, dict] = field(default_factory=dict)
+    perplexity: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, out_dir: Path, predictions: Path, key: dict) -> Kept:
+        """What `out_dir` keeps under `key`, the predictions file rewritten to exactly the kept answers (so lines
+        appended from here on follow whole ones); nothing, and both files started over, under another key."""
+        kept = cls(out_dir, key, predictions)
+        state = _read_json(out_dir / STATE)
+        if state is not None and state.get("key") == key and predictions.is_file():
+            kept.answers = _whole_records(predictions)
+            kept.perplexity = {
+                c: {int(L): float(v) for L, v in per.items()} for c, per in state.get("perplexity", {}).items()
+            }
+        _write_atomic(predictions, "".join(json.dumps(r) + "\n" for r in kept.answers.values()))
+        kept.save()
+        return kept
+
+    def save(self) -> None:
+        state = {
+            "key": self.key,
+            "perplexity": {c: {str(L): v for L, v in p.items()} for c, p in self.perplexity.items()},
+        }
+        _write_atomic(self.out_dir / STATE, json.dumps(state, indent=1))
+
+    def add_perplexity(self, checkpoint: str, per_length: dict[int, float]) -> None:
+        self.perplexity[checkpoint] = per_length
+        self.save()
+
+    def finish(self) -> None:
+        (self.out_dir / STATE).unlink(missing_ok=True)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _whole_records(path: Path) -> dict[AnswerKey, dict]:
+    """The predictions of `path` that were written whole (the last line may be torn by a kill)."""
+    out = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            out[answer_key(record)] = record
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
