@@ -8,6 +8,7 @@ MLP, fused kernels (`lctrain.fused`), and the attention engine (`lctrain_<engine
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import json
@@ -23,7 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from lctrain import checkpointing, fused
-from lctrain.attention import Engine, resolve_engine
+from lctrain.attention import ENGINES, Engine, resolve_engine
 from lctrain.attention.engines.common import check_dropout
 from lctrain.compat.deepspeed import tiled_mlp_apply
 from lctrain.compat.transformers import attn_implementation_of, nested_rope_keys, set_attn_implementation
@@ -37,6 +38,7 @@ from lctrain.parallel.layout import ParallelLayout, layout_of
 from lctrain.rundir import RunDir
 from lctrain.shapes import HUB_NAMES, SHAPES
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor
+from lctrain.train.loss import logit_transform
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,15 @@ def _rotary_dim(hf_config, params: dict) -> int:
     return int(ModelShape.from_hf_config(hf_config).head_dim * params.get("partial_rotary_factor", 1.0))
 
 
+# `rope_parameters` entries that describe the model's rotary layout, not its scaling: a `model.rope_scaling` keeps them
+# (Phi and Phi-3 rotate only part of each head; without the entry Phi's attention fails, Phi-3's rotates all of it).
+_ROTARY_LAYOUT_KEYS = ("partial_rotary_factor",)
+
+
+def _rotary_layout(current: dict) -> dict[str, Any]:
+    return {key: current[key] for key in _ROTARY_LAYOUT_KEYS if key in current}
+
+
 def _ntk_parameters(hf_config, current: dict, scaling: dict, theta: float) -> dict[str, Any]:
     factor = scaling.pop("factor", None)
     if scaling:
@@ -85,9 +96,7 @@ def _ntk_parameters(hf_config, current: dict, scaling: dict, theta: float) -> di
             f"model.rope_scaling.factor = {factor!r}: rope_type 'ntk' needs a factor >= 1 (the paper's "
             f"s = 16 for 4K -> 64K)"
         )
-    params = {"rope_type": "default"}
-    if "partial_rotary_factor" in current:
-        params["partial_rotary_factor"] = current["partial_rotary_factor"]
+    params = {"rope_type": "default", **_rotary_layout(current)}
     params["rope_theta"] = ntk_rope_theta(theta, factor, _rotary_dim(hf_config, params))
     log.info("RoPE: static NTK-aware x%s, base %s -> %s", factor, theta, params["rope_theta"])
     return params
@@ -242,10 +251,12 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
         )
     if rope_type not in known:
         raise UserError(f"model.rope_scaling.rope_type = {rope_type!r} is unknown; expected one of {', '.join(known)}")
-    params = {"rope_type": rope_type, **scaling, "rope_theta": theta}
+    params = {"rope_type": rope_type, **_rotary_layout(current), **scaling, "rope_theta": theta}
     if rope_type in _ROPE_TYPES_WITH_ORIGINAL_LENGTH:
-        # The model's own context length before we raise max_position_embeddings to the training length.
-        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+        # The model's own context length before we raise max_position_embeddings to the training length; Phi-3 keeps
+        # its pretraining length apart, and transformers gives that one priority.
+        own = getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings
+        params.setdefault("original_max_position_embeddings", own)
     return params
 
 
@@ -302,6 +313,11 @@ def config_changes(hf_config, cfg: Config, *, vocab_size: int | None, attn_imple
         else:
             why = f"model.rope_scaling (rope_type {scaling_type})"
         changes.append(ConfigChange(_ROPE_PREFIX + key, old, new, why))
+    original = getattr(hf_config, "original_max_position_embeddings", None)
+    if original is not None and params.get("original_max_position_embeddings", original) != original:
+        # transformers copies this top-level value over the RoPE one (`standardize_rope_params`)
+        new = params["original_max_position_embeddings"]
+        changes.append(ConfigChange("original_max_position_embeddings", original, new, "model.rope_scaling"))
     max_pos = max_position_embeddings(hf_config, cfg)
     if max_pos != hf_config.max_position_embeddings:
         if cfg.model.max_position_embeddings is not None:
@@ -311,11 +327,10 @@ def config_changes(hf_config, cfg: Config, *, vocab_size: int | None, attn_imple
         else:
             why = f"raised to data.seq_len = {cfg.data.seq_len}"
         changes.append(ConfigChange("max_position_embeddings", hf_config.max_position_embeddings, max_pos, why))
-    window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < cfg.data.seq_len:
+    if _window_removed(hf_config, cfg):
         # The lctrain engines compute full-window attention masks; long-context continual pretraining of Mistral-style
         # models trains without the sliding window (Mistral-7B-v0.2/0.3 ship without one).
-        changes.append(ConfigChange("sliding_window", window, None, f"shorter than data.seq_len = {cfg.data.seq_len}"))
+        changes += _full_attention_changes(hf_config, cfg.data.seq_len)
     if vocab_size is not None and cfg.model.arch is not None and vocab_size != hf_config.vocab_size:
         changes.append(ConfigChange("vocab_size", hf_config.vocab_size, vocab_size, "the tokenizer's vocabulary"))
     if _dtype_name(getattr(hf_config, "dtype", None)) != cfg.model.dtype:
@@ -328,6 +343,32 @@ def config_changes(hf_config, cfg: Config, *, vocab_size: int | None, attn_imple
     if old_impl != attn_implementation:
         why = f"attention.mode = {cfg.attention.mode}, attention.engine = {cfg.attention.engine}"
         changes.append(ConfigChange("attn_implementation", old_impl, attn_implementation, why))
+    return changes
+
+
+def _window_removed(hf_config, cfg: Config) -> bool:
+    window = getattr(hf_config, "sliding_window", None)
+    return window is not None and window < cfg.data.seq_len
+
+
+def _full_attention_changes(hf_config, seq_len: int) -> list[ConfigChange]:
+    """Every layer to full attention, consistently: a config left with `use_sliding_window: true` or
+    "sliding_attention" layers but no window is one transformers cannot run (the cache and masks of those layers need
+    the window), so the exported model could not generate. The window's value goes where it is the switch (Mistral:
+    no layer types; Qwen2: `use_sliding_window`); where layer types alone decide (Gemma-2), the value stays, unused,
+    as those model classes build a sliding-window mask whatever their layers."""
+    window = hf_config.sliding_window
+    why = f"sliding_window {window} shorter than data.seq_len = {seq_len}"
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    switch = getattr(hf_config, "use_sliding_window", None)
+    changes = []
+    if switch or "sliding_attention" not in layer_types:
+        changes.append(ConfigChange("sliding_window", window, None, f"shorter than data.seq_len = {seq_len}"))
+    if switch:
+        changes.append(ConfigChange("use_sliding_window", True, False, why))
+    if "sliding_attention" in layer_types:
+        full = ["full_attention" if t == "sliding_attention" else t for t in layer_types]
+        changes.append(ConfigChange("layer_types", list(layer_types), full, why))
     return changes
 
 
@@ -376,9 +417,29 @@ def _check_rope(hf_config) -> None:
         )
 
 
+def _check_attention_softcap(hf_config) -> None:
+    """Gemma-2's attention soft-capping bounds every attention logit before the softmax; the lctrain engines' kernels
+    (SDPA, FlexAttention, FlashAttention masks by segment) have no such step, so it would be dropped without a word."""
+    cap = getattr(hf_config, "attn_logit_softcapping", None)
+    if cap is not None:
+        raise UserError(
+            f"model attn_logit_softcapping = {cap}: the lctrain attention engines do not soft-cap attention logits; "
+            f"to train without it (another model than the one given), set attn_logit_softcapping: null in "
+            f"model.arch or in the model's config.json"
+        )
+
+
 def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str) -> list[ConfigChange]:
     """Apply `config_changes` to `hf_config` after checking the model can be trained; returns the changes."""
     _check_rope(hf_config)
+    _check_attention_softcap(hf_config)
+    logit_transform(hf_config)  # refuses a logit scale the loss cannot apply
+    if _window_removed(hf_config, cfg):
+        log.warning(
+            "model sliding_window=%s < data.seq_len=%s: training without a sliding window",
+            hf_config.sliding_window,
+            cfg.data.seq_len,
+        )
     changes = config_changes(hf_config, cfg, vocab_size=vocab_size, attn_implementation=impl)
     apply_changes(hf_config, changes)
     if cfg.model.arch is not None:
@@ -388,13 +449,6 @@ def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str) -> lis
         hf_config.validate_rope()
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"model.rope_scaling = {cfg.model.rope_scaling}: {e}") from None
-    for change in changes:
-        if change.key == "sliding_window":
-            log.warning(
-                "model sliding_window=%s < data.seq_len=%s: training without a sliding window",
-                change.old,
-                cfg.data.seq_len,
-            )
     heads, kv_heads = getattr(hf_config, "num_attention_heads", None), getattr(hf_config, "num_key_value_heads", None)
     if heads and kv_heads and heads % kv_heads:  # transformers accepts it; the first attention call would fail
         raise UserError(f"model num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}")
@@ -542,6 +596,27 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
     return used, notes
 
 
+# transformers' refusal of an attention implementation whose name contains "sdpa" (lctrain_sdpa) for a model class
+# without SDPA support (Gemma-2), raised when the model class is instantiated, before any weight is built or read
+_NO_SDPA = "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention"
+
+
+@contextlib.contextmanager
+def _sdpa_refused(asked: str, engine: Engine, hf_config):
+    """Turn that refusal into one line naming the engines to use instead. Which classes support SDPA is a private
+    class attribute, so the class's own check decides, as the model is built."""
+    try:
+        yield
+    except ValueError as e:
+        if _NO_SDPA not in str(e):
+            raise
+        others = ", ".join(name for name in ENGINES if "sdpa" not in name)
+        raise UserError(
+            f"attention.engine = {asked} ({engine.name}): transformers runs no implementation named *sdpa* for "
+            f"model type '{hf_config.model_type}'; set attention.engine to one of {others} (reference on CPU)"
+        ) from None
+
+
 def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | torch.device = "cpu") -> BuiltModel:
     """Random init from `cfg.model.arch` (vocabulary `vocab_size`, normally the tokenizer's) or
     `from_pretrained(cfg.model.name_or_path)`, configured for long-context training with the engine resolved for
@@ -551,20 +626,24 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     hf_config = load_hf_config(cfg)
     changes = _configure(hf_config, cfg, _arch_vocab_size(cfg, vocab_size), impl)
     dtype = _dtype(cfg.model.dtype)
-    if cfg.model.arch is not None:
-        # A seeded init that leaves the caller's RNG streams untouched: every rank builds the same weights. It runs on
-        # the training device: a random Llama-2-7B takes minutes to initialise on a host's cores, milliseconds on a GPU.
-        device = torch.device(device)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
-            torch.manual_seed(cfg.seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
-    else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.resolve_source(cfg.model.name_or_path), config=hf_config, dtype=dtype, attn_implementation=impl
-            )
-        except OSError as e:  # a directory with a config.json but no (complete) weights
-            raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}': cannot load the weights ({e})") from None
+    with _sdpa_refused(cfg.attention.engine, engine, hf_config):
+        if cfg.model.arch is not None:
+            # A seeded init that leaves the caller's RNG streams untouched: every rank builds the same weights. It runs
+            # on the training device: a random Llama-2-7B takes minutes to initialise on a host's cores, milliseconds
+            # on a GPU.
+            device = torch.device(device)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+                torch.manual_seed(cfg.seed)
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    cfg.resolve_source(cfg.model.name_or_path), config=hf_config, dtype=dtype, attn_implementation=impl
+                )
+            except OSError as e:  # a directory with a config.json but no (complete) weights
+                raise UserError(
+                    f"model.name_or_path = '{cfg.model.name_or_path}': cannot load the weights ({e})"
+                ) from None
         # from_pretrained returns the model in eval mode, where transformers skips gradient checkpointing (its layers
         # checkpoint only when `self.training`): a pretrained model trained with checkpointing kept every layer's
         # activations (measured on SmolLM2-135M at 2K tokens: 5.9 GB of tensors with and without). Evaluation

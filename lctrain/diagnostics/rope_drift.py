@@ -151,6 +151,25 @@ def probe_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.transpose(1, 2).contiguous(), None
 
 
+def unmeasured_attention(config) -> str | None:
+    """A note naming what the model's own attention does that `probe_attention` (plain causal attention) leaves out,
+    or None: the drift is then measured on another attention than the model runs."""
+    parts = []
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        parts.append(f"attention soft-capping (attn_logit_softcapping = {cap})")
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    slides = getattr(config, "use_sliding_window", True) is not False and (
+        layer_types is None or "sliding_attention" in layer_types
+    )
+    if window is not None and slides:
+        parts.append(f"the sliding window (sliding_window = {window})")
+    if not parts:
+        return None
+    return f"measured with plain causal attention, without the model's {' and '.join(parts)}"
+
+
 def _register() -> None:
     AttentionInterface.register(PROBE_IMPL, probe_attention)
 
@@ -477,6 +496,9 @@ def diagnose_rope(
         f"{probe_text.anchor['id']}), x {plan.passes()} forward passes ({plan.tokens():,} tokens) = "
         f"{flops / 1e12:,.1f} TFLOP per case"
     )
+    unmeasured = unmeasured_attention(model.config)
+    if unmeasured:
+        console.print(f"note: {unmeasured}")
     _register()
     model.set_attn_implementation(PROBE_IMPL)
     ids = [torch.from_numpy(s).to(dev) for s in probe_text.sequences]
@@ -508,6 +530,7 @@ def diagnose_rope(
         "logit_lengths": list(logit_lengths),
         "logits": "scaled by the attention scaling (q·k/√d)" if scaled_logits else "unscaled (q·k, Eq. 1)",
         "cases": results_cases,
+        "note": unmeasured,
         "timing": {"load_seconds": round(loaded, 3), "estimated_tflop_per_case": round(flops / 1e12, 3), **timing},
         # "highest": fp32 matmuls are true fp32 (no TF32), which the fp32 case relies on
         "float32_matmul_precision": torch.get_float32_matmul_precision(),

@@ -137,10 +137,13 @@ def target_mask(window: dict) -> np.ndarray:
 def target_nll(model, window: dict, chunk: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     """Per position t of one window: the negative log-likelihood of token t+1 (float64) and whether it counts
     (`target_mask`). The vocabulary projection runs in chunks so a 128K window does not materialize 128K x vocab
-    logits at once."""
+    logits at once; the model's own transform of its logits (`train.loss.logit_transform`) follows it."""
     # torch on use: this module loads without it (start-up time of the light commands)
     import torch
 
+    from lctrain.train.loss import logit_transform
+
+    transform = logit_transform(model.config)
     ids = torch.as_tensor(window["input_ids"], dtype=torch.long, device=model.device)[None]
     L = ids.shape[1]
     with torch.inference_mode():
@@ -152,6 +155,8 @@ def target_nll(model, window: dict, chunk: int = 4096) -> tuple[np.ndarray, np.n
         for lo in range(0, L - 1, chunk):
             hi = min(lo + chunk, L - 1)
             logits = head(hidden[lo:hi]).float()
+            if transform is not None:
+                logits = transform(logits)
             parts.append(torch.nn.functional.cross_entropy(logits, ids[0, lo + 1 : hi + 1], reduction="none"))
     return torch.cat(parts).double().cpu().numpy(), target_mask(window)[: L - 1]
 

@@ -64,14 +64,43 @@ def causal_rows(query, key, value, scaling):
     return sdpa(query, key, value, is_causal=True, scale=scaling).transpose(1, 2).contiguous()
 
 
+def check_unapplied(softcap, sliding_window, keys: int) -> None:
+    """Refuse what a model class asks of attention that no engine kernel computes: soft-capped logits (Gemma-2's
+    `attn_logit_softcapping`), and a sliding window shorter than the keys (a window of at least `keys` positions
+    masks nothing). `lctrain.model` refuses or removes both before a model is built; this stops any other path from
+    training another attention than the model's."""
+    if softcap is not None:
+        raise UserError(
+            f"attention soft-capping (softcap = {softcap}, the model's attn_logit_softcapping) is not computed by the "
+            f"lctrain attention engines; set attn_logit_softcapping: null in the model's config"
+        )
+    if sliding_window is not None and sliding_window < keys:
+        raise UserError(
+            f"a sliding window of {sliding_window} over {keys} keys is not computed by the lctrain attention engines; "
+            f"set sliding_window: null in the model's config"
+        )
+
+
 def hf_attention(kernel):
     """Give a kernel `(query, key, value, seg, scaling) -> out [B, S, H, D]` Hugging Face's attention signature,
-    with what every engine shares: the dropout check, the rope_fp32 dtype cast, the default scale, and the batch's
-    segments, without which it refuses to run."""
+    with what every engine shares: the dropout check, the refusal of soft-capping and a sliding window, the rope_fp32
+    dtype cast, the default scale, and the batch's segments, without which it refuses to run."""
 
     @functools.wraps(kernel)
-    def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    def attention(
+        module,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        scaling=None,
+        dropout=0.0,
+        softcap=None,
+        sliding_window=None,
+        **kwargs,
+    ):
         check_dropout(dropout)
+        check_unapplied(softcap, sliding_window, key.shape[-2])
         query, key, value = unify_dtypes(query, key, value)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return kernel(query, key, value, segments_of(module, kwargs, query), scaling), None
