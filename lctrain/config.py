@@ -133,7 +133,11 @@ class SourceConfig(_Section):
     hub: Text | None = Field(None, description="a Hugging Face hub dataset, streamed (exactly one of path and hub)")
     subset: Text | None = Field(None, description="hub: the dataset's subset (its config name); null = its default")
     split: Text = Field("train", description="hub: the split; path: the subdirectory read if present")
-    text_field: Text = Field("text", description="the record field that holds the document's text")
+    text_field: Text = Field(
+        "text",
+        description="the record field that holds the document's text (a string); a dotted key reads a nested field "
+        "(e.g. doc.body)",
+    )
     domain_field: Text | None = Field(
         None,
         description="a dotted record key whose value is the document's domain (e.g. meta.redpajama_set_name); "
@@ -1059,16 +1063,27 @@ def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) ->
     needed = cfg.train.steps * cfg.train.global_batch
     if needed <= windows:
         return None
-    seq_len = cfg.data.seq_len
-    fits = windows // cfg.train.global_batch
-    if source_exhausted or cfg.data.token_budget >= needed * seq_len:
-        steps = max_steps(windows, cfg.eval.ppl_windows, cfg.train.global_batch)
-        fix = (
-            f"the input ran out before data.token_budget: add input data (and prepare again) or set train.steps={steps}"
-        )
+    seq_len, batch, held = cfg.data.seq_len, cfg.train.global_batch, cfg.eval.ppl_windows
+    fits = windows // batch
+    ran_out = source_exhausted or cfg.data.token_budget >= needed * seq_len
+    if ran_out:
+        more = "the input ran out before data.token_budget: add input data (and prepare again)"
     else:
-        budget = tokens_to_prepare(cfg.train.steps, cfg.train.global_batch, seq_len, cfg.eval.ppl_windows)
-        fix = f"set data.token_budget={budget} (and prepare again) or lower train.steps"
+        more = f"set data.token_budget={tokens_to_prepare(cfg.train.steps, batch, seq_len, held)} (and prepare again)"
+    steps = max_steps(windows, held, batch)
+    if steps:
+        fewer = [f"set train.steps={steps}" if ran_out else "lower train.steps"]
+    else:
+        # train.steps >= 1: the windows must hold one step's besides the held-out ones, so fewer steps cannot help
+        p = cfg.parallel
+        # a step's windows split evenly over the data-parallel ranks' micro-batches (train/data.py BatchPlan)
+        split = cfg.train.micro_batch * max(1, p.nproc_per_node * p.num_nodes // p.sequence_parallel)
+        fewer = []
+        if windows - held >= split:
+            fewer.append(f"set train.global_batch={(windows - held) // split * split}")
+        if windows >= batch:
+            fewer.append(f"set eval.ppl_windows={windows - batch}")
+    fix = " or ".join([more, *fewer])
     return (
         f"warning: {cfg.train.steps:,} steps x {cfg.train.global_batch} windows x {seq_len:,} tokens = "
         f"{needed * seq_len:,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "

@@ -330,7 +330,11 @@ def _special_affixes(tok) -> tuple[list[int], list[int]]:
 
 
 class TextEncoder:
-    """Text -> token ids, exactly as the model's reference tokenizer gives them.
+    """Text -> token ids, exactly as the model's reference tokenizer gives them with its special tokens split: text
+    that spells a special token ("<|endoftext|>", "<|im_start|>", "<s>") is encoded as the text it is, never as that
+    token (transformers' `split_special_tokens=True`, tiktoken's `encode_ordinary`; SentencePiece's `encode` always
+    did so for its control symbols). Otherwise a document quoting one would hold the anchor, the document separator,
+    in its middle. The only special ids are `prefix` and `suffix`, which `encode(specials=True)` adds.
 
     `kind` is "sentencepiece" (`blob`: the model proto; ids of `SentencePieceProcessor.encode`), "tokenizers" (`blob`:
     the Hugging Face fast tokenizer's JSON) or "pickled" (`blob`: a pickled Hugging Face tokenizer of another kind).
@@ -366,6 +370,7 @@ class TextEncoder:
                 from tokenizers import Tokenizer
 
                 self._backend = Tokenizer.from_str(self.blob)
+                self._backend.encode_special_tokens = True  # not serialized with the pipeline: set on every build
             else:
                 self._backend = pickle.loads(self.blob)
         return self._backend
@@ -380,7 +385,7 @@ class TextEncoder:
             # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we do not use
             encode_fn = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
             return [np.array(e.ids, dtype=np.int32) for e in encode_fn(texts, add_special_tokens=False)]
-        ids = self.backend(texts, add_special_tokens=False)["input_ids"]
+        ids = self.backend(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return [np.array(x, dtype=np.int32) for x in ids]
 
     def encode(self, text: str, specials: bool = False) -> list[int]:

@@ -15,6 +15,7 @@ from lctrain.config import (
     data_dir,
     data_fingerprint,
     load_config,
+    max_steps,
     reread_warning,
     run_dir,
     write_resolved,
@@ -325,6 +326,45 @@ def test_reread_warning_counts_the_steps_that_read_windows_twice():
         None, ["data.seq_len=131072", "data.token_budget=3000000000", "train.steps=2000", "train.global_batch=8"]
     )
     assert reread_warning(enough_budget, 15_258).endswith(ran_out)
+
+
+def _fix_of(line: str) -> str:
+    return line.split("re-read windows; ", 1)[1]
+
+
+@pytest.mark.parametrize(
+    ("windows", "overrides", "fix"),
+    [
+        # 10 windows, 8 held out for perplexity: 2 left, fewer than one step's 8
+        (10, [], "or set train.global_batch=2 or set eval.ppl_windows=2"),
+        # 2 data-parallel ranks x micro-batch 1: a global batch of 3 would not split evenly
+        (11, ["parallel.nproc_per_node=2"], "or set train.global_batch=2 or set eval.ppl_windows=3"),
+        (11, ["parallel.nproc_per_node=4"], "or set eval.ppl_windows=3"),
+        # fewer windows than one step and than the held-out ones: no single setting helps
+        (3, [], ""),
+    ],
+)
+def test_reread_warning_without_one_step_of_data_names_what_helps(windows, overrides, fix):
+    """train.steps must be >= 1, so when the windows hold no whole step besides the held-out ones the advice is more
+    data or a smaller batch or held-out set, each value computed to give one step."""
+    settings = ["data.seq_len=1024", "data.token_budget=1000000", "train.steps=100", "train.global_batch=8"]
+    settings += ["train.micro_batch=1", "eval.ppl_windows=8", *overrides]
+    line = reread_warning(load_config(None, settings), windows, source_exhausted=True)
+    ran_out = "the input ran out before data.token_budget: add input data (and prepare again)"
+    assert _fix_of(line) == f"{ran_out} {fix}".strip()
+    for value in fix.split(" or set ")[1:]:
+        cfg = load_config(None, [*settings, value])
+        assert max_steps(windows, cfg.eval.ppl_windows, cfg.train.global_batch) >= 1, value
+
+
+def test_reread_warning_with_too_small_a_budget_for_one_step_names_no_fewer_steps():
+    base = ["data.seq_len=1024", "train.steps=2000", "train.global_batch=8", "eval.ppl_windows=8"]
+    cfg = load_config(None, [*base, "data.token_budget=4096"])
+    assert _fix_of(reread_warning(cfg, 4)) == "set data.token_budget=16392192 (and prepare again)"
+    cfg = load_config(None, [*base, "data.token_budget=12288"])
+    assert _fix_of(reread_warning(cfg, 12)) == (
+        "set data.token_budget=16392192 (and prepare again) or set train.global_batch=4 or set eval.ppl_windows=4"
+    )
 
 
 def test_with_overrides_derives_a_validated_config():

@@ -325,13 +325,13 @@ CASES = [
     # ---- sources and files
     ("src-empty-file", "sources", src("empty.jsonl"), {}, r"yielded 0 tokens in 0 usable documents"),
     ("src-blank-lines", "sources", src("blank_lines.jsonl"), {}, r"skipped: 3 blank_line"),
-    ("src-latin1", "sources", src("latin1.jsonl"), {}, r"skipped: 50 undecodable"),
+    ("src-latin1", "sources", src("latin1.jsonl"), {}, r"latin1.jsonl: not UTF-8 text: none of its 50 lines"),
     ("src-text-not-string", "sources", src("numbers.jsonl"), {}, r"skipped: 4 no_text"),
-    ("src-binary", "sources", src("binary.jsonl"), {}, r"undecodable"),
+    ("src-binary", "sources", src("binary.jsonl"), {}, r"binary.jsonl: not UTF-8 JSON Lines: .* hold NUL bytes"),
     ("src-fake-parquet", "sources", src("fake.parquet"), {}, r"fake.parquet: unreadable as parquet"),
     ("src-empty-dir", "sources", src("emptydir"), {}, r"emptydir': no .jsonl, .json, .*files under"),
     ("src-empty-texts", "sources", src("empty_text.jsonl"), {}, r"skipped: 50 empty_text"),
-    ("src-utf16", "sources", src("utf16.jsonl"), {}, r"malformed_json"),
+    ("src-utf16", "sources", src("utf16.jsonl"), {}, r"utf16.jsonl: UTF-16 text \(it starts with a UTF-16 byte"),
     (
         "src-other-field",
         "sources",
@@ -339,7 +339,7 @@ CASES = [
         {},
         r"other_field.jsonl: record 1 has no 'text' field \(it has: .*text_field: ",
     ),
-    ("src-json-array-lines", "sources", src("array.jsonl"), {}, r"skipped: 1 malformed_json"),
+    ("src-json-array-lines", "sources", src("array.jsonl"), {}, r"array.jsonl: one JSON array of 1 string, not"),
     ("src-txt", "sources", src("plain.txt"), {}, r"unsupported file type"),
     (
         "src-device",

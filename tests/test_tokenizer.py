@@ -200,7 +200,7 @@ def test_prepare_workers_encode_exactly(corpus):
 def test_prepared_windows_hold_sentencepiece_ids(tmp_path, corpus):
     """End to end: real documents through `prepare` (JSON lines, two worker processes, no shuffle so the documents
     keep their order): the windows' text tokens, anchors removed, are SentencePiece's ids of the documents one after
-    another. A dataset of the previous format (the converted tokenizer's ids) is rebuilt, not reused."""
+    another. A dataset of format 2 (the converted tokenizer's ids) is rebuilt, not reused."""
     src = tmp_path / "real.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus))
     cfg = load_config(
@@ -229,7 +229,7 @@ def test_prepared_windows_hold_sentencepiece_ids(tmp_path, corpus):
     assert body == expected[: len(body)] and len(body) > 35 * 1024
 
     manifest = out / "manifest.json"
-    old = json.loads(manifest.read_text()) | {"format_version": FORMAT_VERSION - 1, "stale": 1}
+    old = json.loads(manifest.read_text()) | {"format_version": 2, "stale": 1}  # the converted tokenizer's ids
     manifest.write_text(json.dumps(old))
     assert read_manifest(out) is None
     prepare_mod.prepare(cfg)

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from lctrain.config import DOMAINS
-from lctrain.data.sources import RawBatch
+from lctrain.data.sources import RawBatch, field_at, parse_line
 from lctrain.data.synthetic import generate
 from lctrain.tokenizer import TextEncoder
 
@@ -79,49 +79,21 @@ def _record(item) -> tuple[str | None, int, str | None]:
     return text, domain_of(item.get("meta")), reason
 
 
-def _field(obj, dotted: str):
-    """`obj`'s value at a dotted key (`meta.redpajama_set_name`), reading a JSON-encoded string on the way (parquet
-    SlimPajama stores `meta` as one); None when absent."""
-    for part in dotted.split("."):
-        if isinstance(obj, str):
-            try:
-                obj = json.loads(obj)
-            except (ValueError, RecursionError):
-                return None
-        if not isinstance(obj, dict):
-            return None
-        obj = obj.get(part)
-    return obj
-
-
 def _source_record(item, name: str, text_field: str, domain_field: str | None) -> tuple[str | None, str, str | None]:
-    """A record of `data.sources`: its domain is the value at `domain_field` (as text; SlimPajama's set names read as
-    the domains a single source gets, `RedPajamaArXiv` -> `ArXiv`), else the source's name."""
+    """A record of `data.sources`: its text is the value at `text_field` and its domain the value at `domain_field`
+    (dotted keys; the domain as text, SlimPajama's set names read as the domains a single source gets,
+    `RedPajamaArXiv` -> `ArXiv`), else the source's name."""
     if not isinstance(item, dict):
         return None, name, "malformed_json"
-    text, reason = _check_text(item.get(text_field))
-    domain = _field(item, domain_field) if domain_field else None
+    text, reason = _check_text(field_at(item, text_field))
+    domain = field_at(item, domain_field) if domain_field else None
     if domain is None or isinstance(domain, (dict, list)):
         return text, name, reason
     return text, REDPAJAMA_SET_NAMES.get(str(domain), str(domain)), reason
 
 
-def _parsed(line: bytes):
-    """The JSON value of a line, or the skip reason."""
-    try:
-        s = line.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark opens files saved by some editors
-    except UnicodeDecodeError:
-        return None, "undecodable"
-    if not s.strip():
-        return None, "blank_line"
-    try:
-        return json.loads(s), None
-    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack ('[' * 200000)
-        return None, "malformed_json"
-
-
 def _parse_line(line: bytes) -> tuple[str | None, int, str | None]:
-    obj, reason = _parsed(line)
+    obj, reason = parse_line(line)
     return (None, OTHER, reason) if reason else _record(obj)
 
 
@@ -131,7 +103,7 @@ def _mixed(batch: RawBatch) -> list[tuple[str, int, str | None, tuple[int, str],
     for source, kind, file, line, item in batch.items:
         name, text_field, domain_field = batch.params["sources"][source]
         if kind == "jsonl":
-            item, reason = _parsed(item)
+            item, reason = parse_line(item)
             if reason:
                 out.append((file, line, None, (source, name), reason))
                 continue

@@ -1,11 +1,12 @@
 """A prepared dataset's `manifest.json`: one typed record (`Manifest`), written by `write_manifest` and read only by
 `load_manifest`, which refuses any damage in one line naming the file.
 
-Reading checks, in this order: the file is JSON and says `complete`; its format version is this lctrain's; every key
-is there with its type and domain (pydantic, strict: `"5"` is not a number) and the record agrees with itself (shard
-rows add up to `num_windows`, the anchor is the tokenizer's); and its content matches the checksum it was written
-with, so an edited or bit-flipped value that still has the right type is caught too. The shards themselves are
-checked against the records here by `lctrain.data.store`.
+Reading checks, in this order: the file is JSON and says `complete`; its format version is this lctrain's (or an
+older one whose encoder wrote the same windows, `_STILL_CURRENT`); every key is there with its type and domain
+(pydantic, strict: `"5"` is not a number) and the record agrees with itself (shard rows add up to `num_windows`, the
+anchor is the tokenizer's); and its content matches the checksum it was written with, so an edited or bit-flipped
+value that still has the right type is caught too. The shards themselves are checked against the records here by
+`lctrain.data.store`.
 """
 
 from __future__ import annotations
@@ -20,18 +21,25 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from lctrain.checksums import XXH3, digest
 from lctrain.errors import writing
 
+# 5: document text that spells a special token ("<|endoftext|>") is encoded as text (before, the "tokenizers" and
+# "pickled" encoders gave the special token's id: the anchor or a chat marker inside a document).
 # 4: every shard record carries content checksums and the manifest its own (before, only the shard sizes).
 # 3: a SentencePiece model's ids are SentencePiece's own (before, those of transformers' converted tokenizer), and an
 # interleaved document's later chunks in a window carry no anchor or tag (before, both were repeated on every chunk).
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MANIFEST = "manifest.json"
 DATA_SUBDIR = "data"
 CHECKSUM_KEY = "checksum"
 _FORMAT_CHANGES = {
+    4: "in which document text spelling a special token, such as <|endoftext|>, became that token's id",
     3: "without shard checksums, so damage to its shards cannot be detected",
     2: "whose token ids (SentencePiece tokenizers) or interleaved-chunk layout this lctrain no longer trains on",
     1: "whose token ids (SentencePiece tokenizers) or interleaved-chunk layout this lctrain no longer trains on",
 }
+# Older formats whose datasets hold what this lctrain writes, by the `TokenizerRecord.encoder` that wrote them:
+# SentencePiece always encoded control symbols in text as text, so rebuilding its format-4 datasets (hours for a 128K
+# recipe's 2B tokens) would only write the same bytes again.
+_STILL_CURRENT = {4: ("sentencepiece",)}
 _HEX64 = r"^[0-9a-f]{64}$"
 
 
@@ -160,7 +168,9 @@ def load_manifest(directory: Path) -> Manifest:
     if not isinstance(raw, dict) or raw.get("complete") is not True:
         raise Damaged(f"{MANIFEST} is incomplete (prepare did not finish) or not a prepared dataset's")
     version = raw.get("format_version")
-    if version != FORMAT_VERSION:
+    encoder = raw["tokenizer"].get("encoder") if isinstance(raw.get("tokenizer"), dict) else None
+    still_current = isinstance(version, int) and encoder in _STILL_CURRENT.get(version, ())
+    if version != FORMAT_VERSION and not still_current:
         why = _FORMAT_CHANGES.get(version) if isinstance(version, int) else None
         raise Outdated(
             f"{MANIFEST}: it is of dataset format {version}, {why}"

@@ -540,14 +540,17 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     tokenizer = _tokenizer_info(d.tokenizer, tok, encoder, anchor_id)
     # what must not have changed for an interrupted run's state to be resumed
     resume_key = {
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION,  # how documents are encoded: shards of an older rule are not continued
         "state_layout": STATE_LAYOUT,
         "data_fingerprint": fingerprint,
         "shard_tokens": d.shard_tokens,
         "tokenizer": tokenizer,
         "source": _source_identity(files, source),
     }
-    what_source = f"{len(d.sources)} sources" if d.sources is not None else f"{source['kind']} source"
+    if d.sources is not None:
+        what_source = f"{len(d.sources)} source{'' if len(d.sources) == 1 else 's'} of data.sources"
+    else:
+        what_source = f"{source['kind']} source"
     console.print(
         f"preparing {out}: {what_source}, tokenizer {d.tokenizer}, {num_windows:,} windows of "
         f"{d.seq_len:,} tokens, mixture {d.mixture}, {workers} worker(s)"
@@ -583,7 +586,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             # no manifest is written, so the skip table is never shown: say here why records were not usable
             skipped = ", ".join(f"{n:,} {reason}" for reason, n in read["skipped"]["counts"].items())
             raise UserError(
-                f"the {source['kind']} source yielded {read['tokens']:,} tokens in {read['documents']:,} "
+                f"the {what_source} yielded {read['tokens']:,} tokens in {read['documents']:,} "
                 f"usable documents{f' (skipped: {skipped})' if skipped else ''}, not enough for one "
                 f"{d.seq_len:,}-token window; add data or lower data.seq_len"
             )

@@ -3,7 +3,9 @@
 - `synthetic`: document indices of the seeded generator;
 - `local`: a file, a glob, or a directory of `.jsonl`, `.jsonl.zst`, `.json`, `.json.zst` (JSON Lines, or one JSON
   array of records) or `.parquet` files (a SlimPajama download `train/chunk*/*.jsonl.zst` included: a directory
-  with a `<split>/` folder reads that folder); files of other types are skipped and named;
+  with a `<split>/` folder reads that folder); files of other types are skipped and named, and a file that cannot
+  be records as a whole (compressed otherwise than its name says, UTF-16, not UTF-8, no JSON object) is refused
+  saying what it is;
 - `hub`: a Hugging Face dataset streamed with `datasets` (SlimPajama-627B by default);
 - `data.sources`: several of the above, drawn document by document by weight or token share (`mixed_batches`).
 
@@ -20,6 +22,7 @@ import itertools
 import json
 import os
 import stat
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +42,25 @@ BATCH_RECORDS = 256
 BATCH_BYTES = 4 << 20
 # the whitespace JSON allows before a value
 _JSON_BLANK = b" \t\r\n"
+# the first bytes of compressed files, and the tool that decompresses each: a corpus compressed in a way its name does
+# not say would otherwise be read as lines of garbage and skipped record by record
+_COMPRESSED = (
+    (b"\x1f\x8b", "gzip", "gzip -dc"),
+    (b"\x28\xb5\x2f\xfd", "zstd", "zstd -dc"),
+    (b"\xfd7zXZ\x00", "xz", "xz -dc"),
+    (b"PK\x03\x04", "zip", "unzip -p"),
+)
+# bzip2's "BZh" is plain ASCII: the block magic after the level digit makes it unambiguous
+_BZIP2 = b"1AY&SY"
+# UTF-32 LE first: its byte-order mark starts with UTF-16 LE's
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
+# a file without one JSON object is parsed whole to say what shape it has, up to this size on disk (as arrays are)
+_SHAPE_BYTES = 1 << 30
 
 
 @dataclass
@@ -168,6 +190,248 @@ def resolve_local_files(path: str, split: str, seed: int) -> LocalFiles:
     return LocalFiles([files[i] for i in order], skipped)
 
 
+def _compression(head: bytes) -> tuple[str, str] | None:
+    """(format, the command that decompresses it) when `head`, a file's first bytes, is a compressor's magic."""
+    for magic, kind, tool in _COMPRESSED:
+        if head.startswith(magic):
+            return kind, tool
+    # zstd's skippable frames (pzstd writes one first) have magics 0x184D2A50-5F, stored little-endian
+    if head[1:4] == b"\x2a\x4d\x18" and 0x50 <= head[0] <= 0x5F:
+        return "zstd", "zstd -dc"
+    if head.startswith(b"BZh") and head[4:10] == _BZIP2:
+        return "bzip2", "bzip2 -dc"
+    return None
+
+
+def _check_compression(path: Path) -> None:
+    """Refuses a file compressed otherwise than its name says: a `.jsonl` that is gzip, a `.zst` that is not zstd."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return  # reading it says why
+    found = _compression(head)
+    name = path.name
+    if name.endswith(".zst"):
+        if found is not None and found[0] != "zstd":
+            raise UserError(
+                f"{path}: {found[0]}-compressed, not zstd as its name says; decompress it ({found[1]}) and compress "
+                f"it again with zstd, or remove it from the input"
+            )
+        if found is None and head.removeprefix(codecs.BOM_UTF8).lstrip(_JSON_BLANK)[:1] in (b"{", b"["):
+            raise UserError(f"{path}: plain JSON text, not zstd-compressed as its name says; rename it to {name[:-4]}")
+    elif found is not None:
+        kind, tool = found
+        if name.endswith(PARQUET_SUFFIXES):
+            raise UserError(f"{path}: {kind}-compressed, not a parquet file; decompress it ({tool})")
+        if kind == "zstd":
+            raise UserError(f"{path}: zstd-compressed, but its name does not say so; rename it to {name}.zst")
+        raise UserError(
+            f"{path}: {kind}-compressed, not plain JSON text as its name says; decompress it ({tool}), or compress "
+            f"it with zstd instead and name it {name}.zst, or remove it from the input"
+        )
+
+
+def _check_encoding(path: Path, first_line: bytes) -> None:
+    """Refuses a file whose byte-order mark says it is UTF-16 or UTF-32: its every line would be skipped."""
+    for bom, encoding in _BOMS:
+        if first_line.startswith(bom):
+            raise UserError(
+                f"{path}: {encoding} text (it starts with a {encoding} byte-order mark), not UTF-8; convert it to "
+                f"UTF-8 (iconv -f {encoding} -t UTF-8), or remove it from the input"
+            )
+
+
+def _stem(path: Path) -> str:
+    """The file's name without its JSON and zstd suffixes."""
+    name = path.name.removesuffix(".zst")
+    return next((name.removesuffix(s) for s in (".jsonl", ".json") if name.endswith(s)), name)
+
+
+def parse_line(line: bytes):
+    """The JSON value of a JSON Lines line, or the skip reason: the one reading of a line, in the workers and here."""
+    try:
+        s = line.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark opens files saved by some editors
+    except UnicodeDecodeError:
+        return None, "undecodable"
+    if not s.strip():
+        return None, "blank_line"
+    try:
+        return json.loads(s), None
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack ('[' * 200000)
+        return None, "malformed_json"
+
+
+class _FirstObject:
+    """The lines of a JSON Lines file up to its first JSON object: enough to say what a file without one is (another
+    encoding, binary data, one JSON document spread over lines, JSON values that are not records)."""
+
+    def __init__(self):
+        self.found = False
+        self.lines = 0  # not blank
+        self.undecodable = 0
+        self.nul = 0
+        self.values: Counter = Counter()  # the JSON types of lines that parse to something else
+        self.opens = b""  # the first character of the first line that is not blank
+
+    def add(self, line: bytes) -> None:
+        value, reason = parse_line(line)
+        if reason == "blank_line":
+            return
+        if isinstance(value, dict):
+            self.found = True
+            return
+        if not self.lines:
+            self.opens = line.removeprefix(codecs.BOM_UTF8).lstrip(_JSON_BLANK)[:1]
+        self.lines += 1
+        # JSON text has no raw NUL: one means UTF-16/32 without a byte-order mark, or binary data
+        self.nul += b"\x00" in line
+        if reason == "undecodable":
+            self.undecodable += 1
+        elif reason is None:
+            self.values[type(value).__name__] += 1
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _no_records(path: Path, seen: _FirstObject) -> str:
+    """What a JSON Lines file without one JSON object is and what to do, for a one-line refusal."""
+    n = _count(seen.lines, "line")
+    if seen.nul:
+        return (
+            f"{path}: not UTF-8 JSON Lines: {seen.nul:,} of its {n} hold NUL bytes (UTF-16 or UTF-32 text without a "
+            f"byte-order mark, or binary data); convert it to UTF-8 JSON Lines, or remove it from the input"
+        )
+    if seen.undecodable == seen.lines:
+        return (
+            f"{path}: not UTF-8 text: none of its {n} decodes as UTF-8 (Latin-1 or another legacy encoding?); "
+            f"convert it to UTF-8 (iconv -f ENCODING -t UTF-8), or remove it from the input"
+        )
+    shape = _document_shape(path) if seen.opens in (b"{", b"[") else None
+    if shape:
+        return shape
+    if set(seen.values) == {"str"}:
+        return (
+            f"{path}: its {n} are JSON strings, not records; lctrain reads records, objects with the text in a field: "
+            f"write each as one (jq -c '{{text: .}}'), or remove it from the input"
+        )
+    values = sum(seen.values.values())
+    counts = {"not JSON": seen.lines - seen.undecodable - values, "not UTF-8": seen.undecodable, "not objects": values}
+    return (
+        f"{path}: not JSON Lines: none of its {n} is a JSON object "
+        f"({', '.join(f'{c:,} {what}' for what, c in counts.items() if c)}); records are one JSON object per line: "
+        f"repair it, or remove it from the input"
+    )
+
+
+def _document_shape(path: Path) -> str | None:
+    """What a JSON Lines file that is one JSON document spread over lines holds, and what to do; None when it is not
+    one (or too large to read whole)."""
+    if path.stat().st_size > _SHAPE_BYTES:
+        return None
+    try:
+        with _open_binary(path) as f:
+            value = json.loads(f.read())
+    except Exception:  # whatever reading or parsing raised, the file is not one JSON document: its lines say more
+        return None
+    if isinstance(value, list):
+        zst = ".zst" if path.name.endswith(".zst") else ""
+        return _array_problem(path, value) or (
+            f"{path}: one JSON array of {_count(len(value), 'record')} spread over lines, not JSON Lines; rename it to "
+            f"{_stem(path)}.json{zst} (a .json file that starts with '[' is read as one array of records)"
+        )
+    if isinstance(value, dict):
+        wrapped = _wrapped_list(value)
+        if wrapped:
+            return _wrapped_message(f"{path}: the file is", *wrapped)
+        return (
+            f"{path}: one JSON object spread over lines (keys: {_field_names(value)}), not JSON Lines; write each "
+            f"record on one line (jq -c .)"
+        )
+    return None
+
+
+def _array_problem(path: Path, records: list) -> str | None:
+    """Why a JSON array holds no record (no element is an object), for a one-line refusal; None when it holds some,
+    or none at all."""
+    if not records or any(isinstance(r, dict) for r in records):
+        return None
+    if all(isinstance(r, str) for r in records):
+        return (
+            f"{path}: one JSON array of {_count(len(records), 'string')}, not of records; lctrain reads records, "
+            f"objects with the text in a field: write them as JSON Lines (jq -c '.[] | {{text: .}}')"
+        )
+    return (
+        f"{path}: one JSON array of {_count(len(records), 'value')}, none of them a record (an object with the text "
+        f"in a field)"
+    )
+
+
+def _longest_string(obj: dict, prefix: str = "", levels: int = 16) -> tuple[int, str] | None:
+    """(length, dotted key) of the longest string in `obj` and the objects nested in it (down to `levels`): where a
+    record most likely keeps its text."""
+    best = None
+    for k, v in obj.items():
+        if isinstance(v, str):
+            found = (len(v), f"{prefix}{k}")
+        elif isinstance(v, dict) and levels > 1:
+            found = _longest_string(v, f"{prefix}{k}.", levels - 1)
+        else:
+            continue
+        if found is not None and (best is None or found[0] > best[0]):
+            best = found
+    return best
+
+
+def _wrapped_list(record: dict) -> tuple[str, list] | None:
+    """(key, items) when `record` is a corpus wrapped in one object (`{"data": [{"text": ...}, ...]}`) rather than a
+    record: its largest value is a list of objects or of strings, larger than any of its strings."""
+    lists = [
+        (k, v)
+        for k, v in record.items()
+        if isinstance(v, list) and v and (all(isinstance(x, dict) for x in v) or all(isinstance(x, str) for x in v))
+    ]
+    if not lists:
+        return None
+    # sized as JSON text; a parquet row's values (timestamps, bytes) are sized as their str
+    size = {k: len(json.dumps(v, default=str)) for k, v in lists}
+    key, items = max(lists, key=lambda kv: size[kv[0]])
+    longest = _longest_string(record)
+    if longest is not None and longest[0] >= size[key]:
+        return None
+    return str(key), items
+
+
+def _wrapped_message(where: str, key: str, items: list) -> str:
+    strings = isinstance(items[0], str)
+    path = f".{key}[]" if key.isidentifier() else f".[{json.dumps(key)}][]"
+    return (
+        f"{where} one JSON object holding a list of {_count(len(items), 'string' if strings else 'record')} under "
+        f"'{key}', not a record; lctrain reads JSON Lines (one record per line) or a .json file that is one array of "
+        f"records: write them out one per line (jq -c '{path}{' | {text: .}' if strings else ''}')"
+    )
+
+
+def field_at(obj, dotted: str, absent=None):
+    """`obj`'s value at a dotted key (`meta.redpajama_set_name`, `doc.body`), reading a JSON-encoded string on the
+    way (parquet SlimPajama stores `meta` as one); `absent` when there is none. A key with the dots in its own name is
+    taken first: it named that key before dotted keys were read."""
+    if isinstance(obj, dict) and dotted in obj:
+        return obj[dotted]
+    for part in dotted.split("."):
+        if isinstance(obj, str):
+            try:
+                obj = json.loads(obj)
+            except (ValueError, RecursionError):
+                return absent
+        if not isinstance(obj, dict) or part not in obj:
+            return absent
+        obj = obj[part]
+    return obj
+
+
 def _open_binary(path: Path):
     try:
         raw = open(path, "rb")
@@ -235,11 +499,18 @@ def _read_error(path: Path, e: Exception, where: str) -> UserError:
 
 
 def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
+    """The lines of a JSON Lines file; refused when it has no JSON object at all (another encoding, binary data, a JSON
+    document that is not JSON Lines): its every line would be skipped, and the file lost in the skipped counts."""
     src = str(path)
+    seen = _FirstObject()
     with _open_binary(path) as f:
         lines, size, first, lineno = [], 0, 1, 0
         try:
             for lineno, line in enumerate(f, start=1):
+                if lineno == 1:
+                    _check_encoding(path, line)
+                if not seen.found:
+                    seen.add(line)
                 if not lines:
                     first = lineno
                 lines.append(line)
@@ -247,8 +518,12 @@ def _jsonl_batches(path: Path) -> Iterator[RawBatch]:
                 if len(lines) >= BATCH_RECORDS or size >= BATCH_BYTES:
                     yield RawBatch("jsonl", src, first, lines)
                     lines, size = [], 0
+        except UserError:
+            raise
         except Exception as e:
             raise _read_error(path, e, f"after line {lineno}" if lineno else "before its first line") from None
+        if not seen.found and seen.lines:
+            raise UserError(_no_records(path, seen))
         if lines:
             yield RawBatch("jsonl", src, first, lines)
 
@@ -285,6 +560,9 @@ def _json_array_batches(path: Path) -> Iterator[RawBatch]:
             f"one array of records: repair or re-download it"
         ) from None
     del data
+    problem = _array_problem(path, records)
+    if problem:
+        raise UserError(problem)
     # batches by count only: the whole array is in memory already, and batches in flight are slices of it
     for start in range(0, len(records), BATCH_RECORDS):
         yield RawBatch("rows", str(path), start + 1, records[start : start + BATCH_RECORDS])
@@ -299,8 +577,10 @@ def _parquet_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
     try:
         pf = pq.ParquetFile(path)
         names = set(pf.schema_arrow.names)
+        # a dotted field (doc.body) is read from its top-level column
+        tops = [f if f in names else f.split(".")[0] for f in fields]
         # without its text column every column is read: the first record's check then names them all
-        columns = [c for c in fields if c in names] if fields[0] in names else None
+        columns = [c for c in dict.fromkeys(tops) if c in names] if tops[0] in names else None
         for batch in pf.iter_batches(batch_size=BATCH_RECORDS, columns=columns):
             records = batch.to_pylist()
             yield RawBatch("rows", str(path), row, records)
@@ -312,6 +592,7 @@ def _parquet_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
 
 
 def _file_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
+    _check_compression(path)
     if path.name.endswith(PARQUET_SUFFIXES):
         return _parquet_batches(path, fields)
     if path.name.endswith((".json", ".json.zst")) and _is_json_array(path):
@@ -322,32 +603,50 @@ def _file_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
 def local_batches(files: list[Path], fields: tuple[str, ...] | None = None) -> Iterator[RawBatch]:
     """The records of local files (jsonl lines are passed whole). `fields`: with `data.sources`, the top-level fields
     a parquet file is read for (`mixed_batches` checks the text field); None for `data.path`: `text` and `meta`, and
-    the first record is checked for `text` here."""
+    each file's first record is checked for `text` here."""
     batches = itertools.chain.from_iterable(_file_batches(f, fields or PATH_FIELDS) for f in files)
     return batches if fields is not None else _with_text_checked(batches)
 
 
 def _with_text_checked(batches: Iterator[RawBatch]) -> Iterator[RawBatch]:
-    """`data.path`'s batches, refused at the first JSON object when it has fields but no `text` (`meta` aside): the
-    corpus keeps its text under another name, which only `data.sources` can name, and every record would be skipped.
-    A record of `meta` alone is a record without text, for the workers to count."""
-    checking = True
+    """`data.path`'s batches, refused at the first JSON object of a file when it has fields but no `text` (`meta`
+    aside) or its `text` is an object: the file keeps its text elsewhere, which only `data.sources` can name, and
+    every record of it would be skipped. A record of `meta` alone is a record without text, for the workers to
+    count."""
+    checked = None  # the file whose first JSON object was checked
     for b in batches:
-        for j, item in enumerate(b.items if checking else ()):
+        for j, item in enumerate(b.items if b.source != checked else ()):
             record = _json_object(item)
             if record is None:
                 continue
-            checking = False
-            others = [k for k in sorted(map(str, record)) if k != "meta"]
-            if "text" not in record and others:
-                field = next((k for k in others if isinstance(record[k], str)), others[0])
-                raise UserError(
-                    f"{b.source}: record {b.first + j} has no 'text' field (it has: {_field_names(record)}); data.path "
-                    f"reads the text from 'text': for another field replace data.source and data.path with "
-                    f"data.sources=[{{name: corpus, path: <data.path>, text_field: {field}}}]"
-                )
+            checked = b.source
+            _check_path_record(record, f"{b.source}: record {b.first + j}")
             break
         yield b
+
+
+def _check_path_record(record: dict, where: str) -> None:
+    others = {k: v for k, v in record.items() if k != "meta"}
+    text = record.get("text")
+    if not others or isinstance(text, str) or ("text" in record and not isinstance(text, dict)):
+        return
+    if "text" in record:
+        found = _longest_string(text, "text.")
+        what = f"{where}'s 'text' is an object (it has: {_field_names(text)}), not a string; data.path reads a string"
+        other = "the one inside it"
+    else:
+        wrapped = _wrapped_list(others)
+        if wrapped:
+            raise UserError(_wrapped_message(f"{where} is", *wrapped))
+        found = _longest_string(others)
+        what = f"{where} has no 'text' field (it has: {_field_names(record)}); data.path reads the text"
+        other = "another field"
+    if found is None:
+        raise UserError(f"{what} from 'text', and no field of this record holds a string: are these text records?")
+    raise UserError(
+        f"{what} from 'text': for {other} replace data.source and data.path with "
+        f"data.sources=[{{name: corpus, path: <data.path>, text_field: {found[1]}}}]"
+    )
 
 
 def hub_batches(
@@ -413,10 +712,7 @@ def _json_object(item) -> dict | None:
     """A raw record (a jsonl line's bytes or a row) as a JSON object; None for anything else (malformed lines are the
     workers' to count)."""
     if isinstance(item, bytes):
-        try:
-            item = json.loads(item)
-        except (ValueError, RecursionError):
-            return None
+        item, _ = parse_line(item)
     return item if isinstance(item, dict) else None
 
 
@@ -424,18 +720,30 @@ def _field_names(record: dict) -> str:
     return ", ".join(sorted(map(str, record))[:10]) or "none"
 
 
+_ABSENT = object()
+
+
 def _check_text_field(stream: SourceStream, file: str, line: int, item) -> bool:
-    """Raises when the source's first JSON object lacks the text field (a wrong text_field, not one bad record);
-    True once a record has been checked."""
+    """Raises when the first JSON object of a source's file lacks the text field or holds an object there (a wrong
+    text_field, not one bad record); True once a record has been checked."""
     record = _json_object(item)
     if record is None:
         return False
-    if stream.text_field not in record:
-        raise UserError(
-            f"{stream.key}.text_field = '{stream.text_field}': source '{stream.name}' has no such field in {file} "
-            f"(record {line} has: {_field_names(record)}); set text_field to the field that holds the text"
-        )
-    return True
+    key = f"{stream.key}.text_field = '{stream.text_field}'"
+    value = field_at(record, stream.text_field, _ABSENT)
+    if value is _ABSENT:
+        wrapped = _wrapped_list(record)
+        if wrapped:
+            raise UserError(_wrapped_message(f"{key}: in {file}, record {line} is", *wrapped))
+        found = _longest_string(record)
+        why = f"source '{stream.name}' has no such field in {file} (record {line} has: {_field_names(record)})"
+    elif isinstance(value, dict):
+        found = _longest_string(value, f"{stream.text_field}.")
+        why = f"in {file}, record {line} holds an object there (with: {_field_names(value)}), not text"
+    else:
+        return True
+    hint = f", e.g. {found[1]} (its longest string)" if found else ""
+    raise UserError(f"{key}: {why}; set text_field to the field that holds the text{hint}")
 
 
 def mixed_batches(streams: list[SourceStream], seed: int) -> Iterator[RawBatch]:
@@ -444,7 +752,7 @@ def mixed_batches(streams: list[SourceStream], seed: int) -> Iterator[RawBatch]:
     seed, whatever the number of workers, since the draw happens here, before them."""
     rng = np.random.default_rng(seed)
     records = [_records(s) for s in streams]
-    unchecked = set(range(len(streams)))
+    checked: dict[int, str] = {}  # per source, the file whose first JSON object was checked
     alive = list(range(len(streams)))
     items, size, first = [], 0, 1
     params = {"sources": [(s.name, s.text_field, s.domain_field) for s in streams]}
@@ -456,8 +764,8 @@ def mixed_batches(streams: list[SourceStream], seed: int) -> Iterator[RawBatch]:
             alive.remove(pick)
             continue
         kind, file, line, item = record
-        if pick in unchecked and _check_text_field(streams[pick], file, line, item):
-            unchecked.discard(pick)
+        if checked.get(pick) != file and _check_text_field(streams[pick], file, line, item):
+            checked[pick] = file
         items.append((pick, kind, file, line, item))
         size += len(item) if isinstance(item, bytes) else 0
         if len(items) >= BATCH_RECORDS or size >= BATCH_BYTES:
