@@ -276,3 +276,22 @@ def test_records_without_text_after_the_first_are_counted_not_refused(tmp_path):
     src.write_text("".join(json.dumps(r) + "\n" for r in recs))
     data = open_packed(prepare(cfg(tmp_path, src)))
     assert data.manifest.skipped["counts"] == {"no_text": 2}
+
+
+def test_training_on_a_dataset_whose_input_changed_since_says_so(tmp_path, capsys):
+    """prepare refuses to call such a dataset prepared; train takes what it has, but says what changed and how to
+    train on the input as it is now."""
+    from lctrain.train.command import preflight
+
+    src = corpus(tmp_path / "c.jsonl")
+    c = cfg(tmp_path, src, "train.steps=1", "train.global_batch=1", "train.micro_batch=1", "eval.ppl_windows=0")
+    prepare(c)
+    capsys.readouterr()
+    preflight(c)
+    assert "prepared from other input files" not in capsys.readouterr().out
+    with src.open("a") as f:
+        f.write(json.dumps({"text": "a late document"}) + "\n")
+    preflight(c)
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"warning: {tmp_path / 'out'} was prepared from other input files than data's now (" in said
+    assert "run 'lctrain prepare --force' first" in said

@@ -405,14 +405,20 @@ def _resolve_inputs(cfg: Config):
     return None
 
 
-def _check_input_unchanged(cfg: Config, out: Path, manifest: Manifest) -> None:
-    """Refuse to call `out` prepared when its input files changed since: the data fingerprint holds the settings,
-    not the files, so data appended to the corpus would otherwise go unread without a word."""
+def input_change(cfg: Config, manifest: Manifest) -> str | None:
+    """How the input files of `cfg` differ from those `manifest`'s dataset was prepared from, or None: the data
+    fingerprint holds the settings, not the files, so data appended to the corpus would otherwise go unread without a
+    word. None too when the input is gone (a dataset may outlive its raw corpus): nothing to compare."""
     try:
         now = describe_source(cfg.data, _resolve_inputs(cfg))
     except UserError:
-        return  # the input is gone (a dataset may outlive its raw corpus): nothing to compare
-    changed = _input_change(manifest.source, now)
+        return None
+    return _input_change(manifest.source, now)
+
+
+def _check_input_unchanged(cfg: Config, out: Path, manifest: Manifest) -> None:
+    """Refuse to call `out` prepared when its input files changed since (`input_change`)."""
+    changed = input_change(cfg, manifest)
     if changed:
         raise UserError(
             f"{out}: already prepared, but the input files changed since ({changed}); run prepare again with --force "

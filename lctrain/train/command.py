@@ -26,6 +26,7 @@ from lctrain.config import (
 )
 from lctrain.costmodel import ModelShape
 from lctrain.data.manifest import MANIFEST
+from lctrain.data.prepare import input_change
 from lctrain.errors import UserError, first_and_more
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
@@ -35,7 +36,7 @@ from lctrain.rundir import RunDir
 from lctrain.tokenizer import check_matches_model
 from lctrain.train import checkpoint as ckpt
 from lctrain.train import reshard
-from lctrain.train.data import dataset_change, dataset_record
+from lctrain.train.data import dataset_change, dataset_record, prepare_command
 from lctrain.train.metrics import import_wandb, tensorboard_writer_class
 from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.trainer import CheckpointHook, run
@@ -295,6 +296,14 @@ def preflight(cfg: Config) -> Prepared:
             kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, source)
     check_matches_model(cfg)
     prepared = Prepared.of(cfg, plan=plan)
+    changed = input_change(cfg, prepared.packed.manifest)
+    if changed:  # prepare refuses to call it prepared; a run may still want the data it has: said, not refused
+        print(
+            f"warning: {prepared.packed.path} was prepared from other input files than data's now ({changed}); this "
+            f"run trains on the prepared windows: to train on the input as it is, run "
+            f"'{prepare_command(cfg)} --force' first",
+            flush=True,
+        )
     reread = reread_warning(cfg, len(prepared.packed), prepared.packed.manifest.source_exhausted)
     if reread:
         print(reread, flush=True)
