@@ -179,11 +179,12 @@ def init(
     ] = None,
 ):
     """Write a commented config of the paper's recipe for your base model: the paper's RoPE base for --seq-len, the
-    least sharded parallel layout and ZeRO stage whose memory plan fits, batch, schedule and checkpoints. Reads only
-    the model's config (a local directory, the table of known base models or the Hugging Face cache), no weights."""
+    first parallel layout whose memory plan fits (the paper's batch first, then the least sharding, then tiled MLP
+    and activation offload), batch, schedule, checkpoints and RULER tasks. Reads only the model's config (a local
+    directory, the table of known base models or the Hugging Face cache), no weights."""
     from lctrain.init_config import init_config, summary
 
-    path, layout = init_config(
+    path, cfg, layout = init_config(
         model,
         seq_len,
         gpus,
@@ -196,7 +197,7 @@ def init(
         tokenizer=tokenizer,
         data=data,
     )
-    typer.echo(summary(path, layout))
+    typer.echo(summary(path, cfg, layout))
 
 
 @app.command("example-model")
@@ -529,11 +530,22 @@ def estimate(
     set_: SetOpt = None,
     tflops: Annotated[
         float | None,
-        typer.Option(help="achieved TFLOP/s per GPU on the FLOPs it runs (model FLOPs and what checkpointing reruns)"),
+        typer.Option(
+            help="achieved TFLOP/s per GPU on the FLOPs it runs (model FLOPs and what checkpointing reruns); "
+            "default: the device's peak (--gpu, logging.peak_tflops, this machine's GPU or CPU)"
+        ),
     ] = None,
     from_bench: Annotated[str | None, typer.Option(help="JSON from scripts/bench_train.py with tflops_per_gpu")] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(help="a GPU model of lctrain's hardware table, e.g. 'H100 80GB HBM3': its dense bf16 peak"),
+    ] = None,
     gpus: Annotated[
-        int | None, typer.Option(help="GPU count; default parallel.nproc_per_node x parallel.num_nodes")
+        int | None,
+        typer.Option(
+            help="GPU count, a multiple of parallel.sequence_parallel; default parallel.nproc_per_node x "
+            "parallel.num_nodes"
+        ),
     ] = None,
     out: Annotated[
         str | None,
@@ -558,15 +570,18 @@ def estimate(
         int | None, typer.Option(help="with --measure: untimed steps first (compilation, allocator); default 2")
     ] = None,
 ):
-    """Predicted hours per 1B tokens for each attention mode at the config's length and GPU count (Figure 6), from
-    the FLOPs of the prepared dataset's segment layout; with --measure, days per 1B tokens measured by training."""
+    """Predicted hours per 1B tokens, seconds per step and hours for train.steps, for each attention mode at the
+    config's length, batch and GPU count (Figure 6), from the FLOPs of the prepared dataset's segment layout; with
+    --measure, days per 1B tokens measured by training."""
     if measure:
         from lctrain.attention.modes import parse_modes
         from lctrain.eval.runner import parse_lengths
         from lctrain.reports.throughput import measure as run_measure
 
-        if from_bench is not None or gpus is not None:
-            raise UserError("--measure times the config's own layout: --from-bench and --gpus do not apply")
+        if from_bench is not None or gpus is not None or gpu is not None:
+            raise UserError(
+                "--measure times the config's own layout on this machine: --from-bench, --gpu and --gpus do not apply"
+            )
         cfg = load_config(config, list(set_ or []))
         run_measure(
             cfg,
@@ -590,7 +605,9 @@ def estimate(
         )
     from lctrain.reports.estimate import estimate as run_estimate
 
-    run_estimate(load_config(config, list(set_ or [])), tflops=tflops, from_bench=from_bench, gpus=gpus, out=out)
+    run_estimate(
+        load_config(config, list(set_ or [])), tflops=tflops, from_bench=from_bench, gpu=gpu, gpus=gpus, out=out
+    )
 
 
 @app.command()

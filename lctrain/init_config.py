@@ -1,6 +1,7 @@
 """`lctrain init`: a commented config of the paper's recipe adapted to one base model, a context length and a GPU
 count. The model's shape comes from the known-shape table (lctrain/shapes.py) or a local/cached config.json, never a
-weight download; the parallel layout is the least sharded one whose memory plan (lctrain/memory.py) fits."""
+weight download; the parallel layout is the first whose memory plan (lctrain/memory.py) fits, in the order
+`choose_layout` gives."""
 
 from __future__ import annotations
 
@@ -8,13 +9,22 @@ import dataclasses
 import importlib.util
 import json
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from transformers import AutoConfig
 
-from lctrain.config import DataConfig, EvalConfig, tokens_to_prepare, validate
+from lctrain.config import (
+    Config,
+    DataConfig,
+    EvalConfig,
+    bundled_config_names,
+    load_config,
+    tokens_to_prepare,
+    validate,
+)
 from lctrain.costmodel import ModelShape
 from lctrain.data.sources import resolve_local_files
 from lctrain.errors import UserError
@@ -48,8 +58,30 @@ class Layout:
     zero_stage: int
     sequence_parallel: int
     offload_optimizer: bool
-    device_bytes: int
-    host_bytes: int
+    tiled_mlp: bool
+    offload_activations: bool
+    device_bytes: int = 0  # the plan's needs, once planned
+    host_bytes: int = 0
+
+    def described(self) -> str:
+        """As the summary line and the refusal name it."""
+        extra = [
+            name
+            for name, on in (
+                ("optimizer offloaded to the host", self.offload_optimizer),
+                ("tiled MLP", self.tiled_mlp),
+                ("activations offloaded to the host", self.offload_activations),
+            )
+            if on
+        ]
+        return ", ".join([f"ZeRO-{self.zero_stage}", f"sequence parallel {self.sequence_parallel}", *extra])
+
+
+# The model's own memory savers, tried only once no layout fits without them: each slows every layer (optimizer
+# offload, tried before them, slows the step's end only). Tiled MLP first: its saving is measured (docs/memory.md)
+# and its cost is one more MLP forward per layer, which `lctrain estimate` counts; activation offload's copies
+# overlap the compute, but its GPU peak is only planned so far (docs/memory.md), so it comes after, then both.
+SAVERS = ((False, False), (True, False), (False, True), (True, True))  # (tiled_mlp, offload_activations)
 
 
 def _hf_base(name_or_path: str, hf, stem: str, source: str) -> BaseModel:
@@ -112,8 +144,13 @@ def eval_lengths(seq_len: int) -> list[int]:
 
 
 def _sp_sizes(shape: ModelShape, gpus: int, seq_len: int) -> list[int]:
+    """The sequence-parallel sizes to try, those that keep the paper's batch (`batch_for`) first, then the nearest
+    batch, each smallest first. A larger batch at the paper's learning rate is another recipe (16 windows per step on
+    16 GPUs are twice the paper's tokens per step), while sequence parallelism within a node leaves each GPU the same
+    FLOPs for a little all-to-all traffic; the bundled paper configs train 64K windows at SP 4 on 8 GPUs."""
     sizes = [s for s in (1 << i for i in range(gpus.bit_length())) if gpus % s == 0 and seq_len % s == 0]
-    return [s for s in sizes if shape.heads % s == 0 and shape.heads % shape.kv_heads == 0]
+    usable = [s for s in sizes if shape.heads % s == 0]
+    return sorted(usable, key=lambda s: (batch_for(gpus // s), s))
 
 
 def batch_for(dp: int) -> int:
@@ -122,23 +159,33 @@ def batch_for(dp: int) -> int:
 
 
 def choose_layout(raw: dict, shape: ModelShape, budget: Budget, gpus: int) -> tuple[Layout, int]:
-    """The least sharded layout whose plan fits `budget`, and how many layouts were tried: no optimizer offload
-    before any, then the lowest ZeRO stage (1: bf16 needs ZeRO's fp32 master weights), then the smallest
-    sequence-parallel group. `raw` is the config without its parallel and batch settings."""
+    """The first layout whose plan fits `budget`, and how many were tried: without the model's memory savers
+    (`SAVERS`) before with them; within those, no optimizer offload before any; then the lowest ZeRO stage (1: bf16
+    needs ZeRO's fp32 master weights); then the sequence-parallel sizes of `_sp_sizes`. `raw` is the config without
+    its parallel and batch settings. Refuses in one line naming what was tried and the plan that came nearest."""
     seq_len = raw["data"]["seq_len"]
-    tried = 0
-    for offload in (False, True):
-        for zero in (1, 2, 3):  # bf16 training keeps fp32 master weights in ZeRO's optimizer: stage >= 1
-            for sp in _sp_sizes(shape, gpus, seq_len):
-                tried += 1
-                cfg = validate(_with_layout(raw, zero, sp, offload, gpus), "lctrain init")
-                plan = plan_memory(cfg, shape, gpu=True)
-                if budget.fits(plan):
+    sp_sizes = _sp_sizes(shape, gpus, seq_len)
+    tried, nearest, nearest_over = 0, None, math.inf
+    for tiled, offload_activations in SAVERS:
+        for offload in (False, True):
+            for zero in (1, 2, 3):  # bf16 training keeps fp32 master weights in ZeRO's optimizer: stage >= 1
+                for sp in sp_sizes:
+                    tried += 1
+                    layout = Layout(zero, sp, offload, tiled, offload_activations)
+                    plan = plan_memory(validate(_with_layout(raw, layout, gpus), "lctrain init"), shape, gpu=True)
                     device, host = budget.need(plan)
-                    return Layout(zero, sp, offload, device, host), tried
+                    layout = dataclasses.replace(layout, device_bytes=device, host_bytes=host)
+                    if budget.fits(plan):
+                        return layout, tried
+                    over = max(device / budget.device, host / budget.host)
+                    if over < nearest_over:
+                        nearest, nearest_over = layout, over
     raise UserError(
-        f"no layout fits {gpus} GPU(s) of {budget.label} at seq_len {seq_len:,} (ZeRO 1-3, sequence parallel up to "
-        f"{gpus}, optimizer offload tried); use more GPUs (--gpus), more memory (--gpu-mem) or a shorter --seq-len"
+        f"no layout fits {gpus} GPU(s) of {budget.label} at seq_len {seq_len:,}: tried {tried} (ZeRO 1-3 x sequence "
+        f"parallel {', '.join(map(str, sorted(sp_sizes)))} x optimizer offload or not, each without and with tiled "
+        f"MLP and activation offload); the nearest ({nearest.described()}) needs {nearest.device_bytes / GB:.1f} GB "
+        f"per GPU and {nearest.host_bytes / GB:.1f} GB of host memory per node; use more GPUs (--gpus), more memory "
+        f"(--gpu-mem, --host-mem) or a shorter --seq-len"
     )
 
 
@@ -156,27 +203,41 @@ def choose_checkpointing(
     for zero in [p["zero_stage"]] + ([2] if p["zero_stage"] == 1 else []):
         fix = replan(cfg, [SELECTIVE, f"parallel.zero_stage={zero}"], shape, budget)
         if fix.fits:
-            laid = _with_layout(raw, zero, p["sequence_parallel"], p["offload_optimizer"], gpus)
-            selective = laid | {"model": laid["model"] | {"checkpointing": "selective"}}
             chosen = dataclasses.replace(layout, zero_stage=zero, device_bytes=fix.device, host_bytes=fix.host)
+            laid = _with_layout(raw, chosen, gpus)
+            selective = laid | {"model": laid["model"] | {"checkpointing": "selective"}}
             at = "" if zero == p["zero_stage"] else f" at ZeRO-{zero} (ZeRO-{p['zero_stage']} fits only whole layers)"
             why = f"selective{at}: the backward does not rerun attention; each layer's attention output is kept"
             return selective, chosen, why
-    over = (
-        f"{fix.device / GB:.1f} GB per GPU, over the {budget.device / GB:.1f} GB"
-        if fix.device > budget.device
-        else f"{fix.host / GB:.1f} GB of host memory, over the {budget.host / GB:.1f} GB"
-    )
     at = f" at ZeRO-{zero}" if zero != p["zero_stage"] else ""
-    return raw, layout, f"full: selective (the backward would not rerun attention) needs {over} planned{at}"
+    need, limit = (
+        (f"{fix.device / GB:.1f} GB per GPU", f"{budget.device / GB:.1f} GB per GPU")
+        if fix.device > budget.device
+        else (f"{fix.host / GB:.1f} GB of host memory", f"{budget.host / GB:.1f} GB per node")
+    )
+    return (
+        raw,
+        layout,
+        f"full: selective (the backward would not rerun attention) needs {need}{at}, over init's budget of {limit} "
+        f"({budget.label})",
+    )
 
 
-def _with_layout(raw: dict, zero: int, sp: int, offload: bool, gpus: int) -> dict:
+def _with_layout(raw: dict, layout: Layout, gpus: int) -> dict:
     per_node = raw["parallel"]["nproc_per_node"]
-    global_batch = batch_for(gpus // sp)
+    global_batch = batch_for(gpus // layout.sequence_parallel)
+    savers = ({"tiled_mlp": "auto"} if layout.tiled_mlp else {}) | (
+        {"offload_activations": True} if layout.offload_activations else {}
+    )
     return raw | {
+        "model": raw["model"] | savers,
         "parallel": raw["parallel"]
-        | {"sequence_parallel": sp, "zero_stage": zero, "offload_optimizer": offload, "num_nodes": gpus // per_node},
+        | {
+            "sequence_parallel": layout.sequence_parallel,
+            "zero_stage": layout.zero_stage,
+            "offload_optimizer": layout.offload_optimizer,
+            "num_nodes": gpus // per_node,
+        },
         "train": raw["train"]
         | {"global_batch": global_batch, "steps": PAPER_STEPS * PAPER_WINDOWS_PER_STEP // global_batch},
     }
@@ -207,6 +268,42 @@ def choose_tokenizer(base: BaseModel, given: str | None) -> tuple[str, str]:
             "name), or save it into the directory"
         ) from None
     return base.name_or_path, "the model's own (its directory)"
+
+
+@dataclass(frozen=True)
+class Exclude:
+    """RULER tasks left out of the average, as the bundled configs of the model leave them."""
+
+    tasks: list[str]
+    configs: list[str]  # the bundled configs of the model; none when no bundled config trains it
+
+
+def paper_exclude(name_or_path: str) -> Exclude:
+    """`eval.exclude` of the bundled configs training `name_or_path` (the paper's models), read from those configs so
+    that they stay its one home: an init config scores RULER as the bundled ones do, and its averages compare with
+    the paper's. They agree for each model (tests/test_init_config.py); the first one's is taken."""
+    configs = [load_config(n) for n in bundled_config_names()]
+    mine = [c for c in configs if c.model.name_or_path == name_or_path]
+    return Exclude(list(mine[0].eval.exclude) if mine else [], [c.name for c in mine])
+
+
+def _eval_exclude(exclude: Exclude) -> str:
+    """The eval section's exclude line with the comment that says where it comes from."""
+    if not exclude.configs:
+        why = (
+            "none left out: no bundled config trains this model (the paper leaves tasks out only for Llama-2-7B, "
+            "section 4.2)"
+        )
+    else:
+        more = len(exclude.configs) - 1
+        named = exclude.configs[0] + (f" and {more} more" if more else "")
+        why = (
+            f"left out of RULER's average as in the bundled configs of this model ({named}) and the paper "
+            f"(section 4.2, appendix D), so that the averages compare with the paper's"
+            if exclude.tasks
+            else f"none left out, as in the bundled configs of this model ({named}) and the paper (section 4.2)"
+        )
+    return f"{_comment(why)}\n  exclude: {yaml.safe_dump(exclude.tasks, default_flow_style=True).strip()}"
 
 
 def installed(package: str) -> bool:
@@ -271,6 +368,11 @@ def _v(value) -> str:
     return json.dumps(value) if isinstance(value, str) and yaml.safe_load(value) != value else str(value)
 
 
+def _comment(text: str) -> str:
+    """`text` as comment lines of the YAML's sections."""
+    return textwrap.fill(text, 118, initial_indent="  # ", subsequent_indent="  # ", break_on_hyphens=False)
+
+
 def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(value)
 
@@ -301,6 +403,7 @@ def render(
     tried: int,
     why_tokenizer: str,
     wandb: tuple[str, str],
+    exclude: Exclude,
 ) -> str:
     """The YAML text of `raw` with comments saying where each choice comes from."""
     d, m, t, p = raw["data"], raw["model"], raw["train"], raw["parallel"]
@@ -318,6 +421,17 @@ def render(
     offload = (
         "\n  offload_optimizer: true   # Adam states in host memory: nothing fit on the GPUs without it"
         if layout.offload_optimizer
+        else ""
+    )
+    savers = (
+        "\n  # nothing fit without the tiled MLP (docs/memory.md): each layer's MLP runs in slices of the sequence, one"
+        "\n  # more MLP forward per layer (lctrain estimate counts it)\n  tiled_mlp: auto"
+        if layout.tiled_mlp
+        else ""
+    ) + (
+        "\n  # nothing fit without activation offload (docs/memory.md): the checkpointed hidden states wait in host"
+        "\n  # memory, copied out and back beside the compute\n  offload_activations: true"
+        if layout.offload_activations
         else ""
     )
     nodes = (
@@ -353,8 +467,8 @@ model:
   rope_theta: {_num(m["rope_theta"])}
   # max_position_embeddings is left to the model: raised to seq_len when lower, never lowered
   dtype: {m["dtype"]}
-  # {why_checkpointing}
-  checkpointing: {m["checkpointing"]}
+{_comment(why_checkpointing)}
+  checkpointing: {m["checkpointing"]}{savers}
 attention:
   mode: {raw["attention"]["mode"]}   # full, intra_doc, intra_doc_reset or anchor (the paper's AnchorAttention)
   engine: auto
@@ -377,8 +491,10 @@ parallel:
   nproc_per_node: {p["nproc_per_node"]}
   num_nodes: {p["num_nodes"]}{nodes}
   launcher: deepspeed
-  # The least sharding that fits (lctrain plan, {budget.label}; {tried} layout(s) tried, fewest shards
-  # first): {layout.device_bytes / GB:.1f} GB per GPU, {layout.host_bytes / GB:.1f} GB of host memory per node.
+  # The first layout that fits (lctrain plan, {budget.label}; {tried} tried, in
+  # order: without tiled MLP and activation offload before with, no optimizer offload before it, the lowest ZeRO
+  # stage, the sequence-parallel sizes that keep the paper's batch before the others, smallest first):
+  # {layout.device_bytes / GB:.1f} GB per GPU, {layout.host_bytes / GB:.1f} GB of host memory per node.
   # Ulysses sequence parallel over {layout.sequence_parallel} GPU(s): {s.heads // layout.sequence_parallel} query \
 heads and {d["seq_len"] // layout.sequence_parallel:,} tokens per rank.
   sequence_parallel: {layout.sequence_parallel}
@@ -398,7 +514,7 @@ eval:
   # (Tables 2 and 5)
   lengths: {_v(eval_lengths(d["seq_len"]))}
   tasks: null   # RULER's 13 tasks (docs/evaluation.md)
-  exclude: []
+{_eval_exclude(exclude)}
 """
 
 
@@ -414,9 +530,9 @@ def init_config(
     force: bool = False,
     tokenizer: str | None = None,
     data: str | None = None,
-) -> tuple[Path, Layout]:
-    """Write the config; (its path, the layout chosen). `data`: the corpus (`data.path`, checked to hold input
-    files now), else SlimPajama from the hub."""
+) -> tuple[Path, Config, Layout]:
+    """Write the config; (its path, the config as written, the layout chosen). `data`: the corpus (`data.path`,
+    checked to hold input files now), else SlimPajama from the hub."""
     if gpus < 1:
         raise UserError(f"--gpus {gpus}: expected at least 1 GPU")
     if gpus_per_node < 1:
@@ -427,8 +543,9 @@ def init_config(
         raise UserError(f"--seq-len {seq_len}: expected a multiple of 1024 (e.g. 65536)")
     if mode not in MODES:
         raise UserError(f"--mode {mode}: expected one of {', '.join(MODES)}")
-    if not gpu_mem_gb > 0 or not host_mem_gb > 0:
-        raise UserError("--gpu-mem and --host-mem: expected memory sizes in GB > 0")
+    for option, value in (("--gpu-mem", gpu_mem_gb), ("--host-mem", host_mem_gb)):
+        if not 0 < value < math.inf:
+            raise UserError(f"{option} {value}: expected memory sizes in GB > 0, finite")
     base = base_model(model)
     per_node = min(gpus, gpus_per_node)
     name = f"{base.stem}_{seq_len // 1024}k_{mode}"
@@ -450,9 +567,20 @@ def init_config(
             raise UserError(str(e).replace(f"data.path = '{data}'", f"--data {data}")) from None
     recipe = _recipe(base, seq_len, per_node, mode, name, theta, tokenizer, data)
     layout, tried = choose_layout(recipe, base.shape, budget, gpus)
-    raw = _with_layout(recipe, layout.zero_stage, layout.sequence_parallel, layout.offload_optimizer, gpus)
+    raw = _with_layout(recipe, layout, gpus)
     raw, layout, why_checkpointing = choose_checkpointing(raw, layout, base.shape, budget, gpus)
-    text = render(base, raw, layout, why_theta, why_checkpointing, budget, tried, why_tokenizer, wandb_mode())
+    text = render(
+        base,
+        raw,
+        layout,
+        why_theta,
+        why_checkpointing,
+        budget,
+        tried,
+        why_tokenizer,
+        wandb_mode(),
+        paper_exclude(base.name_or_path),
+    )
     cfg = validate(yaml.safe_load(text), str(path))  # what is written is what was planned, checked as train would
     RunPlan.of(cfg)
     kv_replication(base.shape.heads, base.shape.kv_heads, layout.sequence_parallel, str(path))
@@ -461,14 +589,23 @@ def init_config(
         path.write_text(text)
     except OSError as e:
         raise UserError(f"--out {path}: cannot write the config ({e.strerror})") from None
-    return path, layout
+    return path, cfg, layout
 
 
-def summary(path: Path, layout: Layout) -> str:
-    """The line `lctrain init` prints."""
-    offload = ", optimizer offloaded to the host" if layout.offload_optimizer else ""
+def summary(path: Path, cfg: Config, layout: Layout) -> str:
+    """The line `lctrain init` prints: the layout, and the batch, named as a departure from the paper's where it is
+    one (its tokens per step at the paper's learning rate)."""
+    t = cfg.train
+    batch = f"{t.global_batch} windows per step x {t.steps} steps"
+    if t.global_batch != PAPER_WINDOWS_PER_STEP:
+        dp = cfg.parallel.nproc_per_node * cfg.parallel.num_nodes // layout.sequence_parallel
+        batch += (
+            f" ({t.global_batch * cfg.data.seq_len:,} tokens per step at the paper's lr {t.lr:g}: the paper's "
+            f"{PAPER_WINDOWS_PER_STEP} windows raised to a multiple of {dp} data-parallel replicas)"
+        )
+    else:
+        batch += " (the paper's batch)"
     return (
-        f"wrote {path}: ZeRO-{layout.zero_stage}, sequence parallel {layout.sequence_parallel}{offload}, "
-        f"{layout.device_bytes / GB:.1f} GB planned per GPU; next: lctrain show-config -c {path}, "
-        f"lctrain prepare -c {path}, lctrain train -c {path}"
+        f"wrote {path}: {layout.described()}, {layout.device_bytes / GB:.1f} GB planned per GPU; {batch}; "
+        f"next: lctrain show-config -c {path}, lctrain prepare -c {path}, lctrain train -c {path}"
     )

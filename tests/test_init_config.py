@@ -1,7 +1,9 @@
 """`lctrain init`: the written config loads, checks as `train` would, and holds the paper's recipe adapted to the
-model: the Table 1 base for the length (the paper's numbers, written out here), the length, the mode, and the least
-sharded layout that `lctrain plan`'s memory model says fits (every less sharded one does not). Bad input is one
-line."""
+model: the Table 1 base for the length (the paper's numbers, written out here), the length, the mode, the RULER tasks
+the bundled configs of the model leave out, and the first layout in init's order that `lctrain plan`'s memory model
+says fits (every earlier one does not). Bad input is one line."""
+
+import math
 
 import pytest
 import yaml
@@ -10,14 +12,14 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.config import load_config, with_overrides
+from lctrain.config import bundled_config_names, load_config, with_overrides
 from lctrain.costmodel import ModelShape
-from lctrain.memory import WARN_FRACTION, Budget, plan_memory
+from lctrain.memory import DEVICE_RUNTIME_BYTES, WARN_FRACTION, Budget, plan_memory
 from lctrain.model import model_shape
 from lctrain.tokenizer import load_tokenizer
 from lctrain.train.metrics import import_wandb
 from lctrain.train.runplan import RunPlan
-from lctrain.units import gb_to_bytes
+from lctrain.units import GB, gb_to_bytes
 
 # The paper, section 4.3: "1M for 32K, 5M for 64K, 10M for 128K, and 50M for 256K".
 PAPER_BASE = {32768: 1e6, 65536: 5e6, 131072: 1e7, 262144: 5e7}
@@ -71,9 +73,33 @@ def fits(cfg, shape, gpu_mem_gb=80, host_mem_gb=512):
     return budget.fits(plan_memory(cfg, shape, gpu=True))
 
 
-def assert_least_sharded_that_fits(cfg, shape):
-    """The layout is the least sharded that fits with whole-layer checkpointing, and the checkpointing selective
-    exactly when that fits on it (or on it at ZeRO-2, from ZeRO-1)."""
+def in_order(world, heads):
+    """init's documented order of layouts on `world` GPUs, as (tiled_mlp, offload_activations, offload_optimizer,
+    zero_stage, sequence_parallel, global_batch): without the model's memory savers before with them (tiled MLP,
+    then activation offload, then both), no optimizer offload before it, the lowest ZeRO stage, then the
+    sequence-parallel sizes by the batch they give (the paper's 8 windows, else the next multiple of the replicas)
+    and then by size."""
+    batch = {sp: math.ceil(8 / (world // sp)) * (world // sp) for sp in (1, 2, 4, 8, 16) if world % sp == 0}
+    sps = sorted((sp for sp in batch if heads % sp == 0), key=lambda sp: (batch[sp], sp))
+    savers = [(0, False), ("auto", False), (0, True), ("auto", True)]
+    return [(t, a, o, z, sp, batch[sp]) for t, a in savers for o in (False, True) for z in (1, 2, 3) for sp in sps]
+
+
+def layout_overrides(tiled, activations, offload, zero, sp, batch):
+    return [
+        f"model.tiled_mlp={tiled}",
+        f"model.offload_activations={str(activations).lower()}",
+        f"parallel.offload_optimizer={str(offload).lower()}",
+        f"parallel.zero_stage={zero}",
+        f"parallel.sequence_parallel={sp}",
+        f"train.global_batch={batch}",
+        f"train.steps={2000 * 8 // batch}",
+    ]
+
+
+def assert_first_that_fits(cfg, shape):
+    """The layout is the first in init's order that fits with whole-layer checkpointing (every earlier one does
+    not), and the checkpointing selective exactly when that fits on it (or on it at ZeRO-2, from ZeRO-1)."""
     assert fits(cfg, shape)
     whole = with_overrides(cfg, ["model.checkpointing=full"], "whole layers")
     selective = with_overrides(cfg, ["model.checkpointing=selective"], "selective")
@@ -86,16 +112,17 @@ def assert_least_sharded_that_fits(cfg, shape):
         assert not fits(selective, shape)
         if cfg.parallel.zero_stage == 1:
             assert not fits(with_overrides(selective, ["parallel.zero_stage=2"], "ZeRO-2"), shape)
-    p = whole.parallel
-    world = p.nproc_per_node * p.num_nodes
-    for zero in range(1, 4):
-        for sp in (1, 2, 4, 8):
-            less = zero < p.zero_stage or (zero == p.zero_stage and sp < p.sequence_parallel)
-            if less and world % sp == 0 and shape.heads % sp == 0 and not p.offload_optimizer:
-                other = with_overrides(
-                    whole, [f"parallel.zero_stage={zero}", f"parallel.sequence_parallel={sp}"], "less sharded"
-                )
-                assert not fits(other, shape), (zero, sp)
+    p, m = whole.parallel, whole.model
+    order = in_order(p.nproc_per_node * p.num_nodes, shape.heads)
+    chosen = (m.tiled_mlp, m.offload_activations, p.offload_optimizer, p.zero_stage, p.sequence_parallel)
+    assert chosen + (whole.train.global_batch,) in order
+    for earlier in order[: [o[:5] for o in order].index(chosen)]:
+        assert not fits(with_overrides(whole, layout_overrides(*earlier), "earlier"), shape), earlier
+
+
+def comments(text):
+    """The YAML's comments as one line, so that a phrase wrapped over two lines is found."""
+    return " ".join(line.split("#", 1)[1].strip() for line in text.splitlines() if "#" in line)
 
 
 @pytest.mark.parametrize(
@@ -103,7 +130,14 @@ def assert_least_sharded_that_fits(cfg, shape):
     [
         ("meta-llama/Llama-3.2-1B", 65536, 1, "selective", "the backward does not rerun attention"),
         ("meta-llama/Llama-2-7b-hf", 57344, 2, "selective", "selective at ZeRO-2 (ZeRO-1 fits only whole layers)"),
-        ("meta-llama/Llama-2-7b-hf", 65536, 1, "full", "GB per GPU, over the 72.0 GB planned at ZeRO-2"),
+        # 72.0 GB is init's budget, 90% of the 80 GB: not a plan
+        (
+            "meta-llama/Llama-2-7b-hf",
+            65536,
+            1,
+            "full",
+            "GB per GPU at ZeRO-2, over init's budget of 72.0 GB per GPU (90% of 80 GB per GPU",
+        ),
     ],
 )
 def test_selective_checkpointing_where_it_fits(model, seq_len, zero, checkpointing, comment, tmp_path, monkeypatch):
@@ -113,8 +147,8 @@ def test_selective_checkpointing_where_it_fits(model, seq_len, zero, checkpointi
     assert r.exit_code == 0, r.output
     cfg = load_config(str(out))
     assert (cfg.parallel.zero_stage, cfg.model.checkpointing) == (zero, checkpointing)
-    assert comment in out.read_text() and f"ZeRO-{zero}," in r.output
-    assert_least_sharded_that_fits(cfg, model_shape(cfg))
+    assert comment in comments(out.read_text()) and f"ZeRO-{zero}," in r.output
+    assert_first_that_fits(cfg, model_shape(cfg))
 
 
 def test_a_local_model_directory(tiny_dir, tmp_path):
@@ -134,7 +168,7 @@ def test_a_local_model_directory(tiny_dir, tmp_path):
     RunPlan.of(cfg)
     shape = model_shape(cfg)
     assert shape == ModelShape(4, 256, 8, 4, 32, 688, 1000)  # read from the directory's config.json
-    assert_least_sharded_that_fits(cfg, shape)
+    assert_first_that_fits(cfg, shape)
     text = out.read_text()
     assert "# the paper's base for 65,536-token windows" in text and "own is 10,000" in text
 
@@ -153,7 +187,7 @@ def test_a_known_hub_name_without_network(tmp_path, monkeypatch):
     # Qwen2.5-7B's config.json: 28 layers, hidden 3584, 28 / 4 heads, intermediate 18944, vocabulary 152064
     shape = model_shape(cfg)
     assert shape == ModelShape(28, 3584, 28, 4, 128, 18944, 152064)
-    assert_least_sharded_that_fits(cfg, shape)
+    assert_first_that_fits(cfg, shape)
     RunPlan.of(cfg)
 
 
@@ -174,17 +208,98 @@ def test_an_own_base_above_the_rule_is_kept_and_a_scaled_rope_is_named(tiny_dir,
     assert load_config(str(out2)).model.rope_theta == 2e7
 
 
-def test_several_nodes_and_the_batch(tmp_path, monkeypatch):
+def test_several_nodes_keep_the_papers_batch(tmp_path, monkeypatch):
+    """16 GPUs at 64K: SP=1 would make 16 replicas and a 16-window step, twice the paper's tokens per step at its
+    learning rate; SP=2 keeps its 8 windows x 2000 steps."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "two_nodes.yaml"
     r = run_init("--model", "meta-llama/Llama-2-7b-hf", "--seq-len", "65536", "--gpus", "16", "--out", str(out))
     assert r.exit_code == 0, r.output
     cfg = load_config(str(out))
     assert (cfg.parallel.nproc_per_node, cfg.parallel.num_nodes) == (8, 2)
-    dp = 16 // cfg.parallel.sequence_parallel
-    assert cfg.train.global_batch % dp == 0 and cfg.train.global_batch >= 8
-    assert cfg.train.global_batch * cfg.train.steps == 8 * 2000  # the paper's tokens
+    assert (cfg.parallel.sequence_parallel, cfg.train.global_batch, cfg.train.steps) == (2, 8, 2000)
+    assert "8 windows per step x 2000 steps (the paper's batch)" in r.output
     assert yaml.safe_load(out.read_text())["parallel"]["num_nodes"] == 2
+    assert_first_that_fits(cfg, model_shape(cfg))
+
+
+def test_a_batch_that_cannot_stay_the_papers_is_said_in_the_summary(tiny_dir, tmp_path):
+    """3 GPUs form no sequence-parallel group of 2: 3 replicas, so 9 windows per step, 1777 steps."""
+    out = tmp_path / "three.yaml"
+    r = run_init("--model", str(tiny_dir), "--seq-len", "8192", "--gpus", "3", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    cfg = load_config(str(out))
+    assert (cfg.parallel.sequence_parallel, cfg.train.global_batch, cfg.train.steps) == (1, 9, 1777)
+    line = r.output.strip()
+    assert len(line.splitlines()) == 1
+    assert f"9 windows per step x 1777 steps ({9 * 8192:,} tokens per step at the paper's lr 2e-05" in line
+    assert "multiple of 3 data-parallel replicas" in line
+
+
+def test_one_gpu_at_128k_takes_the_tiled_mlp_when_nothing_fits_without(tmp_path, monkeypatch):
+    """The user's case: Llama-2-7B at 128K on one 80 GB GPU fits with the tiled MLP and the optimizer on the host
+    (plan: 68.73 GB), which init once refused; every layout before it in init's order does not fit."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "one.yaml"
+    r = run_init("--model", "meta-llama/Llama-2-7b-hf", "--seq-len", "131072", "--gpus", "1", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    cfg = load_config(str(out))
+    assert (cfg.model.tiled_mlp, cfg.model.offload_activations) == ("auto", False)
+    assert (cfg.parallel.zero_stage, cfg.parallel.offload_optimizer, cfg.model.checkpointing) == (1, True, "full")
+    shape = model_shape(cfg)
+    assert_first_that_fits(cfg, shape)
+    device = plan_memory(cfg, shape, gpu=True).total("device") + DEVICE_RUNTIME_BYTES
+    assert f"tiled MLP, {device / GB:.1f} GB planned per GPU" in r.output and f"{device / GB:.2f}" == "68.73"
+    assert "nothing fit without the tiled MLP" in comments(out.read_text())
+
+
+def test_activation_offload_when_the_tiled_mlp_is_not_enough(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "long.yaml"
+    args = ["--model", "meta-llama/Llama-2-7b-hf", "--seq-len", "262144", "--gpus", "1", "--out", str(out)]
+    r = run_init(*args)
+    assert r.exit_code == 0, r.output
+    cfg = load_config(str(out))
+    assert cfg.model.offload_activations and "activations offloaded to the host" in r.output
+    assert_first_that_fits(cfg, model_shape(cfg))
+
+
+def test_the_refusal_names_what_was_tried(tmp_path, monkeypatch):
+    """Qwen2.5-7B's 28 heads split over 1, 2 and 4 GPUs only, whatever the GPU count."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["--model", "Qwen/Qwen2.5-7B", "--seq-len", "4194304", "--gpus", "8", "--out", str(tmp_path / "q.yaml")]
+    r = run_init(*args)
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    # 4 savers x 2 optimizer placements x 3 ZeRO stages x 3 sequence-parallel sizes
+    assert "tried 72 (ZeRO 1-3 x sequence parallel 1, 2, 4 x optimizer offload or not" in r.output
+    assert "without and with tiled MLP and activation offload" in r.output and "up to 8" not in r.output
+    assert "the nearest (ZeRO-" in r.output
+
+
+def test_ruler_exclusions_are_the_bundled_configs_of_the_model(tmp_path, monkeypatch):
+    """The paper (section 4.2) leaves two RULER tasks out for Llama-2-7B only; init writes what the bundled configs
+    of each model leave out, so its averages compare with theirs."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for model, bundled in [
+        ("meta-llama/Llama-2-7b-hf", "llama2_64k_anchor"),
+        ("meta-llama/Meta-Llama-3-8B", "llama3_128k_anchor"),
+        ("Qwen/Qwen2.5-7B", None),
+    ]:
+        out = tmp_path / f"{model.split('/')[1]}.yaml"
+        assert run_init("--model", model, "--seq-len", "65536", "--gpus", "8", "--out", str(out)).exit_code == 0
+        want = load_config(bundled).eval.exclude if bundled else []
+        assert load_config(str(out)).eval.exclude == want, model
+    assert load_config("llama2_64k_anchor").eval.exclude == ["niah_multikey_3", "cwe"]
+    text = comments((tmp_path / "Llama-2-7b-hf.yaml").read_text())
+    assert "left out of RULER's average as in the bundled configs of this model (llama2_128k_anchor and" in text
+
+
+def test_the_bundled_configs_of_a_model_agree_on_the_ruler_exclusions():
+    excludes = {}
+    for name in bundled_config_names():
+        cfg = load_config(name)
+        excludes.setdefault(cfg.model.name_or_path, set()).add(tuple(cfg.eval.exclude))
+    assert all(len(v) == 1 for v in excludes.values()), excludes
 
 
 @pytest.mark.parametrize(
@@ -197,6 +312,8 @@ def test_several_nodes_and_the_batch(tmp_path, monkeypatch):
         (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "1000", "--gpus", "8"], "--seq-len 1000"),
         (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--mode", "x"], "--mode x"),
         (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "4194304", "--gpus", "1", "--gpu-mem", "8"], "no layout fits"),
+        (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--gpu-mem", "inf"], "--gpu-mem inf"),
+        (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--host-mem", "nan"], "--host-mem nan"),
         (
             ["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--data", "{empty}/c.jsonl"],
             "--data {empty}/c.jsonl: no such file or directory",

@@ -1,14 +1,17 @@
-"""`lctrain estimate`: predicted training hours per 1B tokens for each attention mode (the paper's Figure 6).
+"""`lctrain estimate`: predicted training time for each attention mode: hours per 1B tokens (the paper's Figure 6),
+the time of one optimizer step and of the config's whole run (`train.steps` steps of `train.global_batch` windows).
 
 FLOPs per window come from the cost model (`lctrain.costmodel`, the convention MFU uses): the linear layers (q, k,
 v, o, the gated MLP, the LM head) and attention over the causally visible (query, key) pairs, each 3 forward passes
 for training, plus what activation checkpointing reruns (`costmodel.recomputed_flops`: the layers' forward under
 `full`, all of it but attention under `selective`) and, with `model.tiled_mlp`, the MLP forward that TiledMLP reruns
 in the backward: the FLOPs the device runs (HFU's), as wall time, not utilisation, is predicted here. The rate is
-per GPU on those FLOPs: bench_train's `hardware_tflops_per_gpu`, or the device's peak for the time at 100% HFU.
+per GPU on those FLOPs: `--tflops`, bench_train's `hardware_tflops_per_gpu` (`--from-bench`), or by default a
+device's peak for the time at 100% HFU: `--gpu NAME`'s dense bf16 peak from lctrain's hardware table, else this
+machine's (`logging.peak_tflops`, its GPU's from the table, or its CPU's measured matmul rate; lctrain.hardware).
 The visible pairs per mode come from the actual segment layout of the prepared dataset; without one, from a
 synthetic packing of SlimPajama-like document lengths (`lctrain.data.layouts`, the benchmarks' windows), flagged
-as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs).
+as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs); a step is `train.global_batch` windows.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from lctrain.costmodel import attention_flops, dense_flops, recomputed_flops, wi
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError
+from lctrain.hardware import GPUS, device_peak_flops, known_gpu
 from lctrain.model import model_shape
+from lctrain.parallel.layout import ParallelLayout, layout_of
 from lctrain.reports.inspect_data import MODES, dataset_stats
+from lctrain.train.data import BatchPlan
 
 SYNTHETIC_WINDOWS = 64  # windows of the fallback layout when no prepared dataset has the config's length
 
@@ -84,11 +90,64 @@ def read_bench(path: str | Path) -> dict[str, float]:
     return found
 
 
+def table_peak(name: str, where: str) -> float:
+    """The dense bf16 TFLOP/s of the GPU model `name` from lctrain's hardware table; `where` names it in the refusal
+    of a GPU the table does not hold or gives no peak for."""
+    found = known_gpu(name)
+    if found is None or found.bf16_tflops is None:
+        why = "is not in lctrain's hardware table" if found is None else "has no dense bf16 peak in lctrain's table"
+        known = ", ".join(f"'{g.name}'" for g in GPUS if g.bf16_tflops)
+        raise UserError(f"{where} {why} (peaks known: {known}); pass --tflops or --from-bench FILE")
+    return found.bf16_tflops
+
+
+def default_rate(cfg: Config, gpu: str | None) -> tuple[float, str]:
+    """(TFLOP/s per GPU, what it is) without --tflops or --from-bench: a device's peak, so the prediction is the
+    time at 100% HFU. `gpu` names a GPU model of lctrain's hardware table (planning for another machine); without
+    it, this machine's device as MFU and `--measure` take it: `logging.peak_tflops`, its GPU's peak from the table,
+    else its CPU's matmul rate measured in the model's dtype."""
+    if gpu is not None:
+        return table_peak(gpu, f"--gpu {gpu}"), f"{gpu}'s dense bf16 peak (--gpu): the time at 100% HFU"
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops, "logging.peak_tflops: the time at 100% HFU"
+    # torch on use: a rate given on the command line does not pay for its import
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return table_peak(name, f"this machine's GPU '{name}'"), f"{name}'s dense bf16 peak: the time at 100% HFU"
+    cpu = device_peak_flops(torch.device("cpu"), dtype=cfg.model.dtype) / 1e12
+    return cpu, f"this CPU's measured {cfg.model.dtype} matmul rate (no GPU here; --gpu NAME for a GPU's peak)"
+
+
+def checked_layout(cfg: Config, gpus: int | None) -> ParallelLayout:
+    """The layout the estimate spreads the work over: the config's, or `gpus` GPUs in its sequence-parallel groups,
+    refused in one line where `train` would refuse it (the sequence-parallel groups, the batch split)."""
+    if gpus is None:
+        layout = layout_of(cfg)
+        BatchPlan.of(cfg, layout)
+        return layout
+    if gpus < 1:
+        raise UserError(f"--gpus {gpus}: must be at least 1")
+    sp = cfg.parallel.sequence_parallel
+    if gpus % sp:
+        raise UserError(
+            f"--gpus {gpus}: not a multiple of parallel.sequence_parallel = {sp} "
+            f"({cfg.origin('parallel.sequence_parallel')}): train forms sequence-parallel groups of {sp} GPUs"
+        )
+    layout = layout_of(cfg, gpus)
+    try:
+        BatchPlan.of(cfg, layout)
+    except UserError as e:  # its message names the config's world, which --gpus replaces
+        raise UserError(f"--gpus {gpus}: {e}") from None
+    return layout
+
+
 def predict(
     cfg: Config, rate: dict[str, float], n_gpus: int, from_bench: str | None = None, modes=MODES
 ) -> tuple[dict[str, dict], str]:
-    """The FLOP model's hours per 1B tokens for each of `modes` at `rate` TFLOP/s per GPU ({mode or "*": rate}),
-    and where the segment layout came from."""
+    """The FLOP model's hours per 1B tokens, seconds per optimizer step and hours for the config's `train.steps`,
+    for each of `modes` at `rate` TFLOP/s per GPU ({mode or "*": rate}), and where the segment layout came from."""
     shape = model_shape(cfg)
     L = cfg.data.seq_len
     pairs, source = mean_pairs(cfg)
@@ -105,11 +164,15 @@ def predict(
         dense_rerun, attention_rerun = recomputed_flops(shape, L, pairs[mode], cfg.model.checkpointing_mode)
         attention = per_pair * pairs[mode] + attention_rerun
         flops = linear + dense_rerun + attention
+        window_s = flops / (r * 1e12 * n_gpus)
+        step_s = cfg.train.global_batch * window_s
         rows[mode] = {
             "flops_per_window": flops,
             "attention_share": attention / flops,
             "tflops_per_gpu": r,
-            "hours_per_1b_tokens": windows_per_b * flops / (r * 1e12 * n_gpus) / 3600,
+            "hours_per_1b_tokens": windows_per_b * window_s / 3600,
+            "step_s": step_s,
+            "run_hours": cfg.train.steps * step_s / 3600,
         }
     if "full" in rows:
         full = rows["full"]["hours_per_1b_tokens"]
@@ -123,23 +186,33 @@ def estimate(
     *,
     tflops: float | None = None,
     from_bench: str | None = None,
+    gpu: str | None = None,
     gpus: int | None = None,
     out: str | None = None,
 ) -> dict:
-    """Hours per 1B training tokens per attention mode; prints a table, writes JSON when `out` is given."""
-    if (tflops is None) == (from_bench is None):
-        raise UserError("give exactly one of --tflops (achieved TFLOP/s per GPU) and --from-bench FILE")
+    """Hours per 1B training tokens, per optimizer step and for the config's run, per attention mode; prints a
+    table, writes JSON when `out` is given."""
+    given = [o for o, v in (("--tflops", tflops), ("--from-bench", from_bench), ("--gpu", gpu)) if v is not None]
+    if len(given) > 1:
+        raise UserError(f"{' and '.join(given)}: give at most one (the rate per GPU); default: the device's peak")
     if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
         raise UserError(f"--tflops {tflops}: must be a positive, finite number (achieved TFLOP/s per GPU)")
-    rate = {"*": float(tflops)} if tflops is not None else read_bench(from_bench)
-    n_gpus = gpus if gpus is not None else cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
-    if n_gpus < 1:
-        raise UserError(f"--gpus {gpus}: must be at least 1")
+    n_gpus = checked_layout(cfg, gpus).world
+    if tflops is not None:
+        rate, rate_source = {"*": float(tflops)}, "--tflops"
+    elif from_bench is not None:
+        rate, rate_source = read_bench(from_bench), f"--from-bench {from_bench}"
+    else:
+        peak, rate_source = default_rate(cfg, gpu)
+        rate = {"*": peak}
     rows, source = predict(cfg, rate, n_gpus, from_bench)
     result = {
         "config": cfg.name,
         "seq_len": cfg.data.seq_len,
         "gpus": n_gpus,
+        "global_batch": cfg.train.global_batch,
+        "steps": cfg.train.steps,
+        "rate_source": rate_source,
         "segment_source": source,
         "synthetic": source.startswith("SYNTHETIC"),
         "model": model_shape(cfg).__dict__,
@@ -155,20 +228,24 @@ def estimate(
 def _print(result: dict) -> None:
     console = plain_console()
     t = Table(
-        title=f"{result['config']}: predicted hours per 1B tokens at {result['seq_len']} tokens on "
-        f"{result['gpus']} GPU(s)"
+        title=f"{result['config']}: predicted time at {result['seq_len']} tokens on {result['gpus']} GPU(s), "
+        f"{result['global_batch']} windows per step"
     )
     t.add_column("mode")
-    for c in ("TFLOP/s/GPU", "attention FLOPs", "hours / 1B tok", "vs full"):
+    for c in ("TFLOP/s/GPU", "attention FLOPs", "hours / 1B tok", "s / step", f"hours / {result['steps']} steps"):
         t.add_column(c, justify="right")
+    t.add_column("vs full", justify="right")
     for mode, v in result["modes"].items():
         t.add_row(
             mode,
-            f"{v['tflops_per_gpu']:.1f}",
+            f"{v['tflops_per_gpu']:.3g}",
             f"{100 * v['attention_share']:.1f}%",
             f"{v['hours_per_1b_tokens']:.3g}",
+            f"{v['step_s']:.3g}",
+            f"{v['run_hours']:.3g}",
             f"{v['speedup_vs_full']:.2f}x",
         )
     console.print(t)
+    console.print(f"rate per GPU: {result['rate_source']}")
     style = "bold yellow" if result["synthetic"] else ""
     console.print(f"segment layout: {result['segment_source']}", style=style)
