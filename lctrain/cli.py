@@ -631,8 +631,13 @@ def plan(
     device and host memory; FITS or DOES NOT FIT, the longest seq_len that fits, and settings that would fit."""
     from lctrain.plan import plan as run_plan
 
-    overrides = list(set_ or []) + ([f"parallel.nproc_per_node={nproc}"] if nproc is not None else [])
-    run_plan(load_config(config, overrides), gpu_mem_gb=gpu_mem, host_mem_gb=host_mem, json_path=json_path)
+    run_plan(
+        load_config(config, list(set_ or [])),
+        gpu_mem_gb=gpu_mem,
+        host_mem_gb=host_mem,
+        json_path=json_path,
+        nproc=nproc,
+    )
 
 
 experiment = typer.Typer(help="Bundled experiments: a paper comparison end to end.", no_args_is_help=True)

@@ -12,7 +12,7 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
   `offload_activations`), plus under `selective` checkpointing each layer's attention output and log-sum-exp (and
   under `selective_matmul` every projection's output: `kept_bytes`), else every layer's saved tensors
   (`layer_saved_bytes`: what autograd keeps of a Hugging Face Llama decoder layer run through an lctrain engine,
-  counted with `saved_tensors_hooks`);
+  counted with `saved_tensors_hooks`); the `reference` engine's dense scores and masks (`reference_scores`);
 - the backward peak of one layer: its forward recomputed under checkpointing (the MLP's intermediates for the rank's
   tokens or for one `tiled_mlp` shard); the layer's gradients reuse what its freed saved tensors held (measured on
   CPU, tests/test_memory.py), so they add nothing of their own;
@@ -31,9 +31,11 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
 States add up. The transients (a layer's recomputation, a loss chunk) happen at different moments of the backward, so
 only the largest adds to the saved activations. The `param.grad` gradients appear during the backward while the
 saved activations are freed, so they add to the transients at its end, not to the saved activations at its start
-(the loss's backward, where a long window peaks); the optimizer step comes after the backward has freed the
-activations, and the construction's copy before either, so the peak is the states plus the largest of the four
-(`MemoryPlan.total`). On the CPU the host's allocator keeps some freed memory (`CPU_ALLOCATOR_FRACTION`).
+(the loss's backward, where a long window peaks), except what the first layer saved, which its backward, the last,
+still needs; the optimizer step comes after the backward has freed the activations, and the construction's copy
+before either, so the peak is the states plus the largest of the four (`MemoryPlan.total`). On the CPU the host's
+allocator keeps some freed memory (`CPU_ALLOCATOR_FRACTION`). A plan is held to `WARN_FRACTION` of each memory
+(`Budget.planned`).
 
 Sequence parallelism divides the tokens of every per-token tensor by `sp`, except inside the attention engine, where
 DeepSpeed-Ulysses' all-to-all gives each rank the whole sequence for `heads / sp` heads: the same number of elements,
@@ -47,8 +49,9 @@ from dataclasses import dataclass
 
 from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
+from lctrain.errors import UserError
 from lctrain.model import auto_mlp_shards, training_mlp_rows
-from lctrain.parallel.layout import ParallelLayout
+from lctrain.parallel.layout import ParallelLayout, kv_replication
 from lctrain.search import longest_fitting
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
 from lctrain.train.loss import positions_per_chunk
@@ -66,23 +69,25 @@ HOST_RUNTIME_BYTES = 2**30
 # above the tensors' peak and the process's own 0.5 GB, 12-30% of the tensors' peak. HOST_RUNTIME_BYTES covers 0.57
 # GB of it; this fraction of the tensors' peak the rest (the host need then within -2%..+9% of the measured peak).
 CPU_ALLOCATOR_FRACTION = 0.1
-# Fraction of the device memory above which `train` warns: PyTorch's caching allocator fragments, so a plan this
-# close to the limit may still run out of memory.
+# Fraction of the memory a plan is held to (`Budget.planned`: `plan`'s FITS, its fixes and longest seq_len, `init`'s
+# layouts) and above which `train` warns: PyTorch's caching allocator fragments, so a plan this close to the limit may
+# still run out of memory.
 WARN_FRACTION = 0.9
 FP32 = 4
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # Kinds of item: model states live through the step; parameter gradients are made during the backward, as the
-# activations are freed, and live until the step; saved activations from the forward to their layer's backward; the
-# loss chunk's logits at the backward's start; a transient within one phase of the backward (a layer recomputed);
-# the gradients' reduction after the backward (beside all gradients, once the activations are freed); what the
-# optimizer step allocates (after the backward); and a copy made while the engine is built (beside the states, before
-# any step).
-STATE, GRAD, SAVED, LOSS, TRANSIENT, REDUCE, STEP, BUILD = (
+# activations are freed, and live until the step; saved activations from the forward to their layer's backward, those
+# of the first layer until the backward's end (its backward comes last, beside nearly all gradients); the loss chunk's
+# logits at the backward's start; a transient within one phase of the backward (a layer recomputed); the gradients'
+# reduction after the backward (beside all gradients, once the activations are freed); what the optimizer step
+# allocates (after the backward); and a copy made while the engine is built (beside the states, before any step).
+STATE, GRAD, SAVED, SAVED_TO_END, LOSS, TRANSIENT, REDUCE, STEP, BUILD = (
     "state",
     "gradient",
     "saved",
+    "saved to end",
     "loss",
     "transient",
     "reduce",
@@ -109,11 +114,11 @@ class MemoryPlan:
     def total(self, where: str) -> int:
         """Peak bytes in `where`: the states, and the largest of the backward's start (the saved activations and the
         largest of the loss chunk and a transient; no parameter has its gradient yet), the backward's end (every
-        gradient and the larger of a transient and the reduction's copy; the activations are freed), the optimizer
-        step's (the gradients and its
-        items) and the engine construction's copies. Within the backward the gradients grow by a layer's parameters
-        as the activations shrink by a layer's, so the largest sum is at one of its ends (measured on SmolLM2-135M on
-        CPU, tests/test_memory_real_model.py: its 2K-token step peaks in the loss's backward, before any gradient)."""
+        gradient and the larger of a transient beside what the first layer saved, and the reduction's copy; the other
+        activations are freed), the optimizer step's (the gradients and its items) and the engine construction's
+        copies. Within the backward the gradients grow by a layer's parameters as the activations shrink by a layer's,
+        so the largest sum is at one of its ends (measured on SmolLM2-135M on CPU, tests/test_memory_real_model.py:
+        its 2K-token step peaks in the loss's backward, before any gradient)."""
         here = [i for i in self.items if i.where == where]
 
         def largest(*kinds: str) -> int:
@@ -122,8 +127,8 @@ class MemoryPlan:
         def summed(kind: str) -> int:
             return sum(i.bytes for i in here if i.kind == kind)
 
-        start = summed(SAVED) + largest(LOSS, TRANSIENT)
-        end = summed(GRAD) + max(largest(TRANSIENT), summed(REDUCE))
+        start = summed(SAVED) + summed(SAVED_TO_END) + largest(LOSS, TRANSIENT)
+        end = summed(GRAD) + max(summed(SAVED_TO_END) + largest(TRANSIENT), summed(REDUCE))
         step = summed(GRAD) + summed(STEP)
         return summed(STATE) + max(start, end, step, largest(BUILD))
 
@@ -154,8 +159,18 @@ class Budget:
         return need(plan, self.gpu)
 
     def fits(self, plan: MemoryPlan) -> bool:
+        return not self.over(plan)
+
+    def over(self, plan: MemoryPlan) -> list[str]:
+        """The memories `plan` needs more of than this budget holds: "device", "host", both or none."""
         device, host = self.need(plan)
-        return (self.device is None or device <= self.device) and host <= self.host
+        sizes = (("device", device, self.device), ("host", host, self.host))
+        return [where for where, n, size in sizes if size is not None and n > size]
+
+    def planned(self) -> Budget:
+        """The share of this memory a plan is held to: WARN_FRACTION of the device's and of the host's."""
+        device = None if self.device is None else int(WARN_FRACTION * self.device)
+        return Budget(device, int(WARN_FRACTION * self.host), f"{WARN_FRACTION:.0%} of {self.label}")
 
 
 def need(plan: MemoryPlan, gpu: bool) -> tuple[int, int]:
@@ -171,27 +186,46 @@ def dtype_bytes(dtype: str) -> int:
     return _DTYPE_BYTES[dtype]
 
 
-def layer_saved_bytes(shape: ModelShape, tokens: int, mlp_tokens: int, b: int) -> int:
+def layer_saved_bytes(shape: ModelShape, tokens: int, mlp_tokens: int, b: int, scores: int = 0) -> int:
     """What autograd keeps of one Llama decoder layer over `tokens` tokens, `mlp_tokens` of them through the MLP
     (0 under TiledMLP, which keeps only its input). Per token: each RMSNorm its fp32 input, fp32 inverse norm and
     normed output; the projections' inputs; the engine's q and k, v (repeated to all heads), output and fp32
-    log-sum-exp; o_proj's input; the MLP's gate, up, activation and their product."""
+    log-sum-exp; o_proj's input; the MLP's gate, up, activation and their product. The `reference` engine (`scores`
+    elements of dense scores, `reference_scores`) keeps q, k and v for its two matmuls, and its softmax's fp32 output
+    and that output's copy in the model's dtype (the same tensor in fp32) instead of an output and log-sum-exp."""
     norms = 2 * (shape.hidden * (FP32 + b) + FP32)
     projections = 2 * shape.hidden * b
-    attention = 5 * shape.width * b + shape.heads * FP32
-    return tokens * (norms + projections + attention) + mlp_tokens * 4 * shape.intermediate * b
+    if scores:
+        attention = 3 * shape.width * b
+        dense = scores * (FP32 + (b if b != FP32 else 0))
+    else:
+        attention, dense = 5 * shape.width * b + shape.heads * FP32, 0
+    return tokens * (norms + projections + attention) + mlp_tokens * 4 * shape.intermediate * b + dense
 
 
-def kept_bytes(shape: ModelShape, tokens: int, b: int, mode: str) -> int:
+def kept_bytes(shape: ModelShape, tokens: int, b: int, mode: str, scores: int = 0) -> int:
     """What selective checkpointing keeps of one layer beyond its input (lctrain/checkpointing.py): the attention
     kernel's output and fp32 log-sum-exp; with `selective_matmul` also every projection's output (q, k, v, o, gate,
-    up, down)."""
+    up, down). The `reference` engine (`scores` elements of dense scores) has no kernel to keep: `selective` keeps
+    nothing of its attention, `selective_matmul` its two matmuls' outputs (the scores and the weighted values)."""
     if mode not in ("selective", "selective_matmul"):
         return 0
-    kept = tokens * (shape.width * b + shape.heads * FP32)
+    if not scores:
+        kept = tokens * (shape.width * b + shape.heads * FP32)
+    else:
+        kept = 0 if mode == "selective" else (scores + tokens * shape.width) * b
     if mode == "selective_matmul":
         kept += tokens * (shape.width + 2 * shape.kv_width + 2 * shape.hidden + 2 * shape.intermediate) * b
     return kept
+
+
+def reference_scores(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> int:
+    """Elements of one layer's attention scores on a rank under the `reference` engine, which builds them dense:
+    micro_batch x heads / sp x seq_len x seq_len (Ulysses gives each rank the whole sequence for its heads); 0 for
+    the other engines, whose kernels never hold them."""
+    if cfg.attention.engine != "reference":
+        return 0
+    return cfg.train.micro_batch * shape.heads // layout.sp * cfg.data.seq_len**2
 
 
 def logits_bytes(shape: ModelShape, tokens: int, b: int) -> int:
@@ -317,6 +351,12 @@ def optimizer_step_items(shape: ModelShape, cfg: Config, world: int, gpu: bool, 
     return items
 
 
+def per_layer_items(name: str, per_layer: int, layers: int, where: str) -> list[Item]:
+    """`per_layer` saved bytes of each of `layers` layers: the first layer's until the backward's end."""
+    rest = [Item(f"{name}, layers 2-{layers}", (layers - 1) * per_layer, where, SAVED)] if layers > 1 else []
+    return [*rest, Item(f"{name}, layer 1", per_layer, where, SAVED_TO_END)]
+
+
 def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> list[Item]:
     m = cfg.model
     b = dtype_bytes(m.dtype)
@@ -330,6 +370,13 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     final_norm = tokens * (shape.hidden * (FP32 + b) + FP32)
     logits = logits_bytes(shape, micro_batch * positions_per_chunk(micro_batch, seq_tokens), b)
     items = [Item("loss chunk logits", logits, "device", LOSS), Item("final norm", final_norm, "device", SAVED)]
+    scores = reference_scores(shape, cfg, layout)
+    if scores:
+        # one boolean [seq_len, seq_len] mask per window, cached in its batch, which the trainer holds for the step
+        windows = RunPlan.of(cfg, layout).batches.global_batch // layout.dp
+        items.append(Item("reference engine's dense masks", windows * cfg.data.seq_len**2, "device"))
+    # a layer's backward through the reference engine's softmax: the fp32 gradients of its output and of its input
+    score_grads = 2 * FP32 * scores
     chunks = math.ceil(seq_tokens / positions_per_chunk(micro_batch, seq_tokens))
     if chunks > 1 and cfg.parallel.zero_stage < 2:
         # lm_head's gradient exists from the first chunk's backward on, beside the next chunk's logits
@@ -337,33 +384,25 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     mode = m.checkpointing_mode
     if mode != "none":
         # the recomputed layer's kept tensors are the cached ones, not new allocations
-        kept = kept_bytes(shape, tokens, b, mode)
-        items += [
-            Item(
-                "checkpointed hidden states",
-                shape.layers * tokens * shape.hidden * b,
-                "host" if m.offload_activations else "device",
-                SAVED,
-            ),
-            Item(
-                "one layer recomputed",
-                layer_saved_bytes(shape, tokens, shard_tokens, b) + all_to_all - kept,
-                "device",
-                TRANSIENT,
-            ),
-        ]
-        if kept:
-            items.append(Item(f"kept by {mode} checkpointing, all layers", shape.layers * kept, "device", SAVED))
-    else:
-        stored_mlp = 0 if shards else tokens
+        kept = kept_bytes(shape, tokens, b, mode, scores)
+        hidden_where = "host" if m.offload_activations else "device"
+        items += per_layer_items("checkpointed hidden states", tokens * shape.hidden * b, shape.layers, hidden_where)
         items.append(
             Item(
-                "activations, all layers",
-                shape.layers * (layer_saved_bytes(shape, tokens, stored_mlp, b) + all_to_all),
+                "one layer recomputed",
+                layer_saved_bytes(shape, tokens, shard_tokens, b, scores) + all_to_all - kept + score_grads,
                 "device",
-                SAVED,
+                TRANSIENT,
             )
         )
+        if kept:
+            items += per_layer_items(f"kept by {mode} checkpointing", kept, shape.layers, "device")
+    else:
+        stored_mlp = 0 if shards else tokens
+        layer = layer_saved_bytes(shape, tokens, stored_mlp, b, scores) + all_to_all
+        items += per_layer_items("activations", layer, shape.layers, "device")
+        if score_grads:
+            items.append(Item("reference engine's score gradients", score_grads, "device", TRANSIENT))
         if shards:
             items.append(
                 Item("one MLP shard recomputed", shard_tokens * 4 * shape.intermediate * b, "device", TRANSIENT)
@@ -372,9 +411,12 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
 
 
 def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
-    """The memory of one rank of `cfg` (a model of `shape`) on a GPU, or with `gpu=False` on the CPU."""
+    """The memory of one rank of `cfg` (a model of `shape`) on a GPU, or with `gpu=False` on the CPU. Refuses in one
+    line, as `train` does, a layout that cannot run: one whose heads do not split over the sequence-parallel ranks."""
     plan = RunPlan.of(cfg)
     layout = plan.layout
+    if layout.sp > 1:
+        kv_replication(shape.heads, shape.kv_heads, layout.sp, cfg.origin("parallel.sequence_parallel", "model"))
     torch_adam = uses_torch_adam(cfg, gpu)
     ds_config = deepspeed_config(cfg, plan, gpu=gpu)
     items = (
@@ -414,33 +456,53 @@ def searched_to_the_limit(cfg: Config, longest: int, limit: int = SEARCH_LIMIT) 
     return longest + cfg.parallel.sequence_parallel * 1024 >= limit
 
 
-def candidate_fixes(cfg: Config) -> list[list[str]]:
-    """Settings that lower a rank's memory, as `--set` overrides, each applicable to `cfg` as it is."""
+SELECTIVE = "model.checkpointing=selective"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A setting that lowers a rank's memory, as `--set` overrides. Combined, a candidate replaces the earlier one of
+    its `group` (one sequence-parallel size, one checkpointing)."""
+
+    overrides: tuple[str, ...]
+    group: str
+
+
+def candidate_fixes(cfg: Config) -> list[Candidate]:
+    """Settings that lower a rank's memory from `cfg` as it is, the cheapest in speed first: an attention kernel in
+    place of the `reference` engine (faster, and no dense scores), each larger sequence-parallel group (no more
+    compute; a rank's all-to-all bytes stay about the same as the group grows), ZeRO-3 (one more all-gather of the
+    weights per pass, overlapped with compute), tiled MLP (one more MLP forward per layer), checkpointing selective
+    then full (each layer's forward rerun but for attention, then with it), and the offloads, over PCIe: the hidden
+    states, then the optimizer step on the CPU, then the weights in every pass. `fixes` leaves out what `cfg`'s
+    checks refuse (a group size that does not divide the heads, the window or the batch)."""
     p, m = cfg.parallel, cfg.model
-    out = []
     world = p.nproc_per_node * p.num_nodes
-    sp = p.sequence_parallel * 2
-    while sp <= world:
-        if world % sp == 0 and cfg.data.seq_len % sp == 0:
-            out.append([f"parallel.sequence_parallel={sp}"])
-            break
-        sp *= 2
-    mode = m.checkpointing_mode
-    if mode == "none":
-        # selective first: the backward does not rerun attention; `fixes` ranks what fits ahead of what does not
-        out.append([SELECTIVE])
-        # the older switch unless the config names checkpointing itself (then the two would contradict)
-        out.append(["model.gradient_checkpointing=true" if m.checkpointing is None else "model.checkpointing=full"])
-    if m.tiled_mlp == 0:
-        out.append(["model.tiled_mlp=auto"])
-    if mode != "none" and not m.offload_activations:
-        out.append(["model.offload_activations=true"])
+    out = [Candidate(("attention.engine=auto",), "engine")] if cfg.attention.engine == "reference" else []
+    out += [
+        Candidate((f"parallel.sequence_parallel={sp}",), "sequence_parallel")
+        for sp in range(p.sequence_parallel + 1, world + 1)
+        if world % sp == 0
+    ]
     if p.zero_stage < 3:
-        out.append(["parallel.zero_stage=3"])
+        out.append(Candidate(("parallel.zero_stage=3",), "zero_stage"))
+    if m.tiled_mlp == 0:
+        out.append(Candidate(("model.tiled_mlp=auto",), "tiled_mlp"))
+    mode = m.checkpointing_mode
+    if mode in ("none", "selective_matmul"):
+        out.append(Candidate((SELECTIVE,), "checkpointing"))
+    if mode != "full":
+        # the older switch when the config uses it (with checkpointing named, the two would contradict)
+        full = "model.gradient_checkpointing=true" if m.checkpointing is None else "model.checkpointing=full"
+        out.append(Candidate((full,), "checkpointing"))
+    if not m.offload_activations:
+        out.append(Candidate(("model.offload_activations=true",), "offload_activations"))
     if not p.offload_optimizer:
-        out.append(["parallel.offload_optimizer=true"] + ([] if p.zero_stage else ["parallel.zero_stage=1"]))
+        stage = () if p.zero_stage else ("parallel.zero_stage=1",)
+        out.append(Candidate(("parallel.offload_optimizer=true", *stage), "offload_optimizer"))
     if not p.offload_params:
-        out.append(["parallel.offload_params=true"] + ([] if p.zero_stage == 3 else ["parallel.zero_stage=3"]))
+        stage = () if p.zero_stage == 3 else ("parallel.zero_stage=3",)
+        out.append(Candidate(("parallel.offload_params=true", *stage), "offload_params"))
     return out
 
 
@@ -459,38 +521,73 @@ def replan(cfg: Config, overrides: list[str], shape: ModelShape, budget: Budget)
     return Fix(tuple(overrides), device, host, budget.fits(plan))
 
 
+def _replan_if_it_runs(cfg: Config, overrides: list[str], shape: ModelShape, budget: Budget) -> Fix | None:
+    """`replan`, or None when `cfg`'s checks refuse `overrides` (a fix that cannot run is no fix)."""
+    try:
+        return replan(cfg, overrides, shape, budget)
+    except UserError:
+        return None
+
+
 _ZERO_STAGE = "parallel.zero_stage="
 
 
-def _combined(overrides: list[str], more: tuple[str, ...]) -> list[str]:
-    """`overrides` and then `more`, each once, with one ZeRO stage: the highest they ask for (a candidate only ever
-    raises it, to what its offload needs; a lower one after ZeRO-3 would leave offload_params without it)."""
-    given = [*overrides, *more]
+def _combined(candidates: list[Candidate]) -> list[str]:
+    """The overrides of `candidates`, the last of each group, each override once, with one ZeRO stage: the highest
+    they ask for (a candidate only ever raises it, to what its offload needs; a lower one after ZeRO-3 would leave
+    offload_params without it)."""
+    last = {c.group: c for c in candidates}
+    given = [o for c in candidates if last[c.group] is c for o in c.overrides]
     stages = [int(o.removeprefix(_ZERO_STAGE)) for o in given if o.startswith(_ZERO_STAGE)]
     rest = list(dict.fromkeys(o for o in given if not o.startswith(_ZERO_STAGE)))
     return rest + ([f"{_ZERO_STAGE}{max(stages)}"] if stages else [])
 
 
-def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
-    """Each candidate setting re-planned, with its predicted needs; those that fit first (selective checkpointing
-    ahead of the others, being the faster of the checkpointings), then by total need. When
-    none fits alone, one more: the candidates combined, the largest device saving first, up to the first that fits
-    (with the highest ZeRO stage any of them asks for, e.g. ZeRO-3 over the ZeRO-1 that optimizer offload alone
-    needs)."""
-    out = [replan(cfg, overrides, shape, budget) for overrides in candidate_fixes(cfg)]
-    if len(out) > 1 and not any(f.fits for f in out):
-        combined: list[str] = []
-        for single in sorted(out, key=lambda f: f.device):
-            combined = _combined(combined, single.overrides)
-            fix = replan(cfg, combined, shape, budget)
-            if fix.fits:
+def _excess(fix: Fix, budget: Budget) -> int:
+    """Bytes `fix` needs beyond `budget`, on the device and the host together."""
+    device = max(0, fix.device - budget.device) if budget.device is not None else 0
+    return device + max(0, fix.host - budget.host)
+
+
+def _cheapest_combination(cfg: Config, candidates: list[Candidate], shape: ModelShape, budget: Budget) -> Fix | None:
+    """Candidates added one at a time, each time the cheapest in speed that the checks accept and that lowers what the
+    combination needs beyond the budget (one that did not may once another is in: a larger sequence-parallel group
+    under ZeRO-3), up to the first combination that fits; then, the slowest first, each dropped that the combination
+    fits without (a larger sequence-parallel group falls back to the smaller one before it). So no offload when a fit
+    without one exists. When none fits, the combination that comes nearest; None when no candidate lowers the need."""
+    chosen: list[Candidate] = []
+    fix = None
+    over = _excess(replan(cfg, [], shape, budget), budget)
+    while fix is None or not fix.fits:
+        for candidate in (c for c in candidates if c not in chosen):
+            tried = _replan_if_it_runs(cfg, _combined([*chosen, candidate]), shape, budget)
+            if tried is not None and _excess(tried, budget) < over:
+                chosen, fix, over = [*chosen, candidate], tried, _excess(tried, budget)
                 break
-        if len(fix.overrides) > max(len(f.overrides) for f in out):
-            out.append(fix)
-    return sorted(out, key=lambda f: (not f.fits, f.overrides != (SELECTIVE,), f.device + f.host))
+        else:
+            return fix
+    for candidate in reversed(chosen):
+        fewer = [c for c in chosen if c is not candidate]
+        tried = _replan_if_it_runs(cfg, _combined(fewer), shape, budget) if fewer else None
+        if tried is not None and tried.fits:
+            chosen, fix = fewer, tried
+    return fix
 
 
-SELECTIVE = "model.checkpointing=selective"
+def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
+    """Each candidate setting that `cfg`'s checks accept, re-planned, with its predicted needs: those that fit first,
+    the cheapest in speed first (`candidate_fixes`' order), then those that do not by total need. When none fits
+    alone, one more: the cheapest combination that fits, or the nearest when none does (`_cheapest_combination`; with
+    the highest ZeRO stage any of them asks for, e.g. ZeRO-3 over the ZeRO-1 that optimizer offload alone needs)."""
+    candidates = candidate_fixes(cfg)
+    out = [f for c in candidates if (f := _replan_if_it_runs(cfg, list(c.overrides), shape, budget)) is not None]
+    if not any(f.fits for f in out):
+        # every candidate: one refused alone may run beside another (activation offload beside checkpointing)
+        combined = _cheapest_combination(cfg, candidates, shape, budget)
+        if combined is not None and all(set(combined.overrides) != set(f.overrides) for f in out):
+            out.append(combined)
+    speed = {f.overrides: rank for rank, f in enumerate(out)}
+    return sorted(out, key=lambda f: (not f.fits, speed[f.overrides] if f.fits else 0, f.device + f.host))
 
 
 def faster_fit(cfg: Config, shape: ModelShape, budget: Budget) -> Fix | None:
@@ -498,5 +595,5 @@ def faster_fit(cfg: Config, shape: ModelShape, budget: Budget) -> Fix | None:
     saving but for each layer's attention output, and a backward that does not rerun attention."""
     if cfg.model.checkpointing_mode != "full":
         return None
-    fix = replan(cfg, [SELECTIVE], shape, budget)
-    return fix if fix.fits else None
+    fix = _replan_if_it_runs(cfg, [SELECTIVE], shape, budget)
+    return fix if fix is not None and fix.fits else None

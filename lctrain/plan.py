@@ -1,5 +1,6 @@
 """`lctrain plan` and `train`'s memory check: a config's per-rank memory plan (lctrain/memory.py) against the memory
-of the machine it will run on: a known GPU by name, `--gpu-mem`, or, without a GPU, the host's available memory."""
+of the machine it will run on: a known GPU by name, `--gpu-mem`, or, without a GPU, the host's available memory; held
+to WARN_FRACTION of it (`Budget.planned`), the share above which `train` warns."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import psutil
 import torch
 from rich.table import Table
 
-from lctrain.config import Config
+from lctrain.config import Config, with_overrides
 from lctrain.console import plain_console
 from lctrain.errors import UserError
 from lctrain.hardware import known_gpu
@@ -27,6 +28,8 @@ from lctrain.memory import (
     searched_to_the_limit,
 )
 from lctrain.model import model_shape
+from lctrain.parallel.layout import layout_of
+from lctrain.train.data import BatchPlan
 from lctrain.units import GB, gb_to_bytes
 
 
@@ -51,34 +54,38 @@ def local_budget(gpu_mem_gb: float | None = None, host_mem_gb: float | None = No
 
 
 def memory_warning(cfg: Config) -> str | None:
-    """`train`'s check: None when the plan fits in WARN_FRACTION of the memory; a one-line warning above it; a
-    UserError naming the settings that would fit when it exceeds a known GPU's memory (on a CPU, whose memory is the
-    host's, only a warning)."""
-    budget, known = local_budget()
+    """`train`'s check: None when the plan fits in WARN_FRACTION of the memory; a one-line warning naming the memory
+    above it; a UserError naming the settings that would fit in WARN_FRACTION when it exceeds a known GPU's memory
+    (on a CPU, whose memory is the host's, only a warning)."""
+    memory, known = local_budget()
+    budget = memory.planned()
     shape = model_shape(cfg)
     plan = plan_memory(cfg, shape, budget.gpu)
-    device, host = budget.need(plan)
-    limit, need = (budget.host, host) if budget.device is None else (budget.device, device)
-    if need <= WARN_FRACTION * limit and host <= WARN_FRACTION * budget.host:
+    over = budget.over(plan)
+    if not over:
         return None
-    where = "host" if budget.device is None or device <= budget.device else "device"
+    device, host = budget.need(plan)
+    per_gpu = f"{device / GB:.1f} GB per GPU and " if budget.gpu else ""
     summary = (
-        f"the memory plan needs {device / GB:.1f} GB per GPU and {host / GB:.1f} GB of host memory "
-        f"({budget.label}; `lctrain plan` itemises it)"
+        f"the memory plan needs {per_gpu}{host / GB:.1f} GB of host memory ({memory.label}; `lctrain plan` itemises it)"
     )
-    if budget.device is not None and known and not budget.fits(plan):
+    if memory.gpu and known and not memory.fits(plan):
         found = [f for f in fixes(cfg, shape, budget) if f.fits]
         hint = ("; these would fit: " + "; ".join(" ".join(f.overrides) for f in found[:3])) if found else ""
         raise UserError(f"{cfg.source_file or 'config'} does not fit: {summary}{hint}")
-    return f"warning: {summary}: above {WARN_FRACTION:.0%} of the {where} memory, this run may run out of memory"
+    return (
+        f"warning: {summary}: above {WARN_FRACTION:.0%} of the {' and the '.join(over)} memory, this run may run "
+        f"out of memory"
+    )
 
 
 def _gb(n: int) -> str:
     return f"{n / GB:,.2f}"
 
 
-def report(cfg: Config, budget: Budget) -> dict:
-    """Everything `lctrain plan` prints, as JSON-ready data."""
+def report(cfg: Config, memory: Budget) -> dict:
+    """Everything `lctrain plan` prints, as JSON-ready data: the plan against `memory` held to WARN_FRACTION of it."""
+    budget = memory.planned()
     shape = model_shape(cfg)
     plan = plan_memory(cfg, shape, budget.gpu)
     device, host = budget.need(plan)
@@ -89,15 +96,19 @@ def report(cfg: Config, budget: Budget) -> dict:
         # a --set model.name_or_path plans another model than the config file's name says
         "model": cfg.model.name_or_path or f"{cfg.model.arch['model_type']} (model.arch)",
         "seq_len": cfg.data.seq_len,
-        "budget": budget.label,
-        "device_memory_bytes": budget.device,
-        "host_memory_bytes": budget.host,
+        "budget": memory.label,
+        "device_memory_bytes": memory.device,
+        "host_memory_bytes": memory.host,
+        "budget_fraction": WARN_FRACTION,
+        "device_budget_bytes": budget.device,
+        "host_budget_bytes": budget.host,
         "items": [vars(i) for i in plan.items],
         "ranks_per_host": plan.ranks_per_host,
         "cpu_allocator_bytes": 0 if budget.gpu else plan.cpu_allocator_bytes(),
         "device_need_bytes": device,
         "host_need_bytes": host,
         "fits": budget.fits(plan),
+        "over": budget.over(plan),
         "longest_seq_len": longest,
         "longest_is_a_lower_bound": longest is not None and searched_to_the_limit(cfg, longest),
         "fixes": [vars(f) | {"overrides": list(f.overrides)} for f in fixes(cfg, shape, budget)],
@@ -116,13 +127,14 @@ def print_report(r: dict) -> None:
     console.print(table)
     console.print(
         "states add up with the largest of the backward's start (saved activations and the largest of the loss and "
-        "a transient), its end (gradients and the largest transient), the optimizer step (gradients and its items) "
-        "and the engine's construction"
+        "a transient), its end (gradients, the first layer's saved activations and the largest transient), the "
+        "optimizer step (gradients and its items) and the engine's construction"
     )
+    share = f"{r['budget_fraction']:.0%}"
     if r["device_memory_bytes"] is not None:
         console.print(
-            f"device: {_gb(r['device_need_bytes'])} GB needed of {_gb(r['device_memory_bytes'])} GB "
-            f"(runtime overhead included)"
+            f"device: {_gb(r['device_need_bytes'])} GB needed of {_gb(r['device_budget_bytes'])} GB, {share} of "
+            f"{_gb(r['device_memory_bytes'])} GB (runtime overhead included)"
         )
     kept = (
         f", {_gb(r['cpu_allocator_bytes'])} GB per rank that the CPU allocator keeps of freed tensors"
@@ -131,9 +143,14 @@ def print_report(r: dict) -> None:
     )
     console.print(
         f"host: {_gb(r['host_need_bytes'])} GB needed for {r['ranks_per_host']} rank(s) of "
-        f"{_gb(r['host_memory_bytes'])} GB ({r['budget']}; {_gb(HOST_RUNTIME_BYTES)} GB runtime per process{kept})"
+        f"{_gb(r['host_budget_bytes'])} GB, {share} of {_gb(r['host_memory_bytes'])} GB ({r['budget']}; "
+        f"{_gb(HOST_RUNTIME_BYTES)} GB runtime per process{kept})"
     )
-    console.print("[bold green]FITS[/]" if r["fits"] else "[bold red]DOES NOT FIT[/]")
+    verdict = "[bold green]FITS[/] in" if r["fits"] else "[bold red]DOES NOT FIT[/] in"
+    memory = "memory" if r["fits"] else f"{' and the '.join(r['over'])} memory"
+    console.print(
+        f"{verdict} {share} of the {memory} (`lctrain train` warns above it: the caching allocator fragments)"
+    )
     longest = r["longest_seq_len"]
     if not longest:
         console.print("no seq_len fits with these settings")
@@ -156,15 +173,28 @@ def print_report(r: dict) -> None:
         console.print(fix_table)
 
 
+def with_nproc(cfg: Config, nproc: int) -> Config:
+    """`cfg` on `nproc` processes per node (`--nproc`), refusing a layout that cannot run in one line naming
+    `--nproc`, not a `--set` the user did not type."""
+    derived = with_overrides(cfg, [f"parallel.nproc_per_node={nproc}"], f"--nproc {nproc}")
+    try:
+        BatchPlan.of(derived, layout_of(derived))
+    except UserError as e:
+        raise UserError(f"--nproc {nproc}: {e}") from None
+    return derived
+
+
 def plan(
     cfg: Config,
     gpu_mem_gb: float | None = None,
     host_mem_gb: float | None = None,
     json_path: str | None = None,
+    nproc: int | None = None,
 ) -> dict:
-    """`lctrain plan`: print the plan against this machine's (or the given) memory; optionally write it as JSON."""
-    budget, _ = local_budget(gpu_mem_gb, host_mem_gb)
-    r = report(cfg, budget)
+    """`lctrain plan`: print the plan against this machine's (or the given) memory, on `nproc` processes per node
+    (default the config's); optionally write it as JSON."""
+    memory, _ = local_budget(gpu_mem_gb, host_mem_gb)
+    r = report(cfg if nproc is None else with_nproc(cfg, nproc), memory)
     print_report(r)
     if json_path:
         try:

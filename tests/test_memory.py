@@ -79,8 +79,20 @@ def windows(seq_len):
         ["parallel.zero_stage=1", "model.tiled_mlp=4"],
         ["model.checkpointing=selective"],
         ["model.checkpointing=selective_matmul"],
+        # the reference engine's dense scores: slow-marked to keep the default suite under its budget
+        pytest.param(["attention.engine=reference"], marks=pytest.mark.slow),
+        pytest.param(["attention.engine=reference", "model.checkpointing=selective_matmul"], marks=pytest.mark.slow),
     ],
-    ids=["plain", "checkpointing", "checkpointing+tiled", "zero1+tiled4", "selective", "selective_matmul"],
+    ids=[
+        "plain",
+        "checkpointing",
+        "checkpointing+tiled",
+        "zero1+tiled4",
+        "selective",
+        "selective_matmul",
+        "reference",
+        "reference+selective_matmul",
+    ],
 )
 def test_prediction_within_15_percent_of_the_measured_peak(extra):
     from lctrain.measure import cpu_peak_bytes
@@ -318,7 +330,13 @@ def test_fixes_combine_when_none_fits_alone():
     from lctrain.memory import fixes
 
     shape = ModelShape.from_hf_config(hf_config(num_hidden_layers=16))
-    cfg = config(16384, "parallel.zero_stage=3", "model.dtype=bfloat16", "model.gradient_checkpointing=true")
+    cfg = config(
+        16384,
+        "parallel.zero_stage=3",
+        "model.dtype=bfloat16",
+        "model.gradient_checkpointing=true",
+        "model.tiled_mlp=auto",
+    )
     plain = plan_memory(cfg, shape)
     # a device between the plain plan less its optimizer states and less its hidden states too: each alone falls
     # short, both together fit
@@ -327,7 +345,7 @@ def test_fixes_combine_when_none_fits_alone():
         for i in plain.items
         if i.name in ("fp32 master weights", "Adam moments (fp32)", "fp32 gradient partition")
     )
-    hidden = next(i.bytes for i in plain.items if i.name == "checkpointed hidden states")
+    hidden = sum(i.bytes for i in plain.items if i.name.startswith("checkpointed hidden states"))
     need = Budget(device=1 << 50, host=1 << 50, label="any").need(plain)[0]  # with the runtime overhead
     budget = Budget(device=need - states - hidden // 2, host=1 << 40, label="test")
     found = fixes(cfg, shape, budget)
@@ -342,9 +360,11 @@ def test_combined_fixes_keep_the_zero_stage_their_offloads_need():
     """From ZeRO-0 the optimizer offload alone asks for ZeRO-1 and the weight offload for ZeRO-3; combined, whatever
     their order, they run at ZeRO-3 (ZeRO-1 would leave offload_params without the stage it needs)."""
     from lctrain.memory import fixes
+    from lctrain.model import model_shape
 
+    # Llama-2-7B's shape: its optimizer states and weights, not DeepSpeed's buffers, are what the offloads move
     cfg = load_config("llama2_64k_anchor", ["parallel.zero_stage=0", "model.dtype=float32"])
-    found = fixes(cfg, ModelShape.from_hf_config(hf_config()), Budget(device=1000, host=1 << 50, label="test"))
+    found = fixes(cfg, model_shape(cfg), Budget(device=1000, host=1 << 50, label="test"))
     combined = max(found, key=lambda f: len(f.overrides)).overrides
     assert {"parallel.offload_optimizer=true", "parallel.offload_params=true"} <= set(combined)
     assert [o for o in combined if o.startswith("parallel.zero_stage=")] == ["parallel.zero_stage=3"]
@@ -353,9 +373,10 @@ def test_combined_fixes_keep_the_zero_stage_their_offloads_need():
 def test_train_refuses_beyond_a_known_gpu_naming_fixes(monkeypatch):
     import lctrain.plan as plan
 
-    monkeypatch.setattr(plan, "local_budget", lambda: (Budget(int(3.1 * GB), 64 * 2**30, "test GPU"), True))
+    # 5.98 GB planned, 4.58 with checkpointing: within 90% of 5.2 GB
+    monkeypatch.setattr(plan, "local_budget", lambda: (Budget(int(5.2 * GB), 64 * 2**30, "test GPU"), True))
     with pytest.raises(UserError, match="does not fit.*would fit: .*gradient_checkpointing=true"):
-        plan.memory_warning(config(4096))
+        plan.memory_warning(config(16384))
     monkeypatch.setattr(plan, "local_budget", lambda: (Budget(None, int(1.1 * GB), "CPU"), False))
     assert plan.memory_warning(config(4096)).startswith("warning: ")
 
@@ -415,7 +436,7 @@ def test_selective_checkpointing_keeps_attention_outputs_and_is_suggested_when_i
 
     shape = ModelShape.from_hf_config(hf_config())
     full, selective, none = (config(8192, f"model.checkpointing={m}") for m in ("full", "selective", "none"))
-    kept = {i.name: i.bytes for i in plan_memory(selective, shape).items}["kept by selective checkpointing, all layers"]
+    kept = sum(i.bytes for i in plan_memory(selective, shape).items if i.name.startswith("kept by selective"))
     # per layer and token: the attention output (width values) and one fp32 log-sum-exp per head
     assert kept == shape.layers * 8192 * (shape.width * 4 + shape.heads * 4)
     assert kept_bytes(shape, 8192, 4, "full") == kept_bytes(shape, 8192, 4, "none") == 0
