@@ -179,6 +179,8 @@ def test_ulysses_activations_without_checkpointing_match_the_plan_per_rank(tmp_p
     # peak is activations (the rest mostly the fp32 reduce bucket), and the plan holds within 15% per rank
     from types import SimpleNamespace
 
+    from lctrain.memory import SAVED, SAVED_TO_END, TRANSIENT
+
     settings = [
         "model.dtype=bfloat16",
         "parallel.zero_stage=3",
@@ -200,7 +202,7 @@ def test_ulysses_activations_without_checkpointing_match_the_plan_per_rank(tmp_p
     args = SimpleNamespace(ladder=False, ladder_step=None, ladder_max=None, time_limit=None)
     bench.launched_rows(args, spec, 32768, tmp_path / "sp.json", rows, {})
     plan = bench.spec_plan(spec, 32768, gpu=False)
-    activations = sum(i.bytes for i in plan.items if i.kind in ("saved", "transient"))
+    activations = sum(i.bytes for i in plan.items if i.kind in (SAVED, SAVED_TO_END, TRANSIENT))
     assert activations > 0.3 * plan.total("device")
     assert abs(rows[0]["device_predicted_over_allocated"] - 1) <= 0.15, rows[0]
 
