@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from memory_helpers import saved_bytes_of_one_layer
 from train_helpers import one_error_line
 from typer.testing import CliRunner
 
@@ -185,38 +186,18 @@ def test_optimizer_step_peak_within_15_percent(offload):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_saved_bytes_match_autograd_saved_tensors(dtype):
     """Every distinct storage autograd keeps of one decoder layer, weights excluded."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from lctrain.attention import ENGINES, make_batch
+    from lctrain.attention import ENGINES
 
     hf = hf_config(dtype)
     hf._attn_implementation = ENGINES["sdpa"].hf_name
     layer = LlamaDecoderLayer(hf, 0).to(dtype)
     tokens = 1024
-    batch = make_batch(
-        torch.randint(0, VOCAB, (1, tokens)),
-        [np.array([400, 624])],
-        "anchor",
-        seg_doc=[np.arange(2)],
-        tag_lens=[np.zeros(2, dtype=np.int64)],
-    )
-    x = torch.randn(1, tokens, hf.hidden_size, dtype=dtype, requires_grad=True)
-    with torch.no_grad():
-        cos_sin = LlamaRotaryEmbedding(hf)(x, batch.position_ids)
-    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights and ptr != x.untyped_storage().data_ptr() and t.numel() > 2 * tokens:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, position_embeddings=cos_sin, position_ids=batch.position_ids, **batch.attention_kwargs())
+    measured = saved_bytes_of_one_layer(layer, hf, dtype, tokens, VOCAB)
     # the layer input is the caller's tensor (a checkpointed hidden state), counted apart from the layer
     expected = layer_saved_bytes(ModelShape.from_hf_config(hf), tokens, tokens, dtype.itemsize)
-    assert sum(saved.values()) == pytest.approx(expected, rel=0.03)
+    assert measured == pytest.approx(expected, rel=0.03)
 
 
 def test_param_count_is_the_models():

@@ -9,9 +9,9 @@ autograd's saved tensors of a reference-engine layer.
 import itertools
 import json
 
-import numpy as np
 import pytest
 import torch
+from memory_helpers import saved_bytes_of_one_layer
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -239,9 +239,9 @@ def test_reference_engine_saved_bytes_match_autograd(dtype):
     """Every distinct storage autograd keeps of one decoder layer through the reference engine, weights excluded:
     the plan's layer with its dense scores, and the boolean mask the layer shares with the others."""
     from transformers import AutoConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from lctrain.attention import ENGINES, make_batch
+    from lctrain.attention import ENGINES
     from lctrain.memory import layer_saved_bytes
 
     hf = AutoConfig.for_model(
@@ -257,31 +257,11 @@ def test_reference_engine_saved_bytes_match_autograd(dtype):
     hf._attn_implementation = ENGINES["reference"].hf_name
     layer = LlamaDecoderLayer(hf, 0).to(dtype)
     tokens = 1024
-    batch = make_batch(
-        torch.randint(0, 1024, (1, tokens)),
-        [np.array([400, 624])],
-        "anchor",
-        seg_doc=[np.arange(2)],
-        tag_lens=[np.zeros(2, dtype=np.int64)],
-    )
-    x = torch.randn(1, tokens, hf.hidden_size, dtype=dtype, requires_grad=True)
-    with torch.no_grad():
-        cos_sin = LlamaRotaryEmbedding(hf)(x, batch.position_ids)
-    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in weights and ptr != x.untyped_storage().data_ptr() and t.numel() > 2 * tokens:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, position_embeddings=cos_sin, position_ids=batch.position_ids, **batch.attention_kwargs())
+    measured = saved_bytes_of_one_layer(layer, hf, dtype, tokens, 1024)
     scores = 4 * tokens * tokens  # heads x tokens x tokens
     shape = ModelShape.from_hf_config(hf)
     expected = layer_saved_bytes(shape, tokens, tokens, dtype.itemsize, scores) + tokens * tokens
-    assert sum(saved.values()) == pytest.approx(expected, rel=0.03)
+    assert measured == pytest.approx(expected, rel=0.03)
 
 
 def test_reference_engine_at_128k_does_not_fit_and_is_told_to_use_a_kernel():
