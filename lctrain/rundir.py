@@ -26,6 +26,7 @@ import yaml
 from lctrain.config import Config, load_config, run_dir, to_yaml
 from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError, writing
+from lctrain.files import replace_file
 from lctrain.lifetime import RunLock
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -94,12 +95,10 @@ class RunDir:
     def write_config(self, cfg: Config) -> Path:
         """The resolved config, with the directory its relative paths resolve against, so that `read_config` from any
         directory (a resume, a launched worker, another node) means the same files."""
-        with writing(self.config_file, "the run's config"):
+        with writing(self.path, "the run directory"):
             self.path.mkdir(parents=True, exist_ok=True)
-            # replaced whole: the ranks of a launcher the user started read it while `resume --set` rewrites it
-            partial = self.config_file.with_name(f".{self.config_file.name}.partial")
-            partial.write_text(to_yaml(cfg, workdir=True))
-            partial.replace(self.config_file)
+        # replaced whole: the ranks of a launcher the user started read it while `resume --set` rewrites it
+        replace_file(self.config_file, to_yaml(cfg, workdir=True), "the run's config")
         return self.config_file
 
     def read_config(self, overrides: list[str] | tuple[str, ...] = ()) -> Config:

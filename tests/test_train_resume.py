@@ -32,6 +32,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.errors import UserError
+from lctrain.files import TEMPORARY_PREFIX
 from lctrain.measure import reset_host_peak
 from lctrain.rundir import RunDir, step_name
 from lctrain.train import checkpoint as ckpt
@@ -178,11 +179,11 @@ def test_sigkill_inside_a_checkpoint_write_then_resume_matches(reference, workdi
     assert proc.wait(timeout=180) == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
     root = RunDir(run_dir).checkpoints
     assert (root / ckpt.LATEST).read_text().strip() == step_name(2)
-    assert (root / (ckpt.TMP_PREFIX + step_name(4))).is_dir()  # the half-written one
+    assert (root / (TEMPORARY_PREFIX + step_name(4))).is_dir()  # the half-written one
     assert ckpt.latest_checkpoint(RunDir(run_dir)).name == step_name(2)
     result = CliRunner().invoke(app, ["resume", str(run_dir)])
     assert result.exit_code == 0, result.output
-    assert not list(root.glob(ckpt.TMP_PREFIX + "*"))
+    assert not list(root.glob(TEMPORARY_PREFIX + "*"))
     assert_same_end(run_dir, reference)
 
 

@@ -12,14 +12,13 @@ value that still has the right type is caught too. The shards themselves are che
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lctrain.checksums import XXH3, digest
-from lctrain.errors import writing
+from lctrain.files import replace_file
 
 # 5: document text that spells a special token ("<|endoftext|>") is encoded as text (before, the "tokenizers" and
 # "pickled" encoders gave the special token's id: the anchor or a chat marker inside a document).
@@ -140,10 +139,7 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write `manifest` (validated again, so a hand-built one is held to the reader's rules) with its checksum."""
     raw = Manifest.model_validate(manifest.model_dump()).model_dump(mode="json")
     raw[CHECKSUM_KEY] = digest(_canonical(raw))
-    tmp = directory / (MANIFEST + ".tmp")
-    with writing(directory / MANIFEST, "the dataset manifest"):
-        tmp.write_text(json.dumps(raw, indent=2, sort_keys=False) + "\n")
-        os.replace(tmp, directory / MANIFEST)
+    replace_file(directory / MANIFEST, json.dumps(raw, indent=2, sort_keys=False) + "\n", "the dataset manifest")
 
 
 def _first_error(e: ValidationError) -> str:

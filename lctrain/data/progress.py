@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from lctrain.errors import UserError
+from lctrain.files import replace_file, temporary_of
 
 PROGRESS = "progress.pkl"
 LOCK = ".lock"
@@ -59,17 +60,11 @@ class Partial:
         return saved["state"]
 
     def save(self, key: dict, state: dict) -> None:
-        tmp = self.dir / (PROGRESS + ".tmp")
-        with open(tmp, "wb") as f:
-            pickle.dump({"key": key, "state": state}, f, protocol=pickle.HIGHEST_PROTOCOL)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / PROGRESS)
-        dir_fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power cut
-        finally:
-            os.close(dir_fd)
+        replace_file(
+            self.dir / PROGRESS,
+            pickle.dumps({"key": key, "state": state}, protocol=pickle.HIGHEST_PROTOCOL),
+            "prepare's progress",
+        )
 
     def start_over(self) -> None:
         """Remove everything an earlier run left here but the lock."""
@@ -87,8 +82,8 @@ class Partial:
     def finish(self) -> None:
         """Leave only the dataset in the directory, ready to be renamed into place (the lock is held until
         `close`)."""
-        for name in (PROGRESS, PROGRESS + ".tmp", LOCK):
-            (self.dir / name).unlink(missing_ok=True)
+        for path in (self.dir / PROGRESS, temporary_of(self.dir / PROGRESS), self.dir / LOCK):
+            path.unlink(missing_ok=True)
 
     def close(self, keep: bool) -> None:
         """Release the lock; `keep`: leave the directory for the next run to resume, else remove it."""

@@ -11,9 +11,10 @@ starts over. The completed evaluation renames the predictions and removes the st
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from lctrain.files import replace_file
 
 STATE = "eval.resume.json"
 
@@ -52,7 +53,7 @@ class Kept:
             kept.perplexity = {
                 c: {int(L): float(v) for L, v in per.items()} for c, per in state.get("perplexity", {}).items()
             }
-        _write_atomic(predictions, "".join(json.dumps(r) + "\n" for r in kept.answers.values()))
+        replace_file(predictions, "".join(json.dumps(r) + "\n" for r in kept.answers.values()), "eval's predictions")
         kept.save()
         return kept
 
@@ -61,7 +62,7 @@ class Kept:
             "key": self.key,
             "perplexity": {c: {str(L): v for L, v in p.items()} for c, p in self.perplexity.items()},
         }
-        _write_atomic(self.out_dir / STATE, json.dumps(state, indent=1))
+        replace_file(self.out_dir / STATE, json.dumps(state, indent=1), "eval's resume state")
 
     def add_perplexity(self, checkpoint: str, per_length: dict[int, float]) -> None:
         self.perplexity[checkpoint] = per_length
@@ -89,9 +90,3 @@ def _whole_records(path: Path) -> dict[AnswerKey, dict]:
         except (ValueError, KeyError, TypeError):
             continue
     return out
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -29,51 +29,32 @@ import torch
 from lctrain.compat.deepspeed import loading_universal, no_bf16_optimizer_load_print, zero3_full_state_dict
 from lctrain.errors import is_environment_error, writing
 from lctrain.export_record import write_export_record
+from lctrain.files import TEMPORARY_PREFIX, fsync_dir, replace_file
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import save_tokenizer, write_anchor
 from lctrain.train import reshard
 from lctrain.train.loss import CausalLMLossSum
 
-TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(TMP_PREFIX + path.name)
-    with writing(path, "a checkpoint file"):
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished directory into place; an older one with the same name (a re-run step) goes only after."""
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = None
     if final.exists():
-        old = final.with_name(TMP_PREFIX + "old-" + final.name)
+        old = final.with_name(TEMPORARY_PREFIX + "old-" + final.name)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def _is_complete(path: Path) -> bool:
-    return path.is_dir() and not path.name.startswith(TMP_PREFIX) and (path / STATE_FILE).is_file()
+    return path.is_dir() and not path.name.startswith(TEMPORARY_PREFIX) and (path / STATE_FILE).is_file()
 
 
 def complete_checkpoints(run: RunDir) -> list[Path]:
@@ -200,7 +181,7 @@ def save_resume(
     """Write the resume checkpoint of `step` (all ranks call this) and prune older ones. `before_complete(step)`
     runs on rank 0 once every rank's files are written and before the checkpoint is complete (fault injection)."""
     root, final = run.checkpoints, run.checkpoint(step)
-    tmp = root / (TMP_PREFIX + final.name)
+    tmp = root / (TEMPORARY_PREFIX + final.name)
     if rank == 0:
         with writing(root, "the checkpoints directory"):
             root.mkdir(parents=True, exist_ok=True)
@@ -213,10 +194,10 @@ def save_resume(
     if rank == 0:
         if before_complete is not None:
             before_complete(step)
-        write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1))
+        replace_file(tmp / STATE_FILE, json.dumps(state, indent=1), "a checkpoint file")
         with writing(final, "the resume checkpoint"):
             _replace_dir(tmp, final)
-        write_atomic(root / LATEST, final.name + "\n")
+        replace_file(root / LATEST, final.name + "\n", "a checkpoint file")
         prune(run, keep)
     _barrier()
     return final
@@ -224,7 +205,7 @@ def save_resume(
 
 def prune(run: RunDir, keep: int) -> None:
     """Remove all but the `keep` newest complete checkpoints, and leftovers of interrupted writes."""
-    for stale in run.checkpoints.glob(TMP_PREFIX + "*"):
+    for stale in run.checkpoints.glob(TEMPORARY_PREFIX + "*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
         else:
@@ -334,7 +315,7 @@ def save_hf(engine, lm, tokenizer, anchor, run: RunDir, step: int, *, rank: int,
     """Export weights + tokenizer with `save_pretrained`, and the `anchor` trained with (all ranks call: ZeRO-3
     gathers the shards)."""
     final = run.export(step)
-    tmp = final.with_name(TMP_PREFIX + final.name)
+    tmp = final.with_name(TEMPORARY_PREFIX + final.name)
     if zero_stage == 3:
         full = zero3_full_state_dict(engine)
         state_dict = CausalLMLossSum.lm_state_dict(full) if rank == 0 else None

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from lctrain.compat.deepspeed import to_universal_checkpoint
 from lctrain.errors import UserError, writing
+from lctrain.files import TEMPORARY_PREFIX
 from lctrain.hardware import usable_cpus
 
 LAYOUT_KEYS = (
@@ -41,7 +42,7 @@ LAYOUT_KEYS = (
     "parallel.offload_params",
 )
 UNIVERSAL = "universal"
-_PARTIAL = ".tmp-" + UNIVERSAL
+_PARTIAL = TEMPORARY_PREFIX + UNIVERSAL
 
 
 def _family(zero_stage: int) -> str:

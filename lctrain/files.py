@@ -1,0 +1,41 @@
+"""Replacing a file whole: a reader (another rank, `resume` after a kill, the next `prepare` after a power cut) finds
+the old content or the new, never a part of either.
+
+The content goes to a temporary file beside the target (same filesystem, so the rename is atomic), is flushed to
+disk, renamed over the target, and the directory is synced so that the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lctrain.errors import writing
+
+TEMPORARY_PREFIX = ".tmp-"
+
+
+def temporary_of(path: Path) -> Path:
+    """Where `replace_file` writes `path` before the rename (a leftover of a kill, for cleanups to remove)."""
+    return path.with_name(TEMPORARY_PREFIX + path.name)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_file(path: Path, content: str | bytes, what: str) -> None:
+    """Replace `path` by `content` atomically and durably; a full disk or a lost permission is one line naming `what`
+    (errors.writing)."""
+    tmp = temporary_of(path)
+    with writing(path, what):
+        with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)

@@ -1,0 +1,38 @@
+"""files.replace_file: the target holds the old content or the new, never a part, and a machine's refusal is one
+line naming what was being written."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from lctrain.errors import WriteFailed
+from lctrain.files import replace_file, temporary_of
+
+
+def test_replace_file_swaps_whole_content(tmp_path):
+    target = tmp_path / "state.json"
+    target.write_text("old")
+    with open(target) as reader:  # opened before: still sees the old file after the rename (no in-place rewrite)
+        replace_file(target, "new", "a state file")
+        assert reader.read() == "old"
+    assert target.read_text() == "new"
+    replace_file(target, b"\x00bytes", "a state file")
+    assert target.read_bytes() == b"\x00bytes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_replace_file_failure_keeps_old_content(tmp_path, monkeypatch):
+    target = tmp_path / "state.json"
+    target.write_text("old")
+
+    def full_disk(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(WriteFailed, match="cannot write a state file .*No space left on device"):
+        replace_file(target, "new", "a state file")
+    assert target.read_text() == "old"
+    assert temporary_of(target).name.startswith(".")  # a leftover is hidden, for the owner's cleanup to remove
