@@ -34,6 +34,7 @@ from pydantic import (
 
 from lctrain.errors import UserError, first_and_more
 from lctrain.eval.ruler import TASK_NAMES
+from lctrain.parallel.layout import layout_of
 
 DEFAULT_CONFIG = "tiny_anchor"
 DOMAINS = ("CommonCrawl", "C4", "GitHub", "ArXiv", "Book", "Wikipedia", "StackExchange", "other")
@@ -525,6 +526,11 @@ class ParallelConfig(_Section):
             )
         return self
 
+    @property
+    def world(self) -> int:
+        """The processes the run asks for (parallel.nproc_per_node x parallel.num_nodes)."""
+        return self.nproc_per_node * self.num_nodes
+
     @model_validator(mode="after")
     def _backend_has_its_devices(self, info: ValidationInfo):
         cuda = (info.context or {}).get(CUDA_AVAILABLE)
@@ -707,7 +713,7 @@ class Config(_Section):
                 f"set it to a step of the run, or null"
             )
         ranks = self.logging.profile.ranks
-        world = self.parallel.nproc_per_node * self.parallel.num_nodes
+        world = self.parallel.world
         if ranks != "all" and max(ranks) >= world:
             raise ValueError(
                 f"logging.profile.ranks {ranks}: the run has ranks 0-{world - 1} "
@@ -1075,9 +1081,8 @@ def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) ->
         fewer = [f"set train.steps={steps}" if ran_out else "lower train.steps"]
     else:
         # train.steps >= 1: the windows must hold one step's besides the held-out ones, so fewer steps cannot help
-        p = cfg.parallel
         # a step's windows split evenly over the data-parallel ranks' micro-batches (train/data.py BatchPlan)
-        split = cfg.train.micro_batch * max(1, p.nproc_per_node * p.num_nodes // p.sequence_parallel)
+        split = cfg.train.micro_batch * layout_of(cfg).dp
         fewer = []
         if windows - held >= split:
             fewer.append(f"set train.global_batch={(windows - held) // split * split}")

@@ -30,7 +30,7 @@ from lctrain.data.sources import resolve_local_files
 from lctrain.errors import UserError
 from lctrain.memory import SELECTIVE, WARN_FRACTION, Budget, plan_memory, replan
 from lctrain.model import default_rope_theta, require_rope
-from lctrain.parallel.layout import kv_replication
+from lctrain.parallel.layout import ParallelLayout, kv_replication
 from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, Positions
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer
 from lctrain.train.runplan import RunPlan
@@ -225,7 +225,7 @@ def choose_checkpointing(
 
 def _with_layout(raw: dict, layout: Layout, gpus: int) -> dict:
     per_node = raw["parallel"]["nproc_per_node"]
-    global_batch = batch_for(gpus // layout.sequence_parallel)
+    global_batch = batch_for(ParallelLayout(gpus, layout.sequence_parallel).dp)
     savers = ({"tiled_mlp": "auto"} if layout.tiled_mlp else {}) | (
         {"offload_activations": True} if layout.offload_activations else {}
     )
@@ -408,7 +408,7 @@ def render(
     """The YAML text of `raw` with comments saying where each choice comes from."""
     d, m, t, p = raw["data"], raw["model"], raw["train"], raw["parallel"]
     gpus = p["nproc_per_node"] * p["num_nodes"]
-    dp = gpus // layout.sequence_parallel
+    dp = ParallelLayout(gpus, layout.sequence_parallel).dp
     held_out = EvalConfig.model_fields["ppl_windows"].default
     tokens = tokens_to_prepare(t["steps"], t["global_batch"], d["seq_len"], held_out)
     s = base.shape
@@ -598,7 +598,7 @@ def summary(path: Path, cfg: Config, layout: Layout) -> str:
     t = cfg.train
     batch = f"{t.global_batch} windows per step x {t.steps} steps"
     if t.global_batch != PAPER_WINDOWS_PER_STEP:
-        dp = cfg.parallel.nproc_per_node * cfg.parallel.num_nodes // layout.sequence_parallel
+        dp = ParallelLayout(cfg.parallel.world, layout.sequence_parallel).dp
         batch += (
             f" ({t.global_batch * cfg.data.seq_len:,} tokens per step at the paper's lr {t.lr:g}: the paper's "
             f"{PAPER_WINDOWS_PER_STEP} windows raised to a multiple of {dp} data-parallel replicas)"

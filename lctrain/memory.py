@@ -477,7 +477,7 @@ def candidate_fixes(cfg: Config) -> list[Candidate]:
     states, then the optimizer step on the CPU, then the weights in every pass. `fixes` leaves out what `cfg`'s
     checks refuse (a group size that does not divide the heads, the window or the batch)."""
     p, m = cfg.parallel, cfg.model
-    world = p.nproc_per_node * p.num_nodes
+    world = p.world
     out = [Candidate(("attention.engine=auto",), "engine")] if cfg.attention.engine == "reference" else []
     out += [
         Candidate((f"parallel.sequence_parallel={sp}",), "sequence_parallel")

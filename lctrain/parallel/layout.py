@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from lctrain.config import Config
 from lctrain.errors import UserError
+
+if TYPE_CHECKING:  # config.py asks this module for the data-parallel size
+    from lctrain.config import Config
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ def layout_of(cfg: Config, world: int | None = None) -> ParallelLayout:
     """The layout of `cfg` on `world` processes (default: the processes it asks for), refusing one that cannot run
     in one line naming the keys and a fix."""
     p = cfg.parallel
-    world = world or p.nproc_per_node * p.num_nodes
+    world = world or p.world
     if world % p.sequence_parallel:
         raise UserError(
             f"{cfg.origin('parallel')}: world size {world} (parallel.nproc_per_node x parallel.num_nodes) is not "

@@ -101,7 +101,7 @@ def measure(
 
     if steps < 1 or warmup < 0:
         raise UserError(f"--steps {steps} --warmup {warmup}: need at least 1 timed step and no negative warmup")
-    n_gpus = cfg.parallel.nproc_per_node * cfg.parallel.num_nodes
+    n_gpus = cfg.parallel.world
     if tflops is None:
         peak = device_peak_flops(_local_device(), cfg.logging.peak_tflops, cfg.model.dtype)
         if peak is None:

@@ -325,7 +325,7 @@ class Trainer:
         cfg, layout = self.cfg, self.layout
         gpu = self.topo.device.type == "cuda"
         planned = None
-        if layout.world == cfg.parallel.nproc_per_node * cfg.parallel.num_nodes:  # the plan is of the config's world
+        if layout.world == cfg.parallel.world:  # the plan is of the config's world
             device, host = need(plan_memory(cfg, self.shape, gpu), gpu)
             planned = PlannedMemory(to_gb(device) if gpu else None, to_gb(host))
         return RunStart(
