@@ -340,7 +340,8 @@ class ModelConfig(_Section):
     arch: dict[str, Any] | None = Field(
         None,
         description="a randomly initialised model: a Hugging Face config as a mapping with its model_type (e.g. "
-        "{model_type: llama, hidden_size: 64, ...}); exactly one of this and model.name_or_path",
+        "{model_type: llama, hidden_size: 64, ...}); exactly one of this and model.name_or_path; its vocab_size, "
+        "at least the tokenizer's, defaults to the tokenizer's",
     )
     rope_theta: Float | None = Field(
         None,

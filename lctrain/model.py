@@ -212,8 +212,8 @@ def model_shape(cfg: Config):
     if name in HUB_NAMES and not cfg.resolve_path(name).exists():
         return SHAPES[HUB_NAMES[name]]
     hf = load_hf_config(cfg)
-    if cfg.model.arch is not None and "vocab_size" not in cfg.model.arch:
-        hf.vocab_size = len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))  # as build_model sizes it
+    if cfg.model.arch is not None:
+        hf.vocab_size = _arch_vocab_size(cfg, None)
     return ModelShape.from_hf_config(hf)
 
 
@@ -495,10 +495,23 @@ class BuiltModel(NamedTuple):
 
 
 def _arch_vocab_size(cfg: Config, vocab_size: int | None) -> int | None:
-    # a random init gets the tokenizer's vocabulary unless its arch names one
-    if cfg.model.arch is not None and vocab_size is None and "vocab_size" not in cfg.model.arch:
-        return len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))
-    return vocab_size
+    """The vocabulary a `model.arch` is built with: `model.arch.vocab_size` where it names one (e.g. the tokenizer's
+    rounded up to a multiple of 64 for the matmuls), else the tokenizer's (`vocab_size`, the dataset's when the trainer
+    gives it, else data.tokenizer's). Every command sizes it so: show-config, plan and estimate show what train builds.
+    A named one smaller than the tokenizer's is refused: ids past it would have no embedding row."""
+    if cfg.model.arch is None:
+        return vocab_size
+    tokens = vocab_size if vocab_size is not None else len(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)))
+    named = cfg.model.arch.get("vocab_size")
+    if named is None:
+        return tokens
+    if named < tokens:
+        raise UserError(
+            f"{cfg.origin('model.arch.vocab_size')}: model.arch.vocab_size = {named} is smaller than the vocabulary of "
+            f"data.tokenizer '{cfg.data.tokenizer}' ({tokens} tokens), whose ids up to {tokens - 1} would have no "
+            f"embedding row; set model.arch.vocab_size to {tokens} or more, or remove it (the tokenizer's is used)"
+        )
+    return named
 
 
 def _local_copy(name: str, probe: str, prefix: str | None = None) -> str | None:

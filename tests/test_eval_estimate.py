@@ -18,7 +18,7 @@ ARCH = [
     "model.arch.num_hidden_layers=2",
     "model.arch.num_attention_heads=4",
     "model.arch.num_key_value_heads=2",
-    "model.arch.vocab_size=1000",
+    "model.arch.vocab_size=32064",  # the 32K tokenizer's, padded to a multiple of 64
 ]
 
 
@@ -27,7 +27,7 @@ def test_hand_computed_full_attention_hours(tmp_path):
         load_config(None, ARCH + ["data.seq_len=1024", f"data.output_dir={tmp_path / 'none'}"]), tflops=50.0, gpus=2
     )
     assert r["synthetic"] and "SYNTHETIC" in r["segment_source"]
-    L, d, layers, heads, hd, kv, ffn, vocab = 1024, 64, 2, 4, 16, 2, 128, 1000
+    L, d, layers, heads, hd, kv, ffn, vocab = 1024, 64, 2, 4, 16, 2, 128, 32064
     params = layers * (2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ffn) + d * vocab
     # model FLOPs (lctrain.costmodel): training = 3 forward passes, for the matmuls and attention alike
     flops = 2 * params * L * 3 + 4 * heads * hd * layers * 3 * L * (L + 1) / 2
@@ -60,7 +60,7 @@ def test_hand_computed_full_attention_hours(tmp_path):
 def hand_flops():
     """Model FLOPs of one window of the ARCH model at 1024 tokens in full attention without checkpointing: training =
     3 forward passes, for the matmuls and attention alike (lctrain.costmodel)."""
-    L, d, layers, heads, hd, kv, ffn, vocab = 1024, 64, 2, 4, 16, 2, 128, 1000
+    L, d, layers, heads, hd, kv, ffn, vocab = 1024, 64, 2, 4, 16, 2, 128, 32064
     params = layers * (2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ffn) + d * vocab
     return 2 * params * L * 3 + 4 * heads * hd * layers * 3 * L * (L + 1) / 2
 

@@ -97,9 +97,29 @@ def test_show_config_and_train_refuse_a_pad_token_outside_the_vocabulary():
 def test_a_pad_token_of_arch_vocab_size_is_refused_naming_it():
     arch = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
     cfg = load_config(None, [])
-    cfg.model.arch = {**arch, "num_attention_heads": 4, "vocab_size": 1000, "pad_token_id": 1000}
-    with pytest.raises(UserError, match=r"^model.arch.pad_token_id = 1000 is outside .* 1000 tokens \(model.arch.voc"):
+    cfg.model.arch = {**arch, "num_attention_heads": 4, "vocab_size": 32064, "pad_token_id": 32064}
+    with pytest.raises(UserError, match=r"^model.arch.pad_token_id = 32064 is outside .* 32064 tokens \(model.arch.v"):
         build_model(cfg)
+
+
+def test_arch_vocab_size_is_what_every_command_sizes():
+    """A named `model.arch.vocab_size` (the 32,000-token tokenizer's padded to a multiple of 64) is built by train and
+    counted by show-config's shape; one below the tokenizer's is refused by both in the same line; none named is the
+    tokenizer's."""
+    padded = load_config(None, ["model.arch.vocab_size=32064"])
+    built = build_model(padded, vocab_size=32000).model  # as the trainer builds it, with the dataset's vocabulary
+    assert built.get_input_embeddings().num_embeddings == lctrain.model.model_shape(padded).vocab == 32064
+    assert lctrain.model.model_shape(load_config(None, [])).vocab == len(load_tokenizer(padded.data.tokenizer))
+    small = ["model.arch.vocab_size=1000"]
+    expected = (
+        "--set model.arch.vocab_size=1000: model.arch.vocab_size = 1000 is smaller than the vocabulary of "
+        "data.tokenizer 'builtin:mistral-7b-v0.1' (32000 tokens), whose ids up to 31999 would have no embedding row; "
+        "set model.arch.vocab_size to 32000 or more, or remove it (the tokenizer's is used)"
+    )
+    with pytest.raises(UserError) as err:
+        build_model(load_config(None, small), vocab_size=32000)
+    assert str(err.value) == expected
+    assert show_config_refusal(small) == f"error: {expected}"
 
 
 @pytest.mark.parametrize("ids", ["pad_token_id: null", "pad_token_id: 0, eos_token_id: 32000, bos_token_id: 40000"])
