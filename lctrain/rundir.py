@@ -212,9 +212,8 @@ class RunDir:
         """Drop the records of steps after `last_step` (written before a crash, redone after resume); the last
         step kept (0 for none)."""
         kept = [(line, record) for line, record in self._metric_lines() if record["step"] <= last_step]
-        if self.metrics_file.is_file():
-            with writing(self.metrics_file, "the metrics"):
-                self.metrics_file.write_text("".join(line + "\n" for line, _ in kept))
+        if self.metrics_file.is_file():  # replaced whole: a kill while it is rewritten keeps the history
+            replace_file(self.metrics_file, "".join(line + "\n" for line, _ in kept), "the metrics")
         return kept[-1][1]["step"] if kept else 0
 
     def _metric_lines(self) -> list[tuple[str, dict]]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lctrain.compat.transformers import load_errors
 from lctrain.errors import UserError, WriteFailed, writing
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ def _model_tokenizer(source: str):
 
     try:
         return AutoTokenizer.from_pretrained(source, local_files_only=True)
-    except Exception:  # no tokenizer beside the model, or not in the cache (each cause its own type): none to compare
+    except (*load_errors(), ImportError):  # none beside the model, not cached, or its package missing: none to compare
         return None
 
 
@@ -171,7 +172,7 @@ def _embedding_rows(model_dir: str) -> int | None:
 
     try:
         return getattr(AutoConfig.from_pretrained(model_dir), "vocab_size", None)
-    except Exception:  # a damaged or foreign config: the model's own load refuses it in one line
+    except load_errors():  # a damaged or foreign config: the model's own load refuses it in one line
         return None
 
 

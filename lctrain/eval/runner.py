@@ -33,6 +33,7 @@ from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths, se
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
 from lctrain.export_record import EXPORT_RECORD, verify_export
+from lctrain.files import replace_file
 from lctrain.progress_bar import counted_bar
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
@@ -566,10 +567,8 @@ def evaluate(
     }
     # an evaluation stopped before this point leaves the earlier one's results.json and predictions.jsonl as they
     # were, a pair; written as it goes, predictions.jsonl was cut to the new run's first lines beside the old results
-    partial_results = out_dir / "results.json.partial"
-    partial_results.write_text(json.dumps(results, indent=2))
     (out_dir / PARTIAL_PREDICTIONS).replace(out_dir / "predictions.jsonl")
-    partial_results.replace(out_dir / "results.json")
+    replace_file(out_dir / "results.json", json.dumps(results, indent=2), "eval's results")
     kept.finish()
     # reports.plots imports matplotlib: on use (start-up time)
     from lctrain.reports.plots import plot_ruler

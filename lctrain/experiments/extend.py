@@ -47,7 +47,8 @@ from lctrain.config import (
 )
 from lctrain.data.shipped_text import write_jsonl
 from lctrain.data.store import open_packed
-from lctrain.errors import UserError, writing
+from lctrain.errors import UserError
+from lctrain.files import replace_file
 from lctrain.lifetime import STOPPED, Terminated, death_of, signal_name, supervise
 from lctrain.reports.compare import print_report, write_report
 from lctrain.rundir import RunDir
@@ -200,10 +201,7 @@ class State:
             self.data = {}  # a torn file records nothing a rerun can trust: every stage checks its own outputs
 
     def save(self) -> None:
-        with writing(self.path, "the experiment's state"):
-            staging = self.path.with_name(f".{self.path.name}.partial")
-            staging.write_text(json.dumps(self.data, indent=2))
-            staging.replace(self.path)
+        replace_file(self.path, json.dumps(self.data, indent=2), "the experiment's state")
 
 
 def ensure_inputs(exp: Experiment) -> None:
