@@ -4,6 +4,7 @@ recomputed by hand from predictions.jsonl, held-out perplexity against HF's own 
 
 import json
 import math
+import os
 import sys
 import types
 
@@ -428,6 +429,8 @@ def test_an_interrupted_evaluation_resumes_with_what_it_had_and_ends_as_an_unint
         evaluate(resolve_target(run_dir), out=tmp_path / "cut", **args)
     monkeypatch.setattr(runner, "_hf_answers", answers)
     assert not (tmp_path / "cut" / "results.json").exists()
+    for f in (run_dir / "hf").rglob("*"):  # as a copy of the run directory has them: the same files, later times
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
     load, loaded = runner.load_model, []
     monkeypatch.setattr(runner, "load_model", lambda path, device: loaded.append(path.name) or load(path, device))
     capsys.readouterr()

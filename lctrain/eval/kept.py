@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lctrain.export_record import read_export_record
 from lctrain.files import replace_file
 
 STATE = "eval.resume.json"
@@ -21,9 +22,14 @@ STATE = "eval.resume.json"
 AnswerKey = tuple[str, str, int, int]  # checkpoint, task, length, sample index
 
 
-def checkpoint_files(directory: Path) -> list[list]:
-    """What identifies a checkpoint's weights without reading them: each file's name, size and modification time (a
-    re-export of the same step, after a resume trained on, writes new files)."""
+def checkpoint_files(directory: Path) -> dict | list[list]:
+    """What identifies a checkpoint's weights without reading them: an lctrain export's record (its step and its
+    files' checksums, checked against the files when the export is opened), which a copied run directory keeps; else
+    each file's name, size and modification time. Either changes when a resume that trained on exports the step
+    again."""
+    record = read_export_record(directory)
+    if record is not None:
+        return record.model_dump(mode="json")
     return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in Path(directory).iterdir() if p.is_file())
 
 
