@@ -20,6 +20,8 @@ import functools
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lctrain.compat.transformers import enable_activation_checkpointing
+
 MODES = ("full", "selective", "selective_matmul", "none")
 
 
@@ -73,8 +75,4 @@ def enable(model, mode: str) -> None:
     kwargs = {"use_reentrant": False}
     if mode != "full":
         kwargs["context_fn"] = context_fn(mode)
-    # transformers >= 5.x renamed gradient checkpointing to activation checkpointing
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    enable_activation_checkpointing(model, kwargs)

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import xxhash
 
+from lctrain.units import GiB
+
 XXH3 = r"^xxh3_128:[0-9a-f]{32}$"
 EDGE_BYTES = 1 << 20
 # Up to this many bytes an open checks every byte; above, the edges (a large dataset's start on every rank).
-FULL_VERIFY_BYTES = 1 << 30
+FULL_VERIFY_BYTES = GiB
 _READ_BLOCK = 8 << 20
 
 

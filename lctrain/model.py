@@ -217,7 +217,7 @@ def model_shape(cfg: Config):
     return ModelShape.from_hf_config(hf)
 
 
-def _rope_theta(hf_config, cfg: Config, current: dict) -> tuple[float, str]:
+def _rope_theta(cfg: Config, current: dict) -> tuple[float, str]:
     """The RoPE base and why: the config's, else a pretrained model's own (and a `model.arch` that names one), else
     the paper's Table 1 base for `data.seq_len`."""
     if cfg.model.rope_theta is not None:
@@ -234,7 +234,7 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
     through, except lctrain's `ntk`, which becomes plain RoPE at the NTK-aware base. Without `model.rope_scaling` the
     model's own scaling stays."""
     current = dict(getattr(hf_config, "rope_parameters", None) or {})
-    theta, _ = _rope_theta(hf_config, cfg, current)
+    theta, _ = _rope_theta(cfg, current)
     if cfg.model.rope_scaling is None:
         params = {**current, "rope_theta": theta}
         params.setdefault("rope_type", "default")
@@ -299,7 +299,7 @@ def config_changes(hf_config, cfg: Config, *, vocab_size: int | None, attn_imple
     changes = []
     current = dict(getattr(hf_config, "rope_parameters", None) or {})
     params = rope_parameters(hf_config, cfg)
-    _, theta_why = _rope_theta(hf_config, cfg, current)
+    _, theta_why = _rope_theta(cfg, current)
     scaling = cfg.model.rope_scaling or {}
     scaling_type = scaling.get("rope_type") or scaling.get("type")
     for key in sorted(set(current) | set(params)):

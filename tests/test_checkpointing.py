@@ -5,13 +5,16 @@ the attention kernels that actually run, taken by a dispatch mode below the chec
 FlopCounterMode for the FLOPs each checkpointing reruns.
 """
 
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lctrain import checkpointing
 from lctrain.attention import make_batch
+from lctrain.compat.torch import TorchDispatchMode
 from lctrain.config import load_config
 from lctrain.costmodel import ModelShape, dense_params, hardware_step_flops
 from lctrain.errors import UserError
@@ -96,6 +99,21 @@ def test_the_model_instance_is_switched_not_the_class():
     off = build_model(config(), vocab_size=100).model
     assert all(layer.gradient_checkpointing for layer in on.model.layers)
     assert not any(layer.gradient_checkpointing for layer in off.model.layers)
+
+
+def test_enable_takes_the_switch_each_supported_transformers_has():
+    """transformers 5.23 keeps `gradient_checkpointing_enable` as an alias that warns (FutureWarning); 5.17 and 5.18
+    have only it, with the checkpoint's arguments as `gradient_checkpointing_kwargs` (their signature, recorded by a
+    stand-in)."""
+    model = build_model(config(), vocab_size=100).model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        checkpointing.enable(model, "full")
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    calls = []
+    older = SimpleNamespace(gradient_checkpointing_enable=lambda **kwargs: calls.append(kwargs))
+    checkpointing.enable(older, "full")
+    assert calls == [{"gradient_checkpointing_kwargs": {"use_reentrant": False}}]
 
 
 @pytest.mark.parametrize(

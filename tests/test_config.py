@@ -8,7 +8,6 @@ import yaml
 import lctrain
 from lctrain.cli import main
 from lctrain.config import (
-    Config,
     apply_overrides,
     bundled_config_names,
     config_fingerprint,
@@ -18,9 +17,11 @@ from lctrain.config import (
     max_steps,
     reread_warning,
     run_dir,
+    settings,
     write_resolved,
 )
 from lctrain.errors import UserError
+from lctrain.parallel.layout import layout_of
 
 
 def _write(path, obj):
@@ -176,11 +177,18 @@ def test_resolved_config_round_trips(tmp_path):
     assert path.read_text().startswith(f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}")
 
 
-def test_every_bundled_config_validates():
+def test_every_bundled_config_reloads_from_its_resolved_yaml_and_lays_out(tmp_path):
+    """What a run keeps of a bundled config (its resolved YAML) reloads to the same settings, every one that
+    fingerprints the run and its prepared data, and its ranks split into whole sequence-parallel groups, each rank an
+    equal slice of a window."""
     names = bundled_config_names()
     assert "tiny_anchor" in names
     for name in names:
-        assert isinstance(load_config(name), Config)
+        cfg = load_config(name)
+        again = load_config(str(write_resolved(cfg, tmp_path / name)))
+        assert settings(again) == settings(cfg), name
+        layout = layout_of(cfg)
+        assert layout.dp * layout.sp == cfg.parallel.world and cfg.data.seq_len % layout.sp == 0, name
 
 
 def test_cli_bad_config_is_one_line_exit_2(capsys):

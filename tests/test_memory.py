@@ -16,6 +16,7 @@ from train_helpers import one_error_line
 from typer.testing import CliRunner
 
 from lctrain.cli import app
+from lctrain.compat.transformers import set_attn_implementation
 from lctrain.config import load_config
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
@@ -191,7 +192,7 @@ def test_layer_saved_bytes_match_autograd_saved_tensors(dtype):
     from lctrain.attention import ENGINES
 
     hf = hf_config(dtype)
-    hf._attn_implementation = ENGINES["sdpa"].hf_name
+    set_attn_implementation(hf, ENGINES["sdpa"].hf_name)
     layer = LlamaDecoderLayer(hf, 0).to(dtype)
     tokens = 1024
     measured = saved_bytes_of_one_layer(layer, hf, dtype, tokens, VOCAB)

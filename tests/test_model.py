@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lctrain.attention import make_batch
+from lctrain.compat.transformers import attn_implementation_of
 from lctrain.config import Config, load_config
 from lctrain.errors import UserError
 from lctrain.model import build_model, default_rope_theta, rotary_in_fp32
@@ -171,7 +172,7 @@ def test_ntk_user_errors(scaling, match):
 def test_dtype_engine_and_seeded_init():
     model, engine, _ = build_model(config("model.dtype=bfloat16"), vocab_size=100)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert engine.name == "sdpa" and model.config._attn_implementation == engine.hf_name == "lctrain_sdpa"
+    assert engine.name == "sdpa" and attn_implementation_of(model.config) == engine.hf_name == "lctrain_sdpa"
     again = build_model(config("model.dtype=bfloat16"), vocab_size=100).model
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     other = build_model(config("model.dtype=bfloat16", "seed=1"), vocab_size=100).model
@@ -299,7 +300,7 @@ def test_from_pretrained_directory(tmp_path):
     # the model's own base, its context length raised to the training length
     assert loaded.config.rope_parameters["rope_theta"] == 10000
     assert loaded.config.max_position_embeddings == 65536
-    assert loaded.config._attn_implementation == "lctrain_sdpa"
+    assert attn_implementation_of(loaded.config) == "lctrain_sdpa"
     assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), loaded.parameters()))
     assert [(c.key, c.old, c.new) for c in changes] == [
         ("max_position_embeddings", 64, 65536),

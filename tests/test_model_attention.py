@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lctrain.attention import make_batch
+from lctrain.compat.transformers import attn_implementation_of
 from lctrain.config import load_config
 from lctrain.model import build_model
 
@@ -49,7 +50,7 @@ def window(seg_lens, anchor, seed=0):
 def stock(model, ids, positions):
     """The unmodified model (eager attention) on one sequence; an explicit all-ones mask keeps Hugging Face from
     reading the positions as packed sequences."""
-    impl = model.config._attn_implementation
+    impl = attn_implementation_of(model.config)
     model.set_attn_implementation("eager")
     try:
         return model(

@@ -15,6 +15,7 @@ from memory_helpers import saved_bytes_of_one_layer
 from typer.testing import CliRunner
 
 from lctrain.cli import app
+from lctrain.compat.transformers import set_attn_implementation
 from lctrain.config import load_config, with_overrides
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
@@ -254,7 +255,7 @@ def test_reference_engine_saved_bytes_match_autograd(dtype):
         num_key_value_heads=2,
         dtype=dtype,
     )
-    hf._attn_implementation = ENGINES["reference"].hf_name
+    set_attn_implementation(hf, ENGINES["reference"].hf_name)
     layer = LlamaDecoderLayer(hf, 0).to(dtype)
     tokens = 1024
     measured = saved_bytes_of_one_layer(layer, hf, dtype, tokens, 1024)

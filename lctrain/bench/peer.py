@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from rich.table import Table
 
+from lctrain.compat.transformers import enable_activation_checkpointing
 from lctrain.console import plain_console
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.measure import peak_bytes, reset_peak, timed
@@ -185,7 +186,7 @@ def _transformers_step(spec: RunSpec, device: torch.device) -> Callable[[], None
     if spec.checkpointing == "selective":
         raise SystemExit("transformers has no selective activation checkpointing of its own: --checkpointing full")
     if spec.checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, {"use_reentrant": False})
     model.train()
     optimizer = _adamw(model)
     ids_np, _ = windows(spec)

@@ -9,6 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.utils import _python_dispatch
+
+# The base class of a mode that sees every ATen op as it dispatches, below autograd and checkpointing (the tests count
+# the kernels a checkpointed layer reruns through one); no public module of PyTorch 2.11-2.13 exports it.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 # Allocation and free events kept: enough for a few 64K-token training steps of a 32-layer model.
 MEMORY_HISTORY_ENTRIES = 1_000_000

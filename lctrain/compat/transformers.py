@@ -36,6 +36,17 @@ def attn_implementation_of(hf_config) -> str | None:
     return hf_config._attn_implementation
 
 
+def enable_activation_checkpointing(model, checkpoint_kwargs: dict[str, Any]) -> None:
+    """Checkpoint every decoder layer of `model` (this instance), `checkpoint_kwargs` going to
+    `torch.utils.checkpoint.checkpoint`. transformers 5.17 and 5.18 have only `gradient_checkpointing_enable`; 5.23
+    names it `activation_checkpointing_enable` and keeps the old name as an alias that warns (FutureWarning)."""
+    method = getattr(model, "activation_checkpointing_enable", None)
+    if method is not None:
+        method(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
 def _fp32_rotary_inputs(module, args, kwargs):
     # torch on use: this module loads without it (start-up time of the light commands)
     import torch

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from lctrain.errors import UserError
+from lctrain.units import GiB
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.zst", ".json.zst")
 PARQUET_SUFFIXES = (".parquet",)
@@ -60,7 +61,7 @@ _BOMS = (
     (codecs.BOM_UTF16_BE, "UTF-16"),
 )
 # a file without one JSON object is parsed whole to say what shape it has, up to this size on disk (as arrays are)
-_SHAPE_BYTES = 1 << 30
+_SHAPE_BYTES = GiB
 
 
 @dataclass

@@ -62,7 +62,7 @@ from lctrain.progress_bar import counted_bar
 from lctrain.reports.plots import plot_rope_figure1, plot_rope_figure7
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import ANCHOR_AUTO, load_tokenizer, recorded_anchor
-from lctrain.units import to_gb
+from lctrain.units import GiB, to_gb
 
 SHIFTS = (0, 2, 4, 6, 8, 10, 12, 14, 15, 17, 18, 20, 22, 50, 100, 200, 500, 1000, 2000)
 DELTA2 = 16
@@ -83,7 +83,7 @@ _CASE_ORDER = ("fp32", "bf16_rope_bf16", "bf16", "random")
 MAX_SEQ_LEN = 16384
 # The [batch, heads, T, T] fp32 temporaries of one head group of the probe (logits, weights, their difference, a
 # softmax temporary): at most this many bytes, so a 7B model at 8192 tokens fits next to its weights.
-_CHUNK_BYTES = {"cpu": 1 << 30, "cuda": 8 << 30}
+_CHUNK_BYTES = {"cpu": GiB, "cuda": 8 * GiB}
 
 
 def key_normalisation(length: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.search import longest_fitting
+from lctrain.units import to_gb
 
 PREFILL_CHUNK = 8192
 # what the plan leaves free for the allocator's fragmentation and the kernels' own workspaces
@@ -52,7 +53,7 @@ MAX_TOKENS = 1 << 26
 def kv_cache_bytes(config, tokens: int, dtype_bytes: int, layers: int | None = None) -> int:
     """Keys and values of `tokens` positions in `layers` layers (default all)."""
     m = ModelShape.from_hf_config(config)
-    return (m.layers if layers is None else layers) * 2 * m.kv_heads * m.head_dim * tokens * dtype_bytes
+    return (m.layers if layers is None else layers) * 2 * m.kv_width * tokens * dtype_bytes
 
 
 def sliding_window(config) -> int | None:
@@ -69,11 +70,11 @@ def prefill_activation_bytes(config, chunk: int, context: int, dtype_bytes: int)
     # transformers passes SDPA a boolean mask of the chunk over the cache, except to a single pass over the whole
     # prompt of a model without a window (causal attention needs none)
     masked = chunk < context or sliding_window(config) is not None
-    projections = chunk * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * dtype_bytes  # q, k, v, attention output
+    projections = chunk * 2 * (m.width + m.kv_width) * dtype_bytes  # q, k, v, attention output
     mlp = 3 * chunk * m.intermediate * dtype_bytes  # gate, up and their product live together
     hidden = 2 * chunk * m.hidden * dtype_bytes  # the residual stream and the normed input
     mask = chunk * context if masked else 0
-    return projections + mlp + hidden + mask + m.vocab * 4  # last position's fp32 logits
+    return projections + mlp + hidden + mask + m.vocab * torch.float32.itemsize  # last position's logits
 
 
 @dataclass(frozen=True)
@@ -95,18 +96,17 @@ class GenerationPlan:
         return self.prefill_chunk >= self.tokens
 
     def describe(self) -> str:
-        gb = 1e9
         where = (
             f"KV cache of {self.layers - self.resident_layers} of {self.layers} layers offloaded to host memory "
-            f"({self.host_bytes / gb:.1f} GB)"
+            f"({to_gb(self.host_bytes):.1f} GB)"
             if self.offload
             else "KV cache on the device"
         )
         return (
             f"{self.tokens} tokens: {where}, "
             f"{'prefill in one pass' if self.one_pass else f'prefill in chunks of {self.prefill_chunk}'}; "
-            f"{self.device_bytes / gb:.1f} GB on the device beside the weights "
-            f"(of {self.available_bytes / gb:.1f} GB free)"
+            f"{to_gb(self.device_bytes):.1f} GB on the device beside the weights "
+            f"(of {to_gb(self.available_bytes):.1f} GB free)"
         )
 
 
@@ -179,14 +179,14 @@ def plan_generation(
     if best is not None:  # the device has room: host memory for the offloaded layers ran out
         resident, _, host = best
         short = (
-            f"its KV cache, {layers - resident} of {layers} layers offloaded, needs {host / 1e9:.1f} GB of host "
-            f"memory and {host_free / 1e9:.1f} GB are available"
+            f"its KV cache, {layers - resident} of {layers} layers offloaded, needs {to_gb(host):.1f} GB of host "
+            f"memory and {to_gb(host_free):.1f} GB are available"
         )
     else:
         device, _ = _needs(config, tokens, prefill_chunk, dtype_bytes, 0 if offload else layers)
         short = (
-            f"it needs {device / 1e9:.1f} GB beside the weights (KV cache{' offloaded' if offload else ''} and "
-            f"one prefill chunk) and {device_free / 1e9:.1f} GB are free"
+            f"it needs {to_gb(device):.1f} GB beside the weights (KV cache{' offloaded' if offload else ''} and "
+            f"one prefill chunk) and {to_gb(device_free):.1f} GB are free"
         )
     raise UserError(
         f"a {tokens}-token prompt does not fit for generation: {short}; the longest that fits here is "
@@ -225,7 +225,7 @@ def _host_buffer(shape: tuple[int, ...], dtype, pin: bool):
     region = raw[start : start + nbytes]
     if int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), nbytes, 0)) != 0:
         raise UserError(
-            f"cannot page-lock {nbytes / 1e9:.1f} GB of host memory for the offloaded KV cache "
+            f"cannot page-lock {to_gb(nbytes):.1f} GB of host memory for the offloaded KV cache "
             f"(cudaHostRegister failed; see `ulimit -l`); evaluate shorter lengths (--lengths)"
         )
     return region.view(dtype).view(shape), region.data_ptr()
