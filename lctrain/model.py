@@ -8,7 +8,6 @@ MLP, fused kernels (`lctrain.fused`), and the attention engine (`lctrain_<engine
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
 import json
@@ -27,7 +26,12 @@ from lctrain import checkpointing, fused
 from lctrain.attention import ENGINES, Engine, resolve_engine
 from lctrain.attention.engines.common import check_dropout
 from lctrain.compat.deepspeed import tiled_mlp_apply
-from lctrain.compat.transformers import attn_implementation_of, nested_rope_keys, set_attn_implementation
+from lctrain.compat.transformers import (
+    attn_implementation_of,
+    nested_rope_keys,
+    sdpa_refused,
+    set_attn_implementation,
+)
 from lctrain.compat.transformers import rotary_in_fp32 as compat_rotary_in_fp32
 from lctrain.config import Config, data_dir
 from lctrain.costmodel import ModelShape
@@ -429,8 +433,12 @@ def _check_attention_softcap(hf_config) -> None:
         )
 
 
-def _configure(hf_config, cfg: Config, vocab_size: int | None, impl: str) -> list[ConfigChange]:
-    """Apply `config_changes` to `hf_config` after checking the model can be trained; returns the changes."""
+def _configure(hf_config, cfg: Config, vocab_size: int | None, engine: Engine) -> list[ConfigChange]:
+    """Apply `config_changes` to `hf_config` after checking the model can be trained with `engine`; returns the
+    changes."""
+    impl = engine.hf_name
+    if sdpa_refused(hf_config, impl):
+        raise _no_sdpa(cfg.attention.engine, engine, hf_config)
     _check_rope(hf_config)
     _check_attention_softcap(hf_config)
     logit_transform(hf_config)  # refuses a logit scale the loss cannot apply
@@ -592,7 +600,7 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
         if engine is None:
             raise _NotHere(f"on this machine: {refused}")
         # train's checks and changes, on a copy: the values below are read from the model's own config
-        changes = _configure(copy.deepcopy(hf_config), cfg, _arch_vocab_size(cfg, None), engine.hf_name)
+        changes = _configure(copy.deepcopy(hf_config), cfg, _arch_vocab_size(cfg, None), engine)
     except _NotHere as e:
         notes.append(f"model settings left null: resolved when the model is loaded ({e})")
         if "model.tiled_mlp" not in used and cfg.model.tiled_mlp == "auto":
@@ -609,25 +617,12 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
     return used, notes
 
 
-# transformers' refusal of an attention implementation whose name contains "sdpa" (lctrain_sdpa) for a model class
-# without SDPA support (Gemma-2), raised when the model class is instantiated, before any weight is built or read
-_NO_SDPA = "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention"
-
-
-@contextlib.contextmanager
-def _sdpa_refused(asked: str, engine: Engine, hf_config):
-    """Turn that refusal into one line naming the engines to use instead. Which classes support SDPA is a private
-    class attribute, so the class's own check decides, as the model is built."""
-    try:
-        yield
-    except ValueError as e:
-        if _NO_SDPA not in str(e):
-            raise
-        others = ", ".join(name for name in ENGINES if "sdpa" not in name)
-        raise UserError(
-            f"attention.engine = {asked} ({engine.name}): transformers runs no implementation named *sdpa* for "
-            f"model type '{hf_config.model_type}'; set attention.engine to one of {others} (reference on CPU)"
-        ) from None
+def _no_sdpa(asked: str, engine: Engine, hf_config) -> UserError:
+    others = ", ".join(name for name in ENGINES if "sdpa" not in name)
+    return UserError(
+        f"attention.engine = {asked} ({engine.name}): transformers runs no implementation named *sdpa* for "
+        f"model type '{hf_config.model_type}'; set attention.engine to one of {others} (reference on CPU)"
+    )
 
 
 def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | torch.device = "cpu") -> BuiltModel:
@@ -637,31 +632,28 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
     impl = engine.hf_name
     hf_config = load_hf_config(cfg)
-    changes = _configure(hf_config, cfg, _arch_vocab_size(cfg, vocab_size), impl)
+    changes = _configure(hf_config, cfg, _arch_vocab_size(cfg, vocab_size), engine)
     dtype = _dtype(cfg.model.dtype)
-    with _sdpa_refused(cfg.attention.engine, engine, hf_config):
-        if cfg.model.arch is not None:
-            # A seeded init that leaves the caller's RNG streams untouched: every rank builds the same weights. It runs
-            # on the training device: a random Llama-2-7B takes minutes to initialise on a host's cores, milliseconds
-            # on a GPU.
-            device = torch.device(device)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
-                torch.manual_seed(cfg.seed)
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
-        else:
-            try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    cfg.resolve_source(cfg.model.name_or_path), config=hf_config, dtype=dtype, attn_implementation=impl
-                )
-            except OSError as e:  # a directory with a config.json but no (complete) weights
-                raise UserError(
-                    f"model.name_or_path = '{cfg.model.name_or_path}': cannot load the weights ({e})"
-                ) from None
-        # from_pretrained returns the model in eval mode, where transformers skips gradient checkpointing (its layers
-        # checkpoint only when `self.training`): a pretrained model trained with checkpointing kept every layer's
-        # activations (measured on SmolLM2-135M at 2K tokens: 5.9 GB of tensors with and without). Evaluation
-        # callers set eval() themselves.
-        model.train()
+    if cfg.model.arch is not None:
+        # A seeded init that leaves the caller's RNG streams untouched: every rank builds the same weights. It runs
+        # on the training device: a random Llama-2-7B takes minutes to initialise on a host's cores, milliseconds
+        # on a GPU.
+        device = torch.device(device)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=impl)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.resolve_source(cfg.model.name_or_path), config=hf_config, dtype=dtype, attn_implementation=impl
+            )
+        except OSError as e:  # a directory with a config.json but no (complete) weights
+            raise UserError(f"model.name_or_path = '{cfg.model.name_or_path}': cannot load the weights ({e})") from None
+    # from_pretrained returns the model in eval mode, where transformers skips gradient checkpointing (its layers
+    # checkpoint only when `self.training`): a pretrained model trained with checkpointing kept every layer's
+    # activations (measured on SmolLM2-135M at 2K tokens: 5.9 GB of tensors with and without). Evaluation
+    # callers set eval() themselves.
+    model.train()
     if cfg.attention.mode == "anchor":
         _check_anchor(cfg, model.get_input_embeddings().num_embeddings)
     checkpointing.enable(model, cfg.model.checkpointing_mode)

@@ -3,14 +3,17 @@
 attention soft-capping and the sliding window refused or removed consistently, partial rotary kept."""
 
 import copy
+import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from train_helpers import show_config_refusal
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lctrain.attention import ENGINES, make_batch
+from lctrain.compat.transformers import sdpa_refused
 from lctrain.config import load_config
 from lctrain.errors import UserError
 from lctrain.eval.perplexity import target_nll
@@ -144,9 +147,14 @@ def test_the_engines_refuse_softcap_and_a_window_they_would_drop():
     torch.testing.assert_close(out, _reference_call()[0])
 
 
-def test_gemma2_with_an_sdpa_engine_is_one_line():
-    with pytest.raises(UserError, match=r"attention.engine = sdpa \(sdpa\).*'gemma2'.*reference"):
-        build({**GEMMA2, "attn_logit_softcapping": None}, "attention.engine=sdpa")
+def test_gemma2_with_an_sdpa_engine_is_one_line_from_show_config_as_from_train():
+    arch = {**GEMMA2, "attn_logit_softcapping": None}
+    with pytest.raises(UserError, match=r"attention.engine = sdpa \(sdpa\).*'gemma2'.*reference") as err:
+        build(arch, "attention.engine=sdpa")
+    overrides = [f"model.arch={json.dumps(arch)}", "attention.engine=sdpa", "model.dtype=float32"]
+    assert show_config_refusal(overrides) == f"error: {err.value}"
+    assert not sdpa_refused(AutoConfig.for_model("llama"), "lctrain_sdpa")
+    assert not sdpa_refused(AutoConfig.for_model("gemma2"), "lctrain_reference")
 
 
 SLIDING = {

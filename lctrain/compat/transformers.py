@@ -36,6 +36,21 @@ def attn_implementation_of(hf_config) -> str | None:
     return hf_config._attn_implementation
 
 
+def sdpa_refused(hf_config, impl: str) -> bool:
+    """Whether transformers refuses to build the causal LM of `hf_config` with the attention implementation `impl`:
+    any name holding "sdpa" is checked against the model class's private `_supports_sdpa` (False for Gemma-2 in
+    5.17-5.23). False for a config type without a registered causal LM class (remote code): its build decides."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if "sdpa" not in impl:
+        return False
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        return False
+    return not model_class._supports_sdpa
+
+
 def enable_activation_checkpointing(model, checkpoint_kwargs: dict[str, Any]) -> None:
     """Checkpoint every decoder layer of `model` (this instance), `checkpoint_kwargs` going to
     `torch.utils.checkpoint.checkpoint`. transformers 5.17 and 5.18 have only `gradient_checkpointing_enable`; 5.23
