@@ -153,7 +153,7 @@ def banner(s: RunStart) -> str:
         ("memory plan", memory),
         ("run dir", str(s.run_dir)),
     ]
-    lines = [f"lctrain train {s.name}: {s.steps} steps, {where}"]
+    lines = [f"lctrain train {s.name}: {s.steps} step{'' if s.steps == 1 else 's'}, {where}"]
     lines += [f"  {k:<12} {v}" for k, v in rows]
     lines += ["  " + line for line in changes_text(s.changes).splitlines()]
     return "\n".join(lines)
