@@ -3,11 +3,14 @@ work of `inspect`, the predictions of `estimate` and the benchmarks.
 
 Convention (model FLOPs, as MFU is defined): a matmul costs 2 FLOPs per multiply-add forward and twice its forward
 backward (the gradients of both operands), so training is 3 forward passes. That gives 6 x N x tokens for the dense
-layers and, per causally visible (query, key) pair and layer, 4 x width forward (QK^T and PV, `width` = heads x
-head dim) and 12 x width for training. FlashAttention's backward recomputes the scores (2.5x forward instead of 2x);
-that recomputation is the kernel's implementation, like activation checkpointing, so the model FLOPs count neither.
-The FLOPs the device runs add what activation checkpointing reruns (`recomputed_flops`): the hardware FLOPs
-utilisation (HFU) of a run, and `estimate`, which predicts wall time rather than utilisation, count them.
+layers, N the weights of the linear layers (`ModelShape.linear_params`, the one count of MFU, HFU and `estimate`;
+norms and biases do element-wise work, no matmul), and, per causally visible (query, key) pair and layer, 4 x width
+forward (QK^T and PV, `width` = heads x head dim) and 12 x width for training. FlashAttention's backward recomputes
+the scores (2.5x forward instead of 2x); that recomputation is the kernel's implementation, like activation
+checkpointing, so the model FLOPs count neither.
+The FLOPs the device runs add what activation checkpointing reruns (`recomputed_flops`) and the MLP forward that
+`model.tiled_mlp` reruns (`tiled_mlp_flops`): the hardware FLOPs utilisation (HFU) of a run, and `estimate`, which
+predicts wall time rather than utilisation, count them through one function (`hardware_flops_parts`).
 
 Visible pairs follow the masks the engines compute (docs/design.md §3): the causal window for `full`; for the document
 modes, each token sees the earlier tokens of its own document, an interleaved document's earlier chunks included.
@@ -65,11 +68,18 @@ def dense_flops(dense_params: int, tokens: float, passes: float = TRAINING_PASSE
     return DENSE_FORWARD_FLOPS * dense_params * tokens * passes
 
 
+def step_flops_parts(
+    dense_params: int, layers: int, width: int, tokens: float, pairs: float, passes: float = TRAINING_PASSES
+) -> tuple[float, float]:
+    """(dense, attention) FLOPs of `tokens` tokens whose windows keep `pairs` visible pairs in each layer."""
+    return dense_flops(dense_params, tokens, passes), layers * attention_flops(pairs, width, passes)
+
+
 def step_flops(
     dense_params: int, layers: int, width: int, tokens: float, pairs: float, passes: float = TRAINING_PASSES
 ) -> float:
     """Dense plus attention FLOPs of `tokens` tokens whose windows keep `pairs` visible pairs in each layer."""
-    return dense_flops(dense_params, tokens, passes) + layers * attention_flops(pairs, width, passes)
+    return sum(step_flops_parts(dense_params, layers, width, tokens, pairs, passes))
 
 
 @dataclass(frozen=True)
@@ -141,13 +151,9 @@ def count_params(module) -> int:
 
 
 def dense_params(lm) -> int:
-    """Parameters that do matmul work per token: all but the input embedding (which is a lookup). A tied output
-    head still multiplies, so its weight is counted once."""
-    total = count_params(lm)
-    emb = lm.get_input_embeddings().weight
-    out = lm.get_output_embeddings()
-    tied = out is not None and out.weight is emb
-    return total if tied else total - int(getattr(emb, "ds_numel", emb.numel()))
+    """The parameters the FLOPs of model `lm` count: `ModelShape.linear_params` of its config, read from the config
+    rather than the module so that a run counts what `estimate` counts without the weights."""
+    return ModelShape.from_hf_config(lm.config).linear_params()
 
 
 # Forward passes that each activation checkpointing reruns in every decoder layer: (its projections, its attention).
@@ -169,8 +175,26 @@ def recomputed_flops(shape: ModelShape, tokens: float, pairs: float, checkpointi
     )
 
 
-def hardware_step_flops(shape: ModelShape, dense_params: int, tokens: float, pairs: float, checkpointing: str) -> float:
-    """`step_flops` plus `recomputed_flops`: the FLOPs the device runs, for the hardware FLOPs utilisation (HFU) of
-    Megatron's "Reducing Activation Recomputation" and PaLM, against MFU's model FLOPs."""
-    model = step_flops(dense_params, shape.layers, shape.width, tokens, pairs)
-    return model + sum(recomputed_flops(shape, tokens, pairs, checkpointing))
+def tiled_mlp_flops(shape: ModelShape, tokens: float) -> float:
+    """FLOPs of the MLP forward that DeepSpeed's TiledMLP (`model.tiled_mlp`) reruns, slice by slice, in the backward
+    of every layer over `tokens` tokens: it keeps only its input, not the MLP's intermediates."""
+    return dense_flops(shape.mlp_params(), tokens, 1)
+
+
+def hardware_flops_parts(
+    shape: ModelShape, dense_params: int, tokens: float, pairs: float, checkpointing: str, tiled_mlp: bool = False
+) -> tuple[float, float]:
+    """(dense, attention) FLOPs the device runs: `step_flops_parts`, plus what activation checkpointing reruns
+    (`recomputed_flops`) and, with `tiled_mlp`, what TiledMLP reruns (`tiled_mlp_flops`)."""
+    dense, attention = step_flops_parts(dense_params, shape.layers, shape.width, tokens, pairs)
+    dense_rerun, attention_rerun = recomputed_flops(shape, tokens, pairs, checkpointing)
+    tiled = tiled_mlp_flops(shape, tokens) if tiled_mlp else 0.0
+    return dense + dense_rerun + tiled, attention + attention_rerun
+
+
+def hardware_step_flops(
+    shape: ModelShape, dense_params: int, tokens: float, pairs: float, checkpointing: str, tiled_mlp: bool = False
+) -> float:
+    """The FLOPs the device runs (`hardware_flops_parts`), for the hardware FLOPs utilisation (HFU) of Megatron's
+    "Reducing Activation Recomputation" and PaLM, against MFU's model FLOPs, and for `estimate`'s wall time."""
+    return sum(hardware_flops_parts(shape, dense_params, tokens, pairs, checkpointing, tiled_mlp))

@@ -24,7 +24,6 @@ from rich.table import Table
 
 from lctrain.config import load_config
 from lctrain.console import plain_console
-from lctrain.costmodel import full_square_pairs
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.fused import MODES as MODES_FUSED
 from lctrain.hardware import device_peak_flops
@@ -76,9 +75,9 @@ def bench_mode(mode: str, args, device: torch.device) -> dict:
         times.append(seconds)
     kernels = profiled_kernels(partial(trainer.train_step, windows), device, args.profile) if args.profile else []
     step = float(np.median(times[args.warmup :]))
-    tokens = args.batch * args.seq_len
+    tokens = cfg.tokens_per_step
     flops = trainer.step_flops(tokens, result.pairs)
-    square = trainer.step_flops(tokens, args.batch * full_square_pairs(args.seq_len))
+    square = trainer.full_square_flops()
     hardware = trainer.hardware_flops(tokens, result.pairs)
     peak = device_peak_flops(device, args.peak_tflops, trainer.cfg.model.dtype)
     out = {

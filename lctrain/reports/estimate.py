@@ -5,10 +5,11 @@ FLOPs per window come from the cost model (`lctrain.costmodel`, the convention M
 v, o, the gated MLP, the LM head) and attention over the causally visible (query, key) pairs, each 3 forward passes
 for training, plus what activation checkpointing reruns (`costmodel.recomputed_flops`: the layers' forward under
 `full`, all of it but attention under `selective`) and, with `model.tiled_mlp`, the MLP forward that TiledMLP reruns
-in the backward: the FLOPs the device runs (HFU's), as wall time, not utilisation, is predicted here. The rate is
-per GPU on those FLOPs: `--tflops`, bench_train's `hardware_tflops_per_gpu` (`--from-bench`), or by default a
-device's peak for the time at 100% HFU: `--gpu NAME`'s dense bf16 peak from lctrain's hardware table, else this
-machine's (`logging.peak_tflops`, its GPU's from the table, or its CPU's measured matmul rate; lctrain.hardware).
+in the backward: the FLOPs the device runs (`costmodel.hardware_flops_parts`, which `train`'s hfu counts too), as wall
+time, not utilisation, is predicted here. The rate is per GPU on those FLOPs: `--tflops`, bench_train's
+`hardware_tflops_per_gpu` (`--from-bench`), or by default a device's peak for the time at 100% HFU: `--gpu NAME`'s
+dense bf16 peak from lctrain's hardware table, else this machine's (`logging.peak_tflops`, its GPU's from the table,
+or its CPU's measured matmul rate; lctrain.hardware).
 The visible pairs per mode come from the actual segment layout of the prepared dataset; without one, from a
 synthetic packing of SlimPajama-like document lengths (`lctrain.data.layouts`, the benchmarks' windows), flagged
 as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs); a step is `train.global_batch` windows.
@@ -24,7 +25,7 @@ from rich.table import Table
 
 from lctrain.config import Config, data_dir
 from lctrain.console import plain_console
-from lctrain.costmodel import attention_flops, dense_flops, recomputed_flops, window_pairs
+from lctrain.costmodel import hardware_flops_parts, window_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError
@@ -151,19 +152,17 @@ def predict(
     shape = model_shape(cfg)
     L = cfg.data.seq_len
     pairs, source = mean_pairs(cfg)
-    linear = dense_flops(shape.linear_params(), L)
-    if cfg.model.tiled_mlp:  # TiledMLP recomputes each MLP slice's forward in the backward: one more MLP pass
-        linear += dense_flops(shape.mlp_params(), L, 1)
-    per_pair = shape.layers * attention_flops(1, shape.width)
     windows_per_b = 1e9 / L
     rows = {}
     for mode in modes:
         r = rate.get(mode, rate.get("*"))
         if r is None:
             raise UserError(f"--from-bench {from_bench}: no throughput for mode '{mode}' and no overall one")
-        dense_rerun, attention_rerun = recomputed_flops(shape, L, pairs[mode], cfg.model.checkpointing_mode)
-        attention = per_pair * pairs[mode] + attention_rerun
-        flops = linear + dense_rerun + attention
+        # the count `train`'s hfu divides by the step time (Trainer.hardware_flops), for one window
+        dense, attention = hardware_flops_parts(
+            shape, shape.linear_params(), L, pairs[mode], cfg.model.checkpointing_mode, bool(cfg.model.tiled_mlp)
+        )
+        flops = dense + attention
         window_s = flops / (r * 1e12 * n_gpus)
         step_s = cfg.train.global_batch * window_s
         rows[mode] = {

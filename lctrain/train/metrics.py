@@ -1,12 +1,13 @@
 """Step metrics: `metrics.jsonl`, the progress bar (or, when stdout is not a terminal, one plain line per
 `logging.log_every` steps) and Weights & Biases; how loud the libraries are during a run.
 
-The model FLOPs of a step come from `lctrain.costmodel`: 6 x (non-embedding parameters) x tokens plus 12 x layers x
-width per visible query-key pair, so MFU measures useful work and `anchor` is not credited with FLOPs it skips
-(`mfu`, strict). `mfu_full_square` counts the whole L x L square of pairs per window, torchtitan's and Megatron's
-convention, for comparison with their numbers. `hfu` (hardware FLOPs utilisation) adds to the strict count the
-forward that activation checkpointing reruns in the decoder layers (the whole layer under `full`; all but attention
-under `selective`): the work the device does, where MFU is the work the model needs.
+The model FLOPs of a step come from `lctrain.costmodel`: 6 x (the linear layers' weights, LM head included) x
+tokens plus 12 x layers x width per visible query-key pair, so MFU measures useful work and `anchor` is not credited
+with FLOPs it skips (`mfu`, strict). `mfu_full_square` counts the whole L x L square of pairs per window,
+torchtitan's and Megatron's convention, for comparison with their numbers. `hfu` (hardware FLOPs utilisation) adds
+to the strict count the forward that activation checkpointing reruns in the decoder layers (the whole layer under
+`full`; all but attention under `selective`) and the MLP forward that `model.tiled_mlp` reruns: the work the device
+does, where MFU is the work the model needs.
 `peak_mem_gb` is in GB (10^9 bytes, the unit of `lctrain plan`) and is the step's own peak (`lctrain.measure`):
 PyTorch's allocations on a GPU, the resident set on the CPU; `peak_mem_scope` is "lifetime" where the platform
 cannot reset the host's peak, and the value is then the process's peak so far.

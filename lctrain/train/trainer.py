@@ -34,7 +34,6 @@ from lctrain.config import Config, config_fingerprint, settings, settings_change
 from lctrain.costmodel import (
     ModelShape,
     count_params,
-    dense_params,
     full_square_pairs,
     hardware_step_flops,
     step_flops,
@@ -104,7 +103,7 @@ class TrainState:
         dataset (`train.data.dataset_record`) against."""
         return {
             "step": self.step,
-            "windows_consumed": self.step * cfg.train.global_batch,
+            "windows_consumed": cfg.windows_read(self.step),
             "dataset": dataset,
             "config_fingerprint": config_fingerprint(cfg),
             "world_size": layout.world,
@@ -209,8 +208,8 @@ class Trainer:
         if self.layout.sp > 1:
             self.attention = wrap_model(self.lm, self.attention, topo.sp_group)
         model = CausalLMLossSum(self.lm, fused_loss_sum=fused.loss_sum(cfg.model.fused_kernels))
-        self.n_dense = dense_params(self.lm)
         self.shape = ModelShape.from_hf_config(self.lm.config)
+        self.n_dense = self.shape.linear_params()
         with no_bf16_optimizer_memory_report():
             self.engine, _, _, _ = deepspeed.initialize(
                 model=model,
@@ -288,33 +287,36 @@ class Trainer:
     def step_flops(self, tokens: int, pairs: int) -> float:
         return step_flops(self.n_dense, self.shape.layers, self.shape.width, tokens, pairs)
 
+    def full_square_flops(self) -> float:
+        """`step_flops` of one step with every window's whole L x L square of pairs (costmodel.full_square_pairs)."""
+        cfg = self.cfg
+        return self.step_flops(cfg.tokens_per_step, cfg.train.global_batch * full_square_pairs(cfg.data.seq_len))
+
     def hardware_flops(self, tokens: int, pairs: int) -> float:
-        """`step_flops` and what this run's activation checkpointing reruns (costmodel.hardware_step_flops)."""
-        return hardware_step_flops(self.shape, self.n_dense, tokens, pairs, self.cfg.model.checkpointing_mode)
+        """`step_flops` and what this run's activation checkpointing and tiled MLP rerun (costmodel.hardware_step_flops,
+        which `estimate` counts with too)."""
+        model = self.cfg.model
+        return hardware_step_flops(
+            self.shape, self.n_dense, tokens, pairs, model.checkpointing_mode, tiled_mlp=bool(model.tiled_mlp)
+        )
 
     def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None, mem_scope: str) -> dict:
         """The metrics.jsonl record of update `step_index`: `peak_mem_gb` in GB (10^9 bytes), the peak since
         `reset_peak` returned `mem_scope` (the step, or the process's life where the host's peak cannot be reset)."""
         cfg = self.cfg
-        tokens = cfg.train.global_batch * cfg.data.seq_len
+        tokens = cfg.tokens_per_step
         step = step_index + 1
         return {
             "step": step,
             "loss": result.loss,
             "lr": learning_rate(step_index, cfg.train),
             "grad_norm": result.grad_norm,
-            "tokens": step * tokens,
+            "tokens": cfg.tokens_read(step),
             "valid_labels": result.valid_labels,
             "step_time_s": seconds,
             "tokens_per_s": tokens / seconds,
             "mfu": self.step_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
-            "mfu_full_square": (
-                self.step_flops(tokens, cfg.train.global_batch * full_square_pairs(cfg.data.seq_len))
-                / seconds
-                / (peak * self.layout.world)
-                if peak
-                else None
-            ),
+            "mfu_full_square": self.full_square_flops() / seconds / (peak * self.layout.world) if peak else None,
             "hfu": self.hardware_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
             "peak_mem_gb": to_gb(peak_bytes(self.topo.device)),
             "peak_mem_scope": mem_scope,
@@ -343,6 +345,7 @@ class Trainer:
             engine=self.attention.name,
             seq_len=cfg.data.seq_len,
             global_batch=cfg.train.global_batch,
+            tokens_per_step=cfg.tokens_per_step,
             micro_batch=cfg.train.micro_batch,
             grad_accum=self.batches.grad_accum,
             layout=layout,
@@ -362,7 +365,7 @@ class Trainer:
             last=records[-1] if records else None,
             steps=self.cfg.train.steps,
             start_step=start_step,
-            tokens_per_step=self.cfg.train.global_batch * self.cfg.data.seq_len,
+            tokens_per_step=self.cfg.tokens_per_step,
             wall_s=wall_s,
             peak_mem_gb=max((r["peak_mem_gb"] for r in records), default=None),
             checkpoint=ckpt.latest_checkpoint(rd),
