@@ -401,8 +401,13 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if (self.name_or_path is None) == (self.arch is None):
-            raise ValueError("set exactly one of model.name_or_path (hub name or directory) and model.arch")
+        if self.name_or_path is None and self.arch is None:
+            raise ValueError("set one of model.name_or_path (hub name or directory) and model.arch")
+        if self.name_or_path is not None and self.arch is not None:
+            raise ValueError(
+                "both model.name_or_path (a pretrained model) and model.arch (a random init) are set; to train "
+                "the model at model.name_or_path, set model.arch=null (e.g. --set model.arch=null)"
+            )
         return self
 
     @property
@@ -728,6 +733,19 @@ class Config(_Section):
         if "/" in name or "\\" in name or name in (".", ".."):
             raise ValueError("the name is one directory name under runs/ (no '/', not '.' or '..')")
         return name
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on: `train.global_batch` windows of `data.seq_len` tokens."""
+        return self.train.global_batch * self.data.seq_len
+
+    def windows_read(self, steps: int | None = None) -> int:
+        """Window reads of the first `steps` optimizer steps (default `train.steps`): `train.global_batch` each."""
+        return (self.train.steps if steps is None else steps) * self.train.global_batch
+
+    def tokens_read(self, steps: int | None = None) -> int:
+        """Tokens the first `steps` optimizer steps (default `train.steps`) train on."""
+        return self.windows_read(steps) * self.data.seq_len
 
     # the `--set` items it was loaded with (load_config): `origin` names them in messages
     _overrides: tuple[str, ...] = PrivateAttr(default=())
@@ -1067,12 +1085,12 @@ def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) ->
     None. Reading runs through the windows in order (train/data.py), so the re-read windows are the last steps',
     which hold every evaluation checkpoint. `source_exhausted`: the input ran out before `data.token_budget`, so a
     larger budget would not help."""
-    needed = cfg.train.steps * cfg.train.global_batch
+    needed = cfg.windows_read()
     if needed <= windows:
         return None
     seq_len, batch, held = cfg.data.seq_len, cfg.train.global_batch, cfg.eval.ppl_windows
     fits = windows // batch
-    ran_out = source_exhausted or cfg.data.token_budget >= needed * seq_len
+    ran_out = source_exhausted or cfg.data.token_budget >= cfg.tokens_read()
     if ran_out:
         more = "the input ran out before data.token_budget: add input data (and prepare again)"
     else:
@@ -1092,7 +1110,7 @@ def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) ->
     fix = " or ".join([more, *fewer])
     return (
         f"warning: {cfg.train.steps:,} steps x {cfg.train.global_batch} windows x {seq_len:,} tokens = "
-        f"{needed * seq_len:,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "
+        f"{cfg.tokens_read():,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "
         f"windows, {windows * seq_len:,} tokens): the last {cfg.train.steps - fits:,} steps re-read windows; {fix}"
     )
 

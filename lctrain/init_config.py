@@ -28,13 +28,13 @@ from lctrain.config import (
 from lctrain.costmodel import ModelShape
 from lctrain.data.sources import resolve_local_files
 from lctrain.errors import UserError
-from lctrain.memory import SELECTIVE, WARN_FRACTION, Budget, plan_memory, replan
+from lctrain.memory import SELECTIVE, Budget, plan_memory, replan
 from lctrain.model import default_rope_theta, require_rope
 from lctrain.parallel.layout import ParallelLayout, kv_replication
 from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, Positions
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer
 from lctrain.train.runplan import RunPlan
-from lctrain.units import GB, gb_to_bytes
+from lctrain.units import GB, option_gb_to_bytes
 
 # The paper's recipe (section 4.1 and its released code): 8 windows per step, 2000 steps, AdamW at a constant 2e-5.
 PAPER_WINDOWS_PER_STEP = 8
@@ -407,7 +407,8 @@ def render(
 ) -> str:
     """The YAML text of `raw` with comments saying where each choice comes from."""
     d, m, t, p = raw["data"], raw["model"], raw["train"], raw["parallel"]
-    gpus = p["nproc_per_node"] * p["num_nodes"]
+    cfg = validate(raw, "lctrain init")  # the config the text writes, for the quantities it derives
+    gpus = cfg.parallel.world
     dp = ParallelLayout(gpus, layout.sequence_parallel).dp
     held_out = EvalConfig.model_fields["ppl_windows"].default
     tokens = tokens_to_prepare(t["steps"], t["global_batch"], d["seq_len"], held_out)
@@ -474,7 +475,7 @@ attention:
   engine: auto
 train:
   steps: {t["steps"]}
-  # {t["global_batch"]} windows per step ({t["global_batch"] * d["seq_len"]:,} tokens) over {dp} data-parallel \
+  # {t["global_batch"]} windows per step ({cfg.tokens_per_step:,} tokens) over {dp} data-parallel \
 replica(s): the paper's {PAPER_WINDOWS_PER_STEP}{
         "" if t["global_batch"] == PAPER_WINDOWS_PER_STEP else ", raised to a multiple of the replicas"
     }
@@ -543,9 +544,11 @@ def init_config(
         raise UserError(f"--seq-len {seq_len}: expected a multiple of 1024 (e.g. 65536)")
     if mode not in MODES:
         raise UserError(f"--mode {mode}: expected one of {', '.join(MODES)}")
-    for option, value in (("--gpu-mem", gpu_mem_gb), ("--host-mem", host_mem_gb)):
-        if not 0 < value < math.inf:
-            raise UserError(f"{option} {value}: expected memory sizes in GB > 0, finite")
+    memory = Budget(
+        option_gb_to_bytes(gpu_mem_gb, "--gpu-mem"),
+        option_gb_to_bytes(host_mem_gb, "--host-mem"),
+        f"{gpu_mem_gb:g} GB per GPU and of {host_mem_gb:g} GB per node",
+    )
     base = base_model(model)
     per_node = min(gpus, gpus_per_node)
     name = f"{base.stem}_{seq_len // 1024}k_{mode}"
@@ -555,11 +558,7 @@ def init_config(
     theta, why_theta = rope_base(base.positions.rope_theta, seq_len)
     tokenizer, why_tokenizer = choose_tokenizer(base, tokenizer)
     # planned within the share of memory under which `train` starts without a memory warning
-    budget = Budget(
-        int(WARN_FRACTION * gb_to_bytes(gpu_mem_gb)),
-        int(WARN_FRACTION * gb_to_bytes(host_mem_gb)),
-        f"{WARN_FRACTION:.0%} of {gpu_mem_gb:g} GB per GPU and of {host_mem_gb:g} GB per node",
-    )
+    budget = memory.planned()
     if data:
         try:
             resolve_local_files(data, DataConfig.model_fields["hub_split"].default, 0)
@@ -600,7 +599,7 @@ def summary(path: Path, cfg: Config, layout: Layout) -> str:
     if t.global_batch != PAPER_WINDOWS_PER_STEP:
         dp = ParallelLayout(cfg.parallel.world, layout.sequence_parallel).dp
         batch += (
-            f" ({t.global_batch * cfg.data.seq_len:,} tokens per step at the paper's lr {t.lr:g}: the paper's "
+            f" ({cfg.tokens_per_step:,} tokens per step at the paper's lr {t.lr:g}: the paper's "
             f"{PAPER_WINDOWS_PER_STEP} windows raised to a multiple of {dp} data-parallel replicas)"
         )
     else:

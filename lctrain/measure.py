@@ -3,7 +3,8 @@ process's resident set).
 
 - Time: the device is synchronized before and after, so the interval holds the work queued in it and not work queued
   before it.
-- Device peak: `torch.cuda.max_memory_allocated` since `reset_peak`.
+- Device peak: `torch.cuda.max_memory_allocated` since `reset_peak`; `peak_reserved_bytes` what the caching allocator
+  held from the device meanwhile (`torch.cuda.max_memory_reserved`: the allocations, cached blocks and fragmentation).
 - Host peak: the process's high-water resident set. Linux resets it on writing "5" to /proc/self/clear_refs and
   reports it as VmHWM in /proc/self/status, so the peak is the interval's; elsewhere only `ru_maxrss` exists, which is
   the peak since the process started, and `reset_peak` says so by returning `LIFETIME`.
@@ -83,6 +84,11 @@ def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return host_peak_bytes()
+
+
+def peak_reserved_bytes(device: torch.device) -> int:
+    """Peak bytes PyTorch's caching allocator reserved on the GPU `device` since `reset_peak`."""
+    return torch.cuda.max_memory_reserved(device)
 
 
 # The region `cpu_peak_bytes` measures, as the profiler trace names it.

@@ -56,13 +56,14 @@ from lctrain.search import longest_fitting
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
 from lctrain.train.loss import positions_per_chunk
 from lctrain.train.runplan import RunPlan
+from lctrain.units import GiB
 
 # The CUDA context (about 0.5 GB on Hopper with lazy module loading), cuBLAS workspaces and the NCCL communicators'
 # buffers: device memory a training process holds outside PyTorch's allocator.
-DEVICE_RUNTIME_BYTES = 2**30
+DEVICE_RUNTIME_BYTES = GiB
 # The process itself in host memory: Python, the code and CPU-side state of torch, transformers and DeepSpeed (the RSS
 # of a process that has imported them and built a tiny model is about 1 GB).
-HOST_RUNTIME_BYTES = 2**30
+HOST_RUNTIME_BYTES = GiB
 # On the CPU, memory glibc's malloc keeps after tensors are freed: blocks below its mmap threshold (which grows to 32
 # MiB) go back to its heap, not to the OS, so the resident set stays above the live tensors. Measured on SmolLM2-135M
 # (fp32, 1K-2K tokens, with and without checkpointing; tests/test_memory_real_model.py, docs/memory.md): 0.5-1.3 GB

@@ -5,7 +5,6 @@ to WARN_FRACTION of it (`Budget.planned`), the share above which `train` warns."
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import psutil
@@ -30,13 +29,11 @@ from lctrain.memory import (
 from lctrain.model import model_shape
 from lctrain.parallel.layout import layout_of
 from lctrain.train.data import BatchPlan
-from lctrain.units import GB, gb_to_bytes
+from lctrain.units import GB, gb_to_bytes, option_gb_to_bytes
 
 
 def _positive(value: float | None, option: str) -> int | None:
-    if value is not None and not 0 < value < math.inf:
-        raise UserError(f"{option} = {value}: expected a memory size in GB, finite and > 0")
-    return None if value is None else gb_to_bytes(value)
+    return None if value is None else option_gb_to_bytes(value, option)
 
 
 def local_budget(gpu_mem_gb: float | None = None, host_mem_gb: float | None = None) -> tuple[Budget, bool]:

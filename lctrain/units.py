@@ -4,6 +4,10 @@ meant as "about one allocation-sized block" is written in GiB."""
 
 from __future__ import annotations
 
+import math
+
+from lctrain.errors import UserError
+
 GB = 1e9
 GiB = 2**30
 KiB = 2**10
@@ -13,9 +17,13 @@ def to_gb(n_bytes: float) -> float:
     return n_bytes / GB
 
 
-def to_gib(n_bytes: float) -> float:
-    return n_bytes / GiB
-
-
 def gb_to_bytes(gb: float) -> int:
     return int(gb * GB)
+
+
+def option_gb_to_bytes(gb: float, option: str) -> int:
+    """A memory size the user gave in GB (`option` names where, e.g. `--gpu-mem`), in bytes; refused in one line
+    unless finite and > 0."""
+    if not 0 < gb < math.inf:
+        raise UserError(f"{option} = {gb}: expected a memory size in GB, finite and > 0")
+    return gb_to_bytes(gb)

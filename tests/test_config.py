@@ -89,7 +89,11 @@ def test_base_loop_is_reported(tmp_path):
         # a path without data.source=local was ignored: the synthetic corpus trained instead of the user's files
         ("data.path=corpus.jsonl", r"data: data.path is read only when data.source is 'local', and it is 'synthetic'"),
         ("data.hub_name=me/corpus", r"data: data.hub_name is read only when data.source is 'hub', and it is 'synth"),
-        ("model.name_or_path=x", r"model: set exactly one of model.name_or_path"),
+        (
+            "model.name_or_path=x",
+            r"model: both model.name_or_path .* set model.arch=null \(e.g. --set model.arch=null\)$",
+        ),
+        ("model.arch=null", r"model: set one of model.name_or_path \(hub name or directory\) and model.arch$"),
         ("bogus=1", r"unknown key 'bogus'"),
         ("train.steps=true", r"train.steps = True: a boolean; expected a number"),
         ("logging.peak_tflops=false", r"logging.peak_tflops = False: a boolean; expected a number"),

@@ -260,7 +260,7 @@ CASES = [
         "cli",
         ["init", "--model", "meta-llama/Llama-2-7b-hf", "--seq-len", "65536", "--gpus", "8", "--gpu-mem", "0"],
         {},
-        r"expected memory sizes in GB > 0",
+        r"--gpu-mem = 0.0: expected a memory size in GB, finite and > 0",
     ),
     ("resume-a-file", "cli", ["resume", "{w}/afile"], {}, r"afile: not a run directory \(no config.yaml\)"),
     ("resume-a-dataset", "run-dir", ["resume", "{w}/dataset"], {}, r"a prepared dataset .*, not a run directory"),

@@ -312,8 +312,14 @@ def test_the_bundled_configs_of_a_model_agree_on_the_ruler_exclusions():
         (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "1000", "--gpus", "8"], "--seq-len 1000"),
         (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--mode", "x"], "--mode x"),
         (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "4194304", "--gpus", "1", "--gpu-mem", "8"], "no layout fits"),
-        (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--gpu-mem", "inf"], "--gpu-mem inf"),
-        (["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--host-mem", "nan"], "--host-mem nan"),
+        (
+            ["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--gpu-mem", "inf"],
+            "--gpu-mem = inf: expected a memory size in GB",
+        ),
+        (
+            ["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--host-mem", "nan"],
+            "--host-mem = nan: expected a memory size in GB",
+        ),
         (
             ["--model", "Qwen/Qwen2.5-7B", "--seq-len", "65536", "--gpus", "8", "--data", "{empty}/c.jsonl"],
             "--data {empty}/c.jsonl: no such file or directory",

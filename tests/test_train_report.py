@@ -172,6 +172,7 @@ def start(**kw) -> RunStart:
         engine="ulysses_varlen",
         seq_len=65536,
         global_batch=8,
+        tokens_per_step=8 * 65536,
         micro_batch=1,
         grad_accum=1,
         layout=ParallelLayout(world=8, sp=8),

@@ -38,8 +38,16 @@ from lctrain.console import plain_console
 from lctrain.costmodel import ModelShape
 from lctrain.data.layouts import slimpajama_like_layouts, window_ids
 from lctrain.errors import UserError
-from lctrain.measure import cpu_peak_bytes, host_peak_bytes, timed
-from lctrain.memory import HOST_RUNTIME_BYTES, WARN_FRACTION, plan_memory
+from lctrain.measure import (
+    cpu_peak_bytes,
+    host_peak_bytes,
+    peak_bytes,
+    peak_reserved_bytes,
+    reset_peak,
+    synchronize,
+    timed,
+)
+from lctrain.memory import HOST_RUNTIME_BYTES, Budget, plan_memory
 from lctrain.parallel.groups import init_topology, release_single_process
 from lctrain.parallel.launch import OutOfMemory, RanksFailed, run_on_ranks
 from lctrain.parallel.ulysses import kv_replication
@@ -155,12 +163,13 @@ def settings_row(name: str, settings: list[str], args) -> dict:
     try:
         if gpu:
             trainer = setup()
-            torch.cuda.synchronize()
-            baseline = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            device = trainer.topo.device
+            synchronize(device)
+            baseline = torch.cuda.memory_allocated(device)
+            reset_peak(device)
             trainer.train_step(windows)
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
+            synchronize(device)
+            peak = peak_bytes(device)
         else:
             peak, baseline = cpu_peak_bytes(setup, lambda trainer: trainer.train_step(windows))
         step = timed_steps(kept.pop("trainer"), windows, args.steps, gpu=gpu)  # outside the profiler
@@ -220,14 +229,15 @@ def host_need(spec: dict, seq_len: int, gpu: bool) -> int:
 
 
 def fit_layers(spec: dict, seq_len: int, available: int, gpu: bool) -> dict:
-    """`spec` with the most decoder layers, up to its model's, whose host items fit in WARN_FRACTION of `available`
-    bytes: a host too small for the whole model's offloaded optimizer states still measures the model's own width
-    and window length (each layer's activations and recomputation, the loss chunk) against the plan."""
+    """`spec` with the most decoder layers, up to its model's, whose host items fit in the share of `available` bytes
+    a plan is held to (`Budget.planned`): a host too small for the whole model's offloaded optimizer states still
+    measures the model's own width and window length (each layer's activations and recomputation, the loss chunk)
+    against the plan."""
     layers = spec["arch"]["num_hidden_layers"]
+    planned = Budget(None, available, "this host's available memory").planned().host
     while (
         layers > 1
-        and host_need({**spec, "arch": {**spec["arch"], "num_hidden_layers": layers}}, seq_len, gpu)
-        > WARN_FRACTION * available
+        and host_need({**spec, "arch": {**spec["arch"], "num_hidden_layers": layers}}, seq_len, gpu) > planned
     ):
         layers -= 1
     return {**spec, "arch": {**spec["arch"], "num_hidden_layers": layers}}
@@ -270,9 +280,10 @@ def gpu_step_peak(trainer, windows, warmup: int, steps: int) -> tuple[float, int
     """(median step seconds, peak allocated bytes, peak reserved bytes) of `steps` steps after `warmup` ones."""
     for _ in range(warmup):
         trainer.train_step(windows)
-    torch.cuda.reset_peak_memory_stats()
+    device = trainer.topo.device
+    reset_peak(device)
     step = timed_steps(trainer, windows, steps, gpu=True)
-    return step, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    return step, peak_bytes(device), peak_reserved_bytes(device)
 
 
 def length_row(spec: dict, seq_len: int, step: float, peak: int, reserved: int, rss: int, gpu: bool) -> dict:

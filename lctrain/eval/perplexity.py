@@ -96,7 +96,7 @@ def select_heldout(tgt, ppl_data: str | None, tokenizer) -> Heldout:
     check_same_tokenizer(packed, tokenizer, tgt.checkpoints[0][1])
     n = len(packed)
     own = tgt.kind == "run" and packed.manifest.data_fingerprint == data_fingerprint(cfg.data)
-    consumed = cfg.train.steps * cfg.train.global_batch if own else 0
+    consumed = cfg.windows_read() if own else 0
     rows, available = heldout_rows(n, consumed, cfg.seed, limit)
     if not rows:
         return Heldout(

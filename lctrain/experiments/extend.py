@@ -268,7 +268,7 @@ def choose_steps(exp: Experiment, state: State, prepared: dict, given: int | Non
     """Steps per run: `given` (--steps, or --tokens in whole steps), else sized from measured throughput, else the
     configs' own; never more than the prepared windows hold beside the held-out ones."""
     cfg = exp.config(exp.modes[0])
-    per_step = cfg.train.global_batch * cfg.data.seq_len
+    per_step = cfg.tokens_per_step
     limit = max_steps(prepared["windows"], cfg.eval.ppl_windows, cfg.train.global_batch)
     if limit < exp.checkpoints:
         raise UserError(
@@ -481,12 +481,12 @@ def extend(
     state.data["plan"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(exp).items()}
     ensure_inputs(exp)
     cfg = exp.config(exp.modes[0])
-    per_step = cfg.train.global_batch * cfg.data.seq_len
+    per_step = cfg.tokens_per_step
     given = steps if steps is not None else steps_for_tokens(tokens, per_step) if tokens is not None else None
     prepared = prepare_once(exp, state, given)
     chosen = choose_steps(exp, state, prepared, given, train_seconds)
     state.data["steps"] = chosen
-    state.data["tokens_per_run"] = chosen * cfg.train.global_batch * cfg.data.seq_len
+    state.data["tokens_per_run"] = cfg.tokens_read(chosen)
     state.save()
     train_runs(exp, state, chosen)
     evaluate_runs(exp, state, chosen)

@@ -45,7 +45,6 @@ _NOT_EXPERIMENT = (
     "logging",
     "eval",
 )
-_SEEDS = ("seed", "data.seed")
 
 
 @dataclass(frozen=True)
@@ -211,11 +210,6 @@ def experiment_key(cfg: Config) -> str:
     return json.dumps(kept, sort_keys=True)
 
 
-def training_tokens(cfg: Config, steps: int) -> int:
-    """Tokens one run trains on in `steps` steps: steps x windows per step x tokens per window."""
-    return steps * cfg.train.global_batch * cfg.data.seq_len
-
-
 def trained(run: Evaluated) -> dict:
     """How far the run had trained when it was evaluated (`lctrain.eval.runner.training_progress`, recorded in its
     results): {"steps", "train_steps", "finished"}. Results written before that record was kept: the step of the
@@ -284,7 +278,7 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
                     "steps": progress["steps"],
                     "train_steps": progress["train_steps"],
                     "finished": progress["finished"],
-                    "training_tokens": training_tokens(r.cfg, progress["steps"]),
+                    "training_tokens": r.cfg.tokens_read(progress["steps"]),
                     "perplexity_windows": _setting(r.results, ("perplexity", "rows")),
                     "checkpoints": ckpts,
                     "ruler": {str(L): v for L, v in ruler.items()},

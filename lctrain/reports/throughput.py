@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from lctrain.config import Config, with_overrides
+from lctrain.config import Config, tokens_to_prepare, with_overrides
 from lctrain.console import plain_console
 from lctrain.data.prepare import prepare
 from lctrain.errors import UserError
@@ -56,13 +56,14 @@ def point_config(cfg: Config, mode: str, seq_len: int, steps: int, warmup: int, 
     """The config of one measured point: the user's, at `seq_len` and `mode`, just enough data for its steps, no
     checkpoints, its own data and run directories under `work`."""
     total = warmup + steps
+    budget = tokens_to_prepare(total, cfg.train.global_batch, seq_len, held_out=0)  # nothing evaluates these runs
     return with_overrides(
         cfg,
         [
             f"data.seq_len={seq_len}",
             f"attention.mode={mode}",
             f"train.steps={total}",
-            f"data.token_budget={total * cfg.train.global_batch * seq_len}",
+            f"data.token_budget={budget}",
             f"data.output_dir={work / f'data_{seq_len}'}",
             f"train.run_dir={work / f'{mode}_{seq_len}'}",
             "checkpoint.save_final=false",
@@ -121,7 +122,7 @@ def measure(
             times = timed_steps(run, warmup)
             if not times:
                 raise UserError(f"{run}: no step after the {warmup} warm-up steps was logged")
-            tokens = pcfg.train.global_batch * seq_len
+            tokens = pcfg.tokens_per_step
             step_time = statistics.fmean(times)
             points.append(
                 Point(

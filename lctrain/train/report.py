@@ -97,6 +97,7 @@ class RunStart:
     engine: str
     seq_len: int
     global_batch: int
+    tokens_per_step: int
     micro_batch: int
     grad_accum: int
     layout: ParallelLayout
@@ -130,7 +131,6 @@ def _rope(params: dict, max_positions: int) -> str:
 
 def banner(s: RunStart) -> str:
     """What rank 0 prints before the first step."""
-    tokens = s.global_batch * s.seq_len
     where = "from step 0" if s.start_step == 0 else f"resuming at step {s.start_step}"
     memory = "not planned (world differs from the config's)"
     if s.planned is not None:
@@ -143,7 +143,7 @@ def banner(s: RunStart) -> str:
         ("attention", f"{s.mode}, engine {s.engine}"),
         (
             "batch",
-            f"{s.global_batch} x {s.seq_len:,} = {tokens:,} tokens per step (micro-batch {s.micro_batch}, "
+            f"{s.global_batch} x {s.seq_len:,} = {s.tokens_per_step:,} tokens per step (micro-batch {s.micro_batch}, "
             f"{s.grad_accum} accumulation step{'s' if s.grad_accum != 1 else ''})",
         ),
         (
