@@ -205,10 +205,11 @@ def layer_saved_bytes(shape: ModelShape, tokens: int, mlp_tokens: int, b: int, s
 
 
 def kept_bytes(shape: ModelShape, tokens: int, b: int, mode: str, scores: int = 0) -> int:
-    """What selective checkpointing keeps of one layer beyond its input (lctrain/checkpointing.py): the attention
-    kernel's output and fp32 log-sum-exp; with `selective_matmul` also every projection's output (q, k, v, o, gate,
-    up, down). The `reference` engine (`scores` elements of dense scores) has no kernel to keep: `selective` keeps
-    nothing of its attention, `selective_matmul` its two matmuls' outputs (the scores and the weighted values)."""
+    """What selective checkpointing (lctrain/activation_checkpointing.py) keeps of one layer beyond its input: the
+    attention kernel's output and fp32 log-sum-exp; with `selective_matmul` also every projection's output (q, k, v,
+    o, gate, up, down). The `reference` engine (`scores` elements of dense scores) has no kernel to keep: `selective`
+    keeps nothing of its attention, `selective_matmul` its two matmuls' outputs (the scores and the weighted
+    values)."""
     if mode not in ("selective", "selective_matmul"):
         return 0
     if not scores:

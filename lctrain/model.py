@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from lctrain import checkpointing, fused
+from lctrain import activation_checkpointing, fused
 from lctrain.attention import ENGINES, Engine, resolve_engine
 from lctrain.attention.engines.common import check_dropout
 from lctrain.compat.deepspeed import tiled_mlp_apply
@@ -656,7 +656,7 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     model.train()
     if cfg.attention.mode == "anchor":
         _check_anchor(cfg, model.get_input_embeddings().num_embeddings)
-    checkpointing.enable(model, cfg.model.checkpointing_mode)
+    activation_checkpointing.enable(model, cfg.model.checkpointing_mode)
     if cfg.model.rope_fp32:
         rotary_in_fp32(model)
     if cfg.model.tiled_mlp:

@@ -43,7 +43,8 @@ def test_hand_computed_full_attention_hours(tmp_path):
     extra = 2 * layers * 3 * d * ffn * L
     assert tiled["modes"]["full"]["flops_per_window"] == pytest.approx(flops + extra)
     # activation checkpointing reruns each layer's forward but its down projection (torch stops once the backward
-    # has what it needs; tests/test_checkpointing.py counts it): attention too under `full`, not under `selective`
+    # has what it needs; tests/test_activation_checkpointing.py counts it): attention too under `full`, not under
+    # `selective`
     rerun = 2 * layers * (2 * d * heads * hd + 2 * d * kv * hd + 2 * d * ffn) * L
     attention_forward = 4 * heads * hd * layers * L * (L + 1) / 2
     for mode, more in (("selective", rerun), ("full", rerun + attention_forward), ("none", 0)):

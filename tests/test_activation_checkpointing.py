@@ -1,4 +1,4 @@
-"""Activation checkpointing (lctrain/checkpointing.py, `model.checkpointing`).
+"""Activation checkpointing (lctrain/activation_checkpointing.py, `model.checkpointing`).
 
 References: the same model trained without checkpointing (fp32 on CPU: losses and gradients equal), a count of
 the attention kernels that actually run, taken by a dispatch mode below the checkpoint's own, and torch's
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lctrain import checkpointing
+from lctrain import activation_checkpointing
 from lctrain.attention import make_batch
 from lctrain.compat.torch import TorchDispatchMode
 from lctrain.config import load_config
@@ -52,11 +52,11 @@ class CountOps(TorchDispatchMode):
         self.ops, self.calls = ops, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += checkpointing.op_name(func) in self.ops
+        self.calls += activation_checkpointing.op_name(func) in self.ops
         return func(*args, **(kwargs or {}))
 
 
-def train_once(mode, attention_mode, engine, ops=checkpointing.ATTENTION_OPS):
+def train_once(mode, attention_mode, engine, ops=activation_checkpointing.ATTENTION_OPS):
     cfg = config(f"model.checkpointing={mode}", f"attention.mode={attention_mode}", f"attention.engine={engine}")
     model = build_model(cfg, vocab_size=100).model.train()
     with CountOps(ops) as counter:
@@ -77,7 +77,7 @@ def test_same_loss_and_gradients_as_without_checkpointing(mode, engine, attentio
 
 @pytest.mark.parametrize("attention_mode", ["full", "anchor"])
 def test_selective_does_not_rerun_the_attention_kernel(attention_mode):
-    counts = {mode: train_once(mode, attention_mode, "sdpa")[2] for mode in checkpointing.MODES}
+    counts = {mode: train_once(mode, attention_mode, "sdpa")[2] for mode in activation_checkpointing.MODES}
     # sdpa calls the kernel once per layer per group of equal-length documents: `none`'s count is one forward
     once = counts["none"]
     assert once >= LAYERS
@@ -87,7 +87,7 @@ def test_selective_does_not_rerun_the_attention_kernel(attention_mode):
 
 def test_selective_matmul_keeps_the_matmuls():
     matmuls = {
-        mode: train_once(mode, "anchor", "sdpa", checkpointing.MATMUL_OPS)[2]
+        mode: train_once(mode, "anchor", "sdpa", activation_checkpointing.MATMUL_OPS)[2]
         for mode in ("none", "selective", "selective_matmul")
     }
     assert matmuls["selective"] > matmuls["none"]  # the projections are recomputed
@@ -108,11 +108,11 @@ def test_enable_takes_the_switch_each_supported_transformers_has():
     model = build_model(config(), vocab_size=100).model
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        checkpointing.enable(model, "full")
+        activation_checkpointing.enable(model, "full")
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     calls = []
     older = SimpleNamespace(gradient_checkpointing_enable=lambda **kwargs: calls.append(kwargs))
-    checkpointing.enable(older, "full")
+    activation_checkpointing.enable(older, "full")
     assert calls == [{"gradient_checkpointing_kwargs": {"use_reentrant": False}}]
 
 
