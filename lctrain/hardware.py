@@ -110,10 +110,13 @@ def _cpu_matmul_peak(dtype: str) -> float:
     from lctrain.measure import timed
 
     cpu = torch.device("cpu")
+    # its own generator: drawing from the global one would shift every later draw of the run (dropout masks), so
+    # a resume, which restores the global state before this runs, would not continue where the run left off
+    values = torch.Generator().manual_seed(0)
 
     def rate(n: int, repeats: int) -> float:
-        a = torch.randn(n, n).to(getattr(torch, dtype))
-        b = torch.randn(n, n).to(getattr(torch, dtype))
+        a = torch.randn(n, n, generator=values).to(getattr(torch, dtype))
+        b = torch.randn(n, n, generator=values).to(getattr(torch, dtype))
         a @ b
         return 2 * n**3 / min(timed(lambda: a @ b, cpu)[1] for _ in range(repeats))
 

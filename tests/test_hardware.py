@@ -99,10 +99,13 @@ def test_cpu_peak_is_measured_in_the_runs_dtype(monkeypatch):
 
     monkeypatch.setattr(measure, "timed", clock)
     hardware._cpu_matmul_peak.cache_clear()
+    before = torch.get_rng_state()
     try:
         assert device_peak_flops(torch.device("cpu"), dtype="bfloat16") == pytest.approx(rate)
     finally:
         hardware._cpu_matmul_peak.cache_clear()
+    # the run's random stream is untouched: a resume restores it before this runs, and dropout draws from it
+    assert torch.equal(torch.get_rng_state(), before)
     assert {dtype for dtype, _ in seen} == {torch.bfloat16}
     # the probe is 256; the measured matmul takes ~0.5 s at the probe's rate: (1e10 * 0.5 / 2) ** (1/3) = 1357
     assert sorted({n for _, n in seen}) == [256, 1357]
