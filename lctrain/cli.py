@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
-import platform
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from lctrain import __version__
+from lctrain import software
 from lctrain.compat import typer as compat_typer
 from lctrain.compat.deepspeed import quiet_cpu_fallback_notice
 from lctrain.config import bundled_config_names, load_config, to_yaml
@@ -30,20 +28,14 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# what a bug report needs beside lctrain's own version; read from the installed metadata, nothing is imported
-VERSION_OF = ("torch", "transformers", "deepspeed", "flash-attn", "liger-kernel")
-
 
 def _print_version(asked: bool) -> None:
     if not asked:
         return
-    versions = []
-    for name in VERSION_OF:
-        try:
-            versions.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            versions.append(f"{name} not installed")
-    typer.echo(f"lctrain {__version__} (python {platform.python_version()}, {', '.join(versions)})")
+    v = software.versions()
+    libraries = ", ".join(f"{name} {v[name] or 'not installed'}" for name in software.LIBRARIES)
+    source = f"; source {v['lctrain source']}" if v["lctrain source"] else ""
+    typer.echo(f"lctrain {v['lctrain']} (python {v['python']}, {libraries}{source})")
     raise typer.Exit()
 
 
@@ -129,6 +121,9 @@ def train(
     """Train with DeepSpeed (ZeRO, Ulysses sequence parallel); relaunches itself when the config asks for several
     processes. Writes config.yaml, metrics.jsonl, checkpoints/ and hf/step_N/ into the run directory."""
     from lctrain.train.command import train as run_train
+    from lctrain.train.session import record_command
+
+    record_command()
 
     run_train(load_config(config, list(set_ or [])), force=force)
 
@@ -151,6 +146,9 @@ def resume(
     --set changes the run's config from here on: more steps (train.steps), a lower learning rate, or another parallel
     layout (e.g. parallel.num_nodes after a requeue on fewer nodes), for which the checkpoint is converted once."""
     from lctrain.train.command import resume as run_resume
+    from lctrain.train.session import record_command
+
+    record_command()
 
     run_resume(run_dir, list(set_ or []))
 

@@ -183,11 +183,37 @@ class RunDir:
             return True  # a damaged metrics file or config cannot show the run unfinished: keep it
 
     def clear_outputs(self) -> None:
-        """Remove what a new run in this directory replaces: checkpoints, exports, profiles and metrics."""
+        """Remove what a new run in this directory replaces: checkpoints, exports, profiles, metrics and sessions."""
         shutil.rmtree(self.checkpoints, ignore_errors=True)
         shutil.rmtree(self.exports_dir, ignore_errors=True)
         shutil.rmtree(self.profile_dir, ignore_errors=True)
         self.metrics_file.unlink(missing_ok=True)
+        self.sessions_file.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ sessions
+
+    @property
+    def sessions_file(self) -> Path:
+        """One line per `train` and `resume` of the run: what it ran under (lctrain.train.session)."""
+        return self.path / "sessions.jsonl"
+
+    def append_session(self, record: dict) -> None:
+        with writing(self.sessions_file, "the sessions record"), open(self.sessions_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read_sessions(self) -> list[dict]:
+        """The session records; a line torn by a kill while it was appended is left out."""
+        if not self.sessions_file.is_file():
+            return []
+        out = []
+        for line in self.sessions_file.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
 
     # ------------------------------------------------------------ metrics
 

@@ -30,7 +30,7 @@ from train_helpers import (
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.config import load_config
+from lctrain.config import config_fingerprint, load_config
 from lctrain.errors import UserError
 from lctrain.files import TEMPORARY_PREFIX
 from lctrain.measure import reset_host_peak
@@ -375,9 +375,18 @@ def test_a_resume_trains_on_with_the_configs_learning_rate_betas_and_eps(referen
     bit for bit."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
+    sessions = RunDir(run_dir).sessions_file
+    (first,) = [json.loads(line) for line in sessions.read_text().splitlines()]
+    assert first["start_step"] == 0 and first["world"] == 1 and first["software"]["torch"] == torch.__version__
+    # the first session ran another torch: this one says so, since its steps may differ in their last bits
+    sessions.write_text(json.dumps({**first, "software": {**first["software"], "torch": "2.0.0"}}) + "\n")
     sets = ["train.steps=9", "train.lr=1e-30", "train.betas=[0.8, 0.9]", "train.eps=1e-6"]
     result = CliRunner().invoke(app, ["resume", str(run_dir), *set_args(sets)])
     assert result.exit_code == 0, result.output
+    assert f"other software than the last one (from step 0): torch 2.0.0 -> {torch.__version__}; " in result.output
+    second = json.loads(sessions.read_text().splitlines()[1])
+    assert second["start_step"] == STEPS and second["config_fingerprint"] != first["config_fingerprint"]
+    assert second["config_fingerprint"] == config_fingerprint(load_config(str(RunDir(run_dir).config_file)))
     assert "(train.betas [0.9, 0.95] -> [0.8, 0.9], train.eps 1e-08 -> 1e-06, train.lr " in result.output
     assert f"-> 1e-30, train.steps {STEPS} -> 9); continuing with the new values" in result.output
     before = final_state(run_dir)

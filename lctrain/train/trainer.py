@@ -59,6 +59,7 @@ from lctrain.train.metrics import StepLogger, quiet_libraries
 from lctrain.train.report import PlannedMemory, RunEnd, RunStart, banner, profile_line, summary
 from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.schedule import hf_checkpoint_steps, learning_rate, lr_factor, resume_checkpoint_due
+from lctrain.train.session import session_record, software_note
 from lctrain.units import to_gb
 
 # Fault injection for tests: called on rank 0 with the step after DeepSpeed has written its files of that step's
@@ -158,7 +159,13 @@ def run(
             trainer.load_checkpoint()
         start_step, started = trainer.state.step, time.monotonic()
         if topo.is_main:
+            session = session_record(cfg, start_step, topo.layout.world, str(topo.device))
+            sessions = rd.read_sessions()
+            rd.append_session(session)
             print(banner(trainer.run_start()), flush=True)
+            note = software_note(sessions[-1] if sessions else None, session)
+            if note:
+                print(note, flush=True)
         trainer.fit(packed)
         if topo.is_main:
             print(summary(trainer.run_end(start_step, time.monotonic() - started)), flush=True)
