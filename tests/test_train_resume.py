@@ -266,6 +266,13 @@ def test_resume_refuses_a_dataset_rebuilt_with_other_windows(reference, workdir)
         r"input\); resuming would read other windows",
     ):
         check_same_dataset(cfg, state, more, "step_8")
+    # the same windows cut at other places (another data.shard_tokens): other file checksums, named as such
+    n, cut = manifest.num_windows, manifest.shards[0].model_copy(update={"checksum": "xxh3_128:" + "1" * 32})
+    recut = manifest.model_copy(
+        update={"shards": [cut.model_copy(update={"num_windows": n - 1}), cut.model_copy(update={"num_windows": 1})]}
+    )
+    with pytest.raises(UserError, match=rf"\(the same {n} windows cut into 2 shards where the run's were 1 "):
+        check_same_dataset(cfg, state, recut, "step_8")
 
 
 def _empty_state(path: Path) -> None:

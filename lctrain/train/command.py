@@ -265,8 +265,8 @@ def check_same_dataset(cfg: Config, state: dict, manifest, checkpoint: str) -> N
     change = dataset_change(state.get("dataset"), dataset_record(manifest))
     if change is not None:
         raise UserError(
-            f"{data_dir(cfg)}: the prepared dataset changed since checkpoint {checkpoint} ({change}, rebuilt from "
-            f"other input); resuming would read other windows than the run's. Restore the dataset the run trained "
+            f"{data_dir(cfg)}: the prepared dataset changed since checkpoint {checkpoint} ({change}); resuming "
+            f"would read other windows than the run's. Restore the dataset the run trained "
             f"on, or start over on this one with 'lctrain train --config {cfg.source_file} --force'"
         )
 

@@ -54,20 +54,37 @@ _RECORDED = (
 
 def dataset_record(manifest) -> dict:
     """What identifies the windows a run reads, for its checkpoints: their number (with the seed, the order: see the
-    module's docstring) and their content (the shards' checksums). A rebuild from other input files keeps the data
-    fingerprint, which holds the settings only, and changes this."""
+    module's docstring) and their content (the shards' checksums, with the windows each shard holds). A rebuild from
+    other input files keeps the data fingerprint, which holds the settings only, and changes this."""
     content = digest("".join(shard.checksum for shard in manifest.shards).encode())
-    return {"windows": manifest.num_windows, "content": content}
+    return {
+        "windows": manifest.num_windows,
+        "content": content,
+        "shard_windows": [shard.num_windows for shard in manifest.shards],
+    }
 
 
 def dataset_change(recorded: dict | None, now: dict) -> str | None:
     """How the dataset differs from the one a checkpoint `recorded` (None: the same, or a checkpoint from before
     datasets were recorded)."""
-    if recorded is None or recorded == now:
+    if recorded is None:
         return None
     if recorded["windows"] != now["windows"]:
-        return f"it had {recorded['windows']:,} windows, now {now['windows']:,}"
-    return f"the same {now['windows']:,} windows, with other content ({recorded['content']} -> {now['content']})"
+        return f"it had {recorded['windows']:,} windows, now {now['windows']:,}, rebuilt from other input"
+    if recorded["content"] == now["content"]:
+        return None
+    cut = recorded.get("shard_windows")  # not in a checkpoint written before lctrain recorded it
+    if cut is not None and cut != now["shard_windows"]:
+        # the checksums are the shard files': windows cut at other places give other checksums whatever they hold
+        return (
+            f"the same {now['windows']:,} windows cut into {len(now['shard_windows'])} shards where the run's were "
+            f"{len(cut)} (another data.shard_tokens?), so their content cannot be compared; prepare again with "
+            f"the run's data.shard_tokens"
+        )
+    return (
+        f"the same {now['windows']:,} windows, with other content ({recorded['content']} -> {now['content']}), "
+        f"rebuilt from other input"
+    )
 
 
 def open_checked(cfg: Config):
