@@ -155,6 +155,24 @@ def resume(
 
 @app.command()
 @user_errors
+def export(
+    run_dir: Annotated[str, typer.Argument(help="run directory written by `lctrain train`")],
+    step: Annotated[
+        int | None, typer.Option(help="the resume checkpoint's step; default the latest complete checkpoint")
+    ] = None,
+    out: Annotated[str | None, typer.Option(help="directory to write; default RUN_DIR/hf/step_N")] = None,
+    force: Annotated[bool, typer.Option(help="replace an export already at --out (or hf/step_N)")] = False,
+):
+    """Turn a resume checkpoint (checkpoints/step_N/, DeepSpeed's files) into the Hugging Face export training writes
+    at hf/step_N/ (the same weights, config, tokenizer, model card and export record), on the CPU, with about one
+    copy of the weights in memory; for steps that got no evaluation export."""
+    from lctrain.train.export import export_checkpoint
+
+    export_checkpoint(run_dir, step=step, out=out, force=force)
+
+
+@app.command()
+@user_errors
 def init(
     model: Annotated[
         str, typer.Option(help="base model: a Hugging Face model directory (its config.json) or hub name")

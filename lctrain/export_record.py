@@ -1,7 +1,8 @@
 """An evaluation export's `export.json`: the step it holds and the size and content checksums of every file
-`save_hf` wrote beside it, so that `lctrain eval` scores each export under its own step. Without it, two exports'
-weights swapped (or one copied over another) load, score and are reported under each other's names: the files are
-valid, only their place is wrong.
+`checkpoint.write_export` wrote beside it (weight shards and their index, config, tokenizer, anchor, model card; for
+training's `save_hf` and `lctrain export` alike), so that `lctrain eval` scores each export under its own step.
+Without it, two exports' weights swapped (or one copied over another) load, score and are reported under each
+other's names: the files are valid, only their place is wrong.
 
 Written last, inside the export's staging directory (the export appears whole or not at all); verified on open by
 `verify_export`, which refuses any difference in one line naming the file. Files added beside them later are not

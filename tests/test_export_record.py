@@ -146,6 +146,7 @@ def test_an_export_generates_with_its_kv_cache_and_is_as_readable_as_its_config(
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from lctrain.config import load_config
     from lctrain.rundir import RunDir
     from lctrain.tokenizer import Anchor, load_tokenizer
     from lctrain.train import checkpoint
@@ -171,6 +172,7 @@ def test_an_export_generates_with_its_kv_cache_and_is_as_readable_as_its_config(
             3,
             rank=0,
             zero_stage=0,
+            cfg=load_config(None, []),
         )
     finally:
         os.umask(umask)

@@ -260,3 +260,44 @@ def checkpoint_offload_context():
             return maybe_ref
 
     return HandOverOffload()
+
+
+# The files of a DeepSpeed 0.19.8 checkpoint (`engine.save_checkpoint`, one tag directory) that hold the module: ZeRO
+# 0-2 write the whole module's state dict (its own dtype: the bf16 weights of a mixed-precision run, not the fp32
+# master copy) into one file; ZeRO-3 one file per rank whose 'module' holds empty placeholders for the parameters,
+# which live only as the fp32 partitions of the optimizer files.
+MODULE_FILE = "mp_rank_00_model_states.pt"
+ZERO3_MODULE_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+
+def module_state_dict(checkpoint: Path) -> dict:
+    """The module's state dict in a ZeRO 0-2 checkpoint directory (keys as the module DeepSpeed wrapped names them),
+    memory-mapped: a tensor is read when it is used, and the optimizer state beside it in ZeRO-0's file not at all.
+    DeepSpeed's `zero_to_fp32` reads the fp32 master weights instead and refuses ZeRO-1 bf16 checkpoints, whose
+    optimizer files are BF16_Optimizer's."""
+    import torch  # on use: this module loads without it (the CLI's start-up time)
+
+    # weights_only=False: the file pickles DeepSpeed's own objects beside the tensors
+    return torch.load(checkpoint / MODULE_FILE, map_location="cpu", mmap=True, weights_only=False)["module"]
+
+
+def zero3_fp32_state_dict(checkpoint: Path) -> dict:
+    """The fp32 master weights of a ZeRO-3 checkpoint directory, by the wrapped module's parameter names (tied
+    parameters one object under both names), plus its buffers, without an engine or process group: 0.19.8's
+    `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(..., lazy_mode=True)`. Each parameter is a `GatheredTensor`
+    whose `contiguous()` concatenates its slices of every rank's partition into one fp32 tensor, and the optimizer
+    files are memory-mapped (their Adam moments dropped), so what it holds at once is the partitions' pages and the
+    tensor being gathered. Its prints of each stage and its tqdm bars are kept out of the log: `lctrain export`
+    reports its own progress, and a checkpoint it cannot read in one line."""
+    # deepspeed on use: it takes seconds to import (start-up time)
+    from deepspeed.utils import zero_to_fp32
+
+    bar = zero_to_fp32.tqdm
+    zero_to_fp32.tqdm = functools.partial(bar, disable=True)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+                str(checkpoint.parent), tag=checkpoint.name, lazy_mode=True
+            )
+    finally:
+        zero_to_fp32.tqdm = bar

@@ -160,3 +160,51 @@ def quiet_gguf_conversion():
         yield
     finally:
         gguf_reader.tqdm = bar
+
+
+# What transformers 5 nests in `rope_parameters` beside the scaling: the base, and the rotary layout (Phi's part of
+# each head). transformers 4.x reads both from the top level of config.json, and the scaling from `rope_scaling`.
+_ROPE_TOP_LEVEL_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
+def legacy_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """The top-level RoPE keys transformers 4.x reads, for a config.json as 5.17-5.23 save it (`config`: its JSON
+    object), which keeps them only in `rope_parameters`: `rope_theta`; `partial_rotary_factor` where the parameters
+    hold one; `rope_scaling`, the parameters without those two, where the type is not `default`. Without them 4.46
+    to 4.57 load the model with the class default, e.g. base 10000, silently. Only keys `config` lacks; none for
+    per-layer-type parameters (nested dicts, which 4.x spells per model type) or a config without RoPE.
+
+    transformers 5 loads such a config to the same `rope_parameters` (tests/test_export.py, on the installed release):
+    `RotaryEmbeddingConfigMixin.convert_rope_params_to_dict` (5.17 and 5.23 alike) takes `rope_scaling`, when
+    present, for the parameters and fills `rope_theta` and `partial_rotary_factor` into them from the top level with
+    `setdefault`; a `rope_scaling` is therefore written only whole (every entry but those two). 5.23 pops both
+    top-level keys, so the loaded config is the one saved; 5.17 pops `rope_theta` but keeps a top-level
+    `partial_rotary_factor` as an attribute too, beside the same value in the parameters."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or not params or any(isinstance(v, dict) for v in params.values()):
+        return {}
+    legacy = {key: params[key] for key in _ROPE_TOP_LEVEL_KEYS if key in params}
+    if params.get("rope_type", "default") != "default":
+        legacy["rope_scaling"] = {k: v for k, v in params.items() if k not in _ROPE_TOP_LEVEL_KEYS}
+    return {k: v for k, v in legacy.items() if k not in config}
+
+
+def config_json_text(config: dict[str, Any]) -> str:
+    """config.json's text as transformers 5.17-5.23 write it (`PreTrainedConfig.to_json_string`): sorted keys,
+    indent 2, a final newline."""
+    import json
+
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def pretrained_generation_config(source: str):
+    """The generation config `AutoModelForCausalLM.from_pretrained(source)` gives its model (transformers 5.17 to
+    5.23: `GenerationMixin.adjust_generation_fn`): the source's generation_config.json, else one made from its
+    config.json (a model saved without one). `from_config` makes it from the config alone, so a model built without
+    its weights takes this one to save what a loaded one saves."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(source)
+    except OSError:
+        return GenerationConfig.from_pretrained(source, config_file_name="config.json", _from_model_config=True)

@@ -7,7 +7,9 @@ temporary directory, which the next save or resume removes.
 
     run_dir/checkpoints/step_20/   DeepSpeed files, trainer_state.json, rng_rank<R>.pt
     run_dir/checkpoints/latest     "step_20"
-    run_dir/hf/step_20/            save_pretrained weights + tokenizer, anchor.json, export.json (its step, files)
+    run_dir/hf/step_20/            save_pretrained weights (5GB shards) + tokenizer, anchor.json, README.md (the model
+                                   card), export.json (its step, files); written by `write_export`, which
+                                   `lctrain export` (export.py) also writes through from a resume checkpoint
 
 (the paths are `lctrain.rundir.RunDir`'s.)
 """
@@ -27,13 +29,16 @@ import numpy as np
 import torch
 
 from lctrain.compat.deepspeed import loading_universal, no_bf16_optimizer_load_print, zero3_full_state_dict
+from lctrain.compat.transformers import config_json_text, legacy_rope_keys
+from lctrain.config import Config
 from lctrain.errors import is_environment_error, writing
 from lctrain.export_record import write_export_record
 from lctrain.files import TEMPORARY_PREFIX, fsync_dir, replace_file
 from lctrain.rundir import RunDir, by_step, step_of
-from lctrain.tokenizer import save_tokenizer, write_anchor
+from lctrain.tokenizer import Anchor, save_tokenizer, write_anchor
 from lctrain.train import reshard
 from lctrain.train.loss import CausalLMLossSum
+from lctrain.train.model_card import model_card
 
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
@@ -311,24 +316,82 @@ def _readable_as_the_config(directory: Path) -> None:
             f.chmod(mode)
 
 
-def save_hf(engine, lm, tokenizer, anchor, run: RunDir, step: int, *, rank: int, zero_stage: int) -> Path:
-    """Export weights + tokenizer with `save_pretrained`, and the `anchor` trained with (all ranks call: ZeRO-3
-    gathers the shards)."""
-    final = run.export(step)
-    tmp = final.with_name(TEMPORARY_PREFIX + final.name)
+def save_hf(
+    engine,
+    lm,
+    tokenizer,
+    anchor: Anchor,
+    run: RunDir,
+    step: int,
+    *,
+    rank: int,
+    zero_stage: int,
+    cfg: Config,
+) -> Path:
+    """Export the model of `step` into `run`'s `hf/step_N/` (`write_export`) with the `anchor` trained with (all ranks
+    call: ZeRO-3 gathers the shards). `cfg`: the run's config, for the model card."""
     if zero_stage == 3:
         full = zero3_full_state_dict(engine)
         state_dict = CausalLMLossSum.lm_state_dict(full) if rank == 0 else None
     else:
         state_dict = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        with writing(tmp, "the evaluation checkpoint"), _with_kv_cache(lm):
-            lm.save_pretrained(str(tmp), state_dict=state_dict)  # its progress bar is off (metrics.quiet_libraries)
-            _readable_as_the_config(tmp)
-            save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
-            write_anchor(tmp, anchor)  # prompts start with it
-            write_export_record(tmp, step)  # last: eval scores these files, and only these, as this step
-            _replace_dir(tmp, final)
+        write_export(run.export(step), lm, tokenizer, anchor, step, cfg, state_dict=state_dict)
     _barrier()
+    return run.export(step)
+
+
+# save_pretrained's default is 50GB, one 13 GB file for a 7B model in bf16; the hub's own uploads use 5GB shards.
+MAX_SHARD_SIZE = "5GB"
+MODEL_CARD = "README.md"
+
+
+def write_export(
+    final: Path,
+    lm,
+    tokenizer,
+    anchor: Anchor,
+    step: int,
+    cfg: Config,
+    *,
+    state_dict: dict | None = None,
+) -> Path:
+    """Write an evaluation export of `step` into the directory `final`: `lm`'s `save_pretrained` (its weights, or
+    `state_dict`'s when given: gathered from ZeRO-3 shards, or read from a checkpoint for a model without weights) in
+    shards of `MAX_SHARD_SIZE`, its config.json with the top-level RoPE keys transformers 4.x reads, the tokenizer,
+    `anchor.json`, the model card (`model_card`, from the run's config `cfg`) and
+    last the export record of every file. Written into a temporary directory renamed into place, so the export
+    appears whole or not at all. Training (`save_hf`) and `lctrain export` (lctrain/train/export.py) both write
+    through here."""
+    tmp = final.with_name(TEMPORARY_PREFIX + final.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    dtype = _weights_dtype(lm, state_dict)  # save_pretrained empties `state_dict` as it writes the shards
+    with writing(tmp, "the evaluation checkpoint"), _with_kv_cache(lm):
+        # its progress bar is off (metrics.quiet_libraries, console.no_library_bars)
+        lm.save_pretrained(str(tmp), state_dict=state_dict, max_shard_size=MAX_SHARD_SIZE)
+        _add_legacy_rope_keys(tmp / "config.json")
+        _readable_as_the_config(tmp)
+        save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
+        write_anchor(tmp, anchor)  # prompts start with it
+        card = model_card(cfg, lm.config, tokenizer, anchor, step, dtype)
+        (tmp / MODEL_CARD).write_text(card)
+        write_export_record(tmp, step)  # last: eval scores these files, and only these, as this step
+        _replace_dir(tmp, final)
     return final
+
+
+def _add_legacy_rope_keys(config_file: Path) -> None:
+    """transformers 4.x (what many vLLM, lm-eval and TGI installs run) reads the RoPE base from the top level of
+    config.json only and would load the model at its class default (10000) without error; transformers 5 loads the
+    file with them to the same config (`compat.transformers.legacy_rope_keys`)."""
+    config = json.loads(config_file.read_text())
+    legacy = legacy_rope_keys(config)
+    if legacy:
+        config_file.write_text(config_json_text({**config, **legacy}))
+
+
+def _weights_dtype(lm, state_dict: dict | None) -> str:
+    """The dtype the export's weights are saved in: the module's (the bf16 weights of a mixed-precision run)."""
+    tensors = state_dict.values() if state_dict is not None else lm.parameters()
+    dtype = next((t.dtype for t in tensors if t.is_floating_point()), None)
+    return str(dtype).removeprefix("torch.")

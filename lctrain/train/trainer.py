@@ -475,6 +475,7 @@ class Trainer:
                 self.state.step,
                 rank=self.topo.rank,
                 zero_stage=self.cfg.parallel.zero_stage,
+                cfg=self.cfg,
             )
 
     def save_checkpoint(self) -> None:

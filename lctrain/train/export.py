@@ -1,0 +1,218 @@
+"""`lctrain export RUN_DIR [--step N] [--out DIR] [--force]`: the evaluation export of a resume checkpoint.
+
+A run writes `hf/step_N/` only at the steps of `checkpoint.hf_every` / `hf_last`; its resume checkpoints
+(`checkpoints/step_N/`) hold the weights of other steps in DeepSpeed's format. This turns one of them into exactly what
+training would have exported at its step: the same files, model card and export record, written by the same
+function (`checkpoint.write_export`), on the CPU, without a DeepSpeed engine, a process group or the base model's
+weights. The model is built on the meta device from the run's config as training built it (the base model's config,
+lctrain's changes to it, its generation config), and `save_pretrained` writes the checkpoint's tensors:
+
+- ZeRO 0-2: the module's state dict in `mp_rank_00_model_states.pt`, memory-mapped: the weights in the dtype they
+  trained in (bf16 under mixed precision), as the module held them; about one copy of the weights passes through
+  memory.
+- ZeRO-3: the module holds no weights there, only each rank's partition of the fp32 master weights: they are gathered
+  one parameter at a time from the memory-mapped optimizer files (DeepSpeed's `zero_to_fp32`) and cast to the
+  model's dtype, which is what the bf16 weights were (DeepSpeed copies the fp32 partition into them after each step);
+  one copy of the weights in that dtype, plus the partitions' pages.
+
+The run's settings are those the checkpoint recorded (`trainer_state.json`), so the model card says what the weights
+of that step trained with, even after `resume --set train.steps=...` rewrote config.yaml.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from lctrain.compat.deepspeed import MODULE_FILE, ZERO3_MODULE_FILE, module_state_dict, zero3_fp32_state_dict
+from lctrain.compat.transformers import pretrained_generation_config
+from lctrain.config import Config
+from lctrain.console import no_library_bars
+from lctrain.errors import UserError, output_dir
+from lctrain.export_record import EXPORT_RECORD, read_export_record
+from lctrain.model import apply_changes, config_changes, load_hf_config
+from lctrain.rundir import RunDir, step_of
+from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor
+from lctrain.train import checkpoint as ckpt
+from lctrain.train.loss import CausalLMLossSum
+from lctrain.units import to_gb
+
+
+def export_checkpoint(
+    run_dir: str | Path, step: int | None = None, out: str | Path | None = None, force: bool = False
+) -> Path:
+    """Write the evaluation export of `run_dir`'s resume checkpoint of `step` (default: the latest complete one) into
+    `out` (default: the run's `hf/step_N/`); an export already there is replaced only with `force`. Returns `out`."""
+    run = RunDir(Path(run_dir))
+    not_run = run.not_a_run()
+    if not_run is not None:
+        raise UserError(f"{run}: {not_run}; give the directory `lctrain train` wrote (runs/NAME)")
+    checkpoint = _checkpoint(run, step)
+    state, why = ckpt.state_or_why(checkpoint)
+    if state is None:
+        raise _damaged(run, checkpoint, why)
+    step = state["step"]
+    target = Path(out) if out is not None else run.export(step)
+    _check_target(target, force, "--out" if out is not None else None)
+    cfg = _trained_config(run, state)
+    dtype = getattr(torch, cfg.model.dtype)
+    tokenizer = load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
+    anchor = resolve_anchor(tokenizer, cfg.data.anchor, cfg.data.tokenizer)
+    recorded = recorded_anchor(run.path)
+    if recorded is not None and recorded.id != anchor.id:
+        raise UserError(
+            f"{run}: its anchor.json records {recorded.token} (id {recorded.id}) but data.tokenizer and data.anchor "
+            f"now give {anchor.token} (id {anchor.id}); restore the tokenizer the run trained with"
+        )
+    no_library_bars()
+    # the stage the checkpoint recorded; one written before checkpoints recorded their settings, by its files
+    zero3 = cfg.parallel.zero_stage == 3 if "config" in state else (checkpoint / ZERO3_MODULE_FILE).is_file()
+    how = f"gathering ZeRO-3's fp32 partitions into {cfg.model.dtype}" if zero3 else f"reading {MODULE_FILE}"
+    print(f"export: checkpoint {checkpoint.name} of {run} -> {target} ({how})", flush=True)
+    started = time.monotonic()
+    state_dict = _weights(run, checkpoint, zero3, dtype)
+    lm = _skeleton(cfg, state_dict, dtype, run, checkpoint)
+    ckpt.write_export(target, lm, tokenizer, anchor, step, cfg, state_dict=state_dict)
+    size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
+    print(
+        f"export: wrote {target} (step {step}, {to_gb(size):.2f} GB, {time.monotonic() - started:.0f} s); "
+        f"AutoModelForCausalLM.from_pretrained('{target}') loads it, `lctrain eval` scores it",
+        flush=True,
+    )
+    return target
+
+
+def _checkpoint(run: RunDir, step: int | None) -> Path:
+    """The complete checkpoint to export: of `step`, else the latest."""
+    done = ckpt.complete_checkpoints(run)
+    have = f"its complete checkpoints: {', '.join(p.name for p in done)}" if done else "it has none"
+    if step is None:
+        latest = ckpt.latest_checkpoint(run)
+        if latest is None:
+            raise UserError(
+                f"{run}: no complete resume checkpoint in {run.checkpoints} to export (a run writes them every "
+                f"checkpoint.every_steps steps and at its end)"
+            )
+        return latest
+    found = [p for p in done if step_of(p) == step]
+    if not found:
+        raise UserError(f"{run}: no complete checkpoint of step {step} ({have}); give one of them to --step")
+    return found[-1]
+
+
+def _damaged(run: RunDir, checkpoint: Path, why: str) -> UserError:
+    others = [p.name for p in ckpt.complete_checkpoints(run) if p != checkpoint]
+    then = f"export another with --step ({', '.join(others)})" if others else "it is the run's only checkpoint"
+    return UserError(f"{checkpoint}: damaged ({why}); {then}")
+
+
+def _check_target(target: Path, force: bool, option: str | None) -> None:
+    """Refuse to replace an export without `force`, and anything but an export (or an empty directory) at all."""
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{option or 'the export'} {target}: a file is in the way; remove it or choose another --out")
+    if target.is_dir() and any(target.iterdir()):
+        if not ((target / EXPORT_RECORD).is_file() or (target / "config.json").is_file()):
+            raise UserError(
+                f"{target}: a directory that is not an export is in the way (--force replaces only an export); "
+                f"choose another --out"
+            )
+        if not force:
+            record = _quiet_record(target)
+            what = f"the export of step {record.step}" if record is not None else "an export"
+            raise UserError(f"{target}: {what} is already there; --force replaces it, or choose another --out")
+    if option is not None:
+        output_dir(target.parent, option)
+
+
+def _quiet_record(target: Path):
+    try:
+        return read_export_record(target)
+    except UserError:
+        return None
+
+
+def _trained_config(run: RunDir, state: dict) -> Config:
+    """The config the checkpoint's weights trained with: its recorded settings (the paths resolving as the run's
+    config.yaml says), else (a checkpoint written before checkpoints recorded them) config.yaml's."""
+    now = run.read_config()
+    saved = state.get("config")
+    if saved is None:
+        return now
+    try:
+        return Config.model_validate({**saved, "workdir": now.workdir, "source_file": str(run.config_file)})
+    except ValueError:  # pydantic's ValidationError: settings of another lctrain version
+        return now
+
+
+def _weights(run: RunDir, checkpoint: Path, zero3: bool, dtype: torch.dtype) -> dict:
+    """The language model's state dict in the checkpoint (the loss wrapper's prefix stripped), tied weights one
+    tensor under both names, as `save_pretrained` expects them."""
+    try:
+        if not zero3:
+            return CausalLMLossSum.lm_state_dict(module_state_dict(checkpoint))
+        gathered, done = {}, {}
+        for name, tensor in zero3_fp32_state_dict(checkpoint).items():
+            if id(tensor) in done:  # a tied parameter: the same object under both names
+                gathered[name] = gathered[done[id(tensor)]]
+                continue
+            full = tensor.contiguous()
+            gathered[name] = full.to(dtype) if full.is_floating_point() else full
+            done[id(tensor)] = name
+        return CausalLMLossSum.lm_state_dict(gathered)
+    except ckpt.DAMAGED as e:
+        if ckpt.machine_failure(e):
+            raise
+        if isinstance(e, FileNotFoundError) and e.filename:
+            why = f"{Path(e.filename).name} is missing"
+        else:
+            why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        raise _damaged(run, checkpoint, why) from None
+
+
+def _configured(cfg: Config, vocab_size: int | None):
+    """The Hugging Face config the run trained: the model's own with lctrain's changes (`model.config_changes`), as
+    `build_model` applies them. The attention implementation is not saved with a config: the export's is eager."""
+    hf_config = load_hf_config(cfg)
+    apply_changes(hf_config, config_changes(hf_config, cfg, vocab_size=vocab_size, attn_implementation="eager"))
+    hf_config.standardize_rope_params()
+    return hf_config
+
+
+def _meta_model(hf_config, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="eager")
+
+
+def _skeleton(cfg: Config, state_dict: dict, dtype: torch.dtype, run: RunDir, checkpoint: Path):
+    """The run's model without weights (meta tensors), for `save_pretrained(state_dict=...)`: its config and
+    generation config are what the trained model's were. A `model.arch` model's vocabulary is the checkpoint's
+    embedding rows (training sizes it from the prepared dataset's tokenizer); the checkpoint must hold exactly the
+    model's tensors, in their shapes."""
+    lm = _meta_model(_configured(cfg, None), dtype)
+    if cfg.model.arch is not None:
+        embedding = lm.get_input_embeddings().weight
+        name = next(n for n, p in lm.named_parameters() if p is embedding)
+        rows = state_dict[name].shape[0] if name in state_dict else None
+        if rows is not None and rows != lm.config.vocab_size:
+            lm = _meta_model(_configured(cfg, rows), dtype)
+    else:
+        lm.generation_config = pretrained_generation_config(cfg.resolve_source(cfg.model.name_or_path))
+    expected = {k: tuple(v.shape) for k, v in lm.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state_dict.items()}
+    if expected != found:
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        shapes = [k for k in expected if k in found and expected[k] != found[k]]
+        detail = "; ".join(
+            f"{what}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+            for what, keys in (("missing", missing), ("not in the model", extra), ("other shapes", shapes))
+            if keys
+        )
+        raise UserError(
+            f"{checkpoint}: its weights are not those of the model {run.config_file} describes ({detail}); was the "
+            f"config edited since? restore it"
+        )
+    return lm

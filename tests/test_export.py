@@ -1,0 +1,315 @@
+"""How a trained model leaves lctrain: the evaluation export (`checkpoint.write_export`) and `lctrain export`.
+
+`lctrain export` of a resume checkpoint writes exactly the files training exported at that step (weights bit for
+bit, config, tokenizer, model card, export record), for ZeRO-0's module file and ZeRO-3's fp32 partitions (bf16: the
+cast gives the weights training held); config.json carries the RoPE keys transformers 4.x reads, and transformers 5
+loads it to the same config and logits; the weights are sharded at 5GB with every shard in the record; the model
+card says how to prompt the model.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import TINY_ARCH, one_error_line, prepared_workdir, run_cli_train
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import load_config
+from lctrain.export_record import EXPORT_RECORD, read_export_record, verify_export
+from lctrain.rundir import RunDir
+from lctrain.tokenizer import Anchor, load_tokenizer
+from lctrain.train import checkpoint as ckpt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 4
+
+# the runs: ZeRO-0 in fp32 (the default stage); ZeRO-1 in bf16, whose module file holds the bf16 weights (DeepSpeed's
+# zero_to_fp32 refuses its optimizer files); ZeRO-3 in bf16, whose weights are fp32 partitions cast at export
+RUNS = {
+    "zero0": [],
+    "zero1_bf16": ["parallel.zero_stage=1", "model.dtype=bfloat16"],
+    "zero3_bf16": ["parallel.zero_stage=3", "model.dtype=bfloat16"],
+}
+
+
+def overrides(data_dir: Path, run_dir: Path) -> list[str]:
+    return [
+        "data.seq_len=128",
+        "data.token_budget=12000",
+        f"data.output_dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        f"train.steps={STEPS}",
+        "train.global_batch=2",
+        "train.micro_batch=1",
+        "train.warmup_steps=1",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=2",
+        "checkpoint.hf_every=2",
+        "checkpoint.hf_last=4",
+        f"model.arch={TINY_ARCH}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return prepared_workdir(tmp_path_factory, "export", overrides)
+
+
+def trained(workdir: Path, name: str, extra: list[str] = ()) -> Path:
+    """A run of STEPS steps with resume checkpoints and exports at steps 2 and 4, trained in this process once."""
+    from lctrain.train.command import train
+
+    run_dir = workdir / name
+    if not (run_dir / "hf" / f"step_{STEPS}").is_dir():
+        train(load_config(None, overrides(workdir / "data", run_dir) + list(extra)))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def zero0(workdir):
+    return trained(workdir, "zero0")
+
+
+def export(*args) -> str:
+    result = CliRunner().invoke(app, ["export", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def refused(*args) -> str:
+    return one_error_line(CliRunner().invoke(app, ["export", *map(str, args)]))
+
+
+def assert_same_export(got: Path, want: Path) -> None:
+    """Every file byte for byte (export.json's checksums included), and the weights tensor for tensor."""
+    from safetensors.torch import load_file
+
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
+    for f in want.iterdir():
+        assert (got / f.name).read_bytes() == f.read_bytes(), f.name
+    a, b = load_file(got / "model.safetensors"), load_file(want / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in b)
+    assert verify_export(got, None) and read_export_record(got).step == read_export_record(want).step
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_export_of_a_resume_checkpoint_is_what_training_exported(workdir, tmp_path, name):
+    run = trained(workdir, name, RUNS[name])
+    out = tmp_path / "exported"
+    said = export(run, "--step", 2, "--out", out)
+    assert said.startswith(f"export: checkpoint step_2 of {run} -> {out}")
+    assert ("gathering ZeRO-3's fp32 partitions into bfloat16" in said) == (name == "zero3_bf16")
+    assert f"export: wrote {out} (step 2" in said
+    assert_same_export(out, RunDir(run).export(2))
+    assert json.loads((out / "config.json").read_text())["dtype"] == ("float32" if name == "zero0" else "bfloat16")
+
+
+def test_export_of_a_run_from_a_pretrained_model_with_yarn(workdir, tmp_path):
+    """model.name_or_path: the export's config is the base's with lctrain's changes (YaRN here, also in the
+    top-level form transformers 4.x reads), and its generation config the base's own."""
+    from transformers import GenerationConfig
+
+    base = workdir / "base"
+    if not base.is_dir():
+        lm = tiny_lm({"rope_type": "default", "rope_theta": 10000.0})
+        lm.config.max_position_embeddings = 64
+        lm.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=True, temperature=0.7)
+        lm.save_pretrained(base)
+        load_tokenizer("builtin:mistral-7b-v0.1").save_pretrained(base)
+    extra = ["model.arch=null", f"model.name_or_path={base}", "model.rope_scaling={rope_type: yarn, factor: 2.0}"]
+    run = trained(workdir, "pretrained_yarn", extra)
+    export(run, "--step", 2, "--out", tmp_path / "exported")
+    assert_same_export(tmp_path / "exported", RunDir(run).export(2))
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 1e6  # tiny_anchor's model.rope_theta
+    assert json.loads((tmp_path / "exported" / "generation_config.json").read_text())["temperature"] == 0.7
+    assert f"- base model: `{base}`" in (tmp_path / "exported" / ckpt.MODEL_CARD).read_text()
+
+
+@pytest.mark.slow
+def test_export_of_a_two_rank_zero3_checkpoint(workdir, tmp_path):
+    """Two launched ranks: each holds half of every parameter's fp32 partition, which the export joins."""
+    extra = ["parallel.nproc_per_node=2", "parallel.zero_stage=3", "parallel.launcher=torchrun", "model.dtype=bfloat16"]
+    run = run_cli_train(overrides, workdir, "zero3_two_ranks", extra)
+    assert len(list((run / "checkpoints" / "step_4").glob("*_optim_states.pt"))) == 2
+    export(run, "--out", tmp_path / "exported")
+    assert_same_export(tmp_path / "exported", RunDir(run).export(4))
+
+
+def test_default_latest_checkpoint_into_the_run_and_no_overwrite_without_force(zero0, tmp_path):
+    run = shutil.copytree(zero0, tmp_path / "run")
+    line = refused(run)
+    assert line == (
+        f"error: {run}/hf/step_4: the export of step 4 is already there; --force replaces it, or choose another --out"
+    )
+    export(run, "--force")
+    assert_same_export(RunDir(run).export(4), RunDir(zero0).export(4))
+    shutil.rmtree(run / "hf")
+    said = export(run)
+    assert f"export: checkpoint step_4 of {run} -> {run}/hf/step_4" in said
+    assert_same_export(RunDir(run).export(4), RunDir(zero0).export(4))
+    assert [p.name for p in RunDir(run).exports()] == ["step_4"]  # nothing else left in hf/
+
+
+def test_refusals_each_in_one_line(zero0, workdir, tmp_path):
+    assert refused(tmp_path) == f"error: {tmp_path}: not a run directory (no config.yaml); give the directory " + (
+        "`lctrain train` wrote (runs/NAME)"
+    )
+    assert "a prepared dataset" in refused(workdir / "data")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(zero0 / "config.yaml", bare)
+    assert refused(bare).startswith(f"error: {bare}: no complete resume checkpoint in {bare}/checkpoints to export")
+    assert refused(zero0, "--step", 3) == (
+        f"error: {zero0}: no complete checkpoint of step 3 (its complete checkpoints: step_2, step_4); give one of "
+        f"them to --step"
+    )
+    # a file or a directory that is not an export is never replaced, with --force neither
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("keep me")
+    line = refused(zero0, "--out", tmp_path / "notes", "--force")
+    assert "a directory that is not an export is in the way" in line
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep me"
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_others(zero0, tmp_path):
+    run = shutil.copytree(zero0, tmp_path / "run")
+    module = run / "checkpoints" / "step_4" / "mp_rank_00_model_states.pt"
+    module.write_bytes(module.read_bytes()[: module.stat().st_size // 2])
+    line = refused(run, "--out", tmp_path / "x")
+    assert line.startswith(f"error: {run}/checkpoints/step_4: damaged (")
+    assert line.endswith("export another with --step (step_2)")
+    assert not (tmp_path / "x").exists()
+    (run / "checkpoints" / "step_2" / ckpt.STATE_FILE).write_text("")
+    line = refused(run, "--step", 2, "--out", tmp_path / "x")
+    assert line == (
+        f"error: {run}/checkpoints/step_2: damaged (trainer_state.json is unreadable (JSONDecodeError)); export "
+        f"another with --step (step_4)"
+    )
+
+
+def test_a_zero3_checkpoint_missing_a_partition_is_refused(workdir, tmp_path):
+    run = shutil.copytree(trained(workdir, "zero3_bf16", RUNS["zero3_bf16"]), tmp_path / "run")
+    for f in (run / "checkpoints" / "step_4").glob("*_optim_states.pt"):
+        f.unlink()
+    line = refused(run, "--out", tmp_path / "x")
+    assert line.startswith(f"error: {run}/checkpoints/step_4: damaged (")
+
+
+def test_model_card(zero0):
+    card = (RunDir(zero0).export(2) / ckpt.MODEL_CARD).read_text()
+    for fact in (
+        "# tiny_anchor, step 2",
+        "- base model: none, random init from model.arch (llama, 2 layers, hidden size 64)",
+        "- attention in training: `anchor`",
+        "- RoPE as trained: base (rope_theta) 1,000,000, no scaling",
+        "- training length: 128 tokens (data.seq_len)",
+        "- step: 2 of 4 (train.steps)",
+        "- tokens seen: 512 (2 steps x 2 windows x 128 tokens)",
+        "- weights: float32, the model's training dtype (model.dtype)",
+        "- anchor: `<s>` (id 1)",
+        "- exported by lctrain ",
+        "ids = [1] + tok(text, add_special_tokens=False, split_special_tokens=True).input_ids",
+        "eos_token_id=[2, 1]",
+    ):
+        assert fact in card, fact
+    assert ckpt.MODEL_CARD in read_export_record(RunDir(zero0).export(2)).files
+
+
+# ------------------------------------------------------------------ config.json for transformers 4.x and 5
+
+
+def tiny_lm(rope: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=4096,
+        rope_parameters=rope,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("builtin:mistral-7b-v0.1")
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 5e6},
+    "yarn": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 1024},
+    "linear": {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_config_carries_the_legacy_rope_keys_and_loads_unchanged(tmp_path, tokenizer, kind):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = ckpt.write_export(
+        tmp_path / "step_3", tiny_lm(ROPES[kind]), tokenizer, Anchor("<s>", 1, "test"), 3, load_config(None, [])
+    )
+    saved = json.loads((out / "config.json").read_text())
+    params = saved["rope_parameters"]
+    assert saved["rope_theta"] == params["rope_theta"] == ROPES[kind]["rope_theta"]
+    if kind == "default":
+        assert "rope_scaling" not in saved
+    else:  # transformers 4.x's form: the parameters without the base
+        assert saved["rope_scaling"] == {k: v for k, v in params.items() if k != "rope_theta"}
+    # the same export without the legacy keys, as transformers 5 writes it
+    plain = shutil.copytree(out, tmp_path / "plain")
+    (plain / "config.json").write_text(
+        json.dumps({k: v for k, v in saved.items() if k not in ("rope_theta", "rope_scaling")}, indent=2)
+    )
+    a, b = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(plain)
+    assert a.rope_parameters == b.rope_parameters == params
+    assert a.to_json_string() == b.to_json_string()
+    ids = torch.arange(3, 200)[None]
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)(ids).logits
+    assert torch.equal(got, want)
+    assert verify_export(out, 3)  # the config was rewritten before the record
+
+
+def test_legacy_rope_keys_only_where_transformers_4_reads_them():
+    from lctrain.compat.transformers import legacy_rope_keys
+
+    partial = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    assert legacy_rope_keys(partial) == {"rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    assert legacy_rope_keys({**partial, "partial_rotary_factor": 0.4}) == {"rope_theta": 1e4}  # kept as it is
+    nested = {"rope_parameters": {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}
+    assert legacy_rope_keys(nested) == {} and legacy_rope_keys({"model_type": "gpt2"}) == {}
+
+
+def test_weights_in_5gb_shards_each_in_the_record(tmp_path, tokenizer, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    assert ckpt.MAX_SHARD_SIZE == "5GB"
+    monkeypatch.setattr(ckpt, "MAX_SHARD_SIZE", "1MB")  # the tiny model's 4 MB in several shards
+    lm = tiny_lm(ROPES["default"])
+    out = ckpt.write_export(tmp_path / "step_1", lm, tokenizer, Anchor("<s>", 1, "test"), 1, load_config(None, []))
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    recorded = read_export_record(out).files
+    assert set(shards) | {"model.safetensors.index.json", "config.json", ckpt.MODEL_CARD} <= set(recorded)
+    assert set(recorded) == {p.name for p in out.iterdir()} - {EXPORT_RECORD}
+    assert verify_export(out, 1)
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in lm.state_dict().items())
+
+
+def test_cli_help_lists_export():
+    result = CliRunner().invoke(app, ["export", "--help"])
+    assert result.exit_code == 0 and "--step" in result.output and "--force" in result.output
