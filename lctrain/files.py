@@ -33,9 +33,13 @@ def replace_file(path: Path, content: str | bytes, what: str) -> None:
     (errors.writing)."""
     tmp = temporary_of(path)
     with writing(path, what):
-        with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
+                f.write(content)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # on a full disk, the part written is space the user needs back
+            raise
         fsync_dir(path.parent)

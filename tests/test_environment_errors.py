@@ -113,6 +113,35 @@ def test_prepare_on_a_full_disk_leaves_nothing_behind(tmp_path, monkeypatch):
     assert not out.exists() and not list(tmp_path.glob(".data.partial-*"))
 
 
+def test_prepare_with_no_room_for_its_progress_is_one_line(tmp_path, monkeypatch):
+    """The progress saved after each shard (the shuffle buffer's tokens: tens of MB) is what fills a disk first; its
+    failed write is one line naming it, and no part of it stays on the full disk."""
+    import builtins
+
+    from lctrain import files
+
+    class FillsTheDisk:  # writes a part, then the disk is full
+        def __init__(self, path, mode):
+            self.f = builtins.open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, content):
+            self.f.write(content[: len(content) // 2])
+            raise FULL
+
+    monkeypatch.setattr(files, "open", FillsTheDisk, raising=False)  # replace_file's open: every whole-file write
+    out = tmp_path / "data"
+    sets = TINY + [f"data.output_dir={out}", "data.shard_tokens=1024"]  # progress is saved after the first shard
+    line = one_error_line(CliRunner().invoke(app, ["prepare"] + set_args(sets)))
+    assert line.startswith("error: cannot write prepare's progress ") and "No space left on device" in line
+    assert not out.exists() and not list(tmp_path.rglob(".tmp-*"))
+
+
 def test_eval_out_under_a_file(data_dir, tmp_path):
     run_dir = tmp_path / "run"
     result = CliRunner().invoke(

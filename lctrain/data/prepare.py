@@ -657,7 +657,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
                 builder.writer.abort()
         # keep what a later run can resume from; nothing else is left behind
         partial.close(keep=partial.has_progress())
-        if is_environment_error(e):
+        if is_environment_error(e) and not isinstance(e, UserError):  # a UserError already says which file
             raise _write_error(out, e) from None
         raise
     render(console, stats, read["skipped"])
