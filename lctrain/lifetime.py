@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -58,11 +59,15 @@ class StopRequest:
     """While entered (in the main thread), SIGTERM sets `requested` instead of raising: the loop that polls it stops at
     its next boundary, where its work can be kept (a scheduler's time limit or preemption then costs nothing since the
     last checkpoint). Further SIGTERMs are the same request: a scheduler signals every process of a job, and the
-    launchers pass it on again. Ctrl-C still stops at once. On exit the previous handler is back."""
+    launchers pass it on again. Ctrl-C still stops at once. On exit the previous handler is back. `say`: a line to
+    write at the first request (a step can take minutes: the log shows at once that the signal was seen), written
+    straight to stdout's file descriptor, since a handler that printed while the interrupted code was printing would
+    re-enter Python's buffered writer."""
 
-    def __init__(self):
+    def __init__(self, say: str | None = None):
         self.requested = False
         self._previous = None
+        self._say = say
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -70,6 +75,9 @@ class StopRequest:
         return self
 
     def _request(self, signum, frame) -> None:
+        if not self.requested and self._say is not None:
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # a stdout without a descriptor: unsaid
+                os.write(sys.stdout.fileno(), (self._say + "\n").encode())
         self.requested = True
 
     def __exit__(self, *exc) -> None:

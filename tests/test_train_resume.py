@@ -95,11 +95,11 @@ def assert_same_end(run_dir: Path, ref_dir: Path) -> None:
         assert all(torch.equal(a[k], b[k]) for k in b)
 
 
-def start_cli_train(workdir: Path, run_dir: Path) -> subprocess.Popen:
+def start_cli_train(workdir: Path, run_dir: Path, stdout=subprocess.DEVNULL) -> subprocess.Popen:
     return subprocess.Popen(
         cli_train_command(overrides, workdir, run_dir),
         env=clean_env(),
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.PIPE,
     )
 
@@ -205,7 +205,9 @@ def test_sigterm_stops_after_the_step_under_way_with_a_checkpoint_of_it_and_resu
     """A scheduler's time limit or preemption costs no step: the run ends at a step boundary with a checkpoint there,
     whether or not one was due (odd steps are not, with checkpoint.every_steps=2)."""
     run_dir = workdir / "sigterm"
-    proc = start_cli_train(workdir, run_dir)
+    log = workdir / "sigterm.log"
+    with open(log, "w") as out:
+        proc = start_cli_train(workdir, run_dir, stdout=out)
     metrics = RunDir(run_dir).metrics_file
     deadline = time.time() + 120
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
@@ -214,6 +216,8 @@ def test_sigterm_stops_after_the_step_under_way_with_a_checkpoint_of_it_and_resu
     proc.send_signal(signal.SIGTERM)
     step = stopped_by_sigterm(proc)
     assert 3 <= step < STEPS and len(metric_records(run_dir)) == step
+    # said when the signal came, not only when the step ended (a 64K-token step can take minutes)
+    assert "SIGTERM: finishing the step under way on every rank, then writing its checkpoint" in log.read_text()
     assert ckpt.latest_checkpoint(RunDir(run_dir)).name == step_name(step)
     assert ckpt.read_state(ckpt.latest_checkpoint(RunDir(run_dir)))["step"] == step
     result = CliRunner().invoke(app, ["resume", str(run_dir)])

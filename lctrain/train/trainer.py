@@ -389,7 +389,8 @@ class Trainer:
         peak = device_peak_flops(topo.device, cfg.logging.peak_tflops, cfg.model.dtype)
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
         profiler = self.step_profiler()
-        stop = StopRequest() if cfg.checkpoint.on_sigterm else None
+        said = "SIGTERM: finishing the step under way on every rank, then writing its checkpoint"
+        stop = StopRequest(said if topo.is_main else None) if cfg.checkpoint.on_sigterm else None
         try:
             with stop or contextlib.nullcontext():
                 self._steps(packed, hf_steps, peak, logger, profiler, stop)
