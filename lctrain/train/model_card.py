@@ -13,8 +13,8 @@ _MODE_MEANS = {
     "full": "each token attended to every earlier token of its window",
     "intra_doc": "each token attended to the earlier tokens of its own document",
     "intra_doc_reset": "each token attended to the earlier tokens of its own document, positions restarting at 0",
-    "anchor": "AnchorAttention: each token attended to the earlier tokens of its own document and to the anchor, "
-    "at position 0",
+    "anchor": "AnchorAttention: each token attended to the earlier tokens of its own document and to the window's "
+    "first token, the shared anchor at position 0",
 }
 
 
@@ -55,8 +55,8 @@ def model_card(cfg: Config, hf_config, tokenizer, anchor: Anchor, step: int, dty
     rows.append(f"exported by lctrain {__version__}")
     mode = cfg.attention.mode
     why = {
-        "anchor": " In `anchor` mode it sat at position 0 for every document, and every token attended to it besides "
-        "its own document: AnchorAttention's one shared anchor.",
+        "anchor": " In `anchor` mode the window's first token, this anchor at position 0, was visible to every "
+        "document of the window (AnchorAttention's shared anchor), with positions continuing through the window.",
         "intra_doc_reset": " Positions restarted at 0 with it for every document.",
     }.get(mode, "")
     own = _tokenizer_puts_anchor_first(tokenizer, anchor.id)
