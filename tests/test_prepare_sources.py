@@ -295,3 +295,41 @@ def test_training_on_a_dataset_whose_input_changed_since_says_so(tmp_path, capsy
     said = " ".join(capsys.readouterr().out.split())
     assert f"warning: {tmp_path / 'out'} was prepared from other input files than data's now (" in said
     assert "run 'lctrain prepare --force' first" in said
+
+
+def test_the_bar_of_a_budget_above_the_input_is_the_inputs(tmp_path, monkeypatch):
+    """With data.token_budget above what the input holds ("use all of it"), the bar's total (and so its ETA) is the
+    input's tokens, estimated from the files read once the first is done, not the budget; it ends full."""
+    from lctrain.data import prepare as preparing
+
+    seen, progress = [], preparing._progress
+
+    class Recorded:
+        def __init__(self, console):
+            self.bar = progress(console)
+
+        def __enter__(self):
+            self.bar.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.bar.__exit__(*exc)
+
+        def add_task(self, *args, **kwargs):
+            seen.append((kwargs["total"], kwargs["completed"]))
+            return self.bar.add_task(*args, **kwargs)
+
+        def update(self, task, **kwargs):
+            seen.append((kwargs.get("total", seen[-1][0]), kwargs["completed"]))
+            self.bar.update(task, **kwargs)
+
+    monkeypatch.setattr(preparing, "_progress", Recorded)
+    for i in range(4):  # equal files: the first file's tokens per byte are every file's
+        corpus(tmp_path / "in" / f"{i}.jsonl")
+    budget = 10**7
+    prepare(cfg(tmp_path, tmp_path / "in", f"data.token_budget={budget}"))
+    packed = open_packed(tmp_path / "out").manifest.num_tokens
+    assert seen[0][0] >= budget - 64  # the budget's windows, before any file is done
+    estimated = [total for total, _ in seen[1:-1] if total < budget - 64]
+    assert estimated and all(abs(total - packed) < 0.1 * packed for total in estimated)  # anchors and tail aside
+    assert seen[-1] == (packed, packed)

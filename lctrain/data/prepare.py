@@ -586,7 +586,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         windows_before, tokens_before = builder.writer.num_windows, builder.counts["tokens"]
         builder.on_shard = lambda: partial.save(resume_key, builder.state())
         t0 = time.perf_counter()
-        read = _read(builder, _batches(d, files), encoder, workers, console, d.seq_len)
+        estimate = InputEstimate.of(files.files) if d.source == "local" and d.sources is None else None
+        read = _read(builder, _batches(d, files), encoder, workers, console, d.seq_len, estimate)
         elapsed = time.perf_counter() - t0
         if builder.writer.num_windows == 0:
             # no manifest is written, so the skip table is never shown: say here why records were not usable
@@ -783,7 +784,36 @@ def _say_share_misses(console, stats: dict, source_exhausted: bool) -> None:
     )
 
 
-def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: int) -> dict:
+class InputEstimate:
+    """The tokens a local input will pack into, estimated as it is read, for the progress bar when
+    `data.token_budget` is more than the input holds ("use all of it": a bar and ETA of the budget would say hours for
+    minutes). The files are read whole, one after another in their seeded order, so when file `i` starts, files
+    `0..i-1` are done: the tokens read by then over their bytes, times every file's bytes (tokens read, not packed:
+    packing lags reading by the shuffle buffer). None before a file is done. Compressed and plain files mixed make it
+    rougher, not wrong for long."""
+
+    def __init__(self, sizes: list[tuple[str, int]]):
+        self.index = {name: i for i, (name, _) in enumerate(sizes)}
+        self.before = [0]  # bytes of the files before file i
+        for _, size in sizes:
+            self.before.append(self.before[-1] + size)
+        self.current, self.read_at_start = None, 0
+
+    @classmethod
+    def of(cls, files: list[Path]) -> InputEstimate:
+        return cls([(str(f), f.stat().st_size) for f in files])
+
+    def tokens(self, source: str, read: int) -> int | None:
+        """The input's tokens, estimated when a batch of file `source` comes and `read` tokens were read before it."""
+        if source != self.current:
+            self.current, self.read_at_start = source, read
+        done = self.before[self.index[source]] if source in self.index else 0
+        return round(self.read_at_start * self.before[-1] / done) if done else None
+
+
+def _read(
+    builder: _Builder, batches, encoder, workers: int, console, seq_len: int, estimate: InputEstimate | None = None
+) -> dict:
     """Feed the source to `builder`, from where an interrupted run left it (`builder.position`)."""
     first_batch, last_record = builder.position
     budget = builder.num_windows * seq_len
@@ -798,12 +828,17 @@ def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: i
         b = first_batch - 1
         try:
             for b, batch in enumerate(encoded, start=first_batch):
+                held = None
+                if estimate is not None and batch:
+                    held = estimate.tokens(batch[0][0], builder.counts["tokens"])
                 for j, (source, line, domain, ids, reason) in enumerate(batch):
                     if b > first_batch or j > last_record:
                         builder.read(b, j, source, line, domain, ids, reason)
+                packed = builder.writer.num_windows * seq_len
                 bar.update(
                     task,
-                    completed=builder.writer.num_windows * seq_len,
+                    total=min(budget, max(held, packed)) if held is not None else budget,
+                    completed=packed,
                     docs=builder.counts["documents"],
                     docs_per_s=(builder.counts["documents"] - docs_before) / max(time.perf_counter() - t0, 1e-9),
                 )
@@ -816,7 +851,8 @@ def _read(builder: _Builder, batches, encoder, workers: int, console, seq_len: i
         if not builder.done:
             builder.source_ended(b + 1)
         exhausted = not builder.done
-        bar.update(task, completed=builder.writer.num_windows * seq_len)
+        packed = builder.writer.num_windows * seq_len
+        bar.update(task, completed=packed, total=packed if exhausted else budget)
     tail = builder.packer.pending_by_domain() if exhausted else {}
     return {
         "skipped": builder.skips.to_dict(),
