@@ -52,3 +52,29 @@ def test_kill_9_mid_prepare_then_resume_gives_the_same_bytes(tmp_path):
     assert 1 <= resumed <= done < 50
     assert dataset_bytes(out) == reference
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "reference"]
+
+
+def test_ctrl_c_after_a_shard_says_that_the_same_command_resumes(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from lctrain.cli import app
+    from lctrain.data.progress import Partial
+
+    save = Partial.save
+
+    def saved_then_ctrl_c(self, key, state):
+        save(self, key, state)
+        raise KeyboardInterrupt
+
+    args = [x for o in ["data.seq_len=128", "data.token_budget=20000", "data.shard_tokens=8192"] for x in ("--set", o)]
+    args += ["--set", f"data.output_dir={tmp_path / 'out'}"]
+    monkeypatch.setattr(Partial, "save", saved_then_ctrl_c)
+    stopped = CliRunner().invoke(app, ["prepare", *args])
+    assert stopped.exit_code == 130
+    said = "interrupted; the same 'lctrain prepare' again resumes after its last complete shard"
+    assert stopped.stderr.strip() == said
+    monkeypatch.setattr(Partial, "save", save)
+    again = CliRunner().invoke(app, ["prepare", *args])
+    assert again.exit_code == 0 and "resuming an interrupted prepare after its last complete shard (1 shard(s)" in (
+        again.output
+    )

@@ -657,9 +657,13 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             with contextlib.suppress(OSError):  # closing the shard flushes it, which fails again on a full disk
                 builder.writer.abort()
         # keep what a later run can resume from; nothing else is left behind
-        partial.close(keep=partial.has_progress())
+        kept = partial.has_progress()
+        partial.close(keep=kept)
         if is_environment_error(e) and not isinstance(e, UserError):  # a UserError already says which file
             raise _write_error(out, e) from None
+        if isinstance(e, KeyboardInterrupt) and kept:  # Ctrl-C or SIGTERM: the command's last words say this
+            said = "interrupted; the same 'lctrain prepare' again resumes after its last complete shard"
+            raise type(e)(said) from None
         raise
     render(console, stats, read["skipped"])
     if d.sources is not None:
