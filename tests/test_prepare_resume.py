@@ -78,3 +78,25 @@ def test_ctrl_c_after_a_shard_says_that_the_same_command_resumes(tmp_path, monke
     assert again.exit_code == 0 and "resuming an interrupted prepare after its last complete shard (1 shard(s)" in (
         again.output
     )
+
+
+def test_an_interrupted_rebuild_beside_a_current_dataset_is_named(tmp_path):
+    """A `prepare --force` stopped mid-way leaves `.NAME.partial/` beside the complete dataset; the next plain
+    `prepare` has nothing to do, and says what the leftover holds rather than leave the space taken unsaid."""
+    out = tmp_path / "out"
+    over = ["data.seq_len=128", "data.token_budget=2000", f"data.output_dir={out}"]
+    prepare(load_config(None, over))
+    left = tmp_path / ".out.partial"
+    (left / "data").mkdir(parents=True)
+    (left / "data" / "shard-00000.arrow").write_bytes(b"\0" * 1000)
+    from typer.testing import CliRunner
+
+    from lctrain.cli import app
+
+    result = CliRunner().invoke(app, ["prepare", *[x for o in over for x in ("--set", o)]])
+    assert result.exit_code == 0
+    said = " ".join(result.output.split())
+    assert (
+        f"note: {left} holds an interrupted rebuild (0.00 GB): 'lctrain prepare --force' resumes it, or delete it"
+        in said
+    )

@@ -73,6 +73,7 @@ from lctrain.tokenizer import (
     text_encoder,
     tokenizer_fingerprint,
 )
+from lctrain.units import to_gb
 
 SKIP_EXAMPLES = 5
 # the shards store a segment's domain id as int8
@@ -513,6 +514,14 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         check_matches_model(cfg)
         _check_input_unchanged(cfg, out, current)
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
+        left = Partial(out).dir
+        if left.is_dir():  # a `--force` rebuild stopped before it was complete: disk space nothing else will free
+            size = sum(f.stat().st_size for f in left.rglob("*") if f.is_file())
+            console.print(
+                f"note: {left} holds an interrupted rebuild ({to_gb(size):.2f} GB): 'lctrain prepare --force' "
+                f"resumes it, or delete it",
+                markup=False,
+            )
         return out
     if damage:
         console.print(f"{out}: rebuilding it ({damage})", markup=False)
