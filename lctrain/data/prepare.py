@@ -683,7 +683,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     console.print(
         f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s"
         f"{f' after resuming at {windows_before:,}' if resumed_shards else ''} "
-        f"({manifest.build['packed_tokens_per_s']:,} tokens/s)"
+        # tokenized this session: a resumed run packs the restored shuffle buffer's tokens too, read before
+        f"({manifest.build['tokenized_tokens_per_s']:,} tokens/s tokenized)"
     )
     return out
 
