@@ -117,7 +117,7 @@ def test_a_model_without_a_gated_mlp_is_refused():
         None,
         [
             "model.arch={model_type: phi, hidden_size: 32, intermediate_size: 64, "
-            "num_hidden_layers: 1, num_attention_heads: 4, vocab_size: 64}",
+            "num_hidden_layers: 1, num_attention_heads: 4}",
             "attention.mode=full",
             "model.tiled_mlp=2",
         ],
