@@ -198,8 +198,7 @@ class RunDir:
         return self.path / "sessions.jsonl"
 
     def append_session(self, record: dict) -> None:
-        with writing(self.sessions_file, "the sessions record"), open(self.sessions_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        _append_line(self.sessions_file, record, "the sessions record")
 
     def read_sessions(self) -> list[dict]:
         """The session records; a line torn by a kill while it was appended is left out."""
@@ -227,8 +226,7 @@ class RunDir:
         return self.path / "tensorboard"
 
     def append_metrics(self, record: dict) -> None:
-        with writing(self.metrics_file, "the metrics"), open(self.metrics_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        _append_line(self.metrics_file, record, "the metrics")
 
     def read_metrics(self) -> list[dict]:
         """The step records, in file order; none when there is no file yet."""
@@ -269,3 +267,9 @@ class RunDir:
                 )
             out.append((line, record))
         return out
+
+
+def _append_line(path: Path, record: dict, what: str) -> None:
+    """One JSON line appended: a kill while it is written tears that line only, which the readers leave out."""
+    with writing(path, what), open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
