@@ -208,13 +208,19 @@ def save_resume(
     return final
 
 
-def prune(run: RunDir, keep: int) -> None:
-    """Remove all but the `keep` newest complete checkpoints, and leftovers of interrupted writes."""
+def remove_leftovers(run: RunDir) -> None:
+    """Remove what interrupted checkpoint writes left (a kill, a full disk): on a full disk, the space a resume
+    needs before it writes anything (metrics.jsonl's cut, a universal conversion)."""
     for stale in run.checkpoints.glob(TEMPORARY_PREFIX + "*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
         else:
             stale.unlink(missing_ok=True)
+
+
+def prune(run: RunDir, keep: int) -> None:
+    """Remove all but the `keep` newest complete checkpoints, and leftovers of interrupted writes."""
+    remove_leftovers(run)
     done = complete_checkpoints(run)
     for old in done[:-keep] if keep else []:
         shutil.rmtree(old, ignore_errors=True)

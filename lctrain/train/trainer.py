@@ -49,7 +49,7 @@ from lctrain.parallel.groups import Topology, end_process_groups, init_topology,
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
 from lctrain.profiling import ProfiledSteps, StepProfiler
-from lctrain.rundir import RunDir
+from lctrain.rundir import RunDir, step_of
 from lctrain.tokenizer import load_tokenizer, resolve_anchor, write_anchor
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import collate, dataset_record
@@ -203,6 +203,7 @@ class Trainer:
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
         self.dataset: dict | None = None  # `fit`'s prepared dataset (`dataset_record`), for its checkpoints
+        self.warned_divergence = False  # divergence_warning says it once a run
         ds_config = deepspeed_config(cfg, plan, gpu=topo.device.type == "cuda")
         hf_ds_config = None
         if cfg.parallel.zero_stage == 3 and cfg.model.name_or_path:
@@ -421,6 +422,10 @@ class Trainer:
             if logger is not None:
                 record = self.metrics(step_index, result, seconds, peak, mem_scope)
                 logger.log({**record, "profiled": profiler.slowed(step_index)})
+                warning = divergence_warning(result.loss, self.state.step, self.shape.vocab, self.warned_divergence)
+                if warning is not None:
+                    self.warned_divergence = True
+                    print(warning, flush=True)
             if profiler.finished(step_index) and topo.is_main:  # after the step's own line
                 print(profile_line(profiler.out, cfg.logging.profile.ranks, profiler.top), flush=True)
             if self.state.step in hf_steps:
@@ -496,6 +501,8 @@ class Trainer:
         """Restore the newest checkpoint every rank can load; a damaged one is reported and the one before it tried.
         The ranks decide together (one all-reduce per try), so they never resume from different steps."""
         rd, topo = self.run_dir, self.topo
+        if topo.is_main:
+            ckpt.remove_leftovers(rd)
         tried = []
         for path in ckpt.resume_candidates(rd):
             record, why = ckpt.load_resume(self.engine, path, rank=topo.rank, now=settings(self.cfg))
@@ -553,8 +560,17 @@ def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -
         return
     step = step_index + 1
     last = ckpt.latest_checkpoint(rd)
+    rose = loss_rise(rd.read_metrics(), step_of(last)) if last is not None else None
     if last is None:
         then = "no checkpoint was written before it: lower train.lr and start over with 'lctrain train --force'"
+    elif rose is not None:
+        at, best, best_step = rose
+        then = (
+            f"the last checkpoint, {last.name}, had diverged already (loss {at:.4g} at its step, {best:.4g} at step "
+            f"{best_step}), so resuming it diverges again: start over with a lower train.lr ('lctrain train "
+            f"--force'), or resume an earlier checkpoint if one is kept (write its name into "
+            f"{rd.checkpoints / ckpt.LATEST})"
+        )
     else:
         then = f"the last checkpoint is {last.name}: lower train.lr in {rd.config_file}, then 'lctrain resume {rd}'"
     lr = learning_rate(step_index, cfg.train)
@@ -562,6 +578,35 @@ def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -
         f"step {step}: the {' and the '.join(bad)}; training stopped without logging or saving this step. "
         f"Likely cause: a learning rate too high (train.lr = {cfg.train.lr:g}, {lr:g} at this step) "
         f"or an overflow of the precision (model.dtype = {cfg.model.dtype}); {then}"
+    )
+
+
+# A loss this many times the lowest logged before it, or above the loss of guessing uniformly over the vocabulary
+# (ln V) by this factor, is a divergence, not noise: a spike of a healthy run stays well under both.
+DIVERGED = 2.0
+
+
+def loss_rise(records: list[dict], step: int | None) -> tuple[float, float, int] | None:
+    """(the loss logged at `step`, the lowest logged before it, that step) when the first is over DIVERGED times the
+    second: the weights of `step` had diverged already. None otherwise, or without those records."""
+    at = next((r["loss"] for r in records if r["step"] == step), None)
+    before = [(r["loss"], r["step"]) for r in records if r["step"] < (step or 0) and math.isfinite(r["loss"])]
+    if at is None or not before:
+        return None
+    best, best_step = min(before)
+    return (at, best, best_step) if at > DIVERGED * best else None
+
+
+def divergence_warning(loss: float, step: int, vocab: int, warned: bool) -> str | None:
+    """One warning, the first time a step's loss passes DIVERGED x ln(vocab), the loss of guessing uniformly: the
+    run is diverging, and the run ends 'done' with every checkpoint kept from then on."""
+    uniform = math.log(vocab)
+    if warned or not loss > DIVERGED * uniform:
+        return None
+    return (
+        f"warning: step {step}: loss {loss:.4g} is over {DIVERGED:g} x that of guessing uniformly over the "
+        f"{vocab:,}-token vocabulary ({uniform:.2f}): training is diverging; lower train.lr and start over, or resume "
+        f"a checkpoint from before (the newest checkpoint.keep are kept)"
     )
 
 
