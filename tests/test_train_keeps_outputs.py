@@ -160,6 +160,21 @@ def test_an_injected_nan_loss_names_the_step_and_keeps_the_checkpoint_before_it(
     assert [r["step"] for r in rd.read_metrics()] == list(range(1, STEPS + 1))
 
 
+def test_a_single_process_out_of_host_memory_is_one_line(workdir, tmp_path, monkeypatch):
+    """torch's CPU allocator raises a plain RuntimeError: one line naming it and the plan, as for a launched rank;
+    the resume advice only where a checkpoint exists."""
+
+    def no_memory(self, windows):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes.")
+
+    monkeypatch.setattr(Trainer, "train_step", no_memory)
+    line = one_error_line(train(workdir, tmp_path / "run", ["checkpoint.hf_last=0"]))
+    assert line == (
+        "error: the run ran out of memory (DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+        "4294967296 bytes.); `lctrain plan` shows what fits"
+    )
+
+
 @pytest.mark.parametrize("backend, device_ids", [("gloo", None), ("nccl", [3])])
 def test_checkpoint_barriers_name_their_gpu_on_nccl(monkeypatch, backend, device_ids):
     """NCCL's barrier warns at every checkpoint of a one-GPU run unless it is told its device (seen on an H200)."""

@@ -32,6 +32,7 @@ from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
+from lctrain.parallel.rank import is_out_of_memory
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import check_matches_model
 from lctrain.train import checkpoint as ckpt
@@ -187,7 +188,12 @@ def _start(
     for several processes and no launcher started this one). `prepared` is None only for the ranks of a launcher
     the user started that are not its leader: they check their own."""
     if under_launcher() or prepared.plan.layout.world == 1:
-        run(cfg, rd, resuming, prepared, before_checkpoint_complete=before_checkpoint_complete)
+        try:
+            run(cfg, rd, resuming, prepared, before_checkpoint_complete=before_checkpoint_complete)
+        except Exception as e:
+            if not is_out_of_memory(e) or under_launcher():  # a launched rank reports its own (parallel/rank.py)
+                raise
+            raise _out_of_memory(rd, "the run", " ".join(str(e).split())[:300]) from None
     else:
         if before_checkpoint_complete is not None:
             raise ValueError("fault injection reaches only a run in this process, not launched workers")
@@ -206,10 +212,13 @@ def _start(
         except ProcessKilled as e:
             raise UserError(f"{e.what}; 'lctrain resume {rd.path}' continues from the last checkpoint") from None
         if isinstance(outcome, OutOfMemory):
-            raise UserError(
-                f"rank {outcome.rank} ran out of memory ({outcome.message}); `lctrain plan` shows what fits, "
-                f"`lctrain resume {rd.path}` continues from the last checkpoint"
-            )
+            raise _out_of_memory(rd, f"rank {outcome.rank}", outcome.message)
+
+
+def _out_of_memory(rd: RunDir, who: str, message: str) -> UserError:
+    last = ckpt.latest_checkpoint(rd)
+    then = f"; `lctrain resume {rd.path}` continues from {last.name}" if last is not None else ""
+    return UserError(f"{who} ran out of memory ({message}); `lctrain plan` shows what fits{then}")
 
 
 # Settings a checkpoint fixes: the model it holds, the data order it continues, and the weight decay of the
