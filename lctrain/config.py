@@ -492,6 +492,14 @@ class TrainConfig(_Section):
         description="torch's AdamW with fused=True (one kernel for the whole update; on CPU and CUDA); not with "
         "DeepSpeed's CPU Adam, already one fused C++ step",
     )
+    step_timeout_minutes: Float | None = Field(
+        10,
+        gt=0,
+        description="a step not finished after this many minutes (or 5x the slowest step so far, if longer) ends "
+        "the run as hung, naming the rank that hung and showing every rank's stack; not the first step of a "
+        "session, nor checkpoint writes (lctrain/parallel/watchdog.py); null = wait for "
+        "the process group's own timeout (30 minutes), whose error names a waiting rank",
+    )
     run_dir: Text | None = Field(None, description="the run directory; null = runs/<name>")
 
 

@@ -115,6 +115,34 @@ def test_a_rank_killed_by_the_os_is_one_line_then_resume_ends_as_the_uninterrupt
     assert losses(run_dir) == reference
 
 
+@pytest.mark.slow  # a 2-process run and its resume on 2 cores
+def test_a_rank_that_hangs_is_named_within_the_step_timeout_then_resume_ends_as_the_uninterrupted_run(
+    workdir, reference, tmp_path
+):
+    """SIGSTOP, as a rank stuck where it cannot even show its stack: without the watchdog, rank 0 waited 30 minutes
+    in the gradient all-reduce, and gloo's error then named rank 0."""
+    run_dir = tmp_path / "run"
+    proc = start(
+        lctrain("train", *set_args(two_ranks(workdir / "data", run_dir) + ["train.step_timeout_minutes=0.25"]))
+    )
+    wait_for_steps(run_dir, 3, proc)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    victim = find(proc, is_rank(1))
+    stopped = time.monotonic()
+    victim.send_signal(signal.SIGSTOP)
+    line = the_one_line(proc, timeout=180)
+    assert time.monotonic() - stopped < 120
+    assert line.startswith("error: rank 1 hung in step "), line
+    assert "rank 1 wrote no stack (a stopped process" in line and "rank 0 waited for it in a collective for" in line
+    assert f"every rank's stack is in {run_dir / 'ranks' / 'launcher.log'}" in line
+    assert f"'lctrain resume {run_dir}' continues from the last checkpoint" in line
+    assert "distributed_c10d.py" in (run_dir / "ranks" / "launcher.log").read_text()  # rank 0's stack
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    run_to_end(lctrain("resume", str(run_dir)))
+    assert losses(run_dir) == reference
+
+
 @pytest.mark.slow  # a 2-process run on 2 cores
 def test_the_launcher_killed_is_one_line_and_takes_its_ranks_along(workdir, tmp_path):
     run_dir = tmp_path / "run"

@@ -28,6 +28,7 @@ from lctrain.errors import UserError
 from lctrain.lifetime import CRASH_SIGNALS, Terminated, death_of, signal_name, supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 from lctrain.parallel.guard import EXIT_PREFIX
+from lctrain.parallel.watchdog import HANG_PREFIX, hang_summary
 
 
 def launcher_env() -> dict:
@@ -149,6 +150,19 @@ class ProcessKilled(UserError):
         return f"{self.who} {death_of(self.signal)}; the launcher's report{stack} is in {self.log}"
 
 
+class RanksHung(UserError):
+    """A step overran `train.step_timeout_minutes` (lctrain.parallel.watchdog): `summary` names the rank that hung and
+    where the others waited. `what` adds where the ranks' stacks are; callers add what to run next."""
+
+    def __init__(self, summary: str, log: Path):
+        self.summary, self.log = summary, log
+        super().__init__(self.what)
+
+    @property
+    def what(self) -> str:
+        return f"{self.summary}; every rank's stack is in {self.log}"
+
+
 def failure_file(workdir: Path, rank: int) -> Path:
     return workdir / f"{FAILURE_PREFIX}{rank}.json"
 
@@ -165,7 +179,13 @@ def run_on_ranks(
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / LAUNCHER_LOG
-    stale = [log, workdir / RESULT_FILE, *workdir.glob(f"{FAILURE_PREFIX}*.json"), *workdir.glob(f"{EXIT_PREFIX}*")]
+    stale = [
+        log,
+        workdir / RESULT_FILE,
+        *workdir.glob(f"{FAILURE_PREFIX}*.json"),
+        *workdir.glob(f"{EXIT_PREFIX}*"),
+        *workdir.glob(f"{HANG_PREFIX}*"),
+    ]
     for path in stale:
         path.unlink(missing_ok=True)
     (workdir / REQUEST_FILE).write_text(json.dumps({"function": function, "request": request}))
@@ -192,6 +212,9 @@ def run_on_ranks(
     refused = next((f for _, f in sorted(failures.items()) if f["kind"] == "user_error"), None)
     if refused is not None:
         raise UserError(refused["message"])
+    hangs = _records(workdir, HANG_PREFIX)
+    if hangs:  # the ranks that ended on the watchdog's word were not the cause: the hung rank was
+        raise RanksHung(hang_summary(hangs, cfg.parallel.world), log)
     # The first rank to end badly is the cause; the others were stopped by the launcher or lost their peers.
     ended = sorted((e for e in _records(workdir, EXIT_PREFIX) if e["code"] != 0), key=lambda e: e["time"])
     first = ended[0] if ended else None

@@ -30,7 +30,7 @@ from lctrain.data.prepare import input_change
 from lctrain.errors import UserError, first_and_more
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
-from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, run_on_ranks
+from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, RanksHung, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.parallel.rank import is_out_of_memory
 from lctrain.rundir import RunDir
@@ -209,7 +209,7 @@ def _start(
             outcome = run_on_ranks(
                 cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir, stop_on_sigterm=cfg.checkpoint.on_sigterm
             )
-        except ProcessKilled as e:
+        except (ProcessKilled, RanksHung) as e:
             raise UserError(f"{e.what}; 'lctrain resume {rd.path}' continues from the last checkpoint") from None
         if isinstance(outcome, OutOfMemory):
             raise _out_of_memory(rd, f"rank {outcome.rank}", outcome.message)

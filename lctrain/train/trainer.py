@@ -48,6 +48,7 @@ from lctrain.model import build_model, write_model_changes
 from lctrain.parallel.groups import Topology, end_process_groups, init_topology, release_single_process
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
+from lctrain.parallel.watchdog import StepWatchdog
 from lctrain.profiling import ProfiledSteps, StepProfiler
 from lctrain.rundir import RunDir, step_of
 from lctrain.tokenizer import load_tokenizer, resolve_anchor, write_anchor
@@ -392,10 +393,17 @@ class Trainer:
         profiler = self.step_profiler()
         said = "SIGTERM: finishing the step under way on every rank, then writing its checkpoint"
         stop = StopRequest(said if topo.is_main else None) if cfg.checkpoint.on_sigterm else None
+        watchdog = StepWatchdog(
+            cfg.train.step_timeout_minutes and 60 * cfg.train.step_timeout_minutes,
+            topo.rank,
+            self.run_dir.ranks_dir,
+            then=f"'lctrain resume {self.run_dir.path}' continues from the last checkpoint",
+        )
         try:
             with stop or contextlib.nullcontext():
-                self._steps(packed, hf_steps, peak, logger, profiler, stop)
+                self._steps(packed, hf_steps, peak, logger, profiler, stop, watchdog)
         finally:
+            watchdog.close()
             profiler.close()
             if logger is not None:
                 logger.close()
@@ -408,11 +416,17 @@ class Trainer:
         logger: StepLogger | None,
         profiler: StepProfiler,
         stop: StopRequest | None,
+        watchdog: StepWatchdog,
     ) -> None:
-        """`fit`'s loop; on a `stop` request, the run ends after the step under way with a checkpoint of it."""
+        """`fit`'s loop; on a `stop` request, the run ends after the step under way with a checkpoint of it. The
+        `watchdog` watches the steps its module says."""
         cfg, topo = self.cfg, self.topo
         total = cfg.train.steps
-        for step_index in range(self.state.step, total):
+        first = self.state.step
+        for step_index in range(first, total):
+            watched = step_index > first and not profiler.slowed(step_index)
+            if watched:
+                watchdog.arm(step_index + 1)
             mem_scope = reset_peak(topo.device)
             profiler.before(step_index)
             result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
@@ -426,13 +440,18 @@ class Trainer:
                 if warning is not None:
                     self.warned_divergence = True
                     print(warning, flush=True)
+            if watched:
+                watchdog.disarm()
             if profiler.finished(step_index) and topo.is_main:  # after the step's own line
                 print(profile_line(profiler.out, cfg.logging.profile.ranks, profiler.top), flush=True)
-            if self.state.step in hf_steps:
+            exported = self.state.step in hf_steps
+            if exported:
                 self.export_hf()
             saved = resume_checkpoint_due(self.state.step, total, cfg.checkpoint)
             if saved:
                 self.save_checkpoint()
+            if exported or saved or profiler.finished(step_index):
+                dist.barrier()  # peers that waited for a rank's writes start the next (watched) step with it
             if stop is not None and self.state.step < total and self.stop_agreed(stop):
                 if not saved:
                     self.save_checkpoint()
