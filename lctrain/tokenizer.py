@@ -279,7 +279,7 @@ def resolve_anchor(tokenizer, spec: str = ANCHOR_AUTO, name: str | None = None) 
         ordinary = "; warning: an ordinary vocabulary token, which text contains too"
         why = "data.anchor" + ("" if special else ordinary)
         return Anchor(spec, int(token_id), why)
-    if bos is not None and int(bos) in _special_affixes(tokenizer)[0]:
+    if bos is not None and int(bos) in special_affixes(tokenizer)[0]:
         return Anchor(tokenizer.bos_token, int(bos), "auto: the BOS the tokenizer puts before every text")
     separator = _vocabulary_id(tokenizer, END_OF_TEXT)
     declared = f"; its BOS {tokenizer.bos_token} is not put before text" if bos is not None else ""
@@ -315,7 +315,7 @@ def _sentencepiece_model(tok) -> bytes | None:
     return blob
 
 
-def _special_affixes(tok) -> tuple[list[int], list[int]]:
+def special_affixes(tok) -> tuple[list[int], list[int]]:
     """The ids the Hugging Face tokenizer puts before and after a text with `add_special_tokens=True` (Llama and
     Mistral: BOS before; Qwen: nothing)."""
     probe = "a"
@@ -399,7 +399,7 @@ class TextEncoder:
 def text_encoder(tok) -> TextEncoder:
     """The exact encoder of a loaded Hugging Face tokenizer: SentencePiece when it comes with a SentencePiece model,
     else its own `tokenizers` pipeline (or the tokenizer itself, pickled, when it is not a fast one)."""
-    prefix, suffix = _special_affixes(tok)
+    prefix, suffix = special_affixes(tok)
     model = _sentencepiece_model(tok)
     if model is not None:
         return TextEncoder("sentencepiece", model, prefix, suffix)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lctrain import __version__
 from lctrain.config import Config
-from lctrain.tokenizer import Anchor
+from lctrain.tokenizer import Anchor, special_affixes
 
 _MODE_MEANS = {
     "full": "each token attended to every earlier token of its window",
@@ -59,7 +59,7 @@ def model_card(cfg: Config, hf_config, tokenizer, anchor: Anchor, step: int, dty
         "document of the window (AnchorAttention's shared anchor), with positions continuing through the window.",
         "intra_doc_reset": " Positions restarted at 0 with it for every document.",
     }.get(mode, "")
-    own = _tokenizer_puts_anchor_first(tokenizer, anchor.id)
+    own = special_affixes(tokenizer) == ([anchor.id], [])
     tokenizer_note = (
         f"This tokenizer puts `{anchor.token}` before a text itself, so `tok(text).input_ids` starts the same way."
         if own
@@ -120,11 +120,6 @@ def _rope_text(rope: dict, cfg: Config) -> str:
         + (" and `rope_scaling`" if kind != "default" else "")
         + " transformers 4.x reads"
     )
-
-
-def _tokenizer_puts_anchor_first(tokenizer, anchor_id: int) -> bool:
-    body = tokenizer("a", add_special_tokens=False)["input_ids"]
-    return tokenizer("a", add_special_tokens=True)["input_ids"] == [anchor_id, *body]
 
 
 def _stop_text(anchor: Anchor, eos: int | None, tokenizer, stop_arg: str) -> str:
