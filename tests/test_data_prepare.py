@@ -4,6 +4,7 @@ contract."""
 
 import json
 import multiprocessing
+import os
 import random
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from lctrain.cli import app
 from lctrain.config import DOMAINS, load_config
 from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES
 from lctrain.data.pool import WorkerDied, WorkerStartFailed
-from lctrain.data.prepare import prepare
+from lctrain.data.prepare import input_change, prepare
 from lctrain.data.store import FORMAT_VERSION, ShardWriter, open_packed
 from lctrain.errors import UserError
 from lctrain.tokenizer import builtin_model_file, load_tokenizer, save_tokenizer
@@ -554,6 +555,28 @@ def test_a_rerun_after_the_input_grew_is_refused_not_a_noop(tmp_path, words):
     assert len(open_packed(prepare(cfg, force=True))) > prepared_windows
     src.unlink()
     assert prepare(cfg) == tmp_path / "out"
+
+
+def test_a_same_size_edit_of_the_input_is_said_not_refused(tmp_path, words, capsys):
+    """Only the modification time tells an edit that keeps the size (a corrected character), and a copy without its
+    times or a `touch` looks the same: prepare says it and keeps the dataset; a manifest from before the times were
+    kept says nothing."""
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 20, seed=3))
+    cfg = cfg_for(tmp_path / "out", source=src)
+    out = prepare(cfg)
+    manifest = open_packed(out).manifest
+    text = src.read_text()
+    src.write_text(text.replace("a", "b", 1))
+    later = manifest.source["newest_mtime"] + 60
+    os.utime(src, (later, later))
+    capsys.readouterr()
+    assert prepare(cfg) == out
+    said = " ".join(capsys.readouterr().out.split())
+    assert "warning: a file was modified after the dataset was prepared (" in said
+    assert "though the files' count and sizes agree: if its text changed, run prepare again with --force" in said
+    assert input_change(cfg, manifest).sizes is False
+    before_times = {k: v for k, v in manifest.source.items() if k != "newest_mtime"}
+    assert input_change(cfg, manifest.model_copy(update={"source": before_times})) is None
 
 
 def test_an_input_shorter_than_the_budget_says_so_and_what_training_would_re_read(tmp_path, words, capsys):

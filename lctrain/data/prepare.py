@@ -20,6 +20,7 @@ import re
 import shutil
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -375,26 +376,50 @@ def _progress(console):
     )
 
 
-def _input_change(prepared: dict, now: dict) -> str | None:
+@dataclass(frozen=True)
+class InputChange:
+    """How the input files differ from those a dataset was prepared from: `words` say it; `sizes`: their count or
+    sizes differ (certainly other input), else only a file was modified since (same sizes: perhaps other text)."""
+
+    words: str
+    sizes: bool
+
+
+def _input_change(prepared: dict, now: dict) -> InputChange | None:
     """How the input files differ from those a dataset was prepared from (`describe_source` then and now), as far
-    as their count and sizes tell without reading them; None when they agree or there is nothing to compare (a hub
-    or synthetic source)."""
+    as their count, sizes and modification times tell without reading them; None when they agree or there is
+    nothing to compare (a hub or synthetic source, a manifest from before modification times were kept)."""
+
+    def entries(source: dict) -> list[dict]:
+        listed = source.get("sources") if source.get("kind") == "sources" else [source]
+        return [e for e in listed if "bytes" in e]
 
     def sizes(source: dict) -> list[tuple]:
-        entries = source.get("sources") if source.get("kind") == "sources" else [source]
-        return [(e.get("name"), e.get("files"), e.get("bytes")) for e in entries if "bytes" in e]
+        return [(e.get("name"), e.get("files"), e.get("bytes")) for e in entries(source)]
 
     then, current = sizes(prepared), sizes(now)
-    if then == current:
-        return None
+    if then != current:
 
-    def says(rows: list[tuple]) -> str:
-        return "; ".join(
-            f"{f'{n}: ' if n else ''}{files:,} file{'' if files == 1 else 's'}, {size:,} bytes"
-            for n, files, size in rows
-        )
+        def says(rows: list[tuple]) -> str:
+            return "; ".join(
+                f"{f'{n}: ' if n else ''}{files:,} file{'' if files == 1 else 's'}, {size:,} bytes"
+                for n, files, size in rows
+            )
 
-    return f"it was prepared from {says(then)}, the input is now {says(current)}"
+        return InputChange(f"it was prepared from {says(then)}, the input is now {says(current)}", sizes=True)
+    for old, new in zip(entries(prepared), entries(now)):
+        if "newest_mtime" in old and new["newest_mtime"] > old["newest_mtime"]:
+            name = f"{old['name']}: " if old.get("name") else ""
+            return InputChange(
+                f"{name}a file was modified after the dataset was prepared ({_when(new['newest_mtime'])}; the newest "
+                f"was from {_when(old['newest_mtime'])} then), though the files' count and sizes agree",
+                sizes=False,
+            )
+    return None
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
 def _resolve_inputs(cfg: Config):
@@ -406,7 +431,7 @@ def _resolve_inputs(cfg: Config):
     return None
 
 
-def input_change(cfg: Config, manifest: Manifest) -> str | None:
+def input_change(cfg: Config, manifest: Manifest) -> InputChange | None:
     """How the input files of `cfg` differ from those `manifest`'s dataset was prepared from, or None: the data
     fingerprint holds the settings, not the files, so data appended to the corpus would otherwise go unread without a
     word. None too when the input is gone (a dataset may outlive its raw corpus): nothing to compare."""
@@ -417,14 +442,21 @@ def input_change(cfg: Config, manifest: Manifest) -> str | None:
     return _input_change(manifest.source, now)
 
 
-def _check_input_unchanged(cfg: Config, out: Path, manifest: Manifest) -> None:
-    """Refuse to call `out` prepared when its input files changed since (`input_change`)."""
+def _check_input_unchanged(cfg: Config, out: Path, manifest: Manifest, console) -> None:
+    """Refuse to call `out` prepared when its input files changed since (`input_change`); only say so when just a
+    modification time tells (a copy without its times, a `touch`: rebuilding a large corpus for nothing costs hours)."""
     changed = input_change(cfg, manifest)
-    if changed:
+    if changed is None:
+        return
+    if changed.sizes:
         raise UserError(
-            f"{out}: already prepared, but the input files changed since ({changed}); run prepare again with --force "
-            f"to rebuild it from them"
+            f"{out}: already prepared, but the input files changed since ({changed.words}); run prepare again with "
+            f"--force to rebuild it from them"
         )
+    console.print(
+        f"warning: {changed.words}: if its text changed, run prepare again with --force to rebuild the dataset from it",
+        markup=False,
+    )
 
 
 def _existing_is_current(out: Path, fingerprint: str, force: bool) -> tuple[Manifest | None, str | None]:
@@ -512,7 +544,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     current, damage = _existing_is_current(out, fingerprint, force)
     if current is not None:
         check_matches_model(cfg)
-        _check_input_unchanged(cfg, out, current)
+        _check_input_unchanged(cfg, out, current, console)
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         left = Partial(out).dir
         if left.is_dir():  # a `--force` rebuild stopped before it was complete: disk space nothing else will free

@@ -801,7 +801,7 @@ def describe_source(data, files: LocalFiles | None) -> dict:
             if f is None:
                 entry.update(hub=s.hub, subset=s.subset, split=s.split)
             else:
-                entry.update(path=s.path, files=len(f.files), bytes=sum(p.stat().st_size for p in f.files))
+                entry.update(path=s.path, **_file_sizes(f.files))
                 skipped += [{"path": str(p), "reason": why} for p, why in f.skipped]
             described.append(entry)
         return {"kind": "sources", "sources": described, "skipped_files": skipped}
@@ -809,6 +809,16 @@ def describe_source(data, files: LocalFiles | None) -> dict:
         return {"kind": "synthetic", **data.synthetic.model_dump()}
     if data.source == "hub":
         return {"kind": "hub", "name": data.hub_name, "split": data.hub_split}
-    total = sum(f.stat().st_size for f in files.files)
     skipped = [{"path": str(f), "reason": why} for f, why in files.skipped]
-    return {"kind": "local", "path": data.path, "files": len(files.files), "bytes": total, "skipped_files": skipped}
+    return {"kind": "local", "path": data.path, **_file_sizes(files.files), "skipped_files": skipped}
+
+
+def _file_sizes(files: list[Path]) -> dict:
+    """The files' count and bytes, and the newest modification time among them (seconds since the epoch): an edit that
+    keeps a file's size changes only that."""
+    stats = [f.stat() for f in files]
+    return {
+        "files": len(files),
+        "bytes": sum(st.st_size for st in stats),
+        "newest_mtime": max((st.st_mtime for st in stats), default=0.0),
+    }

@@ -307,10 +307,12 @@ def preflight(cfg: Config) -> Prepared:
     prepared = Prepared.of(cfg, plan=plan)
     changed = input_change(cfg, prepared.packed.manifest)
     if changed:  # prepare refuses to call it prepared; a run may still want the data it has: said, not refused
+        again = f"'{prepare_command(cfg)} --force' first"
         print(
-            f"warning: {prepared.packed.path} was prepared from other input files than data's now ({changed}); this "
-            f"run trains on the prepared windows: to train on the input as it is, run "
-            f"'{prepare_command(cfg)} --force' first",
+            f"warning: {prepared.packed.path} was prepared from other input files than data's now ({changed.words}); "
+            f"this run trains on the prepared windows: to train on the input as it is, run {again}"
+            if changed.sizes
+            else f"warning: {prepared.packed.path}: {changed.words}; to train on its text as it is now, run {again}",
             flush=True,
         )
     reread = reread_warning(cfg, len(prepared.packed), prepared.packed.manifest.source_exhausted)
