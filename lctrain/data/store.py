@@ -11,10 +11,14 @@ tail is its last record batch and footer), and the checksum of every byte when t
 `FULL_VERIFY_BYTES` or when asked (`lctrain inspect`, a resumed `prepare`). A full check of a large dataset costs
 what reading it from disk costs (seconds per 10 GB, on every rank's start), which a training start should not pay
 for data it reads anyway; damage inside a large shard's middle is then caught by `lctrain inspect`.
+
+A shard changed on disk after that check, while a run reads it (truncated by a `prepare` elsewhere, replaced,
+rewritten), is caught by `PackedData.__getitem__`, which stats the shard of every window it reads (`_changed`).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import stat
 from dataclasses import dataclass
@@ -165,11 +169,13 @@ class ShardWriter:
             self._writer = None
 
 
-def verify_shards(path: Path, manifest: Manifest, full: bool | None = None) -> None:
+def verify_shards(path: Path, manifest: Manifest, full: bool | None = None) -> list[os.stat_result]:
     """Raise `Damaged` naming the first shard that is not what prepare wrote (module docstring); `full`: check every
-    byte (None: when the shards total at most FULL_VERIFY_BYTES)."""
+    byte (None: when the shards total at most FULL_VERIFY_BYTES). Returns each shard's stat, taken before its
+    checksum: a change after it shows in a later stat, one before it in the checksum."""
     if full is None:
         full = sum(s.bytes for s in manifest.shards) <= checksums.FULL_VERIFY_BYTES
+    seen = []
     for s in manifest.shards:
         f = path / s.file
         try:
@@ -188,6 +194,8 @@ def verify_shards(path: Path, manifest: Manifest, full: bool | None = None) -> N
             raise Damaged(
                 f"{s.file}: its content is not what prepare wrote (checksum differs: overwritten, zeroed or swapped)"
             )
+        seen.append(st)
+    return seen
 
 
 def dataset_problem(path: Path, full: bool | None = None) -> tuple[Manifest | None, str | None]:
@@ -207,14 +215,19 @@ def read_manifest(path: Path) -> Manifest | None:
 
 
 class PackedData:
-    """A prepared dataset: `.manifest` (a `Manifest`), `.rows` (a memory-mapped `datasets.Dataset`), `len()`, and
-    `obj[i]` -> dict of numpy arrays with the column dtypes of docs/design.md §2."""
+    """A prepared dataset: `.manifest` (a `Manifest`), `.rows` (a memory-mapped `datasets.Dataset`, read as it is),
+    `len()`, and `obj[i]` -> dict of numpy arrays with the column dtypes of docs/design.md §2, read only while the
+    window's shard is unchanged since it was checked (`_changed`)."""
 
-    def __init__(self, path: Path, manifest: Manifest, parts: list):
+    def __init__(self, path: Path, manifest: Manifest, parts: list, seen: list[os.stat_result], rebuild: str):
         self.path = path
         self.manifest = manifest
         self.rows = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
         self._np = self.rows.with_format("numpy")
+        self._rebuild = rebuild
+        self._files = [str(path / s.file) for s in manifest.shards]
+        self._seen = [(st.st_dev, st.st_ino, st.st_mtime_ns) for st in seen]
+        self._ends = np.cumsum([s.num_windows for s in manifest.shards]).tolist()  # _read_shards checked each count
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -222,8 +235,49 @@ class PackedData:
     def __getitem__(self, i: int) -> dict:
         if not -len(self) <= i < len(self):
             raise IndexError(f"window {i} out of range for a dataset of {len(self)} windows")
-        row = self._np[int(i)]
+        i = int(i) % len(self)
+        shard = bisect.bisect_right(self._ends, i)
+        self._raise_if_changed(shard)
+        try:
+            row = self._np[i]
+        except Exception:
+            self._raise_if_changed(shard)  # changed between the stat and the read: say that, not the library's error
+            raise
         return {k: np.asarray(row[k], dtype=_COLUMN_DTYPES[k]) for k in COLUMNS}
+
+    def _changed(self, shard: int) -> str | None:
+        """How shard `shard` changed on disk since `open_packed` checked it, by one stat (microseconds, beside the
+        hundreds a window's read costs): None when it did not. Reading a truncated shard through the memory map is
+        a SIGBUS, not an exception, and a replaced or rewritten one gives other windows than the run's (the map
+        keeps a deleted or replaced file's old inode alive, so its number is never reused while we read).
+        What a stat cannot see: a same-size rewrite that keeps the inode and restores the mtime (`cp -p`,
+        `rsync -t`, `touch -r`) or lands in the same tick of the filesystem's clock as the shard's last write
+        before the open (milliseconds on ext4, 2 s on FAT); bad sectors;
+        a change between this stat and the read (a truncation then is still a SIGBUS); and on NFS a change made on
+        another host until the client's attribute cache expires. The ctime is not compared: a `chmod` of the data
+        (making it read-only) changes it and no content."""
+        file = self.manifest.shards[shard].file
+        try:
+            st = os.stat(self._files[shard])
+        except OSError as e:
+            return f"{file} is missing ({e.strerror})"
+        dev, ino, mtime = self._seen[shard]
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            return f"{file} was replaced by another file"
+        if st.st_size != self.manifest.shards[shard].bytes:
+            return f"{file} is now {st.st_size:,} bytes, not the {self.manifest.shards[shard].bytes:,} prepare wrote"
+        if st.st_mtime_ns != mtime:
+            return f"{file} was written to"
+        return None
+
+    def _raise_if_changed(self, shard: int) -> None:
+        what = self._changed(shard)
+        if what is not None:
+            raise UserError(
+                f"{self.path}: the prepared dataset changed on disk while it was being read: {what}; "
+                f"{self._rebuild}, then run the command again (a training run: 'lctrain resume RUN_DIR' continues "
+                f"from its last checkpoint)"
+            )
 
     def __repr__(self) -> str:
         return f"PackedData({str(self.path)!r}, windows={len(self)}, seq_len={self.manifest.seq_len})"
@@ -257,10 +311,10 @@ def open_packed(path, verify: bool | None = None, rebuild: str = REBUILD) -> Pac
         raise UserError(f"{path}: no prepared dataset here; {rebuild.replace('rebuild', 'build')}")
     try:
         manifest = load_manifest(path)
-        verify_shards(path, manifest, verify)
+        seen = verify_shards(path, manifest, verify)
         parts = _read_shards(path, manifest)
     except Outdated as e:
         raise UserError(f"{path}: {e}; {rebuild}") from None
     except Damaged as e:
         raise UserError(f"{path}: the prepared dataset is damaged ({e}); {rebuild}") from None
-    return PackedData(path, manifest, parts)
+    return PackedData(path, manifest, parts, seen, rebuild)
