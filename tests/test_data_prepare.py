@@ -20,10 +20,11 @@ from typer.testing import CliRunner
 import lctrain.data.prepare as prepare_module
 from lctrain.cli import app
 from lctrain.config import DOMAINS, load_config
+from lctrain.data.manifest import CHECKSUM_KEY, MANIFEST, manifest_checksum
 from lctrain.data.mixture import UPSAMPLED_MIX_128K_TOKEN_SHARES
 from lctrain.data.pool import WorkerDied, WorkerStartFailed
 from lctrain.data.prepare import input_change, prepare
-from lctrain.data.store import FORMAT_VERSION, ShardWriter, open_packed
+from lctrain.data.store import FORMAT_VERSION, ShardWriter, Window, open_packed, token_dtype
 from lctrain.errors import UserError
 from lctrain.tokenizer import builtin_model_file, load_tokenizer, save_tokenizer
 
@@ -555,6 +556,38 @@ def test_a_rerun_after_the_input_grew_is_refused_not_a_noop(tmp_path, words):
     assert len(open_packed(prepare(cfg, force=True))) > prepared_windows
     src.unlink()
     assert prepare(cfg) == tmp_path / "out"
+
+
+def test_token_ids_are_stored_in_two_bytes_when_the_vocabulary_fits(tmp_path, tok, monkeypatch):
+    """32,000 ids fit uint16: the shards hold half the bytes of int32 ones, and a window reads back the same int32 ids
+    either way; a dataset prepared before (int32 shards, a manifest that names no token_dtype) still opens."""
+    narrow = open_packed(prepare(cfg_for(tmp_path / "narrow")))
+    assert narrow.manifest.token_dtype == "uint16" and len(tok) == 32000
+    assert narrow.rows.features["input_ids"].feature.dtype == "uint16"
+    monkeypatch.setattr(prepare_module, "token_dtype", lambda vocab_size: "int32")  # as prepare wrote before
+    wide_dir = prepare(cfg_for(tmp_path / "wide"))
+    raw = json.loads((wide_dir / MANIFEST).read_text())
+    del raw["token_dtype"], raw[CHECKSUM_KEY]
+    raw[CHECKSUM_KEY] = manifest_checksum(raw)
+    (wide_dir / MANIFEST).write_text(json.dumps(raw))
+    wide = open_packed(wide_dir)
+    assert wide.manifest.token_dtype == "int32" and wide.rows.features["input_ids"].feature.dtype == "int32"
+    assert len(narrow) == len(wide) > 0
+    for i in range(len(narrow)):
+        a, b = narrow[i], wide[i]
+        assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+    ids_bytes = len(narrow) * narrow.manifest.seq_len * 2  # what the narrower ids save
+    saved = sum(s.bytes for s in wide.manifest.shards) - sum(s.bytes for s in narrow.manifest.shards)
+    assert ids_bytes <= saved < ids_bytes * 1.1
+
+
+def test_the_storage_width_follows_the_vocabulary_and_never_wraps_an_id(tmp_path):
+    assert [token_dtype(v) for v in (32000, 65536, 65537, 128256)] == ["uint16", "uint16", "int32", "int32"]
+    writer = ShardWriter(tmp_path, 4, shard_windows=8, ids_dtype="uint16", batch_windows=1)
+    window = Window(*(np.array(v, dtype=np.int32) for v in ([1, 2, 65535, 65536], [4], [0], [0], [0])))
+    with pytest.raises(ValueError, match="token id 65536 does not fit uint16"):
+        writer.add(window)
+    writer.abort()
 
 
 def test_a_same_size_edit_of_the_input_is_said_not_refused(tmp_path, words, capsys):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -110,6 +110,8 @@ class Manifest(_Record):
     dropped_tail_by_domain: dict[str, int]
     shards: list[ShardRecord] = Field(min_length=1)
     build: dict[str, Any]
+    # how input_ids are stored (`store.token_dtype`); datasets prepared before 2026-11-27 stored int32 and say nothing
+    token_dtype: Literal["uint16", "int32"] = "int32"
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -131,14 +133,15 @@ def shard_file(index: int) -> str:
     return f"{DATA_SUBDIR}/shard-{index:05d}.arrow"
 
 
-def _canonical(raw: dict) -> bytes:
-    return json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+def manifest_checksum(raw: dict) -> str:
+    """The checksum of a manifest's fields (`raw`, without the checksum itself), as stored under CHECKSUM_KEY."""
+    return digest(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode())
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write `manifest` (validated again, so a hand-built one is held to the reader's rules) with its checksum."""
     raw = Manifest.model_validate(manifest.model_dump()).model_dump(mode="json")
-    raw[CHECKSUM_KEY] = digest(_canonical(raw))
+    raw[CHECKSUM_KEY] = manifest_checksum(raw)
     replace_file(directory / MANIFEST, json.dumps(raw, indent=2, sort_keys=False) + "\n", "the dataset manifest")
 
 
@@ -178,7 +181,7 @@ def load_manifest(directory: Path) -> Manifest:
         manifest = Manifest.model_validate(raw)
     except ValidationError as e:
         raise Damaged(f"{MANIFEST}: {_first_error(e)}") from None
-    if claimed != digest(_canonical(raw)):
+    if claimed != manifest_checksum(raw):
         raise Damaged(
             f"{MANIFEST}: its content does not match its {CHECKSUM_KEY} (edited or damaged after prepare wrote it)"
         )

@@ -60,6 +60,7 @@ from lctrain.data.store import (
     Manifest,
     ShardWriter,
     dataset_problem,
+    token_dtype,
     write_manifest,
 )
 from lctrain.errors import UserError, first_and_more, is_environment_error, writing
@@ -220,8 +221,17 @@ class _Builder:
         "tags",
     )
 
-    def __init__(self, cfg: Config, anchor_id: int, tags: dict[int, np.ndarray] | None, out: Path, encoder=None):
-        """`encoder`: encodes the tag of a domain met while reading (with data.domain_tags)."""
+    def __init__(
+        self,
+        cfg: Config,
+        anchor_id: int,
+        tags: dict[int, np.ndarray] | None,
+        out: Path,
+        ids_dtype: str,
+        encoder=None,
+    ):
+        """`ids_dtype`: how the shards store token ids (`store.token_dtype`); `encoder`: encodes the tag of a domain
+        met while reading (with data.domain_tags)."""
         d = cfg.data
         self.domains = list(initial_domains(d))
         capacity = len(DOMAINS) if d.sources is None else MAX_DOMAINS
@@ -249,7 +259,7 @@ class _Builder:
         self.packer = Packer(
             d.seq_len, anchor_id, tags, chunk_rng=np.random.default_rng(chunk_seed) if d.interleave_chunks else None
         )
-        self.writer = ShardWriter(out, d.seq_len, shard_windows=max(1, d.shard_tokens // d.seq_len))
+        self.writer = ShardWriter(out, d.seq_len, max(1, d.shard_tokens // d.seq_len), ids_dtype)
         self.stats = DatasetStats(capacity)
         self.skips = _Skips(d.strict)
         self.released: deque = deque()  # documents out of the shuffle buffer, not yet packed
@@ -591,6 +601,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         "state_layout": STATE_LAYOUT,
         "data_fingerprint": fingerprint,
         "shard_tokens": d.shard_tokens,
+        "token_dtype": token_dtype(tokenizer["vocab_size"]),  # shards of another width are not continued
         "tokenizer": tokenizer,
         "source": _source_identity(files, source),
     }
@@ -615,7 +626,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         if saved is None or not _shards_intact(partial.dir, saved["shards"]):
             saved = None
             partial.start_over()
-        builder = _Builder(cfg, anchor_id, tags, partial.dir, encoder)
+        builder = _Builder(cfg, anchor_id, tags, partial.dir, resume_key["token_dtype"], encoder)
         if saved is not None:
             builder.restore(saved)
             console.print(
@@ -675,6 +686,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             dropped_tail_tokens=sum(read["tail"].values()),
             dropped_tail_by_domain=read["tail"],
             shards=shards,
+            token_dtype=resume_key["token_dtype"],
             build={
                 "seconds": round(elapsed, 3),
                 "packed_tokens_per_s": round(packed_now / max(elapsed, 1e-9)),
