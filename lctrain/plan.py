@@ -50,10 +50,15 @@ def local_budget(gpu_mem_gb: float | None = None, host_mem_gb: float | None = No
     return Budget(None, host, f"CPU: {host / GB:.1f} GB of host memory available"), False
 
 
+def machine_memory() -> int:
+    """This machine's memory and swap, in bytes: what no process can exceed, however much is free now."""
+    return psutil.virtual_memory().total + psutil.swap_memory().total
+
+
 def memory_warning(cfg: Config) -> str | None:
     """`train`'s check: None when the plan fits in WARN_FRACTION of the memory; a one-line warning naming the memory
-    above it; a UserError naming the settings that would fit in WARN_FRACTION when it exceeds a known GPU's memory
-    (on a CPU, whose memory is the host's, only a warning)."""
+    above it; a UserError naming the settings that would fit in WARN_FRACTION when it exceeds a known GPU's memory,
+    or on a CPU the machine's memory and swap (between the available memory and that, only a warning)."""
     memory, known = local_budget()
     budget = memory.planned()
     shape = model_shape(cfg)
@@ -66,10 +71,14 @@ def memory_warning(cfg: Config) -> str | None:
     summary = (
         f"the memory plan needs {per_gpu}{host / GB:.1f} GB of host memory ({memory.label}; `lctrain plan` itemises it)"
     )
-    if memory.gpu and known and not memory.fits(plan):
+    # On a CPU everything is host memory, of which only the available part is the budget: a plan beyond the
+    # machine's whole memory and swap is refused too (the kernel's out-of-memory killer would end it without a word).
+    beyond = (memory.gpu and known and not memory.fits(plan)) or (not memory.gpu and host > machine_memory())
+    if beyond:
         found = [f for f in fixes(cfg, shape, budget) if f.fits]
         hint = ("; these would fit: " + "; ".join(" ".join(f.overrides) for f in found[:3])) if found else ""
-        raise UserError(f"{cfg.source_file or 'config'} does not fit: {summary}{hint}")
+        machine = "" if memory.gpu else f", more than this machine's {machine_memory() / GB:.1f} GB of memory and swap"
+        raise UserError(f"{cfg.source_file or 'config'} does not fit: {summary}{machine}{hint}")
     return (
         f"warning: {summary}: above {WARN_FRACTION:.0%} of the {' and the '.join(over)} memory, this run may run "
         f"out of memory"

@@ -361,7 +361,25 @@ def test_train_refuses_beyond_a_known_gpu_naming_fixes(monkeypatch):
     with pytest.raises(UserError, match="does not fit.*would fit: .*gradient_checkpointing=true"):
         plan.memory_warning(config(16384))
     monkeypatch.setattr(plan, "local_budget", lambda: (Budget(None, int(1.1 * GB), "CPU"), False))
+    monkeypatch.setattr(plan, "machine_memory", lambda: 64 * 2**30)
     assert plan.memory_warning(config(4096)).startswith("warning: ")
+
+
+def test_train_refuses_a_cpu_plan_beyond_the_machines_memory_and_swap(monkeypatch):
+    """A config without `base:` is the full-size Llama: its plan on a 24 GB machine was 195 GB, and the kernel killed
+    the run 3 minutes later without a word from lctrain."""
+    import lctrain.plan as plan
+    from lctrain.model import model_shape
+
+    cfg = config(4096)
+    host = Budget(None, 1 << 50, "CPU").need(plan_memory(cfg, model_shape(cfg), False))[1]
+    monkeypatch.setattr(plan, "local_budget", lambda: (Budget(None, host // 4, "CPU"), False))
+    monkeypatch.setattr(plan, "machine_memory", lambda: host // 2)
+    with pytest.raises(UserError, match=rf"does not fit: the memory plan needs {host / GB:.1f} GB of host memory .*"
+                       rf"more than this machine's {host / 2 / GB:.1f} GB of memory and swap"):  # fmt: skip
+        plan.memory_warning(cfg)
+    monkeypatch.setattr(plan, "machine_memory", lambda: host + 1)
+    assert plan.memory_warning(cfg).startswith("warning: ")
 
 
 def test_tiny_demo_plans_without_a_warning():
