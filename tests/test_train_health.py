@@ -3,6 +3,7 @@ when the loss passes the loss of guessing uniformly."""
 
 import math
 
+from lctrain.train.metrics import SLOW_WINDOW, SlowSteps, slow_step
 from lctrain.train.trainer import DIVERGED, divergence_warning, loss_rise
 
 
@@ -26,3 +27,36 @@ def test_one_warning_when_the_loss_passes_the_uniform_guess():
     assert said.startswith("warning: step 3: loss 52 is over 2 x that of guessing uniformly over the 32,000-token")
     assert "(10.37): training is diverging; lower train.lr" in said
     assert divergence_warning(90.0, 4, vocab, warned=True) is None  # once a run
+
+
+def test_a_step_under_half_the_usual_throughput_is_slow():
+    usual = [1000.0, 1100.0, 900.0, 1050.0, 950.0]  # median 1000
+    assert slow_step(499.0, usual) == 1000.0
+    assert slow_step(500.0, usual) is None  # half is not under half
+    assert slow_step(10.0, usual[:4]) is None  # too few steps to know the usual: the first ones warm up
+    assert slow_step(400.0, usual + [1.0, 1.0]) == 950.0  # a median: two slow steps before barely move it
+
+
+def test_slow_steps_are_said_once_in_a_while_leaving_out_profiled_and_checkpoint_steps():
+    watch = SlowSteps()
+    said = {}
+    for step in range(1, 260):
+        # 1000 tokens/s, but a quarter of that every 10th step (step 30 profiled, so not judged), and from step 150 on
+        rate = 250.0 if step % 10 == 0 or step >= 150 else 1000.0
+        note = watch.note(step, rate, usual=step != 30)
+        if note is not None:
+            said[step] = note
+    # the first slow step, then at most one note per SLOW_NOTE_EVERY = 50 steps
+    assert list(said) == [10, 60, 110, 160]
+    assert said[10] == (
+        "note: step 10 ran at 250 tokens/s, under 50% of the median of the last 9 usual steps (1,000 tokens/s)"
+    )
+    assert said[60] == (
+        f"note: step 60 ran at 250 tokens/s, under 50% of the median of the last {SLOW_WINDOW} usual steps "
+        f"(1,000 tokens/s); 3 more slow steps since step 10"
+    )  # 20, 40, 50
+    assert said[110].endswith("; 4 more slow steps since step 60")  # 70, 80, 90, 100
+    # 120, 130, 140 and 150-159: by step 160 the slowdown for good is the window's median, and step 160 says them
+    assert said[160] == (
+        "note: 13 more slow steps since step 110, under 50% of the median tokens/s of the usual steps before each"
+    )

@@ -16,9 +16,12 @@ cannot reset the host's peak, and the value is then the process's peak so far.
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
 import time
 import warnings
+from collections import deque
+from collections.abc import Sequence
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers.utils import logging as hf_logging
@@ -28,6 +31,7 @@ from lctrain.console import no_library_bars
 from lctrain.errors import UserError
 from lctrain.rundir import RunDir
 from lctrain.train.report import eta_seconds, loss_text, step_line
+from lctrain.train.schedule import hf_checkpoint_steps, resume_checkpoint_due
 
 # Library loggers that repeat on every rank what rank 0 already says.
 _RANK_LOGGERS = ("DeepSpeed", "torch.distributed")
@@ -78,6 +82,60 @@ def quiet_libraries(is_main: bool) -> None:
         warnings.simplefilter("ignore")
 
 
+# A step under this share of the median throughput of the run's recent usual steps is slow: far below the noise of
+# a healthy run (on a shared CPU a step varies by a third), the sign of something outside the step (another job on
+# the node, a slow filesystem, throttling, a straggling rank).
+SLOW_SHARE = 0.5
+SLOW_WINDOW = 20  # the recent steps whose median is the usual
+SLOW_HISTORY = 5  # no verdict before this many usual steps: the first steps warm up (allocator, kernels, caches)
+SLOW_NOTE_EVERY = 50  # steps from one note to the next at most: a run slowed for good is said once, not every step
+
+
+def slow_step(tokens_per_s: float, recent: Sequence[float]) -> float | None:
+    """The median of `recent` (the tokens/s of the usual steps before this one) when `tokens_per_s` is under
+    SLOW_SHARE of it; None otherwise, and with fewer than SLOW_HISTORY steps to compare with."""
+    if len(recent) < SLOW_HISTORY:
+        return None
+    usual = statistics.median(recent)
+    return usual if tokens_per_s < SLOW_SHARE * usual else None
+
+
+class SlowSteps:
+    """Rank 0's watch on throughput: a one-line note for a slow step (`slow_step`), at most one every
+    SLOW_NOTE_EVERY steps; the slow steps within that many are counted and said with the next note, or by the first
+    step after them (a slowdown for good becomes the usual within SLOW_WINDOW steps, and would otherwise never be
+    said). Profiled steps (slower by design) and steps that wrote a checkpoint (`usual=False`) are neither judged
+    nor part of the usual."""
+
+    def __init__(self):
+        self.recent: deque[float] = deque(maxlen=SLOW_WINDOW)
+        self.last_note: int | None = None
+        self.unsaid = 0
+
+    def note(self, step: int, tokens_per_s: float, usual: bool) -> str | None:
+        if not usual:
+            return None
+        median, compared = slow_step(tokens_per_s, self.recent), len(self.recent)
+        self.recent.append(tokens_per_s)
+        quiet = self.last_note is not None and step - self.last_note < SLOW_NOTE_EVERY
+        if quiet or median is None:
+            self.unsaid += median is not None
+            if quiet or not self.unsaid:
+                return None
+        more = (
+            f"{self.unsaid} more slow step{'s' if self.unsaid != 1 else ''} since step {self.last_note}"
+            if self.unsaid
+            else ""
+        )
+        self.last_note, self.unsaid = step, 0
+        if median is None:
+            return f"note: {more}, under {SLOW_SHARE:.0%} of the median tokens/s of the usual steps before each"
+        return (
+            f"note: step {step} ran at {tokens_per_s:,.0f} tokens/s, under {SLOW_SHARE:.0%} of the median of the "
+            f"last {compared} usual steps ({median:,.0f} tokens/s)" + (f"; {more}" if more else "")
+        )
+
+
 class StepLogger:
     """Rank 0 only: appends one JSON line per step, shows progress and logs to Weights & Biases and TensorBoard (each
     numeric metric as scalar `train/NAME`, every `logging.log_every` steps and the last). Progress is the rich
@@ -88,6 +146,9 @@ class StepLogger:
         self.run = run
         self.every = cfg.logging.log_every
         self.start_step, self.total = start_step, total_steps
+        self.checkpoint_cfg = cfg.checkpoint
+        self.hf_steps = set(hf_checkpoint_steps(total_steps, cfg.checkpoint))
+        self.slow = SlowSteps()
         self.started = time.monotonic()
         self.progress = None
         if sys.stdout.isatty():
@@ -137,6 +198,10 @@ class StepLogger:
         elif due:
             eta = eta_seconds(time.monotonic() - self.started, step - self.start_step, self.total - step)
             print(step_line(record, self.total, eta), flush=True)
+        wrote = resume_checkpoint_due(step, self.total, self.checkpoint_cfg) or step in self.hf_steps
+        slow = self.slow.note(step, record["tokens_per_s"], usual=not (record.get("profiled") or wrote))
+        if slow is not None:  # whether or not the step has a line: a slow step between two lines is said too
+            print(slow, flush=True)
         if self.wandb is not None and due:
             self.wandb.log({k: v for k, v in record.items() if v is not None}, step=step)
         if self.tensorboard is not None and due:

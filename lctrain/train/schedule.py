@@ -29,6 +29,50 @@ def learning_rate(step_index: int, train: TrainConfig) -> float:
     return train.lr * lr_factor(step_index, train)
 
 
+def warmup_warning(train: TrainConfig) -> str | None:
+    """One line when the whole run is warmup (`warmup_steps` >= `steps`): it ends below `train.lr`, or reaches it
+    only at its last step, and its schedule never decays. A warning, not a refusal: a short smoke test of a long
+    config (`--set train.steps=20`), or a resume that shortens the run, is such a run on purpose."""
+    if train.warmup_steps < train.steps:
+        return None
+    # the warmup only rises, so the run's highest rate is its last step's
+    highest = learning_rate(train.steps - 1, train)
+    decay = f", and the {train.lr_schedule} decay never starts" if train.lr_schedule != "constant" else ""
+    return (
+        f"warning: train.warmup_steps = {train.warmup_steps} >= train.steps = {train.steps}: the whole run is "
+        f"warmup; its highest learning rate is {highest:.3e} at step {train.steps} (train.lr = {train.lr:g})"
+        f"{decay}"
+    )
+
+
+# What `learning_rate` reads of TrainConfig: the keys that re-shape the schedule.
+SCHEDULE_KEYS = ("lr", "lr_schedule", "steps", "warmup_steps")
+
+
+def resumed_rate_note(step: int, saved: dict | None, now: TrainConfig) -> str | None:
+    """One line when a resume after `step` updates continues on another schedule than the one its checkpoint was
+    written under (`saved`: the checkpoint's `config.settings`), such that the next update's rate differs: the rate
+    of the last update taken and of the next one, so a jump in the curve (a cosine stretched by more `train.steps`
+    starts high again) is expected, not found. None where the next rate is the checkpoint schedule's, or the
+    checkpoint holds no settings."""
+    train = (saved or {}).get("train") or {}
+    if not all(k in train for k in SCHEDULE_KEYS):
+        return None
+    before = now.model_copy(update={k: train[k] for k in SCHEDULE_KEYS})
+    last, planned, next_rate = learning_rate(step - 1, before), learning_rate(step, before), learning_rate(step, now)
+    if next_rate == planned:
+        return None
+    changed = ", ".join(
+        f"train.{k} {getattr(before, k)!r} -> {getattr(now, k)!r}"
+        for k in SCHEDULE_KEYS
+        if getattr(before, k) != getattr(now, k)
+    )
+    return (
+        f"note: the learning rate goes from {last:.3e} at step {step} (the last taken) to {next_rate:.3e} at step "
+        f"{step + 1} ({changed}; {planned:.3e} under the checkpoint's schedule)"
+    )
+
+
 def resume_checkpoint_due(step: int, total_steps: int, ckpt: CheckpointConfig) -> bool:
     """Resume checkpoints every `every_steps` updates and after the last one (unless `save_final` is off)."""
     return (step == total_steps and ckpt.save_final) or step % ckpt.every_steps == 0

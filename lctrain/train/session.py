@@ -7,11 +7,17 @@ checkpoint the settings it was written under; this file keeps which code and set
 can be reproduced and a change of software between sessions is seen: a resume under other versions than the last
 session's says which, since other kernels or summation orders continue the run on other bits than an uninterrupted
 one.
+
+Each line is completed when its session ends (`record_end`): when, the last step reached and how it ended, so the
+file also says which sessions finished, were stopped by SIGTERM or failed (and with which error). The line is
+rewritten in place, one line per session still, so a reader of the start fields sees no other shape of record; a
+session killed with -9, or lost with its machine, keeps only its start.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shlex
 import socket
@@ -19,6 +25,9 @@ import sys
 
 from lctrain import software
 from lctrain.config import Config, config_fingerprint
+from lctrain.files import replace_file
+from lctrain.lifetime import Terminated
+from lctrain.rundir import RunDir
 
 # Set by the `train` and `resume` commands, for the workers a launcher starts (their own argv is the launcher's).
 COMMAND_VAR = "LCTRAIN_COMMAND"
@@ -29,9 +38,13 @@ def record_command() -> None:
     os.environ.setdefault(COMMAND_VAR, shlex.join(["lctrain", *sys.argv[1:]]))
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def session_record(cfg: Config, start_step: int, world: int, device: str) -> dict:
     return {
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "started": _now(),
         "command": os.environ.get(COMMAND_VAR) or shlex.join(sys.argv),
         "start_step": start_step,
         "host": socket.gethostname(),
@@ -53,3 +66,37 @@ def software_note(previous: dict | None, now: dict) -> str | None:
         f"note: this session runs other software than the last one (from step {previous['start_step']}): "
         f"{', '.join(changed)}; the steps from here may differ in their last bits from an uninterrupted run's"
     )
+
+
+def session_end(end_step: int, error: BaseException | None) -> dict:
+    """The fields that complete a session's record: `ended`, `end_step` (the last step reached) and `outcome`:
+    finished, stopped by SIGTERM, interrupted (Ctrl-C) or failed, the last with the error's first line in `error`."""
+    end = {"ended": _now(), "end_step": end_step}
+    if error is None:
+        return {**end, "outcome": "finished"}
+    if isinstance(error, Terminated):
+        return {**end, "outcome": "stopped by SIGTERM"}
+    if isinstance(error, KeyboardInterrupt):
+        return {**end, "outcome": "interrupted"}
+    first = next(iter(str(error).splitlines()), "")
+    return {**end, "outcome": "failed", "error": f"{type(error).__name__}: {first}" if first else type(error).__name__}
+
+
+def record_end(rd: RunDir, session: dict, end_step: int, error: BaseException | None) -> None:
+    """Complete this session's line of sessions.jsonl (`session`, as `RunDir.append_session` wrote it) with how it
+    ended; the file is replaced whole (a kill while it is written keeps the old one). Never raises: a failure to
+    record is one warning line, so it neither hides the error the session ended with nor fails a finished run."""
+    try:
+        path = rd.sessions_file
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        started, ended = json.dumps(session), json.dumps({**session, **session_end(end_step, error)})
+        # the last line that is this session's start (the run lock keeps other sessions out meanwhile); a file
+        # removed or replaced since gets the whole record appended
+        at = next((i for i in range(len(lines) - 1, -1, -1) if lines[i] == started), None)
+        if at is None:
+            lines.append(ended)
+        else:
+            lines[at] = ended
+        replace_file(path, "".join(line + "\n" for line in lines), "the sessions record")
+    except Exception as e:
+        print(f"warning: could not record how this session ended in {rd.sessions_file} ({e})", flush=True)

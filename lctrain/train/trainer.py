@@ -59,8 +59,15 @@ from lctrain.train.loss import CausalLMLossSum
 from lctrain.train.metrics import StepLogger, quiet_libraries
 from lctrain.train.report import PlannedMemory, RunEnd, RunStart, banner, profile_line, summary
 from lctrain.train.runplan import Prepared, RunPlan
-from lctrain.train.schedule import hf_checkpoint_steps, learning_rate, lr_factor, resume_checkpoint_due
-from lctrain.train.session import session_record, software_note
+from lctrain.train.schedule import (
+    hf_checkpoint_steps,
+    learning_rate,
+    lr_factor,
+    resume_checkpoint_due,
+    resumed_rate_note,
+    warmup_warning,
+)
+from lctrain.train.session import record_end, session_record, software_note
 from lctrain.units import to_gb
 
 # Fault injection for tests: called on rank 0 with the step after DeepSpeed has written its files of that step's
@@ -159,16 +166,28 @@ def run(
         if resuming:
             trainer.load_checkpoint()
         start_step, started = trainer.state.step, time.monotonic()
+        session = None  # rank 0's record in sessions.jsonl, completed with how the session ended
         if topo.is_main:
             session = session_record(cfg, start_step, topo.layout.world, str(topo.device))
             sessions = rd.read_sessions()
             rd.append_session(session)
             print(banner(trainer.run_start()), flush=True)
-            note = software_note(sessions[-1] if sessions else None, session)
-            if note:
+            saved = ckpt.readable_state(rd.checkpoint(start_step)) if resuming else None
+            notes = [
+                software_note(sessions[-1] if sessions else None, session),
+                warmup_warning(cfg.train),
+                resumed_rate_note(start_step, saved and saved.get("config"), cfg.train) if resuming else None,
+            ]
+            for note in filter(None, notes):
                 print(note, flush=True)
-        trainer.fit(packed)
-        if topo.is_main:
+        try:
+            trainer.fit(packed)
+        except BaseException as e:
+            if session is not None:
+                record_end(rd, session, trainer.state.step, e)
+            raise
+        if session is not None:
+            record_end(rd, session, trainer.state.step, None)
             print(summary(trainer.run_end(start_step, time.monotonic() - started)), flush=True)
         end_process_groups()  # the ranks of a launcher the user started exit straight after this
     finally:

@@ -1,0 +1,126 @@
+"""How a session ended, in its line of sessions.jsonl: the outcome of each kind of end, the line completed in place
+(one line per session, so readers of the start fields see the same shape), and a failure to record that never hides
+the error the session ended with. Then real runs: one that finishes, one stopped by a NaN loss."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from train_helpers import TINY_ARCH, one_error_line, prepared_workdir, set_args
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.errors import UserError
+from lctrain.lifetime import Terminated
+from lctrain.rundir import RunDir
+from lctrain.train.session import record_end, session_end, software_note
+from lctrain.train.trainer import StepResult, Trainer
+
+STEPS = 2
+
+
+def test_each_kind_of_end_has_its_outcome():
+    assert session_end(5, None) | {"ended": "t"} == {"ended": "t", "end_step": 5, "outcome": "finished"}
+    assert session_end(3, Terminated())["outcome"] == "stopped by SIGTERM"
+    assert session_end(3, KeyboardInterrupt())["outcome"] == "interrupted"
+    failed = session_end(2, RuntimeError("CUDA error: an illegal memory access\nCUDA kernel errors might be..."))
+    assert (failed["outcome"], failed["error"]) == ("failed", "RuntimeError: CUDA error: an illegal memory access")
+    assert session_end(2, RuntimeError())["error"] == "RuntimeError"  # an error without a message: its type
+
+
+def test_the_sessions_line_is_completed_in_place(tmp_path):
+    rd = RunDir(tmp_path)
+    first = {"started": "2026-01-01T00:00:00+00:00", "start_step": 0, "software": {"torch": "2.13.0"}}
+    mine = {"started": "2026-01-02T00:00:00+00:00", "start_step": 4, "software": {"torch": "2.13.0"}}
+    rd.append_session(first)
+    rd.sessions_file.write_text(rd.sessions_file.read_text() + '{"started": "torn\n')  # a kill while appending
+    rd.append_session(mine)
+    record_end(rd, mine, 9, None)
+    lines = rd.sessions_file.read_text().splitlines()
+    assert lines[:2] == [json.dumps(first), '{"started": "torn']  # the other lines as they were
+    assert len(lines) == 3 and json.loads(lines[2]) == {**mine, **json.loads(lines[2]), "start_step": 4}
+    assert json.loads(lines[2])["end_step"] == 9 and json.loads(lines[2])["outcome"] == "finished"
+    # the readers of the start fields read the completed line as before
+    assert [s["start_step"] for s in rd.read_sessions()] == [0, 4]
+    assert software_note(rd.read_sessions()[-1], mine) is None
+    # a file removed since the session started: its whole record is appended
+    rd.sessions_file.unlink()
+    record_end(rd, mine, 9, Terminated())
+    (alone,) = rd.read_sessions()
+    assert alone["start_step"] == 4 and alone["outcome"] == "stopped by SIGTERM"
+
+
+def test_a_failure_to_record_is_a_warning_and_hides_nothing(tmp_path, capsys):
+    rd = RunDir(tmp_path)
+    rd.sessions_file.mkdir()  # unreadable as a file
+    record_end(rd, {"start_step": 0}, 1, UserError("the original"))  # returns: the caller re-raises its own error
+    out = capsys.readouterr().out
+    assert out.startswith(f"warning: could not record how this session ended in {rd.sessions_file} (")
+
+
+def tiny(data_dir: Path, run_dir: Path) -> list[str]:
+    return [
+        "data.seq_len=128",
+        "data.token_budget=6000",
+        f"data.output_dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        f"train.steps={STEPS}",
+        "train.global_batch=1",
+        "train.micro_batch=1",
+        "train.warmup_steps=0",
+        "checkpoint.hf_last=0",
+        f"model.arch={TINY_ARCH}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return prepared_workdir(tmp_path_factory, "sessions", tiny)
+
+
+def train(workdir: Path, run_dir: Path, extra: list[str] = ()):
+    return CliRunner().invoke(app, ["train", *set_args(tiny(workdir / "data", run_dir) + list(extra))])
+
+
+@pytest.mark.slow  # three tiny runs: 7 s here, over the 2 s a default test may take
+@pytest.mark.usefixtures("one_thread")
+def test_runs_record_how_they_ended_and_say_what_their_schedule_does(workdir, tmp_path, monkeypatch):
+    """A finished run, its resume to more steps of a cosine (the rate jumps up: said, with the numbers), and a run
+    stopped by a NaN loss whose warmup outlasts it (said at its start)."""
+    rd = RunDir(tmp_path / "done")
+    done = train(workdir, rd.path, ["train.lr_schedule=cosine", "train.lr=1e-3"])
+    assert done.exit_code == 0, done.output
+    assert "warning: train.warmup_steps" not in done.output
+    (session,) = rd.read_sessions()
+    assert (session["start_step"], session["end_step"], session["outcome"]) == (0, STEPS, "finished")
+    assert session["ended"] >= session["started"] and "error" not in session
+    resumed = CliRunner().invoke(app, ["resume", str(rd.path), "--set", "train.steps=6"])
+    assert resumed.exit_code == 0, resumed.output
+    # cosine over 2 steps: step 2 at (1 + cos(pi / 2)) / 2 = 0.5 of 1e-3; over 6: step 3 at (1 + cos(pi / 3)) / 2
+    assert (
+        "note: the learning rate goes from 5.000e-04 at step 2 (the last taken) to 7.500e-04 at step 3 "
+        "(train.steps 2 -> 6; 0.000e+00 under the checkpoint's schedule)"
+    ) in resumed.output
+    assert [r["lr"] for r in rd.read_metrics()][1:3] == pytest.approx([5e-4, 7.5e-4], rel=1e-12)
+    first, second = rd.read_sessions()
+    assert first == session and (second["start_step"], second["end_step"], second["outcome"]) == (2, 6, "finished")
+
+    real_step = Trainer.train_step
+
+    def nan_at_step_2(self, windows):
+        result = real_step(self, windows)
+        if self.state.step == 1:  # the 2nd update
+            return StepResult(math.nan, result.valid_labels, result.grad_norm, result.pairs)
+        return result
+
+    monkeypatch.setattr(Trainer, "train_step", nan_at_step_2)
+    failed = train(workdir, tmp_path / "nan", ["train.warmup_steps=4", "train.lr=1e-3"])
+    assert (
+        "warning: train.warmup_steps = 4 >= train.steps = 2: the whole run is warmup; its highest learning rate is "
+        "5.000e-04 at step 2 (train.lr = 0.001)\n"
+    ) in failed.output
+    line = one_error_line(failed)  # the error as ever, nothing of the recording in it
+    (session,) = RunDir(tmp_path / "nan").read_sessions()
+    assert (session["end_step"], session["outcome"]) == (1, "failed")
+    assert session["error"] == "UserError: " + line.removeprefix("error: ")
