@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lctrain.compat.transformers import load_errors
+from lctrain.compat.transformers import legacy_tokenizer_config, load_errors
 from lctrain.errors import UserError, WriteFailed, writing
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ def _cache_dir() -> Path:
 
 
 SPM_FILE = "tokenizer.model"  # the name transformers gives a tokenizer's SentencePiece model (its `vocab_file`)
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def _from_sentencepiece(model_file: Path, cache_key: str):
@@ -417,9 +418,16 @@ def load_encoder(spec: str) -> TextEncoder:
 
 def save_tokenizer(tok, directory: Path) -> None:
     """`save_pretrained`, plus the SentencePiece model that transformers does not write back, so the saved directory
-    encodes text exactly as `tok` does (an evaluation checkpoint, `hf/step_N/`)."""
+    encodes text exactly as `tok` does (an evaluation checkpoint, `hf/step_N/`); its tokenizer_config.json in the
+    form transformers 4.x loads too (`compat.transformers.legacy_tokenizer_config`), as vLLM, lm-eval and TGI
+    installs often run it."""
     with writing(directory, "the tokenizer"):
         tok.save_pretrained(str(directory))
+        config_file = Path(directory) / TOKENIZER_CONFIG
+        config = json.loads(config_file.read_text())
+        config_file.write_text(
+            json.dumps(legacy_tokenizer_config(config), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        )
         model = _sentencepiece_model(tok)
         if model is not None:
             (Path(directory) / SPM_FILE).write_bytes(model)

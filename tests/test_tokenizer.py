@@ -32,6 +32,7 @@ from lctrain.tokenizer import (
     resolve_anchor,
     save_tokenizer,
     text_encoder,
+    tokenizer_fingerprint,
     write_anchor,
 )
 
@@ -315,3 +316,37 @@ def test_unreadable_cache_dir_still_loads(tmp_path, monkeypatch):
         load_tokenizer.cache_clear()
         load_encoder.cache_clear()
     assert Path(blocker).read_text() == "not a directory"
+
+
+def bpe_without_a_class():
+    """A byte-level BPE with no tokenizer class of its own (as SmolLM2's): transformers 5 saves it as
+    `TokenizersBackend`, with its additional special tokens as a list under `extra_special_tokens`."""
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "a": 2, "b": 3, "ab": 4, "Ġ": 5}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"]
+    )
+
+
+@pytest.mark.parametrize("kind", ["llama", "bpe"])
+def test_a_saved_tokenizer_is_in_the_form_transformers_4_loads_and_5_loads_unchanged(tmp_path, kind):
+    """transformers 4.57 failed on both files as 5 writes them (checked by hand: `'list' object has no attribute
+    'keys'`; `Tokenizer class TokenizersBackend does not exist`) and loads the rewritten ones to the same ids."""
+    tok = load_tokenizer("builtin:mistral-7b-v0.1") if kind == "llama" else bpe_without_a_class()
+    save_tokenizer(tok, tmp_path / "saved")
+    written = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    assert not isinstance(written.get("extra_special_tokens"), list)
+    assert written["tokenizer_class"] != "TokenizersBackend" and written["additional_special_tokens"]
+    again = AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
+    text = "ab ba <|endoftext|> <s> a\n"
+    assert type(again) is type(tok) and again(text).input_ids == tok(text).input_ids
+    assert again.all_special_tokens == tok.all_special_tokens and again.all_special_ids == tok.all_special_ids
+    assert tokenizer_fingerprint(again) == tokenizer_fingerprint(tok)
+    # transformers 5 saves what it loaded from the rewritten file as it saves what it loads from its own
+    tok.save_pretrained(str(tmp_path / "original"))
+    for source, out in ((again, "resaved"), (AutoTokenizer.from_pretrained(str(tmp_path / "original")), "own")):
+        source.save_pretrained(str(tmp_path / out))
+    assert json.loads((tmp_path / "resaved" / "tokenizer_config.json").read_text()) == json.loads(
+        (tmp_path / "own" / "tokenizer_config.json").read_text()
+    )

@@ -189,6 +189,21 @@ def legacy_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in legacy.items() if k not in config}
 
 
+def legacy_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+    """tokenizer_config.json's object as 5.17-5.23 save it, rewritten so that transformers 4.46-4.57 load it too, to
+    the tokenizer 5 loads from either (same class, ids and special tokens; resaved by 5, the original file):
+    `extra_special_tokens` as a list, 5's name for the additional special tokens, is 4.x's dict of named tokens (a list
+    fails its loading with an AttributeError): written as `additional_special_tokens`, which both read; a
+    `tokenizer_class` of `TokenizersBackend` (5's class of a tokenizer with no class of its own, e.g. SmolLM2's BPE),
+    which 4.x cannot import, as `PreTrainedTokenizerFast`, which 5 loads as that class."""
+    config = dict(config)
+    if isinstance(config.get("extra_special_tokens"), list) and "additional_special_tokens" not in config:
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    return config
+
+
 def config_json_text(config: dict[str, Any]) -> str:
     """config.json's text as transformers 5.17-5.23 write it (`PreTrainedConfig.to_json_string`): sorted keys,
     indent 2, a final newline."""
