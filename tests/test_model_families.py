@@ -40,6 +40,13 @@ TRANSFORMED = {
     "cohere": {"model_type": "cohere", **SMALL, "logit_scale": 4.0},
     "granite": {"model_type": "granite", **SMALL, "logits_scaling": 0.25},
     "gemma2_final_cap": {**GEMMA2, "attn_logit_softcapping": None, "final_logit_softcapping": 0.5},
+    # the other model types of loss._LOGIT_SCALES, each against its own class's loss
+    "cohere2": {"model_type": "cohere2", **SMALL, "logit_scale": 4.0},
+    "cohere2_moe": {"model_type": "cohere2_moe", **SMALL, "logit_scale": 4.0},
+    "granitemoe": {"model_type": "granitemoe", **SMALL, "logits_scaling": 0.25},
+    "granitemoeshared": {"model_type": "granitemoeshared", **SMALL, "logits_scaling": 0.25},
+    "granitemoehybrid": {"model_type": "granitemoehybrid", **SMALL, "logits_scaling": 0.25},
+    "hyperclovax": {"model_type": "hyperclovax", **SMALL, "logits_scaling": 4.0},
 }
 
 
