@@ -11,6 +11,7 @@ the nccl backend) is checked by `check_on_this_machine` before a run starts, so 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -1039,17 +1040,26 @@ def settings(cfg: Config) -> dict:
     return cfg.model_dump(mode="json", exclude=set(NOT_SETTINGS))
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@functools.cache
+def _default_settings() -> dict:
+    return _flat(settings(Config()))
+
+
 def settings_changes(before: dict, now: dict) -> dict[str, tuple]:
-    """The keys (dotted) whose value differs between two `settings`, with (before, now); a key one side lacks is
-    None there."""
-
-    def flat(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in tree.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(before), flat(now)
+    """The keys (dotted) whose value differs between two `settings`, with (before, now). A key `before` lacks is a
+    setting lctrain added since `before` was recorded (a checkpoint's, an older run's): it counts as its default, the
+    behaviour before the key existed, so an upgrade does not read as an edit; any other key one side lacks is None
+    there."""
+    a, b = _flat(before), _flat(now)
+    defaults = _default_settings()
+    a = {**{k: defaults[k] for k in b if k not in a and k in defaults}, **a}
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

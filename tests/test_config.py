@@ -1,5 +1,6 @@
 """The config tree: loading, `base:` inheritance, overrides, validation errors, fingerprints."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from lctrain.config import (
     reread_warning,
     run_dir,
     settings,
+    settings_changes,
     write_resolved,
 )
 from lctrain.errors import UserError
@@ -419,3 +421,27 @@ def test_a_refusal_names_the_set_that_gave_the_value_not_the_config_file(tmp_pat
     from_file = load_config(None, ["train.lr=0.5"])
     assert from_file.origin("model.dtype") == from_file.source_file
     assert from_file.origin("train") == "--set train.lr=0.5"
+
+
+def test_a_setting_added_since_a_checkpoint_counts_as_its_default():
+    """A checkpoint of an older lctrain lacks the keys added since: at their defaults they are no change (a resume
+    of a 2026-11-23 run was refused for `data.anchor None -> 'auto'`, `data.shard_tokens None -> 268435456`,
+    `model.tiled_mlp None -> 0`); set otherwise, they are one, from the default."""
+    now = settings(load_config(None, []))
+    before = json.loads(json.dumps(now))
+    del before["data"]["anchor"], before["data"]["shard_tokens"], before["model"]["tiled_mlp"]
+    assert settings_changes(before, now) == {}
+    shorter = settings(load_config(None, ["data.shard_tokens=1048576"]))
+    assert settings_changes(before, shorter) == {"data.shard_tokens": (268435456, 1048576)}
+    del now["model"]["tiled_mlp"]  # a key this lctrain no longer has
+    assert settings_changes(settings(load_config(None, [])), now) == {"model.tiled_mlp": (0, None)}
+
+
+def test_resuming_a_checkpoint_without_a_dataset_record_says_it_cannot_check(capsys):
+    from lctrain.train.command import check_same_dataset
+
+    cfg = load_config(None, [])
+    check_same_dataset(cfg, {}, manifest=None, checkpoint="step_10")
+    said = " ".join(capsys.readouterr().out.split())
+    assert said.startswith("warning: checkpoint step_10 was written before lctrain recorded the dataset")
+    assert "cannot be checked" in said

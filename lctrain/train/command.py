@@ -271,7 +271,15 @@ def check_same_dataset(cfg: Config, state: dict, manifest, checkpoint: str) -> N
     """Refuse to resume on a prepared dataset other than the checkpoint's: its windows, in an order that depends on
     their number, would be read from the checkpoint's step on as if they were the same (some twice, some never). A
     `prepare --force` after the corpus changed rebuilds the directory under the same data fingerprint."""
-    change = dataset_change(state.get("dataset"), dataset_record(manifest))
+    if state.get("dataset") is None:
+        print(
+            f"warning: checkpoint {checkpoint} was written before lctrain recorded the dataset a run trains on: "
+            f"whether {data_dir(cfg)} holds the windows it trained on cannot be checked (prepared again since, from "
+            f"other input or by another lctrain, the resumed steps read other windows)",
+            flush=True,
+        )
+        return
+    change = dataset_change(state["dataset"], dataset_record(manifest))
     if change is not None:
         raise UserError(
             f"{data_dir(cfg)}: the prepared dataset changed since checkpoint {checkpoint} ({change}); resuming "

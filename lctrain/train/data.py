@@ -64,11 +64,8 @@ def dataset_record(manifest) -> dict:
     }
 
 
-def dataset_change(recorded: dict | None, now: dict) -> str | None:
-    """How the dataset differs from the one a checkpoint `recorded` (None: the same, or a checkpoint from before
-    datasets were recorded)."""
-    if recorded is None:
-        return None
+def dataset_change(recorded: dict, now: dict) -> str | None:
+    """How the dataset differs from the one a checkpoint `recorded` (None: the same)."""
     if recorded["windows"] != now["windows"]:
         return f"it had {recorded['windows']:,} windows, now {now['windows']:,}, rebuilt from other input"
     if recorded["content"] == now["content"]:
