@@ -329,6 +329,19 @@ class DataConfig(_Section):
                 "data.domain_shares sets the targets of mixture 'upsampled'; the 'slimpajama' mixture keeps "
                 "the source's own shares (set data.mixture=upsampled)"
             )
+        # compared with the defaults, not model_fields_set: a resolved config.yaml spells every value out
+        changed = [
+            k
+            for k in ("short_doc_tokens", "down_sample_ratio")
+            if getattr(self, k) != type(self).model_fields[k].default
+        ]
+        if changed and self.mixture != "upsampled":
+            # ignored, they would still change the data fingerprint: the same data rebuilt under another name
+            raise ValueError(
+                f"{' and '.join(f'data.{k}' for k in changed)} down-sample the short documents of mixture "
+                f"'upsampled' and are not read by the '{self.mixture}' mixture: set data.mixture=upsampled, or "
+                f"leave {'them' if len(changed) > 1 else 'it'} out"
+            )
         return self
 
 

@@ -4,11 +4,13 @@ upsampling.
 `upsampled` gives each domain a target token share of the budget (`data.domain_shares`, by default the paper's
 UpSampledMix-128K); within a domain, documents shorter than `short_doc_tokens` are kept with probability
 `down_sample_ratio` and longer ones always, until the domain's share is full. Documents of a domain without a share
-(by default `other`) are not used. After a build, `share_misses` names the domains whose achieved share is off.
+(by default `other`) are not used. `SourceShares` fills `data.sources`' token shares. After a build, `share_misses`
+names the domains or sources whose achieved share is off.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 import numpy as np
@@ -145,42 +147,55 @@ class Mixture:
         return self.shares
 
 
-def share_misses(domains: dict[str, dict]) -> list[tuple[str, float, float]]:
-    """(domain, target, achieved) token shares of the domains of a build's statistics (`DatasetStats.to_dict`) that
-    miss their target by more than `SHARE_TOLERANCE`, or have a target and no tokens, the worst first."""
+def share_misses(shares: dict[str, tuple[float, float]]) -> list[tuple[str, float, float]]:
+    """(name, target, achieved) of `shares` (name -> (target, achieved) token share: the domains of the `upsampled`
+    mixture, the sources of `data.sources` with token shares) that miss their target by more than `SHARE_TOLERANCE`,
+    or have a target and no tokens, the worst first."""
     misses = [
-        (name, e["target_tokens_share"], e["tokens_share"])
-        for name, e in domains.items()
-        if "target_tokens_share" in e
-        and (
-            abs(e["tokens_share"] - e["target_tokens_share"]) > SHARE_TOLERANCE
-            or (e["target_tokens_share"] > 0 and not e["tokens"])
-        )
+        (name, target, achieved)
+        for name, (target, achieved) in shares.items()
+        if abs(achieved - target) > SHARE_TOLERANCE or (target > 0 and not achieved)
     ]
     return sorted(misses, key=lambda m: -abs(m[2] - m[1]))
+
+
+def normalized(shares: list[float]) -> list[float]:
+    """`data.sources`' token shares as fractions of their sum: they are accepted summing to 1 up to rounding (0.5%
+    per share, `check_source_shares`), and as `target_shares` does for domains the targets must fill the budget."""
+    total = sum(shares)
+    return [s / total for s in shares]
 
 
 class SourceShares:
     """`data.sources` with a `token_share` each: a document of source i is packed while the tokens packed from it
     (its anchors and tags in every window included, `placed`) are below its share of the budget; the draw already
     picks documents in the share proportions, so this only corrects for sources whose documents are longer or
-    shorter than the others'. Without token shares every document is admitted. Counts the written tokens per
-    source, for the achieved shares."""
+    shorter than the others'. A document longer than what its source's share has left is cut to its head that fits
+    (one long document would otherwise overshoot the share by any amount; skipping it instead would lose the long
+    documents that long-context training wants most): a share then overshoots by at most its anchors and tags in the
+    windows the cut document continues into. Without token shares every document is admitted whole. Counts the
+    written tokens per source, for the achieved shares."""
 
     def __init__(self, shares: list[float | None], budget_tokens: int):
-        self.targets = None if None in shares else np.array(shares, dtype=np.float64) * budget_tokens
+        self.targets = None if None in shares else np.array(normalized(shares), dtype=np.float64) * budget_tokens
         self.admitted = np.zeros(len(shares), dtype=np.int64)
         self.written = np.zeros(len(shares), dtype=np.int64)
-        self.dropped = {"source_share_full": 0} if self.targets is not None else {}
+        self.dropped = {"source_share_full": 0, "source_share_cut_tokens": 0} if self.targets is not None else {}
 
-    def admit(self, source: int) -> bool:
-        if self.targets is not None and self.admitted[source] >= self.targets[source]:
+    def admit(self, source: int, header: int, tokens: int) -> int:
+        """How many of a document's `tokens` (its head) to pack; `header`: its anchor and tag. 0: not packed."""
+        if self.targets is None:
+            return tokens
+        if self.admitted[source] >= self.targets[source]:
             if not np.all(self.admitted >= self.targets):
                 self.dropped["source_share_full"] += 1
-                return False
+                return 0
             # every share is full but the windows are not (continuation anchors take room): grow all shares alike
             self.targets *= 1.01
-        return True
+        # at least one token, so that the share is full afterwards whatever header the room is smaller than
+        take = min(tokens, max(1, math.ceil(self.targets[source] - self.admitted[source]) - header))
+        self.dropped["source_share_cut_tokens"] += tokens - take
+        return take
 
     def placed(self, source: int, tokens: int) -> None:
         self.admitted[source] += tokens

@@ -39,7 +39,14 @@ from lctrain.config import (
 )
 from lctrain.console import plain_console
 from lctrain.data import encode
-from lctrain.data.mixture import SHARE_TOLERANCE, Mixture, SourceShares, keyed_by_domain, share_misses
+from lctrain.data.mixture import (
+    SHARE_TOLERANCE,
+    Mixture,
+    SourceShares,
+    keyed_by_domain,
+    normalized,
+    share_misses,
+)
 from lctrain.data.packing import Packer, ShuffleBuffer
 from lctrain.data.pool import WorkerDied, WorkerStartFailed, imap_ordered
 from lctrain.data.progress import Partial
@@ -87,7 +94,7 @@ NAMED_DOMAINS = 5
 SMALL_BUDGET = 2_000_000
 # The layout of the state an interrupted build saves (`_Builder.state`, the Mixture in it): raised when it changes, so
 # a build interrupted under an older lctrain starts over instead of failing on the state it cannot read.
-STATE_LAYOUT = 2
+STATE_LAYOUT = 3
 _SKIP_TEXT = {
     "malformed_json": "not a JSON object",
     "no_text": "no string 'text' field",
@@ -152,6 +159,22 @@ def resolve_sources(cfg: Config) -> list[LocalFiles | None]:
         except UserError as e:
             raise UserError(f"data.sources[{i}] ({s.name}): {e}".replace("data.path", "path")) from None
     return out
+
+
+def _say_shared_files(console, data, files: list[LocalFiles | None]) -> None:
+    """The input files that more than one source reads: their documents would enter the mixture once per source."""
+    readers: dict[Path, list[str]] = {}
+    for s, f in zip(data.sources, files):
+        for path in f.files if f is not None else ():
+            readers.setdefault(path.resolve(), []).append(s.name)
+    shared = [f"{path} ({' and '.join(names)})" for path, names in readers.items() if len(names) > 1]
+    if shared:
+        console.print(
+            f"data.sources: {len(shared):,} file(s) read by more than one source, whose documents are then used once "
+            f"per source: {first_and_more(shared, NAMED_FILES)}; list each file in one source",
+            style="yellow",
+            markup=False,
+        )
 
 
 def source_streams(data, files: list[LocalFiles | None]) -> list[SourceStream]:
@@ -346,9 +369,11 @@ class _Builder:
                 continue
             tokens, domain, source = self.released.popleft()
             tag_len = len(self.tags[domain]) if self.tags is not None and domain in self.tags else 0
-            size = 1 + tag_len + len(tokens)
-            if self.mixture.admit(domain, len(tokens), size) and self.shares.admit(source):
-                self.windows.extend(self.packer.add(tokens, domain, source))
+            if not self.mixture.admit(domain, len(tokens), 1 + tag_len + len(tokens)):
+                continue
+            take = self.shares.admit(source, 1 + tag_len, len(tokens))
+            if take:
+                self.windows.extend(self.packer.add(tokens[:take], domain, source))
                 self.shares.placed(source, self.packer.placed)
 
 
@@ -569,6 +594,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         console.print(f"{out}: rebuilding it ({damage})", markup=False)
     # resolving validates local paths before the slow tokenizer load; done once, a SlimPajama tree is large
     files = _resolve_inputs(cfg)
+    if d.sources is not None:
+        _say_shared_files(console, d, files)
     domains = initial_domains(d)
     source = describe_source(d, files)
     tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
@@ -624,6 +651,13 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     try:
         saved = partial.load(resume_key)
         if saved is None or not _shards_intact(partial.dir, saved["shards"]):
+            if partial.has_progress():  # else it would only show as a build that takes longer than expected
+                console.print(
+                    f"starting over: {partial.dir} holds an interrupted prepare of other settings, tokenizer or "
+                    f"input files (or shards changed since), which is discarded",
+                    style="yellow",
+                    markup=False,
+                )
             saved = None
             partial.start_over()
         builder = _Builder(cfg, anchor_id, tags, partial.dir, resume_key["token_dtype"], encoder)
@@ -641,14 +675,20 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         estimate = InputEstimate.of(files.files) if d.source == "local" and d.sources is None else None
         read = _read(builder, _batches(d, files), encoder, workers, console, d.seq_len, estimate)
         elapsed = time.perf_counter() - t0
+        left_out = _left_out_by_settings(d, builder, read["skipped"]["counts"])
         if builder.writer.num_windows == 0:
             # no manifest is written, so the skip table is never shown: say here why records were not usable
             skipped = ", ".join(f"{n:,} {reason}" for reason, n in read["skipped"]["counts"].items())
-            raise UserError(
+            yielded = (
                 f"the {what_source} yielded {read['tokens']:,} tokens in {read['documents']:,} "
-                f"usable documents{f' (skipped: {skipped})' if skipped else ''}, not enough for one "
-                f"{d.seq_len:,}-token window; add data or lower data.seq_len"
+                f"usable documents{f' (skipped: {skipped})' if skipped else ''}"
             )
+            if left_out:
+                raise UserError(
+                    f"{yielded}, and the settings left out {'; '.join(left_out)}: not one "
+                    f"{d.seq_len:,}-token window was filled"
+                )
+            raise UserError(f"{yielded}, not enough for one {d.seq_len:,}-token window; add data or lower data.seq_len")
         shards = builder.writer.close()
         stats = builder.stats.to_dict(builder.mixture.target_shares(), tuple(builder.domains))
         packed = builder.writer.num_windows * d.seq_len
@@ -721,9 +761,9 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     render(console, stats, read["skipped"])
     if d.sources is not None:
         _say_source_shares(console, manifest.source["sources"])
-    _say_what_was_left_out(console, manifest, num_windows, cfg)
+    _say_what_was_left_out(console, manifest, num_windows, cfg, left_out)
     _say_domains_left_out(console, d, builder)
-    _say_share_misses(console, stats, manifest.source_exhausted)
+    _say_share_misses(console, stats, manifest, bool(left_out))
     console.print(
         f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s"
         f"{f' after resuming at {windows_before:,}' if resumed_shards else ''} "
@@ -741,10 +781,14 @@ def _with_achieved_shares(source: dict, achieved: list[float]) -> dict:
 
 
 def _say_source_shares(console, sources: list[dict]) -> None:
-    asked = [
-        f"token_share {e['token_share']:.4f}" if e["token_share"] is not None else f"weight {e['weight']:g}"
-        for e in sources
-    ]
+    asked = [f"weight {e['weight']:g}" for e in sources]
+    if sources[0]["token_share"] is not None:
+        shares = [e["token_share"] for e in sources]
+        # shares summing to 1 only up to rounding are used as fractions of their sum: show that fraction
+        asked = [
+            f"token_share {s:.4f}{f' ({t:.4f} of their sum)' if round(t, 4) != round(s, 4) else ''}"
+            for s, t in zip(shares, normalized(shares))
+        ]
     console.print(
         "share of the written tokens per source (asked -> achieved): "
         + ", ".join(f"{e['name']} {a} -> {e['achieved_token_share']:.4f}" for e, a in zip(sources, asked)),
@@ -770,8 +814,41 @@ def _shards_intact(directory: Path, shards: list[dict]) -> bool:
     return True
 
 
-def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int, cfg: Config) -> None:
-    """The input files not read, the source's tail that could not fill a window, a source shorter than the budget."""
+def _left_out_by_settings(data, builder: _Builder, skipped: dict[str, int]) -> list[str]:
+    """The documents that data.min_doc_tokens, the mixture and the share caps turned away, each with the setting that
+    lets them in: when the input runs out before the budget, they, not a lack of input, may be what stopped it."""
+    dropped = {**builder.mixture.dropped, **builder.shares.dropped}
+    unshared = [f"{builder.domains[i]} {int(n):,}" for i, n in enumerate(builder.mixture.without_share) if n]
+    reasons = [
+        (skipped.get("too_short", 0), f"shorter than data.min_doc_tokens = {data.min_doc_tokens:,} (lower it)"),
+        (
+            dropped.get("short_doc_downsampled", 0),
+            f"down-sampled as shorter than data.short_doc_tokens = {data.short_doc_tokens:,} (raise "
+            f"data.down_sample_ratio = {data.down_sample_ratio:g} or lower data.short_doc_tokens)",
+        ),
+        (
+            dropped.get("domain_without_share", 0),
+            f"of domains without a share ({first_and_more(unshared, NAMED_DOMAINS)}: give them one in "
+            f"data.domain_shares, or read other domains from the records: "
+            f"{'meta.redpajama_set_name' if data.sources is None else 'a source domain_field'})",
+        ),
+        (
+            dropped.get("domain_share_full", 0),
+            "of domains whose share was full while others' were not (lower data.domain_shares of the domains that "
+            "ran out)",
+        ),
+        (
+            dropped.get("source_share_full", 0),
+            "of sources whose token_share was full while others' were not (lower the token_share of the sources "
+            "that ran out)",
+        ),
+    ]
+    return [f"{n:,} documents {why}" for n, why in reasons if n]
+
+
+def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int, cfg: Config, left_out: list[str]) -> None:
+    """The input files not read, the source's tail that could not fill a window, a source shorter than the budget
+    (and the documents the settings turned away, `_left_out_by_settings`, when they may be why)."""
     skipped = manifest.source.get("skipped_files") or []
     if skipped:
         named = "; ".join(f"{f['path']} ({f['reason']})" for f in skipped[:NAMED_FILES])
@@ -786,10 +863,12 @@ def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int, cf
             style="yellow",
         )
     if manifest.source_exhausted:
+        why = f"; the settings left out {'; '.join(left_out)}" if left_out else ""
         console.print(
             f"the source ran out before the budget: {manifest.num_windows:,} of {planned_windows:,} windows "
-            f"({manifest.num_tokens:,} tokens) written",
+            f"({manifest.num_tokens:,} tokens) written{why}",
             style="yellow",
+            markup=False,
         )
         reread = reread_warning(cfg, manifest.num_windows, source_exhausted=True)
         if reread:
@@ -822,21 +901,41 @@ def _say_domains_left_out(console, data, builder: _Builder) -> None:
         )
 
 
-def _say_share_misses(console, stats: dict, source_exhausted: bool) -> None:
-    """The domains whose written token share is off its `upsampled` target (`share_misses`)."""
-    misses = share_misses(stats["domains"])
+def _say_share_misses(console, stats: dict, manifest: Manifest, left_out: bool) -> None:
+    """The domains whose written token share is off its `upsampled` target, or the sources off their `token_share`
+    (`share_misses`). `left_out`: the settings turned documents away (`_left_out_by_settings`)."""
+    sources = manifest.source.get("sources") or []
+    if any(e["token_share"] is not None for e in sources):
+        targets = normalized([e["token_share"] for e in sources])
+        misses = share_misses({e["name"]: (t, e["achieved_token_share"]) for e, t in zip(sources, targets)})
+        what, more = "data.sources missed the token_share of", "documents to these sources or lower their token_share"
+        kind = "source"
+    else:
+        domains = stats["domains"].items()
+        misses = share_misses(
+            {n: (e["target_tokens_share"], e["tokens_share"]) for n, e in domains if "target_tokens_share" in e}
+        )
+        what, more = (
+            "the upsampled mixture missed the token shares of",
+            "documents of these domains or lower their data.domain_shares",
+        )
+        kind = "domain"
     if not misses:
         return
     named = first_and_more(
         [f"{name} {target:.1%} -> {achieved:.1%}" for name, target, achieved in misses], NAMED_DOMAINS
     )
-    if source_exhausted:
-        advice = "the input ran out before the budget: add documents of these domains or lower their data.domain_shares"
+    if manifest.source_exhausted and left_out:
+        advice = "the input ran out before the budget, with documents left out by the settings named above"
+    elif manifest.source_exhausted:
+        advice = f"the input ran out before the budget: add {more}"
     else:
-        advice = "each domain may miss by up to one document: a larger data.token_budget brings the shares closer"
+        advice = "a larger data.token_budget brings the shares closer"
+        if kind == "domain":
+            advice = f"each domain may miss by up to one document: {advice}"
     console.print(
-        f"the upsampled mixture missed the token shares of {len(misses)} domain(s) by more than "
-        f"{100 * SHARE_TOLERANCE:g} percentage point (target -> achieved): {named}; {advice}",
+        f"{what} {len(misses)} {kind}(s) by more than {100 * SHARE_TOLERANCE:g} percentage point (target -> "
+        f"achieved): {named}; {advice}",
         style="yellow",
         markup=False,
     )
