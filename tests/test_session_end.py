@@ -124,3 +124,10 @@ def test_runs_record_how_they_ended_and_say_what_their_schedule_does(workdir, tm
     (session,) = RunDir(tmp_path / "nan").read_sessions()
     assert (session["end_step"], session["outcome"]) == (1, "failed")
     assert session["error"] == "UserError: " + line.removeprefix("error: ")
+
+
+def test_a_resume_of_a_run_without_sessions_says_its_earlier_software_is_unknown():
+    started = {"start_step": 0, "software": {"torch": "2.13.0"}}
+    assert software_note(None, started) is None
+    note = software_note(None, {**started, "start_step": 10})
+    assert note.startswith("note: sessions.jsonl starts at step 10: the steps before were trained by an lctrain")

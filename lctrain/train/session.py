@@ -56,9 +56,15 @@ def session_record(cfg: Config, start_step: int, world: int, device: str) -> dic
 
 
 def software_note(previous: dict | None, now: dict) -> str | None:
-    """One line when `now` runs other software than the `previous` session of the run, else None."""
+    """One line when `now` runs other software than the `previous` session of the run, or when a resumed run has no
+    previous session (trained so far by an lctrain that recorded none: what it ran under is unknown), else None."""
     if previous is None:
-        return None
+        if now["start_step"] == 0:
+            return None
+        return (
+            f"note: sessions.jsonl starts at step {now['start_step']}: the steps before were trained by an lctrain "
+            f"that recorded no sessions (before 2026-11-27), so whether this session runs other software is unknown"
+        )
     changed = software.changes(previous.get("software", {}), now["software"])
     if not changed:
         return None
