@@ -282,6 +282,7 @@ class FakeVllm(types.ModuleType):
         self.LLM, self.SamplingParams = LLM, SamplingParams
 
 
+@pytest.mark.slow  # a whole second evaluation (10-19 s): the default suite is at its 5-minute budget
 def test_vllm_backend_gives_the_hf_backends_answers(evaluated, run_dir, tmp_path, monkeypatch):
     fake = FakeVllm()
     monkeypatch.setitem(sys.modules, "vllm", fake)

@@ -81,7 +81,8 @@ def windows(seq_len):
         pytest.param(["model.gradient_checkpointing=true", "model.tiled_mlp=auto"], marks=pytest.mark.slow),
         ["parallel.zero_stage=1", "model.tiled_mlp=4"],
         ["model.checkpointing=selective"],
-        ["model.checkpointing=selective_matmul"],
+        # selective checkpointing is in the default suite as `selective`; its matmul policy runs with the slow ones
+        pytest.param(["model.checkpointing=selective_matmul"], marks=pytest.mark.slow),
         # the reference engine's dense scores: slow-marked to keep the default suite under its budget
         pytest.param(["attention.engine=reference"], marks=pytest.mark.slow),
         pytest.param(["attention.engine=reference", "model.checkpointing=selective_matmul"], marks=pytest.mark.slow),
