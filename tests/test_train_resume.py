@@ -242,6 +242,22 @@ def test_sigterm_inside_a_checkpoint_write_finishes_it_and_stops_there(reference
     assert_same_end(run_dir, reference)
 
 
+def test_evaluation_says_when_the_runs_dataset_was_prepared_again_since_it_trained(reference, workdir):
+    """Perplexity holds windows out by number: in a dataset rebuilt from other input they may hold trained-on text."""
+    from lctrain.data.store import open_packed
+    from lctrain.eval.perplexity import rebuilt_since_training
+
+    manifest = open_packed(workdir / "data").manifest
+    assert rebuilt_since_training(reference, manifest, workdir / "data") is None
+    first = manifest.shards[0]
+    other = manifest.model_copy(
+        update={"shards": [first.model_copy(update={"checksum": "xxh3_128:" + "0" * 32}), *manifest.shards[1:]]}
+    )
+    note = rebuilt_since_training(reference, other, workdir / "data")
+    assert note.startswith(f"{workdir / 'data'} was prepared again since the run trained on it (the same ")
+    assert note.endswith("its held-out windows may hold text the run trained on")
+
+
 def test_resume_refuses_a_dataset_rebuilt_with_other_windows(reference, workdir):
     """`prepare --force` after the corpus changed rebuilds the dataset under the same data fingerprint: the checkpoint
     knows the windows it was trained on (their number and the shards' checksums) and refuses the others."""

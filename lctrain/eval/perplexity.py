@@ -29,7 +29,7 @@ from lctrain.config import data_dir, data_fingerprint
 from lctrain.data.store import PackedData, open_packed
 from lctrain.errors import UserError
 from lctrain.tokenizer import resolve_anchor, tokenizer_fingerprint
-from lctrain.train.data import stream_rows
+from lctrain.train.data import dataset_change, dataset_record, stream_rows
 
 
 @dataclass
@@ -106,6 +106,9 @@ def select_heldout(tgt, ppl_data: str | None, tokenizer) -> Heldout:
             f"none held out: training consumed {consumed} window reads of the {n} windows in "
             f"{path}; prepare a larger token budget or pass --ppl-data DIR",
         )
+    rebuilt = rebuilt_since_training(tgt.path, packed.manifest, path) if own else None
+    if rebuilt is not None:  # scored, said beside the number
+        return Heldout(packed, rows, available, rebuilt)
     anchor = resolve_anchor(tokenizer, cfg.data.anchor)
     if packed.manifest.anchor.id != anchor.id:
         # scored as it is, said beside the number: segments open with a token the model did not train on there
@@ -117,6 +120,25 @@ def select_heldout(tgt, ppl_data: str | None, tokenizer) -> Heldout:
             f"{anchor.token}: the perplexity is of differently anchored text",
         )
     return Heldout(packed, rows, available)
+
+
+def rebuilt_since_training(run: Path, manifest, path: Path) -> str | None:
+    """How the run's own dataset (`manifest`, at `path`) differs from the one the run trained on, as its newest
+    resume checkpoint recorded it, or None (the same, or nothing recorded to compare with). A `prepare --force` from
+    other input keeps the data fingerprint: the windows held out by number may then hold text the run trained on."""
+    # torch and DeepSpeed with the checkpoint module, on use: this module loads without torch (start-up time)
+    from lctrain.rundir import RunDir
+    from lctrain.train import checkpoint as ckpt
+
+    last = ckpt.latest_checkpoint(RunDir(run))
+    recorded = ((ckpt.readable_state(last) if last is not None else None) or {}).get("dataset")
+    change = dataset_change(recorded, dataset_record(manifest)) if recorded is not None else None
+    if change is None:
+        return None
+    return (
+        f"{path} was prepared again since the run trained on it ({change}): its held-out windows may hold text the "
+        f"run trained on"
+    )
 
 
 def target_mask(window: dict) -> np.ndarray:
