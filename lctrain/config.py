@@ -1111,11 +1111,14 @@ def max_steps(windows: int, held_out: int, global_batch: int) -> int:
     return max(0, windows - held_out) // global_batch
 
 
-def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) -> str | None:
+def reread_warning(
+    cfg: Config, windows: int, source_exhausted: bool = False, settings_left_out: bool = False
+) -> str | None:
     """One line when training reads more windows (`train.steps` x `train.global_batch`) than `windows` hold, else
     None. Reading runs through the windows in order (train/data.py), so the re-read windows are the last steps',
     which hold every evaluation checkpoint. `source_exhausted`: the input ran out before `data.token_budget`, so a
-    larger budget would not help."""
+    larger budget would not help; `settings_left_out`: the data settings turned documents of it away (a minimum
+    length, the mixture's shares or down-sampling), which letting in would help as well."""
     needed = cfg.windows_read()
     if needed <= windows:
         return None
@@ -1123,7 +1126,12 @@ def reread_warning(cfg: Config, windows: int, source_exhausted: bool = False) ->
     fits = windows // batch
     ran_out = source_exhausted or cfg.data.token_budget >= cfg.tokens_read()
     if ran_out:
-        more = "the input ran out before data.token_budget: add input data (and prepare again)"
+        more = (
+            "the input ran out before data.token_budget, with documents the data settings left out (prepare names "
+            "them): add input data or let them in (and prepare again)"
+            if settings_left_out
+            else "the input ran out before data.token_budget: add input data (and prepare again)"
+        )
     else:
         more = f"set data.token_budget={tokens_to_prepare(cfg.train.steps, batch, seq_len, held)} (and prepare again)"
     steps = max_steps(windows, held, batch)

@@ -9,8 +9,8 @@ import math
 import pytest
 from train_helpers import show_config_refusal
 
-from lctrain.config import load_config
-from lctrain.data.prepare import prepare
+from lctrain.config import data_dir, load_config
+from lctrain.data.prepare import prepare, settings_left_out
 from lctrain.data.store import ShardWriter, open_packed
 from lctrain.errors import UserError
 
@@ -132,6 +132,10 @@ def test_a_build_starved_by_min_doc_tokens_and_share_caps_says_so(tmp_path, caps
         "short 50.0% -> 0.0%, long 50.0% -> 100.0%; the input ran out before the budget, with documents left out by "
         "the settings named above"
     ) in out
+    # the re-read warning, here and in train's, which reads it from the manifest
+    left_out = "with documents the data settings left out (prepare names them): add input data or let them in"
+    assert left_out in out
+    assert settings_left_out(open_packed(data_dir(cfg)).manifest)
 
 
 def test_an_upsampled_build_starved_by_down_sampling_names_it(tmp_path, capsys):

@@ -814,6 +814,14 @@ def _shards_intact(directory: Path, shards: list[dict]) -> bool:
     return True
 
 
+def settings_left_out(manifest: Manifest) -> bool:
+    """Whether the data settings turned documents away in the build `manifest` records (`_left_out_by_settings`
+    names them and their counts as prepare runs)."""
+    mixture = ("short_doc_downsampled", "domain_without_share", "domain_share_full", "source_share_full")
+    too_short = manifest.skipped.get("counts", {}).get("too_short", 0)
+    return too_short > 0 or any(manifest.mixture_dropped.get(k, 0) for k in mixture)
+
+
 def _left_out_by_settings(data, builder: _Builder, skipped: dict[str, int]) -> list[str]:
     """The documents that data.min_doc_tokens, the mixture and the share caps turned away, each with the setting that
     lets them in: when the input runs out before the budget, they, not a lack of input, may be what stopped it."""
@@ -870,7 +878,7 @@ def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int, cf
             style="yellow",
             markup=False,
         )
-        reread = reread_warning(cfg, manifest.num_windows, source_exhausted=True)
+        reread = reread_warning(cfg, manifest.num_windows, source_exhausted=True, settings_left_out=bool(left_out))
         if reread:
             console.print(reread, style="yellow", markup=False)
 

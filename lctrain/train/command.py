@@ -26,7 +26,7 @@ from lctrain.config import (
 )
 from lctrain.costmodel import ModelShape
 from lctrain.data.manifest import MANIFEST
-from lctrain.data.prepare import input_change
+from lctrain.data.prepare import input_change, settings_left_out
 from lctrain.errors import UserError, first_and_more
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
@@ -323,7 +323,8 @@ def preflight(cfg: Config) -> Prepared:
             else f"warning: {prepared.packed.path}: {changed.words}; to train on its text as it is now, run {again}",
             flush=True,
         )
-    reread = reread_warning(cfg, len(prepared.packed), prepared.packed.manifest.source_exhausted)
+    manifest = prepared.packed.manifest
+    reread = reread_warning(cfg, len(prepared.packed), manifest.source_exhausted, settings_left_out(manifest))
     if reread:
         print(reread, flush=True)
     if cfg.logging.wandb != "disabled":
