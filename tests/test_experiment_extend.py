@@ -416,9 +416,34 @@ def test_an_eval_only_change_re_evaluates_the_trained_runs_without_training(tiny
 def test_a_training_change_is_still_refused(tiny_experiment):
     out, model = tiny_experiment
     results = {p: p.read_bytes() for p in (out / "runs").glob("*/eval/results.json")}
+    state = (out / ex.STATE_FILE).read_bytes()
     with pytest.raises(UserError, match="trained with other settings than this experiment's"):
         tiny_extend(out, model, overrides=("train.lr=1e-3", "eval.samples_per_task=2"))
     assert {p: p.read_bytes() for p in results} == results
+    assert (out / ex.STATE_FILE).read_bytes() == state  # the refused plan is not recorded: the runs did not change
+
+
+def test_the_modes_are_warned_before_training_when_no_window_read_holds_two_documents(tiny_experiment, capsys):
+    out, model = tiny_experiment
+    exp = ex.Experiment(out, TINY_SEQ_LEN, ("full", "anchor"), 1, 1, (TINY_SEQ_LEN,), "cpu", model, tuple(TINY))
+    packed = open_packed(next((out / "prepared").iterdir()))
+    order = stream_rows(0, len(packed), 0, len(packed))  # seed 0, global batch 1: step s reads order[s]
+    multi = [len(set(packed[r]["seg_doc"].tolist())) > 1 for r in order]
+    capsys.readouterr()
+    for steps in range(1, len(packed)):
+        ex.warn_identical_modes(exp, steps)
+        warned = "holds more than one document" in capsys.readouterr().out
+        assert warned == (not any(multi[:steps])), steps
+    # this corpus packs several documents in every window: the warning itself, on windows counted as single-document
+    one_document = ex.Windows(packed.path, frozenset({0}), frozenset(), frozenset())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ex, "trained_windows", lambda cfg, steps: one_document)
+        ex.warn_identical_modes(exp, 1)
+    assert capsys.readouterr().out == (
+        "[experiment] train: warning: none of the 1 windows the runs will train on holds more than one document, so "
+        "full, anchor will train identically (one mask, the same positions); read more windows (--steps, "
+        "train.global_batch) or pack more documents per window (a longer --seq-len) for the modes to differ\n"
+    )
 
 
 def test_runs_evaluated_before_the_settings_were_recorded_are_not_evaluated_again(tiny_experiment, capsys):

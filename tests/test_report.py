@@ -401,3 +401,117 @@ def test_notes_when_runs_score_other_windows_or_train_on_other_data(tmp_path):
         "perplexity: the rows scored different held-out windows: their differences mix text with attention mode",
     ]
     assert compare([read_evaluated(p) for p in same])["data_notes"] == []
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A small prepared dataset (256-token windows, some of one document, some of several) and the overrides of a
+    run trained on it, 2 steps of 1 window."""
+    from lctrain.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("report_data") / "data"
+    data = ["data.seq_len=256", "data.token_budget=6000", f"data.output_dir={out}"]
+    prepare(load_config(None, data))
+    return out, (*data, "train.global_batch=1", "train.micro_batch=1")
+
+
+def windows_read_by_hand(cfg, steps: int) -> tuple[set[int], set[int]]:
+    """The rows the trainer's batch plan hands out over `steps` steps, and those of them holding several documents
+    (counted from each window's seg_doc)."""
+    from lctrain.data.store import open_packed
+    from lctrain.train.data import BatchPlan
+
+    packed = open_packed(data_dir_of(cfg))
+    plan = BatchPlan(cfg.train.global_batch, cfg.train.micro_batch, 1)
+    rows = {
+        r
+        for s in range(steps)
+        for m in range(plan.grad_accum)
+        for r in plan.rows(s, m, 0, seed=cfg.seed, n=len(packed))
+    }
+    return rows, {r for r in rows if len(set(packed[r]["seg_doc"].tolist())) > 1}
+
+
+def data_dir_of(cfg):
+    from lctrain.config import data_dir
+
+    return data_dir(cfg)
+
+
+def test_the_windows_trained_on_say_whether_the_modes_could_differ(tmp_path, prepared):
+    _, overrides = prepared
+    steps = [1, 2]
+    by_seed = {s: windows_read_by_hand(load_config(None, [*overrides, f"seed={s}"]), 2) for s in range(40)}
+    single = next(s for s, (_, multi) in by_seed.items() if not multi)
+    mixed = next(s for s, (_, multi) in by_seed.items() if multi)
+
+    def runs(seed, modes=("full", "anchor")):
+        return [
+            fake_evaluated(tmp_path, f"{m}_{seed}", m, seed=seed, steps=steps, extra=overrides, ppl_rows=[0])
+            for m in modes
+        ]
+
+    pair = runs(single)
+    notes = compare([read_evaluated(p) for p in pair])["mode_notes"]
+    assert notes == [
+        f"attention modes: none of the {len(by_seed[single][0])} windows the runs trained on held more than one "
+        f"document, so the modes trained identically on them (one mask, the same positions): the rows' differences "
+        f"are not the masks'"
+    ]
+    report = compare([read_evaluated(p) for p in runs(mixed, ("intra_doc", "intra_doc_reset"))])
+    read, multi = by_seed[mixed]
+    assert report["mode_notes"][0] == (
+        f"attention modes: {len(multi)} of the {len(read)} windows the runs trained on held more than one document "
+        f"(only there do the modes' masks and positions differ)"
+    )
+    assert report["rows"][0]["runs"][0]["trained_windows"] == {"read": len(read), "multi_document": len(multi)}
+    assert report["mode_notes"][1].startswith(  # the default config's fp32
+        "intra_doc and intra_doc_reset: one computation in fp32 on these windows"
+    )
+    bf16 = [
+        fake_evaluated(tmp_path, f"{m}_bf16", m, seed=mixed, steps=steps, extra=(*overrides, "model.dtype=bfloat16"))
+        for m in ("intra_doc", "intra_doc_reset")
+    ]
+    assert compare([read_evaluated(p) for p in bf16])["mode_notes"][1:] == []  # bf16 rounds reset's positions apart
+    # one mode: nothing counted; a dataset not here: said, not guessed
+    assert compare([read_evaluated(pair[0])])["mode_notes"] == []
+    elsewhere = fake_evaluated(tmp_path, "elsewhere", "anchor", extra=("data.output_dir=/nonexistent/data",))
+    notes = compare([read_evaluated(pair[0]), read_evaluated(elsewhere)])["mode_notes"]
+    assert notes[0].startswith("attention modes: the windows")
+    assert f"{elsewhere} trained on are not counted (its prepared dataset /nonexistent/data is not here)" in notes[0]
+
+
+def test_rows_that_differ_beyond_the_mode_are_labelled_by_it(tmp_path):
+    full = fake_evaluated(tmp_path, "full", "full", extra=("model.rope_theta=10000",))
+    anchor = fake_evaluated(tmp_path, "anchor", "anchor")
+    report = compare([read_evaluated(p) for p in (full, anchor)])
+    theta = load_config(None).model.rope_theta
+    assert [row["label"] for row in report["rows"]] == [
+        "full (model.rope_theta=10000.0)",
+        f"anchor (model.rope_theta={theta})",
+    ]
+    assert "## RULER, mean over tasks (higher is better): difference from full (model.rope_theta=10000.0)" in markdown(
+        report
+    )
+
+
+def test_perplexity_windows_short_because_training_read_them_say_so(tmp_path):
+    good = fake_evaluated(tmp_path, "good", "full")
+    none = fake_evaluated(tmp_path, "none", "anchor")
+    results = results_of(none)
+    results["perplexity"].update(windows=0, rows=[], heldout_available=0, data="/d", per_length={})
+    results_file(none).write_text(json.dumps(results))
+    reads = load_config(str(RunDir(none).config_file)).windows_read()
+    with pytest.raises(UserError) as e:
+        compare([read_evaluated(good), read_evaluated(none)])
+    assert str(e.value) == (
+        f"runs evaluated with different numbers of perplexity windows: {results_file(good)}: 8; {results_file(none)}: "
+        f"0, as its training reads {reads:,} windows (train.steps x train.global_batch), which leave 0 of /d unread: "
+        f"score them on the same held-out windows, evaluating each with `lctrain eval RUN --ppl-data DIR` (a dataset "
+        f"prepared apart from their training data), or prepare a larger data.token_budget and train again"
+    )
+
+
+def test_the_notes_state_the_perplexity_convention(tmp_path):
+    md = markdown(compare([read_evaluated(fake_evaluated(tmp_path, "r", "anchor"))]))
+    assert "- perplexity: every mode scored with plain causal attention over each held-out window" in md

@@ -51,12 +51,15 @@ from lctrain.errors import UserError
 from lctrain.files import replace_file
 from lctrain.lifetime import STOPPED, Terminated, death_of, signal_name, supervise
 from lctrain.reports.compare import print_report, write_report
+from lctrain.reports.trained_windows import Windows, trained_windows
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
 
 MODES = ("full", "intra_doc", "anchor")
-# what --modes may add: the paper's "+ Reset" row of Table 5 (on CPU in fp32 it trains as intra_doc does: RoPE is
-# relative, and the paper's difference comes from bf16 rounding at large positions)
+# what --modes may add: the paper's "+ Reset" row of Table 5 (in fp32, as on a CPU, it trains as intra_doc does while
+# no document is cut into interleaved chunks, the bundled configs' data: the mask is the same, the positions differ
+# by one offset per document and RoPE is relative; the paper's difference comes from bf16 rounding at large
+# positions. The report says when its runs met these conditions: lctrain.reports.compare._same_as_reset)
 OPTIONAL_MODES = ("intra_doc_reset",)
 CONFIG = "smollm2_32k_{mode}"  # the bundled configs; every run is one of them with the experiment's overrides
 MODEL_DIR = "models/smollm2-135m"  # relative to OUT, where the bundled configs look
@@ -313,12 +316,51 @@ def trained_settings(cfg: Config) -> dict:
     return {section: value for section, value in settings(cfg).items() if section != "eval"}
 
 
+def check_trained_runs(exp: Experiment, steps: int) -> None:
+    """Refuse, before anything is recorded or trained, a run directory trained with other settings than the plan's
+    (a rerun with other steps, --set or --seq-len): experiment.json must keep describing the runs there."""
+    for mode, seed in exp.runs():
+        where = exp.run_dir(mode, seed)
+        rd = RunDir(where)
+        if not rd.is_run():
+            continue
+        recorded = rd.read_config()
+        planned = exp.config(mode, exp.run_overrides(mode, seed, steps))
+        # training reads no eval setting: a change of those only is the eval stage's, which evaluates again
+        if trained_settings(recorded) != trained_settings(planned):
+            raise UserError(
+                f"{where}: trained with other settings than this experiment's (config fingerprint "
+                f"{config_fingerprint(recorded)[:12]}, now {config_fingerprint(planned)[:12]}: other steps, "
+                f"--set or --seq-len?); use another --out, or delete {where}"
+            )
+
+
+def warn_identical_modes(exp: Experiment, steps: int) -> None:
+    """Say before training when no window the runs will read holds more than one document: there every mode computes
+    the same (`lctrain.reports.trained_windows`), so the runs would differ by nothing but rounding."""
+    if len(exp.modes) < 2:
+        return
+    counted = [
+        trained_windows(exp.config(mode, exp.run_overrides(mode, seed, steps)), steps) for mode, seed in exp.runs()
+    ]
+    found = [w for w in counted if isinstance(w, Windows)]
+    read = {r for w in found for r in w.rows}
+    if found and not any(w.multi_document for w in found):
+        say(
+            "train",
+            f"warning: none of the {len(read)} windows the runs will train on holds more than one document, so "
+            f"{', '.join(exp.modes)} will train identically (one mask, the same positions); read more windows "
+            f"(--steps, train.global_batch) or pack more documents per window (a longer --seq-len) for the modes to "
+            f"differ",
+        )
+
+
 def train_runs(exp: Experiment, state: State, steps: int) -> None:
+    """Train every run not trained yet (`check_trained_runs` has refused those trained otherwise)."""
     runs = exp.runs()
     for i, (mode, seed) in enumerate(runs, 1):
         where = exp.run_dir(mode, seed)
         rd = RunDir(where)
-        planned = exp.config(mode, exp.run_overrides(mode, seed, steps))
         label = f"{mode}, seed {seed} ({i} of {len(runs)})"
         args = [
             "-c",
@@ -326,14 +368,6 @@ def train_runs(exp: Experiment, state: State, steps: int) -> None:
             *set_args([*exp.shared_overrides(), *exp.run_overrides(mode, seed, steps)]),
         ]
         if rd.is_run():
-            recorded = rd.read_config()
-            # training reads no eval setting: a change of those only is the eval stage's, which evaluates again
-            if trained_settings(recorded) != trained_settings(planned):
-                raise UserError(
-                    f"{where}: trained with other settings than this experiment's (config fingerprint "
-                    f"{config_fingerprint(recorded)[:12]}, now {config_fingerprint(planned)[:12]}: other steps, "
-                    f"--set or --seq-len?); use another --out, or delete {where}"
-                )
             if is_trained(rd, steps):
                 say("train", f"{label}: {where} finished, skipped")
             elif ckpt.latest_checkpoint(rd) is not None:
@@ -478,13 +512,15 @@ def extend(
     exp.config(exp.modes[0])  # a bad --set is refused here, before anything is built
     exp.out.mkdir(parents=True, exist_ok=True)
     state = State(exp.out / STATE_FILE)
-    state.data["plan"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(exp).items()}
     ensure_inputs(exp)
     cfg = exp.config(exp.modes[0])
     per_step = cfg.tokens_per_step
     given = steps if steps is not None else steps_for_tokens(tokens, per_step) if tokens is not None else None
     prepared = prepare_once(exp, state, given)
     chosen = choose_steps(exp, state, prepared, given, train_seconds)
+    check_trained_runs(exp, chosen)  # a refused plan is never recorded
+    warn_identical_modes(exp, chosen)
+    state.data["plan"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(exp).items()}
     state.data["steps"] = chosen
     state.data["tokens_per_run"] = cfg.tokens_read(chosen)
     state.save()

@@ -22,12 +22,20 @@ from lctrain.config import Config, data_fingerprint, settings
 from lctrain.console import plain_console
 from lctrain.errors import UserError, writing
 from lctrain.eval import score as scoring
+from lctrain.reports.trained_windows import Windows, trained_windows
 from lctrain.rundir import RunDir, step_of
 
 DEFAULT_LAST = 5  # the paper's five checkpoints over the last 50 steps (§4.2)
 RESULTS_FILE = "results.json"
 SPREAD = "std over seeds (sample standard deviation, n-1); rows compared by their seed ranges [min, max]"
 WITHIN, BEYOND, UNKNOWN = "within seed spread", "beyond seed spread", "single seed: spread unknown"
+# how `lctrain eval` scores perplexity (lctrain.eval.perplexity) and how it is averaged here, which a reader of the
+# perplexity columns needs: the scoring mask is full attention's, whatever mask a run trained with
+PERPLEXITY = (
+    "perplexity: every mode scored with plain causal attention over each held-out window (full attention's training "
+    "mask, which favours full); column L scores the first L tokens of each window; checkpoints averaged "
+    "arithmetically (the mean of their perplexities)"
+)
 METRICS = {"ruler": "RULER, mean over tasks (higher is better)", "perplexity": "held-out perplexity (lower is better)"}
 # what names, places or seeds a run, or how it was evaluated (checked on the results), rather than what it trains:
 # runs equal in everything else are one experiment
@@ -191,11 +199,37 @@ def _shown(value) -> str:
     return "not recorded" if value is None else ", ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
+def _short_of_heldout(run: Evaluated) -> str | None:
+    """Why `run` scored fewer perplexity windows than the other, when the cause is its training: `lctrain eval` scored
+    every window its training leaves unread (`heldout_available`, recorded by it, equals the number scored), so
+    another eval.ppl_windows would not help. None otherwise."""
+    ppl = run.results.get("perplexity") or {}
+    if ppl.get("heldout_available") is None or ppl.get("heldout_available") != ppl.get("windows"):
+        return None
+    return (
+        f"as its training reads {run.cfg.windows_read():,} windows (train.steps x train.global_batch), which leave "
+        f"{ppl['windows']} of {ppl.get('data')} unread"
+    )
+
+
 def _check_same_evaluation(runs: list[Evaluated]) -> None:
     first = runs[0]
     for r in runs[1:]:
         for keys, what, fix in _EVALUATION:
             a, b = _setting(first.results, keys), _setting(r.results, keys)
+            if keys == ("perplexity", "windows") and a != b and None not in (a, b):
+                short = first if a < b else r
+                why = _short_of_heldout(short)
+                if why:
+                    sides = "; ".join(
+                        f"{run.results_file}: {n}" + (f", {why}" if run is short else "")
+                        for run, n in ((first, a), (r, b))
+                    )
+                    raise UserError(
+                        f"runs evaluated with different {what}: {sides}: score them on the same held-out windows, "
+                        f"evaluating each with `lctrain eval RUN --ppl-data DIR` (a dataset prepared apart from their "
+                        f"training data), or prepare a larger data.token_budget and train again"
+                    )
             if a != b:
                 raise UserError(
                     f"runs evaluated with different {what}: {first.results_file}: {_shown(a)}; "
@@ -223,14 +257,12 @@ def trained(run: Evaluated) -> dict:
 
 
 def _labels(groups: list[list[Evaluated]]) -> tuple[list[str], list[str]]:
-    """Each group's label (its attention mode, plus the settings that tell it apart when modes repeat), and the
-    settings other than the mode in which the groups differ."""
+    """Each group's label (its attention mode, plus the settings other than the mode in which the groups differ, so
+    that a row is never read as the mode's effect alone when it differs in more), and those settings."""
     flats = [_flat(json.loads(experiment_key(g[0].cfg))) for g in groups]
     keys = sorted({k for f in flats for k in f} - {"attention.mode"})
     differing = [k for k in keys if len({json.dumps(f.get(k)) for f in flats}) > 1]
     modes = [g[0].cfg.attention.mode for g in groups]
-    if len(set(modes)) == len(modes):
-        return modes, differing
     return [
         f"{m} ({', '.join(f'{k}={f.get(k)}' for k in differing)})" if differing else m for m, f in zip(modes, flats)
     ], differing
@@ -261,6 +293,9 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
             seen[seeds] = r.path
     ordered = list(groups.values())
     labels, differing = _labels(ordered)
+    # the windows each run read, only where modes differ (it reads the dataset): {run path: Windows or why not}
+    counted: dict[str, Windows | str] = {}
+    modes_differ = len({g[0].cfg.attention.mode for g in ordered}) > 1
     rows = []
     for label, members in zip(labels, ordered):
         per_run = []
@@ -268,6 +303,9 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
             ckpts = last_checkpoints(r.results, last, str(r.path))
             ruler, ppl = checkpoint_average(r.results, ckpts, str(r.results_file))
             progress = trained(r)
+            if modes_differ:
+                counted[str(r.path)] = trained_windows(r.cfg, progress["steps"], r.path)
+            windows = counted.get(str(r.path))
             per_run.append(
                 {
                     "path": str(r.path),
@@ -280,6 +318,12 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
                     "finished": progress["finished"],
                     "training_tokens": r.cfg.tokens_read(progress["steps"]),
                     "perplexity_windows": _setting(r.results, ("perplexity", "rows")),
+                    # the distinct windows its training read and how many held more than one document
+                    "trained_windows": (
+                        {"read": len(windows.rows), "multi_document": len(windows.multi_document)}
+                        if isinstance(windows, Windows)
+                        else None
+                    ),
                     "checkpoints": ckpts,
                     "ruler": {str(L): v for L, v in ruler.items()},
                     "perplexity": {str(L): v for L, v in ppl.items()},
@@ -331,6 +375,7 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
         "reference": reference["label"],
         "other_differences": differing,
         "data_notes": _data_notes(rows),
+        "mode_notes": _mode_notes(ordered, counted),
         "rows": rows,
     }
 
@@ -374,6 +419,61 @@ def _data_notes(rows: list[dict]) -> list[str]:
             "perplexity: the rows scored different held-out windows: their differences mix text with attention mode"
         )
     return notes
+
+
+def _mode_notes(groups: list[list[Evaluated]], counted: dict[str, Windows | str]) -> list[str]:
+    """Whether the modes could differ on the windows the runs trained on (`lctrain.reports.trained_windows`): how many
+    held more than one document, and when none did, that the modes trained identically there. Runs of the same seed
+    read the same windows, so they are counted once over all runs. And whether intra_doc and intra_doc_reset were one
+    computation there (`_same_as_reset`)."""
+    if not counted:
+        return []
+    found = [w for w in counted.values() if isinstance(w, Windows)]
+    notes = [
+        f"attention modes: the windows {path} trained on are not counted ({why})"
+        for path, why in counted.items()
+        if isinstance(why, str)
+    ]
+    if found:
+        read = {(w.dataset, r) for w in found for r in w.rows}
+        multi = {(w.dataset, r) for w in found for r in w.multi_document}
+        runs = "the runs" if len(found) == len(counted) else "the counted runs"
+        if multi:
+            notes.append(
+                f"attention modes: {len(multi)} of the {len(read)} windows {runs} trained on held more than one "
+                f"document (only there do the modes' masks and positions differ)"
+            )
+            if _same_as_reset(groups, counted):
+                notes.append(
+                    "intra_doc and intra_doc_reset: one computation in fp32 on these windows (the same mask; positions "
+                    "that differ by one offset per document, which RoPE, being relative, does not see): their "
+                    "difference is rounding, not the modes'"
+                )
+        else:
+            notes.append(
+                f"attention modes: none of the {len(read)} windows {runs} trained on held more than one document, "
+                f"so the modes trained identically on them (one mask, the same positions): the rows' differences are "
+                f"not the masks'"
+            )
+    return notes
+
+
+def _same_as_reset(groups: list[list[Evaluated]], counted: dict[str, Windows | str]) -> bool:
+    """intra_doc and intra_doc_reset rows whose runs are mathematically the same training: fp32 (the paper's
+    difference between them is bf16 rounding of RoPE at large positions, its §3.2), no document of the windows read
+    cut into interleaved chunks (there reset positions close the gaps between a document's chunks, which changes
+    relative distances), and no 'dynamic' RoPE scaling (it rescales by the largest position, which reset lowers)."""
+    pair = [r for g in groups for r in g if r.cfg.attention.mode in ("intra_doc", "intra_doc_reset")]
+    if {r.cfg.attention.mode for r in pair} != {"intra_doc", "intra_doc_reset"}:
+        return False
+    for r in pair:
+        windows = counted.get(str(r.path))
+        scaling = r.cfg.model.rope_scaling or {}
+        if r.cfg.model.dtype != "float32" or not isinstance(windows, Windows) or windows.chunked:
+            return False
+        if (scaling.get("rope_type") or scaling.get("type")) == "dynamic":
+            return False
+    return True
 
 
 def _cell(cell: dict | None, digits: int) -> str:
@@ -438,10 +538,13 @@ def _notes(report: dict) -> list[str]:
     if report["other_differences"]:
         notes.append(f"rows also differ in: {', '.join(report['other_differences'])}")
     notes += [f"rows also differ in their text: {n}" for n in report["data_notes"]]
+    notes += report["mode_notes"]
     if not any(row["perplexity"] for row in report["rows"]):
         notes.append(
             "perplexity: none per length in these results (evaluated before per-length perplexity, or none held out)"
         )
+    else:
+        notes.append(PERPLEXITY)
     return notes + [f"averaged: {line}" for line in _checkpoint_lines(report)]
 
 
