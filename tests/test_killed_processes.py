@@ -109,7 +109,7 @@ def test_a_rank_killed_by_the_os_is_one_line_then_resume_ends_as_the_uninterrupt
     victim.send_signal(signal.SIGKILL)
     line = the_one_line(proc)
     assert line.startswith(f"error: rank 1 (pid {victim.pid}) was killed by SIGKILL (most likely the kernel's out")
-    assert f"'lctrain resume {run_dir}' continues from the last checkpoint" in line
+    assert f"'lctrain resume {run_dir}' continues from step_" in line
     assert (run_dir / "ranks" / "launcher.log").is_file() and str(run_dir / "ranks" / "launcher.log") in line
     run_to_end(lctrain("resume", str(run_dir)))
     assert losses(run_dir) == reference
@@ -135,8 +135,9 @@ def test_a_rank_that_hangs_is_named_within_the_step_timeout_then_resume_ends_as_
     assert line.startswith("error: rank 1 hung in step "), line
     assert "rank 1 wrote no stack (a stopped process" in line and "rank 0 waited for it in a collective for" in line
     assert f"every rank's stack is in {run_dir / 'ranks' / 'launcher.log'}" in line
-    assert f"'lctrain resume {run_dir}' continues from the last checkpoint" in line
+    assert f"'lctrain resume {run_dir}' continues from step_" in line
     assert "distributed_c10d.py" in (run_dir / "ranks" / "launcher.log").read_text()  # rank 0's stack
+    assert RunDir(run_dir).read_sessions()[-1]["outcome"] == "failed"
     gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
     run_to_end(lctrain("resume", str(run_dir)))

@@ -14,7 +14,7 @@ from lctrain.cli import app
 from lctrain.errors import UserError
 from lctrain.lifetime import Terminated
 from lctrain.rundir import RunDir
-from lctrain.train.session import record_end, session_end, software_note
+from lctrain.train.session import complete_last_session, record_end, session_end, software_note
 from lctrain.train.trainer import StepResult, Trainer
 
 STEPS = 2
@@ -49,6 +49,23 @@ def test_the_sessions_line_is_completed_in_place(tmp_path):
     record_end(rd, mine, 9, Terminated())
     (alone,) = rd.read_sessions()
     assert alone["start_step"] == 4 and alone["outcome"] == "stopped by SIGTERM"
+
+
+def test_a_session_its_workers_could_not_end_is_completed_by_the_command(tmp_path):
+    """A rank killed or hung: the launcher stops rank 0 before it records the end; `lctrain train` records it."""
+    rd = RunDir(tmp_path)
+    old = {"started": "2026-01-01T00:00:00+00:00", "start_step": 0, "software": {}}
+    rd.append_session(old)
+    complete_last_session(rd, UserError("rank 1 hung in step 4"), since="2026-01-02T00:00:00+00:00")
+    assert rd.read_sessions() == [old]  # an earlier session's, not this command's: left as it is
+    mine = {"started": "2026-01-02T00:00:05+00:00", "start_step": 2, "software": {}}
+    rd.append_session(mine)
+    rd.append_metrics({"step": 3, "loss": 1.0})
+    complete_last_session(rd, UserError("rank 1 hung in step 4"), since="2026-01-02T00:00:00+00:00")
+    ended = rd.read_sessions()[-1]
+    assert (ended["end_step"], ended["outcome"], ended["error"]) == (3, "failed", "UserError: rank 1 hung in step 4")
+    complete_last_session(rd, UserError("another"), since="2026-01-02T00:00:00+00:00")  # said already: kept
+    assert rd.read_sessions()[-1] == ended
 
 
 def test_a_failure_to_record_is_a_warning_and_hides_nothing(tmp_path, capsys):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import lctrain
+from lctrain.parallel import watchdog
 from lctrain.parallel.watchdog import SLOW_STEP_FACTOR, StepWatchdog, describe_stack, hang_summary, rank_list
 
 
@@ -30,7 +31,9 @@ def blocked_here(seconds: float) -> None:
 
 def test_an_overrun_step_is_reported_with_where_the_main_thread_waits(tmp_path, capsys):
     fired = Fired()
-    dog = StepWatchdog(0.2, rank=3, directory=tmp_path, then="resume it", on_hang=fired, poll_s=0.02)
+    dog = StepWatchdog(
+        0.2, rank=3, directory=tmp_path, then=lambda: "resume it", on_hang=fired, poll_s=0.02, grace_s=0.05
+    )
     try:
         dog.arm(7)
         blocked_here(0.6)
@@ -49,7 +52,7 @@ def test_an_overrun_step_is_reported_with_where_the_main_thread_waits(tmp_path, 
 
 def test_quick_and_unwatched_steps_never_fire():
     fired = Fired()
-    dog = StepWatchdog(0.2, rank=0, directory=None, on_hang=fired, poll_s=0.02)
+    dog = StepWatchdog(0.2, rank=0, directory=None, on_hang=fired, poll_s=0.02, grace_s=0)
     try:
         for step in range(5):
             dog.arm(step)
@@ -63,7 +66,7 @@ def test_quick_and_unwatched_steps_never_fire():
 
 def test_the_limit_is_the_configured_one_or_a_multiple_of_the_slowest_step():
     fired = Fired()
-    dog = StepWatchdog(0.05, rank=0, directory=None, on_hang=fired, poll_s=0.01)
+    dog = StepWatchdog(0.05, rank=0, directory=None, on_hang=fired, poll_s=0.01, grace_s=0)
     try:
         dog.arm(1)
         time.sleep(0.1)  # over the configured limit, but the poll may miss it by a little: give the record a chance
@@ -72,7 +75,7 @@ def test_the_limit_is_the_configured_one_or_a_multiple_of_the_slowest_step():
         assert dog.current_limit_s == 0.05
     finally:
         dog.close()
-    dog = StepWatchdog(0.05, rank=0, directory=None, on_hang=fired, poll_s=0.01)
+    dog = StepWatchdog(0.05, rank=0, directory=None, on_hang=fired, poll_s=0.01, grace_s=0)
     dog.slowest_s = 0.1  # as after a watched step of 0.1 s
     try:
         assert dog.current_limit_s == pytest.approx(SLOW_STEP_FACTOR * 0.1)
@@ -83,6 +86,65 @@ def test_the_limit_is_the_configured_one_or_a_multiple_of_the_slowest_step():
         dog.close()
     assert len(fired.records) == 1
     assert dog.slowest_s >= 0.2
+
+
+def test_a_step_that_finishes_within_the_grace_takes_its_record_back(tmp_path, capsys):
+    fired = Fired()
+    dog = StepWatchdog(0.1, rank=0, directory=tmp_path, on_hang=fired, poll_s=0.02, grace_s=0.5)
+    try:
+        dog.arm(4)
+        time.sleep(0.25)  # over the limit, within the grace
+        assert (tmp_path / "ranks.hang.0.json").is_file()
+        dog.disarm()
+        time.sleep(0.5)
+    finally:
+        dog.close()
+    assert fired.records == [] and not (tmp_path / "ranks.hang.0.json").exists()
+    assert "note: rank 0: step 4 ran past the step timeout (0 s)" in capsys.readouterr().out
+
+
+def test_time_the_process_spent_stopped_is_not_the_steps(monkeypatch):
+    """SIGSTOP (Ctrl-Z, a scheduler's suspend) stops the watchdog's thread too: its wait returns that much late."""
+    monkeypatch.setattr(watchdog, "PAUSE_S", 0.05)
+    fired = Fired()
+    dog = StepWatchdog(0.3, rank=0, directory=None, on_hang=fired, poll_s=0.02, grace_s=0)
+    wait, stopped = dog._closed.wait, threading.Event()
+
+    def stopped_once(seconds):
+        if dog._armed_at is not None and not stopped.is_set():
+            stopped.set()
+            time.sleep(0.6)  # as the whole process, stopped
+        return wait(seconds)
+
+    dog._closed.wait = stopped_once
+    try:
+        dog.arm(2)
+        time.sleep(0.65)
+        dog.disarm()
+    finally:
+        dog.close()
+    assert stopped.is_set() and fired.records == []
+
+
+def test_the_lowest_rank_with_a_record_names_the_rank_that_hung(tmp_path, capsys):
+    """Under a launcher the user started, no process gathers the records: the ranks' watchdogs do."""
+    fired = Fired()
+    dogs = [
+        StepWatchdog(0.1, rank=r, directory=tmp_path, world=3, on_hang=fired, poll_s=0.02, grace_s=0.3) for r in (1, 2)
+    ]
+    try:
+        for dog in dogs:
+            dog.arm(5)
+        time.sleep(0.7)
+    finally:
+        for dog in dogs:
+            dog.close()
+    summaries = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: step 5 had")]
+    assert summaries == [
+        "error: step 5 had not finished after 0 s (the limit: 0 s) and no rank was waiting in a collective: "
+        + "; ".join(f"rank {r} at {fired.records[0].where}" for r in (1, 2))
+        + "; rank 0 wrote no stack (a stopped process, or one stuck in native code)"
+    ]
 
 
 def test_no_limit_starts_no_thread():

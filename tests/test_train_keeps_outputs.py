@@ -162,7 +162,7 @@ def test_an_injected_nan_loss_names_the_step_and_keeps_the_checkpoint_before_it(
 
 def test_a_single_process_out_of_host_memory_is_one_line(workdir, tmp_path, monkeypatch):
     """torch's CPU allocator raises a plain RuntimeError: one line naming it and the plan, as for a launched rank;
-    the resume advice only where a checkpoint exists."""
+    the resume advice where a checkpoint exists, else how to start over."""
 
     def no_memory(self, windows):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes.")
@@ -171,7 +171,8 @@ def test_a_single_process_out_of_host_memory_is_one_line(workdir, tmp_path, monk
     line = one_error_line(train(workdir, tmp_path / "run", ["checkpoint.hf_last=0"]))
     assert line == (
         "error: the run ran out of memory (DefaultCPUAllocator: can't allocate memory: you tried to allocate "
-        "4294967296 bytes.); `lctrain plan` shows what fits"
+        "4294967296 bytes.); `lctrain plan` shows what fits; no checkpoint was written yet: 'lctrain train --config "
+        f"{RunDir(tmp_path / 'run').config_file} --force' starts it over"
     )
 
 

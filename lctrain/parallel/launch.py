@@ -28,6 +28,7 @@ from lctrain.errors import UserError
 from lctrain.lifetime import CRASH_SIGNALS, Terminated, death_of, signal_name, supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 from lctrain.parallel.guard import EXIT_PREFIX
+from lctrain.parallel.records import read_records
 from lctrain.parallel.watchdog import HANG_PREFIX, hang_summary
 
 
@@ -203,7 +204,7 @@ def run_on_ranks(
         return Finished(json.loads((workdir / RESULT_FILE).read_text())["result"])
     if rc < 0:  # the launcher itself; its ranks end with it (their guards stop them)
         raise ProcessKilled(f"the launcher ({cfg.parallel.launcher})", signal_name(-rc), log)
-    failures = {f["rank"]: f for f in _records(workdir, FAILURE_PREFIX)}
+    failures = {f["rank"]: f for f in read_records(workdir, FAILURE_PREFIX)}
     if any(f["kind"] == STOPPED for f in failures.values()):  # a SIGTERM sent to the ranks alone
         raise Terminated(_stopped_words(workdir))
     oom = next((f for _, f in sorted(failures.items()) if f["kind"] == "out_of_memory"), None)
@@ -212,11 +213,11 @@ def run_on_ranks(
     refused = next((f for _, f in sorted(failures.items()) if f["kind"] == "user_error"), None)
     if refused is not None:
         raise UserError(refused["message"])
-    hangs = _records(workdir, HANG_PREFIX)
+    hangs = read_records(workdir, HANG_PREFIX)
     if hangs:  # the ranks that ended on the watchdog's word were not the cause: the hung rank was
         raise RanksHung(hang_summary(hangs, cfg.parallel.world), log)
     # The first rank to end badly is the cause; the others were stopped by the launcher or lost their peers.
-    ended = sorted((e for e in _records(workdir, EXIT_PREFIX) if e["code"] != 0), key=lambda e: e["time"])
+    ended = sorted((e for e in read_records(workdir, EXIT_PREFIX) if e["code"] != 0), key=lambda e: e["time"])
     first = ended[0] if ended else None
     if first is not None and first["code"] < 0 and first["rank"] not in failures:
         raise ProcessKilled(f"rank {first['rank']} (pid {first['pid']})", signal_name(-first["code"]), log)
@@ -246,7 +247,7 @@ def _pass_sigterm_to_ranks(launcher: psutil.Process) -> None:
 
 def _stopped_words(workdir: Path) -> str:
     """What rank 0 said when it stopped on a SIGTERM (`Terminated`'s message), else "" (it did not get that far)."""
-    said = [f["message"] for f in _records(workdir, FAILURE_PREFIX) if f["kind"] == STOPPED and f["rank"] == 0]
+    said = [f["message"] for f in read_records(workdir, FAILURE_PREFIX) if f["kind"] == STOPPED and f["rank"] == 0]
     return said[0] if said else ""
 
 
@@ -258,13 +259,3 @@ def last_error_line(log: Path) -> str:
         return ""
     errors = [line.strip() for line in lines if "Error:" in line or line.lstrip().lower().startswith("error")]
     return errors[-1] if errors else ""
-
-
-def _records(workdir: Path, prefix: str) -> list[dict]:
-    out = []
-    for path in workdir.glob(f"{prefix}*.json"):
-        try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue  # torn by the end of its writer: it names nothing
-    return out

@@ -20,6 +20,7 @@ steps grow slow does not trip it by itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -29,9 +30,12 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lctrain.parallel.records import read_records
+
 HANG_PREFIX = "ranks.hang."  # + rank + ".json", in the ranks' directory (`run_on_ranks`' workdir)
 SLOW_STEP_FACTOR = 5
 GRACE_S = 5.0  # after its record, before the rank ends: its peers' watchdogs, about as late, write theirs
+PAUSE_S = 2.0  # a poll returning later than this past its time: the process was stopped meanwhile
 EXIT_CODE = 124  # as timeout(1): a scheduler's log then tells a hang from a crash
 # Where a rank waiting for its peers is: a collective called through torch.distributed or DeepSpeed's comm layer.
 _COLLECTIVE_PATHS = (f"torch{os.sep}distributed{os.sep}", f"deepspeed{os.sep}comm{os.sep}")
@@ -55,6 +59,10 @@ class HangRecord:
     in_collective: bool
     where: str
     time: float
+
+    @property
+    def what(self) -> StepTimedOut:
+        return StepTimedOut(f"step {self.step} had not finished after {self.seconds:.0f} s, at {self.where}")
 
 
 def describe_stack(frames: list[traceback.FrameSummary]) -> tuple[bool, str]:
@@ -80,8 +88,15 @@ def _frame_words(frame: traceback.FrameSummary) -> str:
 
 class StepWatchdog:
     """`arm(step)` as a watched step begins, `disarm()` when it has finished; `close()` at the end of training.
-    `limit_s`: None or 0 watches nothing. `directory`: where the hang record goes (None: nowhere). `then`: what the
-    user can do next (resume), said last. `on_hang`: what ends the process (tests replace it)."""
+    `limit_s`: None or 0 watches nothing. `directory`: where the hang records go (None: nowhere), shared by the
+    `world` ranks. `then`: what the user can do next (resume), asked for when it is said. `on_hang`: what ends the
+    process (tests replace it).
+
+    An overrun is said only if it lasts the grace: a step that finishes within it takes its record back with a note;
+    the record is written first, so the peers' watchdogs, about as late, see it, and the lowest rank with a record
+    then says which rank hung (`hang_summary`): under a launcher the user started, no other process gathers them.
+    Time the process spent stopped (Ctrl-Z, a scheduler's suspend: the watchdog's own wait then returns late by as
+    much) is not counted against the step."""
 
     def __init__(
         self,
@@ -89,13 +104,16 @@ class StepWatchdog:
         rank: int,
         directory: Path | None,
         *,
-        then: str = "",
+        world: int = 1,
+        then=lambda: "",
         on_hang=None,
         poll_s: float = 1.0,
+        grace_s: float = GRACE_S,
     ):
         self.limit_s = limit_s or 0.0
-        self.rank, self.directory, self.then, self.poll_s = rank, directory, then, poll_s
-        self.on_hang = on_hang or _end_process
+        self.rank, self.world, self.directory, self.then = rank, world, directory, then
+        self.poll_s, self.grace_s = poll_s, grace_s
+        self.on_hang = on_hang or end_process
         self.slowest_s = 0.0
         self._armed_at: float | None = None
         self._step = 0
@@ -103,6 +121,9 @@ class StepWatchdog:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = None
+        if directory is not None:  # an earlier session's record would be read as this one's peer's
+            with contextlib.suppress(OSError):
+                hang_file(directory, rank).unlink(missing_ok=True)
         if self.limit_s > 0:
             self._thread = threading.Thread(target=self._watch, name="lctrain-step-watchdog", daemon=True)
             self._thread.start()
@@ -126,43 +147,72 @@ class StepWatchdog:
         if self._thread is not None:
             self._thread.join()
 
-    def _watch(self) -> None:
-        while not self._closed.wait(self.poll_s):
+    def _wait(self, seconds: float) -> bool:
+        """Wait `seconds` or until closed (True); time beyond them, as when the process was stopped, is taken off the
+        armed step's."""
+        start = time.monotonic()
+        closed = self._closed.wait(seconds)
+        stopped = time.monotonic() - start - seconds - PAUSE_S
+        if stopped > 0:
             with self._lock:
-                if self._armed_at is None:
-                    continue
-                seconds, limit, step = time.monotonic() - self._armed_at, self.current_limit_s, self._step
-            if seconds > limit:
-                self._report(step, seconds, limit)
+                if self._armed_at is not None:
+                    self._armed_at += stopped
+        return closed
+
+    def _overrun(self) -> tuple[int, float, float] | None:
+        with self._lock:
+            if self._armed_at is None:
+                return None
+            seconds, limit = time.monotonic() - self._armed_at, self.current_limit_s
+            return (self._step, seconds, limit) if seconds > limit else None
+
+    def _watch(self) -> None:
+        while not self._wait(self.poll_s):
+            overrun = self._overrun()
+            if overrun is not None and self._report(*overrun):
                 return
 
-    def _report(self, step: int, seconds: float, limit: float) -> None:
+    def _report(self, step: int, seconds: float, limit: float) -> bool:
+        """Record the overrun of `step`, wait the grace and end the process if the step is still under way; True
+        then (`on_hang` ends the process; a test's returns)."""
         frame = sys._current_frames().get(self._main.ident)
         frames = traceback.extract_stack(frame) if frame is not None else []
         in_collective, where = describe_stack(frames)
         record = HangRecord(
             self.rank, os.getpid(), step, round(seconds, 1), round(limit, 1), in_collective, where, time.time()
         )
-        if self.directory is not None:
-            try:
-                hang_file(self.directory, self.rank).write_text(json.dumps(asdict(record)))
-            except OSError:
-                pass  # the stack below still says it
+        mine = hang_file(self.directory, self.rank) if self.directory is not None else None
+        if mine is not None:
+            with contextlib.suppress(OSError):  # the stack below still says it
+                mine.parent.mkdir(parents=True, exist_ok=True)  # a launcher the user started made no ranks' directory
+                mine.write_text(json.dumps(asdict(record)))
+        if self._wait(self.grace_s) or self._overrun() is None or self._step != step:
+            if mine is not None:
+                mine.unlink(missing_ok=True)
+            if not self._closed.is_set():
+                print(f"note: rank {self.rank}: step {step} ran past the step timeout ({limit:.0f} s)", flush=True)
+            return False
         waiting = "waiting for its peers in a collective" if in_collective else "not in a collective"
-        print(
+        then = self.then()
+        said = [
             f"error: rank {self.rank}: step {step} has not finished after {seconds:.0f} s (the limit: {limit:.0f} s, "
             f"train.step_timeout_minutes or {SLOW_STEP_FACTOR}x the slowest step); it is {waiting}, at {where}; "
-            f"{self.then}{'; ' if self.then else ''}its stack:\n{''.join(traceback.format_list(frames))}",
-            file=sys.stderr,
-            flush=True,
-        )
+            f"{then}{'; ' if then else ''}its stack:\n{''.join(traceback.format_list(frames)).rstrip()}"
+        ]
+        records = read_records(self.directory, HANG_PREFIX) if self.directory is not None else []
+        if self.world > 1 and records and self.rank == min(r["rank"] for r in records):
+            said.append(f"error: {hang_summary(records, self.world)}{'; ' if then else ''}{then}")
+        print("\n".join(said), file=sys.stderr, flush=True)
         self.on_hang(record)
+        return True
 
 
-def _end_process(record: HangRecord) -> None:
-    """Let the peers' watchdogs, about as late, write their records; then end without a teardown, which would wait
-    on the collective or the device that hangs."""
-    time.sleep(GRACE_S)
+class StepTimedOut(Exception):
+    """How a session ended by its watchdog ended, for the record of it (`HangRecord.what`)."""
+
+
+def end_process(record: HangRecord) -> None:
+    """End without a teardown, which would wait on the collective or the device that hangs."""
     sys.stdout.flush()
     os._exit(EXIT_CODE)
 

@@ -121,6 +121,15 @@ def _is(value, kind) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
+def resume_hint(run: RunDir, resume: str | None = None) -> str:
+    """What continues `run` once it has stopped: `lctrain resume RUN` (or `resume`, the command to say instead) from
+    its newest complete checkpoint, or a new start when none was written yet."""
+    last = latest_checkpoint(run)
+    if last is None:
+        return f"no checkpoint was written yet: 'lctrain train --config {run.config_file} --force' starts it over"
+    return f"'{resume or f'lctrain resume {run.path}'}' continues from {last.name}"
+
+
 def latest_checkpoint(run: RunDir) -> Path | None:
     """The checkpoint `latest` names; if that file is missing or stale, the newest complete checkpoint."""
     named = latest_named(run)

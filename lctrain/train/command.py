@@ -36,7 +36,7 @@ from lctrain.parallel.rank import is_out_of_memory
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import check_matches_model
 from lctrain.train import checkpoint as ckpt
-from lctrain.train import reshard
+from lctrain.train import reshard, session
 from lctrain.train.data import dataset_change, dataset_record, prepare_command
 from lctrain.train.metrics import import_wandb, tensorboard_writer_class
 from lctrain.train.runplan import Prepared, RunPlan
@@ -205,20 +205,29 @@ def _start(
             f"{rd.ranks_dir / LAUNCHER_LOG}); the run's banner follows once every rank has built the model",
             flush=True,
         )
+        began = session.now()
         try:
             outcome = run_on_ranks(
                 cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir, stop_on_sigterm=cfg.checkpoint.on_sigterm
             )
         except (ProcessKilled, RanksHung) as e:
-            raise UserError(f"{e.what}; 'lctrain resume {rd.path}' continues from the last checkpoint") from None
+            raise _session_failed(rd, UserError(f"{e.what}; {ckpt.resume_hint(rd)}"), began) from None
+        except BaseException as e:
+            _session_failed(rd, e, began)
+            raise
         if isinstance(outcome, OutOfMemory):
-            raise _out_of_memory(rd, f"rank {outcome.rank}", outcome.message)
+            raise _session_failed(rd, _out_of_memory(rd, f"rank {outcome.rank}", outcome.message), began)
+
+
+def _session_failed(rd: RunDir, error: BaseException, began: str) -> BaseException:
+    """`error`, after completing this session's line of sessions.jsonl (begun at `began` or later) with it where rank 0
+    could not (a rank killed, hung, out of memory: the launcher stops rank 0 before it says how the session ended)."""
+    session.complete_last_session(rd, error, began)
+    return error
 
 
 def _out_of_memory(rd: RunDir, who: str, message: str) -> UserError:
-    last = ckpt.latest_checkpoint(rd)
-    then = f"; `lctrain resume {rd.path}` continues from {last.name}" if last is not None else ""
-    return UserError(f"{who} ran out of memory ({message}); `lctrain plan` shows what fits{then}")
+    return UserError(f"{who} ran out of memory ({message}); `lctrain plan` shows what fits; {ckpt.resume_hint(rd)}")
 
 
 # Settings a checkpoint fixes: the model it holds, the data order it continues, and the weight decay of the

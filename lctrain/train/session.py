@@ -38,13 +38,14 @@ def record_command() -> None:
     os.environ.setdefault(COMMAND_VAR, shlex.join(["lctrain", *sys.argv[1:]]))
 
 
-def _now() -> str:
+def now() -> str:
+    """The time as a session record says it: UTC, ISO 8601 to the second (so such strings sort as times)."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def session_record(cfg: Config, start_step: int, world: int, device: str) -> dict:
     return {
-        "started": _now(),
+        "started": now(),
         "command": os.environ.get(COMMAND_VAR) or shlex.join(sys.argv),
         "start_step": start_step,
         "host": socket.gethostname(),
@@ -77,7 +78,7 @@ def software_note(previous: dict | None, now: dict) -> str | None:
 def session_end(end_step: int, error: BaseException | None) -> dict:
     """The fields that complete a session's record: `ended`, `end_step` (the last step reached) and `outcome`:
     finished, stopped by SIGTERM, interrupted (Ctrl-C) or failed, the last with the error's first line in `error`."""
-    end = {"ended": _now(), "end_step": end_step}
+    end = {"ended": now(), "end_step": end_step}
     if error is None:
         return {**end, "outcome": "finished"}
     if isinstance(error, Terminated):
@@ -86,6 +87,17 @@ def session_end(end_step: int, error: BaseException | None) -> dict:
         return {**end, "outcome": "interrupted"}
     first = next(iter(str(error).splitlines()), "")
     return {**end, "outcome": "failed", "error": f"{type(error).__name__}: {first}" if first else type(error).__name__}
+
+
+def complete_last_session(rd: RunDir, error: BaseException, since: str) -> None:
+    """Complete the run's last session with `error` if it started at `since` or later (an ISO time, as `started`)
+    and has not said how it ended: its workers were stopped before rank 0 could (killed, hung, out of memory). Its
+    last step is the last one logged."""
+    sessions = rd.read_sessions()
+    if not sessions or "ended" in sessions[-1] or sessions[-1].get("started", "") < since:
+        return
+    logged = rd.read_metrics()
+    record_end(rd, sessions[-1], logged[-1]["step"] if logged else sessions[-1]["start_step"], error)
 
 
 def record_end(rd: RunDir, session: dict, end_step: int, error: BaseException | None) -> None:

@@ -41,14 +41,14 @@ from lctrain.costmodel import (
 )
 from lctrain.errors import UserError, WriteFailed
 from lctrain.hardware import device_peak_flops
-from lctrain.lifetime import StopRequest, Terminated
+from lctrain.lifetime import StopRequest, Terminated, is_supervised
 from lctrain.measure import peak_bytes, reset_peak, timed
 from lctrain.memory import need, plan_memory
 from lctrain.model import build_model, write_model_changes
-from lctrain.parallel.groups import Topology, end_process_groups, init_topology, release_single_process
+from lctrain.parallel.groups import Topology, end_process_groups, init_topology, release_single_process, under_launcher
 from lctrain.parallel.layout import ParallelLayout
 from lctrain.parallel.ulysses import wrap_model
-from lctrain.parallel.watchdog import StepWatchdog
+from lctrain.parallel.watchdog import HangRecord, StepWatchdog, end_process
 from lctrain.profiling import ProfiledSteps, StepProfiler
 from lctrain.rundir import RunDir, step_of
 from lctrain.tokenizer import load_tokenizer, resolve_anchor, write_anchor
@@ -180,6 +180,8 @@ def run(
             ]
             for note in filter(None, notes):
                 print(note, flush=True)
+        if session is not None:
+            trainer.session_ended = lambda e: record_end(rd, session, trainer.state.step, e)
         try:
             trainer.fit(packed)
         except BaseException as e:
@@ -224,6 +226,7 @@ class Trainer:
         self.state = TrainState()
         self.dataset: dict | None = None  # `fit`'s prepared dataset (`dataset_record`), for its checkpoints
         self.warned_divergence = False  # divergence_warning says it once a run
+        self.session_ended: Callable[[BaseException], None] | None = None  # rank 0's: completes its sessions.jsonl line
         ds_config = deepspeed_config(cfg, plan, gpu=topo.device.type == "cuda")
         hf_ds_config = None
         if cfg.parallel.zero_stage == 3 and cfg.model.name_or_path:
@@ -412,11 +415,15 @@ class Trainer:
         profiler = self.step_profiler()
         said = "SIGTERM: finishing the step under way on every rank, then writing its checkpoint"
         stop = StopRequest(said if topo.is_main else None) if cfg.checkpoint.on_sigterm else None
+        # a launcher the user started resumes the run itself: its command line is theirs
+        resume = None if is_supervised() or not under_launcher() else f"... -m lctrain.cli resume {self.run_dir.path}"
         watchdog = StepWatchdog(
             cfg.train.step_timeout_minutes and 60 * cfg.train.step_timeout_minutes,
             topo.rank,
             self.run_dir.ranks_dir,
-            then=f"'lctrain resume {self.run_dir.path}' continues from the last checkpoint",
+            world=topo.layout.world,
+            then=lambda: ckpt.resume_hint(self.run_dir, resume),
+            on_hang=self.hung,
         )
         try:
             with stop or contextlib.nullcontext():
@@ -479,6 +486,12 @@ class Trainer:
                     f"{self.run_dir.checkpoint(self.state.step).name} written; 'lctrain resume "
                     f"{self.run_dir}' continues from it"
                 )
+
+    def hung(self, record: HangRecord) -> None:
+        """The step watchdog's end of this process; rank 0 says first in sessions.jsonl how the session ended."""
+        if self.session_ended is not None:
+            self.session_ended(record.what)
+        end_process(record)
 
     def stop_agreed(self, stop: StopRequest) -> bool:
         """Whether any rank was asked to stop (every rank decides alike: one all-reduce at the step's end, where a
