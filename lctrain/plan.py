@@ -76,7 +76,12 @@ def memory_warning(cfg: Config) -> str | None:
     beyond = (memory.gpu and known and not memory.fits(plan)) or (not memory.gpu and host > machine_memory())
     if beyond:
         found = [f for f in fixes(cfg, shape, budget) if f.fits]
-        hint = ("; these would fit: " + "; ".join(" ".join(f.overrides) for f in found[:3])) if found else ""
+        hint = (
+            ("; these would fit: " + "; ".join(" ".join(f.overrides) for f in found[:3]))
+            if found
+            else "; no setting `lctrain plan` knows of fits it: a smaller model (model.name_or_path, model.arch) or "
+            "a shorter data.seq_len"
+        )
         machine = "" if memory.gpu else f", more than this machine's {machine_memory() / GB:.1f} GB of memory and swap"
         raise UserError(f"{cfg.source_file or 'config'} does not fit: {summary}{machine}{hint}")
     return (

@@ -379,6 +379,9 @@ def test_train_refuses_a_cpu_plan_beyond_the_machines_memory_and_swap(monkeypatc
     with pytest.raises(UserError, match=rf"does not fit: the memory plan needs {host / GB:.1f} GB of host memory .*"
                        rf"more than this machine's {host / 2 / GB:.1f} GB of memory and swap"):  # fmt: skip
         plan.memory_warning(cfg)
+    monkeypatch.setattr(plan, "fixes", lambda *args: [])  # nothing of this model fits: say what is left
+    with pytest.raises(UserError, match=r"no setting `lctrain plan` knows of fits it: a smaller model \(model"):
+        plan.memory_warning(cfg)
     monkeypatch.setattr(plan, "machine_memory", lambda: host + 1)
     assert plan.memory_warning(cfg).startswith("warning: ")
 

@@ -321,6 +321,12 @@ def preflight(cfg: Config) -> Prepared:
             source = cfg.origin("parallel.sequence_parallel", "model")
             kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, source)
     check_matches_model(cfg)
+    if shape_without_download(cfg):  # an unknown hub name is not downloaded just to plan
+        from lctrain.plan import memory_warning
+
+        warning = memory_warning(cfg)  # refuses a plan beyond a known GPU's or the machine's memory: before the data
+        if warning:
+            print(warning, flush=True)
     prepared = Prepared.of(cfg, plan=plan)
     changed = input_change(cfg, prepared.packed.manifest)
     if changed:  # prepare refuses to call it prepared; a run may still want the data it has: said, not refused
@@ -340,10 +346,4 @@ def preflight(cfg: Config) -> Prepared:
         import_wandb(cfg)
     if cfg.logging.tensorboard:
         tensorboard_writer_class(cfg)
-    if shape_without_download(cfg):  # an unknown hub name is not downloaded just to plan
-        from lctrain.plan import memory_warning
-
-        warning = memory_warning(cfg)  # refuses a plan beyond a known GPU's memory
-        if warning:
-            print(warning, flush=True)
     return prepared
