@@ -446,8 +446,9 @@ def _input_change(prepared: dict, now: dict) -> InputChange | None:
         if "newest_mtime" in old and new["newest_mtime"] > old["newest_mtime"]:
             name = f"{old['name']}: " if old.get("name") else ""
             return InputChange(
-                f"{name}a file was modified after the dataset was prepared ({_when(new['newest_mtime'])}; the newest "
-                f"was from {_when(old['newest_mtime'])} then), though the files' count and sizes agree",
+                f"{name}{new['newest_file']} was modified after the dataset was prepared "
+                f"({_when(new['newest_mtime'])}; the newest input was from {_when(old['newest_mtime'])} then), though "
+                f"the files' count and sizes agree",
                 sizes=False,
             )
     return None

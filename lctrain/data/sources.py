@@ -814,11 +814,13 @@ def describe_source(data, files: LocalFiles | None) -> dict:
 
 
 def _file_sizes(files: list[Path]) -> dict:
-    """The files' count and bytes, and the newest modification time among them (seconds since the epoch): an edit that
-    keeps a file's size changes only that."""
-    stats = [f.stat() for f in files]
+    """The files' count and bytes, and the newest modification time among them (seconds since the epoch) with its
+    file: an edit that keeps a file's size changes only that."""
+    stats = [(f.stat(), f) for f in files]
+    newest = max(stats, key=lambda s: s[0].st_mtime, default=None)
     return {
         "files": len(files),
-        "bytes": sum(st.st_size for st in stats),
-        "newest_mtime": max((st.st_mtime for st in stats), default=0.0),
+        "bytes": sum(st.st_size for st, _ in stats),
+        "newest_mtime": newest[0].st_mtime if newest else 0.0,
+        "newest_file": str(newest[1]) if newest else None,
     }
