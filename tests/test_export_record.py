@@ -151,7 +151,7 @@ def test_an_export_generates_with_its_kv_cache_and_is_as_readable_as_its_config(
     from lctrain.tokenizer import Anchor, load_tokenizer
     from lctrain.train import checkpoint
 
-    monkeypatch.setattr(checkpoint, "_barrier", lambda: None)  # one process, no group
+    monkeypatch.setattr(checkpoint, "barrier", lambda: None)  # one process, no group
     config = LlamaConfig(
         vocab_size=32000,
         hidden_size=16,

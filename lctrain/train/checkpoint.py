@@ -172,7 +172,8 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _barrier() -> None:
+def barrier() -> None:
+    """Every rank waits for the others here (a checkpoint's writes, any rank's)."""
     # deepspeed on use: it takes seconds to import (start-up time)
     import deepspeed.comm as dist
 
@@ -200,11 +201,11 @@ def save_resume(
         with writing(root, "the checkpoints directory"):
             root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    barrier()
     with writing(tmp, "the resume checkpoint"):
         engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
         torch.save({**rng_state(), "step": step}, tmp / rng_file(rank))
-    _barrier()
+    barrier()
     if rank == 0:
         if before_complete is not None:
             before_complete(step)
@@ -213,7 +214,7 @@ def save_resume(
             _replace_dir(tmp, final)
         replace_file(root / LATEST, final.name + "\n", "a checkpoint file")
         prune(run, keep)
-    _barrier()
+    barrier()
     return final
 
 
@@ -342,7 +343,7 @@ def save_hf(
         state_dict = None
     if rank == 0:
         write_export(run.export(step), lm, tokenizer, anchor, step, cfg, state_dict=state_dict)
-    _barrier()
+    barrier()
     return run.export(step)
 
 

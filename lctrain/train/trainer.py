@@ -477,7 +477,7 @@ class Trainer:
             if saved:
                 self.save_checkpoint()
             if exported or saved or profiler.finished(step_index):
-                dist.barrier()  # peers that waited for a rank's writes start the next (watched) step with it
+                ckpt.barrier()  # peers that waited for a rank's writes start the next (watched) step with it
             if stop is not None and self.state.step < total and self.stop_agreed(stop):
                 if not saved:
                     self.save_checkpoint()
