@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from lctrain.cli import main
-from lctrain.config import DEFAULT_HUB, Config, check_on_this_machine, load_config
+from lctrain.config import DEFAULT_HUB, Config, DataConfig, check_on_this_machine, load_config
 from lctrain.errors import UserError
 from lctrain.eval.ruler import TASK_NAMES
 
@@ -243,6 +243,8 @@ COUPLED = {
     "data.hub_name",
     "data.mixture",
     "data.domain_shares",
+    "data.short_doc_tokens",
+    "data.down_sample_ratio",
     "data.sources",
     "parallel.zero_stage",
     "parallel.offload_optimizer",
@@ -289,6 +291,10 @@ def coupled(draw) -> dict[str, Any]:
         weights = draw(st.lists(st.integers(0, 100), min_size=len(names), max_size=len(names)).filter(any))
         shares = {n: w / sum(weights) for n, w in zip(names, weights)}
     v["data.domain_shares"] = shares
+    # down-sampling is the upsampled mixture's: set with another mixture it is refused (tests/test_mixture_reports.py)
+    for key in ("data.short_doc_tokens", "data.down_sample_ratio"):
+        default = DataConfig.model_fields[key.removeprefix("data.")].default
+        v[key] = draw(valid(LEAVES[key])) if v["data.mixture"] == "upsampled" else default
     # data.sources replaces data.source and data.path: its own rules are tests/test_data_sources_mix.py's
     v["data.sources"] = None
     stage = draw(st.integers(0, 3))

@@ -89,6 +89,7 @@ def test_a_finished_run_is_never_deleted_without_force(workdir, tmp_path, save_f
     assert tree(run_dir) == before  # nothing touched
 
 
+@pytest.mark.slow  # a second run of 6 s: the default suite is at its 5 minutes
 def test_force_starts_over(workdir, tmp_path):
     run_dir = tmp_path / "run"
     extra = ["checkpoint.save_final=false", "checkpoint.every_steps=100"]  # the run: exports, no checkpoint

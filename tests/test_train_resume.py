@@ -156,6 +156,7 @@ def test_hf_checkpoint_loads_and_matches_the_training_loss(reference, workdir):
     torch.testing.assert_close(ours, hf_loss)
 
 
+@pytest.mark.slow  # 8 s; a SIGKILL inside a checkpoint's write (below) stays in the default suite
 def test_sigkill_at_a_random_step_then_resume_matches(reference, workdir):
     run_dir = workdir / "killed_random"
     kill_after = random.Random().randint(3, 6)
@@ -201,6 +202,7 @@ def stopped_by_sigterm(proc: subprocess.Popen) -> int:
     return int(said.group(1))
 
 
+@pytest.mark.slow  # 9 s: the default suite is at its 5 minutes
 def test_sigterm_stops_after_the_step_under_way_with_a_checkpoint_of_it_and_resume_matches(reference, workdir):
     """A scheduler's time limit or preemption costs no step: the run ends at a step boundary with a checkpoint there,
     whether or not one was due (odd steps are not, with checkpoint.every_steps=2)."""
