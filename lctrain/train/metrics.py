@@ -31,7 +31,6 @@ from lctrain.console import no_library_bars
 from lctrain.errors import UserError
 from lctrain.rundir import RunDir
 from lctrain.train.report import eta_seconds, loss_text, step_line
-from lctrain.train.schedule import hf_checkpoint_steps, resume_checkpoint_due
 
 # Library loggers that repeat on every rank what rank 0 already says.
 _RANK_LOGGERS = ("DeepSpeed", "torch.distributed")
@@ -104,8 +103,7 @@ class SlowSteps:
     """Rank 0's watch on throughput: a one-line note for a slow step (`slow_step`), at most one every
     SLOW_NOTE_EVERY steps; the slow steps within that many are counted and said with the next note, or by the first
     step after them (a slowdown for good becomes the usual within SLOW_WINDOW steps, and would otherwise never be
-    said). Profiled steps (slower by design) and steps that wrote a checkpoint (`usual=False`) are neither judged
-    nor part of the usual."""
+    said). Profiled steps (slower by design, `usual=False`) are neither judged nor part of the usual."""
 
     def __init__(self):
         self.recent: deque[float] = deque(maxlen=SLOW_WINDOW)
@@ -146,8 +144,6 @@ class StepLogger:
         self.run = run
         self.every = cfg.logging.log_every
         self.start_step, self.total = start_step, total_steps
-        self.checkpoint_cfg = cfg.checkpoint
-        self.hf_steps = set(hf_checkpoint_steps(total_steps, cfg.checkpoint))
         self.slow = SlowSteps()
         self.started = time.monotonic()
         self.progress = None
@@ -198,8 +194,9 @@ class StepLogger:
         elif due:
             eta = eta_seconds(time.monotonic() - self.started, step - self.start_step, self.total - step)
             print(step_line(record, self.total, eta), flush=True)
-        wrote = resume_checkpoint_due(step, self.total, self.checkpoint_cfg) or step in self.hf_steps
-        slow = self.slow.note(step, record["tokens_per_s"], usual=not (record.get("profiled") or wrote))
+        # a step's time is its forward, backward and update only (checkpoint writes are outside it): a profiled step
+        # is the one slower by design
+        slow = self.slow.note(step, record["tokens_per_s"], usual=not record.get("profiled"))
         if slow is not None:  # whether or not the step has a line: a slow step between two lines is said too
             print(slow, flush=True)
         if self.wandb is not None and due:

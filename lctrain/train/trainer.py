@@ -172,13 +172,9 @@ def run(
             sessions = rd.read_sessions()
             rd.append_session(session)
             print(banner(trainer.run_start()), flush=True)
-            saved = ckpt.readable_state(rd.checkpoint(start_step)) if resuming else None
-            notes = [
-                software_note(sessions[-1] if sessions else None, session),
-                warmup_warning(cfg.train),
-                resumed_rate_note(start_step, saved and saved.get("config"), cfg.train) if resuming else None,
-            ]
-            for note in filter(None, notes):
+            for note in filter(
+                None, [software_note(sessions[-1] if sessions else None, session), warmup_warning(cfg.train)]
+            ):
                 print(note, flush=True)
         if session is not None:
             trainer.session_ended = lambda e: record_end(rd, session, trainer.state.step, e)
@@ -576,6 +572,9 @@ class Trainer:
                             f"the new values",
                             flush=True,
                         )
+                        rate = resumed_rate_note(self.state.step, record.get("config"), self.cfg.train)
+                        if rate:
+                            print(rate, flush=True)
                     logged = rd.truncate_metrics(self.state.step)
                     if logged < self.state.step:
                         print(
