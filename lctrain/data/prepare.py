@@ -629,7 +629,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         "state_layout": STATE_LAYOUT,
         "data_fingerprint": fingerprint,
         "shard_tokens": d.shard_tokens,
-        "token_dtype": token_dtype(tokenizer["vocab_size"]),  # shards of another width are not continued
+        # by the largest id, not the count: a vocabulary may leave ids unused (shards of another width: not continued)
+        "token_dtype": token_dtype(max(tok.get_vocab().values()) + 1),
         "tokenizer": tokenizer,
         "source": _source_identity(files, source),
     }

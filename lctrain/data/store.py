@@ -61,9 +61,9 @@ TOKEN_DTYPES = ("uint16", "int32")
 
 
 def token_dtype(vocab_size: int) -> str:
-    """How `input_ids` are stored for a tokenizer of `vocab_size` ids (added tokens included): in 2 bytes when every
-    id fits (Llama-2 and Mistral-7B-v0.1: 32,000; SmolLM2: 49,152), which halves a dataset's disk and page cache, else
-    in 4 (Llama-3: 128,256)."""
+    """How `input_ids` are stored for a tokenizer whose ids are below `vocab_size` (added tokens included): in 2
+    bytes when every id fits (Llama-2 and Mistral-7B-v0.1: 32,000; SmolLM2: 49,152), which halves a dataset's disk
+    and page cache, else in 4 (Llama-3: 128,256)."""
     return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
 
 
