@@ -3,11 +3,10 @@
 the error the session ended with. Then real runs: one that finishes, one stopped by a NaN loss."""
 
 import json
-import math
 from pathlib import Path
 
 import pytest
-from train_helpers import TINY_ARCH, one_error_line, prepared_workdir, set_args
+from train_helpers import TINY_ARCH, nan_loss_at, one_error_line, prepared_workdir, set_args
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -15,7 +14,6 @@ from lctrain.errors import UserError
 from lctrain.lifetime import Terminated
 from lctrain.rundir import RunDir
 from lctrain.train.session import complete_last_session, record_end, session_end, software_note
-from lctrain.train.trainer import StepResult, Trainer
 
 STEPS = 2
 
@@ -123,15 +121,7 @@ def test_runs_record_how_they_ended_and_say_what_their_schedule_does(workdir, tm
     first, second = rd.read_sessions()
     assert first == session and (second["start_step"], second["end_step"], second["outcome"]) == (2, 6, "finished")
 
-    real_step = Trainer.train_step
-
-    def nan_at_step_2(self, windows):
-        result = real_step(self, windows)
-        if self.state.step == 1:  # the 2nd update
-            return StepResult(math.nan, result.valid_labels, result.grad_norm, result.pairs)
-        return result
-
-    monkeypatch.setattr(Trainer, "train_step", nan_at_step_2)
+    nan_loss_at(monkeypatch, 1)  # the 2nd update
     failed = train(workdir, tmp_path / "nan", ["train.warmup_steps=4", "train.lr=1e-3"])
     assert (
         "warning: train.warmup_steps = 4 >= train.steps = 2: the whole run is warmup; its highest learning rate is "

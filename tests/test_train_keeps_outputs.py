@@ -8,14 +8,14 @@ import math
 from pathlib import Path
 
 import pytest
-from train_helpers import one_error_line, prepared_workdir, set_args
+from train_helpers import nan_loss_at, one_error_line, prepared_workdir, set_args
 from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
-from lctrain.train.trainer import StepResult, Trainer
+from lctrain.train.trainer import Trainer
 
 STEPS = 12
 
@@ -139,15 +139,7 @@ def test_a_learning_rate_that_diverges_stops_at_the_first_non_finite_step(workdi
 
 
 def test_an_injected_nan_loss_names_the_step_and_keeps_the_checkpoint_before_it(workdir, tmp_path, monkeypatch):
-    real_step = Trainer.train_step
-
-    def nan_at_step_7(self, windows):
-        result = real_step(self, windows)
-        if self.state.step == 6:  # the 7th update
-            return StepResult(math.nan, result.valid_labels, result.grad_norm, result.pairs)
-        return result
-
-    monkeypatch.setattr(Trainer, "train_step", nan_at_step_7)
+    real_step = nan_loss_at(monkeypatch, 6)  # the 7th update
     run_dir = tmp_path / "run"
     line = one_error_line(train(workdir, run_dir, ["checkpoint.every_steps=5", "checkpoint.hf_last=0"]))
     assert line.startswith("error: step 7: the loss is nan;")

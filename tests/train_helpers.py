@@ -1,5 +1,6 @@
 """Shared by the end-to-end training tests: a prepared dataset, a 1-process reference run, and CLI subprocesses."""
 
+import math
 import os
 import subprocess
 import sys
@@ -135,3 +136,20 @@ def export_by_hand(model, tokenizer, run: Path, step: int) -> Path:
     tokenizer.save_pretrained(out)
     write_export_record(out, step)
     return out
+
+
+def nan_loss_at(monkeypatch, update: int):
+    """Make the trainer's update `update` (0-based) end with a NaN loss, as a diverged step does; returns the real
+    `Trainer.train_step`, to put back."""
+    from lctrain.train.trainer import StepResult, Trainer
+
+    real_step = Trainer.train_step
+
+    def step(self, windows):
+        result = real_step(self, windows)
+        if self.state.step == update:
+            return StepResult(math.nan, result.valid_labels, result.grad_norm, result.pairs)
+        return result
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    return real_step
