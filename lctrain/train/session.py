@@ -92,11 +92,14 @@ def session_end(end_step: int, error: BaseException | None) -> dict:
 def complete_last_session(rd: RunDir, error: BaseException, since: str) -> None:
     """Complete the run's last session with `error` if it started at `since` or later (an ISO time, as `started`)
     and has not said how it ended: its workers were stopped before rank 0 could (killed, hung, out of memory). Its
-    last step is the last one logged."""
-    sessions = rd.read_sessions()
+    last step is the last one logged. Never raises (`record_end`): it runs while the command fails with `error`."""
+    try:
+        sessions, logged = rd.read_sessions(), rd.read_metrics()
+    except OSError as e:
+        _not_recorded(rd, e)
+        return
     if not sessions or "ended" in sessions[-1] or sessions[-1].get("started", "") < since:
         return
-    logged = rd.read_metrics()
     record_end(rd, sessions[-1], logged[-1]["step"] if logged else sessions[-1]["start_step"], error)
 
 
@@ -117,4 +120,8 @@ def record_end(rd: RunDir, session: dict, end_step: int, error: BaseException | 
             lines[at] = ended
         replace_file(path, "".join(line + "\n" for line in lines), "the sessions record")
     except Exception as e:
-        print(f"warning: could not record how this session ended in {rd.sessions_file} ({e})", flush=True)
+        _not_recorded(rd, e)
+
+
+def _not_recorded(rd: RunDir, e: Exception) -> None:
+    print(f"warning: could not record how this session ended in {rd.sessions_file} ({e})", flush=True)
