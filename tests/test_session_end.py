@@ -49,7 +49,7 @@ def test_the_sessions_line_is_completed_in_place(tmp_path):
     assert alone["start_step"] == 4 and alone["outcome"] == "stopped by SIGTERM"
 
 
-def test_a_session_its_workers_could_not_end_is_completed_by_the_command(tmp_path, capsys):
+def test_a_session_its_workers_could_not_end_is_completed_by_the_command(tmp_path, capsys, monkeypatch):
     """A rank killed or hung: the launcher stops rank 0 before it records the end; `lctrain train` records it."""
     rd = RunDir(tmp_path)
     old = {"started": "2026-01-01T00:00:00+00:00", "start_step": 0, "software": {}}
@@ -64,10 +64,15 @@ def test_a_session_its_workers_could_not_end_is_completed_by_the_command(tmp_pat
     assert (ended["end_step"], ended["outcome"], ended["error"]) == (3, "failed", "UserError: rank 1 hung in step 4")
     complete_last_session(rd, UserError("another"), since="2026-01-02T00:00:00+00:00")  # said already: kept
     assert rd.read_sessions()[-1] == ended
-    rd.metrics_file.unlink()
-    rd.metrics_file.mkdir()  # unreadable: a warning, and the command's own error goes on
+    later = {"started": "2026-01-03T00:00:00+00:00", "start_step": 3, "software": {}}
+    rd.append_session(later)
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied", str(self.metrics_file))
+
+    monkeypatch.setattr(RunDir, "read_metrics", unreadable)  # a warning, and the command's own error goes on
     complete_last_session(rd, UserError("another"), since="2026-01-02T00:00:00+00:00")
-    assert rd.read_sessions()[-1] == ended
+    assert rd.read_sessions()[-1] == later
     assert capsys.readouterr().out.startswith("warning: could not record how this session ended in ")
 
 
