@@ -1085,10 +1085,40 @@ def config_fingerprint(cfg: Config) -> str:
     return _digest(settings(cfg))
 
 
+# The data keys every fingerprint covers: those of 2026-11-27, but data.sources. A key added later (and data.sources)
+# enters a fingerprint only when set away from its default, so a dataset prepared before the key existed keeps its
+# name (the prepared/ directory train looks in) under an lctrain that has it; append no key here.
+_DATA_FINGERPRINT_KEYS = (
+    "source",
+    "path",
+    "hub_name",
+    "hub_split",
+    "tokenizer",
+    "anchor",
+    "seq_len",
+    "token_budget",
+    "mixture",
+    "domain_shares",
+    "short_doc_tokens",
+    "down_sample_ratio",
+    "domain_tags",
+    "interleave_chunks",
+    "min_doc_tokens",
+    "seed",
+    "shuffle_buffer_tokens",
+    "synthetic",
+)
+
+
+@functools.cache
+def _default_data() -> dict:
+    return DataConfig().model_dump(mode="json")
+
+
 def data_fingerprint(data: DataConfig) -> str:
-    # a config without data.sources keeps the fingerprint (and prepared directory) it had before the key existed
-    unset = {"sources"} if data.sources is None else set()
-    return _digest(data.model_dump(mode="json", exclude=set(_DATA_FIELDS_NOT_IN_FINGERPRINT) | unset))
+    dumped = data.model_dump(mode="json", exclude=set(_DATA_FIELDS_NOT_IN_FINGERPRINT))
+    defaults = _default_data()
+    return _digest({k: v for k, v in dumped.items() if k in _DATA_FINGERPRINT_KEYS or v != defaults[k]})
 
 
 def data_dir(cfg: Config) -> Path:

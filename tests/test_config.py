@@ -1,5 +1,6 @@
 """The config tree: loading, `base:` inheritance, overrides, validation errors, fingerprints."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -173,6 +174,25 @@ def test_fingerprints_separate_data_from_training_settings():
     assert data_dir(a) == data_dir(load_config(None, ["train.steps=3"]))
     assert data_dir(b).as_posix() == "/tmp/x"
     assert run_dir(a).name == "tiny_anchor"
+
+
+def test_a_data_key_added_later_keeps_old_fingerprints_at_its_default(monkeypatch):
+    """A dataset prepared before a data key existed keeps its directory name under an lctrain that has the key, as
+    long as the key is at its default; set away from it, the key makes another dataset."""
+    import lctrain.config as config
+
+    assert set(config._DATA_FINGERPRINT_KEYS) <= set(config.DataConfig.model_fields)
+    # min_doc_tokens plays a key added after the fingerprint's keys were fixed
+    later = tuple(k for k in config._DATA_FINGERPRINT_KEYS if k != "min_doc_tokens")
+    monkeypatch.setattr(config, "_DATA_FINGERPRINT_KEYS", later)
+    cfg = load_config()
+    before = cfg.data.model_dump(
+        mode="json", exclude={"num_workers", "output_dir", "strict", "shard_tokens", "sources", "min_doc_tokens"}
+    )
+    old = hashlib.sha256(json.dumps(before, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert data_fingerprint(cfg.data) == old
+    changed = load_config(None, [f"data.min_doc_tokens={cfg.data.min_doc_tokens + 1}"])
+    assert data_fingerprint(changed.data) != old
 
 
 def test_resolved_config_round_trips(tmp_path):
