@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from train_helpers import TINY_ARCH, nan_loss_at, one_error_line, prepared_workdir, set_args
 from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.errors import UserError
+from lctrain.hardware import device_peak_flops
 from lctrain.lifetime import Terminated
 from lctrain.rundir import RunDir
 from lctrain.train.session import complete_last_session, record_end, session_end, software_note
@@ -114,12 +116,13 @@ def test_runs_record_how_they_ended_and_say_what_their_schedule_does(workdir, tm
     """A finished run, its resume to more steps of a cosine (the rate jumps up: said, with the numbers), and a run
     stopped by a NaN loss whose warmup outlasts it (said at its start)."""
     rd = RunDir(tmp_path / "done")
-    done = train(workdir, rd.path, ["train.lr_schedule=cosine", "train.lr=1e-3"])
+    done = train(workdir, rd.path, ["train.lr_schedule=cosine", "train.lr=1e-3", "logging.peak_tflops=7"])
     assert done.exit_code == 0, done.output
     assert "warning: train.warmup_steps" not in done.output
     (session,) = rd.read_sessions()
     assert (session["start_step"], session["end_step"], session["outcome"]) == (0, STEPS, "finished")
     assert session["ended"] >= session["started"] and "error" not in session
+    assert session["peak_tflops"] == 7.0  # what its MFU divides by
     resumed = CliRunner().invoke(app, ["resume", str(rd.path), "--set", "train.steps=6"])
     assert resumed.exit_code == 0, resumed.output
     # cosine over 2 steps: step 2 at (1 + cos(pi / 2)) / 2 = 0.5 of 1e-3; over 6: step 3 at (1 + cos(pi / 3)) / 2
@@ -140,6 +143,9 @@ def test_runs_record_how_they_ended_and_say_what_their_schedule_does(workdir, tm
     line = one_error_line(failed)  # the error as ever, nothing of the recording in it
     (session,) = RunDir(tmp_path / "nan").read_sessions()
     assert (session["end_step"], session["outcome"]) == (1, "failed")
+    # without logging.peak_tflops: this CPU's, measured in the run's dtype
+    peak = device_peak_flops(torch.device("cpu"), None, RunDir(tmp_path / "nan").read_config().model.dtype)
+    assert session["peak_tflops"] == round(peak / 1e12, 4)
     assert session["error"] == "UserError: " + line.removeprefix("error: ")
 
 

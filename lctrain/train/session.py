@@ -43,7 +43,9 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def session_record(cfg: Config, start_step: int, world: int, device: str) -> dict:
+def session_record(cfg: Config, start_step: int, world: int, device: str, peak_flops: float | None) -> dict:
+    """A session's line of sessions.jsonl as it starts. `peak_tflops` is what the session's MFU divides by per device
+    (null: no MFU): a CPU's is measured at every start, so two sessions' MFU compare only through it."""
     return {
         "started": now(),
         "command": os.environ.get(COMMAND_VAR) or shlex.join(sys.argv),
@@ -51,6 +53,7 @@ def session_record(cfg: Config, start_step: int, world: int, device: str) -> dic
         "host": socket.gethostname(),
         "world": world,
         "device": device,
+        "peak_tflops": None if peak_flops is None else round(peak_flops / 1e12, 4),
         "config_fingerprint": config_fingerprint(cfg),
         "software": software.versions(),
     }

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 
 import deepspeed
 import deepspeed.comm as dist
@@ -168,7 +168,7 @@ def run(
         start_step, started = trainer.state.step, time.monotonic()
         session = None  # rank 0's record in sessions.jsonl, completed with how the session ended
         if topo.is_main:
-            session = session_record(cfg, start_step, topo.layout.world, str(topo.device))
+            session = session_record(cfg, start_step, topo.layout.world, str(topo.device), trainer.peak_flops)
             sessions = rd.read_sessions()
             rd.append_session(session)
             print(banner(trainer.run_start()), flush=True)
@@ -349,6 +349,12 @@ class Trainer:
             "peak_mem_scope": mem_scope,
         }
 
+    @cached_property
+    def peak_flops(self) -> float | None:
+        """The device's peak FLOP/s MFU divides by (`device_peak_flops`), None where unknown; measured once on a CPU,
+        and recorded in the session's line of sessions.jsonl, since a measured peak differs between runs."""
+        return device_peak_flops(self.topo.device, self.cfg.logging.peak_tflops, self.cfg.model.dtype)
+
     def run_start(self) -> RunStart:
         """The facts of the start banner."""
         cfg, layout = self.cfg, self.layout
@@ -406,7 +412,7 @@ class Trainer:
         total = cfg.train.steps
         self.dataset = dataset_record(packed.manifest)
         hf_steps = set(hf_checkpoint_steps(total, cfg.checkpoint))
-        peak = device_peak_flops(topo.device, cfg.logging.peak_tflops, cfg.model.dtype)
+        peak = self.peak_flops
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
         profiler = self.step_profiler()
         said = "SIGTERM: finishing the step under way on every rank, then writing its checkpoint"
