@@ -72,6 +72,18 @@ def test_the_command_writes_one_png_with_a_panel_per_metric(runs, tmp_path):
     assert Image.open(one).size[0] < width
 
 
+def test_utilisation_is_drawn_in_percent_as_the_logs_print_it(runs, tmp_path, monkeypatch):
+    import lctrain.reports.plots as plots
+
+    drawn = {}
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.setdefault("fig", fig) and path)
+    plots.plot_curves(curves([read_run(r) for r in runs], ["mfu", "loss"]), tmp_path / "c.png")
+    drawn["fig"].canvas.draw()
+    mfu, loss = ([t.get_text() for t in ax.get_yticklabels()] for ax in drawn["fig"].axes)
+    assert mfu and all(t.endswith("%") for t in mfu) and 30.0 in {float(t[:-1]) for t in mfu}  # the runs' 0.3
+    assert loss and not any(t.endswith("%") for t in loss)
+
+
 def test_bad_input_is_one_line(runs, tmp_path):
     (tmp_path / "empty").mkdir()
     dataset = RunDir(tmp_path / "dataset")  # prepare writes its config.yaml beside the manifest

@@ -9,6 +9,10 @@ import matplotlib
 # the file-only backend must be chosen before pyplot is imported: evaluation runs on headless machines
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import PercentFormatter
+
+# metrics.jsonl fields that are fractions: drawn as the percentages the step lines print
+FRACTIONS = ("mfu", "mfu_full_square", "hfu")
 
 
 def length_label(n: int) -> str:
@@ -195,6 +199,8 @@ def plot_curves(curves: dict, path: Path) -> Path:
             ax.plot(c.steps, c.values, "-", marker="." if len(c.steps) < 50 else None, lw=1.2, label=c.label)
         ax.set_xlabel("step")
         ax.set_ylabel(metric)
+        if metric in FRACTIONS:
+            ax.yaxis.set_major_formatter(PercentFormatter(1.0))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return _save(fig, path)
