@@ -179,26 +179,6 @@ def reading(cell: dict, reference: dict) -> str:
 
 # what defines an evaluation, recorded in results.json by `lctrain eval`: (key path, what, how to make them equal).
 # Runs that differ in any are scored on other samples or other windows, so their numbers do not compare
-_EVALUATION = (
-    (("suite",), "suites", "evaluate them with the same data"),
-    (("seed",), "eval seeds (the offline suite's needles)", "evaluate them with the same eval.seed"),
-    (("samples_per_task",), "samples per task", "evaluate them with the same --samples"),
-    (("lengths",), "lengths", "evaluate them at the same --lengths"),
-    (("tasks",), "tasks", "evaluate them on the same task set (--tasks, --exclude)"),
-    (("perplexity", "windows"), "numbers of perplexity windows", "evaluate them with the same eval.ppl_windows"),
-)
-
-
-def _setting(results: dict, keys: tuple[str, ...]):
-    for k in keys:
-        results = results.get(k) if isinstance(results, dict) else None
-    return results
-
-
-def _shown(value) -> str:
-    return "not recorded" if value is None else ", ".join(map(str, value)) if isinstance(value, list) else str(value)
-
-
 def _short_of_heldout(run: Evaluated) -> str | None:
     """Why `run` scored fewer perplexity windows than the other, when the cause is its training: `lctrain eval` scored
     every window its training leaves unread (`heldout_available`, recorded by it, equals the number scored), so
@@ -212,27 +192,61 @@ def _short_of_heldout(run: Evaluated) -> str | None:
     )
 
 
+def _heldout_differs(what: str, first: Evaluated, other: Evaluated, a, b) -> str | None:
+    """The refusal when two runs scored different numbers of perplexity windows because one's training leaves fewer
+    unread (`_short_of_heldout`), whose fix is other held-out data rather than eval.ppl_windows; None otherwise."""
+    if None in (a, b):
+        return None
+    short = first if a < b else other
+    why = _short_of_heldout(short)
+    if not why:
+        return None
+    sides = "; ".join(
+        f"{run.results_file}: {n}" + (f", {why}" if run is short else "") for run, n in ((first, a), (other, b))
+    )
+    return (
+        f"runs evaluated with different {what}: {sides}: score them on the same held-out windows, evaluating each "
+        f"with `lctrain eval RUN --ppl-data DIR` (a dataset prepared apart from their training data), or prepare a "
+        f"larger data.token_budget and train again"
+    )
+
+
+# What two compared runs must have been evaluated with: the results' keys, what they are called, the usual fix, and
+# where a cause other than an eval setting is known, the refusal that names it (or None, where it does not apply).
+_EVALUATION = (
+    (("suite",), "suites", "evaluate them with the same data", None),
+    (("seed",), "eval seeds (the offline suite's needles)", "evaluate them with the same eval.seed", None),
+    (("samples_per_task",), "samples per task", "evaluate them with the same --samples", None),
+    (("lengths",), "lengths", "evaluate them at the same --lengths", None),
+    (("tasks",), "tasks", "evaluate them on the same task set (--tasks, --exclude)", None),
+    (
+        ("perplexity", "windows"),
+        "numbers of perplexity windows",
+        "evaluate them with the same eval.ppl_windows",
+        _heldout_differs,
+    ),
+)
+
+
+def _setting(results: dict, keys: tuple[str, ...]):
+    for k in keys:
+        results = results.get(k) if isinstance(results, dict) else None
+    return results
+
+
+def _shown(value) -> str:
+    return "not recorded" if value is None else ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def _check_same_evaluation(runs: list[Evaluated]) -> None:
     first = runs[0]
     for r in runs[1:]:
-        for keys, what, fix in _EVALUATION:
+        for keys, what, fix, cause in _EVALUATION:
             a, b = _setting(first.results, keys), _setting(r.results, keys)
-            if keys == ("perplexity", "windows") and a != b and None not in (a, b):
-                short = first if a < b else r
-                why = _short_of_heldout(short)
-                if why:
-                    sides = "; ".join(
-                        f"{run.results_file}: {n}" + (f", {why}" if run is short else "")
-                        for run, n in ((first, a), (r, b))
-                    )
-                    raise UserError(
-                        f"runs evaluated with different {what}: {sides}: score them on the same held-out windows, "
-                        f"evaluating each with `lctrain eval RUN --ppl-data DIR` (a dataset prepared apart from their "
-                        f"training data), or prepare a larger data.token_budget and train again"
-                    )
             if a != b:
                 raise UserError(
-                    f"runs evaluated with different {what}: {first.results_file}: {_shown(a)}; "
+                    (cause and cause(what, first, r, a, b))
+                    or f"runs evaluated with different {what}: {first.results_file}: {_shown(a)}; "
                     f"{r.results_file}: {_shown(b)}; {fix}"
                 )
 
