@@ -506,6 +506,12 @@ class TrainConfig(_Section):
         description="torch's AdamW with fused=True (one kernel for the whole update; on CPU and CUDA); not with "
         "DeepSpeed's CPU Adam, already one fused C++ step",
     )
+    deterministic: bool = Field(
+        False,
+        description="steps that repeat bit for bit on a GPU: PyTorch's deterministic kernels (an op with none is an "
+        "error naming it), cuBLAS's fixed workspace, flash-attn's deterministic backward; a slower attention "
+        "backward. CPU steps repeat bit for bit either way (lctrain/train/determinism.py)",
+    )
     step_timeout_minutes: Float | None = Field(
         10,
         gt=0,

@@ -55,6 +55,7 @@ from lctrain.tokenizer import load_tokenizer, resolve_anchor, write_anchor
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import collate, dataset_record
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
+from lctrain.train.determinism import deterministic_algorithms
 from lctrain.train.loss import CausalLMLossSum
 from lctrain.train.metrics import StepLogger, quiet_libraries
 from lctrain.train.report import PlannedMemory, RunEnd, RunStart, banner, profile_line, summary
@@ -145,51 +146,53 @@ def run(
 ) -> RunDir:
     """The worker body: every rank runs this, under a launcher or as the only process. `prepared`: what the command
     edge of this process checked (preflight); a launched worker, which has none, checks its own here."""
-    topo = init_topology(cfg, prepared.plan.layout if prepared is not None else None)
-    quiet_libraries(topo.is_main)
-    try:
-        _seed_everything(cfg.seed)
-        prepared = prepared or Prepared.of(cfg, topo.layout)
-        packed = prepared.packed
-        trainer = Trainer(
-            cfg,
-            topo,
-            vocab_size=packed.manifest.tokenizer.vocab_size,
-            plan=prepared.plan,
-            tokenizer=load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)),
-            run_dir=rd,
-            before_checkpoint_complete=before_checkpoint_complete,
-        )
-        if topo.is_main:
-            write_model_changes(rd.model_changes_file, trainer.changes)
-            write_anchor(rd.path, trainer.anchor)
-        if resuming:
-            trainer.load_checkpoint()
-        start_step, started = trainer.state.step, time.monotonic()
-        session = None  # rank 0's record in sessions.jsonl, completed with how the session ended
-        if topo.is_main:
-            session = session_record(cfg, start_step, topo.layout.world, str(topo.device), trainer.peak_flops)
-            sessions = rd.read_sessions()
-            rd.append_session(session)
-            print(banner(trainer.run_start()), flush=True)
-            for note in filter(
-                None, [software_note(sessions[-1] if sessions else None, session), warmup_warning(cfg.train)]
-            ):
-                print(note, flush=True)
-        if session is not None:
-            trainer.session_ended = lambda e: record_end(rd, session, trainer.state.step, e)
+    # before anything touches the GPU: cuBLAS reads its workspace setting once, at its first call
+    with deterministic_algorithms(cfg.train.deterministic):
+        topo = init_topology(cfg, prepared.plan.layout if prepared is not None else None)
+        quiet_libraries(topo.is_main)
         try:
-            trainer.fit(packed)
-        except BaseException as e:
+            _seed_everything(cfg.seed)
+            prepared = prepared or Prepared.of(cfg, topo.layout)
+            packed = prepared.packed
+            trainer = Trainer(
+                cfg,
+                topo,
+                vocab_size=packed.manifest.tokenizer.vocab_size,
+                plan=prepared.plan,
+                tokenizer=load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)),
+                run_dir=rd,
+                before_checkpoint_complete=before_checkpoint_complete,
+            )
+            if topo.is_main:
+                write_model_changes(rd.model_changes_file, trainer.changes)
+                write_anchor(rd.path, trainer.anchor)
+            if resuming:
+                trainer.load_checkpoint()
+            start_step, started = trainer.state.step, time.monotonic()
+            session = None  # rank 0's record in sessions.jsonl, completed with how the session ended
+            if topo.is_main:
+                session = session_record(cfg, start_step, topo.layout.world, str(topo.device), trainer.peak_flops)
+                sessions = rd.read_sessions()
+                rd.append_session(session)
+                print(banner(trainer.run_start()), flush=True)
+                for note in filter(
+                    None, [software_note(sessions[-1] if sessions else None, session), warmup_warning(cfg.train)]
+                ):
+                    print(note, flush=True)
             if session is not None:
-                record_end(rd, session, trainer.state.step, e)
-            raise
-        if session is not None:
-            record_end(rd, session, trainer.state.step, None)
-            print(summary(trainer.run_end(start_step, time.monotonic() - started)), flush=True)
-        end_process_groups()  # the ranks of a launcher the user started exit straight after this
-    finally:
-        release_single_process()
+                trainer.session_ended = lambda e: record_end(rd, session, trainer.state.step, e)
+            try:
+                trainer.fit(packed)
+            except BaseException as e:
+                if session is not None:
+                    record_end(rd, session, trainer.state.step, e)
+                raise
+            if session is not None:
+                record_end(rd, session, trainer.state.step, None)
+                print(summary(trainer.run_end(start_step, time.monotonic() - started)), flush=True)
+            end_process_groups()  # the ranks of a launcher the user started exit straight after this
+        finally:
+            release_single_process()
     return rd
 
 

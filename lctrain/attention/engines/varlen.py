@@ -95,7 +95,11 @@ def varlen_from_plan(query, key, value, plan: VarlenPlan, scaling: float) -> tor
         # optional dependency: flash-attn, where installed, replaces torch's varlen kernel
         from flash_attn import flash_attn_varlen_func
 
-        out = flash_attn_varlen_func(q, k, v, cu, cu, n, n, dropout_p=0.0, softmax_scale=scaling, causal=True)
+        # its backward's atomics sum in a varying order unless asked not to; PyTorch's own kernel follows the switch
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        out = flash_attn_varlen_func(
+            q, k, v, cu, cu, n, n, dropout_p=0.0, softmax_scale=scaling, causal=True, deterministic=deterministic
+        )
     else:
         gqa = {}
         if k.shape[1] != H:
