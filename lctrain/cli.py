@@ -686,11 +686,18 @@ def experiment_extend(
         str | None, typer.Option(help="an example model directory already written; default OUT/models/smollm2-135m")
     ] = None,
     set_: SetOpt = None,
+    keep_going: Annotated[
+        bool,
+        typer.Option(
+            help="a run whose training or evaluation fails is left out and the others go on (like make -k); the "
+            "report covers the rest, and the command still fails, naming it"
+        ),
+    ] = False,
 ):
     """The paper's headline comparison, small: SmolLM2-135M (the offline example model, 8K context) extended 4x on
     Python's shipped text in full, intra_doc and anchor modes with the same windows, steps and schedule, each run
     evaluated the same way (needle tasks and perplexity at 8K, 16K, 32K over its last checkpoints), one report.
-    Rerunning continues: finished runs and evaluations are skipped. docs/experiment.md."""
+    Rerunning continues: finished runs and evaluations are skipped, failed ones retried. docs/experiment.md."""
     from lctrain.eval.runner import parse_lengths, parse_names
     from lctrain.experiments.extend import extend
 
@@ -707,6 +714,7 @@ def experiment_extend(
         device=device,
         model=model,
         overrides=tuple(set_ or []),
+        keep_going=keep_going,
     )
 
 

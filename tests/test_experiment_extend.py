@@ -1,8 +1,9 @@
 """`lctrain experiment extend` (lctrain/experiments/extend.py): its arithmetic against the training schedule and plain
-counting, its refusals, its reruns on a tiny random model, and (slow, on the real example model) the CPU smoke version
-1K -> 2K end to end: the plumbing, not the science. References: the schedule that writes the evaluation checkpoints,
-the prepared windows themselves, plain transformers (fp32) for each mode's first-step loss, and for a rerun the bytes
-training wrote and the settings each results.json records."""
+counting, its refusals, --keep-going with the runs' commands stood in for, its reruns on a tiny random model, and
+(slow, on the real example model) the CPU smoke version 1K -> 2K end to end: the plumbing, not the science.
+References: the schedule that writes the evaluation checkpoints, the prepared windows themselves, plain transformers
+(fp32) for each mode's first-step loss, and for a rerun the bytes training wrote and the settings each results.json
+records."""
 
 import hashlib
 import json
@@ -31,6 +32,7 @@ from lctrain.init_config import rope_base
 from lctrain.lifetime import Terminated, terminate_as_interrupt
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer
+from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import stream_rows
 from lctrain.train.schedule import hf_checkpoint_steps
 
@@ -164,6 +166,190 @@ def test_sigterm_to_the_experiment_is_passed_to_its_stage_which_stops_in_its_own
         "lctrain train (anchor) stopped by SIGTERM; run the same `lctrain experiment extend` again to continue from "
         "what is finished"
     )
+
+
+# ---------------------------------------------------------------- --keep-going, the stages' commands stood in for
+
+STAND_IN_STEPS = 2
+
+
+def stand_in_stage(fail: dict[tuple[str, str], int], calls: list):
+    """`supervise` for the arms without lctrain: a stand-in that writes what `train`/`resume` and `eval` leave in a run
+    directory for the experiment to read (config, metrics, a checkpoint, the export, results.json), or ends with the
+    exit code `fail` gives its (command, run name); a failed training leaves its step-1 checkpoint, as one that ran
+    out of memory at step 2 would."""
+
+    def stage(cmd, env, **supervision):
+        command, args = cmd[3], cmd[4:]
+        if command == "train":
+            sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+            cfg = load_config(args[args.index("-c") + 1], sets)
+            rd = RunDir(cfg.train.run_dir)
+            rd.write_config(cfg)
+        else:
+            rd = RunDir(args[0])
+        calls.append((command, rd.path.name))
+        if command in ("train", "resume"):
+            last = 1 if (command, rd.path.name) in fail else STAND_IN_STEPS
+            for step in range(1, last + 1):
+                rd.append_metrics({"step": step})
+            rd.checkpoint(last).mkdir(parents=True)
+            (rd.checkpoint(last) / ckpt.STATE_FILE).write_text("{}")
+            if last == STAND_IN_STEPS:
+                rd.export(last).mkdir(parents=True)
+        elif (command, rd.path.name) not in fail:
+            rd.eval_dir.mkdir(exist_ok=True)
+            (rd.eval_dir / "results.json").write_text(json.dumps({"checkpoints": [p.name for p in rd.exports()]}))
+        return fail.get((command, rd.path.name), 0)
+
+    return stage
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """The experiment around the arms stood in for: no model or corpus built, a prepared dataset of 100 windows
+    assumed, the report reduced to the runs it was given and those it names left out ("not ..."). Yields (fail,
+    calls, reported)."""
+    fail, calls, reported = {}, [], []
+    monkeypatch.setattr(ex, "supervise", stand_in_stage(fail, calls))
+    monkeypatch.setattr(ex, "ensure_inputs", lambda exp: None)
+    monkeypatch.setattr(ex, "prepare_once", lambda exp, state, steps: {"path": "prepared", "windows": 100})
+    monkeypatch.setattr(
+        ex,
+        "write_report",
+        lambda runs, out, last, left_out: reported.append([r.name for r in runs] + [f"not {x}" for x in left_out]),
+    )
+    monkeypatch.setattr(ex, "print_report", lambda report, out: None)
+    return fail, calls, reported
+
+
+def extend_command(out, *more):
+    command = ["experiment", "extend", "--out", str(out), "--seq-len", "2048", "--steps", str(STAND_IN_STEPS)]
+    return CliRunner().invoke(app, [*command, "--checkpoints", "1", "--device", "cpu", *more])
+
+
+def test_keep_going_trains_and_reports_the_other_runs_then_fails_naming_the_failed_one(stand_ins, tmp_path):
+    """One run's training fails (at step 2, after its first checkpoint): with --keep-going it is said as it happens,
+    recorded and not evaluated; the other runs train, are evaluated and reported; the command fails naming it. The
+    same command again resumes it from its checkpoint and clears the record."""
+    fail, calls, reported = stand_ins
+    fail[("train", "intra_doc_s0")] = 1
+    result = extend_command(tmp_path, "--keep-going")
+    assert result.exit_code == 2
+    assert calls == [("train", "full_s0"), ("train", "intra_doc_s0"), ("train", "anchor_s0")] + [
+        ("eval", "full_s0"),
+        ("eval", "anchor_s0"),
+    ]
+    said = result.output.splitlines()
+    assert (
+        "[experiment] train: lctrain train (intra_doc, seed 0 (2 of 3)) failed (exit code 1; its output is above); "
+        "going on without this run (--keep-going)"
+    ) in said
+    assert "[experiment] eval: intra_doc, seed 0 (2 of 3): not evaluated, its training failed" in said
+    assert f"[experiment] report: 2 of 3 runs into {tmp_path}/report, leaving out intra_doc_s0 (train failed)" in said
+    assert reported == [
+        ["full_s0", "anchor_s0", f"not intra_doc_s0 (train failed; {tmp_path}/experiment.json records why)"]
+    ]
+    assert said[-1] == (
+        f"error: 1 of 3 runs failed: intra_doc_s0 (train failed), left out of the report ({tmp_path}/experiment.json "
+        "records why); run the same `lctrain experiment extend` again to retry them (a run with a checkpoint resumes "
+        "from it)"
+    )
+    runs = json.loads((tmp_path / ex.STATE_FILE).read_text())["runs"]
+    assert runs["intra_doc_s0"]["failed"] == {
+        "stage": "train",
+        "error": "lctrain train (intra_doc, seed 0 (2 of 3)) failed (exit code 1; its output is above)",
+    }
+    assert "evaluated" not in runs["intra_doc_s0"]
+    assert [name for name, run in runs.items() if "failed" in run] == ["intra_doc_s0"]
+
+    # the same command, without --keep-going: the failed run resumes, is evaluated, and its record goes
+    fail.clear()
+    calls.clear()
+    result = extend_command(tmp_path)
+    assert result.exit_code == 0, result.output
+    assert calls == [("resume", "intra_doc_s0"), ("eval", "intra_doc_s0")]
+    assert reported[-1] == ["full_s0", "intra_doc_s0", "anchor_s0"]
+    runs = json.loads((tmp_path / ex.STATE_FILE).read_text())["runs"]
+    assert not [name for name, run in runs.items() if "failed" in run]
+    assert runs["intra_doc_s0"]["exports"] == [f"step_{STAND_IN_STEPS}"]
+
+
+def test_without_keep_going_the_first_failure_stops_the_experiment(stand_ins, tmp_path):
+    fail, calls, reported = stand_ins
+    fail[("train", "full_s0")] = 1
+    result = extend_command(tmp_path)
+    assert result.exit_code == 2
+    assert calls == [("train", "full_s0")]
+    assert result.output.splitlines()[-1] == (
+        "error: lctrain train (full, seed 0 (1 of 3)) failed (exit code 1; its output is above); run the same "
+        "`lctrain experiment extend` again to continue from what is finished"
+    )
+    assert not reported
+    runs = json.loads((tmp_path / ex.STATE_FILE).read_text())["runs"]
+    assert runs["full_s0"]["failed"]["stage"] == "train"
+
+
+def test_a_failed_evaluation_is_left_out_and_retried(stand_ins, tmp_path):
+    """An evaluation that fails leaves its run out of the report, which then reads the others against the next mode;
+    the rerun evaluates it again (its training finished, skipped) and clears the record."""
+    fail, calls, reported = stand_ins
+    fail[("eval", "full_s0")] = 1
+    result = extend_command(tmp_path, "--keep-going")
+    assert result.exit_code == 2
+    assert calls[-3:] == [("eval", "full_s0"), ("eval", "intra_doc_s0"), ("eval", "anchor_s0")]
+    assert (
+        f"[experiment] report: 2 of 3 runs into {tmp_path}/report, leaving out full_s0 (eval failed); intra_doc is "
+        "the reference row in place of full"
+    ) in result.output.splitlines()
+    assert reported == [
+        ["intra_doc_s0", "anchor_s0", f"not full_s0 (eval failed; {tmp_path}/experiment.json records why)"]
+    ]
+    assert "full_s0 (eval failed), left out of the report" in result.output
+    assert json.loads((tmp_path / ex.STATE_FILE).read_text())["runs"]["full_s0"]["failed"]["stage"] == "eval"
+
+    fail.clear()
+    calls.clear()
+    result = extend_command(tmp_path, "--keep-going")
+    assert result.exit_code == 0, result.output
+    assert calls == [("eval", "full_s0")]
+    assert "failed" not in json.loads((tmp_path / ex.STATE_FILE).read_text())["runs"]["full_s0"]
+
+
+def test_keep_going_with_too_few_runs_left(stand_ins, tmp_path):
+    """One mode left: reported with nothing to compare it with, said so; none left: no report, one line."""
+    fail, _, reported = stand_ins
+    fail[("train", "full_s0")] = fail[("train", "intra_doc_s0")] = 1
+    result = extend_command(tmp_path, "--keep-going")
+    assert result.exit_code == 2
+    assert "only anchor is left, with no other mode to compare it with" in result.output
+    assert reported[0][0] == "anchor_s0" and len(reported[0]) == 3  # full_s0 and intra_doc_s0 named left out
+
+    fail[("train", "anchor_s0")] = 1
+    reported.clear()
+    result = extend_command(tmp_path / "none", "--keep-going")
+    assert result.exit_code == 2
+    assert not reported
+    assert result.output.splitlines()[-1] == (
+        "error: every run failed: full_s0 (train failed), intra_doc_s0 (train failed), anchor_s0 (train failed); no "
+        f"report written ({tmp_path}/none/experiment.json records why); run the same `lctrain experiment extend` "
+        "again to retry them"
+    )
+
+
+def test_sigterm_stops_a_keep_going_experiment_at_once(stand_ins, tmp_path, monkeypatch):
+    """SIGTERM is no failed run: the experiment stops at the stage it reached, --keep-going or not."""
+    _, calls, reported = stand_ins
+
+    def terminated(cmd, env, **supervision):
+        calls.append(cmd[3])
+        raise Terminated()
+
+    monkeypatch.setattr(ex, "supervise", terminated)
+    result = extend_command(tmp_path, "--keep-going")
+    assert result.exit_code == 143
+    assert calls == ["train"] and not reported
+    assert "lctrain train (full, seed 0 (1 of 3)) stopped by SIGTERM" in result.output
 
 
 # ---------------------------------------------------------------- the CPU smoke version, on the example model

@@ -197,10 +197,12 @@ def test_the_tables_say_how_to_read_a_difference(tmp_path):
         assert {d["reading"] for d in reset["vs_reference"][metric].values()} == {UNKNOWN}
     assert all(d["difference"] == pytest.approx(0.01) for d in intra["vs_reference"]["ruler"].values())
     out = tmp_path / "out"
-    write_report(runs, out)
+    write_report(runs, out, left_out=["anchor_s1 (train failed; OUT/experiment.json records why)"])
     md = (out / "report.md").read_text()
     assert "(beyond seed spread)" in md and "(within seed spread)" in md and "(single seed: spread unknown)" in md
     assert "difference from full" in md
+    # a run an experiment could not train is named in the report itself, which may be read without its log
+    assert "**warning: left out of this report: anchor_s1 (train failed; OUT/experiment.json records why)**" in md
 
 
 def test_repeated_modes_are_labelled_by_what_differs(tmp_path):

@@ -16,7 +16,9 @@ Stages, each said as it starts and skipped when a rerun finds it done:
 6. report: `lctrain report`'s comparison of the runs (`lctrain.reports.compare`), in OUT/report.
 
 Every subprocess is given `workdir=OUT`, so the bundled configs' relative paths resolve under OUT from anywhere.
-OUT/experiment.json records the plan, the prepared dataset, the sizing and every run.
+OUT/experiment.json records the plan, the prepared dataset, the sizing and every run, a run's failed stage included.
+A stage that fails stops the experiment; with `--keep-going` a run's training or evaluation that fails is said,
+recorded and left out, the other runs go on and are reported, and the command still ends in an error naming it.
 """
 
 from __future__ import annotations
@@ -73,10 +75,19 @@ MEASURE_STEPS = 4  # the first step pays for warm-up: the sizing times the other
 CPU_SETTINGS = ("model.dtype=float32", "parallel.zero_stage=0", "attention.engine=sdpa")
 # The paper saves an evaluation checkpoint every 10 of its 2000 steps: a 200th of the run apart (at least 1 step).
 PAPER_SPACING = 200
+RERUN = "run the same `lctrain experiment extend` again"
 
 
 def say(stage: str, text: str) -> None:
     print(f"[experiment] {stage}: {text}", flush=True)
+
+
+class StageFailed(UserError):
+    """A stage's command that ended badly; `failure` says which and how (what --keep-going records of a run)."""
+
+    def __init__(self, failure: str):
+        super().__init__(f"{failure}; {RERUN} to continue from what is finished")
+        self.failure = failure
 
 
 def lctrain_command(*args: str) -> list[str]:
@@ -172,10 +183,7 @@ class Experiment:
         try:
             rc = supervise(lctrain_command(*args), self.env(), on_terminate=_pass_sigterm)
         except Terminated:
-            raise Terminated(
-                f"{what} stopped by SIGTERM; run the same `lctrain experiment extend` again to continue from what is "
-                f"finished"
-            ) from None
+            raise Terminated(f"{what} stopped by SIGTERM; {RERUN} to continue from what is finished") from None
         if rc == 0:
             return
         if rc < 0:
@@ -184,9 +192,7 @@ class Experiment:
             how = f"was stopped by {STOPPED[rc]} (from outside: a scheduler or a user)"
         else:
             how = f"failed (exit code {rc}; its output is above)"
-        raise UserError(
-            f"{what} {how}; run the same `lctrain experiment extend` again to continue from what is finished"
-        )
+        raise StageFailed(f"{what} {how}")
 
 
 def _pass_sigterm(stage: psutil.Process) -> None:
@@ -355,9 +361,36 @@ def warn_identical_modes(exp: Experiment, steps: int) -> None:
         )
 
 
-def train_runs(exp: Experiment, state: State, steps: int) -> None:
-    """Train every run not trained yet (`check_trained_runs` has refused those trained otherwise)."""
+def train_run(exp: Experiment, rd: RunDir, label: str, args: list[str], steps: int) -> None:
+    """One run: skipped when finished, resumed from its checkpoint, else trained (again)."""
+    where = rd.path
+    if rd.is_run():
+        if is_trained(rd, steps):
+            say("train", f"{label}: {where} finished, skipped")
+        elif ckpt.latest_checkpoint(rd) is not None:
+            say("train", f"{label}: resuming {where}")
+            exp.run(f"lctrain resume {where}", ["resume", str(where)])
+        else:
+            say("train", f"{label}: {where} stopped before its first checkpoint; starting it again")
+            exp.run(f"lctrain train ({label})", ["train", *args, "--force"])
+    else:
+        say("train", f"{label}: {steps} steps into {where}")
+        exp.run(f"lctrain train ({label})", ["train", *args])
+
+
+def record_failure(state: State, where: Path, mode: str, seed: int, stage: str, failure: StageFailed) -> None:
+    """Recorded whether or not the experiment goes on: experiment.json says why its last attempt at the run ended."""
+    state.data.setdefault("runs", {}).setdefault(where.name, {}).update(
+        {"mode": mode, "seed": seed, "run_dir": str(where), "failed": {"stage": stage, "error": failure.failure}}
+    )
+    state.save()
+
+
+def train_runs(exp: Experiment, state: State, steps: int, keep_going: bool) -> dict[str, str]:
+    """Train every run not trained yet (`check_trained_runs` has refused those trained otherwise); returns the runs
+    whose training failed ({run name: "train"}), only with `keep_going`: without it the first failure stops here."""
     runs = exp.runs()
+    failed = {}
     for i, (mode, seed) in enumerate(runs, 1):
         where = exp.run_dir(mode, seed)
         rd = RunDir(where)
@@ -367,20 +400,18 @@ def train_runs(exp: Experiment, state: State, steps: int) -> None:
             CONFIG.format(mode=mode),
             *set_args([*exp.shared_overrides(), *exp.run_overrides(mode, seed, steps)]),
         ]
-        if rd.is_run():
-            if is_trained(rd, steps):
-                say("train", f"{label}: {where} finished, skipped")
-            elif ckpt.latest_checkpoint(rd) is not None:
-                say("train", f"{label}: resuming {where}")
-                exp.run(f"lctrain resume {where}", ["resume", str(where)])
-            else:
-                say("train", f"{label}: {where} stopped before its first checkpoint; starting it again")
-                exp.run(f"lctrain train ({label})", ["train", *args, "--force"])
-        else:
-            say("train", f"{label}: {steps} steps into {where}")
-            exp.run(f"lctrain train ({label})", ["train", *args])
+        try:
+            train_run(exp, rd, label, args, steps)
+        except StageFailed as e:
+            record_failure(state, where, mode, seed, "train", e)
+            if not keep_going:
+                raise
+            say("train", f"{e.failure}; going on without this run (--keep-going)")
+            failed[where.name] = "train"
+            continue
         # updated, not replaced: the eval stage's record of how the run was evaluated stays with it
-        state.data.setdefault("runs", {}).setdefault(where.name, {}).update(
+        record = state.data.setdefault("runs", {}).setdefault(where.name, {})
+        record.update(
             {
                 "mode": mode,
                 "seed": seed,
@@ -390,7 +421,11 @@ def train_runs(exp: Experiment, state: State, steps: int) -> None:
                 "exports": [p.name for p in rd.exports()],
             }
         )
+        # an evaluation's failure stays recorded until the eval stage runs it again
+        if record.get("failed", {}).get("stage") == "train":
+            del record["failed"]
         state.save()
+    return failed
 
 
 def eval_settings(cfg: Config) -> dict:
@@ -423,31 +458,85 @@ def evaluated_with(rd: RunDir, record) -> dict | None:
     return eval_settings(rd.read_config())
 
 
-def evaluate_runs(exp: Experiment, state: State, steps: int) -> None:
-    """`lctrain eval` of every run under the experiment's eval settings, given whole on its command line (a run's
-    config.yaml keeps those it trained with); a run evaluated under them already is skipped."""
+def evaluate_runs(exp: Experiment, state: State, steps: int, skip: dict[str, str], keep_going: bool) -> dict[str, str]:
+    """`lctrain eval` of every run but those in `skip` (their training failed) under the experiment's eval settings,
+    given whole on its command line (a run's config.yaml keeps those it trained with); a run evaluated under them
+    already is skipped. Returns the runs whose evaluation failed ({run name: "eval"}), as `train_runs` does."""
     runs = []
     for i, (mode, seed) in enumerate(exp.runs(), 1):
         where = exp.run_dir(mode, seed)
+        label = f"{mode}, seed {seed} ({i} of {len(exp.runs())})"
+        if where.name in skip:
+            runs.append((mode, seed, label, where, None, None))
+            continue
         now = eval_settings(exp.config(mode, exp.run_overrides(mode, seed, steps)))
         before = evaluated_with(RunDir(where), state.data["runs"][where.name].get("evaluated"))
-        runs.append((f"{mode}, seed {seed} ({i} of {len(exp.runs())})", where, now, before))
+        runs.append((mode, seed, label, where, now, before))
     changed: dict[str, tuple] = {}
-    for _, _, now, before in runs:
+    for *_, now, before in runs:
         if before is not None and before != now:
             changed.update(settings_changes({"eval": before}, {"eval": now}))
     if changed:
         say("eval", f"eval settings changed ({shown_changes(changed)}): re-evaluating the trained runs")
-    for label, where, now, before in runs:
+    failed = {}
+    for mode, seed, label, where, now, before in runs:
+        if where.name in skip:
+            say("eval", f"{label}: not evaluated, its training failed")
+            continue
         if before == now:
             say("eval", f"{label}: {where / 'eval'} finished, skipped")
         else:
             say("eval", f"{label}: every evaluation checkpoint of {where}")
             args = ["eval", str(where), "--device", exp.device, "--set", f"eval={json.dumps(now)}"]
-            exp.run(f"lctrain eval {where}", args)
+            try:
+                exp.run(f"lctrain eval {where}", args)
+            except StageFailed as e:
+                record_failure(state, where, mode, seed, "eval", e)
+                if not keep_going:
+                    raise
+                say("eval", f"{e.failure}; going on without this run (--keep-going)")
+                failed[where.name] = "eval"
+                continue
         results = (RunDir(where).eval_dir / "results.json").read_bytes()
-        state.data["runs"][where.name]["evaluated"] = {"eval": now, "results_sha256": results_digest(results)}
+        record = state.data["runs"][where.name]
+        record["evaluated"] = {"eval": now, "results_sha256": results_digest(results)}
+        record.pop("failed", None)
         state.save()
+    return failed
+
+
+def report_runs(exp: Experiment, state: State, failed: dict[str, str]) -> dict:
+    """The report of the runs trained and evaluated; its line names those `failed` ({run name: stage}) left out and
+    what that leaves to compare, and a UserError after it names them again: a script sees the experiment failed."""
+    runs = [(m, s) for m, s in exp.runs() if exp.run_dir(m, s).name not in failed]
+    names = [exp.run_dir(m, s).name for m, s in exp.runs()]
+    left_out = ", ".join(f"{name} ({failed[name]} failed)" for name in names if name in failed)
+    if not runs:
+        raise UserError(
+            f"every run failed: {left_out}; no report written ({exp.out / STATE_FILE} records why); {RERUN} to retry "
+            f"them"
+        )
+    report_dir = exp.out / REPORT_DIR
+    scope = f"{len(runs)} runs into {report_dir}"
+    if failed:
+        scope = f"{len(runs)} of {len(exp.runs())} runs into {report_dir}, leaving out {left_out}"
+    modes = [m for m in exp.modes if m in {mode for mode, _ in runs}]
+    if len(modes) == 1 < len(exp.modes):
+        scope += f"; only {modes[0]} is left, with no other mode to compare it with"
+    elif modes[0] != exp.modes[0]:
+        scope += f"; {modes[0]} is the reference row in place of {exp.modes[0]}"
+    say("report", scope)
+    why = [f"{name} ({failed[name]} failed; {exp.out / STATE_FILE} records why)" for name in names if name in failed]
+    report = write_report([exp.run_dir(m, s) for m, s in runs], report_dir, exp.checkpoints, why)
+    print_report(report, report_dir)
+    state.data["report"] = str(report_dir)
+    state.save()
+    if failed:
+        raise UserError(
+            f"{len(failed)} of {len(exp.runs())} runs failed: {left_out}, left out of the report "
+            f"({exp.out / STATE_FILE} records why); {RERUN} to retry them (a run with a checkpoint resumes from it)"
+        )
+    return report
 
 
 def pick_device(device: str) -> str:
@@ -477,8 +566,11 @@ def extend(
     device: str = "auto",
     model: str | Path | None = None,
     overrides: tuple[str, ...] = (),
+    keep_going: bool = False,
 ) -> dict:
-    """Run (or continue) the experiment in `out`; returns the report `write_report` wrote."""
+    """Run (or continue) the experiment in `out`; returns the report `write_report` wrote. With `keep_going`, a run
+    whose training or evaluation fails is left out and the others go on; the report is written without it, then a
+    UserError names it."""
     if sum(x is not None for x in (steps, tokens, train_seconds)) > 1:
         raise UserError("give one of --steps, --tokens and --train-seconds")
     if steps is not None and steps < 1:
@@ -524,12 +616,6 @@ def extend(
     state.data["steps"] = chosen
     state.data["tokens_per_run"] = cfg.tokens_read(chosen)
     state.save()
-    train_runs(exp, state, chosen)
-    evaluate_runs(exp, state, chosen)
-    report_dir = exp.out / REPORT_DIR
-    say("report", f"{len(exp.runs())} runs into {report_dir}")
-    report = write_report([exp.run_dir(m, s) for m, s in exp.runs()], report_dir, exp.checkpoints)
-    print_report(report, report_dir)
-    state.data["report"] = str(report_dir)
-    state.save()
-    return report
+    failed = train_runs(exp, state, chosen, keep_going)
+    failed |= evaluate_runs(exp, state, chosen, failed, keep_going)
+    return report_runs(exp, state, failed)

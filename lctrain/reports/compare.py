@@ -588,15 +588,17 @@ def print_report(report: dict, out: Path) -> None:
     console.print(f"wrote {out}/report.json, report.md, report.png", soft_wrap=True)
 
 
-def write_report(run_dirs: list[Path], out: Path, last: int | None = None) -> dict:
+def write_report(run_dirs: list[Path], out: Path, last: int | None = None, left_out: list[str] = ()) -> dict:
     """Compare the evaluated runs `run_dirs` (run directories, eval directories or results.json files), averaging
     each run's last `last` checkpoints (default: the paper's 5, or all when fewer); write report.json, report.md
-    and report.png to `out` and return the report."""
+    and report.png to `out` and return the report. `left_out`: runs of the comparison that are not in it, each
+    with why (an experiment's failed runs), warned about in the report itself, which may be read without its log."""
     # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import plot_report
 
     check_last(last)  # before any run is read: the arguments first
     report = compare([read_evaluated(p) for p in run_dirs], last)
+    report["warnings"] += [f"warning: left out of this report: {run}" for run in left_out]
     out = Path(out)
     with writing(out, "the report"):
         out.mkdir(parents=True, exist_ok=True)
