@@ -104,3 +104,25 @@ def test_inspect_cli_missing_dir(tmp_path):
     r = CliRunner().invoke(app, ["inspect", str(tmp_path / "nothing")])
     assert r.exit_code == 2 and r.output.startswith("error: ") and "lctrain prepare" in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_a_domain_asked_for_and_not_written_is_shown_with_its_target(tmp_path):
+    """An upsampled mixture too small for every domain: the domains it aimed at and wrote nothing of are rows with 0
+    tokens, beside the share prepare aimed at (from the manifest), as prepare's own table shows them."""
+    from lctrain.data.prepare import prepare
+
+    overrides = ["data.seq_len=256", "data.token_budget=12000", "data.mixture=upsampled"]
+    data = prepare(load_config(None, [*overrides, f"data.output_dir={tmp_path / 'data'}"]))
+    targets = {
+        d: v["target_tokens_share"]
+        for d, v in json.loads((data / "manifest.json").read_text())["stats"]["domains"].items()
+    }
+    stats = json.loads((inspect(data, out=tmp_path / "i") / "dataset_stats.json").read_text())
+    assert {d: v["target_token_share"] for d, v in stats["domains"].items()} == targets
+    empty = [d for d, v in stats["domains"].items() if v["tokens"] == 0 and targets[d]]
+    assert empty  # the fixture's point: 46 windows cannot hold every domain
+    shown = CliRunner().invoke(app, ["inspect", str(data), "--out", str(tmp_path / "j")], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    rows = {line.split("│")[1].strip(): line for line in shown.output.splitlines() if line.count("│") == 8}
+    for d in empty:
+        assert rows[d].split("│")[5].strip() == "0" and rows[d].split("│")[7].strip() == f"{100 * targets[d]:.1f}%"

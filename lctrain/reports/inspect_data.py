@@ -69,6 +69,7 @@ def dataset_stats(packed) -> dict:
     for d, row in domain_rows.items():
         row["documents"] = (doc_stats.get(d) or {}).get("documents")
         row["doc_share"] = (doc_stats.get(d) or {}).get("documents_share")
+        row["target_token_share"] = (doc_stats.get(d) or {}).get("target_tokens_share")
     hist = manifest_stats.get("length_histogram")
     if not (hist and "counts" in hist and "edges" in hist):
         hist = {"edges": edges, "counts": counts.tolist(), "unit": "tokens per segment (document piece in a window)"}
@@ -113,11 +114,18 @@ def inspect(path: str | Path, out: str | Path | None = None) -> Path:
     t.add_column("domain")
     for c in ("documents", "share of documents", "segments", "tokens", "share of tokens"):
         t.add_column(c, justify="right")
+    targeted = any(v["target_token_share"] is not None for v in stats["domains"].values())
+    if targeted:  # data.domain_shares: the share prepare aimed at
+        t.add_column("target share", justify="right")
     for d, v in stats["domains"].items():
-        if v["segments"] or v["documents"]:
+        # a domain asked for and not written is shown, with its 0
+        if v["segments"] or v["documents"] or v["target_token_share"]:
             docs = "?" if v["documents"] is None else str(v["documents"])
             share = "?" if v["doc_share"] is None else f"{100 * v['doc_share']:.1f}%"
-            t.add_row(d, docs, share, str(v["segments"]), str(v["tokens"]), f"{100 * v['token_share']:.1f}%")
+            row = [d, docs, share, str(v["segments"]), str(v["tokens"]), f"{100 * v['token_share']:.1f}%"]
+            if targeted:
+                row.append("" if v["target_token_share"] is None else f"{100 * v['target_token_share']:.1f}%")
+            t.add_row(*row)
     console.print(t)
     a = Table(title="attention work per mode (causally visible query-key pairs)")
     a.add_column("mode")
