@@ -463,6 +463,41 @@ def test_older_format_is_refused_in_one_line_and_rebuilt(tmp_path, tok, words):
         assert open_packed(out).manifest.format_version == FORMAT_VERSION
 
 
+def test_a_dataset_of_a_newer_lctrain_is_named_so_and_kept(tmp_path, words):
+    """After a downgrade: a later format, or fields this lctrain does not know under a checksum that covers them, is
+    the newer lctrain's dataset, not damage: reading it says to upgrade, and prepare does not replace it unless
+    --force. An unknown field the checksum does not cover is an edit: damage, as before."""
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 40, seed=8, lengths=(3, 60)))
+    cfg = cfg_for(tmp_path / "data", "data.token_budget=1280", source=src)
+    out = prepare(cfg)
+    written = json.loads((out / MANIFEST).read_text())
+
+    def rewrite(raw: dict, checksum: bool = True) -> None:
+        raw = {k: v for k, v in raw.items() if k != CHECKSUM_KEY}
+        raw[CHECKSUM_KEY] = manifest_checksum(raw) if checksum else written[CHECKSUM_KEY]
+        (out / MANIFEST).write_text(json.dumps(raw))
+
+    for raw, said in (
+        (written | {"format_version": FORMAT_VERSION + 1}, f"dataset format {FORMAT_VERSION + 1}; lctrain .* reads"),
+        (written | {"shard_order": "by length", "zstd": True}, "fields shard_order, zstd, which lctrain .* does not"),
+    ):
+        rewrite(raw)
+        with pytest.raises(UserError, match=f"written by a newer lctrain \\({said}.*; upgrade lctrain to read it$"):
+            open_packed(out)
+        before = (out / MANIFEST).read_bytes()
+        with pytest.raises(
+            UserError, match="rebuilding it here would replace it; upgrade lctrain, or rerun with --force"
+        ):
+            prepare(cfg)
+        assert (out / MANIFEST).read_bytes() == before
+    rewrite(written | {"zstd": True}, checksum=False)
+    with pytest.raises(UserError, match="the prepared dataset is damaged"):
+        open_packed(out)
+    rewrite(written | {"format_version": FORMAT_VERSION + 1})
+    prepare(cfg, force=True)  # rebuilt by this lctrain
+    assert open_packed(out).manifest.format_version == FORMAT_VERSION
+
+
 def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):
     good = make_docs(words, 40, seed=6)
     lines = (

@@ -2,7 +2,8 @@
 `load_manifest`, which refuses any damage in one line naming the file.
 
 Reading checks, in this order: the file is JSON and says `complete`; its format version is this lctrain's (or an
-older one whose encoder wrote the same windows, `_STILL_CURRENT`); every key is there with its type and domain
+older one whose encoder wrote the same windows, `_STILL_CURRENT`; a later one, or fields this lctrain does not know,
+under a checksum that covers them, is a newer lctrain's dataset: `Newer`, not damage); every key is there with its type and domain
 (pydantic, strict: `"5"` is not a number) and the record agrees with itself (shard rows add up to `num_windows`, the
 anchor is the tokenizer's); and its content matches the checksum it was written with, so an edited or bit-flipped
 value that still has the right type is caught too. The shards themselves are checked against the records here by
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lctrain import __version__
 from lctrain.checksums import XXH3, digest
 from lctrain.files import replace_file
 
@@ -48,6 +50,12 @@ class Damaged(Exception):
 
 class Outdated(Damaged):
     """A whole dataset of a format this lctrain does not read."""
+
+
+class Newer(Damaged):
+    """A whole dataset written by a newer lctrain: of a later format, or with fields this one does not know, under a
+    checksum that covers them (`_written_whole`; without one they are an edit: damage). Rebuilding it would throw
+    away the newer build: the remedy is the newer lctrain."""
 
 
 class _Record(BaseModel):
@@ -153,6 +161,12 @@ def _first_error(e: ValidationError) -> str:
     return f"{where}: {msg}{more}" if where else f"{msg}{more}"
 
 
+def _written_whole(raw: dict) -> bool:
+    """Whether `raw` (a manifest's object, its checksum included) holds what its checksum covers: what a newer
+    lctrain wrote, where a hand edit would not be."""
+    return raw.get(CHECKSUM_KEY) == manifest_checksum({k: v for k, v in raw.items() if k != CHECKSUM_KEY})
+
+
 def load_manifest(directory: Path) -> Manifest:
     """The manifest of the dataset at `directory`, or `Damaged` saying in one line what is wrong with it."""
     path = Path(directory) / MANIFEST
@@ -167,6 +181,11 @@ def load_manifest(directory: Path) -> Manifest:
     if not isinstance(raw, dict) or raw.get("complete") is not True:
         raise Damaged(f"{MANIFEST} is incomplete (prepare did not finish) or not a prepared dataset's")
     version = raw.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION and _written_whole(raw):
+        raise Newer(
+            f"{MANIFEST}: written by a newer lctrain (dataset format {version}; lctrain {__version__} reads format "
+            f"{FORMAT_VERSION} and older)"
+        )
     encoder = raw["tokenizer"].get("encoder") if isinstance(raw.get("tokenizer"), dict) else None
     still_current = isinstance(version, int) and encoder in _STILL_CURRENT.get(version, ())
     if version != FORMAT_VERSION and not still_current:
@@ -177,6 +196,12 @@ def load_manifest(directory: Path) -> Manifest:
             else f"{MANIFEST}: dataset format version {version!r} is not {FORMAT_VERSION}"
         )
     claimed = raw.pop(CHECKSUM_KEY, None)
+    unknown = sorted(set(raw) - set(Manifest.model_fields))
+    if unknown and _written_whole(raw | {CHECKSUM_KEY: claimed}):
+        raise Newer(
+            f"{MANIFEST}: written by a newer lctrain (fields {', '.join(unknown)}, which lctrain {__version__} does "
+            f"not know)"
+        )
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as e:

@@ -37,6 +37,7 @@ from lctrain.data.manifest import (
     MANIFEST,
     Damaged,
     Manifest,
+    Newer,
     Outdated,
     load_manifest,
     shard_file,
@@ -324,6 +325,8 @@ def open_packed(path, verify: bool | None = None, rebuild: str = REBUILD) -> Pac
         manifest = load_manifest(path)
         seen = verify_shards(path, manifest, verify)
         parts = _read_shards(path, manifest)
+    except Newer as e:
+        raise UserError(f"{path}: {e}; upgrade lctrain to read it") from None
     except Outdated as e:
         raise UserError(f"{path}: {e}; {rebuild}") from None
     except Damaged as e:
