@@ -54,12 +54,17 @@ def test_a_workspace_setting_of_the_environment_is_kept(monkeypatch):
 
 @pytest.mark.usefixtures("no_cublas_setting")
 def test_an_op_without_a_deterministic_variant_is_one_line_naming_it():
+    def attention():
+        raise RuntimeError(NOT_DETERMINISTIC)
+
     with pytest.raises(UserError) as caught:
         with deterministic_algorithms(True):
-            raise RuntimeError(NOT_DETERMINISTIC)
+            attention()
+    line = attention.__code__.co_firstlineno + 1
     assert str(caught.value) == (
-        "train.deterministic: index_put_with_accumulate_cuda has no deterministic implementation on this device; "
-        "choose another attention.engine (or model.fused_kernels), or set train.deterministic=false"
+        "train.deterministic: index_put_with_accumulate_cuda has no deterministic implementation on this device "
+        f"(called from {__file__}:{line}); where that is the attention, another attention.engine may have one; else "
+        "set train.deterministic=false"
     )
     assert not torch.are_deterministic_algorithms_enabled()
     with pytest.raises(RuntimeError, match="^another failure$"):  # other errors pass as they are

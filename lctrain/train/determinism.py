@@ -46,10 +46,24 @@ def deterministic_algorithms(on: bool) -> Iterator[None]:
             raise
         op = str(e).split(_NO_DETERMINISTIC)[0].strip()
         raise UserError(
-            f"train.deterministic: {op} has no deterministic implementation on this device; choose another "
-            f"attention.engine (or model.fused_kernels), or set train.deterministic=false"
+            f"train.deterministic: {op} has no deterministic implementation on this device (called from "
+            f"{_caller(e)}); where that is the attention, another attention.engine may have one; else set "
+            f"train.deterministic=false"
         ) from e
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         if set_here:
             os.environ.pop(CUBLAS_VAR, None)
+
+
+def _caller(e: BaseException) -> str:
+    """The innermost frame of `e`'s traceback outside PyTorch, `file:line` from the package on (PyTorch's error names
+    only the kernel: the frame says whose code ran it, the attention's, DeepSpeed's, a fused kernel's, or the
+    backward's)."""
+    found, tb = None, e.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if f"{os.sep}torch{os.sep}" not in path:
+            found = f"{path.split('site-packages' + os.sep)[-1]}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found or "PyTorch"
