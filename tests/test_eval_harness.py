@@ -1,10 +1,13 @@
 """`lctrain eval --harness` (the paper's Table 7 through lm-evaluation-harness), offline: two tiny task definitions
 with local data (a multiple-choice task scored by log-likelihood, a generation task with a stop string) on a run
 with two tiny checkpoints. References: log-likelihoods from a plain full-sequence forward and log_softmax, greedy
-text from a token-by-token argmax loop without a KV cache, and the checkpoint average recomputed by hand."""
+text from a token-by-token argmax loop without a KV cache, the checkpoint average recomputed by hand, and the scale
+of the printed scores from lm-eval's own metric functions (LongBench's among them)."""
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import sentencepiece as spm
@@ -23,6 +26,7 @@ from lctrain.eval.harness import (  # noqa: E402
     average_over_checkpoints,
     checkpoint_lm,
     numeric_metrics,
+    print_harness_report,
     resolve_tasks,
     run_harness,
 )
@@ -265,11 +269,74 @@ def test_cli_harness(run_dir):
 def test_metrics_and_average_by_hand():
     raw = {
         "hellaswag": {"alias": "hellaswag", "acc,none": 0.5, "acc_stderr,none": 0.01, "acc_norm,none": 0.6},
-        "longbench_fewshot": {"score,none": 62.5, "score_stderr,none": "N/A"},
+        "longbench_fewshot": {"score,none": 0.625, "score_stderr,none": "N/A"},
     }
-    assert numeric_metrics(raw) == {"hellaswag": {"acc": 0.5, "acc_norm": 0.6}, "longbench_fewshot": {"score": 62.5}}
+    assert numeric_metrics(raw) == {"hellaswag": {"acc": 0.5, "acc_norm": 0.6}, "longbench_fewshot": {"score": 0.625}}
     avg = average_over_checkpoints({"a": {"t": {"acc": 0.5}}, "b": {"t": {"acc": 0.7, "f1": 0.2}}})
     assert avg == {"t": {"acc": pytest.approx(0.6), "f1": pytest.approx(0.2)}}
+
+
+def test_the_table_prints_the_harness_fractions_in_percent(tmp_path, capsys):
+    """lm-eval scores a perfect answer 1.0 with LongBench's metrics as with accuracy and exact match; the table shows
+    percent, the scale of the paper's Table 7 (LongBench ICL 65.38, HellaSwag 70.78)."""
+    longbench = pytest.importorskip(
+        "lm_eval.tasks.longbench.metrics", reason="lm-eval's longbench extra not installed", exc_type=ImportError
+    )
+    from lm_eval.api.metrics import exact_match_hf_evaluate, mean
+
+    trec = {"answers": ["Location"], "all_classes": ["Location", "Human", "Number"]}
+    triviaqa = {"answers": ["the Eiffel Tower"]}
+    perfect = [
+        longbench.get_classification_with_score(trec, ["Location"])["score"],
+        longbench.get_qa_f1_with_score(triviaqa, ["Eiffel Tower"])["score"],
+    ]
+    assert perfect == [1.0, 1.0]
+    partial = [
+        longbench.get_classification_with_score(trec, ["Human"])["score"],
+        longbench.get_qa_f1_with_score(triviaqa, ["the Eiffel Tower in Paris"])["score"],  # F1 of 2/4 and 2/2 tokens
+    ]
+
+    def harness_results(icl: list[float], choices_right: list[float], answers: list[str]) -> dict:
+        return {
+            "longbench_fewshot": {"score,none": mean(icl), "score_stderr,none": "N/A"},
+            "hellaswag": {"acc,none": mean(choices_right), "acc_norm,none": mean(choices_right)},
+            "tiny_gen": {"exact_match,none": exact_match_hf_evaluate(answers, ["apple", "river"])["exact_match"]},
+        }
+
+    per_checkpoint = {
+        "step_10": numeric_metrics(harness_results(perfect, [1.0, 1.0, 1.0, 0.0], ["apple", "river"])),
+        "step_20": numeric_metrics(harness_results(partial, [1.0, 0.0, 0.0, 0.0], ["apple", "stone"])),
+    }
+    report = {
+        "checkpoints": list(per_checkpoint),
+        "tasks": ["longbench", "hellaswag", "tiny_gen"],
+        "average": average_over_checkpoints(per_checkpoint),
+    }
+    print_harness_report(report, tmp_path)
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("│ ")}
+    icl = (mean(perfect) + mean(partial)) / 2
+    assert icl == pytest.approx((1 + 1 + 0 + 2 / 3) / 4)
+    assert "ICL" in rows["longbench_fewshot"] and f"{100 * icl:.2f}" in rows["longbench_fewshot"]
+    assert f"{100 * (0.75 + 0.25) / 2:.2f}" in rows["hellaswag"]
+    assert f"{100 * (1.0 + 0.5) / 2:.2f}" in rows["tiny_gen"]
+
+
+def test_a_task_without_its_extra_names_the_module(tmp_path, monkeypatch):
+    """lm-eval's LongBench metrics, imported as a task loads, re-raise a missing jieba as an ImportError of their own
+    (`pip install lm_eval["longbench"]`); the error names the module and the install, not the dataset download."""
+    shutil.copy(Path(lm_eval.__file__).parent / "tasks" / "longbench" / "metrics.py", tmp_path / "metrics.py")
+    (tmp_path / "lb_probe.yaml").write_text(
+        "task: lb_probe\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: no-such.jsonl\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: x\ndoc_to_target: y\n"
+        "process_results: !function metrics.get_qa_f1_with_score\nmetric_list:\n  - metric: score\n"
+    )
+    monkeypatch.setitem(sys.modules, "jieba", None)
+    with pytest.raises(UserError) as err:
+        resolve_tasks(["lb_probe"], str(tmp_path))
+    message = str(err.value)
+    assert "a task needs the Python module jieba, which is not installed" in message
+    assert "pip install 'lctrain[harness]'" in message and 'lm_eval["longbench"]' in message
+    assert "dataset" not in message
 
 
 @pytest.mark.slow  # over 20 s on 2 cores: make test-slow

@@ -12,8 +12,11 @@ the model through `CheckpointLM`, an `lm_eval.api.model.LM` over a loaded checkp
   `pred.py` does ("truncate to fit max_length (we suggest truncate in the middle, since the left and right side may
   contain crucial instructions)"), and decodes greedily until a stop string.
 
-lm-evaluation-harness is an optional extra (`pip install 'lctrain[harness]'`); its tasks download their datasets from
-the hub on first use, so an offline machine needs them in the `datasets` cache (`HF_DATASETS_CACHE`).
+lm-evaluation-harness is an optional extra (`pip install 'lctrain[harness]'`, with LongBench's metric dependencies);
+its tasks download their datasets from the hub on first use, so an offline machine needs them in the `datasets` cache
+(`HF_DATASETS_CACHE`). Each task runs with the shots its YAML names, 0 where it names none, as none of Table 7's do
+(LongBench's ICL examples are part of its prompts), unless `--harness-fewshot` sets one number for every task of the
+run, LongBench's too: a 5-shot MMLU is a run of its own.
 """
 
 from __future__ import annotations
@@ -207,6 +210,20 @@ def _task_manager(names: list[str], include_path: str | None):
     return TaskManager(include_path=include_path)
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
+def _missing_module(e: BaseException | None) -> str | None:
+    """The top-level module whose absence raised `e`: lm-eval's task code re-raises it as an ImportError of its own
+    that names the extra but not the module, so the name is on the error it replaced."""
+    while e is not None:
+        if isinstance(e, ModuleNotFoundError) and e.name:
+            return e.name.split(".")[0]
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def resolve_tasks(names: list[str], include_path: str | None):
     """The harness's task index and loaded tasks for `names` (Table 7 aliases or any harness task/group), their
     datasets loaded. Done before any model is loaded, so an unknown name or a dataset that cannot be had fails in one
@@ -224,11 +241,19 @@ def resolve_tasks(names: list[str], include_path: str | None):
             raise UserError(f"--harness {n}: not a task or group of lm-evaluation-harness{hint}")
     try:
         return manager, manager.load(wanted)
+    except ImportError as e:  # a task's own metric code, imported on load, needs what only an lm-eval extra installs
+        missing = _missing_module(e)
+        what = f"the Python module {missing}, which is not installed" if missing else "a module that does not import"
+        # lm-eval's own message, where it wrote one, names the extra that installs it
+        said = "" if isinstance(e, ModuleNotFoundError) else f" (lm-eval: {_first_line(e)})"
+        raise UserError(
+            f"--harness {','.join(names)}: a task needs {what}{said}; pip install 'lctrain[harness]' installs "
+            f"LongBench's; other tasks' come with their lm-eval extra, pip install 'lm-eval[EXTRA]'"
+        ) from None
     except Exception as e:  # the harness surfaces hub, cache and format errors of `datasets` as many types
-        first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
         raise UserError(
             f"--harness {','.join(names)}: a task's dataset could not be loaded ({type(e).__name__}: "
-            f"{first}); the harness downloads it from the hub on first use: run once with network "
+            f"{_first_line(e)}); the harness downloads it from the hub on first use: run once with network "
             f"access, or point HF_DATASETS_CACHE at a cache that has it"
         ) from None
 
@@ -362,8 +387,9 @@ def print_harness_report(report: dict, out_dir: Path) -> None:
             table.add_row(task, "", "", "no score")
             continue
         metric, value = head
-        # the harness reports accuracies as fractions and LongBench scores in percent; the paper prints both in percent
-        shown = value * 100 if metric != "score" else value
+        # every headline metric is a fraction in the harness, LongBench's `score` too (its metrics.py scores a perfect
+        # answer 1.0, unlike LongBench's own eval.py); the paper's Tables 7 and 12 print percent
+        shown = value * 100
         column = LONGBENCH_CATEGORIES.get(task, {"hellaswag": "HellaSwag", "mmlu": "MMLU"}.get(task, ""))
         table.add_row(task, column, metric, f"{shown:.2f}")
     console = plain_console()
