@@ -3,11 +3,11 @@
 
 Reading checks, in this order: the file is JSON and says `complete`; its format version is this lctrain's (or an
 older one whose encoder wrote the same windows, `_STILL_CURRENT`; a later one, or fields this lctrain does not know,
-under a checksum that covers them, is a newer lctrain's dataset: `Newer`, not damage); every key is there with its type and domain
-(pydantic, strict: `"5"` is not a number) and the record agrees with itself (shard rows add up to `num_windows`, the
-anchor is the tokenizer's); and its content matches the checksum it was written with, so an edited or bit-flipped
-value that still has the right type is caught too. The shards themselves are checked against the records here by
-`lctrain.data.store`.
+under a checksum that covers them, is a newer lctrain's dataset: `Newer`, not damage); every key is there with its
+type and domain (pydantic, strict: `"5"` is not a number) and the record agrees with itself (shard rows add up to
+`num_windows`, the anchor is the tokenizer's); and its content matches the checksum it was written with, so an
+edited or bit-flipped value that still has the right type is caught too. The shards themselves are checked against
+the records here by `lctrain.data.store`.
 """
 
 from __future__ import annotations
