@@ -77,7 +77,7 @@ def evaluated(run_dir):
 def test_report_files(evaluated, run_dir):
     out, results = evaluated
     assert out == run_dir / "eval"
-    assert results["suite"] == "RULER-style (not comparable with published RULER numbers)"
+    assert results["suite"] == "RULER-style v2 (not comparable with published RULER numbers)"
     assert results["not_scored"] == [] and results["task_set"] == ["vt", "fwe"]
     assert results["checkpoints"] == [f"step_{s}" for s in STEPS]
     assert results["tasks"] == ["vt", "fwe"] and results["lengths"] == [512]

@@ -4,11 +4,14 @@ UserError."""
 
 import json
 import re
+from collections import Counter
 
 import pytest
 
 from lctrain.errors import UserError
-from lctrain.eval.tasks import fit_units, generate, load_qa, task_specs, unscorable_qa, zipf_counts
+from lctrain.eval import tasks
+from lctrain.eval.filler import KEY_ADJECTIVES, KEY_NOUNS
+from lctrain.eval.tasks import FWE_NOISE, fit_units, generate, load_qa, task_specs, unscorable_qa, zipf_counts
 from lctrain.tokenizer import load_tokenizer
 
 LENGTH = 768
@@ -89,24 +92,42 @@ def test_variable_tracking_chain_resolves_to_answers(samples):
         assert resolved == set(s.answers)
 
 
-def test_word_extraction_answers_are_the_most_frequent(samples):
-    for s in samples["cwe"]:
-        words = re.findall(r"\d+\. (\w+)", s.prompt.split("\n\n")[1])
-        freq = {w: words.count(w) for w in set(words)}
-        top = sorted(freq, key=freq.get, reverse=True)[:10]
-        assert set(top) == set(s.answers) and min(freq[a] for a in s.answers) > max(
-            f for w, f in freq.items() if w not in s.answers
-        )
+def _frequencies(words):
+    freq = {}
+    for w in words:
+        freq[w] = freq.get(w, 0) + 1
+    return freq
+
+
+def test_cwe_answers_the_most_frequent_with_rulers_repeats(samples, count):
+    # RULER: 10 words x 30 and the others x 3 from 4096 tokens on, x 6 and x 1 below
+    for length, ss, (common, rare) in ((LENGTH, samples["cwe"], (6, 1)), (4096, None, (30, 3))):
+        for s in ss or generate(task_specs(7)["cwe"], length, 2, 7, count):
+            freq = _frequencies(re.findall(r"\d+\. (\w+)", s.prompt.split("\n\n")[1]))
+            assert len(s.answers) == 10 and {freq[a] for a in s.answers} == {common}, length
+            assert {f for w, f in freq.items() if w not in s.answers} == {rare}, length
+
+
+def test_fwe_answers_ranks_two_to_four_after_the_dots(samples):
+    # RULER: the top rank is noise (the dots), the answer the next three words
     for s in samples["fwe"]:
-        words = s.prompt.split("\n\n")[1].replace("....", " ").split()
-        freq = {w: words.count(w) for w in set(words)}
+        freq = _frequencies(s.prompt.split("\n\n")[1].split())
         ranked = sorted(freq, key=freq.get, reverse=True)
-        assert tuple(ranked[:3]) == s.answers and freq[ranked[2]] > freq[ranked[3]]
+        assert ranked[0] == FWE_NOISE and freq[FWE_NOISE] > 0.5 * sum(freq.values())
+        assert tuple(ranked[1:4]) == s.answers
+        assert freq[ranked[0]] > freq[ranked[1]] > freq[ranked[2]] > freq[ranked[3]] > freq[ranked[4]]
 
 
 def test_zipf_counts_strictly_ranked():
-    c = zipf_counts(5000)
-    assert c[0] > c[1] > c[2] > c[3] and abs(sum(c) - 5000) < 0.05 * 5000
+    # fwe's answer needs ranks 1 (the dots) to 5 strictly ordered, down to its smallest haystack (40 words)
+    for total in range(40, 5000):
+        c = zipf_counts(total)
+        assert c[0] > c[1] > c[2] > c[3] > c[4], total
+    for total in (5000, 200_000):
+        c = zipf_counts(total)
+        assert abs(sum(c) - total) < 0.05 * total
+        # rank^-2: the first count is the others' multiples by the squared rank, to rounding
+        assert all(abs(c[0] / (r + 1) ** 2 - c[r]) <= 1 for r in range(len(c))), total
 
 
 def test_fit_units_against_linear_search():
@@ -221,3 +242,80 @@ def test_qa_bad_files(tmp_path):
     bad.write_text(json.dumps({"rows": []}))
     with pytest.raises(UserError, match="neither SQuAD"):
         load_qa(bad, "qa_1")
+
+
+# ---------------------------------------------------------------- niah keys
+
+
+def _check_niah_keys(s):
+    """By a plain parse of the haystack: the needle keys are distinct (niah_multivalue: its one key 4 times, with 4
+    distinct values), each queried key occurs exactly once per value, the answers are the queried keys' values and
+    no other key shares a word with a queried key."""
+    body = s.prompt.split("\n\n")[1]
+    found = re.findall(r"One of the special magic \w+ for (\S+) is: (\S+)\.", body)
+    keys = Counter(k for k, _ in found)
+    asked = re.search(r"magic \w+ for (.+?) mentioned in the text above\?", s.prompt).group(1)
+    queried = asked.replace(" and ", ", ").split(", ")
+    per_key = 4 if s.task == "niah_multivalue" else 1
+    assert len(queried) == (4 if s.task == "niah_multiquery" else 1), asked
+    assert all(n == 1 for k, n in keys.items() if k not in queried), (s.task, s.length, keys.most_common(2))
+    values = []
+    for q in queried:
+        assert keys[q] == per_key and body.count(f" for {q} is: ") == per_key, (s.task, s.length, q)
+        values += [v for k, v in found if k == q]
+    assert sorted(values) == sorted(s.answers) and len(set(values)) == len(values)
+    if s.task != "niah_multikey_3":  # word keys
+        words = {w for q in queried for w in q.split("-")}
+        assert not [k for k in keys if k not in queried and words & set(k.split("-"))], (s.task, s.length)
+    return len(found)
+
+
+NIAH = [t for t in task_specs(0) if t.startswith("niah")]
+
+
+def test_cheap_token_count_is_a_lower_bound(samples, count):
+    # the fast key test counts a token per 6 characters: fewer tokens than a real tokenizer's, so more haystack
+    for name, ss in samples.items():
+        for s in ss:
+            assert count(s.prompt) >= len(s.prompt) / 6, name
+
+
+@pytest.mark.parametrize("task", NIAH)
+def test_niah_keys_distinct_and_queried_once_up_to_128k(task):
+    spec = task_specs(3)[task]
+    for length in (4096, 8192, 16384, 32768, 65536, 131072):
+        needles = [_check_niah_keys(s) for s in generate(spec, length, 2, 3, lambda t: len(t) // 6)]
+    if task == "niah_multikey_2":
+        assert min(needles) > 10_000  # at 128K: about twice the 5,394 of Mistral's tokenizer
+
+
+@pytest.mark.slow
+def test_niah_keys_with_a_real_tokenizer_up_to_128k(count):
+    for task in NIAH:
+        for length in (4096, 16384, 65536, 131072):
+            for s in generate(task_specs(5)[task], length, 3, 5, count):
+                _check_niah_keys(s)
+
+
+def test_key_words_make_no_key_a_substring_of_another():
+    for words in (KEY_ADJECTIVES, KEY_NOUNS):
+        assert len(set(words)) == len(words) and all(w.isalpha() and w.islower() for w in words)
+    assert not set(KEY_ADJECTIVES) & set(KEY_NOUNS)
+    # "<adjective>-<noun>" is inside another key only if an adjective ends another one or a noun begins another one
+    assert not [(a, b) for a in KEY_ADJECTIVES for b in KEY_ADJECTIVES if a != b and b.endswith(a)]
+    assert not [(a, b) for a in KEY_NOUNS for b in KEY_NOUNS if a != b and b.startswith(a)]
+    assert len(KEY_ADJECTIVES) * len(KEY_NOUNS) > 80_000
+
+
+def test_distractor_keys_run_out_in_one_line(monkeypatch, count):
+    # 4 adjectives x 5 nouns: the queried key's words leave 3 x 4 = 12 distractor keys
+    monkeypatch.setattr(tasks, "KEY_ADJECTIVES", KEY_ADJECTIVES[:4])
+    monkeypatch.setattr(tasks, "KEY_NOUNS", KEY_NOUNS[:5])
+    spec = task_specs(0)["niah_multikey_2"]
+    assert spec.max_units == 12
+    with pytest.raises(UserError, match="too long for task niah_multikey_2: its haystack holds at most 12 ") as e:
+        generate(spec, 1024, 1, 0, count)
+    most = int(re.search(r"about ([\d,]+) tokens", str(e.value)).group(1).replace(",", ""))
+    assert 400 < most < 0.98 * 1024  # 13 needles of about 22 tokens, the question and 128 to generate
+    (s,) = generate(spec, 400, 1, 0, count)  # a length the keys can fill
+    assert 5 < _check_niah_keys(s) < 13

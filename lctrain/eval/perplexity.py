@@ -9,12 +9,15 @@ cannot be predicted from the text (each segment's anchor and its domain-tag toke
 held out follows the run's seed and train.steps, so runs of other seeds score other text.
 
 Perplexity at a shorter length L scores the first L tokens of each held-out window (positions 0..L-1, the window's
-opening anchor included), as YaRN (Peng et al. 2023) evaluates context-window extension: each document truncated at
-each evaluated length. Under causal attention the first L tokens' predictions do not depend on the tokens after them,
-so one forward pass over the whole window gives every length at once: the sums of its per-target losses up to each
-L. The lengths are nested prefixes, so a longer length's number includes the shorter ones' targets; cutting windows
-into L-token pieces instead would start most pieces mid-document without the anchor every training sequence starts
-with.
+opening anchor included). A window packs documents, mostly far shorter than L, one after another, so past a
+document's end a target's context is other documents: the number measures prediction at positions up to L in packed
+windows, not the modelling of one long document. YaRN (Peng et al. 2023) evaluates context-window extension
+differently: single long documents (Proof-pile documents of at least 128K tokens) truncated at each evaluated
+length, every target's context its own document; the two agree only where a window is one document. Under causal
+attention the first L tokens' predictions do not depend on the tokens after them, so one forward pass over the whole
+window gives every length at once: the sums of its per-target losses up to each L. The lengths are nested prefixes,
+so a longer length's number includes the shorter ones' targets; cutting windows into L-token pieces instead would
+start most pieces mid-document without the anchor every training sequence starts with.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from lctrain.progress_bar import counted_bar
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
 
-OFFLINE_LABEL = "RULER-style (not comparable with published RULER numbers)"
+OFFLINE_LABEL = "RULER-style v2 (not comparable with published RULER numbers)"
 # predictions.jsonl while an evaluation runs: renamed with results.json when it completes
 PARTIAL_PREDICTIONS = "predictions.jsonl.partial"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")

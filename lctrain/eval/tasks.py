@@ -1,6 +1,12 @@
 """The offline RULER-style suite: RULER's 13 tasks (Hsieh et al. 2024) generated deterministically from a seed, with
-our own haystack text, templates and examples. Its scores are NOT comparable with published RULER numbers (the
+our own haystack text, words and templates. Its scores are NOT comparable with published RULER numbers (the
 paper's Tables 4-6); for those, score RULER's own data (`lctrain.eval.ruler`, `lctrain eval --ruler-data`).
+
+The tasks follow RULER's definitions (what is asked, how many needles, keys, values and repeats). The differences
+kept that bear on difficulty are in the docstrings of `_niah`, `_cwe` and `_fwe`; and every task is zero-shot, where
+RULER puts one solved example before its vt and cwe questions. Suite v2 (`lctrain.eval.runner.OFFLINE_LABEL`)
+changed v1's samples: distinct needle keys from a larger word list (`_niah`), fwe's answer (`_fwe`) and cwe's
+repeats below 4096 tokens (`_cwe`).
 
 Each task turns (seed, length, sample index) into a prompt of at most `length - max_new_tokens` tokens, counted with
 the evaluated model's tokenizer, and the strings a correct answer contains. A task is built from a number of haystack
@@ -16,86 +22,13 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.eval.filler import NOISE_PARAGRAPH, Essay, pseudo_words
+from lctrain.eval.filler import KEY_ADJECTIVES, KEY_NOUNS, NOISE_PARAGRAPH, Essay, pseudo_words
 from lctrain.eval.ruler import TASKS, Sample
-
-_ADJECTIVES = (
-    "amber",
-    "bold",
-    "calm",
-    "dusty",
-    "eager",
-    "faint",
-    "gentle",
-    "hollow",
-    "icy",
-    "jolly",
-    "keen",
-    "lively",
-    "mellow",
-    "narrow",
-    "odd",
-    "pale",
-    "quick",
-    "rusty",
-    "silent",
-    "tidy",
-    "upbeat",
-    "vivid",
-    "wary",
-    "young",
-    "zesty",
-    "brisk",
-    "crisp",
-    "dim",
-    "fierce",
-    "grand",
-    "humble",
-    "lucky",
-    "noble",
-    "proud",
-    "rapid",
-    "sharp",
-)
-_NOUNS = (
-    "anchor",
-    "badger",
-    "candle",
-    "dolphin",
-    "engine",
-    "falcon",
-    "garden",
-    "harbor",
-    "island",
-    "jacket",
-    "kettle",
-    "lantern",
-    "meadow",
-    "needle",
-    "orchard",
-    "pebble",
-    "quarry",
-    "ribbon",
-    "saddle",
-    "tunnel",
-    "violin",
-    "walnut",
-    "canyon",
-    "beacon",
-    "cobbler",
-    "ferret",
-    "glacier",
-    "hammock",
-    "magnet",
-    "oyster",
-    "parrot",
-    "rocket",
-)
 
 
 @dataclass(frozen=True)
@@ -113,6 +46,9 @@ class TaskSpec:
     build: Callable[[random.Random, int, float, int], Built]  # (rng, haystack units, first needle depth, length)
     max_units: int | None = None
     description: str = ""
+    # what bounds max_units where a prompt must fill its length (a length that needs more units is refused); empty
+    # where a shorter prompt is what the data allows (QA: the file's documents)
+    bound: str = ""
 
     @property
     def max_new_tokens(self) -> int:
@@ -127,7 +63,7 @@ class TaskSpec:
 
 
 def _word_key(rng: random.Random) -> str:
-    return f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+    return f"{rng.choice(KEY_ADJECTIVES)}-{rng.choice(KEY_NOUNS)}"
 
 
 def _number(rng: random.Random) -> str:
@@ -142,13 +78,48 @@ _MAKERS = {"words": _word_key, "numbers": _number, "uuids": _uuid}
 _SINGULAR = {"numbers": "number", "uuids": "uuid", "words": "word"}
 
 
-def _distinct(rng: random.Random, make: Callable[[random.Random], str], n: int) -> list[str]:
+def _distinct(rng: random.Random, make: Callable[[random.Random], str], n: int, taken: Iterable[str] = ()) -> list[str]:
+    """`n` distinct values of `make`, none of them in `taken`, drawn one after another: the first n of n + 1."""
+    seen = set(taken)
     out: list[str] = []
     while len(out) < n:
         v = make(rng)
-        if v not in out:
+        if v not in seen:
+            seen.add(v)
             out.append(v)
     return out
+
+
+def _needle_keys(rng: random.Random, key_type: str, n: int) -> list[str]:
+    """The keys of a sample's needles: distinct, and word keys share no word (no adjective, no noun) with each
+    other, so that no key is a near-copy of a queried one."""
+    if key_type != "words":
+        return _distinct(rng, _MAKERS[key_type], n)
+    return [f"{a}-{b}" for a, b in zip(rng.sample(KEY_ADJECTIVES, n), rng.sample(KEY_NOUNS, n))]
+
+
+def _haystack_words(needle_keys: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The adjectives and nouns left for distractor keys: none of the needles' words."""
+    used = {w for k in needle_keys for w in k.split("-")}
+    return tuple(a for a in KEY_ADJECTIVES if a not in used), tuple(b for b in KEY_NOUNS if b not in used)
+
+
+def _distractor_keys(rng: random.Random, key_type: str, needle_keys: list[str], n: int) -> list[str]:
+    """`n` keys for a haystack of distractor needles: distinct, none a needle's key, and word keys share no word
+    with a needle's key. At most `_max_distractors(key_type, len(needle_keys))` of them."""
+    if key_type != "words":
+        return _distinct(rng, _MAKERS[key_type], n, set(needle_keys))
+    adjectives, nouns = _haystack_words(needle_keys)
+    if n > len(adjectives) * len(nouns):
+        raise ValueError(f"{n} distractor keys asked for, {len(adjectives) * len(nouns)} exist")
+    return _distinct(rng, lambda r: f"{r.choice(adjectives)}-{r.choice(nouns)}", n)
+
+
+def _max_distractors(key_type: str, num_keys: int) -> int | None:
+    """How many distinct distractor keys there are for a sample with `num_keys` needle keys; None: unbounded."""
+    if key_type != "words":
+        return None
+    return (len(KEY_ADJECTIVES) - num_keys) * (len(KEY_NOUNS) - num_keys)
 
 
 def _insert(units: list[str], items: list[tuple[str, float]]) -> list[str]:
@@ -170,10 +141,23 @@ def _noise_units(n: int) -> list[str]:
 
 
 def _niah(haystack: str, key_type: str, value_type: str, num_k: int = 1, num_v: int = 1, num_q: int = 1, seed: int = 0):
+    """RULER's niah tasks: `num_k` keys with `num_v` values each, the first `num_q` keys queried, every value of a
+    queried key an answer. A key occurs only in its own num_v needles, and needle keys share no word (adjective,
+    noun) with each other; a haystack of distractor needles (niah_multikey_2, niah_multikey_3) has distinct keys,
+    none a needle's key or sharing a word with one. So a question has one answer and no near-copy of its key.
+    RULER draws from 912 adjectives x 6,782 nouns (6.2M keys) with replacement: its keys are distinct in practice
+    (4K niah_multikey_2: 161 needles, 161 keys) and a 128K sample has a few distractors sharing the queried key's
+    adjective. Suite v1 drew from 36 x 32 = 1,152 keys with replacement: at 128K, 5,540 distractor needles held
+    about 1,145 distinct keys (up to 14 repeats) and about 300 shared a word with the queried key.
+
+    niah_multiquery lists its 4 keys in the order they were drawn, the first being the key whose needle sweeps
+    the depths (the module's docstring), the other three at random depths; RULER lists them in random order.
+    Every value is needed either way (string_match_all), so we keep ours, which ties the first query to the swept
+    depth."""
     essay = Essay(seed)
 
     def build(rng: random.Random, n: int, depth: float, length: int) -> Built:
-        keys = _distinct(rng, _MAKERS[key_type], num_k)
+        keys = _needle_keys(rng, key_type, num_k)
         values = [_distinct(rng, _MAKERS[value_type], num_v) for _ in keys]
         noun = value_type
         needles = []
@@ -185,11 +169,10 @@ def _niah(haystack: str, key_type: str, value_type: str, num_k: int = 1, num_v: 
             units = _noise_units(n)
         elif haystack == "essay":
             units = essay.sentences(n)
-        else:  # a haystack made of distractor needles
+        else:  # a haystack of distractor needles, each with a key of its own
             units = [
                 f"One of the special magic {noun} for {k} is: {_MAKERS[value_type](rng)}."
-                for k in (_MAKERS[key_type](rng) for _ in range(n))
-                if k not in keys
+                for k in _distractor_keys(rng, key_type, keys, n)
             ]
         context = (" " if haystack != "needle" else "\n").join(_insert(units, needles))
         queried = keys[:num_q]
@@ -243,9 +226,12 @@ def _vt(num_hops: int = 4):
 
 
 def _cwe(num_common: int = 10):
+    """RULER's cwe: a list of `num_common` words repeated 30 times each among other words 3 times each (6 and 1 times
+    below 4096 tokens, where 300 copies would not leave room for the others), the answer the `num_common`. RULER
+    also puts one solved example list before the question; ours, like every task of the suite, is zero-shot."""
+
     def build(rng: random.Random, n: int, depth: float, length: int) -> Built:
-        # RULER's frequencies; short contexts cannot hold 30 copies of 10 words, so they use 2 and 1 as RULER does
-        freq_common, freq_rare = (30, 3) if length >= 4096 else (2, 1)
+        freq_common, freq_rare = (30, 3) if length >= 4096 else (6, 1)
         words = pseudo_words(rng, num_common + n)
         common, rare = words[:num_common], words[num_common:]
         seq = common * freq_common + rare * freq_rare
@@ -261,29 +247,41 @@ def _cwe(num_common: int = 10):
     return build
 
 
-def zipf_counts(total: int, alpha: float = 2.0) -> list[int]:
-    """Occurrence counts of ranked words summing to about `total`, proportional to rank^-alpha (at least 1 each)."""
+FWE_NOISE = "...."  # fwe's most frequent "word", which the question says to ignore
+
+
+def zipf_counts(total: int, alpha: float = 2.0, distinct: int = 5) -> list[int]:
+    """Occurrence counts of ranked words summing to about `total`, proportional to rank^-alpha (at least 1 each), the
+    first `distinct` strictly decreasing (rounding ties 2, 2 at ranks 4 and 5 for totals 59-61: the upper one gains
+    one), so that fwe's answer (ranks 2-4) is never tied with the next word."""
     ranks = max(10, int(total**0.5))
     weights = [r**-alpha for r in range(1, ranks + 1)]
     norm = sum(weights)
-    return [max(1, round(total * w / norm)) for w in weights]
+    counts = [max(1, round(total * w / norm)) for w in weights]
+    for r in range(distinct - 2, -1, -1):
+        counts[r] = max(counts[r], counts[r + 1] + 1)
+    return counts
 
 
 def _fwe(top: int = 3):
+    """RULER's fwe: coded words whose counts follow a Zipf law (alpha 2), the first rank being the noise FWE_NOISE
+    (about 60% of the text), the answer the `top` words of ranks 2 to top + 1: the most frequent words once the dots
+    are ignored. Suite v1 had no noise rank (the dots only ended lines of 12 words) and answered ranks 1-3, more
+    frequent words with a wider gap to the next (the third answer 16/9 = 1.78 times as frequent as the fourth word,
+    against 25/16 = 1.56 here and in RULER)."""
+
     def build(rng: random.Random, n: int, depth: float, length: int) -> Built:
         counts = zipf_counts(max(n, 40))
-        words = pseudo_words(rng, len(counts), syllables=(2, 2))
+        words = [FWE_NOISE] + pseudo_words(rng, len(counts) - 1, syllables=(2, 2))
         seq = [w for w, c in zip(words, counts) for _ in range(c)]
         rng.shuffle(seq)
-        lines = [" ".join(seq[i : i + 12]) for i in range(0, len(seq), 12)]
-        context = " ....\n".join(lines)
         prompt = (
             "Read the following coded text and track how often each coded word occurs. Find the three most "
-            f"frequent coded words.\n\n{context}\n\nQuestion: Ignore the dots '....'. What are the three most frequent "
-            "words in the coded text above?\nAnswer: According to the coded text above, the three most frequent "
-            "words are:"
+            f"frequent coded words.\n\n{' '.join(seq)}\n\nQuestion: Ignore the dots '{FWE_NOISE}'. What are the three "
+            "most frequent words in the coded text above?\nAnswer: According to the coded text above, the three "
+            "most frequent words are:"
         )
-        return Built(prompt, tuple(words[:top]))
+        return Built(prompt, tuple(words[1 : top + 1]))
 
     return build
 
@@ -404,7 +402,9 @@ def task_specs(seed: int = 0, qa: dict[str, QAData] | None = None) -> dict[str, 
         TaskSpec(
             "niah_multikey_2",
             _niah("needle", "words", "numbers", seed=seed),
+            max_units=_max_distractors("words", 1),
             description="haystack of distractor needles",
+            bound=f"its haystack holds at most {_max_distractors('words', 1):,} distractor needles (one per key)",
         ),
         TaskSpec(
             "niah_multikey_3",
@@ -504,6 +504,13 @@ def generate(
         return n
 
     n0 = fit(0)
+    if spec.bound and n0 == spec.max_units:
+        most = count_tokens(build(0, n0).prompt)
+        if most < 0.98 * budget:
+            raise UserError(
+                f"--lengths {length}: too long for task {spec.name}: {spec.bound}, about "
+                f"{most + spec.max_new_tokens:,} tokens; use shorter lengths or --exclude {spec.name}"
+            )
     samples = []
     for i in range(num_samples):
         built = build(i, n0)
