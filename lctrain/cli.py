@@ -117,15 +117,28 @@ def train(
             help="start over in a run directory that holds a run's checkpoints, metrics or exports (deletes them)"
         ),
     ] = False,
+    resume_if_exists: Annotated[
+        bool,
+        typer.Option(
+            help="resume the run when its directory has a checkpoint (a requeued job), with the config's other "
+            "settings as resume's --set; start it otherwise: one command for a job script's every start"
+        ),
+    ] = False,
 ):
     """Train with DeepSpeed (ZeRO, Ulysses sequence parallel); relaunches itself when the config asks for several
     processes. Writes config.yaml, metrics.jsonl, checkpoints/ and hf/step_N/ into the run directory."""
     from lctrain.train.command import train as run_train
+    from lctrain.train.command import train_or_resume
     from lctrain.train.session import record_command
 
+    if force and resume_if_exists:
+        raise UserError("--force starts the run over and --resume-if-exists continues it: give one of them")
     record_command()
-
-    run_train(load_config(config, list(set_ or [])), force=force)
+    cfg = load_config(config, list(set_ or []))
+    if resume_if_exists:
+        train_or_resume(cfg)
+    else:
+        run_train(cfg, force=force)
 
 
 @app.command()

@@ -8,6 +8,7 @@ a launcher (`run_on_ranks` of `train_on_rank`, which calls `lctrain.train.traine
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from lctrain.config import (
 from lctrain.costmodel import ModelShape
 from lctrain.data.manifest import MANIFEST
 from lctrain.data.prepare import input_change, settings_left_out
-from lctrain.errors import UserError, first_and_more
+from lctrain.errors import RunFailed, UserError, first_and_more
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, RanksHung, run_on_ranks
@@ -65,6 +66,25 @@ def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Check
             rd.write_config(cfg)
         _start(cfg, rd, prepared, resuming=False, before_checkpoint_complete=before_checkpoint_complete)
         return rd.path
+
+
+def train_or_resume(cfg: Config) -> Path:
+    """`lctrain train --resume-if-exists`, one command for a job's first start and its requeues: a run directory with
+    a complete checkpoint is resumed, with what `cfg` sets otherwise than the run's config.yaml as `--set` changes
+    (checked as `resume` checks them: more steps or another layout pass, another model or data is refused); one
+    without a checkpoint (stopped before its first) starts over; anything else starts the run."""
+    rd = RunDir.of(cfg)
+    if rd.is_run() and ckpt.latest_checkpoint(rd) is not None:
+        changes = {
+            k: v for k, v in settings_changes(settings(rd.read_config()), settings(cfg)).items() if k != "train.run_dir"
+        }
+        if _leader():
+            said = f", with {shown_changes(changes)}" if changes else ""
+            print(f"{rd} has a checkpoint: resuming it (--resume-if-exists){said}", flush=True)
+        return resume(rd.path, [f"{k}={json.dumps(now)}" for k, (_, now) in changes.items()])
+    if rd.is_run() and _leader():
+        print(f"{rd} stopped before its first checkpoint: starting it again (--resume-if-exists)", flush=True)
+    return train(cfg, force=rd.is_run())
 
 
 def refuse_to_replace(rd: RunDir) -> None:
@@ -211,7 +231,7 @@ def _start(
                 cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir, stop_on_sigterm=cfg.checkpoint.on_sigterm
             )
         except (ProcessKilled, RanksHung) as e:
-            raise _session_failed(rd, UserError(f"{e.what}; {ckpt.resume_hint(rd)}"), began) from None
+            raise _session_failed(rd, RunFailed(f"{e.what}; {ckpt.resume_hint(rd)}"), began) from None
         except BaseException as e:
             _session_failed(rd, e, began)
             raise
@@ -226,8 +246,8 @@ def _session_failed(rd: RunDir, error: BaseException, began: str) -> BaseExcepti
     return error
 
 
-def _out_of_memory(rd: RunDir, who: str, message: str) -> UserError:
-    return UserError(f"{who} ran out of memory ({message}); `lctrain plan` shows what fits; {ckpt.resume_hint(rd)}")
+def _out_of_memory(rd: RunDir, who: str, message: str) -> RunFailed:
+    return RunFailed(f"{who} ran out of memory ({message}); `lctrain plan` shows what fits; {ckpt.resume_hint(rd)}")
 
 
 # Settings a checkpoint fixes: the model it holds, the data order it continues, and the weight decay of the
