@@ -654,7 +654,10 @@ def plan(
         float | None, typer.Option(help="host memory per node in GB; default what is available here")
     ] = None,
     nproc: Annotated[int | None, typer.Option(help="processes per node; default parallel.nproc_per_node")] = None,
-    json_path: Annotated[str | None, typer.Option("--json", help="also write the plan to this JSON file")] = None,
+    json_path: Annotated[
+        str | None,
+        typer.Option("--json", help="also write the plan to this JSON file; '-': to stdout, the table to stderr"),
+    ] = None,
 ):
     """Memory per rank before launch: model states, activations, loss logits and DeepSpeed buffers against the
     device and host memory; FITS or DOES NOT FIT, the longest seq_len that fits, and settings that would fit."""

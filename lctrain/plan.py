@@ -5,6 +5,7 @@ to WARN_FRACTION of it (`Budget.planned`), the share above which `train` warns."
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import psutil
@@ -127,8 +128,8 @@ def report(cfg: Config, memory: Budget) -> dict:
     }
 
 
-def print_report(r: dict) -> None:
-    console = plain_console()
+def print_report(r: dict, stderr: bool = False) -> None:
+    console = plain_console(stderr=stderr)
     stem = Path(r["config"] or "config").stem
     table = Table(title=f"memory per rank: {stem}, model {r['model']}, seq_len {r['seq_len']:,}")
     for col in ("item", "GB", "where", "kind"):
@@ -203,11 +204,14 @@ def plan(
     nproc: int | None = None,
 ) -> dict:
     """`lctrain plan`: print the plan against this machine's (or the given) memory, on `nproc` processes per node
-    (default the config's); optionally write it as JSON."""
+    (default the config's); optionally write it as JSON, to standard output for `json_path` "-" (the table then goes
+    to standard error, so that a script can pipe the JSON alone, e.g. to jq)."""
     memory, _ = local_budget(gpu_mem_gb, host_mem_gb)
     r = report(cfg if nproc is None else with_nproc(cfg, nproc), memory)
-    print_report(r)
-    if json_path:
+    print_report(r, stderr=json_path == "-")
+    if json_path == "-":
+        sys.stdout.write(json.dumps(r, indent=1) + "\n")
+    elif json_path:
         try:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(json_path).write_text(json.dumps(r, indent=1))

@@ -406,6 +406,18 @@ def test_plan_cli_prints_a_verdict_and_json(tmp_path):
     assert json.loads(out.read_text())["model"] == "meta-llama/Llama-2-7b-hf"
 
 
+def test_plan_json_to_stdout_is_the_file_a_script_pipes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "plan.json"
+    args = ["plan", "--gpu-mem", "80", "--host-mem", "64"]
+    assert CliRunner().invoke(app, [*args, "--json", str(out)]).exit_code == 0
+    piped = CliRunner().invoke(app, [*args, "--json", "-"])
+    assert piped.exit_code == 0, piped.output
+    assert json.loads(piped.stdout) == json.loads(out.read_text())  # the JSON alone: the table went to stderr
+    assert "FITS" in piped.stderr and "memory per rank" in piped.stderr
+    assert not (tmp_path / "-").exists()
+
+
 @pytest.mark.parametrize(
     "args",
     [["--gpu-mem", "-1"], ["--host-mem", "0"], ["-c", "no_such_config"], ["--json", "/proc/no_such_dir/plan.json"]],
