@@ -1,6 +1,7 @@
 """Long-prompt generation (lctrain.eval.generation): chunked prefill and the offloaded cache give the tokens of
 transformers' own greedy `generate`; the memory plan against the paper's worked numbers for Llama-2-7B and a
-hand count of the cache; a prompt that cannot fit fails in one line naming the longest that does."""
+hand count of the cache; a prompt that cannot fit fails in one line naming the longest that does; generation ends at
+every end token of the model's generation_config."""
 
 import copy
 
@@ -15,6 +16,7 @@ from lctrain.eval.generation import (
     kv_cache_bytes,
     plan_generation,
     planned_cache,
+    stop_ids,
 )
 
 GIB = 1 << 30
@@ -107,6 +109,25 @@ def test_generation_stops_at_eos_and_stop_condition(tiny):
     assert greedy_ids(tiny, ids, 10, plan, stop=lambda new: len(new) == 4) == full[:4]
     with pytest.raises(ValueError):
         greedy_ids(tiny, [], 4, plan)
+
+
+def test_generation_ends_at_every_end_token_of_the_generation_config(tiny, tmp_path):
+    """Llama-3-Instruct's generation_config lists two end tokens, `<|end_of_text|>` and `<|eot_id|>` (128001,
+    128009), its tokenizer's EOS only the first: a turn's `<|eot_id|>` ends its generation too, as in transformers'
+    `generate`. Without generation_config.json, config.json's eos_token_id, as transformers derives it."""
+    ids = list(range(10, 40))
+    plan = GenerationPlan(3, 3, 8, 50, 0, 0, 0)
+    full = greedy_ids(tiny, ids, 10, plan)
+    k = next(k for k in range(2, 10) if full[k] not in full[:k])
+    eos, unused = next((i, j) for i in range(3, 256) for j in range(i + 1, 256) if {i, j}.isdisjoint(full))
+    tiny.config.save_pretrained(tmp_path)  # eos_token_id 2
+    assert stop_ids(tmp_path, None) == [2] and stop_ids(tmp_path, eos) == [eos, 2]
+    GenerationConfig(eos_token_id=[unused, full[k]]).save_pretrained(tmp_path)
+    assert stop_ids(tmp_path, eos) == [eos, unused, full[k]] and stop_ids(tmp_path, unused) == [unused, full[k]]
+    assert greedy_ids(tiny, ids, 10, plan, eos=[eos]) == full
+    assert greedy_ids(tiny, ids, 10, plan, eos=stop_ids(tmp_path, eos)) == full[: k + 1]
+    GenerationConfig(eos_token_id=full[k]).save_pretrained(tmp_path)
+    assert stop_ids(tmp_path, eos) == [eos, full[k]]
 
 
 LLAMA2_7B = AutoConfig.for_model(

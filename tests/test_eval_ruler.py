@@ -4,12 +4,16 @@ scripts/run.sh writes, with two tiny random Llama checkpoints.
 References: the prompts are rebuilt here as RULER's scripts/pred/call_api.py builds them (input + answer_prefix) and
 completed with Hugging Face's greedy `generate` at RULER's tokens_to_generate (fwe 50, qa 32); the expected answers
 are cut from those completions so that every sample's metric is known by construction; task scores, checkpoint
-averages and task means are recomputed below with plain loops from RULER's formulas. Also: the task sets of the
-paper, missing task/length files named at the top of the report, and malformed data ending in one line."""
+averages and task means are recomputed below with plain loops from RULER's formulas. Prompts are encoded as RULER
+encodes them (a chat template's special-token text is the token: against SentencePiece's control symbols and the
+tokenizer's own ids), and data of exactly the model's length, counted as RULER's `length` counts (no BOS), is
+neither noted as another tokenizer's nor as extrapolation. Also: the task sets of the paper, missing task/length files
+named at the top of the report, and malformed data ending in one line."""
 
 import json
 
 import pytest
+import sentencepiece as spm
 import torch
 from train_helpers import export_by_hand, one_error_line
 from typer.testing import CliRunner
@@ -17,10 +21,10 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import bundled_config_names, load_config, write_resolved
 from lctrain.errors import UserError
-from lctrain.eval.ruler import scan_task, select_task_set
-from lctrain.eval.runner import evaluate, resolve_target
+from lctrain.eval.ruler import PromptEncoder, scan_task, select_task_set
+from lctrain.eval.runner import OFFLINE_LABEL, evaluate, resolve_target, ruler_suite
 from lctrain.rundir import RunDir
-from lctrain.tokenizer import load_tokenizer
+from lctrain.tokenizer import builtin_model_file, load_tokenizer, resolve_anchor, text_encoder
 
 RULER_13 = [
     "niah_single_1",
@@ -92,8 +96,8 @@ def ruler_run(tmp_path_factory, tok, one_thread):
 
     Expected answers, cut from step_10's greedy completions: fwe sample 0 holds two of its three expected strings
     (string_match_all 2/3), sample 1 none (0); qa_1 sample 0 one of two acceptable answers (string_match_part 1),
-    sample 1 none (0). qa_1 records a `length` 30% above the tokenizer's count, as data prepared with another
-    tokenizer would."""
+    sample 1 none (0). Each file records RULER's `length` (`tokenize`: the prompt without BOS, plus the generation
+    budget), qa_1 one 30% above it, as data prepared with another tokenizer would."""
     from lctrain.model import build_model
 
     root = tmp_path_factory.mktemp("rulerrun")
@@ -138,7 +142,7 @@ def ruler_run(tmp_path_factory, tok, one_thread):
                 rec["outputs"] = [first[:4], first[-4:], ABSENT] if i == 0 else [ABSENT]
             else:
                 rec["outputs"] = [ABSENT, first[:6]] if i == 0 else [ABSENT + "-2"]
-            counted = len(tok(_prompt(rec))["input_ids"]) + NEW_TOKENS[task]
+            counted = len(tok.tokenize(_prompt(rec))) + NEW_TOKENS[task]
             rec["length"] = round(1.3 * counted) if task == "qa_1" else counted
         folder.mkdir(parents=True)
         (folder / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -252,29 +256,132 @@ def test_tokenizer_mismatch_is_noted(scored):
     assert not any(k.startswith("fwe at") for k in results["notes"])
 
 
+class CharEncoder:
+    """One token a character, after a one-token anchor: where each count lands is plain to see."""
+
+    def encode_batch(self, texts):
+        return [[0] * len(t) for t in texts]
+
+    def prompted(self, ids):
+        return [1, *ids]
+
+
 def test_scan_task_limit_and_fields(tmp_path, tok):
     path = tmp_path / "validation.jsonl"
     recs = [
         {"index": 7, "input": f"in{i}", "outputs": [f"a{i}", f"b{i}"], "answer_prefix": " Answer:"} for i in range(3)
     ]
     path.write_text(json.dumps(recs[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in recs[1:]))
-    scanned = scan_task(path, "vt", 4096, 2, lambda texts: [len(tok(t)["input_ids"]) for t in texts])
+    scanned = scan_task(path, "vt", 4096, 2, PromptEncoder(tok, resolve_anchor(tok)))
     samples = list(scanned)
     assert scanned.note is None and len(scanned) == 2 and [s.index for s in samples] == [1, 3]
     assert [s.prompt for s in samples] == ["in0 Answer:", "in1 Answer:"] and samples[1].answers == ("a1", "b1")
     assert {(s.max_new_tokens, s.metric) for s in samples} == {(30, "all")}
-    assert samples[0].num_tokens == len(tok("in0 Answer:")["input_ids"])
-    qa = scan_task(path, "qa_2", 4096, None, lambda texts: [1] * len(texts))
+    assert samples[0].num_tokens == len(tok("in0 Answer:")["input_ids"])  # RULER's `tokenizer(prompt)`: BOS first
+    qa = scan_task(path, "qa_2", 4096, None, CharEncoder())
     assert len(list(qa)) == 3 and {(s.max_new_tokens, s.metric) for s in qa} == {(32, "part")}
-    assert scan_task(path, "qa_2", 20, None, lambda texts: [1] * len(texts)).note == (
-        "prompts plus generation reach 33 tokens with this tokenizer, over 20: the data was prepared with another "
+    # measured as RULER's `length` measures it: the prompt's 11 characters without the anchor, and qa's 32 tokens
+    assert scan_task(path, "qa_2", 43, None, CharEncoder()).note is None
+    assert scan_task(path, "qa_2", 42, None, CharEncoder()).note == (
+        "prompts plus generation reach 43 tokens with this tokenizer, over 42: the data was prepared with another "
         "tokenizer"
     )
     # counted in batches: every count still lands on its own sample
     many = [{"input": "w" * (i + 1), "outputs": ["a"], "answer_prefix": "?"} for i in range(19)]
     path.write_text("".join(json.dumps(r) + "\n" for r in many))
-    scanned = scan_task(path, "vt", 4096, None, lambda texts: [len(t) for t in texts])
-    assert scanned.num_tokens == tuple(i + 2 for i in range(19)) == tuple(len(s.prompt) for s in scanned)
+    scanned = scan_task(path, "vt", 4096, None, CharEncoder())
+    assert scanned.num_tokens == tuple(i + 3 for i in range(19)) == tuple(len(s.prompt) + 1 for s in scanned)
+
+
+def _write_task(root, length: int, task: str, records: list[dict]) -> None:
+    folder = root / str(length) / "data" / task
+    folder.mkdir(parents=True)
+    (folder / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture(scope="module")
+def v3():
+    return load_tokenizer("builtin:mistral-7b-v0.3")
+
+
+NIAH = (
+    "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you about "
+    "the number afterwards.\nThe grass is green. The sky is blue. One of the special magic numbers for quiet-lake "
+    "is: 7261. The sun is yellow.\nWhat is the special magic number for quiet-lake mentioned in the provided text?"
+)
+NIAH_PREFIX = " The special magic number for quiet-lake mentioned in the provided text is"
+
+
+def test_a_chat_templates_special_tokens_are_the_tokens(v3, tmp_path):
+    """RULER's meta-chat template (scripts/data/template.py: "[INST] {task_template} [/INST]") prepared for
+    Mistral-7B-v0.3: `[INST]` and `[/INST]` are control symbols of its SentencePiece model, and RULER's prediction,
+    `tokenizer(prompts)`, reads them as those tokens. So does eval, with one BOS, also when the prompt spells it."""
+    sp = spm.SentencePieceProcessor(model_file=str(builtin_model_file("mistral-7b-v0.3")))
+    inst, end, bos = sp.piece_to_id("[INST]"), sp.piece_to_id("[/INST]"), sp.bos_id()
+    assert sp.is_control(inst) and sp.is_control(end) and (bos, inst, end) == (1, 3, 4)
+    rec = {"index": 0, "input": f"[INST] {NIAH} [/INST]", "outputs": ["7261"], "answer_prefix": NIAH_PREFIX}
+    rec["length"] = len(v3.tokenize(_prompt(rec))) + 128
+    _write_task(tmp_path, 4096, "niah_single_1", [rec])
+    encoder = PromptEncoder(v3, resolve_anchor(v3))
+    suite = ruler_suite(tmp_path, ["niah_single_1"], None, None, encoder)
+    (sample,) = suite.sources[0]
+    ids = encoder.encode(sample.prompt, specials=True)
+    assert ids[:2] == [bos, inst] and ids.count(bos) == 1 and ids.count(inst) == ids.count(end) == 1
+    assert ids == v3(sample.prompt)["input_ids"]
+    assert sample.num_tokens == len(ids) and suite.notes == {}
+    assert encoder.encode("<s>" + sample.prompt, specials=True) == ids
+    # the training data's encoder (and the offline suite's) spells the same text out, as SentencePiece does
+    spelled = text_encoder(v3).prompted(resolve_anchor(v3)).encode(sample.prompt, specials=True)
+    assert spelled == [bos, *sp.encode(sample.prompt)] and inst not in spelled and end not in spelled
+
+
+@pytest.mark.real_model
+def test_a_chat_templates_special_tokens_are_the_tokens_of_a_byte_level_bpe(model_dir):
+    """SmolLM2's ChatML: `<|im_start|>`/`<|im_end|>` are its tokens 1 and 2; its tokenizer puts nothing before a text,
+    so the anchor `<|endoftext|>` comes first, once, also before a prompt that starts with it."""
+    from transformers import AutoTokenizer
+
+    smol = AutoTokenizer.from_pretrained(str(model_dir))
+    anchor = resolve_anchor(smol)
+    start, stop = smol.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert (anchor.token, anchor.id, start, stop) == ("<|endoftext|>", 0, 1, 2)
+    prompt = f"<|im_start|>user\n{NIAH}<|im_end|>\n<|im_start|>assistant\n{NIAH_PREFIX}"
+    encoder = PromptEncoder(smol, anchor)
+    ids = encoder.encode(prompt, specials=True)
+    assert ids == [0, *smol(prompt)["input_ids"]] and ids[:2] == [0, start]
+    assert ids.count(start) == 2 and ids.count(stop) == 1 and ids.count(0) == 1
+    assert encoder.encode("<|endoftext|>" + prompt, specials=True) == ids
+
+
+def _sized(tok, total: int, task: str = "vt", budget: int = 30) -> dict:
+    """A vt record whose prompt plus generation budget is `total` tokens as RULER counts them (`tokenize`)."""
+    prefix = " Answer: According to the chain(s) of variable assignment in the text above, 1 variables are assigned"
+    question = "\nQuestion: Find all variables that are assigned the value 64019 in the text above."
+
+    def record(pad: int) -> dict:
+        text = "VAR QPE = 64019\n" + "The grass is green. The sky is blue." * 8 + " go" * pad + question
+        return {"index": 0, "input": text, "outputs": ["QPE"], "answer_prefix": prefix}
+
+    rec = record(0)
+    rec = record(total - budget - len(tok.tokenize(_prompt(rec))))
+    rec["length"] = len(tok.tokenize(_prompt(rec))) + budget
+    assert rec["length"] == total
+    return rec
+
+
+def test_data_of_the_models_length_is_neither_foreign_nor_extrapolated(ruler_run, tok, tmp_path, one_thread):
+    """RULER's `length` counts a prompt without the BOS its prediction puts first: a sample of exactly the
+    checkpoint's 512 positions (max_position_embeddings) read with that BOS is 513 tokens, the last generated one
+    never read back, so it takes positions 0-511: no note that the data is another tokenizer's, none of
+    extrapolation."""
+    run, _, _ = ruler_run
+    ckpt = RunDir(run).export(10)
+    assert json.loads((ckpt / "config.json").read_text())["max_position_embeddings"] == 512
+    _write_task(tmp_path / "synthetic", 512, "vt", [_sized(tok, 512)])
+    out = evaluate(resolve_target(ckpt), ruler_data=str(tmp_path / "synthetic"), out=tmp_path / "o")
+    results = json.loads((out / "results.json").read_text())
+    (pred,) = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert pred["tokens"] == 512 - 30 + 1 and results["notes"] == {}
 
 
 def test_task_sets_of_the_paper():
@@ -363,6 +470,6 @@ def test_offline_suite_says_it_is_not_ruler_and_names_missing_qa(ruler_run, tmp_
         out=tmp_path / "o",
     )
     results = json.loads((out / "results.json").read_text())
-    assert results["suite"] == "RULER-style (not comparable with published RULER numbers)"
+    assert results["suite"] == OFFLINE_LABEL and OFFLINE_LABEL.endswith("(not comparable with published RULER numbers)")
     assert results["tasks"] == ["vt"] and [e["task"] for e in results["not_scored"]] == ["qa_1", "qa_2"]
     assert "--squad FILE" in results["not_scored"][0]["why"] and "--hotpotqa FILE" in results["not_scored"][1]["why"]

@@ -1,10 +1,12 @@
 """`lctrain eval` end to end on a fake run directory (tiny random Llama checkpoints hf/step_N/ with the built-in
 tokenizer, config.yaml from write_resolved, a small prepared dataset): the report files, the checkpoint average
-recomputed by hand from predictions.jsonl, held-out perplexity against HF's own loss, and bad input."""
+recomputed by hand from predictions.jsonl, held-out perplexity against HF's own loss, where generation stops (the
+settled score, every end token of the generation config) on both backends, and bad input."""
 
 import json
 import math
 import os
+import shutil
 import sys
 import types
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from train_helpers import export_by_hand
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -20,12 +22,21 @@ from lctrain.config import load_config, write_resolved
 from lctrain.errors import UserError
 from lctrain.eval.generation import greedy_ids, plan_for
 from lctrain.eval.perplexity import heldout_rows, perplexity
-from lctrain.eval.ruler import Sample
-from lctrain.eval.runner import evaluate, greedy_generate, load_model, parse_lengths, resolve_target, until_answered
+from lctrain.eval.ruler import PromptEncoder, Sample
+from lctrain.eval.runner import (
+    OFFLINE_LABEL,
+    evaluate,
+    greedy_generate,
+    load_model,
+    parse_lengths,
+    resolve_target,
+    until_answered,
+)
 from lctrain.eval.score import sample_score, settled
+from lctrain.export_record import EXPORT_RECORD
 from lctrain.reports.compare import write_report
 from lctrain.rundir import RunDir
-from lctrain.tokenizer import load_tokenizer, text_encoder
+from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
 
 TINY = [
     "model.arch.hidden_size=64",
@@ -77,7 +88,7 @@ def evaluated(run_dir):
 def test_report_files(evaluated, run_dir):
     out, results = evaluated
     assert out == run_dir / "eval"
-    assert results["suite"] == "RULER-style v2 (not comparable with published RULER numbers)"
+    assert results["suite"] == OFFLINE_LABEL and OFFLINE_LABEL.endswith("(not comparable with published RULER numbers)")
     assert results["not_scored"] == [] and results["task_set"] == ["vt", "fwe"]
     assert results["checkpoints"] == [f"step_{s}" for s in STEPS]
     assert results["tasks"] == ["vt", "fwe"] and results["lengths"] == [512]
@@ -315,6 +326,45 @@ def test_vllm_backend_errors_are_one_line(run_dir, tmp_path, monkeypatch):
         evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, backend="tgi", out=tmp_path / "c")
 
 
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_both_backends_end_at_every_end_token_of_the_generation_config(run_dir, tmp_path, monkeypatch, backend):
+    """A checkpoint whose generation_config lists two end tokens, as Llama-3-Instruct's does (`<|end_of_text|>` and
+    `<|eot_id|>`): a RULER sample's answer ends at the second, where the tokenizer's EOS alone ran the whole budget
+    (a random model repeats its first token)."""
+    monkeypatch.setitem(sys.modules, "vllm", FakeVllm())
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(RunDir(run_dir).export(STEPS[0]), ckpt)
+    (ckpt / EXPORT_RECORD).unlink()  # the generation_config below is not the export's
+    tok = load_tokenizer(str(RunDir(run_dir).export(STEPS[0])))
+    prompt = "The special magic number for the quiet lake is 7261. What is the special magic number?"
+    model = load_model(ckpt, "cpu")
+    ids = PromptEncoder(tok, resolve_anchor(tok)).encode(prompt, specials=True)
+    ref = greedy_ids(model, ids, 30, plan_for(model, 256), eos=[tok.eos_token_id])
+    GenerationConfig(eos_token_id=[tok.eos_token_id, ref[0]]).save_pretrained(ckpt)
+    folder = tmp_path / "synthetic" / "256" / "data" / "vt"
+    folder.mkdir(parents=True)
+    (folder / "validation.jsonl").write_text(json.dumps({"input": prompt, "outputs": ["\u2603"]}) + "\n")
+    out = evaluate(resolve_target(ckpt), ruler_data=str(tmp_path / "synthetic"), backend=backend, out=tmp_path / "o")
+    (pred,) = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert pred["prediction"] == tok.decode(ref[:1], skip_special_tokens=True)
+    assert len(ref) == 30 and tok.decode(ref, skip_special_tokens=True) != pred["prediction"]
+
+
+def test_the_anchor_ends_a_generation_too(run_dir, tmp_path, monkeypatch):
+    """Training taught the model to predict the anchor where a document ends (`shifted_labels`): it is among the
+    ids that end every answer, beside the tokenizer's EOS and the generation config's."""
+    import lctrain.eval.generation as generation
+
+    asked = []
+    real = generation.stop_ids
+    monkeypatch.setattr(generation, "stop_ids", lambda d, *known: asked.append(known) or real(d, *known))
+    tok = load_tokenizer(str(RunDir(run_dir).export(STEPS[0])))
+    anchor = resolve_anchor(tok).id  # the export records none: the default rule's
+    assert recorded_anchor(RunDir(run_dir).export(STEPS[0])) is None
+    evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, out=tmp_path / "o")
+    assert asked and all(known == (tok.eos_token_id, anchor) for known in asked)
+
+
 def test_settled_needs_every_answer_before_the_last_character():
     assert not settled("all", ["1234", "abc"], "the numbers are 1234 and ab")
     assert not settled("all", ["1234"], "the number is 1234")  # the end may still be rewritten by the next token
@@ -332,18 +382,19 @@ def test_generation_stops_once_the_score_is_settled_with_the_full_lengths_score(
     encoder = text_encoder(tok)
     model = load_model(ckpt, "cpu")
     plan = plan_for(model, 256)
+    ends = [tok.eos_token_id]
     prompt = "The special magic number for the quiet lake is 7261. What is the special magic number?"
-    ref = greedy_ids(model, encoder.encode(prompt, specials=True), 64, plan, eos=tok.eos_token_id)
+    ref = greedy_ids(model, encoder.encode(prompt, specials=True), 64, plan, eos=ends)
     text = tok.decode(ref, skip_special_tokens=True)
     k = next(k for k in range(1, len(ref)) if tok.decode(ref[:k], skip_special_tokens=True).strip()[:-1])
     answer = tok.decode(ref[:k], skip_special_tokens=True).strip()[:-1]  # appears k tokens in
     early = Sample("niah_single_1", 256, 0, prompt, (answer,), 64, "all", 0)
     never = Sample("niah_single_1", 256, 1, prompt, ("\u2603 not generated",), 64, "all", 0)
-    got = greedy_generate(model, tok, encoder, early, plan)
+    got = greedy_generate(model, tok, encoder, early, plan, ends)
     assert text.startswith(got) and len(got) < len(text)
     assert sample_score("all", early.answers, got) == sample_score("all", early.answers, text) == 1.0
     assert tok.decode(until_answered(tok, early, ref), skip_special_tokens=True) == got
-    assert greedy_generate(model, tok, encoder, never, plan) == text
+    assert greedy_generate(model, tok, encoder, never, plan, ends) == text
     assert until_answered(tok, never, ref) == ref
 
 

@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from lctrain.compat.transformers import load_errors
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.search import longest_fitting
@@ -364,6 +366,34 @@ def planned_cache(model, plan: GenerationPlan):
     return PlannedCache()
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def stop_ids(model_dir, *known: int | None) -> list[int]:
+    """The ids that end a generation: `known` (the tokenizer's EOS; lctrain's evaluation adds the anchor) and every
+    `eos_token_id` of the model's generation config, one id or a list, as transformers' `generate` (RULER's
+    prediction) stops: Llama-3-Instruct ends its turn with `<|eot_id|>`, which its tokenizer's EOS `<|end_of_text|>`
+    is not. A model directory without generation_config.json is given one from its config.json when transformers
+    loads it, and so here."""
+    # transformers on use, as torch (start-up time)
+    from transformers import AutoConfig, GenerationConfig
+
+    path = Path(model_dir)
+    try:
+        if (path / GENERATION_CONFIG).is_file():
+            config = GenerationConfig.from_pretrained(str(path))
+        else:
+            config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(path)))
+    except load_errors() as e:
+        raise UserError(
+            f"{path}: cannot read its end-of-generation tokens ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            f"restore its {GENERATION_CONFIG} and config.json"
+        ) from None
+    listed = config.eos_token_id
+    ids = [*known, *(listed if isinstance(listed, list) else [listed])]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def greedy_ids(
     model,
     ids: list[int],
@@ -371,18 +401,19 @@ def greedy_ids(
     plan: GenerationPlan,
     *,
     cache=None,
-    eos: int | None = None,
+    eos: int | Collection[int] | None = None,
     stop: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
-    """Greedy continuation of `ids` under `plan`: up to `max_new` tokens, ending after `eos` or once `stop(new ids)`
-    is true (the stop strings of a task). `cache`: a `planned_cache` of this plan to reuse (the caller closes it);
-    without one, a cache is made for this call and closed after it."""
+    """Greedy continuation of `ids` under `plan`: up to `max_new` tokens, ending after `eos` (an id, or several:
+    `stop_ids`) or once `stop(new ids)` is true (the stop strings of a task). `cache`: a `planned_cache` of this plan
+    to reuse (the caller closes it); without one, a cache is made for this call and closed after it."""
     if not ids or max_new < 1:
         raise ValueError("greedy generation needs a prompt token and room for at least one new token")
     if len(ids) + max_new > plan.tokens:
         raise ValueError(f"a {len(ids)}-token prompt and {max_new} new tokens exceed the plan's {plan.tokens}")
     if cache is not None and cache.plan != plan:
         raise ValueError("the cache was planned for another generation plan")
+    ends = {eos} if isinstance(eos, int) else set(eos or ())
     own = cache is None
     cache = planned_cache(model, plan) if own else cache
     cache.reset()
@@ -400,7 +431,7 @@ def greedy_ids(
             while True:
                 nxt = int(out.logits[0, -1].argmax())
                 new.append(nxt)
-                if len(new) >= max_new or nxt == eos or (stop is not None and stop(new)):
+                if len(new) >= max_new or nxt in ends or (stop is not None and stop(new)):
                     break
                 out = model(
                     input_ids=torch.tensor([[nxt]], device=model.device),
@@ -422,7 +453,7 @@ class VllmGenerator:
 
     GPU_MEMORY_UTILIZATION = 0.9
 
-    def __init__(self, model_dir, max_len: int, eos: int | None, seed: int = 0):
+    def __init__(self, model_dir, max_len: int, eos: Collection[int], seed: int = 0):
         try:
             # optional dependency: vllm
             import vllm
@@ -452,10 +483,9 @@ class VllmGenerator:
         )
 
     def greedy(self, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
-        """The greedy continuation of each prompt, up to its `max_new` tokens, ending after EOS."""
-        stops = [self.eos] if self.eos is not None else []
+        """The greedy continuation of each prompt, up to its `max_new` tokens, ending after any of the `eos` ids."""
         params = [
-            self.vllm.SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=stops, detokenize=False)
+            self.vllm.SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=list(self.eos), detokenize=False)
             for n in max_new
         ]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -9,7 +9,10 @@ Learned from NVIDIA/RULER (commit c3f5e3b), not copied:
 - `scripts/run.sh` and `scripts/data/prepare.py`: the layout `<root>/<model>/synthetic/<max_seq_length>/data/<task>/
   validation.jsonl`, one JSON object a line with `index`, `input`, `outputs` (the expected strings), `length` (prompt
   plus generation, in the preparing tokenizer's tokens) and `answer_prefix`;
-- `scripts/pred/call_api.py`: the model is prompted with `input + answer_prefix`.
+- `scripts/pred/call_api.py`: the model is prompted with `input + answer_prefix`;
+- `scripts/pred/model_wrappers.py` and `scripts/data/tokenizer.py`: the prompt is encoded by the model's Hugging Face
+  tokenizer, `tokenizer(prompts)`, which reads a chat template's special-token text as the token; `length` counts
+  `tokenizer.tokenize(prompt)`, no BOS.
 
 The paper (§4.2): "unlike the official evaluation, which measures overall performance across all 13 tasks, we exclude
 two tasks (NIAH-Multikey 3 and Common Word Extraction) for the LLaMA-2-7B model [...] for other advanced models
@@ -19,11 +22,15 @@ two tasks (NIAH-Multikey 3 and Common Word Extraction) for the LLaMA-2-7B model 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lctrain.errors import UserError
+
+if TYPE_CHECKING:
+    from lctrain.tokenizer import Anchor
 
 # base task -> (tokens_to_generate, metric); metric "all": fraction of expected strings found, "part": any found
 _BASE_TASKS = {
@@ -75,7 +82,7 @@ class Sample:
     answers: tuple[str, ...]
     max_new_tokens: int
     metric: str  # "all": fraction of the answers found; "part": 1 if any is found (QA)
-    num_tokens: int  # prompt tokens with the evaluated model's tokenizer
+    num_tokens: int  # the tokens the model reads for the prompt, its anchor included
     needles: tuple[tuple[str, float], ...] = ()
 
 
@@ -137,6 +144,38 @@ def _record(path: Path, lineno: int, line: str) -> dict:
     return rec
 
 
+class PromptEncoder:
+    """RULER's prompts as RULER encodes them: by the model's Hugging Face tokenizer, with which RULER sized the data
+    (its `length`) and which its prediction runs. That tokenizer reads text spelling one of its added tokens as the
+    token, so a chat template's `[INST]` or `<|start_header_id|>` reaches the model as the control token it was tuned
+    on; lctrain's `TextEncoder` encodes such text as text, as the training data's documents and the offline suite's
+    prompts need. The anchor goes first, as every training document started, unless the prompt already starts a
+    document, with the anchor or the BOS the tokenizer puts before a text (a template's `<s>` or
+    `<|begin_of_text|>`): never twice. `encode` answers as `TextEncoder.encode` does, `specials` adding the anchor."""
+
+    def __init__(self, tokenizer, anchor: Anchor):
+        # on use: the config, which imports this module, loads without numpy (start-up time)
+        from lctrain.tokenizer import special_affixes
+
+        self.tokenizer, self.anchor = tokenizer, anchor
+        self.starts = {anchor.id, *special_affixes(tokenizer)[0]}
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text, without the anchor: the tokens RULER's `length` counts."""
+        if not texts:
+            return []
+        # not verbose: a long prompt passes most tokenizers' model_max_length, which transformers warns about
+        return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def prompted(self, ids: list[int]) -> list[int]:
+        """A prompt's ids as the model reads them."""
+        return ids if ids[:1] and ids[0] in self.starts else [self.anchor.id, *ids]
+
+    def encode(self, text: str, specials: bool = False) -> list[int]:
+        ids = self.encode_batch([text])[0]
+        return self.prompted(ids) if specials else ids
+
+
 @dataclass(frozen=True)
 class TaskFile:
     """One RULER data file, checked and measured: iterating it re-reads its samples, so a full benchmark (500
@@ -146,7 +185,7 @@ class TaskFile:
     task: str
     length: int
     lines: tuple[int, ...]  # line numbers of the samples used
-    num_tokens: tuple[int, ...]  # their prompt tokens with the evaluated model's tokenizer
+    num_tokens: tuple[int, ...]  # the tokens the model reads for their prompts
     note: str | None = None
 
     def __len__(self) -> int:
@@ -189,29 +228,33 @@ def _records(path: Path, limit: int | None) -> Iterator[tuple[int, dict]]:
 _COUNT_BATCH = 8  # prompts tokenized together: fast tokenizers spread a batch over the cores
 
 
-def scan_task(
-    path: Path, task: str, length: int, limit: int | None, count_tokens: Callable[[list[str]], list[int]]
-) -> TaskFile:
-    """Check the first `limit` samples (all when None) of one RULER data file and count their prompt tokens
-    (`count_tokens`: prompts -> token counts); the note says when the evaluated tokenizer counts them differently from
-    the tokenizer that prepared them (RULER sizes its haystacks with it, so a different tokenizer makes a '128K'
-    sample longer or shorter than 128K)."""
-    lines, counts, recorded, pending = [], [], [], []
+def scan_task(path: Path, task: str, length: int, limit: int | None, encoder: PromptEncoder) -> TaskFile:
+    """Check the first `limit` samples (all when None) of one RULER data file and count their prompt tokens with
+    `encoder`; the note says when the evaluated tokenizer counts them differently from the tokenizer that prepared
+    them (RULER sizes its haystacks with it, so a different tokenizer makes a '128K' sample longer or shorter than
+    128K)."""
+    lines, counts, ruler_counts, recorded, pending = [], [], [], [], []
+
+    def count() -> None:
+        for ids in encoder.encode_batch(pending):
+            ruler_counts.append(len(ids))
+            counts.append(len(encoder.prompted(ids)))
+        pending.clear()
+
     for lineno, rec in _records(path, limit):
         lines.append(lineno)
         pending.append(_prompt(rec))
         if "length" in rec:
             recorded.append(rec["length"])
         if len(pending) == _COUNT_BATCH:
-            counts += count_tokens(pending)
-            pending = []
-    if pending:
-        counts += count_tokens(pending)
-    totals = [c + TASKS[task].max_new_tokens for c in counts]
+            count()
+    count()
+    totals = [c + TASKS[task].max_new_tokens for c in ruler_counts]
     return TaskFile(path, task, length, tuple(lines), tuple(counts), _length_note(totals, recorded, length))
 
 
 def _length_note(totals: list[int], recorded: list[int], length: int) -> str | None:
+    """`totals`: each prompt's tokens plus its generation budget, counted as RULER's `length` counts them."""
     if not totals:
         return None
     if max(totals) > length:
@@ -221,7 +264,8 @@ def _length_note(totals: list[int], recorded: list[int], length: int) -> str | N
         )
     if len(recorded) == len(totals):
         ratio = sum(totals) / sum(recorded)
-        # a tokenizer's BOS or a differently split space moves a count by a token or two, never by 2%
+        # the tokenizer that prepared the data counts `length` exactly; one differing in a detail (a space split
+        # otherwise) moves a count by a token or two, never by 2%
         if abs(ratio - 1) > 0.02:
             return (
                 f"this tokenizer counts {ratio:.0%} of the tokens RULER recorded ('length'): the data was "

@@ -201,17 +201,17 @@ def load_model(model_dir: Path, device: str):
     return model.to(device).eval()
 
 
-def greedy_generate(model, tokenizer, encoder, sample: Sample, plan, cache=None) -> str:
+def greedy_generate(model, tokenizer, encoder, sample: Sample, plan, ends: list[int], cache=None) -> str:
     """The greedy answer to `sample` under a `generation.GenerationPlan` (and its reusable `planned_cache`), up to
-    its `max_new_tokens`, EOS, or the token after which its score cannot change (`answered`): `encoder` turns the
-    prompt into ids exactly as the model's reference tokenizer does, after the anchor (`TextEncoder.prompted`),
-    `tokenizer` decodes."""
+    its `max_new_tokens`, one of the `ends` ids (`generation.stop_ids`), or the token after which its score cannot
+    change (`answered`): `encoder` turns the prompt into the ids the model reads (its suite's: `TextEncoder.prompted`
+    or `ruler.PromptEncoder`), `tokenizer` decodes."""
     # eval.generation imports torch/transformers: on use (start-up time)
     from lctrain.eval.generation import greedy_ids
 
     ids = encoder.encode(sample.prompt, specials=True)
     done = answered(tokenizer, sample)
-    new = greedy_ids(model, ids, sample.max_new_tokens, plan, cache=cache, eos=tokenizer.eos_token_id, stop=done)
+    new = greedy_ids(model, ids, sample.max_new_tokens, plan, cache=cache, eos=ends, stop=done)
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
@@ -251,11 +251,6 @@ def _counter(encoder):
     return lambda text: len(encoder.encode(text, specials=True))
 
 
-def _batch_counter(encoder):
-    specials = len(encoder.prefix) + len(encoder.suffix)
-    return lambda texts: [len(ids) + specials for ids in encoder.encode_batch(texts)]
-
-
 def offline_suite(
     names: list[str], lengths: list[int], num_samples: int, seed: int, encoder, qa_paths: dict[str, str | None]
 ) -> Suite:
@@ -279,9 +274,12 @@ def offline_suite(
     )
 
 
-def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: int | None, encoder) -> Suite:
+def ruler_suite(
+    root: Path, names: list[str], lengths: list[int] | None, limit: int | None, encoder: ruler.PromptEncoder
+) -> Suite:
     """RULER's own prepared data under `root` (`<length>/data/<task>/validation.jsonl`): every length found there,
-    or `lengths`; the first `limit` samples of each file, or all of them as RULER scores them."""
+    or `lengths`; the first `limit` samples of each file, or all of them as RULER scores them, their prompts counted
+    by `encoder`."""
     found = ruler.data_lengths(root)
     wanted = lengths or found
     if not wanted:
@@ -289,7 +287,6 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
             f"--ruler-data {root}: no length directories (<length>/data/<task>/{ruler.SUBSET_FILE}); "
             f"pass the folder RULER's scripts/run.sh fills, <ROOT_DIR>/<model>/synthetic"
         )
-    count = _batch_counter(encoder)
     files: list[ruler.TaskFile] = []
     not_scored: list[dict] = []
     notes: dict[str, str] = {}
@@ -306,7 +303,7 @@ def ruler_suite(root: Path, names: list[str], lengths: list[int] | None, limit: 
                 if path is None:
                     absent.setdefault(task, []).append(length)
                 else:
-                    scanned = ruler.scan_task(path, task, length, limit, count)
+                    scanned = ruler.scan_task(path, task, length, limit, encoder)
                     if len(scanned):
                         files.append(scanned)
                     else:
@@ -339,10 +336,10 @@ def _json_table(table: dict) -> dict:
     return {t: {str(L): v for L, v in per.items()} for t, per in table.items()}
 
 
-def _hf_answers(model, tokenizer, encoder, plan, cache):
+def _hf_answers(model, tokenizer, encoder, plan, ends, cache):
     """Answers a batch of samples one by one (lazily, so each is recorded as soon as it is made) with the HF model
     under a generation plan, in one cache allocated for the checkpoint."""
-    return lambda batch: (greedy_generate(model, tokenizer, encoder, s, plan, cache) for s in batch)
+    return lambda batch: (greedy_generate(model, tokenizer, encoder, s, plan, ends, cache) for s in batch)
 
 
 def _vllm_answers(generator, tokenizer, encoder):
@@ -358,18 +355,27 @@ def _vllm_answers(generator, tokenizer, encoder):
 
 
 def score_checkpoints(
-    tgt: Target, suite: Suite, tokenizer, encoder, device: str, heldout, kept: Kept, backend: str = "hf"
+    tgt: Target,
+    suite: Suite,
+    tokenizer,
+    encoder,
+    device: str,
+    heldout,
+    kept: Kept,
+    backend: str = "hf",
+    anchor_id: int | None = None,
 ):
     """Greedy answers of every checkpoint to every sample: ({checkpoint: {task: {length: [metric]}}}, perplexity per
     checkpoint {checkpoint: {length: ppl}} at the suite's lengths that fit the held-out window and the window itself,
     notes, how generation held its memory per checkpoint); every prediction goes to `kept.predictions` as it is made,
     and what an interrupted evaluation under the same settings left (`kept`) is used, not measured again: a
     checkpoint with every answer and its perplexity kept is not even loaded. `backend`: "hf" (the planned generation
-    of lctrain.eval.generation) or "vllm"."""
+    of lctrain.eval.generation) or "vllm". `anchor_id`: the anchor, which ends a generation too: training taught the
+    model to predict it where a document ends (`lctrain.attention.modes.shifted_labels`)."""
     # transformers and eval.generation (torch) on use (start-up time)
     from transformers import AutoConfig
 
-    from lctrain.eval.generation import VllmGenerator, plan_for, planned_cache
+    from lctrain.eval.generation import VllmGenerator, plan_for, planned_cache, stop_ids
 
     per_sample: dict[str, dict[str, dict[int, list[float]]]] = {}
     ppl: dict[str, dict[int, float]] = {}
@@ -385,8 +391,9 @@ def score_checkpoints(
             ]
             model = generator = cache = answer = None
             if any(fresh):
+                ends = stop_ids(ckpt_dir, tokenizer.eos_token_id, anchor_id)
                 if backend == "vllm":
-                    generator = VllmGenerator(ckpt_dir, suite.longest, tokenizer.eos_token_id)
+                    generator = VllmGenerator(ckpt_dir, suite.longest, ends)
                     memory[ckpt_name] = generator.describe()
                     answer = _vllm_answers(generator, tokenizer, encoder)
                 else:
@@ -394,14 +401,18 @@ def score_checkpoints(
                     plan = plan_for(model, suite.longest)  # stops here, before any answer, when the longest cannot fit
                     memory[ckpt_name] = plan.describe()
                     cache = planned_cache(model, plan)  # allocated (and page-locked) once for every sample
-                    answer = _hf_answers(model, tokenizer, encoder, plan, cache)
+                    answer = _hf_answers(model, tokenizer, encoder, plan, ends, cache)
             else:
                 memory[ckpt_name] = "every answer kept from the interrupted evaluation"
             model_config = model.config if model is not None else AutoConfig.from_pretrained(str(ckpt_dir))
             limit = getattr(model_config, "max_position_embeddings", None)
-            if limit and suite.longest > limit:
+            # the last generated token is never read back: a RULER sample of Llama-2's 4096 tokens plus its BOS
+            # takes positions 0-4095
+            positions = suite.longest - 1
+            if limit and positions > limit:
                 notes[f"{ckpt_name}: max_position_embeddings"] = (
-                    f"{limit} < longest sample {suite.longest} tokens: scores beyond it measure extrapolation"
+                    f"{limit} < the {positions} positions the longest sample takes (its prompt and generation but the "
+                    f"last token): scores beyond it measure extrapolation"
                 )
             table = per_sample.setdefault(ckpt_name, {})
             for batch, todo in zip(batches, fresh):
@@ -471,10 +482,11 @@ def evaluate(
 
     tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
     anchor = eval_anchor(tgt.checkpoints[0][1], tgt.cfg, tokenizer)
-    encoder = text_encoder(tokenizer).prompted(anchor)
     if data_dir:
+        encoder = ruler.PromptEncoder(tokenizer, anchor)
         suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
     else:
+        encoder = text_encoder(tokenizer).prompted(anchor)
         suite = offline_suite(
             names,
             lengths or sorted(set(ev.lengths)),
@@ -509,7 +521,9 @@ def evaluate(
             f"{len(kept.perplexity)} checkpoint(s) kept, made under the same settings",
             flush=True,
         )
-    per_sample, ppl, notes, memory = score_checkpoints(tgt, suite, tokenizer, encoder, dev, heldout, kept, backend)
+    per_sample, ppl, notes, memory = score_checkpoints(
+        tgt, suite, tokenizer, encoder, dev, heldout, kept, backend, anchor.id
+    )
     training = training_progress(tgt)
     if training and not training["finished"]:
         notes["unfinished run"] = (
