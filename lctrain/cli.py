@@ -279,8 +279,10 @@ def show_config(
         typer.Option("--reference", help="print the reference of every config key (docs/config.md, Markdown) instead"),
     ] = False,
 ):
-    """Print the resolved config (after `base:` inheritance and overrides) with its fingerprint, the values the
-    model and tokenizer give to what it leaves null or auto, and the changes training makes to the model's config."""
+    """Print the resolved config (after `base:` inheritance and overrides) with its fingerprint, each value as set
+    (the output loads as the same config: `lctrain show-config > frozen.yaml`) with what a null or auto resolves to on
+    this machine (the model's and tokenizer's values among them) as a comment at the end of its line, and the changes
+    training makes to the model's config."""
     if reference:
         if config is not None or set_:
             raise UserError("--reference prints every key of the schema, not a config; leave out --config and --set")
@@ -292,6 +294,9 @@ def show_config(
 
     cfg = load_config(config, list(set_ or []))
     used, notes = used_values(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    if "model.checkpointing" in used:
+        gradient = "true" if cfg.model.gradient_checkpointing else "false"
+        notes.append(f"model.checkpointing: {used['model.checkpointing']} (model.gradient_checkpointing: {gradient})")
     typer.echo(to_yaml(cfg, used, notes), nl=False)
 
 

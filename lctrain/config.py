@@ -2,6 +2,8 @@
 
 Every stage takes a `Config`. A config file may name a `base:` config (a bundled name or a path, relative to the
 file) whose values it overrides key by key; that keeps the Table 1 configs short and their differences visible.
+`--set KEY=VALUE` overrides the same way: a mapping for a section (`train={steps: 4}`) merges into it. Files and
+`--set` values are read as YAML 1.2 core (`load_yaml`): `010` is 10, `1:00`, `yes` and `2024-01-01` are text.
 
 The models are the contract: every field carries its description and its domain (ranges, finiteness, enumerations,
 cross-field rules), so a value outside it is refused at load in one line naming the key, and docs/config.md is
@@ -15,9 +17,13 @@ import functools
 import hashlib
 import json
 import math
+import re
+import shlex
+import types
+from collections.abc import Hashable
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -832,12 +838,23 @@ def _locate(name_or_path: str, relative_to: Path | None = None) -> Path:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+    """lctrain's one YAML reader, of config files and `--set` values alike (`load_yaml`): YAML 1.2's core-schema
+    scalars, and a key given twice in one mapping refused (plain YAML keeps the last one silently).
+
+    PyYAML reads YAML 1.1, whose implicit types silently change what a script wrote: `010` is 8 (octal), `1:00` is 60
+    (base 60), `2024-01-01` a date, `yes`/`no`/`on`/`off` booleans, `1_000` 1000, while `1e5` stays a string. Here,
+    as in YAML 1.2's core schema: an int is decimal (`010` is 10), `0o` octal or `0x` hex; a float `1.5`, `1e5`,
+    `.inf`, `.nan`; a boolean only true/false (True, TRUE, ...); null `null`/`~`/empty; anything else is a string.
+    An explicit tag (`!!str 010`) works as in PyYAML; `<<` is a plain key (YAML 1.2 has no merge keys)."""
+
+    yaml_implicit_resolvers: dict = {}  # its own, filled below: SafeLoader's are YAML 1.1's
 
     def construct_mapping(self, node, deep=False):
         keys = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # `[a]: 1`: refused below, as a key that cannot be one
+                continue
             if key in keys:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key '{key}' appears twice in one mapping", key_node.start_mark
@@ -845,10 +862,73 @@ class _StrictLoader(yaml.SafeLoader):
             keys.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def _scalar(self, node, convert):
+        text = self.construct_scalar(node)
+        try:
+            return convert(text)
+        except ValueError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{text!r} is not a {node.tag.rsplit(':', 1)[-1]}", node.start_mark
+            ) from None
+
+
+def _int12(text: str) -> int:
+    sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.removeprefix("+"))
+    base = {"0o": 8, "0x": 16}.get(digits[:2].lower(), 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+def _bool12(text: str) -> bool:
+    if text.lower() not in ("true", "false"):  # `!!bool yes`
+        raise ValueError(text)
+    return text.lower() == "true"
+
+
+def _float12(text: str) -> float:
+    special = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
+    return special[text.lower()] if text.lower() in special else float(text)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:bool", lambda loader, node: loader._scalar(node, _bool12))
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: loader._scalar(node, _int12))
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", lambda loader, node: loader._scalar(node, _float12))
+# YAML 1.2 core schema (https://yaml.org/spec/1.2.2/#1032-tag-resolution); an int before a float, which `10` matches too
+_CORE_SCALARS = (
+    ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+    ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
+    (
+        "float",
+        r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)",
+        "-+.0123456789",
+    ),
+    ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+)
+
+
+class _Dumper(yaml.SafeDumper):
+    """YAML that both lctrain (`load_yaml`, YAML 1.2) and a YAML 1.1 reader (PyYAML's safe_load) read back as the
+    value written: a string either would read as another type is quoted (`'08'`, `'1e5'`, `'yes'`), where
+    `yaml.safe_dump` leaves `08` and `1e5` plain, which YAML 1.2 reads as numbers."""
+
+
+for _tag, _pattern, _first in _CORE_SCALARS:
+    for _cls in (_StrictLoader, _Dumper):  # the loader's only resolvers; the dumper's beside YAML 1.1's
+        _cls.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), list(_first))
+
+
+def load_yaml(text: str) -> Any:
+    """`text` read as lctrain reads every config file and `--set` value (`_StrictLoader`: YAML 1.2 core scalars)."""
+    return yaml.load(text, Loader=_StrictLoader)
+
+
+def dump_yaml(data: Any, **options: Any) -> str:
+    """`data` as YAML that `load_yaml` (and `yaml.safe_load`) reads back as `data`: `yaml.safe_dump`'s `options`."""
+    return yaml.dump(data, Dumper=_Dumper, **options)
+
 
 def _read_yaml(path: Path) -> dict:
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8-sig"), Loader=_StrictLoader)  # a UTF-8 BOM is fine
+        raw = load_yaml(path.read_text(encoding="utf-8-sig"))  # a UTF-8 BOM is fine
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
     except UnicodeDecodeError:
@@ -907,14 +987,101 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         else:
             advice = f"{key.strip()} takes a value (its default: {field.get_default(call_default_factory=True)!r})"
         raise UserError(f"--set '{item}': no value after '=' (an unset shell variable?); {advice}")
+    key, text = key.strip(), value.strip()
     try:
-        parsed = yaml.safe_load(value)
+        parsed = load_yaml(value)  # as a config file reads it: YAML 1.2 core scalars (`010` is 10, `1:00` text)
+    except yaml.constructor.ConstructorError as e:
+        if "appears twice" in str(e.problem):
+            raise UserError(f"--set '{item}': {e.problem}") from None
+        return key.split("."), value
+    except yaml.YAMLError:  # not YAML (`[a`, `@home`): the text itself
+        return key.split("."), value
+    comment = _yaml_comment(value)
+    if comment is not None:
+        # YAML would drop it silently (`description=x #y` -> 'x'); refused rather than kept as text, as the value is
+        # YAML (a list, a mapping, a quoted string) and reads here as the same line of a config file would
+        mark = "a leading '#'" if comment == 0 else "' #'"
+        quoted = shlex.quote(f"{key}={json.dumps(text, ensure_ascii=False)}")
+        raise UserError(
+            f"--set '{item}': {mark} starts a YAML comment, which would drop {value[comment:].strip()!r}; quote the "
+            f"value to keep it (--set {quoted}) or leave the comment out"
+        )
+    wrong = _text_given_another_type(key.split("."), parsed)
+    if wrong is not None:
+        where, got = wrong
+        if where == key:
+            read, fix = text, f": --set {shlex.quote(f'{key}={json.dumps(text, ensure_ascii=False)}')}"
+        else:
+            read, fix = "its value", ""
+        # named as a value outside its key's domain is (`validate`): `--set KEY=VALUE: ...`
+        raise UserError(f"--set {item}: {where} takes text, and YAML reads {read} as {_read_as(got)}; quote it{fix}")
+    return key.split("."), parsed
+
+
+def _yaml_comment(text: str) -> int | None:
+    """Where a YAML comment starts in `text` (a `#` at its start or after a space, outside any token), or None."""
+    if "#" not in text:
+        return None
+    try:
+        spans = [(t.start_mark.index, t.end_mark.index) for t in yaml.scan(text, Loader=_StrictLoader)]
     except yaml.YAMLError:
-        parsed = value
-    return key.strip().split("."), parsed
+        return None
+    return next(
+        (
+            i
+            for i, c in enumerate(text)
+            if c == "#" and (i == 0 or text[i - 1].isspace()) and not any(a <= i < b for a, b in spans)
+        ),
+        None,
+    )
+
+
+def _is_section(keys: list[str]) -> bool:
+    """Whether the dotted `keys` name a section of the schema (`train`, `data.synthetic`), which a mapping merges
+    into; not a value, a free-form mapping (`model.arch`, `data.domain_shares`) or a list of sections included."""
+    *parents, name = keys
+    section = _section_of(Config, tuple(parents))
+    field = section.model_fields.get(name) if section is not None else None
+    return field is not None and any(
+        get_origin(a) is None and isinstance(a, type) and issubclass(a, BaseModel) for a in _options(field.annotation)
+    )
+
+
+def _options(annotation: Any) -> tuple:
+    """The types a field's annotation allows: `Text | None` -> (str, NoneType)."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    return tuple(get_args(a)[0] if get_origin(a) is Annotated else a for a in options)
+
+
+def _text_given_another_type(keys: list[str], value: Any) -> tuple[str, Any] | None:
+    """The first (dotted key, value) where `value`, given for `keys`, puts a number, boolean or null that the field
+    does not take in a field that takes text (`name`, `data.tokenizer`): text YAML read as another type."""
+    if isinstance(value, dict):
+        if not _is_section(keys):
+            return None
+        found = (_text_given_another_type([*keys, k], v) for k, v in value.items() if isinstance(k, str))
+        return next((f for f in found if f is not None), None)
+    field = _field_of(".".join(keys))
+    if field is None or isinstance(value, (str, list)):
+        return None
+    options = _options(field.annotation)
+    takes_text_only = str in options and set(options) <= {str, type(None)}
+    return (".".join(keys), value) if takes_text_only and not (value is None and type(None) in options) else None
+
+
+def _read_as(value: Any) -> str:
+    """What YAML read a scalar as, for a message: `the int 123`, `the boolean true`, `null`."""
+    if value is None:
+        return "null (no value)"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    return f"the {type(value).__name__} {value!r}"
 
 
 def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """`raw` with the `--set KEY=VALUE` items applied in order. A mapping given for a section (`train={steps: 4}`)
+    merges into it key by key, as a config file merges into its `base:` (`_deep_merge`); one given for a value, a
+    free-form mapping (`model.arch`, `data.domain_shares`) included, replaces it."""
     raw = json.loads(json.dumps(raw))
     for item in overrides:
         keys, value = parse_override(item)
@@ -926,6 +1093,8 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
             if not isinstance(nxt, dict):
                 raise UserError(f"--set '{item}': '{k}' is a value, not a section")
             node = nxt
+        if isinstance(value, dict) and isinstance(node.get(keys[-1]), dict) and _is_section(keys):
+            value = _deep_merge(node[keys[-1]], value)
         node[keys[-1]] = value
     return raw
 
@@ -1194,6 +1363,61 @@ def run_dir(cfg: Config) -> Path:
     return cfg.resolve_path(cfg.train.run_dir) if cfg.train.run_dir else cfg.resolve_path("runs") / cfg.name
 
 
+# The longest a list or mapping shown in a comment gets before its last items become a count.
+_COMMENT_WIDTH = 100
+
+
+def _one_line(value: Any, width: int = _COMMENT_WIDTH, *, text: bool = False) -> str:
+    """`value` compact on one line, for a comment: a scalar as YAML writes it (a string quoted where YAML would; with
+    `text`, as is), a list `[a, b]`, a mapping `{k: v}`; one longer than `width` keeps its first items and counts the
+    rest (`... 9 more`). A character a YAML comment cannot hold (a line break, a control character) is escaped."""
+    if isinstance(value, dict | list | tuple):
+        opening, closing = "{}" if isinstance(value, dict) else "[]"
+        pairs = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+        items = [_one_line(v, width) if k is None else f"{_one_line(k)}: {_one_line(v, width)}" for k, v in pairs]
+        shown = items
+        for n in range(len(items) - 1, 0, -1):
+            if len(", ".join(shown)) + 2 <= width:
+                break
+            shown = [*items[:n], f"... {len(items) - n} more"]
+        return opening + ", ".join(shown) + closing
+    if isinstance(value, str) and (text or not value.isprintable()):
+        shown = value if text else json.dumps(value, ensure_ascii=False)
+    else:
+        shown = yaml.safe_dump(value, width=math.inf, allow_unicode=True).removesuffix("\n...\n").strip()
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in shown)
+
+
+def _comment_resolved(body: str, used: dict[str, Any], notes: list[str]) -> tuple[str, list[str]]:
+    """`body` (YAML) with what each key of `used` resolves to as a comment at the end of its line (a block list's or
+    mapping's on its key's line), followed by the rest of its note, the one of `notes` that starts `KEY: `:
+    `anchor: auto  # <s> (id 1; ...)`, `backend: auto  # gloo on this machine (...)`; and the notes left."""
+    lines, notes = body.split("\n"), list(notes)
+    where: dict[str, int] = {}
+
+    def walk(node: yaml.MappingNode, prefix: str) -> None:
+        for k, v in node.value:
+            block = isinstance(v, yaml.CollectionNode) and not v.flow_style
+            where[prefix + k.value] = k.start_mark.line if block else v.end_mark.line
+            if isinstance(v, yaml.MappingNode):
+                walk(v, f"{prefix}{k.value}.")
+
+    walk(yaml.compose(body), "")
+    for key, value in used.items():
+        comment = _one_line(value)
+        note = next((n for n in notes if n.startswith(f"{key}: ")), None)
+        if note is not None:
+            notes.remove(note)
+            said = note.removeprefix(f"{key}: ")
+            rest = next((said.removeprefix(p) for p in (f"auto is {comment}", comment) if said.startswith(p)), None)
+            comment += _one_line(f"; {said}" if rest is None else rest, text=True)
+        if key in where:
+            lines[where[key]] += f"  # {comment}"
+        else:
+            notes.append(f"{key}: {comment}")
+    return "\n".join(lines), notes
+
+
 def to_yaml(
     cfg: Config,
     used: dict[str, Any] | None = None,
@@ -1201,21 +1425,21 @@ def to_yaml(
     *,
     workdir: bool = False,
 ) -> str:
-    """The config as YAML; `used` replaces values by dotted key (what a null or `auto` resolves to: `show-config`)
-    and `notes` become comment lines after the header. With `workdir`, also where its relative paths resolve (a run
-    directory's copy). The fingerprint is the config's own."""
-    tree = settings(cfg)
-    for key, value in (used or {}).items():
-        *sections, name = key.split(".")
-        node = tree
-        for section in sections:
-            node = node[section]
-        node[name] = value
-    body = yaml.safe_dump(tree, sort_keys=False)
+    """The config as YAML, with its own values (it loads as the same config); `notes` become comment lines after the
+    header. `used` (by dotted key, what a null or `auto` resolves to on this machine: `show-config`) becomes a comment
+    at the end of its key's line, with the note about that key (moved from the header). With `workdir`, also where its
+    relative paths resolve (a run directory's copy). The fingerprint is the config's own."""
+    body = dump_yaml(settings(cfg), sort_keys=False)
+    header = f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n"
+    if used:
+        body, notes = _comment_resolved(body, used, list(notes))
+        header += (
+            "# the config's own values (this loads as the same config); a comment after a null or auto: what it "
+            "resolves to on this machine\n"
+        )
     if workdir:
-        body += yaml.safe_dump({"workdir": str(Path(cfg.workdir or ".").absolute())})
-    header = "".join(f"# {line}\n" for line in notes)
-    return f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n{header}{body}"
+        body += dump_yaml({"workdir": str(Path(cfg.workdir or ".").absolute())})
+    return header + "".join(f"# {line}\n" for line in notes) + body
 
 
 def write_resolved(cfg: Config, directory: Path, filename: str = "config.yaml") -> Path:

@@ -28,10 +28,16 @@ A config is a YAML file of the sections below. `base: NAME_OR_PATH` names a conf
 see `lctrain configs`, or a path relative to the file), overriding it key by key; the mappings {replaced}
 replace the base's value whole instead of merging into it. Any key can be overridden on the
 command line with `--set KEY=VALUE` (VALUE is YAML, e.g. `--set train.betas=[0.9,0.95]`; `KEY=null` clears a key,
-and an empty VALUE is refused: it is what an unset shell variable leaves), and `lctrain show-config`
-prints the resolved config with the values a `null` or `auto` resolves to. A value outside its domain, an unknown key
-or a broken rule between keys is refused in one line naming the key, before anything runs. The defaults are what a
-key takes when neither the file nor its `base:` chain sets it; the bundled configs set most of them.
+and an empty VALUE is refused: it is what an unset shell variable leaves). A mapping given for a section merges into
+it key by key as a file merges into its `base:` (`--set 'train={{steps: 4, lr: 1e-4}}'` keeps the other `train` keys);
+one given for one of those mappings replaces it whole. Files and `--set` values are read as YAML 1.2 (core schema), not
+PyYAML's YAML 1.1: `010` is 10 (`0o10` is 8, `0x10` 16), `1e-4` a number, only `true`/`false` booleans, and `yes`,
+`off`, `1:00` or `2024-01-01` text. A `--set` VALUE with a comment (` #`) is refused rather than cut short: quote it
+(`--set 'description="run #3"'`); so is a number, boolean or null for a key that takes text (`--set 'name="0123"'`).
+`lctrain show-config` prints the resolved config with the values a `null` or `auto` resolves to. A value outside its
+domain, an unknown key or a broken rule between keys is refused in one line naming the key, before anything runs.
+The defaults are what a key takes when neither the file nor its `base:` chain sets it; the bundled configs set most
+of them.
 """
 
 

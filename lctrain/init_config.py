@@ -22,6 +22,7 @@ from lctrain.config import (
     EvalConfig,
     bundled_config_names,
     load_config,
+    load_yaml,
     tokens_to_prepare,
     validate,
 )
@@ -365,7 +366,9 @@ def _recipe(
 
 def _v(value) -> str:
     """One YAML scalar (a string quoted only when YAML needs it)."""
-    return json.dumps(value) if isinstance(value, str) and yaml.safe_load(value) != value else str(value)
+    # quoted where lctrain's YAML 1.2 reader or a YAML 1.1 one (08, 1e5, yes) would read the text as another value
+    quoted = isinstance(value, str) and (load_yaml(value) != value or yaml.safe_load(value) != value)
+    return json.dumps(value) if quoted else str(value)
 
 
 def _comment(text: str) -> str:
@@ -580,7 +583,7 @@ def init_config(
         wandb_mode(),
         paper_exclude(base.name_or_path),
     )
-    cfg = validate(yaml.safe_load(text), str(path))  # what is written is what was planned, checked as train would
+    cfg = validate(load_yaml(text), str(path))  # what is written is what was planned, checked as train would
     RunPlan.of(cfg)
     kv_replication(base.shape.heads, base.shape.kv_heads, layout.sequence_parallel, str(path))
     try:

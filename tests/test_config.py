@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from lctrain.config import (
     write_resolved,
 )
 from lctrain.errors import UserError
+from lctrain.parallel.groups import pick_backend
 from lctrain.parallel.layout import layout_of
 
 
@@ -225,45 +227,105 @@ def test_cli_bad_config_is_one_line_exit_2(capsys):
     assert err.startswith("error: ") and "attention.mode" in err and len(err.splitlines()) == 1
 
 
-def test_cli_show_config_prints_resolved_yaml(capsys):
+def _show_config(capsys, args: list[str]) -> str:
+    """What `lctrain show-config ARGS` prints (exit code 0)."""
     with pytest.raises(SystemExit) as exc:
-        main(["show-config", "--set", "data.seq_len=4096"])
-    assert exc.value.code == 0
-    shown = yaml.safe_load(capsys.readouterr().out)
-    assert shown["data"]["seq_len"] == 4096
-
-
-def test_cli_show_config_shows_the_values_used(capsys):
-    """What a null or auto resolves to (a random init's Table 1 base and training length, the tokenizer's anchor),
-    and the changes training makes to the model's config as comments."""
-    with pytest.raises(SystemExit) as exc:
-        main(["show-config", "--set", "data.seq_len=65536", "--set", "model.rope_theta=null"])
-    assert exc.value.code == 0
+        main(["show-config", *args])
     out = capsys.readouterr().out
+    assert exc.value.code == 0
+    return out
+
+
+def _line_comments(out: str) -> dict[str, str]:
+    """The comment at the end of each key's line of show-config's YAML by dotted key: what a null or auto is."""
+    path: list[str] = []
+    comments = {}
+    for line in out.splitlines():
+        found = re.match(r"( *)(\w+):( .*)?$", line)
+        if found:
+            indent, key, rest = found[1], found[2], found[3] or ""
+            path[len(indent) // 2 :] = [key]
+            if "  # " in rest:
+                comments[".".join(path)] = rest.split("  # ", 1)[1]
+    return comments
+
+
+def test_cli_show_config_prints_resolved_yaml(capsys):
+    out = _show_config(capsys, ["--set", "data.seq_len=4096"])
     shown = yaml.safe_load(out)
-    assert shown["model"]["rope_theta"] == 5e6 and shown["model"]["max_position_embeddings"] == 65536
-    assert shown["model"]["rope_scaling"] == {"rope_type": "default"} and shown["data"]["anchor"] == "<s>"
-    assert "#   rope_parameters.rope_theta: 10000.0 -> 5000000.0 (the paper's Table 1 base for data.seq_len" in out
-    assert "# data.anchor: <s> (id 1; auto: the BOS the tokenizer puts before every text)" in out
+    assert shown["data"]["seq_len"] == 4096
+    assert shown == settings(load_config(None, ["data.seq_len=4096"]))
 
 
 @pytest.mark.parametrize(
-    "items, shown_mode, note",
+    "name, items",
     [
-        (["model.gradient_checkpointing=true"], "full", None),
+        (None, []),
+        ("tiny_anchor_sp2", ["eval.tasks=null", "attention.engine=auto", "model.tiled_mlp=auto", "data.seq_len=512"]),
+        ("llama2_64k_table2_yarn_5m", ["model.rope_theta=null", "eval.exclude=[cwe]", "train.run_dir=null"]),
+    ],
+)
+def test_cli_show_config_output_loads_as_the_same_config(capsys, tmp_path, name, items):
+    """`lctrain show-config > frozen.yaml` keeps the config's own values (a null or auto stays so; what it resolves to
+    on this machine is a comment), so `-c frozen.yaml` is the same config: same settings, fingerprint and prepared data
+    directory, and showing it again prints the same YAML. A run directory's copy has no comments."""
+    args = [*(["-c", name] if name else []), *[a for item in items for a in ("--set", item)]]
+    cfg = load_config(name, items)
+    out = _show_config(capsys, args)
+    assert yaml.safe_load(out) == settings(cfg)
+    assert out.startswith(f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n")
+    comments = _line_comments(out)
+    assert comments["data.output_dir"] == str(data_dir(cfg)) and comments["train.run_dir"] == str(run_dir(cfg))
+    assert comments["parallel.backend"].startswith(f"{pick_backend(cfg)} on this machine (nccl with CUDA, else gloo)")
+    frozen = tmp_path / "frozen.yaml"
+    frozen.write_text(out)
+    again = load_config(str(frozen))
+    assert config_fingerprint(again) == config_fingerprint(cfg) and data_dir(again) == data_dir(cfg)
+    assert _show_config(capsys, ["-c", str(frozen)]) == out
+    written = write_resolved(cfg, tmp_path / "run").read_text()
+    fingerprint = f"# resolved lctrain config; fingerprint {config_fingerprint(cfg)}\n"
+    assert written == fingerprint + yaml.safe_dump(settings(cfg), sort_keys=False)
+
+
+def test_cli_show_config_shows_the_values_used(capsys):
+    """What a null or auto resolves to (a random init's Table 1 base and training length, the tokenizer's anchor) as
+    a comment at the end of its line, not in the header, and the changes training makes to the model's config as
+    comment lines."""
+    out = _show_config(capsys, ["--set", "data.seq_len=65536", "--set", "model.rope_theta=null"])
+    shown, comments = yaml.safe_load(out), _line_comments(out)
+    assert shown["model"]["rope_theta"] is None and shown["data"]["anchor"] == "auto"
+    assert comments["model.rope_theta"] == "5000000.0" and comments["model.max_position_embeddings"] == "65536"
+    assert comments["model.rope_scaling"] == "{rope_type: default}" and comments["data.anchor"].startswith("<s> ")
+    assert "#   rope_parameters.rope_theta: 10000.0 -> 5000000.0 (the paper's Table 1 base for data.seq_len" in out
+    assert "\n  anchor: auto  # <s> (id 1; auto: the BOS the tokenizer puts before every text)\n" in out
+    assert "# data.anchor" not in out and "# parallel.backend" not in out
+
+
+def test_cli_show_config_shortens_a_long_list_in_its_comment(capsys):
+    out = _show_config(capsys, ["--set", "eval.tasks=null", "--set", "eval.exclude=[]"])
+    comment = _line_comments(out)["eval.tasks"]
+    assert yaml.safe_load(out)["eval"]["tasks"] is None
+    assert comment.startswith("[niah_single_1, niah_single_2, ") and comment.endswith(" more]") and len(comment) <= 100
+    shown, more = comment[1:-1].split(", ... ")
+    assert len(shown.split(", ")) + int(more.split()[0]) == 13
+
+
+@pytest.mark.parametrize(
+    "items, value, comment, note",
+    [
+        (["model.gradient_checkpointing=true"], None, "full (model.gradient_checkpointing: true)", None),
         (
             ["model.checkpointing=selective"],
             "selective",
+            None,
             "# model.checkpointing: selective (model.gradient_checkpointing is not read)",
         ),
     ],
 )
-def test_cli_show_config_says_which_checkpointing_switch_decides(capsys, items, shown_mode, note):
-    with pytest.raises(SystemExit) as exc:
-        main(["show-config", *[a for item in items for a in ("--set", item)]])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert yaml.safe_load(out)["model"]["checkpointing"] == shown_mode
+def test_cli_show_config_says_which_checkpointing_switch_decides(capsys, items, value, comment, note):
+    out = _show_config(capsys, [a for item in items for a in ("--set", item)])
+    assert yaml.safe_load(out)["model"]["checkpointing"] == value
+    assert _line_comments(out).get("model.checkpointing") == comment
     assert (note in out) if note else "is not read" not in out
 
 
@@ -275,10 +337,8 @@ def test_cli_show_config_refuses_what_train_refuses_and_notes_what_another_machi
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: model.arch: cannot build a 'llama' config") and "attention heads (3)" in err
-    with pytest.raises(SystemExit) as exc:
-        main(["show-config", "--set", "attention.engine=varlen"])
-    out = capsys.readouterr().out
-    assert exc.value.code == 0 and yaml.safe_load(out)["attention"]["engine"] == "varlen"
+    out = _show_config(capsys, ["--set", "attention.engine=varlen"])
+    assert yaml.safe_load(out)["attention"]["engine"] == "varlen" and "attention.engine" not in _line_comments(out)
     assert "# model settings left null: resolved when the model is loaded (on this machine: attention.engine" in out
 
 

@@ -11,14 +11,13 @@ from typing import Annotated, Any, Literal
 import annotated_types
 import pytest
 import torch
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from lctrain.cli import main
-from lctrain.config import DEFAULT_HUB, Config, DataConfig, check_on_this_machine, load_config
+from lctrain.config import DEFAULT_HUB, Config, DataConfig, check_on_this_machine, dump_yaml, load_config
 from lctrain.errors import UserError
 from lctrain.eval.ruler import TASK_NAMES
 
@@ -171,7 +170,7 @@ def invalid(d: Domain) -> st.SearchStrategy:
 
 def _yaml(value: Any) -> str:
     """`value` as the VALUE of `--set KEY=VALUE` (YAML: .nan, .inf, quoted strings that look like numbers)."""
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+    return dump_yaml(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
 @pytest.mark.parametrize("key", SETTABLE)

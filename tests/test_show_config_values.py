@@ -1,6 +1,8 @@
-"""`lctrain show-config` fills what a null or auto resolves to with what prepare, train and eval use (checked against
+"""`lctrain show-config` comments what a null or auto resolves to with what prepare, train and eval use (checked against
 what they do, or the function they call), and refuses a random init's pad token outside the vocabulary, as train
 does."""
+
+import re
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from typer.testing import CliRunner
 import lctrain.model
 from lctrain.attention import make_batch
 from lctrain.cli import app
-from lctrain.config import load_config
+from lctrain.config import load_config, settings
 from lctrain.data.prepare import prepare
 from lctrain.errors import UserError
 from lctrain.eval.ruler import select_task_set
@@ -28,35 +30,47 @@ PHI3 = "{model_type: phi3, hidden_size: 64, intermediate_size: 128, num_hidden_l
 
 
 def shown(overrides: list[str]) -> tuple[dict, str]:
-    """The YAML `lctrain show-config -c tiny_anchor --set ...` prints, parsed, and the text itself."""
+    """What `lctrain show-config -c tiny_anchor --set ...` says a null or auto resolves to (the comment at the end of
+    its key's line, by dotted key), and the text itself (the config's own values: a null or auto stays so)."""
     result = CliRunner().invoke(app, ["show-config", "-c", "tiny_anchor", *set_args(overrides)])
     assert result.exit_code == 0, result.output
-    return yaml.safe_load(result.stdout), result.stdout
+    assert yaml.safe_load(result.stdout) == settings(load_config("tiny_anchor", overrides))
+    path: list[str] = []
+    comments = {}
+    for line in result.stdout.splitlines():
+        found = re.match(r"( *)(\w+):( .*)?$", line)
+        if found:
+            path[len(found[1]) // 2 :] = [found[2]]
+            if "  # " in (found[3] or ""):
+                comments[".".join(path)] = found[3].split("  # ", 1)[1]
+    return comments, result.stdout
 
 
 def test_shows_where_prepare_writes_and_train_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     values, _ = shown(SMALL_DATA)
     cfg = load_config("tiny_anchor", SMALL_DATA)
-    assert values["data"]["output_dir"] == str(prepare(cfg))
-    assert (tmp_path / values["data"]["output_dir"] / "manifest.json").is_file()
-    assert values["train"]["run_dir"] == str(RunDir.of(cfg).path) == "runs/tiny_anchor"
+    assert values["data.output_dir"] == str(prepare(cfg))
+    assert (tmp_path / values["data.output_dir"] / "manifest.json").is_file()
+    assert values["train.run_dir"] == str(RunDir.of(cfg).path) == "runs/tiny_anchor"
 
 
 def test_shows_the_tasks_eval_scores_and_the_backend_of_this_machine():
     values, out = shown(["eval.tasks=null", "eval.exclude=[cwe]"])
     names, _ = select_task_set(None, ["cwe"])
-    assert values["eval"]["tasks"] == names and len(names) == 12 and "cwe" not in names
+    listed, more = values["eval.tasks"].removeprefix("[").removesuffix("]").split(", ... ")  # a long list shortened
+    assert names[: len(listed.split(", "))] == listed.split(", ") and int(more.removesuffix(" more")) > 0
+    assert len(listed.split(", ")) + int(more.removesuffix(" more")) == len(names) == 12 and "cwe" not in names
     cfg = load_config("tiny_anchor")
-    assert values["parallel"]["backend"] == pick_backend(cfg) == ("nccl" if torch.cuda.is_available() else "gloo")
-    assert f"# parallel.backend: auto is {pick_backend(cfg)} on this machine" in out
+    assert pick_backend(cfg) == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert f"  backend: auto  # {pick_backend(cfg)} on this machine (nccl with CUDA, else gloo)\n" in out
 
 
 def test_shows_the_engine_build_model_runs_on_this_machine():
     values, out = shown(["attention.engine=auto"])
     built = build_model(load_config("tiny_anchor", ["attention.engine=auto"]), device=DEVICE)
-    assert values["attention"]["engine"] == built.engine.name
-    assert f"# attention.engine: auto is {built.engine.name} on this machine (device {DEVICE}" in out
+    assert values["attention.engine"].startswith(f"{built.engine.name} on this machine (device {DEVICE}, ")
+    assert "  engine: auto  # " in out
 
 
 @pytest.mark.parametrize("parallel", [[], ["parallel.nproc_per_node=2", "parallel.sequence_parallel=2"]])
@@ -78,7 +92,7 @@ def test_shows_the_mlp_shards_a_training_forward_runs(monkeypatch, one_thread, p
     ids = batch.shard(cfg.parallel.sequence_parallel, 0).input_ids
     with torch.no_grad():
         model.get_decoder().layers[0].mlp(model.get_input_embeddings()(ids))
-    assert calls and values["model"]["tiled_mlp"] == calls[0] == 2 * 1024 // cfg.parallel.sequence_parallel // 128
+    assert calls and int(values["model.tiled_mlp"]) == calls[0] == 2 * 1024 // cfg.parallel.sequence_parallel // 128
 
 
 def test_show_config_and_train_refuse_a_pad_token_outside_the_vocabulary():
