@@ -6,6 +6,7 @@
     RUN/checkpoints/step_N/  resume checkpoints (lctrain.train.checkpoint: their files and `latest`)
     RUN/hf/step_N/           evaluation checkpoints (save_pretrained weights + tokenizer; lctrain.export_record)
     RUN/eval/                `lctrain eval`'s report
+    RUN/tensorboard/         `logging.tensorboard`'s event files
     RUN/profile/steps_A-B/   `logging.profile`'s traces of steps A to B (lctrain.profiling)
 
 Runs written by earlier versions name checkpoints `step_00000020` and keep the directory `train` ran in in
@@ -183,10 +184,13 @@ class RunDir:
             return True  # a damaged metrics file or config cannot show the run unfinished: keep it
 
     def clear_outputs(self) -> None:
-        """Remove what a new run in this directory replaces: checkpoints, exports, profiles, metrics and sessions."""
-        shutil.rmtree(self.checkpoints, ignore_errors=True)
-        shutil.rmtree(self.exports_dir, ignore_errors=True)
-        shutil.rmtree(self.profile_dir, ignore_errors=True)
+        """Remove what a new run in this directory replaces: checkpoints, exports, profiles, metrics, sessions, the
+        evaluation of its exports (`eval/`, `lctrain eval`'s default output: a report would show the old run's scores
+        as the new one's) and TensorBoard's event files (TensorBoard draws every file in the directory as one run).
+        Only these: anything else in the directory is the user's and stays; a symlink in their place (say eval/
+        pointing to a shared results folder) is left as it is, the files it points to untouched."""
+        for directory in (self.checkpoints, self.exports_dir, self.profile_dir, self.eval_dir, self.tensorboard_dir):
+            shutil.rmtree(directory, ignore_errors=True)  # refuses a symlink: kept
         self.metrics_file.unlink(missing_ok=True)
         self.sessions_file.unlink(missing_ok=True)
 

@@ -443,7 +443,7 @@ def test_an_interrupted_evaluation_leaves_the_earlier_results_and_predictions_as
     out, _ = evaluated
     before = {name: (out / name).read_bytes() for name in ("results.json", "predictions.jsonl")}
 
-    def stopped_mid_way(tgt, suite, tokenizer, encoder, device, heldout, kept, backend="hf"):
+    def stopped_mid_way(tgt, suite, tokenizer, encoder, device, heldout, kept, backend="hf", anchor_id=None):
         kept.predictions.write_text('{"checkpoint": "step_2"}\n')
         raise KeyboardInterrupt
 

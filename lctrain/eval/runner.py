@@ -12,6 +12,7 @@ A single-document prompt needs nothing but causal attention, so the checkpoints 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -32,7 +33,7 @@ from lctrain.eval.kept import Kept, checkpoint_files
 from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths, select_heldout
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
-from lctrain.export_record import EXPORT_RECORD, verify_export
+from lctrain.export_record import EXPORT_RECORD, read_export_record, verify_export
 from lctrain.files import replace_file
 from lctrain.progress_bar import counted_bar
 from lctrain.rundir import RunDir, by_step, step_of
@@ -97,6 +98,19 @@ def find_checkpoints(run: RunDir) -> list[tuple[str, Path]]:
             flush=True,
         )
     return [(d.name, d) for d in exports]
+
+
+def export_digest(directory: Path) -> str | None:
+    """What identifies an export's weights without reading them: the SHA-256 of its record (`export.json`: its step
+    and every file's size and checksums, checked against the files when `lctrain eval` opens it), as JSON with sorted
+    keys. An export written again (a run started over with `train --force`, `lctrain export --force`) has another;
+    None for one without a record. `results.json` keeps it per checkpoint (`export_records`), for `lctrain report` to
+    tell results of other weights than the run's exports now hold."""
+    record = read_export_record(directory)
+    if record is None:
+        return None
+    canonical = json.dumps(record.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def resolve_target(target: str | Path, config: str | None = None, overrides: list[str] | tuple = ()) -> Target:
@@ -499,6 +513,8 @@ def evaluate(
             },
         )
     heldout = select_heldout(tgt, ppl_data, tokenizer)
+    # taken before any answer: the exports the scores are of, as `resolve_target` verified them
+    digests = {name: export_digest(path) for name, path in tgt.checkpoints}
     out_dir.mkdir(parents=True, exist_ok=True)
     key = {
         "target": str(tgt.path),
@@ -549,6 +565,8 @@ def evaluate(
         "training": training,
         "ruler_data": str(data_dir) if data_dir else None,
         "checkpoints": [c for c, _ in tgt.checkpoints],
+        # {checkpoint: `export_digest`, None for an export without a record}: which weights were scored
+        "export_records": digests,
         "device": dev,
         "anchor": anchor.record(),  # what every prompt started with
         "tasks": [t for t in names if t in average],

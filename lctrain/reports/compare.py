@@ -22,6 +22,8 @@ from lctrain.config import Config, data_fingerprint, settings
 from lctrain.console import plain_console
 from lctrain.errors import UserError, writing
 from lctrain.eval import score as scoring
+from lctrain.eval.runner import export_digest
+from lctrain.export_record import EXPORT_RECORD
 from lctrain.reports.trained_windows import Windows, trained_windows
 from lctrain.rundir import RunDir, step_of
 
@@ -57,12 +59,18 @@ _NOT_EXPERIMENT = (
 
 @dataclass(frozen=True)
 class Evaluated:
-    """One run's recorded config and its `lctrain eval` results."""
+    """One run's recorded config and its `lctrain eval` results, with how the run's exports compare with them
+    (`_exports_against`)."""
 
     path: Path  # the run directory
     results_file: Path
     cfg: Config
     results: dict
+    # the run's exports (hf/step_N) its results do not score: written since the evaluation (a resume to more steps,
+    # `lctrain export`), or left out of it
+    not_evaluated: tuple[str, ...] = ()
+    # exports its results scored, and recorded, that the run no longer holds: their scores cannot be checked
+    gone: tuple[str, ...] = ()
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -111,7 +119,34 @@ def read_evaluated(path: str | Path) -> Evaluated:
             f"{file}: evaluates {results.get('target')}, which is not a run directory (no config.yaml): the report "
             f"groups runs by their config; give run directories written by `lctrain train`"
         )
-    return Evaluated(run.path, file, run.read_config(), results)
+    not_evaluated, gone = _exports_against(run, file, results)
+    return Evaluated(run.path, file, run.read_config(), results, tuple(not_evaluated), tuple(gone))
+
+
+def _exports_against(run: RunDir, file: Path, results: dict) -> tuple[list[str], list[str]]:
+    """(the run's exports `results` do not score, the scored exports the run no longer holds); refuses results of an
+    export whose weights are not the ones scored: its record (`export.json`) is not the one `lctrain eval` recorded
+    (`export_records`, `lctrain.eval.runner.export_digest`), as after `train --force` or `export --force`. Results
+    written before that record was kept, and exports without a record, have nothing to check against: only the names
+    are compared then (as `lctrain experiment extend` compares them to decide an evaluation is current)."""
+    exports = {p.name: p for p in run.exports()}
+    scored = [str(c) for c in results["checkpoints"]]
+    recorded = results.get("export_records")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    gone = []
+    for name in scored:
+        digest = recorded.get(name)
+        if digest is None:
+            continue
+        if name not in exports:
+            gone.append(name)
+        elif export_digest(exports[name]) != digest:
+            where = f"{run.exports_dir.name}/{name}"
+            raise UserError(
+                f"{run.path}: {where} is not the export {file} scored (its {EXPORT_RECORD} changed since: trained "
+                f"again with --force, or exported again); evaluate it again: lctrain eval {run.path}"
+            )
+    return [name for name in exports if name not in scored], gone
 
 
 def check_last(last: int | None) -> None:
@@ -324,6 +359,9 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
                 {
                     "path": str(r.path),
                     "results": str(r.results_file),
+                    # the run's exports the results do not score, and those scored the run no longer holds
+                    "exports_not_evaluated": list(r.not_evaluated),
+                    "exports_gone": list(r.gone),
                     "seed": r.cfg.seed,
                     "data_seed": r.cfg.data.seed,
                     "data_fingerprint": data_fingerprint(r.cfg.data),
@@ -360,6 +398,8 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
                 # fewer steps, not the config's
                 "training_tokens": min(p["training_tokens"] for p in per_run),
                 "unfinished": [p["path"] for p in per_run if not p["finished"]],
+                # evaluated before some of the run's exports: its scores are not of the run as it now is
+                "not_evaluated": [p["path"] for p in per_run if p["exports_not_evaluated"]],
                 "runs": per_run,
                 **cells,
             }
@@ -378,7 +418,7 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
             for metric in METRICS
         }
     return {
-        "warnings": _unfinished_warnings(rows),
+        "warnings": _unfinished_warnings(rows) + _export_warnings(rows),
         "suite": runs[0].results["suite"],
         "tasks": runs[0].results["tasks"],
         "lengths": {m: sorted({int(L) for row in rows for L in row[m]}) for m in METRICS},
@@ -405,6 +445,28 @@ def _unfinished_warnings(rows: list[dict]) -> list[str]:
         for r in row["runs"]
         if not r["finished"]
     ]
+
+
+def _export_warnings(rows: list[dict]) -> list[str]:
+    """One line per run whose results do not score all of its exports (warned and marked as an unfinished run is,
+    for the same reasons), and one per run whose scored exports are gone (deleted since, or the run started over)."""
+    lines = []
+    for row in rows:
+        for r in row["runs"]:
+            if r["exports_not_evaluated"]:
+                names = ", ".join(f"hf/{n}" for n in r["exports_not_evaluated"])
+                lines.append(
+                    f"warning: {r['path']}: {names} not scored by {r['results']} (exported since the evaluation, or "
+                    f"left out of it), yet a seed of row {row['label']}: evaluate again (lctrain eval {r['path']}), "
+                    f"or leave it out"
+                )
+            if r["exports_gone"]:
+                names = ", ".join(f"hf/{n}" for n in r["exports_gone"])
+                lines.append(
+                    f"warning: {r['path']}: {names}, scored by {r['results']}, no longer there (deleted, or the run "
+                    f"started over): those scores cannot be checked against the run's exports"
+                )
+    return lines
 
 
 def _data_notes(rows: list[dict]) -> list[str]:
@@ -513,6 +575,13 @@ def _checkpoint_lines(report: dict) -> list[str]:
     return lines
 
 
+def _seeds_cell(row: dict) -> str:
+    """The row's number of seeds, and how many of them are unfinished or not evaluated on all their exports."""
+    marks = [f"{len(row['unfinished'])} unfinished"] * bool(row["unfinished"])
+    marks += [f"{len(row['not_evaluated'])} with exports not evaluated"] * bool(row.get("not_evaluated"))
+    return f"{row['seeds']} ({', '.join(marks)})" if marks else str(row["seeds"])
+
+
 def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of each table: the values per metric, then the differences from the reference row."""
     # matplotlib, via reports.plots, on use (start-up time)
@@ -527,7 +596,7 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         body = [
             [
                 row["label"],
-                f"{row['seeds']} ({len(row['unfinished'])} unfinished)" if row["unfinished"] else str(row["seeds"]),
+                _seeds_cell(row),
                 ", ".join(f"{t:,}" for t in sorted({r["training_tokens"] for r in row["runs"]})),
             ]
             + [_cell(row[metric].get(L), _DIGITS[metric]) for L in lengths]
