@@ -63,8 +63,9 @@ SetOpt = Annotated[
 
 
 def user_errors(fn):
-    """Turn a UserError or an environment failure (full disk, permissions) into one line on stderr and exit code 2;
-    Ctrl-C into "interrupted" and exit 130 (SIGTERM: 143, and a training that stopped at a checkpoint says which)."""
+    """Turn a UserError or an environment failure (full disk, permissions) into one line on stderr and the error's
+    exit code (2; a RunFailed, work that ran and failed: 1); Ctrl-C into "interrupted" and exit 130 (SIGTERM: 143,
+    and a training that stopped at a checkpoint says which). The contract: lctrain/errors.py."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -72,7 +73,7 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except UserError as e:
             typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(UserError.exit_code) from None
+            raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (terminate_as_interrupt)
             # once: a supervising lctrain command says it, and under a launcher the user started (torchrun, srun)
             # rank 0 alone

@@ -1,4 +1,10 @@
-"""User-facing errors: the CLI prints their one-line message and exits with code 2, no traceback."""
+"""User-facing errors: the CLI prints their one-line message and exits with their `exit_code`, no traceback.
+
+The exit codes, as click's (2 = usage), for scripts (Slurm, CI) to tell "fix the command" from "the run failed":
+0 success; 2 the command cannot run as given (`UserError`: a bad option, config key or value, missing or damaged
+input, a run or export already there, a locked run directory, and environment failures: a full disk, a permission);
+1 the work ran and failed (`RunFailed`: a NaN or infinite loss, a rank out of memory, killed or hung, an experiment
+whose runs failed: resubmitting or resuming may help); 130 Ctrl-C; 143 SIGTERM (docs/troubleshooting.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +26,20 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class RunFailed(UserError):
+    """The inputs were valid and the work ran, then failed: a loss or gradient norm that is not a number, a rank out of
+    memory, killed or hung, an experiment whose runs failed. One line as a UserError, but exit code 1: resubmitting or
+    resuming may help, where exit code 2 says to fix the command."""
+
+    exit_code = 1
+
+
+def error_of(message: str, exit_code: int) -> UserError:
+    """The UserError (or RunFailed) that exits with `exit_code`: how a rank's error, reported by its exit code and
+    message, is raised again by the process that launched it."""
+    return RunFailed(message) if exit_code == RunFailed.exit_code else UserError(message)
 
 
 # Failures of the machine around a command rather than of lctrain: a full disk or quota, a missing permission, a

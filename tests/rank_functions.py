@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from lctrain.errors import UserError
+from lctrain.errors import RunFailed, UserError
 
 
 def rank_and_world(request: dict) -> dict:
@@ -29,6 +29,11 @@ def dist_rank() -> int:
 
 def refuse(request: dict) -> None:
     raise UserError(f"rank {dist_rank()} refuses {request['what']}")
+
+
+def fail_the_run(request: dict) -> None:
+    """As a NaN loss stops every rank: work that ran and failed, not a refusal (exit code 1)."""
+    raise RunFailed(f"rank {dist_rank()}: the loss is nan")
 
 
 def out_of_memory_on_rank_1(request: dict) -> None:

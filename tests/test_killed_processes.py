@@ -66,14 +66,15 @@ def is_launcher(p: psutil.Process) -> bool:
     return any(m in p.cmdline() for m in ("torch.distributed.run", "deepspeed.launcher.runner"))
 
 
-def the_one_line(proc: subprocess.Popen, timeout: float = 120) -> str:
+def the_one_line(proc: subprocess.Popen, timeout: float = 120, code: int = 1) -> str:
+    """The one `error:` line of `proc`, which must exit with `code`: 1, a run that failed (lctrain/errors.py)."""
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:  # a hang: SIGABRT makes faulthandler write every thread's stack
         proc.send_signal(signal.SIGABRT)
         pytest.fail(f"still running after {timeout} s; its threads at SIGABRT:\n{proc.communicate()[1][-6000:]}")
     err = proc.stderr.read()
-    assert rc == 2, err[-3000:]
+    assert rc == code, err[-3000:]
     assert "Traceback" not in err and "ChildFailedError" not in err and "exitcode" not in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, err[-3000:]
@@ -183,7 +184,7 @@ def test_a_tokenizer_worker_killed_by_the_os_is_one_line(tmp_path, moment):
         time.sleep(0.1)
     tree = psutil.Process(proc.pid).children(recursive=True)
     workers[0].send_signal(signal.SIGKILL)
-    line = the_one_line(proc)
+    line = the_one_line(proc, code=2)  # prepare's: not one of the run failures lctrain/errors.py gives exit code 1
     assert "a tokenizer worker process (of 2, data.num_workers) was killed by SIGKILL" in line
     assert "most likely the kernel's out-of-memory killer" in line and "run 'lctrain prepare' again" in line
     assert not (tmp_path / "big").exists()

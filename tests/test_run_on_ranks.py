@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lctrain.config import load_config
-from lctrain.errors import UserError
+from lctrain.errors import RunFailed, UserError
 from lctrain.parallel.launch import LAUNCHER_LOG, Finished, OutOfMemory, ProcessKilled, RanksFailed, run_on_ranks
 
 TESTS = Path(__file__).resolve().parent
@@ -40,7 +40,17 @@ def test_a_user_error_in_a_rank_is_one_user_error_here(tmp_path, capfd):
     with pytest.raises(UserError) as raised:
         run("refuse", {"what": "this window"}, tmp_path)
     assert str(raised.value) == "rank 0 refuses this window"  # the lowest rank's line, once
+    assert type(raised.value) is UserError and raised.value.exit_code == 2  # a refusal: fix the command
     assert "refuses" not in capfd.readouterr().err  # the ranks print nothing of it themselves
+
+
+@pytest.mark.slow  # 2 launched ranks
+@pytest.mark.usefixtures("ranks_env")
+def test_a_run_failed_in_a_rank_is_one_run_failed_here(tmp_path):
+    """A rank's RunFailed (a NaN loss) comes back as a RunFailed, so `lctrain train` exits 1 for it, not 2."""
+    with pytest.raises(RunFailed) as raised:
+        run("fail_the_run", {}, tmp_path)
+    assert str(raised.value) == "rank 0: the loss is nan" and raised.value.exit_code == 1
 
 
 @pytest.mark.usefixtures("ranks_env")

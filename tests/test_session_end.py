@@ -140,13 +140,13 @@ def test_runs_record_how_they_ended_and_say_what_their_schedule_does(workdir, tm
         "warning: train.warmup_steps = 4 >= train.steps = 2: the whole run is warmup; its highest learning rate is "
         "5.000e-04 at step 2 (train.lr = 0.001)\n"
     ) in failed.output
-    line = one_error_line(failed)  # the error as ever, nothing of the recording in it
+    line = one_error_line(failed, code=1)  # the error as ever, nothing of the recording in it
     (session,) = RunDir(tmp_path / "nan").read_sessions()
     assert (session["end_step"], session["outcome"]) == (1, "failed")
     # without logging.peak_tflops: this CPU's, measured in the run's dtype
     peak = device_peak_flops(torch.device("cpu"), None, RunDir(tmp_path / "nan").read_config().model.dtype)
     assert session["peak_tflops"] == round(peak / 1e12, 4)
-    assert session["error"] == "UserError: " + line.removeprefix("error: ")
+    assert session["error"] == "RunFailed: " + line.removeprefix("error: ")
 
 
 def test_a_resume_of_a_run_without_sessions_says_its_earlier_software_is_unknown():

@@ -124,7 +124,7 @@ def test_what_counts_as_finished(tmp_path):
 def test_a_learning_rate_that_diverges_stops_at_the_first_non_finite_step(workdir, tmp_path):
     run_dir = tmp_path / "run"
     extra = ["train.lr=1e30", "train.warmup_steps=0", "checkpoint.every_steps=1", "checkpoint.hf_every=1"]
-    line = one_error_line(train(workdir, run_dir, extra))
+    line = one_error_line(train(workdir, run_dir, extra), code=1)  # the run failed, not its command
     rd = RunDir(run_dir)
     logged = rd.read_metrics()
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in logged)
@@ -141,7 +141,7 @@ def test_a_learning_rate_that_diverges_stops_at_the_first_non_finite_step(workdi
 def test_an_injected_nan_loss_names_the_step_and_keeps_the_checkpoint_before_it(workdir, tmp_path, monkeypatch):
     real_step = nan_loss_at(monkeypatch, 6)  # the 7th update
     run_dir = tmp_path / "run"
-    line = one_error_line(train(workdir, run_dir, ["checkpoint.every_steps=5", "checkpoint.hf_last=0"]))
+    line = one_error_line(train(workdir, run_dir, ["checkpoint.every_steps=5", "checkpoint.hf_last=0"]), code=1)
     assert line.startswith("error: step 7: the loss is nan;")
     assert f"the last checkpoint is step_5: lower train.lr in {run_dir / 'config.yaml'}" in line
     rd = RunDir(run_dir)
@@ -161,7 +161,7 @@ def test_a_single_process_out_of_host_memory_is_one_line(workdir, tmp_path, monk
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4294967296 bytes.")
 
     monkeypatch.setattr(Trainer, "train_step", no_memory)
-    line = one_error_line(train(workdir, tmp_path / "run", ["checkpoint.hf_last=0"]))
+    line = one_error_line(train(workdir, tmp_path / "run", ["checkpoint.hf_last=0"]), code=1)
     assert line == (
         "error: the run ran out of memory (DefaultCPUAllocator: can't allocate memory: you tried to allocate "
         "4294967296 bytes.); `lctrain plan` shows what fits; no checkpoint was written yet: 'lctrain train --config "

@@ -110,10 +110,11 @@ def reference_run(workdir: Path, overrides: Overrides) -> Path:
     return train(load_config(None, overrides(workdir / "data", workdir / "ref")))
 
 
-def one_error_line(result) -> str:
-    """The single `error: ...` line of a CLI run (typer's CliRunner result) that must end with exit code 2 and no
-    traceback; progress bars may come before it."""
-    assert result.exit_code == 2, result.output
+def one_error_line(result, code: int = 2) -> str:
+    """The single `error: ...` line of a CLI run (typer's CliRunner result) that must end with exit code `code` (2: the
+    command cannot run as given; 1: the run failed, lctrain/errors.py) and no traceback; progress bars may come before
+    it."""
+    assert result.exit_code == code, result.output
     assert "Traceback" not in result.output, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result.output

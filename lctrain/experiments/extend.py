@@ -49,7 +49,7 @@ from lctrain.config import (
 )
 from lctrain.data.shipped_text import write_jsonl
 from lctrain.data.store import open_packed
-from lctrain.errors import UserError
+from lctrain.errors import RunFailed, UserError
 from lctrain.files import replace_file
 from lctrain.lifetime import STOPPED, Terminated, death_of, signal_name, supervise
 from lctrain.reports.compare import print_report, write_report
@@ -507,12 +507,13 @@ def evaluate_runs(exp: Experiment, state: State, steps: int, skip: dict[str, str
 
 def report_runs(exp: Experiment, state: State, failed: dict[str, str]) -> dict:
     """The report of the runs trained and evaluated; its line names those `failed` ({run name: stage}) left out and
-    what that leaves to compare, and a UserError after it names them again: a script sees the experiment failed."""
+    what that leaves to compare, and a RunFailed after it names them again: a script sees the experiment failed
+    (exit code 1)."""
     runs = [(m, s) for m, s in exp.runs() if exp.run_dir(m, s).name not in failed]
     names = [exp.run_dir(m, s).name for m, s in exp.runs()]
     left_out = ", ".join(f"{name} ({failed[name]} failed)" for name in names if name in failed)
     if not runs:
-        raise UserError(
+        raise RunFailed(
             f"every run failed: {left_out}; no report written ({exp.out / STATE_FILE} records why); {RERUN} to retry "
             f"them"
         )
@@ -532,7 +533,7 @@ def report_runs(exp: Experiment, state: State, failed: dict[str, str]) -> dict:
     state.data["report"] = str(report_dir)
     state.save()
     if failed:
-        raise UserError(
+        raise RunFailed(
             f"{len(failed)} of {len(exp.runs())} runs failed: {left_out}, left out of the report "
             f"({exp.out / STATE_FILE} records why); {RERUN} to retry them (a run with a checkpoint resumes from it)"
         )
@@ -570,7 +571,7 @@ def extend(
 ) -> dict:
     """Run (or continue) the experiment in `out`; returns the report `write_report` wrote. With `keep_going`, a run
     whose training or evaluation fails is left out and the others go on; the report is written without it, then a
-    UserError names it."""
+    RunFailed names it."""
     if sum(x is not None for x in (steps, tokens, train_seconds)) > 1:
         raise UserError("give one of --steps, --tokens and --train-seconds")
     if steps is not None and steps < 1:

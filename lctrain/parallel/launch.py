@@ -3,13 +3,13 @@
 `run_on_ranks(cfg, "package.module:function", request, workdir)` starts `lctrain.parallel.rank` on every process; each
 calls `function(request)` and rank 0's return value comes back as `Finished(result)`. The ranks report through files
 in `workdir` (shared by every node, as a run directory is), so the caller gets typed outcomes instead of exit codes:
-an out-of-memory on any rank is `OutOfMemory`, a rank's UserError is raised here as that UserError, anything else is
-`RanksFailed` with the launcher's exit code, and ranks that stopped on a SIGTERM (`stop_on_sigterm`) `Terminated`
-with rank 0's words. A process killed from outside (a rank SIGKILLed by the out-of-memory
-killer, the launcher itself) is `ProcessKilled`, one line naming it and the signal: `lctrain.parallel.guard`, the
-parent of every rank, records how its rank ended. The launcher's own standard error (torch elastic's multi-line
-report, DeepSpeed's log) goes to `WORKDIR/launcher.log`, with the ranks' standard error. This module knows none of
-its callers."""
+an out-of-memory on any rank is `OutOfMemory`, a rank's UserError is raised here as that UserError (a `RunFailed`
+as a `RunFailed`: its exit code is the rank's), anything else is `RanksFailed` with the launcher's exit code, and
+ranks that stopped on a SIGTERM (`stop_on_sigterm`) `Terminated` with rank 0's words. A process killed from outside
+(a rank SIGKILLed by the out-of-memory killer, the launcher itself) is `ProcessKilled`, one line naming it and the
+signal: `lctrain.parallel.guard`, the parent of every rank, records how its rank ended. The launcher's own standard
+error (torch elastic's multi-line report, DeepSpeed's log) goes to `WORKDIR/launcher.log`, with the ranks' standard
+error. This module knows none of its callers."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from lctrain.config import Config, check_on_this_machine
-from lctrain.errors import UserError
+from lctrain.errors import RunFailed, UserError, error_of
 from lctrain.lifetime import CRASH_SIGNALS, Terminated, death_of, signal_name, supervise
 from lctrain.parallel.groups import free_port, launcher_free_env
 from lctrain.parallel.guard import EXIT_PREFIX
@@ -136,7 +136,7 @@ class RanksFailed(SystemExit):
         self.exit_code = exit_code
 
 
-class ProcessKilled(UserError):
+class ProcessKilled(RunFailed):
     """A process of the run was killed by a signal it did not raise itself: `who` ("rank 1 (pid 4242)", "the
     launcher torchrun"), `signal` ("SIGKILL"). Its one line names the likely cause; callers add what to run next
     (`ProcessKilled.what`)."""
@@ -151,7 +151,7 @@ class ProcessKilled(UserError):
         return f"{self.who} {death_of(self.signal)}; the launcher's report{stack} is in {self.log}"
 
 
-class RanksHung(UserError):
+class RanksHung(RunFailed):
     """A step overran `train.step_timeout_minutes` (lctrain.parallel.watchdog): `summary` names the rank that hung and
     where the others waited. `what` adds where the ranks' stacks are; callers add what to run next."""
 
@@ -212,7 +212,7 @@ def run_on_ranks(
         return OutOfMemory(rank=oom["rank"], message=oom["message"])
     refused = next((f for _, f in sorted(failures.items()) if f["kind"] == "user_error"), None)
     if refused is not None:
-        raise UserError(refused["message"])
+        raise error_of(refused["message"], refused.get("exit_code", UserError.exit_code))
     hangs = read_records(workdir, HANG_PREFIX)
     if hangs:  # the ranks that ended on the watchdog's word were not the cause: the hung rank was
         raise RanksHung(hang_summary(hangs, cfg.parallel.world), log)

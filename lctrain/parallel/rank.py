@@ -38,8 +38,9 @@ def resolve(function: str):
     return getattr(importlib.import_module(module), name)
 
 
-def report_failure(workdir: Path, rank: int, kind: str, message: str) -> None:
-    failure_file(workdir, rank).write_text(json.dumps({"rank": rank, "kind": kind, "message": message}))
+def report_failure(workdir: Path, rank: int, kind: str, message: str, **more) -> None:
+    record = {"rank": rank, "kind": kind, "message": message, **more}
+    failure_file(workdir, rank).write_text(json.dumps(record))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,8 +74,10 @@ def main(argv: list[str] | None = None) -> None:
             # the launcher's stderr goes to a log: the caller shows the first failing rank's traceback
             report_failure(args.workdir, rank, "crash", traceback.format_exc())
             raise
-        report_failure(args.workdir, rank, "user_error", message)
-        raise SystemExit(UserError.exit_code) from None
+        # its exit code too: a RunFailed (a NaN loss) is raised again as one by the launching command (exit code 1)
+        code = e.exit_code if isinstance(e, UserError) else UserError.exit_code
+        report_failure(args.workdir, rank, "user_error", message, exit_code=code)
+        raise SystemExit(code) from None
     end_process_groups()
     if rank == 0:
         (args.workdir / RESULT_FILE).write_text(json.dumps({"result": result}))

@@ -39,7 +39,7 @@ from lctrain.costmodel import (
     step_flops,
     visible_pairs,
 )
-from lctrain.errors import UserError, WriteFailed
+from lctrain.errors import RunFailed, UserError, WriteFailed
 from lctrain.hardware import device_peak_flops
 from lctrain.lifetime import StopRequest, Terminated, is_supervised
 from lctrain.measure import peak_bytes, reset_peak, timed
@@ -609,8 +609,8 @@ class Trainer:
 def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -> None:
     """Stop, before anything of the step is logged or saved, at a loss or gradient norm that is not a number: every
     later step would be too, and a checkpoint of it would hold broken weights. Every rank sees the same reduced
-    values, so every rank stops here. Under float16 DeepSpeed's loss scaler skips a step whose gradients overflowed
-    (a normal event), so only the loss counts there."""
+    values, so every rank stops here (`RunFailed`: exit code 1). Under float16 DeepSpeed's loss scaler skips a step
+    whose gradients overflowed (a normal event), so only the loss counts there."""
     checked = {"loss": result.loss}
     if cfg.model.dtype != "float16" and result.grad_norm is not None:
         checked["gradient norm"] = result.grad_norm
@@ -633,7 +633,7 @@ def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -
     else:
         then = f"the last checkpoint is {last.name}: lower train.lr in {rd.config_file}, then 'lctrain resume {rd}'"
     lr = learning_rate(step_index, cfg.train)
-    raise UserError(
+    raise RunFailed(
         f"step {step}: the {' and the '.join(bad)}; training stopped without logging or saving this step. "
         f"Likely cause: a learning rate too high (train.lr = {cfg.train.lr:g}, {lr:g} at this step) "
         f"or an overflow of the precision (model.dtype = {cfg.model.dtype}); {then}"
