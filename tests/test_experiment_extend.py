@@ -279,7 +279,7 @@ def test_without_keep_going_the_first_failure_stops_the_experiment(stand_ins, tm
     fail, calls, reported = stand_ins
     fail[("train", "full_s0")] = 1
     result = extend_command(tmp_path)
-    assert result.exit_code == 2
+    assert result.exit_code == 1  # the stage's run failed: the experiment's too
     assert calls == [("train", "full_s0")]
     assert result.output.splitlines()[-1] == (
         "error: lctrain train (full, seed 0 (1 of 3)) failed (exit code 1; its output is above); run the same "
@@ -288,6 +288,8 @@ def test_without_keep_going_the_first_failure_stops_the_experiment(stand_ins, tm
     assert not reported
     runs = json.loads((tmp_path / ex.STATE_FILE).read_text())["runs"]
     assert runs["full_s0"]["failed"]["stage"] == "train"
+    fail[("resume", "full_s0")] = 2  # the rerun's stage refused its command: fix the command, as it said
+    assert extend_command(tmp_path).exit_code == 2
 
 
 def test_a_failed_evaluation_is_left_out_and_retried(stand_ins, tmp_path):

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import load_config, write_resolved
 from lctrain.eval.runner import evaluate, resolve_target
+from lctrain.experiments.extend import evaluated_with
 from lctrain.reports.compare import compare, markdown, read_evaluated
 from lctrain.rundir import RunDir
 
@@ -226,6 +227,8 @@ def test_a_retrained_export_is_refused_naming_the_run_and_checkpoint(run, tmp_pa
         f"since: trained again with --force, or exported again); evaluate it again: lctrain eval {run}"
     )
     assert not (tmp_path / "report").exists()
+    # `lctrain experiment extend` agrees: the evaluation is not current, so its rerun evaluates the run again
+    assert evaluated_with(RunDir(run), None) is None
 
 
 def test_results_given_as_a_file_kept_elsewhere_are_checked_against_the_run(run, tmp_path):

@@ -52,7 +52,7 @@ from lctrain.data.store import open_packed
 from lctrain.errors import RunFailed, UserError
 from lctrain.files import replace_file
 from lctrain.lifetime import STOPPED, Terminated, death_of, signal_name, supervise
-from lctrain.reports.compare import print_report, write_report
+from lctrain.reports.compare import print_report, rewritten_exports, write_report
 from lctrain.reports.trained_windows import Windows, trained_windows
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
@@ -83,11 +83,14 @@ def say(stage: str, text: str) -> None:
 
 
 class StageFailed(UserError):
-    """A stage's command that ended badly; `failure` says which and how (what --keep-going records of a run)."""
+    """A stage's command that ended badly; `failure` says which and how (what --keep-going records of a run). Its
+    exit code is the stage's own where that said "fix the command" (2), else 1: the stage ran and failed (a NaN, a
+    rank out of memory, killed), as `RunFailed` says."""
 
-    def __init__(self, failure: str):
+    def __init__(self, failure: str, stage_code: int | None = None):
         super().__init__(f"{failure}; {RERUN} to continue from what is finished")
         self.failure = failure
+        self.exit_code = UserError.exit_code if stage_code == UserError.exit_code else RunFailed.exit_code
 
 
 def lctrain_command(*args: str) -> list[str]:
@@ -192,7 +195,7 @@ class Experiment:
             how = f"was stopped by {STOPPED[rc]} (from outside: a scheduler or a user)"
         else:
             how = f"failed (exit code {rc}; its output is above)"
-        raise StageFailed(f"{what} {how}")
+        raise StageFailed(f"{what} {how}", rc)
 
 
 def _pass_sigterm(stage: psutil.Process) -> None:
@@ -439,8 +442,9 @@ def results_digest(results: bytes) -> str:
 def evaluated_with(rd: RunDir, record) -> dict | None:
     """The eval settings the run's eval/results.json was written with: those `record` (the run's "evaluated" in
     experiment.json) holds beside the file's digest. None when there is nothing to keep: no results, torn ones, ones
-    of other checkpoints than the run's exports now (evaluated before training ended), or ones rewritten since the
-    record (`lctrain eval` by hand, with settings not known here)."""
+    of other checkpoints than the run's exports now (evaluated before training ended) or of exports written again
+    since (`rewritten_exports`, as `lctrain report` refuses them), or ones rewritten since the record (`lctrain eval`
+    by hand, with settings not known here)."""
     results = rd.eval_dir / "results.json"
     if not results.is_file():
         return None
@@ -449,7 +453,7 @@ def evaluated_with(rd: RunDir, record) -> dict | None:
         done = json.loads(raw)
     except ValueError:
         return None
-    if done.get("checkpoints") != [p.name for p in rd.exports()]:
+    if done.get("checkpoints") != [p.name for p in rd.exports()] or rewritten_exports(rd, done):
         return None
     if isinstance(record, dict):
         return record.get("eval") if record.get("results_sha256") == results_digest(raw) else None

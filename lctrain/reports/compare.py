@@ -123,29 +123,37 @@ def read_evaluated(path: str | Path) -> Evaluated:
     return Evaluated(run.path, file, run.read_config(), results, tuple(not_evaluated), tuple(gone))
 
 
+def rewritten_exports(run: RunDir, results: dict) -> list[str]:
+    """The exports `results` scored whose weights the run no longer holds as scored: their record (`export.json`) is
+    not the one `lctrain eval` recorded (`export_records`, `lctrain.eval.runner.export_digest`), as after
+    `train --force` or `export --force`. Results written before that record was kept, and exports without a record,
+    have nothing to check against; exports since removed are not rewritten."""
+    recorded = results.get("export_records")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    exports = {p.name: p for p in run.exports()}
+    return [
+        name
+        for name in map(str, results["checkpoints"])
+        if recorded.get(name) is not None and name in exports and export_digest(exports[name]) != recorded[name]
+    ]
+
+
 def _exports_against(run: RunDir, file: Path, results: dict) -> tuple[list[str], list[str]]:
     """(the run's exports `results` do not score, the scored exports the run no longer holds); refuses results of an
-    export whose weights are not the ones scored: its record (`export.json`) is not the one `lctrain eval` recorded
-    (`export_records`, `lctrain.eval.runner.export_digest`), as after `train --force` or `export --force`. Results
-    written before that record was kept, and exports without a record, have nothing to check against: only the names
-    are compared then (as `lctrain experiment extend` compares them to decide an evaluation is current)."""
-    exports = {p.name: p for p in run.exports()}
+    export whose weights are not the ones scored (`rewritten_exports`). Results written before the exports' records
+    were kept are compared by name only (as `lctrain experiment extend` compares them to decide an evaluation is
+    current)."""
+    rewritten = rewritten_exports(run, results)
+    if rewritten:
+        raise UserError(
+            f"{run.path}: {run.exports_dir.name}/{rewritten[0]} is not the export {file} scored (its {EXPORT_RECORD} "
+            f"changed since: trained again with --force, or exported again); evaluate it again: lctrain eval {run.path}"
+        )
+    exports = [p.name for p in run.exports()]
     scored = [str(c) for c in results["checkpoints"]]
     recorded = results.get("export_records")
     recorded = recorded if isinstance(recorded, dict) else {}
-    gone = []
-    for name in scored:
-        digest = recorded.get(name)
-        if digest is None:
-            continue
-        if name not in exports:
-            gone.append(name)
-        elif export_digest(exports[name]) != digest:
-            where = f"{run.exports_dir.name}/{name}"
-            raise UserError(
-                f"{run.path}: {where} is not the export {file} scored (its {EXPORT_RECORD} changed since: trained "
-                f"again with --force, or exported again); evaluate it again: lctrain eval {run.path}"
-            )
+    gone = [name for name in scored if recorded.get(name) is not None and name not in exports]
     return [name for name in exports if name not in scored], gone
 
 
