@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import quote
 
 import yaml
 
@@ -92,6 +93,35 @@ class RunDir:
 
     def is_run(self) -> bool:
         return self.not_a_run() is None
+
+    @classmethod
+    def whose_config(cls, cfg: Config) -> RunDir | None:
+        """The run `cfg` was loaded from the config.yaml of (a resume's, `train --config RUN/config.yaml`); None for
+        any other file. A run's own is told from a config file that only has its name by the `workdir` that
+        `write_config` records (an earlier version's run: origin.json beside it)."""
+        if cfg.source_file is None or Path(cfg.source_file).name != "config.yaml":
+            return None
+        run = cls(Path(cfg.source_file).absolute().parent)
+        if not run.is_run():
+            return None
+        raw = yaml.safe_load(run.config_file.read_text())
+        return run if "workdir" in raw or (run.path / "origin.json").is_file() else None
+
+    def elsewhere(self, cfg: Config) -> Path | None:
+        """The run directory `cfg` names when it is not this one: a copied or moved run's config.yaml keeps the
+        train.run_dir and workdir of the run it came from."""
+        there = run_dir(cfg)
+        return None if there.resolve() == self.path.resolve() else there
+
+    def start_over_command(self) -> str:
+        """`lctrain train` that starts this run over here, for advice: with train.run_dir set to this directory when
+        its config.yaml names another (`elsewhere`), which the command would otherwise delete and train."""
+        try:
+            pin = self.elsewhere(self.read_config()) is not None
+        except UserError:
+            pin = True  # unreadable now: the override that cannot name another directory
+        where = f" --set train.run_dir={quote(str(self.path.absolute()))}" if pin else ""
+        return f"lctrain train --config {quote(str(self.config_file))}{where} --force"
 
     def write_config(self, cfg: Config) -> Path:
         """The resolved config, with the directory its relative paths resolve against, so that `read_config` from any

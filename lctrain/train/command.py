@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
+from shlex import quote
 
 import torch
 
@@ -48,6 +49,7 @@ def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Check
     """Start a run in `RunDir.of(cfg)`; refuses a directory where a run finished anything (checkpoints, metrics,
     evaluation exports) unless `force`."""
     check_launcher_env()
+    refuse_another_runs_config(cfg)
     rd = RunDir.of(cfg)
     if rd.holds_dataset():  # --force or not: the run's config.yaml and outputs would land in the dataset
         raise UserError(
@@ -73,6 +75,7 @@ def train_or_resume(cfg: Config) -> Path:
     a complete checkpoint is resumed, with what `cfg` sets otherwise than the run's config.yaml as `--set` changes
     (checked as `resume` checks them: more steps or another layout pass, another model or data is refused); one
     without a checkpoint (stopped before its first) starts over; anything else starts the run."""
+    refuse_another_runs_config(cfg)
     rd = RunDir.of(cfg)
     if rd.is_run() and ckpt.latest_checkpoint(rd) is not None:
         changes = {
@@ -87,6 +90,19 @@ def train_or_resume(cfg: Config) -> Path:
     return train(cfg, force=rd.is_run())
 
 
+def refuse_another_runs_config(cfg: Config) -> None:
+    """Refuse the config.yaml of a copied or moved run that names, as its file has it, the run it came from: `train`
+    would start over that run, deleting it under --force, where the user named the copy."""
+    run = RunDir.whose_config(cfg)
+    there = run.elsewhere(run.read_config()) if run is not None else None
+    if there is None or RunDir.of(cfg).path.resolve() != there.resolve():
+        return  # its own directory, or one the overrides chose
+    raise UserError(
+        f"{cfg.source_file} is the config of the copied or moved run {run}, and its train.run_dir names {there}; "
+        f"add '--set train.run_dir={quote(str(run.path))}' to act on the copy, or give {there}'s own config"
+    )
+
+
 def refuse_to_replace(rd: RunDir) -> None:
     """Raise, naming what is there, when `rd` holds anything a run finished: only `--force` deletes it."""
     checkpoints = [f"{rd.checkpoints.name}/{p.name}" for p in ckpt.complete_checkpoints(rd)]
@@ -95,7 +111,10 @@ def refuse_to_replace(rd: RunDir) -> None:
         return
     shown = first_and_more(finished, 8)
     if checkpoints:
-        choices = f"continue it with 'lctrain resume {rd}', or start over (deleting them) with 'lctrain train --force'"
+        choices = (
+            f"continue it with 'lctrain resume {quote(str(rd))}', or start over (deleting them) with "
+            f"'lctrain train --force'"
+        )
     else:
         choices = (
             "it has no checkpoint to resume from: start over (deleting them) with 'lctrain train --force', "
@@ -126,8 +145,7 @@ def resume(
     with _run_lock(rd, "lctrain resume", leader):
         if ckpt.latest_checkpoint(rd) is None:
             raise UserError(
-                f"{rd}: no complete checkpoint to resume from; start the run again with "
-                f"'lctrain train --config {rd.config_file} --force'"
+                f"{rd}: no complete checkpoint to resume from; start the run again with '{rd.start_over_command()}'"
             )
         cfg = rd.read_config(overrides)
         named = ckpt.latest_named(rd)
@@ -142,14 +160,14 @@ def resume(
         if not states:  # before any process builds a model: none of them could resume
             raise UserError(
                 f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with "
-                f"'lctrain train --config {rd.config_file} --force'"
+                f"'{rd.start_over_command()}'"
             )
         done = max((int(s["step"]) for _, s in states), default=0)
         if done >= cfg.train.steps:
             if leader:
                 print(
                     f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (to train further: "
-                    f"lctrain resume {run_dir} --set train.steps=N, N > {done})",
+                    f"lctrain resume {quote(str(run_dir))} --set train.steps=N, N > {done})",
                     flush=True,
                 )
             return rd.path
@@ -291,7 +309,7 @@ def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> N
         raise UserError(
             f"{cfg.origin(*changed)}: {shown_changes(changed)} changed since checkpoint {checkpoint}; a checkpoint "
             f"resumes only with the model, data and batch it was written with: restore them, or start over with "
-            f"'lctrain train --config {source} --force'"
+            f"'{_start_over(cfg)}'"
         )
     reshard.check_reshardable(saved, settings(cfg), source, checkpoint)
 
@@ -313,8 +331,14 @@ def check_same_dataset(cfg: Config, state: dict, manifest, checkpoint: str) -> N
         raise UserError(
             f"{data_dir(cfg)}: the prepared dataset changed since checkpoint {checkpoint} ({change}); resuming "
             f"would read other windows than the run's. Restore the dataset the run trained "
-            f"on, or start over on this one with 'lctrain train --config {cfg.source_file} --force'"
+            f"on, or start over on this one with '{_start_over(cfg)}'"
         )
+
+
+def _start_over(cfg: Config) -> str:
+    """The advice to start over a run that cannot resume: `resume` checks the config it read from the run's
+    config.yaml."""
+    return RunDir(Path(cfg.source_file).parent).start_over_command()
 
 
 def _leader() -> bool:

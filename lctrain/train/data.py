@@ -11,14 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from shlex import quote
 
 import numpy as np
 
 from lctrain.checksums import digest
-from lctrain.config import DEFAULT_CONFIG, Config, bundled_config_dir, data_dir, data_fingerprint
+from lctrain.config import DEFAULT_CONFIG, Config, bundled_config_dir, data_dir, data_fingerprint, run_dir
 from lctrain.data.store import MANIFEST, open_packed
 from lctrain.errors import UserError
 from lctrain.parallel.layout import ParallelLayout
+from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer, resolve_anchor
 
 
@@ -30,13 +32,37 @@ def prepare_command(cfg: Config) -> str:
     elif src.resolve().parent == bundled_config_dir().resolve():
         arg = f" --config {src.stem}"
     else:
-        arg = f" --config {src}"
+        arg = f" --config {quote(str(src))}"
     return f"lctrain prepare{arg}"
 
 
 def prepare_hint(cfg: Config, force: bool = False) -> str:
     command = prepare_command(cfg) + (" --force" if force else "")
     return f"run '{command}' (with the same --set overrides) first"
+
+
+def _moved_run_hint(cfg: Config, path: Path) -> str | None:
+    """For a run moved away from the `workdir` its config.yaml records (a project directory moved or copied whole),
+    where `path`, its dataset there, is missing: preparing with that config would rebuild the dataset at the old
+    place; `--set workdir=` finds the one beside it (a resume, or `train` starting the run over). None for any other
+    config."""
+    run = RunDir.whose_config(cfg)
+    if run is None or cfg.workdir is None:
+        return None
+    old = Path(cfg.workdir)
+    if run.path.resolve().is_relative_to(old.resolve()) or not path.is_relative_to(old):
+        return None
+    # where the run's relative paths are now: as far above the run as the workdir was above it, or the current one
+    named = run_dir(cfg)
+    depth = len(named.relative_to(old).parts) if named.is_relative_to(old) else 0
+    dirs = ([run.path.parents[depth - 1]] if 0 < depth <= len(run.path.parents) else []) + [Path.cwd()]
+    now = next((d for d in dirs if (d / path.relative_to(old) / MANIFEST).is_file()), None)
+    new = quote(str(now)) if now else "DIR"
+    what = "" if now else f", DIR the directory that holds {path.relative_to(old)} (prepared there) now"
+    return (
+        f"the run has moved from {old}, the workdir its config.yaml records: add '--set workdir={new}' to the "
+        f"command, as in 'lctrain resume {quote(str(run.path))} --set workdir={new}'{what}"
+    )
 
 
 # The data settings a manifest records as they are in the config: a changed one is named when the fingerprints differ.
@@ -89,7 +115,9 @@ def open_checked(cfg: Config):
     data settings, each in one line naming the file, what differs and the command that rebuilds it."""
     path = data_dir(cfg)
     if not (path / MANIFEST).is_file():
-        raise UserError(f"{path}: no prepared dataset for this config; {prepare_hint(cfg)}")
+        raise UserError(
+            f"{path}: no prepared dataset for this config; {_moved_run_hint(cfg, path) or prepare_hint(cfg)}"
+        )
     packed = open_packed(path, rebuild=f"run '{prepare_command(cfg)}' (with the same --set overrides) to rebuild it")
     manifest = packed.manifest
     anchor = resolve_anchor(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor, cfg.data.tokenizer)

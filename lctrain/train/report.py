@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import quote
 
 from lctrain.model import ConfigChange, changes_text
 from lctrain.parallel.layout import ParallelLayout
@@ -198,9 +199,9 @@ def summary(e: RunEnd) -> str:
         rows.append(("hf exports", "none"))
     rows.append(("metrics", str(e.metrics_file)))
     if step < e.steps:
-        rows.append(("next", f"lctrain resume {e.run_dir}"))
+        rows.append(("next", f"lctrain resume {quote(str(e.run_dir))}"))
     elif e.exports:
-        rows.append(("next", f"lctrain eval {e.run_dir}; lctrain plot {e.run_dir}"))
+        rows.append(("next", f"lctrain eval {quote(str(e.run_dir))}; lctrain plot {quote(str(e.run_dir))}"))
     else:
-        rows.append(("next", f"lctrain plot {e.run_dir}"))
+        rows.append(("next", f"lctrain plot {quote(str(e.run_dir))}"))
     return "\n".join([f"done: {e.run_dir}"] + [f"  {k:<12} {v}" for k, v in rows])
