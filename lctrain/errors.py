@@ -102,6 +102,12 @@ def is_environment_error(e: BaseException) -> bool:
     return number in ENVIRONMENT_ERRNOS if isinstance(e, OSError) else number in _REMEDY
 
 
+def remedy_of(e: BaseException) -> str:
+    """What to do about the environment failure `e`, by its errno (`_REMEDY`); one without an errno (torch's
+    serializer) is taken for a full disk. For a `WriteFailed`, pass the error it was raised from (its `__cause__`)."""
+    return _REMEDY.get(_errno_of(e) or errno.ENOSPC, "fix the path or choose another one")
+
+
 def environment_error_message(e: BaseException) -> str | None:
     """One line for an environment failure (see ENVIRONMENT_ERRNOS), None for anything else."""
     if not is_environment_error(e):
@@ -113,8 +119,7 @@ def environment_error_message(e: BaseException) -> str | None:
         where, what = "a checkpoint file", "the write failed (is the disk full?)"
     else:
         where, what = "a file", os.strerror(_errno_of(e))
-    remedy = _REMEDY.get(_errno_of(e) or errno.ENOSPC, "fix the path or choose another one")
-    return " ".join(f"{where}: {what}; {remedy}, then run the command again".split())
+    return " ".join(f"{where}: {what}; {remedy_of(e)}, then run the command again".split())
 
 
 class WriteFailed(UserError):
@@ -139,11 +144,8 @@ def writing(path: str | os.PathLike, what: str) -> Iterator[None]:
         if not is_environment_error(e):
             raise
         number = _errno_of(e)
-        if number is None:  # torch's serializer: no errno to tell which
-            cause, remedy = _TORCH_CAUSE, _REMEDY[errno.ENOSPC]
-        else:
-            cause = os.strerror(number)
-            remedy = _REMEDY.get(number, "fix the path or choose another one")
+        cause = _TORCH_CAUSE if number is None else os.strerror(number)  # None: torch's serializer, no errno
+        remedy = remedy_of(e)
         where = e.filename if isinstance(e, OSError) and e.filename else path
         raise WriteFailed(where, what, cause, remedy) from e
 

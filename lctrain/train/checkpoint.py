@@ -22,8 +22,10 @@ import os
 import pickle
 import random
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from shlex import quote
 
 import numpy as np
 import torch
@@ -31,7 +33,7 @@ import torch
 from lctrain.compat.deepspeed import loading_universal, no_bf16_optimizer_load_print, zero3_full_state_dict
 from lctrain.compat.transformers import config_json_text, legacy_rope_keys
 from lctrain.config import Config
-from lctrain.errors import is_environment_error, writing
+from lctrain.errors import UserError, is_environment_error, remedy_of, writing
 from lctrain.export_record import write_export_record
 from lctrain.files import TEMPORARY_PREFIX, fsync_dir, readable_as_config_json, replace_file
 from lctrain.rundir import RunDir, by_step, step_of
@@ -126,8 +128,8 @@ def resume_hint(run: RunDir, resume: str | None = None) -> str:
     its newest complete checkpoint, or a new start when none was written yet."""
     last = latest_checkpoint(run)
     if last is None:
-        return f"no checkpoint was written yet: 'lctrain train --config {run.config_file} --force' starts it over"
-    return f"'{resume or f'lctrain resume {run.path}'}' continues from {last.name}"
+        return f"no checkpoint was written yet: '{run.start_over_command()}' starts it over"
+    return f"'{resume or f'lctrain resume {quote(str(run.path))}'}' continues from {last.name}"
 
 
 def latest_checkpoint(run: RunDir) -> Path | None:
@@ -181,6 +183,33 @@ def barrier() -> None:
     # process group DeepSpeed binds to no device (seen on an H200, 2026-11-26)
     nccl = torch.distributed.get_backend() == "nccl"
     dist.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)
+
+
+def check_output_dir(path: Path, what: str) -> None:
+    """Refuse, before a run's first step, a directory of its `what` ("resume checkpoints", "evaluation exports") that
+    cannot be created or written where the run puts it: a file in its place or in one of its parents, a read-only
+    filesystem or parent, a lost permission. One line naming the path and the cause, where the first write would
+    otherwise fail only once the steps before it are trained. A directory created and removed inside it is the probe
+    (what a checkpoint's write does first); the directories this check created are removed again."""
+    blocker = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+    if blocker is not None and not blocker.is_dir():
+        where = "is a file where it goes" if blocker == path else f"cannot be created: {blocker} is a file"
+        raise UserError(
+            f"{path}: the directory of the {what} {where}; move or remove the file, then run the command again"
+        )
+    missing = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX + "probe-", dir=path))
+    except OSError as e:
+        raise UserError(
+            f"{path}: cannot create the directory of the {what} or write into it ({e.strerror or e}); "
+            f"{remedy_of(e)}, then run the command again"
+        ) from None
+    finally:
+        for p in missing:
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 def save_resume(
@@ -372,17 +401,21 @@ def write_export(
     tmp = final.with_name(TEMPORARY_PREFIX + final.name)
     shutil.rmtree(tmp, ignore_errors=True)
     dtype = _weights_dtype(lm, state_dict)  # save_pretrained empties `state_dict` as it writes the shards
-    with writing(tmp, "the evaluation checkpoint"), _with_kv_cache(lm):
-        # its progress bar is off (metrics.quiet_libraries, console.no_library_bars)
-        lm.save_pretrained(str(tmp), state_dict=state_dict, max_shard_size=MAX_SHARD_SIZE)
-        _add_legacy_rope_keys(tmp / "config.json")
-        readable_as_config_json(tmp)
-        save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
-        write_anchor(tmp, anchor)  # prompts start with it
-        card = model_card(cfg, lm.config, tokenizer, anchor, step, dtype)
-        (tmp / MODEL_CARD).write_text(card)
-        write_export_record(tmp, step)  # last: eval scores these files, and only these, as this step
-        _replace_dir(tmp, final)
+    try:
+        with writing(tmp, "the evaluation export"), _with_kv_cache(lm):
+            # its progress bar is off (metrics.quiet_libraries, console.no_library_bars)
+            lm.save_pretrained(str(tmp), state_dict=state_dict, max_shard_size=MAX_SHARD_SIZE)
+            _add_legacy_rope_keys(tmp / "config.json")
+            readable_as_config_json(tmp)
+            save_tokenizer(tokenizer, tmp)  # with its SentencePiece model: `lctrain eval` encodes prompts exactly
+            write_anchor(tmp, anchor)  # prompts start with it
+            card = model_card(cfg, lm.config, tokenizer, anchor, step, dtype)
+            (tmp / MODEL_CARD).write_text(card)
+            write_export_record(tmp, step)  # last: eval scores these files, and only these, as this step
+            _replace_dir(tmp, final)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, the part written is space the user needs back
+        raise
     return final
 
 

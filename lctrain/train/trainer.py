@@ -39,7 +39,7 @@ from lctrain.costmodel import (
     step_flops,
     visible_pairs,
 )
-from lctrain.errors import RunFailed, UserError, WriteFailed
+from lctrain.errors import RunFailed, UserError, WriteFailed, is_environment_error, remedy_of
 from lctrain.hardware import device_peak_flops
 from lctrain.lifetime import StopRequest, Terminated, is_supervised
 from lctrain.measure import peak_bytes, reset_peak, timed
@@ -74,6 +74,9 @@ from lctrain.units import to_gb
 # Fault injection for tests: called on rank 0 with the step after DeepSpeed has written its files of that step's
 # resume checkpoint and before the checkpoint is complete.
 CheckpointHook = Callable[[int], None]
+
+# What a step writes, in the words of the messages when a write fails: a step with both writes them in this order.
+CHECKPOINT, EXPORT = "resume checkpoint", "evaluation export"
 
 
 def _seed_everything(seed: int) -> None:
@@ -153,6 +156,9 @@ def run(
         try:
             _seed_everything(cfg.seed)
             prepared = prepared or Prepared.of(cfg, topo.layout)
+            if topo.is_main:  # before the model is built: a refusal here costs seconds, not the run
+                latest = ckpt.latest_checkpoint(rd) if resuming else None  # resumed from (or, if damaged, before)
+                check_output_dirs(cfg, rd, step_of(latest) or 0 if latest is not None else 0)
             packed = prepared.packed
             trainer = Trainer(
                 cfg,
@@ -475,12 +481,14 @@ class Trainer:
                 watchdog.disarm()
             if profiler.finished(step_index) and topo.is_main:  # after the step's own line
                 print(profile_line(profiler.out, cfg.logging.profile.ranks, profiler.top), flush=True)
-            exported = self.state.step in hf_steps
-            if exported:
-                self.export_hf()
+            # the resume checkpoint first: an export that fails (a full disk) then loses no step of the run, and
+            # `lctrain export` can write the export from the checkpoint
             saved = resume_checkpoint_due(self.state.step, total, cfg.checkpoint)
             if saved:
                 self.save_checkpoint()
+            exported = self.state.step in hf_steps
+            if exported:
+                self.export_hf()
             if exported or saved or profiler.finished(step_index):
                 ckpt.barrier()  # peers that waited for a rank's writes start the next (watched) step with it
             if stop is not None and self.state.step < total and self.stop_agreed(stop):
@@ -526,8 +534,8 @@ class Trainer:
         )
 
     def export_hf(self) -> None:
-        """The evaluation checkpoint of the current step (all ranks call: ZeRO-3 gathers the shards)."""
-        with _checkpoint_write(self.run_dir, self.state.step):
+        """The evaluation export of the current step (all ranks call: ZeRO-3 gathers the shards)."""
+        with _write_of_step(self.run_dir, self.state.step, self.cfg.train.steps, EXPORT):
             ckpt.save_hf(
                 self.engine,
                 self.lm,
@@ -542,7 +550,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """The resume checkpoint of the current step: DeepSpeed's state, every rank's RNG and the `TrainState`."""
-        with _checkpoint_write(self.run_dir, self.state.step):
+        with _write_of_step(self.run_dir, self.state.step, self.cfg.train.steps, CHECKPOINT):
             ckpt.save_resume(
                 self.engine,
                 self.run_dir,
@@ -602,7 +610,7 @@ class Trainer:
             tried.append(path.name)
         raise UserError(
             f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run "
-            f"again with 'lctrain train --config {rd.config_file} --force'"
+            f"again with '{rd.start_over_command()}'"
         )
 
 
@@ -670,16 +678,56 @@ def divergence_warning(loss: float, step: int, vocab: int, warned: bool) -> str 
 
 
 @contextlib.contextmanager
-def _checkpoint_write(rd: RunDir, step: int):
-    """A full disk or a lost permission while writing a checkpoint is the user's to fix, not a crash: the last
-    complete checkpoint is intact (checkpoints are renamed into place), so say so in one line."""
+def _write_of_step(rd: RunDir, step: int, total: int, what: str):
+    """A full disk or a lost permission while writing the step's resume checkpoint or evaluation export (`what`) is
+    the user's to fix, not a crash: the complete checkpoints are intact (each is renamed into place), so say in one
+    line what failed, the remedy for its cause and what continues the run."""
     try:
         yield
     except WriteFailed as e:
-        raise UserError(
-            f"{rd}: cannot write the step {step} checkpoint ({e.cause}) at {e.path}; free disk space or fix "
-            f"permissions, then 'lctrain resume {rd}' continues from the last complete checkpoint"
-        ) from None
+        cause, path, error = e.cause, e.path, e.__cause__ or e
+    except UserError:
+        raise
+    except Exception as e:  # one not through `errors.writing` (a gather's file, a library's own write)
+        if not is_environment_error(e):
+            raise
+        own = isinstance(e, OSError)
+        cause = e.strerror if own and e.strerror else " ".join(str(e).split())[:200]
+        path = e.filename if own and e.filename else rd.export(step) if what == EXPORT else rd.checkpoint(step)
+        error = e
+    else:
+        return
+    raise UserError(
+        f"{rd}: cannot write the step {step} {what} ({cause}) at {path}; {remedy_of(error)}"
+        f"{_what_continues(rd, step, total, what)}"
+    ) from None
+
+
+def _what_continues(rd: RunDir, step: int, total: int, what: str) -> str:
+    """What gets the run (and a failed export) back once the cause is fixed: `lctrain export` for the export of a step
+    whose resume checkpoint is complete, `lctrain resume` from the newest checkpoint (none: a new start) for the rest
+    of the run. `lctrain resume` of a run at its last step trains nothing, and writes no export."""
+    last = ckpt.latest_checkpoint(rd)
+    if last is None:
+        return f"; {ckpt.resume_hint(rd)}"
+    then = []
+    if what == EXPORT and step_of(last) == step:
+        then.append(f"'lctrain export {rd} --step {step}' writes it from checkpoint {last.name}")
+    if (step_of(last) or 0) < total:
+        then.append(ckpt.resume_hint(rd))
+    return ", then " + " and ".join(then) if then else ""
+
+
+def check_output_dirs(cfg: Config, rd: RunDir, start_step: int) -> None:
+    """Before the first step, on the rank that writes them: the directories this session's resume checkpoints and
+    evaluation exports go into can be created and written (`checkpoint.check_output_dir`), each checked only if a
+    step after `start_step` writes into it; a run refused here trained nothing."""
+    total, plan = cfg.train.steps, cfg.checkpoint
+    steps = range(start_step + 1, total + 1)
+    if plan.on_sigterm or any(resume_checkpoint_due(s, total, plan) for s in steps):
+        ckpt.check_output_dir(rd.checkpoints, "resume checkpoints")
+    if any(s > start_step for s in hf_checkpoint_steps(total, plan)):
+        ckpt.check_output_dir(rd.exports_dir, "evaluation exports")
 
 
 def _grad_norm(module: torch.nn.Module) -> float:
