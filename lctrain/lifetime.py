@@ -3,7 +3,8 @@ way Ctrl-C does.
 
 - `RunLock`: an exclusive `flock` on `RUN_DIR/.lctrain.lock`, held for as long as anything trains the run directory.
   The kernel drops it when its holder dies, however it dies; a second `train` or `resume` is refused in one line that
-  names the holder (pid, host, command, start time).
+  names the holder (pid, host, command, start time). `lock_holder` tells whether a run is being trained now. The same
+  lock keeps two `lctrain eval`s out of one output directory and two `lctrain export`s off one target.
 - `supervise`: runs a launcher (torchrun, DeepSpeed's) in its own session, forwards SIGTERM and Ctrl-C to it and, on
   either, stops every process under it quietly: the launchers are killed before they can print their own
   tracebacks, the workers get SIGTERM. The caller prints "interrupted" once.
@@ -87,31 +88,49 @@ class StopRequest:
 
 
 class RunLock:
-    """Exclusive lock on a run directory for the life of this object (use as a context manager)."""
+    """Exclusive lock on a run directory for the life of this object (use as a context manager).
 
-    def __init__(self, run_dir: str | Path, command: str):
-        self.path = Path(run_dir) / LOCK_NAME
+    The same primitive guards other directories a command must write alone (`lctrain eval`'s output, `lctrain
+    export`'s target): `name` is the lock file's name in the directory, `remove` removes it on release (an output
+    directory the user chose keeps nothing of lctrain's), and a subclass words the refusals for its command (`busy`,
+    `cannot_create`)."""
+
+    def __init__(self, run_dir: str | Path, command: str, name: str = LOCK_NAME, remove: bool = False):
+        self.path = Path(run_dir) / name
         self.command = command
+        self.remove = remove
         self.fd: int | None = None
 
+    def busy(self, holder: str, pid: str) -> str:
+        """The one-line refusal while `holder` (pid `pid`, or "it") holds the lock."""
+        return (
+            f"{self.path.parent} is being trained by {holder}; wait for it to finish or stop it "
+            f"(kill {pid}) before starting another run there"
+        )
+
+    def cannot_create(self, e: OSError) -> UserError:
+        """The refusal when the lock file cannot be created (a read-only filesystem, a file in the way)."""
+        return UserError(
+            f"{self.path.parent}: cannot create the run directory's lock file ({e.strerror or e}); "
+            f"check the path and its permissions"
+        )
+
     def __enter__(self) -> RunLock:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise UserError(
-                f"{self.path.parent}: cannot create the run directory's lock file ({e.strerror or e}); "
-                f"check the path and its permissions"
-            ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            who, pid = _read_holder(fd)
-            os.close(fd)
-            raise UserError(
-                f"{self.path.parent} is being trained by {who}; wait for it to finish or stop it "
-                f"(kill {pid}) before starting another run there"
-            ) from None
+        while True:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise self.cannot_create(e) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                who, pid = _read_holder(fd)
+                os.close(fd)
+                raise UserError(self.busy(who, pid)) from None
+            if not self.remove or _is_current(fd, self.path):
+                break
+            os.close(fd)  # its last holder removed it after this opened it: lock the file now in its place
         holder = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -129,16 +148,57 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         if self.fd is not None:
-            os.close(self.fd)  # releases the lock; the file stays (removing it would race with a new holder)
+            if self.remove:  # while still held: whoever opened it meanwhile sees it replaced (`_is_current`)
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+            os.close(self.fd)  # releases the lock; a run's file stays (removing it would race with a new holder)
             self.fd = None
+
+
+def _is_current(fd: int, path: Path) -> bool:
+    """Whether `fd` is still the file at `path` (not one removed since it was opened)."""
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def lock_holder(directory: str | Path, name: str = LOCK_NAME) -> dict | None:
+    """Who holds `directory`'s lock now (a `RunLock`'s): what the holder wrote into the lock file ({"pid", "host",
+    "command", "since"}; {} when unreadable), or None while nobody holds it. Held means alive: the kernel drops the
+    lock when its holder dies. Probed by taking a shared lock and dropping it at once: a `train` starting in that
+    instant would be refused, so this is for the rare moments a command must know (a checkpoint vanished, a run
+    evaluated before its last step), not for polling."""
+    try:
+        fd = os.open(Path(directory) / name, os.O_RDONLY)
+    except OSError:
+        return None  # no lock file: never locked
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder_info(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _holder_info(fd: int) -> dict:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, OSError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _read_holder(fd: int) -> tuple[str, str]:
     """(a description of the lock's holder, its pid or "it") from what the holder wrote into the lock file."""
+    info = _holder_info(fd)
     try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
         return f"pid {info['pid']} on {info['host']} ('{info['command']}', since {info['since']})", str(info["pid"])
-    except (ValueError, KeyError, OSError):
+    except KeyError:
         return "another process", "it"
 
 

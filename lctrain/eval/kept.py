@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lctrain.errors import writing
 from lctrain.export_record import read_export_record
 from lctrain.files import replace_file
 
@@ -75,7 +76,8 @@ class Kept:
         self.save()
 
     def finish(self) -> None:
-        (self.out_dir / STATE).unlink(missing_ok=True)
+        with writing(self.out_dir / STATE, "eval's resume state"):
+            (self.out_dir / STATE).unlink(missing_ok=True)
 
 
 def _read_json(path: Path) -> dict | None:

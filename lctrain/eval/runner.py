@@ -12,11 +12,14 @@ A single-document prompt needs nothing but causal attention, so the checkpoints 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from rich.table import Table
 from lctrain.compat.transformers import load_errors
 from lctrain.config import Config, apply_overrides, load_config, validate
 from lctrain.console import no_library_bars, plain_console
-from lctrain.errors import UserError
+from lctrain.errors import UserError, WriteFailed, remedy_of, writing
 from lctrain.eval import ruler
 from lctrain.eval import score as scoring
 from lctrain.eval.kept import Kept, checkpoint_files
@@ -34,7 +37,8 @@ from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths, se
 from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
 from lctrain.export_record import EXPORT_RECORD, read_export_record, verify_export
-from lctrain.files import replace_file
+from lctrain.files import TEMPORARY_PREFIX, replace_file, temporary_of
+from lctrain.lifetime import RunLock, lock_holder
 from lctrain.progress_bar import counted_bar
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
@@ -42,6 +46,11 @@ from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, t
 OFFLINE_LABEL = "RULER-style v2 (not comparable with published RULER numbers)"
 # predictions.jsonl while an evaluation runs: renamed with results.json when it completes
 PARTIAL_PREDICTIONS = "predictions.jsonl.partial"
+PLOT = "ruler.png"
+# held in the output directory while an evaluation writes there (`EvalLock`), removed when it ends
+EVAL_LOCK = ".lctrain-eval.lock"
+# the machine's refusals that another output directory avoids: their remedy (`errors.remedy_of`) gains --out DIR
+_ELSEWHERE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -395,7 +404,7 @@ def score_checkpoints(
     ppl: dict[str, dict[int, float]] = {}
     notes: dict[str, str] = {}
     memory: dict[str, str] = {}
-    with kept.predictions.open("a") as pred_file, counted_bar() as bar:
+    with _appending(kept.predictions) as pred_file, counted_bar() as bar:
         job = bar.add_task("evaluating", total=len(tgt.checkpoints) * sum(len(src) for src in suite.sources))
         for ckpt_name, ckpt_dir in tgt.checkpoints:
             bar.update(job, description=f"evaluating {ckpt_name}")
@@ -444,8 +453,9 @@ def score_checkpoints(
                             "prediction": prediction,
                             "score": scoring.sample_score(s.metric, s.answers, prediction),
                         }
-                        pred_file.write(json.dumps(record) + "\n")
-                        pred_file.flush()  # whole lines, for the next evaluation should this one be stopped
+                        with writing(kept.predictions, "eval's predictions"):
+                            pred_file.write(json.dumps(record) + "\n")
+                            pred_file.flush()  # whole lines, for the next evaluation should this one be stopped
                     else:
                         record = kept.answers[(ckpt_name, s.task, s.length, s.index)]
                     table.setdefault(s.task, {}).setdefault(s.length, []).append(record["score"])
@@ -463,6 +473,79 @@ def score_checkpoints(
                 kept.add_perplexity(ckpt_name, ppl[ckpt_name])
             del model, answer, cache  # the closure holds the model and cache too: all go before the next loads
     return per_sample, ppl, notes, memory
+
+
+class EvalLock(RunLock):
+    """Held by `lctrain eval` for its whole evaluation into `out_dir` (the run lock's primitive, its file removed at
+    the end): a second evaluation into the same directory is refused in one line naming the first. Two at once
+    rewrote each other's predictions and resume state, and the second to finish found its predictions renamed away."""
+
+    def __init__(self, out_dir: Path):
+        super().__init__(out_dir, "lctrain eval", name=EVAL_LOCK, remove=True)
+
+    def busy(self, holder: str, pid: str) -> str:
+        return (
+            f"{self.path.parent}: another evaluation is writing its report there, {holder}; wait for it to finish "
+            f"or stop it (kill {pid}), or evaluate into another --out"
+        )
+
+    def cannot_create(self, e: OSError) -> UserError:
+        return WriteFailed(self.path.parent, "eval's output directory", e.strerror or str(e), _or_elsewhere(e))
+
+
+@contextmanager
+def eval_writes(out_dir: Path) -> Iterator[None]:
+    """A write into eval's output directory that the machine refused (`errors.writing`'s `WriteFailed`) says that the
+    report can go elsewhere (--out DIR), and names the file, not its temporary."""
+    try:
+        yield
+    except WriteFailed as e:
+        number = getattr(e.__cause__, "errno", None)
+        if number not in _ELSEWHERE or not e.path.is_relative_to(out_dir):
+            raise
+        path = e.path.with_name(e.path.name.removeprefix(TEMPORARY_PREFIX))
+        raise WriteFailed(path, e.what, e.cause, _or_elsewhere(e.__cause__)) from e.__cause__
+
+
+def _or_elsewhere(e: BaseException) -> str:
+    return f"{remedy_of(e)} (eval's: --out DIR)"
+
+
+@contextmanager
+def _appending(path: Path) -> Iterator:
+    with writing(path, "eval's predictions"):
+        f = path.open("a")
+    with f:
+        yield f
+
+
+def plot(results: dict, path: Path) -> None:
+    """ruler.png, replaced whole: a full disk leaves the earlier one or none, never a torn image."""
+    # reports.plots imports matplotlib: on use (start-up time)
+    from lctrain.reports.plots import plot_ruler
+
+    tmp = temporary_of(path)
+    with writing(path, "eval's plot"):
+        try:
+            plot_ruler(results, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def unfinished_note(tgt: Target, training: dict) -> str:
+    """The note of a run evaluated before its last step: resume it, or, while it is being trained (its lock held),
+    wait for it."""
+    done = (
+        f"trained {training['steps']} of its {training['train_steps']} steps (train.steps), last evaluation "
+        f"checkpoint {tgt.checkpoints[-1][0]}: not the finished run's scores"
+    )
+    holder = lock_holder(tgt.path)
+    if holder is None:
+        return f"{done}; `lctrain resume {tgt.path}`, then evaluate again"
+    pid = f" (pid {holder['pid']})" if "pid" in holder else ""
+    return f"{done}; still training{pid}: evaluate again when it ends"
 
 
 def evaluate(
@@ -494,120 +577,120 @@ def evaluate(
     out_dir = Path(out) if out else RunDir(tgt.path).eval_dir
     dev = pick_device(device)
 
-    tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
-    anchor = eval_anchor(tgt.checkpoints[0][1], tgt.cfg, tokenizer)
-    if data_dir:
-        encoder = ruler.PromptEncoder(tokenizer, anchor)
-        suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
-    else:
-        encoder = text_encoder(tokenizer).prompted(anchor)
-        suite = offline_suite(
-            names,
-            lengths or sorted(set(ev.lengths)),
-            samples if samples is not None else ev.samples_per_task,
-            ev.seed,
-            encoder,
-            {
-                "qa_1": squad or _setting_path(tgt.cfg, ev.squad_path),
-                "qa_2": hotpotqa or _setting_path(tgt.cfg, ev.hotpotqa_path),
-            },
+    # one evaluation at a time writes a report: two at once renamed each other's predictions away
+    with EvalLock(out_dir), eval_writes(out_dir):
+        tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
+        anchor = eval_anchor(tgt.checkpoints[0][1], tgt.cfg, tokenizer)
+        if data_dir:
+            encoder = ruler.PromptEncoder(tokenizer, anchor)
+            suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
+        else:
+            encoder = text_encoder(tokenizer).prompted(anchor)
+            suite = offline_suite(
+                names,
+                lengths or sorted(set(ev.lengths)),
+                samples if samples is not None else ev.samples_per_task,
+                ev.seed,
+                encoder,
+                {
+                    "qa_1": squad or _setting_path(tgt.cfg, ev.squad_path),
+                    "qa_2": hotpotqa or _setting_path(tgt.cfg, ev.hotpotqa_path),
+                },
+            )
+        heldout = select_heldout(tgt, ppl_data, tokenizer)
+        # taken before any answer: the exports the scores are of, as `resolve_target` verified them
+        digests = {name: export_digest(path) for name, path in tgt.checkpoints}
+        key = {
+            "target": str(tgt.path),
+            "checkpoints": [[name, checkpoint_files(path)] for name, path in tgt.checkpoints],
+            "suite": suite.label,
+            "task_set": names,
+            "lengths": suite.lengths,
+            "samples": samples,
+            "eval": {k: v for k, v in ev.model_dump(mode="json").items() if k not in ("tasks", "exclude", "lengths")},
+            "data": [str(data_dir) if data_dir else None, squad, hotpotqa, ppl_data],
+            "backend": backend,
+            "device": dev,
+            "anchor": anchor.record(),
+            "heldout": [str(heldout.path) if heldout.path else None, heldout.rows],
+        }
+        kept = Kept.read(out_dir, out_dir / PARTIAL_PREDICTIONS, key)
+        if kept.answers or kept.perplexity:
+            print(
+                f"resuming the interrupted evaluation in {out_dir}: {len(kept.answers)} answers and the perplexity of "
+                f"{len(kept.perplexity)} checkpoint(s) kept, made under the same settings",
+                flush=True,
+            )
+        per_sample, ppl, notes, memory = score_checkpoints(
+            tgt, suite, tokenizer, encoder, dev, heldout, kept, backend, anchor.id
         )
-    heldout = select_heldout(tgt, ppl_data, tokenizer)
-    # taken before any answer: the exports the scores are of, as `resolve_target` verified them
-    digests = {name: export_digest(path) for name, path in tgt.checkpoints}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    key = {
-        "target": str(tgt.path),
-        "checkpoints": [[name, checkpoint_files(path)] for name, path in tgt.checkpoints],
-        "suite": suite.label,
-        "task_set": names,
-        "lengths": suite.lengths,
-        "samples": samples,
-        "eval": {k: v for k, v in ev.model_dump(mode="json").items() if k not in ("tasks", "exclude", "lengths")},
-        "data": [str(data_dir) if data_dir else None, squad, hotpotqa, ppl_data],
-        "backend": backend,
-        "device": dev,
-        "anchor": anchor.record(),
-        "heldout": [str(heldout.path) if heldout.path else None, heldout.rows],
-    }
-    kept = Kept.read(out_dir, out_dir / PARTIAL_PREDICTIONS, key)
-    if kept.answers or kept.perplexity:
-        print(
-            f"resuming the interrupted evaluation in {out_dir}: {len(kept.answers)} answers and the perplexity of "
-            f"{len(kept.perplexity)} checkpoint(s) kept, made under the same settings",
-            flush=True,
-        )
-    per_sample, ppl, notes, memory = score_checkpoints(
-        tgt, suite, tokenizer, encoder, dev, heldout, kept, backend, anchor.id
-    )
-    training = training_progress(tgt)
-    if training and not training["finished"]:
-        notes["unfinished run"] = (
-            f"trained {training['steps']} of its {training['train_steps']} steps (train.steps), last evaluation "
-            f"checkpoint {tgt.checkpoints[-1][0]}: not the finished run's scores; `lctrain resume {tgt.path}`, "
-            f"then evaluate again"
-        )
+        training = training_progress(tgt)
+        if training and not training["finished"]:
+            notes["unfinished run"] = unfinished_note(tgt, training)
 
-    scores = {
-        c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}
-        for c, tb in per_sample.items()
-    }
-    average = scoring.average_checkpoints(scores)
-    task_mean = {c: scoring.mean_over_tasks(tb) for c, tb in scores.items()}
-    task_mean["average"] = scoring.mean_over_tasks(average)
-    results = {
-        "suite": suite.label,
-        "not_scored": suite.not_scored,
-        "task_set": names,
-        "excluded": excluded,
-        "target": str(tgt.path),
-        "kind": tgt.kind,
-        "training": training,
-        "ruler_data": str(data_dir) if data_dir else None,
-        "checkpoints": [c for c, _ in tgt.checkpoints],
-        # {checkpoint: `export_digest`, None for an export without a record}: which weights were scored
-        "export_records": digests,
-        "device": dev,
-        "anchor": anchor.record(),  # what every prompt started with
-        "tasks": [t for t in names if t in average],
-        "lengths": suite.lengths,
-        "samples_per_task": None if data_dir and samples is None else (samples or ev.samples_per_task),
-        "seed": None if data_dir else ev.seed,
-        "notes": {**suite.notes, **notes},
-        "generation_backend": backend,
-        "generation_memory": memory,
-        "scores": {c: _json_table(tb) for c, tb in scores.items()},
-        "average": _json_table(average),
-        "task_mean": _json_table(task_mean),
-        "overall": sum(task_mean["average"].values()) / len(task_mean["average"]),
-    }
-    whole = {c: per[heldout.window] for c, per in ppl.items()}
-    results["perplexity"] = {
-        "data": str(heldout.path) if heldout.path else None,
-        "windows": len(heldout.rows),
-        # which windows: they depend on the run's seed and train.steps (perplexity.heldout_rows), so runs of other
-        # seeds score other text, which `lctrain report` notes
-        "rows": heldout.rows,
-        "data_fingerprint": heldout.packed.manifest.data_fingerprint if heldout.packed is not None else None,
-        "heldout_available": heldout.available,
-        "per_checkpoint": whole,  # the whole windows
-        "average": sum(whole.values()) / len(whole) if whole else None,
-        "note": heldout.note,
-        "window": heldout.window,
-        # the first L tokens of each window (lctrain.eval.perplexity): {checkpoint: {L: ppl}}
-        "per_length": {c: {str(L): v for L, v in per.items()} for c, per in ppl.items()},
-    }
-    # an evaluation stopped before this point leaves the earlier one's results.json and predictions.jsonl as they
-    # were, a pair; written as it goes, predictions.jsonl was cut to the new run's first lines beside the old results
-    (out_dir / PARTIAL_PREDICTIONS).replace(out_dir / "predictions.jsonl")
-    replace_file(out_dir / "results.json", json.dumps(results, indent=2), "eval's results")
-    kept.finish()
-    # reports.plots imports matplotlib: on use (start-up time)
-    from lctrain.reports.plots import plot_ruler
-
-    plot_ruler(results, out_dir / "ruler.png")
-    print_report(results, out_dir)
-    return out_dir
+        scores = {
+            c: {t: {L: scoring.task_score(v) for L, v in per.items()} for t, per in tb.items()}
+            for c, tb in per_sample.items()
+        }
+        average = scoring.average_checkpoints(scores)
+        task_mean = {c: scoring.mean_over_tasks(tb) for c, tb in scores.items()}
+        task_mean["average"] = scoring.mean_over_tasks(average)
+        results = {
+            "suite": suite.label,
+            "not_scored": suite.not_scored,
+            "task_set": names,
+            "excluded": excluded,
+            "target": str(tgt.path),
+            "kind": tgt.kind,
+            "training": training,
+            "ruler_data": str(data_dir) if data_dir else None,
+            "checkpoints": [c for c, _ in tgt.checkpoints],
+            # {checkpoint: `export_digest`, None for an export without a record}: which weights were scored
+            "export_records": digests,
+            "device": dev,
+            "anchor": anchor.record(),  # what every prompt started with
+            "tasks": [t for t in names if t in average],
+            "lengths": suite.lengths,
+            "samples_per_task": None if data_dir and samples is None else (samples or ev.samples_per_task),
+            "seed": None if data_dir else ev.seed,
+            "notes": {**suite.notes, **notes},
+            "generation_backend": backend,
+            "generation_memory": memory,
+            "scores": {c: _json_table(tb) for c, tb in scores.items()},
+            "average": _json_table(average),
+            "task_mean": _json_table(task_mean),
+            "overall": sum(task_mean["average"].values()) / len(task_mean["average"]),
+        }
+        whole = {c: per[heldout.window] for c, per in ppl.items()}
+        results["perplexity"] = {
+            "data": str(heldout.path) if heldout.path else None,
+            "windows": len(heldout.rows),
+            # which windows: they depend on the run's seed and train.steps (perplexity.heldout_rows), so runs of other
+            # seeds score other text, which `lctrain report` notes
+            "rows": heldout.rows,
+            "data_fingerprint": heldout.packed.manifest.data_fingerprint if heldout.packed is not None else None,
+            "heldout_available": heldout.available,
+            "per_checkpoint": whole,  # the whole windows
+            "average": sum(whole.values()) / len(whole) if whole else None,
+            "note": heldout.note,
+            "window": heldout.window,
+            # the first L tokens of each window (lctrain.eval.perplexity): {checkpoint: {L: ppl}}
+            "per_length": {c: {str(L): v for L, v in per.items()} for c, per in ppl.items()},
+        }
+        # an evaluation stopped before this point leaves the earlier one's results.json and predictions.jsonl as
+        # they were, a pair; written as it goes, predictions.jsonl was cut to the new run's first lines beside the
+        # old results
+        with writing(out_dir / "predictions.jsonl", "eval's predictions"):
+            (out_dir / PARTIAL_PREDICTIONS).replace(out_dir / "predictions.jsonl")
+        replace_file(out_dir / "results.json", json.dumps(results, indent=2), "eval's results")
+        kept.finish()
+        try:
+            plot(results, out_dir / PLOT)
+        except WriteFailed:
+            print_report(results, out_dir, plotted=False)  # the scores are saved: show them before the error
+            raise
+        print_report(results, out_dir)
+        return out_dir
 
 
 def not_scored_lines(results: dict) -> list[str]:
@@ -623,7 +706,7 @@ def not_scored_lines(results: dict) -> list[str]:
     return lines
 
 
-def print_report(results: dict, out_dir: Path) -> None:
+def print_report(results: dict, out_dir: Path, plotted: bool = True) -> None:
     # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import length_label
 
@@ -678,4 +761,4 @@ def print_report(results: dict, out_dir: Path) -> None:
         if shorter:
             at = ", ".join(f"{p:.3f} at {length_label(int(L))}" for L, p in shorter.items())
             console.print(f"  on the first L tokens of each window: {at}")
-    console.print(f"wrote {out_dir}/results.json, predictions.jsonl, ruler.png")
+    console.print(f"wrote {out_dir}/results.json, predictions.jsonl{', ' + PLOT if plotted else ''}")

@@ -17,10 +17,15 @@ lctrain's changes to it, its generation config), and `save_pretrained` writes th
 
 The run's settings are those the checkpoint recorded (`trainer_state.json`), so the model card says what the weights
 of that step trained with, even after `resume --set train.steps=...` rewrote config.yaml.
+
+One export at a time writes a target: a second one is refused in one line naming the first's pid (`TargetLock`, the
+run lock's primitive). An export may run beside the training of its run; a checkpoint that training's
+`checkpoint.keep` removes while the export reads it is said to be that, not damage.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -30,8 +35,10 @@ from lctrain.compat.deepspeed import MODULE_FILE, ZERO3_MODULE_FILE, module_stat
 from lctrain.compat.transformers import pretrained_generation_config
 from lctrain.config import Config
 from lctrain.console import no_library_bars
-from lctrain.errors import UserError, output_dir
+from lctrain.errors import UserError, WriteFailed, output_dir, writing
 from lctrain.export_record import EXPORT_RECORD, read_export_record
+from lctrain.files import temporary_of
+from lctrain.lifetime import RunLock, lock_holder
 from lctrain.model import apply_changes, config_changes, load_hf_config
 from lctrain.rundir import RunDir, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor
@@ -52,10 +59,20 @@ def export_checkpoint(
     checkpoint = _checkpoint(run, step)
     state, why = ckpt.state_or_why(checkpoint)
     if state is None:
-        raise _damaged(run, checkpoint, why)
+        raise _damaged(run, checkpoint, why, missing=not (checkpoint / ckpt.STATE_FILE).is_file())
     step = state["step"]
     target = Path(out) if out is not None else run.export(step)
-    _check_target(target, force, "--out" if out is not None else None)
+    option = "--out" if out is not None else None
+    if option is not None:
+        output_dir(target.parent, option)  # where the lock goes: one line if it cannot be created
+    with TargetLock(target, option):
+        return _export(run, checkpoint, state, target, force, option)
+
+
+def _export(run: RunDir, checkpoint: Path, state: dict, target: Path, force: bool, option: str | None) -> Path:
+    """`export_checkpoint`'s work, under the target's lock."""
+    step = state["step"]
+    _check_target(target, force, option)
     cfg = _trained_config(run, state)
     dtype = getattr(torch, cfg.model.dtype)
     tokenizer = load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
@@ -74,7 +91,12 @@ def export_checkpoint(
     started = time.monotonic()
     state_dict = _weights(run, checkpoint, zero3, dtype)
     lm = _skeleton(cfg, state_dict, dtype, run, checkpoint)
-    ckpt.write_export(target, lm, tokenizer, anchor, step, cfg, state_dict=state_dict)
+    try:
+        ckpt.write_export(target, lm, tokenizer, anchor, step, cfg, state_dict=state_dict)
+    except BaseException:
+        # what was written (a full disk: the space the user needs back); a kill leaves it to the next export
+        shutil.rmtree(temporary_of(target), ignore_errors=True)
+        raise
     size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
     print(
         f"export: wrote {target} (step {step}, {to_gb(size):.2f} GB, {time.monotonic() - started:.0f} s); "
@@ -102,10 +124,64 @@ def _checkpoint(run: RunDir, step: int | None) -> Path:
     return found[-1]
 
 
-def _damaged(run: RunDir, checkpoint: Path, why: str) -> UserError:
+class TargetLock(RunLock):
+    """Held by `lctrain export` while it checks and writes `target`: a lock file beside it (where its temporary
+    directory goes too), removed when done. A second export of the same target is refused: two at once wrote each
+    other's files into one temporary directory."""
+
+    def __init__(self, target: Path, option: str | None):
+        super().__init__(target.parent, "lctrain export", name=f".lctrain-export-{target.name}.lock", remove=True)
+        self.target, self.option = target, option
+
+    def busy(self, holder: str, pid: str) -> str:
+        return (
+            f"{self.target}: another export is writing it, {holder}; wait for it to finish or stop it (kill {pid}), "
+            f"or export to another --out"
+        )
+
+    def cannot_create(self, e: OSError) -> UserError:
+        try:
+            with writing(self.path, "the export's lock file"):  # a full disk, a read-only filesystem: as any write
+                raise e
+        except WriteFailed as failed:
+            return failed
+        except OSError:
+            return UserError(
+                f"{self.option or 'the export'} {self.target}: cannot create its lock file {self.path} "
+                f"({e.strerror or e}); choose another --out"
+            )
+
+
+def _damaged(run: RunDir, checkpoint: Path, why: str, missing: bool = False) -> UserError:
+    """The refusal of a checkpoint that cannot be read (`why`); `missing`: a file of it is not there."""
+    removed = _removed_by_training(run, checkpoint) if missing else None
+    if removed is not None:
+        return removed
     others = [p.name for p in ckpt.complete_checkpoints(run) if p != checkpoint]
     then = f"export another with --step ({', '.join(others)})" if others else "it is the run's only checkpoint"
     return UserError(f"{checkpoint}: damaged ({why}); {then}")
+
+
+def _removed_by_training(run: RunDir, checkpoint: Path) -> UserError | None:
+    """The refusal of a checkpoint the training running in `run` removed (or is removing) under the export, by
+    `checkpoint.keep`: while the run's lock is held, one gone or older than the `keep` newest complete ones. None
+    otherwise (no training running, or a checkpoint it keeps: damage)."""
+    holder = lock_holder(run.path)
+    if holder is None:
+        return None
+    try:
+        keep = run.read_config().checkpoint.keep
+    except UserError:
+        keep = None
+    kept = ckpt.complete_checkpoints(run)[-keep:] if keep else None
+    if checkpoint.is_dir() and (kept is None or checkpoint in kept):
+        return None
+    pid = f"pid {holder['pid']}; " if "pid" in holder else ""
+    setting = f"checkpoint.keep={keep}" if keep else "checkpoint.keep"
+    return UserError(
+        f"{checkpoint} was removed by the training running in {run} ({pid}{setting}); export again, or export a "
+        f"step it keeps"
+    )
 
 
 def _check_target(target: Path, force: bool, option: str | None) -> None:
@@ -168,7 +244,9 @@ def _weights(run: RunDir, checkpoint: Path, zero3: bool, dtype: torch.dtype) -> 
             why = f"{Path(e.filename).name} is missing"
         else:
             why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        raise _damaged(run, checkpoint, why) from None
+        # read while training's `checkpoint.keep` removes it: a file gone, or the checkpoint no longer complete
+        missing = isinstance(e, FileNotFoundError) or checkpoint not in ckpt.complete_checkpoints(run)
+        raise _damaged(run, checkpoint, why, missing) from None
 
 
 def _configured(cfg: Config, vocab_size: int | None):
