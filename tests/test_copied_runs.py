@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from train_helpers import TINY_ARCH, one_error_line, prepared_workdir, set_args
+from train_helpers import one_error_line, prepared_workdir, set_args, tiny_run
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -18,20 +18,7 @@ from lctrain.errors import UserError
 from lctrain.rundir import RunDir
 from lctrain.train.data import open_checked
 
-
-def tiny(data: Path, run: Path) -> list[str]:
-    return [
-        "data.seq_len=128",
-        "data.token_budget=6000",
-        f"data.output_dir={data}",
-        f"train.run_dir={run}",
-        "train.steps=2",
-        "train.global_batch=1",
-        "train.micro_batch=1",
-        "train.warmup_steps=0",
-        "checkpoint.hf_last=0",
-        f"model.arch={TINY_ARCH}",
-    ]
+tiny = tiny_run
 
 
 def written_run(path: Path, *overrides: str) -> RunDir:

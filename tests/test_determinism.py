@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from train_helpers import TINY_ARCH, losses, prepared_workdir, set_args
+from train_helpers import losses, prepared_workdir, set_args, tiny_run
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -73,20 +73,10 @@ def test_an_op_without_a_deterministic_variant_is_one_line_naming_it():
 
 
 def tiny(data_dir: Path, run_dir: Path) -> list[str]:
-    return [
-        "data.seq_len=128",
-        "data.token_budget=6000",
-        f"data.output_dir={data_dir}",
-        f"train.run_dir={run_dir}",
-        "train.steps=3",
-        "train.global_batch=1",
-        "train.micro_batch=1",
-        "train.warmup_steps=0",
+    return tiny_run(data_dir, run_dir, steps=3) + [
         "train.lr=3e-3",
         "train.grad_clip=0",
         "checkpoint.save_final=false",
-        "checkpoint.hf_last=0",
-        f"model.arch={TINY_ARCH}",
     ]
 
 

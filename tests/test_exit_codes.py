@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from train_helpers import TINY_ARCH, clean_env, nan_loss_at, one_error_line, prepared_workdir, set_args
+from train_helpers import clean_env, nan_loss_at, one_error_line, prepared_workdir, set_args, tiny_run
 from typer.testing import CliRunner
 
 from lctrain.cli import app, user_errors
@@ -19,18 +19,7 @@ from lctrain.parallel.launch import ProcessKilled, RanksHung
 
 
 def tiny(data_dir: Path, run_dir: Path) -> list[str]:
-    return [
-        "data.seq_len=128",
-        "data.token_budget=6000",
-        f"data.output_dir={data_dir}",
-        f"train.run_dir={run_dir}",
-        "train.steps=3",
-        "train.global_batch=2",
-        "train.micro_batch=1",
-        "train.warmup_steps=0",
-        "checkpoint.hf_last=0",
-        f"model.arch={TINY_ARCH}",
-    ]
+    return tiny_run(data_dir, run_dir, steps=3, global_batch=2)
 
 
 @pytest.fixture(scope="module")

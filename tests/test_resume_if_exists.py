@@ -1,30 +1,15 @@
 """`lctrain train --resume-if-exists`: one command for a job script's first start and its requeues. Reference: the
 run directory's own records (metrics.jsonl steps, sessions.jsonl starts) of the same command run again and again."""
 
-from pathlib import Path
-
 import pytest
-from train_helpers import TINY_ARCH, one_error_line, prepared_workdir, set_args
+from train_helpers import one_error_line, prepared_workdir, set_args, tiny_run
 from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.rundir import RunDir
 
-
-def tiny(data_dir: Path, run_dir: Path) -> list[str]:
-    return [
-        "data.seq_len=128",
-        "data.token_budget=6000",
-        f"data.output_dir={data_dir}",
-        f"train.run_dir={run_dir}",
-        "train.steps=2",
-        "train.global_batch=1",
-        "train.micro_batch=1",
-        "train.warmup_steps=0",
-        "checkpoint.hf_last=0",
-        f"model.arch={TINY_ARCH}",
-    ]
+tiny = tiny_run
 
 
 @pytest.mark.slow  # three tiny runs, 8 s here

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import TINY_ARCH, nan_loss_at, one_error_line, prepared_workdir, set_args
+from train_helpers import nan_loss_at, one_error_line, prepared_workdir, set_args, tiny_run
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -86,19 +86,7 @@ def test_a_failure_to_record_is_a_warning_and_hides_nothing(tmp_path, capsys):
     assert out.startswith(f"warning: could not record how this session ended in {rd.sessions_file} (")
 
 
-def tiny(data_dir: Path, run_dir: Path) -> list[str]:
-    return [
-        "data.seq_len=128",
-        "data.token_budget=6000",
-        f"data.output_dir={data_dir}",
-        f"train.run_dir={run_dir}",
-        f"train.steps={STEPS}",
-        "train.global_batch=1",
-        "train.micro_batch=1",
-        "train.warmup_steps=0",
-        "checkpoint.hf_last=0",
-        f"model.arch={TINY_ARCH}",
-    ]
+tiny = tiny_run
 
 
 @pytest.fixture(scope="module")

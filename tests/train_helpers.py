@@ -31,6 +31,23 @@ TINY_ARCH = (
 Overrides = Callable[[Path, Path], list[str]]  # (data_dir, run_dir) -> --set items
 
 
+def tiny_run(data_dir: Path, run_dir: Path, steps: int = 2, global_batch: int = 1) -> list[str]:
+    """The --set items of a tiny CLI run into `run_dir` (TINY_ARCH on 128-token windows of a 6,000-token dataset at
+    `data_dir`, no warmup, no evaluation export): a few seconds of training on one core."""
+    return [
+        "data.seq_len=128",
+        "data.token_budget=6000",
+        f"data.output_dir={data_dir}",
+        f"train.run_dir={run_dir}",
+        f"train.steps={steps}",
+        f"train.global_batch={global_batch}",
+        "train.micro_batch=1",
+        "train.warmup_steps=0",
+        "checkpoint.hf_last=0",
+        f"model.arch={TINY_ARCH}",
+    ]
+
+
 def equivalence_run(data_dir: Path, run_dir: Path, *, steps: int, micro_batch: int, arch: str) -> list[str]:
     """A short run for comparing a setting with its absence: 2 windows of 128 tokens per step, lr 3e-3 from the first
     step and no clipping (so a wrong gradient moves the loss at once), no checkpoints."""

@@ -389,6 +389,18 @@ def record_failure(state: State, where: Path, mode: str, seed: int, stage: str, 
     state.save()
 
 
+def going_on_without(
+    state: State, where: Path, mode: str, seed: int, stage: str, failure: StageFailed, keep_going: bool
+) -> str:
+    """A run's `stage` failed: recorded; with `keep_going` said in one line and the stage returned (the experiment
+    goes on without the run), else the failure goes on up and stops the experiment."""
+    record_failure(state, where, mode, seed, stage, failure)
+    if not keep_going:
+        raise failure
+    say(stage, f"{failure.failure}; going on without this run (--keep-going)")
+    return stage
+
+
 def train_runs(exp: Experiment, state: State, steps: int, keep_going: bool) -> dict[str, str]:
     """Train every run not trained yet (`check_trained_runs` has refused those trained otherwise); returns the runs
     whose training failed ({run name: "train"}), only with `keep_going`: without it the first failure stops here."""
@@ -406,11 +418,7 @@ def train_runs(exp: Experiment, state: State, steps: int, keep_going: bool) -> d
         try:
             train_run(exp, rd, label, args, steps)
         except StageFailed as e:
-            record_failure(state, where, mode, seed, "train", e)
-            if not keep_going:
-                raise
-            say("train", f"{e.failure}; going on without this run (--keep-going)")
-            failed[where.name] = "train"
+            failed[where.name] = going_on_without(state, where, mode, seed, "train", e, keep_going)
             continue
         # updated, not replaced: the eval stage's record of how the run was evaluated stays with it
         record = state.data.setdefault("runs", {}).setdefault(where.name, {})
@@ -495,11 +503,7 @@ def evaluate_runs(exp: Experiment, state: State, steps: int, skip: dict[str, str
             try:
                 exp.run(f"lctrain eval {where}", args)
             except StageFailed as e:
-                record_failure(state, where, mode, seed, "eval", e)
-                if not keep_going:
-                    raise
-                say("eval", f"{e.failure}; going on without this run (--keep-going)")
-                failed[where.name] = "eval"
+                failed[where.name] = going_on_without(state, where, mode, seed, "eval", e, keep_going)
                 continue
         results = (RunDir(where).eval_dir / "results.json").read_bytes()
         record = state.data["runs"][where.name]
