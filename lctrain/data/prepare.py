@@ -39,7 +39,7 @@ from lctrain.config import (
 )
 from lctrain.console import plain_console
 from lctrain.data import encode
-from lctrain.data.manifest import Damaged, Newer, load_manifest
+from lctrain.data.manifest import Newer
 from lctrain.data.mixture import (
     SHARE_TOLERANCE,
     Mixture,
@@ -503,20 +503,15 @@ def _existing_is_current(out: Path, fingerprint: str, force: bool) -> tuple[Mani
         return None, None
     if not out.is_dir():
         raise UserError(f"data.output_dir = '{out}' exists and is not a directory; choose another data.output_dir")
-    if not force:
-        try:
-            load_manifest(out)
-        except Newer as e:
-            raise UserError(
-                f"{out}: {e}: rebuilding it here would replace it; upgrade lctrain, or rerun with --force to rebuild "
-                f"it with this one"
-            ) from None
-        except Damaged:
-            pass  # said below, by dataset_problem
     manifest, problem = dataset_problem(out)
+    if isinstance(problem, Newer) and not force:
+        raise UserError(
+            f"{out}: {problem}: rebuilding it here would replace it; upgrade lctrain, or rerun with --force to "
+            f"rebuild it with this one"
+        )
     if manifest is None:
         if (out / MANIFEST).exists():
-            return None, problem  # a damaged dataset of ours, or one of an older format: rebuild it
+            return None, str(problem)  # a damaged dataset of ours, or one of an older format: rebuild it
         if not any(out.iterdir()):
             return None, None
         raise UserError(

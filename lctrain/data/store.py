@@ -210,13 +210,14 @@ def verify_shards(path: Path, manifest: Manifest, full: bool | None = None) -> l
     return seen
 
 
-def dataset_problem(path: Path, full: bool | None = None) -> tuple[Manifest | None, str | None]:
-    """(the manifest, None) for a whole dataset at `path`, else (None, one line naming the file at fault)."""
+def dataset_problem(path: Path, full: bool | None = None) -> tuple[Manifest | None, Damaged | None]:
+    """(the manifest, None) for a whole dataset at `path`, else (None, what is wrong: its message is one line naming
+    the file at fault; a `Newer` is a newer lctrain's dataset, not damage)."""
     try:
         manifest = load_manifest(path)
         verify_shards(path, manifest, full)
     except Damaged as e:
-        return None, str(e)
+        return None, e
     return manifest, None
 
 
