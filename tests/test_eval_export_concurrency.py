@@ -10,6 +10,7 @@ with its first as another process's would), not by racing two evaluations."""
 import errno
 import json
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -250,24 +251,23 @@ def test_a_checkpoint_removed_by_the_running_training_is_not_called_damaged(tmp_
 
 
 def test_an_export_to_a_full_disk_leaves_no_temporary(tmp_path, monkeypatch):
-    from lctrain.errors import writing
+    class FullDisk:
+        """A model whose save_pretrained fills the disk after its first file (`checkpoint.write_export` runs it)."""
+
+        config = types.SimpleNamespace(use_cache=False)
+
+        def save_pretrained(self, path, **kwargs):
+            Path(path).mkdir()
+            (Path(path) / "model.safetensors").write_bytes(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     run = with_checkpoints(fake_run(tmp_path), 18)
     monkeypatch.setattr(export_module, "_weights", lambda *a: {})
-    monkeypatch.setattr(export_module, "_skeleton", lambda *a: None)
-
-    def full_disk(final, *a, **k):
-        tmp = temporary_of(final)
-        tmp.mkdir()
-        (tmp / "model.safetensors").write_bytes(b"\0" * 1000)
-        with writing(tmp, "the evaluation checkpoint"):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(ckpt, "write_export", full_disk)
+    monkeypatch.setattr(export_module, "_skeleton", lambda *a: FullDisk())
     out = tmp_path / "exp2"
     line = one_error_line(invoke("export", run, "--step", 18, "--out", out))
     assert line == (
-        f"error: cannot write the evaluation checkpoint {temporary_of(out)}: No space left on device; free disk space "
+        f"error: cannot write the evaluation export {temporary_of(out)}: No space left on device; free disk space "
         f"or choose a path on another filesystem, then run the command again"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # neither .tmp-exp2 nor a lock file

@@ -413,8 +413,9 @@ def write_export(
             (tmp / MODEL_CARD).write_text(card)
             write_export_record(tmp, step)  # last: eval scores these files, and only these, as this step
             _replace_dir(tmp, final)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, the part written is space the user needs back
+    except BaseException:
+        # on a full disk, the part written is space the user needs back; Ctrl-C leaves nothing to resume from either
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 

@@ -25,7 +25,6 @@ run lock's primitive). An export may run beside the training of its run; a check
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -37,7 +36,6 @@ from lctrain.config import Config
 from lctrain.console import no_library_bars
 from lctrain.errors import UserError, WriteFailed, output_dir, writing
 from lctrain.export_record import EXPORT_RECORD, read_export_record
-from lctrain.files import temporary_of
 from lctrain.lifetime import RunLock, lock_holder
 from lctrain.model import apply_changes, config_changes, load_hf_config
 from lctrain.rundir import RunDir, step_of
@@ -91,12 +89,7 @@ def _export(run: RunDir, checkpoint: Path, state: dict, target: Path, force: boo
     started = time.monotonic()
     state_dict = _weights(run, checkpoint, zero3, dtype)
     lm = _skeleton(cfg, state_dict, dtype, run, checkpoint)
-    try:
-        ckpt.write_export(target, lm, tokenizer, anchor, step, cfg, state_dict=state_dict)
-    except BaseException:
-        # what was written (a full disk: the space the user needs back); a kill leaves it to the next export
-        shutil.rmtree(temporary_of(target), ignore_errors=True)
-        raise
+    ckpt.write_export(target, lm, tokenizer, anchor, step, cfg, state_dict=state_dict)
     size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
     print(
         f"export: wrote {target} (step {step}, {to_gb(size):.2f} GB, {time.monotonic() - started:.0f} s); "
