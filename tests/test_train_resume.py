@@ -174,6 +174,7 @@ def test_sigkill_at_a_random_step_then_resume_matches(reference, workdir):
     assert_same_end(run_dir, reference)
 
 
+@pytest.mark.slow  # ~8 s: slow-marked to keep the default suite under its 5-minute budget (CI runs it)
 def test_sigkill_inside_a_checkpoint_write_then_resume_matches(reference, workdir):
     run_dir = workdir / "killed_in_checkpoint"
     proc = start_killed_in_checkpoint(workdir, run_dir, 4)
@@ -325,6 +326,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(reference, wor
     assert_same_end(run_dir, reference)  # from step 2, exactly as if nothing had happened
 
 
+@pytest.mark.slow  # ~8 s: slow-marked to keep the default suite under its 5-minute budget (CI runs it)
 def test_resume_from_another_directory_and_refuses_incompatible_edits(reference, workdir, tmp_path, monkeypatch):
     """The run directory is all `resume` needs (relative paths resolve where `train` ran), and a config edited
     in a way the checkpoint cannot continue with is refused in one line naming the keys."""
