@@ -150,11 +150,25 @@ def _gpu_steps(engine: str, mode: str, steps: int = 3) -> tuple[list[float], lis
             release_single_process()
 
 
+@pytest.fixture
+def deepspeed_on_cuda():
+    """The suite points DeepSpeed at the CPU (conftest); a test that trains on the GPU in its own process points it
+    at CUDA for its duration (on the CPU accelerator the engine keeps the model on the host, which nccl cannot
+    broadcast)."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    before = get_accelerator()
+    set_accelerator(CUDA_Accelerator())
+    yield
+    set_accelerator(before)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("engine", ["sdpa", "flex", "varlen"])
 @pytest.mark.parametrize("mode", ["full", "anchor"])
-@pytest.mark.usefixtures("no_cublas_setting")
+@pytest.mark.usefixtures("no_cublas_setting", "deepspeed_on_cuda")
 def test_two_gpu_runs_with_the_switch_are_equal_bit_for_bit(engine, mode):
     first, first_params = _gpu_steps(engine, mode)
     second, second_params = _gpu_steps(engine, mode)
