@@ -10,8 +10,10 @@ one; here all of them), so the recomputation is the elementwise work alone.
 
 The kernels kept, by engine: `sdpa` and `full` mode run `aten._scaled_dot_product_flash_attention_for_cpu` on CPU,
 and one of the fused SDPA ops on GPU; `varlen` PyTorch's `torch_attn::_varlen_attn` custom op or flash-attn's
-varlen forward; `flex` the `flex_attention` higher-order op. The `reference` engine is eager matmuls and softmax: no
-attention kernel to keep (`selective_matmul` keeps its two matmuls).
+varlen forward. The `reference` engine is eager matmuls and softmax: no attention kernel to keep (`selective_matmul`
+keeps its two matmuls). Nor is `flex`'s: it trains on CUDA only, compiled (torch.compile), and the policy sees the
+ops that pass PyTorch's dispatcher, which inductor's generated kernel does not; so its backward reruns attention
+as under `full` (`keeps_attention`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ ATTENTION_OPS = frozenset(
     }
 )
 MATMUL_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm"})
+
+
+def keeps_attention(engine: str) -> bool:
+    """Whether selective checkpointing keeps the attention kernel's output under `engine` (a name; `auto` resolves
+    to sdpa or varlen on a GPU with flash-attn or PyTorch's varlen, which it keeps). Measured on an H100
+    (2026-11-27, tests/test_activation_checkpointing.py): beyond whole-layer checkpointing `selective` kept the
+    planned 33 MiB a layer under sdpa and varlen, 0 bytes under flex."""
+    return engine not in ("flex", "reference")
 
 
 def saved_ops(mode: str) -> frozenset:

@@ -389,7 +389,8 @@ class ModelConfig(_Section):
     checkpointing: Literal["full", "selective", "selective_matmul", "none"] | None = Field(
         None,
         description="activation checkpointing per decoder layer: full recomputes the layer's forward in the backward; "
-        "selective keeps the attention kernel's outputs (and log-sum-exp) so the backward does not rerun attention; "
+        "selective keeps the attention kernel's outputs (and log-sum-exp) so the backward does not rerun attention "
+        "(not the flex engine's, whose compiled kernel it cannot see: there selective is full); "
         "selective_matmul also keeps every matmul's output; none keeps everything; null follows "
         "gradient_checkpointing",
     )

@@ -157,17 +157,23 @@ def dense_params(lm) -> int:
 
 
 # Forward passes that each activation checkpointing reruns in every decoder layer: (its projections, its attention).
-# `selective` keeps the attention kernel's output; `selective_matmul` every matmul's too, so it reruns no FLOPs.
+# `selective` keeps the attention kernel's output; `selective_matmul` every matmul's too, so it reruns no FLOPs (but an
+# engine's attention that they cannot keep: `recomputed_flops`).
 RECOMPUTED_PASSES = {"full": (1, 1), "selective": (1, 0), "selective_matmul": (0, 0), "none": (0, 0)}
 
 
-def recomputed_flops(shape: ModelShape, tokens: float, pairs: float, checkpointing: str) -> tuple[float, float]:
+def recomputed_flops(
+    shape: ModelShape, tokens: float, pairs: float, checkpointing: str, attention_kept: bool = True
+) -> tuple[float, float]:
     """(projection, attention) FLOPs that activation checkpointing reruns over `tokens` tokens whose windows keep
     `pairs` visible pairs in each layer: the decoder layers' forward (not the LM head, outside them) under `full`, all
     of it but attention under `selective`. torch's checkpoint stops recomputing once it holds every tensor the
     backward needs (early stop): the MLP's down projection, the layer's last matmul, produces none of them and is not
-    rerun."""
+    rerun. `attention_kept` false (`activation_checkpointing.keeps_attention`): the selective modes rerun the
+    attention too."""
     dense_rerun, attention_rerun = RECOMPUTED_PASSES[checkpointing]
+    if checkpointing != "none" and not attention_kept:
+        attention_rerun = 1
     rerun_params = shape.layer_projection_params() - shape.hidden * shape.intermediate
     return (
         dense_flops(shape.layers * rerun_params, tokens, dense_rerun),
@@ -182,19 +188,31 @@ def tiled_mlp_flops(shape: ModelShape, tokens: float) -> float:
 
 
 def hardware_flops_parts(
-    shape: ModelShape, dense_params: int, tokens: float, pairs: float, checkpointing: str, tiled_mlp: bool = False
+    shape: ModelShape,
+    dense_params: int,
+    tokens: float,
+    pairs: float,
+    checkpointing: str,
+    tiled_mlp: bool = False,
+    attention_kept: bool = True,
 ) -> tuple[float, float]:
     """(dense, attention) FLOPs the device runs: `step_flops_parts`, plus what activation checkpointing reruns
     (`recomputed_flops`) and, with `tiled_mlp`, what TiledMLP reruns (`tiled_mlp_flops`)."""
     dense, attention = step_flops_parts(dense_params, shape.layers, shape.width, tokens, pairs)
-    dense_rerun, attention_rerun = recomputed_flops(shape, tokens, pairs, checkpointing)
+    dense_rerun, attention_rerun = recomputed_flops(shape, tokens, pairs, checkpointing, attention_kept)
     tiled = tiled_mlp_flops(shape, tokens) if tiled_mlp else 0.0
     return dense + dense_rerun + tiled, attention + attention_rerun
 
 
 def hardware_step_flops(
-    shape: ModelShape, dense_params: int, tokens: float, pairs: float, checkpointing: str, tiled_mlp: bool = False
+    shape: ModelShape,
+    dense_params: int,
+    tokens: float,
+    pairs: float,
+    checkpointing: str,
+    tiled_mlp: bool = False,
+    attention_kept: bool = True,
 ) -> float:
     """The FLOPs the device runs (`hardware_flops_parts`), for the hardware FLOPs utilisation (HFU) of Megatron's
     "Reducing Activation Recomputation" and PaLM, against MFU's model FLOPs, and for `estimate`'s wall time."""
-    return sum(hardware_flops_parts(shape, dense_params, tokens, pairs, checkpointing, tiled_mlp))
+    return sum(hardware_flops_parts(shape, dense_params, tokens, pairs, checkpointing, tiled_mlp, attention_kept))

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lctrain.activation_checkpointing import keeps_attention
 from lctrain.config import Config, with_overrides
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
@@ -204,18 +205,21 @@ def layer_saved_bytes(shape: ModelShape, tokens: int, mlp_tokens: int, b: int, s
     return tokens * (norms + projections + attention) + mlp_tokens * 4 * shape.intermediate * b + dense
 
 
-def kept_bytes(shape: ModelShape, tokens: int, b: int, mode: str, scores: int = 0) -> int:
+def kept_bytes(shape: ModelShape, tokens: int, b: int, mode: str, scores: int = 0, attention_kept: bool = True) -> int:
     """What selective checkpointing (lctrain/activation_checkpointing.py) keeps of one layer beyond its input: the
     attention kernel's output and fp32 log-sum-exp; with `selective_matmul` also every projection's output (q, k, v,
     o, gate, up, down). The `reference` engine (`scores` elements of dense scores) has no kernel to keep: `selective`
     keeps nothing of its attention, `selective_matmul` its two matmuls' outputs (the scores and the weighted
-    values)."""
+    values). `attention_kept` false (flex's compiled kernel, `activation_checkpointing.keeps_attention`): nothing
+    of the attention."""
     if mode not in ("selective", "selective_matmul"):
         return 0
-    if not scores:
+    if scores:
+        kept = 0 if mode == "selective" else (scores + tokens * shape.width) * b
+    elif attention_kept:
         kept = tokens * (shape.width * b + shape.heads * FP32)
     else:
-        kept = 0 if mode == "selective" else (scores + tokens * shape.width) * b
+        kept = 0
     if mode == "selective_matmul":
         kept += tokens * (shape.width + 2 * shape.kv_width + 2 * shape.hidden + 2 * shape.intermediate) * b
     return kept
@@ -386,7 +390,7 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     mode = m.checkpointing_mode
     if mode != "none":
         # the recomputed layer's kept tensors are the cached ones, not new allocations
-        kept = kept_bytes(shape, tokens, b, mode, scores)
+        kept = kept_bytes(shape, tokens, b, mode, scores, keeps_attention(cfg.attention.engine))
         hidden_where = "host" if m.offload_activations else "device"
         items += per_layer_items("checkpointed hidden states", tokens * shape.hidden * b, shape.layers, hidden_where)
         items.append(
@@ -491,7 +495,7 @@ def candidate_fixes(cfg: Config) -> list[Candidate]:
     if m.tiled_mlp == 0:
         out.append(Candidate(("model.tiled_mlp=auto",), "tiled_mlp"))
     mode = m.checkpointing_mode
-    if mode in ("none", "selective_matmul"):
+    if mode in ("none", "selective_matmul") and keeps_attention(cfg.attention.engine):
         out.append(Candidate((SELECTIVE,), "checkpointing"))
     if mode != "full":
         # the older switch when the config uses it (with checkpointing named, the two would contradict)
@@ -595,7 +599,7 @@ def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
 def faster_fit(cfg: Config, shape: ModelShape, budget: Budget) -> Fix | None:
     """Selective checkpointing when `cfg` recomputes whole layers (`full`) and the plan with it fits: the same memory
     saving but for each layer's attention output, and a backward that does not rerun attention."""
-    if cfg.model.checkpointing_mode != "full":
+    if cfg.model.checkpointing_mode != "full" or not keeps_attention(cfg.attention.engine):
         return None
     fix = _replan_if_it_runs(cfg, [SELECTIVE], shape, budget)
     return fix if fix is not None and fix.fits else None

@@ -226,11 +226,12 @@ def left_for_the_backward(mode, attention_mode, engine, device, measure, fused="
     [("sdpa", "full", "none"), ("varlen", "anchor", "none"), ("flex", "anchor", "none"), ("sdpa", "full", "liger"),
      ("varlen", "anchor", "liger")],
 )  # fmt: skip
-def test_on_cuda_selective_keeps_what_the_plan_counts(engine, attention_mode, fused):
+def test_on_cuda_selective_keeps_what_the_plan_counts(engine, attention_mode, fused, caplog):
     """Selective checkpointing's forward leaves, beyond whole-layer checkpointing's, what the plan counts per layer
     (`memory.kept_bytes`), in every engine, with and without Liger's kernels; the allocator's count is the
     reference. On an H100 the anchor step (varlen) with selective peaked 6.7 GB above the full-attention one (sdpa)
-    at 64K, and 8.9 GB more with Liger, which the plan does not count."""
+    at 64K, and 8.9 GB more with Liger, which the plan does not count. flex's compiled kernel is out of the
+    policy's sight: nothing kept (0 bytes measured on an H100), which the plan counts and the build says."""
     from lctrain.memory import kept_bytes
 
     if fused == "liger":
@@ -243,9 +244,12 @@ def test_on_cuda_selective_keeps_what_the_plan_counts(engine, attention_mode, fu
     (full, shape), (selective, _) = (
         left_for_the_backward(m, attention_mode, engine, "cuda", allocated, fused) for m in ("full", "selective")
     )
-    planned = shape.layers * kept_bytes(shape, KEPT_TOKENS, 2, "selective")
+    kept = activation_checkpointing.keeps_attention(engine)
+    planned = shape.layers * kept_bytes(shape, KEPT_TOKENS, 2, "selective", attention_kept=kept)
+    one_output_each = shape.layers * kept_bytes(shape, KEPT_TOKENS, 2, "selective")
+    assert kept or "keeps nothing of the flex engine's attention" in caplog.text
     extra = selective - full
-    assert abs(extra - planned) <= 0.1 * planned, (
+    assert abs(extra - planned) <= 0.1 * one_output_each, (
         f"{engine}/{attention_mode}/{fused}: selective keeps {extra / 2**20:.1f} MiB beyond full checkpointing "
         f"({full / 2**20:.1f} MiB), "
         f"the plan counts {planned / 2**20:.1f} MiB"

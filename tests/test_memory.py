@@ -468,3 +468,22 @@ def test_selective_checkpointing_keeps_attention_outputs_and_is_suggested_when_i
     assert faster_fit(full, shape, Budget(device=need["selective"] - 1, host=1 << 40, label="test")) is None
     # without checkpointing and out of memory, selective leads the fixes when it fits
     assert fixes(none, shape, roomy)[0].overrides == (SELECTIVE,)
+
+
+def test_flex_keeps_nothing_under_selective_checkpointing_so_the_plan_counts_and_suggests_full():
+    """flex trains compiled on CUDA, out of the checkpoint policy's sight (0 bytes kept beyond whole-layer
+    checkpointing on an H100): its selective plan is full's, and selective is never the suggested fix for it."""
+    from lctrain.costmodel import hardware_step_flops
+    from lctrain.memory import SELECTIVE, faster_fit, fixes
+
+    shape = ModelShape.from_hf_config(hf_config())
+    flex = {m: config(8192, f"model.checkpointing={m}", "attention.engine=flex") for m in ("full", "selective", "none")}
+    any_budget = Budget(device=1 << 50, host=1 << 50, label="any")
+    assert any_budget.need(plan_memory(flex["selective"], shape)) == any_budget.need(plan_memory(flex["full"], shape))
+    full_need = any_budget.need(plan_memory(flex["full"], shape))[0]
+    roomy = Budget(device=2 * full_need, host=1 << 40, label="test")
+    assert faster_fit(flex["full"], shape, roomy) is None
+    assert all(SELECTIVE not in f.overrides for f in fixes(flex["none"], shape, Budget(device=1, host=1, label="t")))
+    args = (shape, shape.linear_params(), 8192, 8192 * 8193 // 2)
+    assert hardware_step_flops(*args, "selective", attention_kept=False) == hardware_step_flops(*args, "full")
+    assert hardware_step_flops(*args, "selective") < hardware_step_flops(*args, "full")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from lctrain.activation_checkpointing import keeps_attention
 from lctrain.config import Config, data_dir
 from lctrain.console import plain_console
 from lctrain.costmodel import hardware_flops_parts, window_pairs
@@ -160,7 +161,13 @@ def predict(
             raise UserError(f"--from-bench {from_bench}: no throughput for mode '{mode}' and no overall one")
         # the count `train`'s hfu divides by the step time (Trainer.hardware_flops), for one window
         dense, attention = hardware_flops_parts(
-            shape, shape.linear_params(), L, pairs[mode], cfg.model.checkpointing_mode, bool(cfg.model.tiled_mlp)
+            shape,
+            shape.linear_params(),
+            L,
+            pairs[mode],
+            cfg.model.checkpointing_mode,
+            bool(cfg.model.tiled_mlp),
+            keeps_attention(cfg.attention.engine),
         )
         flops = dense + attention
         window_s = flops / (r * 1e12 * n_gpus)

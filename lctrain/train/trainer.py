@@ -28,6 +28,7 @@ import torch
 from torch.profiler import record_function
 
 from lctrain import fused
+from lctrain.activation_checkpointing import keeps_attention
 from lctrain.attention import make_batch
 from lctrain.compat.deepspeed import checkpoint_offload_context, no_bf16_optimizer_memory_report
 from lctrain.config import Config, config_fingerprint, settings, settings_changes, shown_changes
@@ -241,6 +242,7 @@ class Trainer:
 
             hf_ds_config = HfDeepSpeedConfig(ds_config)
         self.lm, self.attention, self.changes = build_model(cfg, vocab_size=vocab_size, device=topo.device)
+        self.attention_kept = keeps_attention(self.attention.name)  # of the engine Ulysses may wrap below
         if self.layout.sp > 1:
             self.attention = wrap_model(self.lm, self.attention, topo.sp_group)
         model = CausalLMLossSum(self.lm, fused_loss_sum=fused.loss_sum(cfg.model.fused_kernels))
@@ -333,7 +335,13 @@ class Trainer:
         which `estimate` counts with too)."""
         model = self.cfg.model
         return hardware_step_flops(
-            self.shape, self.n_dense, tokens, pairs, model.checkpointing_mode, tiled_mlp=bool(model.tiled_mlp)
+            self.shape,
+            self.n_dense,
+            tokens,
+            pairs,
+            model.checkpointing_mode,
+            tiled_mlp=bool(model.tiled_mlp),
+            attention_kept=self.attention_kept,
         )
 
     def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None, mem_scope: str) -> dict:
