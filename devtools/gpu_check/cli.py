@@ -9,7 +9,8 @@
 
 Stages:
   install    lctrain and the dependencies the machine lacks, from --wheels (never replacing its torch, numpy, ...)
-  tests      the `-m gpu` tests: every engine against the dense reference, every mode, fwd+bwd, bf16/fp32, GQA
+  tests      the `-m "gpu and not slow"` tests (--tests-marker): every engine against the dense reference, every
+             mode, fwd+bwd, bf16/fp32, GQA
   attention  scripts/bench_attention.py at 8K/32K/128K, Llama-2-7B head layout: time and fraction of FLOP ideal
   train      scripts/bench_train.py, a 1B Llama-shaped model at 64K, every mode, bf16, activation checkpointing
   fused      scripts/bench_train.py as train, selective checkpointing, with model.fused_kernels none / liger / compile
@@ -126,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-engines", nargs="+", default=["varlen", "sdpa", "flex"])
     ap.add_argument("--train-seq-len", type=int, default=65536)
     ap.add_argument("--peer-rounds", type=int, default=2, help="peer stages: runs of every peer per mode")
+    ap.add_argument(
+        "--tests-marker",
+        default="gpu and not slow",
+        help="tests stage: the pytest -m expression ('gpu' adds the slow GPU tests, e.g. flex's memory test, which "
+        "spends ~200 s compiling)",
+    )
     ap.add_argument("--cli-config", default="gpu_small_16k")
     ap.add_argument("--kill-step", type=int, default=12)
     ap.add_argument("--rope-samples", type=int, default=4, help="rope stage: text sequences per case")

@@ -1,4 +1,5 @@
-"""The tests stage: the `-m gpu` tests, judged by the rules of a GPU run."""
+"""The tests stage: the `-m gpu` tests (but the slow ones unless `--tests-marker gpu`), judged by the rules of a GPU
+run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def stage_tests(run: Runner, args) -> None:
     xml = run.log.with_suffix(".xml")
     xml.unlink(missing_ok=True)
     run.run(
-        python() + ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests"],
+        python()
+        + ["-m", "pytest", "-m", args.tests_marker, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "tests"],
         check=False,
     )
     if not xml.is_file():
