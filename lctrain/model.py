@@ -656,12 +656,11 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
     model.train()
     if cfg.attention.mode == "anchor":
         _check_anchor(cfg, model.get_input_embeddings().num_embeddings)
-    activation_checkpointing.enable(model, cfg.model.checkpointing_mode)
-    if cfg.model.checkpointing_mode.startswith("selective") and not activation_checkpointing.keeps_attention(
-        engine.name
-    ):
+    checkpointing = cfg.model.checkpointing_mode
+    activation_checkpointing.enable(model, checkpointing)
+    if checkpointing.startswith("selective") and not activation_checkpointing.keeps_attention(engine.name):
         log.warning(
-            f"model.checkpointing={cfg.model.checkpointing_mode} keeps nothing of the {engine.name} engine's attention "
+            f"model.checkpointing={checkpointing} keeps nothing of the {engine.name} engine's attention "
             "(no kernel output its policy can see): the backward reruns it, as under full; the varlen and sdpa "
             "engines keep it"
         )
