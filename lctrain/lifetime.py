@@ -5,6 +5,9 @@ way Ctrl-C does.
   The kernel drops it when its holder dies, however it dies; a second `train` or `resume` is refused in one line that
   names the holder (pid, host, command, start time). `lock_holder` tells whether a run is being trained now. The same
   lock keeps two `lctrain eval`s out of one output directory and two `lctrain export`s off one target.
+- `Reading`: the same lock, one file per reader, marks a directory this process reads (a training its prepared
+  dataset, an evaluation its run): `refuse_while_read` keeps the commands that would replace or clear it from doing so
+  under the reader.
 - `supervise`: runs a launcher (torchrun, DeepSpeed's) in its own session, forwards SIGTERM and Ctrl-C to it and, on
   either, stops every process under it quietly: the launchers are killed before they can print their own
   tracebacks, the workers get SIGTERM. The caller prints "interrupted" once.
@@ -93,7 +96,10 @@ class RunLock:
     The same primitive guards other directories a command must write alone (`lctrain eval`'s output, `lctrain
     export`'s target): `name` is the lock file's name in the directory, `remove` removes it on release (an output
     directory the user chose keeps nothing of lctrain's), and a subclass words the refusals for its command (`busy`,
-    `cannot_create`)."""
+    `cannot_create`) and adds to the record it leaves for them (`record`)."""
+
+    # False: a second holder is refused at once. True where only a probe (`lock_holder`, an instant) can hold it.
+    wait = False
 
     def __init__(self, run_dir: str | Path, command: str, name: str = LOCK_NAME, remove: bool = False):
         self.path = Path(run_dir) / name
@@ -115,6 +121,15 @@ class RunLock:
             f"check the path and its permissions"
         )
 
+    def record(self) -> dict:
+        """What the holder writes into the lock file, for `busy` and `lock_holder`."""
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": self.command,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+
     def __enter__(self) -> RunLock:
         while True:
             try:
@@ -123,7 +138,7 @@ class RunLock:
             except OSError as e:
                 raise self.cannot_create(e) from None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 who, pid = _read_holder(fd)
                 os.close(fd)
@@ -131,15 +146,9 @@ class RunLock:
             if not self.remove or _is_current(fd, self.path):
                 break
             os.close(fd)  # its last holder removed it after this opened it: lock the file now in its place
-        holder = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "command": self.command,
-            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(holder).encode(), 0)
+            os.pwrite(fd, json.dumps(self.record()).encode(), 0)
         except OSError:
             os.close(fd)  # e.g. a full disk: do not keep the lock of a run that cannot start
             raise
@@ -153,6 +162,70 @@ class RunLock:
                     self.path.unlink()
             os.close(self.fd)  # releases the lock; a run's file stays (removing it would race with a new holder)
             self.fd = None
+
+
+READER_PREFIX = ".lctrain-reader-"
+
+
+class _Unmarked(Exception):
+    """`Reading` found no place for its file: the directory is read unmarked."""
+
+
+class Reading(RunLock):
+    """Marks `directory` as read by this process while entered (a training its prepared dataset, an evaluation its
+    run's exports): `refuse_while_read` refuses to replace or clear it meanwhile, naming `reader` (words: "the training
+    in runs/x"). Each reader holds a lock file of its own, `READER_PREFIX<host>-<pid>.lock`, the run lock's
+    primitive rather than a marker file checked by its pid: the kernel drops the lock when its holder dies however it
+    dies, so the file a killed reader leaves is a stale record that blocks nothing, and a pid reused since cannot pass
+    for a live reader. That holds for processes of one machine (a lock taken on another host over a shared filesystem
+    is not seen here). A directory that does not exist, or cannot take the file (a read-only dataset: nothing here can
+    replace it either), is read unmarked: marking it is no reason to fail the reading."""
+
+    wait = True  # its file is its own, named by its pid: only a probe holds it meanwhile
+
+    def __init__(self, directory: str | Path, command: str, reader: str):
+        name = f"{READER_PREFIX}{socket.gethostname()}-{os.getpid()}.lock"
+        super().__init__(directory, command, name=name, remove=True)
+        self.reader = reader
+
+    def record(self) -> dict:
+        return {**super().record(), "reader": self.reader}
+
+    def cannot_create(self, e: OSError) -> Exception:
+        return _Unmarked()
+
+    def __enter__(self) -> Reading:
+        if not self.path.parent.is_dir():  # RunLock would create it: a directory to be read is not made here
+            return self
+        try:
+            return super().__enter__()
+        except (_Unmarked, OSError):  # OSError: its record not written (a full disk)
+            return self
+
+
+def readers(directory: str | Path) -> list[dict]:
+    """The records of the live readers of `directory` (`Reading`), by file name; the stale ones left out."""
+    names = sorted(p.name for p in Path(directory).glob(f"{READER_PREFIX}*.lock"))
+    return [h for h in (lock_holder(directory, n) for n in names) if h is not None]
+
+
+def refuse_while_read(directory: str | Path, before: str) -> None:
+    """Raise a one-line refusal naming every live reader of `directory` (`Reading`) and what to do; `before` says what
+    the refused command would do to the directory ("rebuilding it")."""
+    found = readers(directory)
+    if not found:
+        return
+    who = ", ".join(
+        f"{r.get('reader', 'another process')} (pid {r.get('pid', '?')} on {r.get('host', '?')}, since "
+        f"{r.get('since', '?')})"
+        for r in found
+    )
+    them = "it" if len(found) == 1 else "them"
+    pids = " ".join(str(r["pid"]) for r in found if "pid" in r) or "them"
+    raise UserError(
+        f"{directory}: {who} {'reads' if len(found) == 1 else 'read'} it now; wait for {them} to finish or stop "
+        f"{them} (kill {pids}) before {before}"
+    )
 
 
 def _is_current(fd: int, path: Path) -> bool:

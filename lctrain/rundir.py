@@ -29,7 +29,7 @@ from lctrain.config import Config, load_config, run_dir, to_yaml
 from lctrain.data.manifest import MANIFEST
 from lctrain.errors import UserError, writing
 from lctrain.files import replace_file
-from lctrain.lifetime import RunLock
+from lctrain.lifetime import RunLock, refuse_while_read
 
 _STEP = re.compile(r"^step_(\d+)$")
 # Sections every run's config.yaml holds (`write_config` writes them all, and so did every earlier version).
@@ -98,14 +98,13 @@ class RunDir:
     def whose_config(cls, cfg: Config) -> RunDir | None:
         """The run `cfg` was loaded from the config.yaml of (a resume's, `train --config RUN/config.yaml`); None for
         any other file. A run's own is told from a config file that only has its name by the `workdir` that
-        `write_config` records (an earlier version's run: origin.json beside it)."""
+        `write_config` records, which `cfg` was loaded with (an earlier version's run: origin.json beside it)."""
         if cfg.source_file is None or Path(cfg.source_file).name != "config.yaml":
             return None
         run = cls(Path(cfg.source_file).absolute().parent)
         if not run.is_run():
             return None
-        raw = yaml.safe_load(run.config_file.read_text())
-        return run if "workdir" in raw or (run.path / "origin.json").is_file() else None
+        return run if cfg.workdir is not None or (run.path / "origin.json").is_file() else None
 
     def elsewhere(self, cfg: Config) -> Path | None:
         """The run directory `cfg` names when it is not this one: a copied or moved run's config.yaml keeps the
@@ -218,7 +217,9 @@ class RunDir:
         evaluation of its exports (`eval/`, `lctrain eval`'s default output: a report would show the old run's scores
         as the new one's) and TensorBoard's event files (TensorBoard draws every file in the directory as one run).
         Only these: anything else in the directory is the user's and stays; a symlink in their place (say eval/
-        pointing to a shared results folder) is left as it is, the files it points to untouched."""
+        pointing to a shared results folder) is left as it is, the files it points to untouched. Refused while an
+        evaluation reads the run (its `Reading` mark, lctrain.eval.runner): its exports and report would go under it."""
+        refuse_while_read(self.path, "starting a run over here")
         for directory in (self.checkpoints, self.exports_dir, self.profile_dir, self.eval_dir, self.tensorboard_dir):
             shutil.rmtree(directory, ignore_errors=True)  # refuses a symlink: kept
         self.metrics_file.unlink(missing_ok=True)

@@ -30,7 +30,7 @@ from lctrain.lifetime import lock_holder
 from lctrain.rundir import RunDir
 from lctrain.train import checkpoint as ckpt
 from lctrain.train import export as export_module
-from lctrain.train.export import TargetLock
+from lctrain.train.checkpoint import TargetLock
 
 PID = os.getpid()
 

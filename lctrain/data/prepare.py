@@ -73,7 +73,7 @@ from lctrain.data.store import (
 )
 from lctrain.errors import UserError, first_and_more, is_environment_error, writing
 from lctrain.hardware import usable_cpus
-from lctrain.lifetime import death_of, is_alive
+from lctrain.lifetime import death_of, is_alive, refuse_while_read
 from lctrain.progress_bar import ProgressBar
 from lctrain.tokenizer import (
     BUILTIN_PREFIX,
@@ -537,6 +537,12 @@ def _remove_stale(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _refuse_while_trained_on(out: Path) -> None:
+    """Refuse to replace a dataset a training reads (its `Reading` mark, lctrain.train.command): the rebuild would
+    delete its shards under it, and it would stop at its next read."""
+    refuse_while_read(out, "rebuilding it here (or set data.output_dir to prepare the new dataset elsewhere)")
+
+
 def _move_into_place(tmp: Path, out: Path) -> None:
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     with writing(out, "the prepared dataset"):
@@ -597,6 +603,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
                 markup=False,
             )
         return out
+    _refuse_while_trained_on(out)
     if damage:
         console.print(f"{out}: rebuilding it ({damage})", markup=False)
     # resolving validates local paths before the slow tokenizer load; done once, a SlimPajama tree is large
@@ -748,6 +755,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
                 ),
             },
         )
+        _refuse_while_trained_on(out)  # again: a training may have started on it while this one built
         write_resolved(cfg, partial.dir)
         write_manifest(partial.dir, manifest)
         partial.finish()

@@ -32,7 +32,7 @@ from rich.table import Table
 
 from lctrain.console import plain_console
 from lctrain.errors import UserError
-from lctrain.eval.runner import eval_anchor, load_eval_tokenizer, load_model, pick_device
+from lctrain.eval.runner import eval_anchor, evaluating, load_eval_tokenizer, load_model, pick_device
 from lctrain.progress_bar import ProgressBar
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import resolve_anchor, text_encoder
@@ -325,47 +325,50 @@ def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -
     lm_eval = import_harness()
     manager, _ = resolve_tasks(settings.tasks, settings.include_path)
     wanted = [TABLE7.get(n, n) for n in settings.tasks]
-    max_length = settings.max_length if settings.max_length is not None else target.cfg.data.seq_len
-    tokenizer = load_eval_tokenizer(target.checkpoints[0][1], target.cfg)
-    anchor = eval_anchor(target.checkpoints[0][1], target.cfg, tokenizer)
-    per_checkpoint: dict[str, dict[str, dict[str, float]]] = {}
-    # the harness builds its requests inside simple_evaluate, so the bar counts requests answered, without a total
-    with ProgressBar(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} requests"), TimeElapsedColumn()
-    ) as bar:
-        job = bar.add_task("harness", total=None)
-        for name, path in target.checkpoints:
-            bar.update(job, description=f"harness {name}", completed=0)
-            model = load_model(path, device)
-            lm = checkpoint_lm(model, tokenizer, max_length, settings.batch_size, lambda n: bar.advance(job, n), anchor)
-            res = lm_eval.simple_evaluate(
-                model=lm,
-                tasks=wanted,
-                num_fewshot=settings.num_fewshot,
-                limit=settings.limit,
-                task_manager=manager,
-                log_samples=False,
-                bootstrap_iters=0,
-                verbosity="ERROR",
-            )
-            per_checkpoint[name] = numeric_metrics(res["results"])
-            del model, lm
-    report = {
-        "target": str(target.path),
-        "checkpoints": [c for c, _ in target.checkpoints],
-        "device": device,
-        "tasks": wanted,
-        "num_fewshot": settings.num_fewshot,
-        "limit": settings.limit,
-        "max_length": max_length,
-        "harness_version": getattr(lm_eval, "__version__", None),
-        "per_checkpoint": per_checkpoint,
-        "average": average_over_checkpoints(per_checkpoint),
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "harness.json").write_text(json.dumps(report, indent=2))
-    print_harness_report(report, out_dir)
-    return report
+    # one evaluation at a time writes into out_dir (`EvalLock`): two at once overwrote each other's harness.json
+    with evaluating(target, out_dir):
+        max_length = settings.max_length if settings.max_length is not None else target.cfg.data.seq_len
+        tokenizer = load_eval_tokenizer(target.checkpoints[0][1], target.cfg)
+        anchor = eval_anchor(target.checkpoints[0][1], target.cfg, tokenizer)
+        per_checkpoint: dict[str, dict[str, dict[str, float]]] = {}
+        # the harness builds its requests inside simple_evaluate, so the bar counts requests answered, without a total
+        with ProgressBar(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} requests"), TimeElapsedColumn()
+        ) as bar:
+            job = bar.add_task("harness", total=None)
+            for name, path in target.checkpoints:
+                bar.update(job, description=f"harness {name}", completed=0)
+                model = load_model(path, device)
+                lm = checkpoint_lm(
+                    model, tokenizer, max_length, settings.batch_size, lambda n: bar.advance(job, n), anchor
+                )
+                res = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=wanted,
+                    num_fewshot=settings.num_fewshot,
+                    limit=settings.limit,
+                    task_manager=manager,
+                    log_samples=False,
+                    bootstrap_iters=0,
+                    verbosity="ERROR",
+                )
+                per_checkpoint[name] = numeric_metrics(res["results"])
+                del model, lm
+        report = {
+            "target": str(target.path),
+            "checkpoints": [c for c, _ in target.checkpoints],
+            "device": device,
+            "tasks": wanted,
+            "num_fewshot": settings.num_fewshot,
+            "limit": settings.limit,
+            "max_length": max_length,
+            "harness_version": getattr(lm_eval, "__version__", None),
+            "per_checkpoint": per_checkpoint,
+            "average": average_over_checkpoints(per_checkpoint),
+        }
+        (out_dir / "harness.json").write_text(json.dumps(report, indent=2))
+        print_harness_report(report, out_dir)
+        return report
 
 
 def print_harness_report(report: dict, out_dir: Path) -> None:

@@ -19,7 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +38,7 @@ from lctrain.eval.ruler import Sample
 from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
 from lctrain.export_record import EXPORT_RECORD, read_export_record, verify_export
 from lctrain.files import TEMPORARY_PREFIX, replace_file, temporary_of
-from lctrain.lifetime import RunLock, lock_holder
+from lctrain.lifetime import Reading, RunLock, lock_holder
 from lctrain.progress_bar import counted_bar
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
@@ -494,6 +494,16 @@ class EvalLock(RunLock):
 
 
 @contextmanager
+def evaluating(tgt: Target, out_dir: Path) -> Iterator[None]:
+    """Held by an evaluation (RULER's, the harness's) from start to end: its output directory's `EvalLock`, and its
+    `Reading` mark on the run it scores, with which `lctrain train --force` refuses to delete the run's exports and
+    report under it."""
+    reading = Reading(tgt.path, "lctrain eval", f"the evaluation into {out_dir.absolute()}")
+    with reading if tgt.kind == "run" else nullcontext(), EvalLock(out_dir):
+        yield
+
+
+@contextmanager
 def eval_writes(out_dir: Path) -> Iterator[None]:
     """A write into eval's output directory that the machine refused (`errors.writing`'s `WriteFailed`) says that the
     report can go elsewhere (--out DIR), and names the file, not its temporary."""
@@ -578,7 +588,7 @@ def evaluate(
     dev = pick_device(device)
 
     # one evaluation at a time writes a report: two at once renamed each other's predictions away
-    with EvalLock(out_dir), eval_writes(out_dir):
+    with evaluating(tgt, out_dir), eval_writes(out_dir):
         tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
         anchor = eval_anchor(tgt.checkpoints[0][1], tgt.cfg, tokenizer)
         if data_dir:

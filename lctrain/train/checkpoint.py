@@ -33,9 +33,10 @@ import torch
 from lctrain.compat.deepspeed import loading_universal, no_bf16_optimizer_load_print, zero3_full_state_dict
 from lctrain.compat.transformers import config_json_text, legacy_rope_keys
 from lctrain.config import Config
-from lctrain.errors import UserError, is_environment_error, remedy_of, writing
+from lctrain.errors import UserError, WriteFailed, is_environment_error, remedy_of, writing
 from lctrain.export_record import write_export_record
 from lctrain.files import TEMPORARY_PREFIX, fsync_dir, readable_as_config_json, replace_file
+from lctrain.lifetime import RunLock
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import Anchor, save_tokenizer, write_anchor
 from lctrain.train import reshard
@@ -371,9 +372,35 @@ def save_hf(
     else:
         state_dict = None
     if rank == 0:
-        write_export(run.export(step), lm, tokenizer, anchor, step, cfg, state_dict=state_dict)
+        with TargetLock(run.export(step), None, command="lctrain train", wait=True):
+            write_export(run.export(step), lm, tokenizer, anchor, step, cfg, state_dict=state_dict)
     barrier()
     return run.export(step)
+
+
+class TargetLock(RunLock):
+    """Held while an export's `target` is checked and written (`write_export`): a lock file beside it (where its
+    temporary directory goes too), removed when done. A second `lctrain export` of the same target is refused: two
+    at once wrote each other's files into one temporary directory. The training's own export (`save_hf`, `wait`)
+    waits for one instead: the step's export is part of the run."""
+
+    def __init__(self, target: Path, option: str | None, command: str = "lctrain export", wait: bool = False):
+        super().__init__(target.parent, command, name=f".lctrain-export-{target.name}.lock", remove=True)
+        self.target, self.option, self.wait = target, option, wait
+
+    def busy(self, holder: str, pid: str) -> str:
+        return (
+            f"{self.target}: another export is writing it, {holder}; wait for it to finish or stop it (kill {pid}), "
+            f"or export to another --out"
+        )
+
+    def cannot_create(self, e: OSError) -> UserError:
+        if is_environment_error(e):  # a full disk, a read-only filesystem: worded as any write's failure
+            return WriteFailed(e.filename or self.path, "the export's lock file", e.strerror or str(e), remedy_of(e))
+        return UserError(
+            f"{self.option or 'the export'} {self.target}: cannot create its lock file {self.path} "
+            f"({e.strerror or e}); choose another --out"
+        )
 
 
 # save_pretrained's default is 50GB, one 13 GB file for a 7B model in bf16; the hub's own uploads use 5GB shards.

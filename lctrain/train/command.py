@@ -30,6 +30,7 @@ from lctrain.costmodel import ModelShape
 from lctrain.data.manifest import MANIFEST
 from lctrain.data.prepare import input_change, settings_left_out
 from lctrain.errors import RunFailed, UserError, first_and_more
+from lctrain.lifetime import Reading
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, RanksHung, run_on_ranks
@@ -57,17 +58,19 @@ def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Check
             f"set train.run_dir to another directory"
         )
     leader = _leader()
-    prepared = preflight(cfg) if leader else None
-    with _run_lock(rd, "lctrain train", leader):
-        if leader:
-            if not force:
-                refuse_to_replace(rd)
-            # A new run: what is left (partial checkpoints of an interrupted write, or everything under --force)
-            # belongs to no run, and would mix into this one.
-            rd.clear_outputs()
-            rd.write_config(cfg)
-        _start(cfg, rd, prepared, resuming=False, before_checkpoint_complete=before_checkpoint_complete)
-        return rd.path
+    # marked before preflight opens it: the dataset preflight checks is the one the run reads
+    with _reading_dataset(cfg, rd, leader):
+        prepared = preflight(cfg) if leader else None
+        with _run_lock(rd, "lctrain train", leader):
+            if leader:
+                if not force:
+                    refuse_to_replace(rd)
+                # A new run: what is left (partial checkpoints of an interrupted write, or everything under --force)
+                # belongs to no run, and would mix into this one.
+                rd.clear_outputs()
+                rd.write_config(cfg)
+            _start(cfg, rd, prepared, resuming=False, before_checkpoint_complete=before_checkpoint_complete)
+            return rd.path
 
 
 def train_or_resume(cfg: Config) -> Path:
@@ -142,12 +145,13 @@ def resume(
     if why is not None:
         raise UserError(f"{run_dir}: {why}; give the train.run_dir of a run started with 'lctrain train'")
     leader = _leader()
-    with _run_lock(rd, "lctrain resume", leader):
+    with _run_lock(rd, "lctrain resume", leader), contextlib.ExitStack() as reading:
         if ckpt.latest_checkpoint(rd) is None:
             raise UserError(
                 f"{rd}: no complete checkpoint to resume from; start the run again with '{rd.start_over_command()}'"
             )
         cfg = rd.read_config(overrides)
+        reading.enter_context(_reading_dataset(cfg, rd, leader))
         named = ckpt.latest_named(rd)
         if leader and named is not None and named != ckpt.latest_checkpoint(rd):
             print(
@@ -349,6 +353,14 @@ def _leader() -> bool:
 
 def _run_lock(rd: RunDir, command: str, leader: bool):
     return rd.lock(command) if leader else contextlib.nullcontext()
+
+
+def _reading_dataset(cfg: Config, rd: RunDir, leader: bool):
+    """The run's mark on its prepared dataset, which `prepare --force` refuses to replace while it lives: held by the
+    leader for the whole run (the workers it launches end with it)."""
+    if not leader:
+        return contextlib.nullcontext()
+    return Reading(data_dir(cfg), "lctrain train", f"the training in {rd.path.absolute()}")
 
 
 def preflight(cfg: Config) -> Prepared:

@@ -19,8 +19,9 @@ The run's settings are those the checkpoint recorded (`trainer_state.json`), so 
 of that step trained with, even after `resume --set train.steps=...` rewrote config.yaml.
 
 One export at a time writes a target: a second one is refused in one line naming the first's pid (`TargetLock`, the
-run lock's primitive). An export may run beside the training of its run; a checkpoint that training's
-`checkpoint.keep` removes while the export reads it is said to be that, not damage.
+run lock's primitive), and so is one of a step whose export the training running in the run writes itself. An export
+may run beside the training of its run; a checkpoint that training's `checkpoint.keep` removes while the export reads
+it is said to be that, not damage.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ from lctrain.compat.deepspeed import MODULE_FILE, ZERO3_MODULE_FILE, module_stat
 from lctrain.compat.transformers import pretrained_generation_config
 from lctrain.config import Config
 from lctrain.console import no_library_bars
-from lctrain.errors import UserError, WriteFailed, output_dir, writing
+from lctrain.errors import UserError, output_dir
 from lctrain.export_record import EXPORT_RECORD, read_export_record
-from lctrain.lifetime import RunLock, lock_holder
+from lctrain.lifetime import lock_holder
 from lctrain.model import apply_changes, config_changes, load_hf_config
 from lctrain.rundir import RunDir, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.loss import CausalLMLossSum
+from lctrain.train.schedule import hf_checkpoint_steps
 from lctrain.units import to_gb
 
 
@@ -63,8 +65,36 @@ def export_checkpoint(
     option = "--out" if out is not None else None
     if option is not None:
         output_dir(target.parent, option)  # where the lock goes: one line if it cannot be created
-    with TargetLock(target, option):
+    with ckpt.TargetLock(target, option):
+        if option is None:
+            _refuse_an_export_training_writes(run, step, target)
         return _export(run, checkpoint, state, target, force, option)
+
+
+def _refuse_an_export_training_writes(run: RunDir, step: int, target: Path) -> None:
+    """Refuse `hf/step_N` while the training running in `run` is yet to write it itself: a step of its
+    `checkpoint.hf_every` / `hf_last` schedule after the one its session started at, whose export is not there and
+    after which it logged no step yet. It writes that export right after the step's resume checkpoint, which is when
+    this one can start, through the same temporary directory: it would wait for this export (its `TargetLock`) and
+    write the step again."""
+    holder = lock_holder(run.path)
+    if holder is None or (target / EXPORT_RECORD).is_file():
+        return
+    sessions = run.read_sessions()
+    started = sessions[-1].get("start_step", 0) if sessions else 0
+    try:
+        cfg, logged = run.read_config(), run.read_metrics()
+    except UserError:
+        return  # a damaged config or metrics file: the training's schedule is not known, the export goes on
+    if step <= started or (logged and logged[-1]["step"] > step):
+        return
+    if step not in hf_checkpoint_steps(cfg.train.steps, cfg.checkpoint):
+        return
+    pid = holder.get("pid", "it")
+    raise UserError(
+        f"{target}: the training running in {run} (pid {pid}) writes this export itself (checkpoint.hf_every / "
+        f"hf_last); wait for it to write it, or stop the training (kill {pid}), or export to another --out"
+    )
 
 
 def _export(run: RunDir, checkpoint: Path, state: dict, target: Path, force: bool, option: str | None) -> Path:
@@ -115,34 +145,6 @@ def _checkpoint(run: RunDir, step: int | None) -> Path:
     if not found:
         raise UserError(f"{run}: no complete checkpoint of step {step} ({have}); give one of them to --step")
     return found[-1]
-
-
-class TargetLock(RunLock):
-    """Held by `lctrain export` while it checks and writes `target`: a lock file beside it (where its temporary
-    directory goes too), removed when done. A second export of the same target is refused: two at once wrote each
-    other's files into one temporary directory."""
-
-    def __init__(self, target: Path, option: str | None):
-        super().__init__(target.parent, "lctrain export", name=f".lctrain-export-{target.name}.lock", remove=True)
-        self.target, self.option = target, option
-
-    def busy(self, holder: str, pid: str) -> str:
-        return (
-            f"{self.target}: another export is writing it, {holder}; wait for it to finish or stop it (kill {pid}), "
-            f"or export to another --out"
-        )
-
-    def cannot_create(self, e: OSError) -> UserError:
-        try:
-            with writing(self.path, "the export's lock file"):  # a full disk, a read-only filesystem: as any write
-                raise e
-        except WriteFailed as failed:
-            return failed
-        except OSError:
-            return UserError(
-                f"{self.option or 'the export'} {self.target}: cannot create its lock file {self.path} "
-                f"({e.strerror or e}); choose another --out"
-            )
 
 
 def _damaged(run: RunDir, checkpoint: Path, why: str, missing: bool = False) -> UserError:
