@@ -5,6 +5,7 @@ JSON input, and bad options."""
 import json
 
 import pytest
+from eval_helpers import tiny_arch
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -12,14 +13,7 @@ from lctrain.config import load_config, with_overrides
 from lctrain.errors import UserError
 from lctrain.reports.estimate import estimate, read_bench
 
-ARCH = [
-    "model.arch.hidden_size=64",
-    "model.arch.intermediate_size=128",
-    "model.arch.num_hidden_layers=2",
-    "model.arch.num_attention_heads=4",
-    "model.arch.num_key_value_heads=2",
-    "model.arch.vocab_size=32064",  # the 32K tokenizer's, padded to a multiple of 64
-]
+ARCH = tiny_arch() + ["model.arch.vocab_size=32064"]  # the 32K tokenizer's, padded to a multiple of 64
 
 
 def test_hand_computed_full_attention_hours(tmp_path):

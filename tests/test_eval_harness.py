@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 import torch
-from train_helpers import export_by_hand
+from eval_helpers import random_checkpoints, tiny_arch
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.config import load_config, write_resolved
+from lctrain.config import load_config
 from lctrain.errors import UserError
 
 lm_eval = pytest.importorskip("lm_eval", reason="optional package lm-eval (lctrain's harness extra) not installed")
@@ -34,14 +34,6 @@ from lctrain.eval.runner import load_model, resolve_target  # noqa: E402
 from lctrain.rundir import RunDir  # noqa: E402
 from lctrain.tokenizer import builtin_model_file, load_tokenizer  # noqa: E402
 
-TINY = [
-    "model.arch.hidden_size=64",
-    "model.arch.intermediate_size=128",
-    "model.arch.num_hidden_layers=2",
-    "model.arch.num_attention_heads=4",
-    "model.arch.num_key_value_heads=2",
-    "data.seq_len=128",
-]
 STEPS = (10, 20)
 MC_DOCS = [
     {"question": "The sky on a clear day is", "choices": [" blue", " green", " made of cheese"], "label": 0},
@@ -90,17 +82,9 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    from lctrain.model import build_model
-
     root = tmp_path_factory.mktemp("harness")
     run = root / "run"
-    cfg = load_config(None, TINY + [f"train.run_dir={run}"])
-    write_resolved(cfg, run)
-    tok = load_tokenizer(cfg.data.tokenizer)
-    for step in STEPS:
-        cfg.seed = step
-        model = build_model(cfg, vocab_size=len(tok)).model
-        export_by_hand(model, tok, run, step)
+    random_checkpoints(load_config(None, tiny_arch() + ["data.seq_len=128", f"train.run_dir={run}"]), run, STEPS)
     write_tasks(root)
     return run
 

@@ -15,11 +15,12 @@ import json
 import pytest
 import sentencepiece as spm
 import torch
-from train_helpers import export_by_hand, one_error_line
+from eval_helpers import random_checkpoints, tiny_arch
+from train_helpers import one_error_line
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.config import bundled_config_names, load_config, write_resolved
+from lctrain.config import bundled_config_names, load_config
 from lctrain.errors import UserError
 from lctrain.eval.ruler import PromptEncoder, scan_task, select_task_set
 from lctrain.eval.runner import OFFLINE_LABEL, evaluate, resolve_target, ruler_suite
@@ -42,15 +43,6 @@ RULER_13 = [
     "qa_2",
 ]
 LLAMA2_SET = [t for t in RULER_13 if t not in ("niah_multikey_3", "cwe")]
-TINY = [
-    "model.arch.hidden_size=64",
-    "model.arch.intermediate_size=128",
-    "model.arch.num_hidden_layers=2",
-    "model.arch.num_attention_heads=4",
-    "model.arch.num_key_value_heads=2",
-    "data.seq_len=512",
-    "eval.ppl_windows=0",
-]
 STEPS = (10, 20)
 NEW_TOKENS = {"fwe": 50, "qa_1": 32}
 ABSENT = "zq-not-in-any-prediction-qz"
@@ -98,19 +90,12 @@ def ruler_run(tmp_path_factory, tok, one_thread):
     (string_match_all 2/3), sample 1 none (0); qa_1 sample 0 one of two acceptable answers (string_match_part 1),
     sample 1 none (0). Each file records RULER's `length` (`tokenize`: the prompt without BOS, plus the generation
     budget), qa_1 one 30% above it, as data prepared with another tokenizer would."""
-    from lctrain.model import build_model
-
     root = tmp_path_factory.mktemp("rulerrun")
     run, data = root / "run", root / "synthetic"
-    cfg = load_config(None, TINY + [f"train.run_dir={run}"])
-    write_resolved(cfg, run)
-    models = {}
-    for step in STEPS:
-        cfg.seed = step
-        model = build_model(cfg, vocab_size=len(tok)).model.eval()
-        export_by_hand(model, tok, run, step)
-        model.set_attn_implementation("sdpa")  # as `lctrain eval` loads a checkpoint: one causal prompt
-        models[f"step_{step}"] = model
+    cfg = load_config(None, tiny_arch() + ["data.seq_len=512", "eval.ppl_windows=0", f"train.run_dir={run}"])
+    models = random_checkpoints(cfg, run, STEPS, tok)
+    for model in models.values():
+        model.eval().set_attn_implementation("sdpa")  # as `lctrain eval` loads a checkpoint: one causal prompt
 
     def complete(model, prompt, n):
         ids = tok(prompt, return_tensors="pt")["input_ids"]

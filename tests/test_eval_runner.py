@@ -1,7 +1,8 @@
 """`lctrain eval` end to end on a fake run directory (tiny random Llama checkpoints hf/step_N/ with the built-in
 tokenizer, config.yaml from write_resolved, a small prepared dataset): the report files, the checkpoint average
 recomputed by hand from predictions.jsonl, held-out perplexity against HF's own loss, where generation stops (the
-settled score, every end token of the generation config) on both backends, and bad input."""
+settled score, every end token of the generation config on both backends, the anchor), what an interrupted
+evaluation keeps for the next, and bad input."""
 
 import json
 import math
@@ -13,7 +14,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from train_helpers import export_by_hand
+from eval_helpers import random_checkpoints, tiny_arch
 from transformers import AutoModelForCausalLM, GenerationConfig
 from typer.testing import CliRunner
 
@@ -21,6 +22,7 @@ from lctrain.cli import app
 from lctrain.config import load_config, write_resolved
 from lctrain.errors import UserError
 from lctrain.eval.generation import greedy_ids, plan_for
+from lctrain.eval.kept import Kept
 from lctrain.eval.perplexity import heldout_rows, perplexity
 from lctrain.eval.ruler import PromptEncoder, Sample
 from lctrain.eval.runner import (
@@ -36,29 +38,21 @@ from lctrain.eval.score import sample_score, settled
 from lctrain.export_record import EXPORT_RECORD
 from lctrain.reports.compare import write_report
 from lctrain.rundir import RunDir
-from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
+from lctrain.tokenizer import load_tokenizer, resolve_anchor, text_encoder
 
-TINY = [
-    "model.arch.hidden_size=64",
-    "model.arch.intermediate_size=128",
-    "model.arch.num_hidden_layers=2",
-    "model.arch.num_attention_heads=4",
-    "model.arch.num_key_value_heads=2",
-]
 STEPS = (30, 40)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     from lctrain.data.prepare import prepare
-    from lctrain.model import build_model
 
     root = tmp_path_factory.mktemp("evalrun")
     run = root / "run"
     # 20 windows of 256 tokens; 2 steps x 4 windows leave 12 held out
     cfg = load_config(
         None,
-        TINY
+        tiny_arch()
         + [
             "data.seq_len=256",
             "data.token_budget=5120",
@@ -70,12 +64,7 @@ def run_dir(tmp_path_factory):
         ],
     )
     prepare(cfg)
-    write_resolved(cfg, run)
-    tok = load_tokenizer(cfg.data.tokenizer)
-    for step in STEPS:
-        cfg.seed = step  # distinct weights per checkpoint
-        model = build_model(cfg, vocab_size=len(tok)).model
-        export_by_hand(model, tok, run, step)
+    random_checkpoints(cfg, run, STEPS)
     return run
 
 
@@ -350,19 +339,41 @@ def test_both_backends_end_at_every_end_token_of_the_generation_config(run_dir, 
     assert len(ref) == 30 and tok.decode(ref, skip_special_tokens=True) != pred["prediction"]
 
 
-def test_the_anchor_ends_a_generation_too(run_dir, tmp_path, monkeypatch):
-    """Training taught the model to predict the anchor where a document ends (`shifted_labels`): it is among the
-    ids that end every answer, beside the tokenizer's EOS and the generation config's."""
-    import lctrain.eval.generation as generation
-
-    asked = []
-    real = generation.stop_ids
-    monkeypatch.setattr(generation, "stop_ids", lambda d, *known: asked.append(known) or real(d, *known))
-    tok = load_tokenizer(str(RunDir(run_dir).export(STEPS[0])))
-    anchor = resolve_anchor(tok).id  # the export records none: the default rule's
-    assert recorded_anchor(RunDir(run_dir).export(STEPS[0])) is None
-    evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, out=tmp_path / "o")
-    assert asked and all(known == (tok.eos_token_id, anchor) for known in asked)
+def test_an_answer_that_reaches_the_anchor_ends_there(run_dir, tmp_path):
+    """A checkpoint made to answer "lake blue", the anchor, then "stone" over and over (its layers add nothing to the
+    embedding and its own output matrix maps each token to the next): its prediction is "lake blue", where the same
+    generation with EOS alone among its stop ids runs to the whole budget."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(RunDir(run_dir).export(STEPS[0]), ckpt)
+    (ckpt / EXPORT_RECORD).unlink()  # the weights below are not the export's
+    tok = load_tokenizer(str(ckpt))
+    anchor = resolve_anchor(tok)
+    lake, blue, stone = tok.convert_tokens_to_ids(["\u2581lake", "\u2581blue", "\u2581stone"])
+    assert anchor.id not in (tok.eos_token_id, lake, blue, stone)
+    prompt = "The special magic number for the quiet lake is 7261. What is the special magic number?"
+    ids = PromptEncoder(tok, anchor).encode(prompt, specials=True)
+    model = load_model(ckpt, "cpu")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        # a row scores highest the token whose embedding it is, as a tied output matrix scores the token itself
+        embedding = model.model.embed_tokens.weight
+        head = torch.zeros_like(embedding)
+        head[lake], head[blue], head[anchor.id] = embedding[ids[-1]], embedding[lake], embedding[blue]
+        head[stone] = embedding[anchor.id] + embedding[stone]
+    model.lm_head.weight = torch.nn.Parameter(head)
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(ckpt)
+    free = greedy_ids(model, ids, 30, plan_for(model, 256), eos=[tok.eos_token_id])
+    assert free == [lake, blue, anchor.id] + [stone] * 27
+    folder = tmp_path / "synthetic" / "256" / "data" / "vt"
+    folder.mkdir(parents=True)
+    (folder / "validation.jsonl").write_text(json.dumps({"input": prompt, "outputs": ["\u2603"]}) + "\n")
+    out = evaluate(resolve_target(ckpt), ruler_data=str(tmp_path / "synthetic"), out=tmp_path / "o")
+    (pred,) = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert pred["prediction"] == tok.decode(free[:3], skip_special_tokens=True) == "lake blue"
+    assert tok.decode(free, skip_special_tokens=True) == "lake blue" + " stone" * 27
 
 
 def test_settled_needs_every_answer_before_the_last_character():
@@ -503,3 +514,22 @@ def test_an_interrupted_evaluation_resumes_with_what_it_had_and_ends_as_an_unint
     loaded.clear()
     evaluate(resolve_target(run_dir), out=tmp_path / "other", **{**args, "samples": 2})  # other settings: all again
     assert loaded == [f"step_{s}" for s in STEPS]
+
+
+def test_answers_kept_by_an_earlier_way_of_answering_are_made_again(tmp_path):
+    """Before --ruler-data prompts were encoded as RULER encodes them and the anchor ended a generation, the resume
+    state held the settings alone: what it kept under the same settings is not what an evaluation answers now, and is
+    made again; what today's evaluation keeps is reused."""
+    settings = {"suite": "RULER (NVIDIA/RULER data in /d)", "lengths": [4096], "samples": None, "backend": "hf"}
+    answer = {"checkpoint": "step_10", "task": "vt", "length": 4096, "index": 1, "prediction": "QPE", "score": 1.0}
+    partial = tmp_path / "predictions.jsonl.partial"
+    # eval.resume.json as lctrain wrote it before: {"key": settings, "perplexity": ...}
+    (tmp_path / "eval.resume.json").write_text(json.dumps({"key": settings, "perplexity": {"step_10": {"4096": 3.5}}}))
+    partial.write_text(json.dumps(answer) + "\n")
+    redone = Kept.read(tmp_path, partial, settings)
+    assert redone.answers == {} and redone.perplexity == {} and partial.read_text() == ""
+
+    partial.write_text(json.dumps(answer) + "\n")
+    redone.add_perplexity("step_10", {4096: 3.5})
+    reused = Kept.read(tmp_path, partial, settings)
+    assert reused.answers == {("step_10", "vt", 4096, 1): answer} and reused.perplexity == {"step_10": {4096: 3.5}}

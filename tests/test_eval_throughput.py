@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+from eval_helpers import tiny_arch
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -13,12 +14,7 @@ from lctrain.config import load_config
 from lctrain.reports.estimate import estimate
 from lctrain.rundir import RunDir
 
-TINY = [
-    "model.arch.hidden_size=64",
-    "model.arch.intermediate_size=128",
-    "model.arch.num_hidden_layers=1",
-    "model.arch.num_attention_heads=4",
-    "model.arch.num_key_value_heads=2",
+TINY = tiny_arch(layers=1) + [
     "train.global_batch=2",
     "train.micro_batch=2",
 ]

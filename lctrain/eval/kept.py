@@ -3,9 +3,9 @@
 An evaluation of several checkpoints at 64K-128K takes hours; a preemption or Ctrl-C should cost the answer under
 way, not the ones before. While it runs, every answer goes to `predictions.jsonl.partial` as it is made (runner.py)
 and `eval.resume.json` holds the settings it runs under (`key`: the suite, lengths, samples, seed, backend, device,
-anchor, the held-out windows, and each checkpoint's files) with the perplexities measured so far. A new evaluation
-under the same key reuses both (a line torn by the kill is dropped); under another key, or with no such file, it
-starts over. The completed evaluation renames the predictions and removes the state (runner.evaluate).
+anchor, the held-out windows, and each checkpoint's files, with `ANSWERING`) with the perplexities measured so far.
+A new evaluation under the same key reuses both (a line torn by the kill is dropped); under another key, or with no
+such file, it starts over. The completed evaluation renames the predictions and removes the state (runner.evaluate).
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from lctrain.export_record import read_export_record
 from lctrain.files import replace_file
 
 STATE = "eval.resume.json"
+# The version of how lctrain answers under a key's settings, which the key records: version 2 encodes --ruler-data
+# prompts as RULER does (a chat template's special-token text read as the token, one BOS) and ends a generation at the
+# anchor and every end token of the generation config, so answers kept by version 1 (no "answering" in its key) are
+# not the ones it makes under the same settings. Raise it with every such change.
+ANSWERING = 2
 
 AnswerKey = tuple[str, str, int, int]  # checkpoint, task, length, sample index
 
@@ -44,7 +49,7 @@ class Kept:
     interrupted evaluation under `key` left in `out_dir`."""
 
     out_dir: Path
-    key: dict
+    key: dict  # the caller's settings and `ANSWERING`
     predictions: Path
     answers: dict[AnswerKey, dict] = field(default_factory=dict)
     perplexity: dict[str, dict[int, float]] = field(default_factory=dict)
@@ -52,10 +57,11 @@ class Kept:
     @classmethod
     def read(cls, out_dir: Path, predictions: Path, key: dict) -> Kept:
         """What `out_dir` keeps under `key`, the predictions file rewritten to exactly the kept answers (so lines
-        appended from here on follow whole ones); nothing, and both files started over, under another key."""
-        kept = cls(out_dir, key, predictions)
+        appended from here on follow whole ones); nothing, and both files started over, under another key or
+        another version of how answers are made (`ANSWERING`)."""
+        kept = cls(out_dir, {**key, "answering": ANSWERING}, predictions)
         state = _read_json(out_dir / STATE)
-        if state is not None and state.get("key") == key and predictions.is_file():
+        if state is not None and state.get("key") == kept.key and predictions.is_file():
             kept.answers = _whole_records(predictions)
             kept.perplexity = {
                 c: {int(L): float(v) for L, v in per.items()} for c, per in state.get("perplexity", {}).items()
