@@ -15,6 +15,7 @@ from lctrain.compat import typer as compat_typer
 from lctrain.compat.deepspeed import quiet_cpu_fallback_notice
 from lctrain.config import bundled_config_names, load_config, to_yaml
 from lctrain.config_reference import reference_markdown
+from lctrain.console import survive_closed_outputs
 from lctrain.errors import UserError, environment_error_message
 from lctrain.lifetime import Terminated, is_supervised, terminate_as_interrupt
 
@@ -741,6 +742,7 @@ def experiment_extend(
 
 
 def main(argv: list[str] | None = None) -> None:
+    survive_closed_outputs()  # first: the libraries imported later keep the streams it sets
     terminate_as_interrupt()
     quiet_cpu_fallback_notice()
     sys.exit(compat_typer.run(app, argv if argv is not None else sys.argv[1:], prog_name="lctrain"))

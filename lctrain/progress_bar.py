@@ -7,14 +7,17 @@ other is under way: the first sample of a long evaluation can take minutes), eve
 end, each time only for the tasks that moved since their last line (a diagnosis's finished and waiting cases stay
 quiet).
 Training has its own per-step lines (`train.metrics.StepLogger`).
+
+Progress is not a command's data: unless a caller hands over a console of its own, it goes where messages go
+(`console.message_console`: stderr), so `lctrain eval ... > scores.txt` keeps only the scores.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
-from rich import get_console
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -28,12 +31,14 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from lctrain.console import message_console
+
 LOG_EVERY_S = 30.0
 
 
 class ProgressBar(Progress):
-    """rich's `Progress` on a terminal; in a log, a plain line of its columns every `every_s` seconds and at
-    `stop()`."""
+    """rich's `Progress` on a terminal (`shown`); in a log, a plain line of its columns every `every_s` seconds and
+    at `stop()`, unless `log_lines` is False (training writes its own)."""
 
     def __init__(
         self,
@@ -42,11 +47,18 @@ class ProgressBar(Progress):
         disable: bool = False,
         every_s: float = LOG_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
+        log_lines: bool = True,
         **kwargs,
     ):
-        console = console or get_console()
-        self.in_log = not disable and not console.is_terminal and not console.is_jupyter
-        super().__init__(*columns, console=console, disable=disable or self.in_log, get_time=clock, **kwargs)
+        console = console or message_console()
+        self.shown = not disable and (console.is_terminal or console.is_jupyter)
+        self.in_log = not disable and not self.shown and log_lines
+        # what is printed to stdout meanwhile goes above the bar only when stdout is on the same screen: redirected,
+        # a command's data would land on the terminal instead of in its file or pipe
+        on_screen = sys.stdout is not None and sys.stdout.isatty()
+        super().__init__(
+            *columns, console=console, disable=not self.shown, get_time=clock, redirect_stdout=on_screen, **kwargs
+        )
         self.every_s, self.clock = every_s, clock
         self.last_line = clock()
         # each task's (description, completed) at its last line; one that has not moved yet has nothing to say

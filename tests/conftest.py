@@ -9,6 +9,14 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests read rich's box-drawing tables, which a shell with TERM=dumb or a locale without UTF-8 (LANG=C, as some CI
+# machines have) turns into ASCII (lctrain/console.py): the suite runs as under a UTF-8 terminal whatever the
+# machine's shell, and the tests of the ASCII fallback give their processes their own environment.
+for _var in ("LC_ALL", "LC_CTYPE"):
+    os.environ.pop(_var, None)
+os.environ["LANG"] = "C.UTF-8"
+if os.environ.get("TERM", "dumb") == "dumb":
+    os.environ["TERM"] = "xterm"
 # A fresh tokenizer cache per test session: the suite must pass on a machine that never ran lctrain, so the first
 # conversion of the built-in tokenizers is part of every run rather than something a developer's ~/.cache hides.
 os.environ["LCTRAIN_CACHE"] = tempfile.mkdtemp(prefix="lctrain-test-cache-")

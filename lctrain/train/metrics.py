@@ -1,5 +1,6 @@
-"""Step metrics: `metrics.jsonl`, the progress bar (or, when stdout is not a terminal, one plain line per
-`logging.log_every` steps) and Weights & Biases; how loud the libraries are during a run.
+"""Step metrics: `metrics.jsonl`, the progress bar (or, outside a terminal, one plain line per
+`logging.log_every` steps) and Weights & Biases; how loud the libraries are during a run. The step lines are the
+run's data, on stdout; the bar and the notes go to stderr (`lctrain.console`).
 
 The model FLOPs of a step come from `lctrain.costmodel`: 6 x (the linear layers' weights, LM head included) x
 tokens plus 12 x layers x width per visible query-key pair, so MFU measures useful work and `anchor` is not credited
@@ -23,12 +24,13 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from transformers.utils import logging as hf_logging
 
 from lctrain.config import settings
-from lctrain.console import no_library_bars
+from lctrain.console import no_library_bars, say
 from lctrain.errors import UserError
+from lctrain.progress_bar import ProgressBar
 from lctrain.rundir import RunDir
 from lctrain.train.report import eta_seconds, loss_text, step_line
 
@@ -137,8 +139,9 @@ class SlowSteps:
 class StepLogger:
     """Rank 0 only: appends one JSON line per step, shows progress and logs to Weights & Biases and TensorBoard (each
     numeric metric as scalar `train/NAME`, every `logging.log_every` steps and the last). Progress is the rich
-    bar on a terminal; otherwise (nohup, a redirect, a batch scheduler, where the bar would print nothing until the
-    end) one plain line (`report.step_line`) per `logging.log_every` steps, and one for the last step."""
+    bar when stdout and stderr are both a terminal (the bar on stderr); otherwise (nohup, a redirect, a pipe, a batch
+    scheduler, where the bar would print nothing until the end or tear through the lines) one plain line
+    (`report.step_line`) on stdout per `logging.log_every` steps, and one for the last step."""
 
     def __init__(self, run: RunDir, cfg, start_step: int, total_steps: int, wandb_id: str):
         self.run = run
@@ -146,18 +149,18 @@ class StepLogger:
         self.start_step, self.total = start_step, total_steps
         self.slow = SlowSteps()
         self.started = time.monotonic()
-        self.progress = None
-        if sys.stdout.isatty():
-            self.progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
-                transient=False,
-            )
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
-            self.progress.start()
+        self.progress = ProgressBar(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            disable=not sys.stdout.isatty(),
+            log_lines=False,
+            transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self.progress.start()
         self.wandb = None
         if cfg.logging.wandb != "disabled":
             wandb = import_wandb(cfg)
@@ -182,7 +185,7 @@ class StepLogger:
         step = record["step"]
         # the last step is always shown: the curve's end is the number a run is read for
         due = step % self.every == 0 or step == self.total
-        if self.progress is not None:
+        if self.progress.shown:
             mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
             square = f"{record['mfu_full_square']:.1%}" if record.get("mfu_full_square") is not None else "n/a"
             info = (
@@ -198,7 +201,7 @@ class StepLogger:
         # is the one slower by design
         slow = self.slow.note(step, record["tokens_per_s"], usual=not record.get("profiled"))
         if slow is not None:  # whether or not the step has a line: a slow step between two lines is said too
-            print(slow, flush=True)
+            say(slow)
         if self.wandb is not None and due:
             self.wandb.log({k: v for k, v in record.items() if v is not None}, step=step)
         if self.tensorboard is not None and due:
@@ -208,8 +211,7 @@ class StepLogger:
             self.tensorboard.flush()
 
     def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
+        self.progress.stop()
         if self.wandb is not None:
             self.wandb.finish()
         if self.tensorboard is not None:

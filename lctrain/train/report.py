@@ -175,17 +175,24 @@ class RunEnd:
     checkpoint: Path | None  # the resume checkpoint `lctrain resume` would continue from
     exports: list[Path]
     metrics_file: Path
+    diverged: dict | None = None  # this session's first metrics record that says "diverged"
 
 
 def summary(e: RunEnd) -> str:
-    """What rank 0 prints after the last step."""
+    """What rank 0 prints after the last step; its first line names a divergence (`trainer.divergence_warning`)."""
     if e.last is None:
         return f"no step trained: {e.run_dir} is at step {e.start_step} of {e.steps}"
     step = e.last["step"]
+    head = f"done: {e.run_dir}"
     session_tokens = (step - e.start_step) * e.tokens_per_step
     rate = session_tokens / e.wall_s if e.wall_s > 0 else float("nan")
-    rows = [
-        ("final loss", f"{loss_text(e.last['loss'])} at step {step} of {e.steps}"),
+    rows = [("final loss", f"{loss_text(e.last['loss'])} at step {step} of {e.steps}")]
+    if e.diverged is not None:
+        at = e.diverged["step"]
+        head += f" (diverged at step {at})"
+        loss = loss_text(e.diverged["loss"])
+        rows.append(("diverged", f'loss {loss} at step {at}; metrics.jsonl says "diverged": true from there'))
+    rows += [
         ("tokens", f"{e.last['tokens']:,} seen ({session_tokens:,} in this session)"),
         ("time", f"{duration(e.wall_s)} wall, {rate:,.0f} tokens/s"),
     ]
@@ -198,10 +205,12 @@ def summary(e: RunEnd) -> str:
     else:
         rows.append(("hf exports", "none"))
     rows.append(("metrics", str(e.metrics_file)))
-    if step < e.steps:
+    if e.diverged is not None:
+        rows.append(("next", "lower train.lr and start over (lctrain train --force)"))
+    elif step < e.steps:
         rows.append(("next", f"lctrain resume {quote(str(e.run_dir))}"))
     elif e.exports:
         rows.append(("next", f"lctrain eval {quote(str(e.run_dir))}; lctrain plot {quote(str(e.run_dir))}"))
     else:
         rows.append(("next", f"lctrain plot {quote(str(e.run_dir))}"))
-    return "\n".join([f"done: {e.run_dir}"] + [f"  {k:<12} {v}" for k, v in rows])
+    return "\n".join([head] + [f"  {k:<12} {v}" for k, v in rows])

@@ -32,6 +32,7 @@ from lctrain.activation_checkpointing import keeps_attention
 from lctrain.attention import make_batch
 from lctrain.compat.deepspeed import checkpoint_offload_context, no_bf16_optimizer_memory_report
 from lctrain.config import Config, config_fingerprint, settings, settings_changes, shown_changes
+from lctrain.console import launched_rank, say, survive_closed_outputs
 from lctrain.costmodel import (
     ModelShape,
     count_params,
@@ -150,6 +151,8 @@ def run(
 ) -> RunDir:
     """The worker body: every rank runs this, under a launcher or as the only process. `prepared`: what the command
     edge of this process checked (preflight); a launched worker, which has none, checks its own here."""
+    if launched_rank():  # no `lctrain.cli.main` of its own: its console's reader going away must not end the run
+        survive_closed_outputs()
     # before anything touches the GPU: cuBLAS reads its workspace setting once, at its first call
     with deterministic_algorithms(cfg.train.deterministic):
         topo = init_topology(cfg, prepared.plan.layout if prepared is not None else None)
@@ -185,7 +188,7 @@ def run(
                 for note in filter(
                     None, [software_note(sessions[-1] if sessions else None, session), warmup_warning(cfg.train)]
                 ):
-                    print(note, flush=True)
+                    say(note)
             if session is not None:
                 trainer.session_ended = lambda e: record_end(rd, session, trainer.state.step, e)
             try:
@@ -231,7 +234,9 @@ class Trainer:
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
         self.dataset: dict | None = None  # `fit`'s prepared dataset (`dataset_record`), for its checkpoints
-        self.warned_divergence = False  # divergence_warning says it once a run
+        # rank 0's: the step of this session whose loss first passed `divergence_warning`'s bound, said once; the
+        # metrics records from there on say "diverged", and so does the end summary (the run still ends 'done')
+        self.diverged_at: int | None = None
         self.session_ended: Callable[[BaseException], None] | None = None  # rank 0's: completes its sessions.jsonl line
         ds_config = deepspeed_config(cfg, plan, gpu=topo.device.type == "cuda")
         hf_ds_config = None
@@ -418,6 +423,7 @@ class Trainer:
             tokens_per_step=self.cfg.tokens_per_step,
             wall_s=wall_s,
             peak_mem_gb=max((r["peak_mem_gb"] for r in records), default=None),
+            diverged=next((r for r in records if r.get("diverged")), None),
             checkpoint=ckpt.latest_checkpoint(rd),
             exports=rd.exports(),
             metrics_file=rd.metrics_file,
@@ -479,12 +485,16 @@ class Trainer:
             check_finite(result, step_index, cfg, self.run_dir)
             self.state.step = step_index + 1
             if logger is not None:
-                record = self.metrics(step_index, result, seconds, peak, mem_scope)
-                logger.log({**record, "profiled": profiler.slowed(step_index)})
-                warning = divergence_warning(result.loss, self.state.step, self.shape.vocab, self.warned_divergence)
+                warning = divergence_warning(
+                    result.loss, self.state.step, self.shape.vocab, warned=self.diverged_at is not None
+                )
                 if warning is not None:
-                    self.warned_divergence = True
-                    print(warning, flush=True)
+                    self.diverged_at = self.state.step
+                record = self.metrics(step_index, result, seconds, peak, mem_scope)
+                diverged = self.diverged_at is not None
+                logger.log({**record, "profiled": profiler.slowed(step_index), "diverged": diverged})
+                if warning is not None:  # after the step's own line
+                    say(warning)
             if watched:
                 watchdog.disarm()
             if profiler.finished(step_index) and topo.is_main:  # after the step's own line
@@ -527,10 +537,9 @@ class Trainer:
         cfg, topo = self.cfg.logging.profile, self.topo
         steps = ProfiledSteps.of(cfg.start, cfg.steps, self.cfg.train.steps, resumed_at=self.state.step)
         if cfg.start is not None and steps is None and topo.is_main:
-            print(
+            say(
                 f"logging.profile: steps {cfg.start}-{cfg.start + cfg.steps - 1} are before step "
-                f"{self.state.step + 1}, where this run resumes: nothing is profiled",
-                flush=True,
+                f"{self.state.step + 1}, where this run resumes: nothing is profiled"
             )
         return StepProfiler(
             steps,
@@ -582,38 +591,31 @@ class Trainer:
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if failed.item() == 0:
                 if tried and topo.is_main:
-                    print(
-                        f"warning: resuming from {path.name}: the newer {', '.join(tried)} could not be loaded",
-                        flush=True,
-                    )
+                    say(f"warning: resuming from {path.name}: the newer {', '.join(tried)} could not be loaded")
                 self.state = TrainState.from_record(record)
                 apply_optimizer_settings(self.engine, self.cfg.train, self.state.step)
                 if topo.is_main:
                     if record.get("config_fingerprint") != config_fingerprint(self.cfg):
                         changes = settings_changes(record["config"], settings(self.cfg)) if "config" in record else {}
                         named = f" ({shown_changes(changes)})" if changes else ""
-                        print(
+                        say(
                             f"note: {rd.config_file} changed since checkpoint {path.name}{named}; continuing with "
-                            f"the new values",
-                            flush=True,
+                            f"the new values"
                         )
                         rate = resumed_rate_note(self.state.step, record.get("config"), self.cfg.train)
                         if rate:
-                            print(rate, flush=True)
+                            say(rate)
                     logged = rd.truncate_metrics(self.state.step)
                     if logged < self.state.step:
-                        print(
+                        say(
                             f"warning: {rd.metrics_file} ends at step {logged}, checkpoint {path.name} at step "
                             f"{self.state.step} (the file was truncated or removed); its curve will miss steps "
-                            f"{logged + 1}-{self.state.step}",
-                            flush=True,
+                            f"{logged + 1}-{self.state.step}"
                         )
                 return
             if topo.is_main:
-                print(
-                    f"warning: checkpoint {path.name} is damaged ({why or 'on another rank'}); trying the one "
-                    f"before it",
-                    flush=True,
+                say(
+                    f"warning: checkpoint {path.name} is damaged ({why or 'on another rank'}); trying the one before it"
                 )
             tried.append(path.name)
         raise UserError(
@@ -673,8 +675,9 @@ def loss_rise(records: list[dict], step: int | None) -> tuple[float, float, int]
 
 
 def divergence_warning(loss: float, step: int, vocab: int, warned: bool) -> str | None:
-    """One warning, the first time a step's loss passes DIVERGED x ln(vocab), the loss of guessing uniformly: the
-    run is diverging, and the run ends 'done' with every checkpoint kept from then on."""
+    """One warning a session, the first time a step's loss passes DIVERGED x ln(vocab), the loss of guessing
+    uniformly: the run is diverging. Its loss is finite, so the run goes on to the end (exit code 0): the metrics
+    records from that step on and the end summary say it diverged, for the script that reads them."""
     uniform = math.log(vocab)
     if warned or not loss > DIVERGED * uniform:
         return None
