@@ -522,6 +522,6 @@ def test_resuming_a_checkpoint_without_a_dataset_record_says_it_cannot_check(cap
 
     cfg = load_config(None, [])
     check_same_dataset(cfg, {}, manifest=None, checkpoint="step_10")
-    said = " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().err.split())
     assert said.startswith("warning: checkpoint step_10 was written before lctrain recorded the dataset")
     assert "cannot be checked" in said

@@ -10,7 +10,7 @@ import datasets
 import huggingface_hub
 import numpy as np
 import pytest
-from train_helpers import show_config_refusal
+from train_helpers import one_error_line, show_config_refusal
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -224,8 +224,8 @@ def test_an_unreachable_hub_dataset_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     args = ["prepare", "--set", "data.sources=[{name: web, hub: nobody/no-such-dataset, subset: en}]"]
     r = CliRunner().invoke(app, [*args, "--set", f"data.output_dir={tmp_path / 'out'}"])
-    line = r.stderr.strip()
-    assert r.exit_code == 2 and "\n" not in line, r.output
+    line = one_error_line(r)  # after the progress bar's line
+    assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == line, r.output
     assert "data.sources[0].hub = 'nobody/no-such-dataset' (subset 'en', split 'train'): cannot stream it" in line
 
 

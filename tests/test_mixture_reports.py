@@ -55,8 +55,11 @@ def counted(path) -> tuple[dict[str, int], dict[str, int]]:
     return tokens, segments
 
 
-def said(capsys) -> str:
-    return " ".join(capsys.readouterr().out.split())
+def said(capsys) -> tuple[str, str]:
+    """What prepare printed on stdout (its account of the build) and on stderr (its warnings and progress), each with
+    its line breaks and runs of spaces as one space."""
+    captured = capsys.readouterr()
+    return " ".join(captured.out.split()), " ".join(captured.err.split())
 
 
 SHARES = {"short": (12, 1500, "token_share: 0.9"), "book": (3000, 1, "token_share: 0.105")}
@@ -74,9 +77,9 @@ def test_a_document_longer_than_its_share_is_cut_to_fit(tmp_path, capsys):
     assert tokens["book"] - segments["book"] == math.ceil(BOOK_SHARE * BUDGET) - 1
     manifest = open_packed(path).manifest
     assert manifest.mixture_dropped["source_share_cut_tokens"] > 3000 - BOOK_SHARE * BUDGET
-    out = said(capsys)
+    out, err = said(capsys)
     assert "book token_share 0.1050 (0.1045 of their sum) -> 0.104" in out
-    assert "missed" not in out
+    assert "missed" not in out and "missed" not in err
 
 
 def test_an_interrupted_build_of_other_shares_is_said_to_be_discarded(tmp_path, capsys, monkeypatch):
@@ -94,10 +97,12 @@ def test_an_interrupted_build_of_other_shares_is_said_to_be_discarded(tmp_path, 
     capsys.readouterr()
     other = {**SHARES, "short": (12, 1500, "token_share: 0.8"), "book": (3000, 1, "token_share: 0.2")}
     prepare(sources_cfg(tmp_path, other, "data.shard_tokens=1024"))
-    assert (
+    out, err = said(capsys)
+    starting_over = (
         f"starting over: {tmp_path / '.out.partial'} holds an interrupted prepare of other settings, tokenizer or "
         f"input files (or shards changed since), which is discarded"
-    ) in said(capsys)
+    )
+    assert starting_over in err and starting_over not in out
 
 
 def test_a_file_read_by_two_sources_is_named(tmp_path, capsys):
@@ -105,10 +110,12 @@ def test_a_file_read_by_two_sources_is_named(tmp_path, capsys):
     cfg = sources_cfg(tmp_path, {"web": (12, 1500, "weight: 1"), "again": (12, 1500, "weight: 1")})
     cfg.data.sources[1].path = str(web)
     prepare(cfg)
-    assert (
+    out, err = said(capsys)
+    shared = (
         f"data.sources: 1 file(s) read by more than one source, whose documents are then used once per source: "
         f"{web} (web and again); list each file in one source"
-    ) in said(capsys)
+    )
+    assert shared in err and shared not in out
 
 
 def test_a_build_starved_by_min_doc_tokens_and_share_caps_says_so(tmp_path, capsys):
@@ -121,20 +128,19 @@ def test_a_build_starved_by_min_doc_tokens_and_share_caps_says_so(tmp_path, caps
     )
     tokens, _ = counted(prepare(cfg))
     assert set(tokens) == {"long"} and tokens["long"] == BUDGET // 2
-    out = said(capsys)
-    assert (
+    out, err = said(capsys)
+    warnings = [
         "the source ran out before the budget: 32 of 64 windows (8,192 tokens) written; the settings left out 300 "
-        "documents shorter than data.min_doc_tokens = 100 (lower it); "
-    ) in out
-    assert "documents of sources whose token_share was full while others' were not (lower the token_share" in out
-    assert (
+        "documents shorter than data.min_doc_tokens = 100 (lower it); ",
+        "documents of sources whose token_share was full while others' were not (lower the token_share",
         "data.sources missed the token_share of 2 source(s) by more than 1 percentage point (target -> achieved): "
         "short 50.0% -> 0.0%, long 50.0% -> 100.0%; the input ran out before the budget, with documents left out by "
-        "the settings named above"
-    ) in out
-    # the re-read warning, here and in train's, which reads it from the manifest
-    left_out = "with documents the data settings left out (prepare names them): add input data or let them in"
-    assert left_out in out
+        "the settings named above",
+        # the re-read warning, here and in train's, which reads it from the manifest
+        "with documents the data settings left out (prepare names them): add input data or let them in",
+    ]
+    for warning in warnings:
+        assert warning in err and warning not in out, warning
     assert settings_left_out(open_packed(data_dir(cfg)).manifest)
 
 
@@ -149,15 +155,15 @@ def test_an_upsampled_build_starved_by_down_sampling_names_it(tmp_path, capsys):
     )
     tokens, _ = counted(prepare(cfg))
     assert set(tokens) == {"books"}
-    out = said(capsys)
-    assert (
+    out, err = said(capsys)
+    warnings = [
         "the settings left out 300 documents down-sampled as shorter than data.short_doc_tokens = 100 (raise "
-        "data.down_sample_ratio = 0 or lower data.short_doc_tokens); "
-    ) in out
-    assert (
+        "data.down_sample_ratio = 0 or lower data.short_doc_tokens); ",
         "web 50.0% -> 0.0%, books 50.0% -> 100.0%; the input ran out before the budget, with documents left out by "
-        "the settings named above"
-    ) in out
+        "the settings named above",
+    ]
+    for warning in warnings:
+        assert warning in err and warning not in out, warning
 
 
 def test_no_window_because_no_domain_has_a_share_names_the_domain(tmp_path):

@@ -307,7 +307,7 @@ def test_a_checkpoint_without_a_needed_rng_state_is_passed_over_for_the_next(tmp
     cfg = with_overrides(load_config(None), ["parallel.nproc_per_node=4"], "test")  # ranks 2, 3 continue 0, 1
     command._convert_for_layout(cfg, states)
     assert converted == ["step_2"]
-    assert "warning: checkpoint step_4 is not converted: rng_rank1.pt missing" in capsys.readouterr().out
+    assert "warning: checkpoint step_4 is not converted: rng_rank1.pt missing" in capsys.readouterr().err
 
 
 def test_resume_keeps_its_run_directory(tmp_path):

@@ -37,7 +37,7 @@ from lctrain.config import (
     reread_warning,
     write_resolved,
 )
-from lctrain.console import plain_console
+from lctrain.console import message_console, plain_console
 from lctrain.data import encode
 from lctrain.data.manifest import Newer
 from lctrain.data.mixture import (
@@ -398,7 +398,7 @@ class _Skips:
         return {"counts": dict(sorted(self.counts.items())), "examples": self.examples}
 
 
-def _progress(console):
+def _progress():
     return ProgressBar(
         TextColumn("[bold]prepare"),
         BarColumn(),
@@ -407,7 +407,6 @@ def _progress(console):
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
-        console=console,
         transient=False,
     )
 
@@ -578,6 +577,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     """Build the packed dataset of `cfg.data` at `data_dir(cfg)`; a no-op when it is already there."""
     d = cfg.data
     console = plain_console()
+    warnings = message_console()
     out = data_dir(cfg)
     fingerprint = data_fingerprint(d)
     num_windows = d.token_budget // d.seq_len
@@ -588,11 +588,11 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         )
     reread = reread_warning(cfg, num_windows)
     if reread:
-        console.print(reread, markup=False)
+        warnings.print(reread, markup=False)
     current, damage = _existing_is_current(out, fingerprint, force)
     if current is not None:
         check_matches_model(cfg)
-        _check_input_unchanged(cfg, out, current, console)
+        _check_input_unchanged(cfg, out, current, warnings)
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         left = Partial(out).dir
         if left.is_dir():  # a `--force` rebuild stopped before it was complete: disk space nothing else will free
@@ -609,7 +609,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     # resolving validates local paths before the slow tokenizer load; done once, a SlimPajama tree is large
     files = _resolve_inputs(cfg)
     if d.sources is not None:
-        _say_shared_files(console, d, files)
+        _say_shared_files(warnings, d, files)
     domains = initial_domains(d)
     source = describe_source(d, files)
     tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
@@ -656,7 +656,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         f"{d.seq_len:,} tokens, mixture {d.mixture}, {workers} worker(s)"
     )
     if workers < d.num_workers:
-        console.print(
+        warnings.print(
             f"data.num_workers = {d.num_workers} is more than the {workers} CPU cores this process may use: "
             f"{workers} tokenizer processes",
             style="yellow",
@@ -667,7 +667,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         saved = partial.load(resume_key)
         if saved is None or not _shards_intact(partial.dir, saved["shards"]):
             if partial.has_progress():  # else it would only show as a build that takes longer than expected
-                console.print(
+                warnings.print(
                     f"starting over: {partial.dir} holds an interrupted prepare of other settings, tokenizer or "
                     f"input files (or shards changed since), which is discarded",
                     style="yellow",
@@ -688,7 +688,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         builder.on_shard = lambda: partial.save(resume_key, builder.state())
         t0 = time.perf_counter()
         estimate = InputEstimate.of(files.files) if d.source == "local" and d.sources is None else None
-        read = _read(builder, _batches(d, files), encoder, workers, console, d.seq_len, estimate)
+        read = _read(builder, _batches(d, files), encoder, workers, d.seq_len, estimate)
         elapsed = time.perf_counter() - t0
         left_out = _left_out_by_settings(d, builder, read["skipped"]["counts"])
         if builder.writer.num_windows == 0:
@@ -777,9 +777,9 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     render(console, stats, read["skipped"])
     if d.sources is not None:
         _say_source_shares(console, manifest.source["sources"])
-    _say_what_was_left_out(console, manifest, num_windows, cfg, left_out)
-    _say_domains_left_out(console, d, builder)
-    _say_share_misses(console, stats, manifest, bool(left_out))
+    _say_what_was_left_out(warnings, manifest, num_windows, cfg, left_out)
+    _say_domains_left_out(warnings, d, builder)
+    _say_share_misses(warnings, stats, manifest, bool(left_out))
     console.print(
         f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s"
         f"{f' after resuming at {windows_before:,}' if resumed_shards else ''} "
@@ -993,13 +993,13 @@ class InputEstimate:
 
 
 def _read(
-    builder: _Builder, batches, encoder, workers: int, console, seq_len: int, estimate: InputEstimate | None = None
+    builder: _Builder, batches, encoder, workers: int, seq_len: int, estimate: InputEstimate | None = None
 ) -> dict:
     """Feed the source to `builder`, from where an interrupted run left it (`builder.position`)."""
     first_batch, last_record = builder.position
     budget = builder.num_windows * seq_len
     t0, docs_before = time.perf_counter(), builder.counts["documents"]
-    with _progress(console) as bar:
+    with _progress() as bar:
         # a resumed run's bar starts where it was left, so its rate and ETA are this session's
         task = bar.add_task(
             "prepare", total=budget, completed=builder.writer.num_windows * seq_len, docs=docs_before, docs_per_s=0.0

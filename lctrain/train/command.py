@@ -26,6 +26,7 @@ from lctrain.config import (
     settings_changes,
     shown_changes,
 )
+from lctrain.console import say
 from lctrain.costmodel import ModelShape
 from lctrain.data.manifest import MANIFEST
 from lctrain.data.prepare import input_change, settings_left_out
@@ -67,7 +68,7 @@ def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Check
                     refuse_to_replace(rd)
                 # A new run: what is left (partial checkpoints of an interrupted write, or everything under --force)
                 # belongs to no run, and would mix into this one.
-                rd.clear_outputs()
+                rd.clear_outputs(force)
                 rd.write_config(cfg)
             _start(cfg, rd, prepared, resuming=False, before_checkpoint_complete=before_checkpoint_complete)
             return rd.path
@@ -154,10 +155,9 @@ def resume(
         reading.enter_context(_reading_dataset(cfg, rd, leader))
         named = ckpt.latest_named(rd)
         if leader and named is not None and named != ckpt.latest_checkpoint(rd):
-            print(
+            say(
                 f"warning: {rd.checkpoints / ckpt.LATEST} names {named.name}, which is missing or incomplete; "
                 f"resuming from the newest complete checkpoint",
-                flush=True,
             )
         states = [(p, ckpt.readable_state(p)) for p in ckpt.resume_candidates(rd)]
         states = [(p, s) for p, s in states if s is not None]
@@ -199,14 +199,14 @@ def _convert_for_layout(cfg: Config, states: list[tuple[Path, dict]]) -> None:
         lacking = [ckpt.rng_file(r) for r in reshard.rng_ranks(state["config"], now)]
         lacking = [name for name in lacking if not (path / name).is_file()]
         if lacking:
-            print(f"warning: checkpoint {path.name} is not converted: {', '.join(lacking)} missing", flush=True)
+            say(f"warning: checkpoint {path.name} is not converted: {', '.join(lacking)} missing")
             continue
         try:
             seconds = reshard.convert(path, changed)
         except ckpt.DAMAGED as e:
             if ckpt.machine_failure(e):
                 raise
-            print(f"warning: checkpoint {path.name} could not be converted ({type(e).__name__}: {e})", flush=True)
+            say(f"warning: checkpoint {path.name} could not be converted ({type(e).__name__}: {e})")
             continue
         if seconds:
             print(f"converted {path.name} in {seconds:.0f} s", flush=True)
@@ -323,11 +323,10 @@ def check_same_dataset(cfg: Config, state: dict, manifest, checkpoint: str) -> N
     their number, would be read from the checkpoint's step on as if they were the same (some twice, some never). A
     `prepare --force` after the corpus changed rebuilds the directory under the same data fingerprint."""
     if state.get("dataset") is None:
-        print(
+        say(
             f"warning: checkpoint {checkpoint} was written before lctrain recorded the dataset a run trains on: "
             f"whether {data_dir(cfg)} holds the windows it trained on cannot be checked (prepared again since, from "
             f"other input or by another lctrain, the resumed steps read other windows)",
-            flush=True,
         )
         return
     change = dataset_change(state["dataset"], dataset_record(manifest))
@@ -382,22 +381,21 @@ def preflight(cfg: Config) -> Prepared:
 
         warning = memory_warning(cfg)  # refuses a plan beyond a known GPU's or the machine's memory: before the data
         if warning:
-            print(warning, flush=True)
+            say(warning)
     prepared = Prepared.of(cfg, plan=plan)
     changed = input_change(cfg, prepared.packed.manifest)
     if changed:  # prepare refuses to call it prepared; a run may still want the data it has: said, not refused
         again = f"'{prepare_command(cfg)} --force' first"
-        print(
+        say(
             f"warning: {prepared.packed.path} was prepared from other input files than data's now ({changed.words}); "
             f"this run trains on the prepared windows: to train on the input as it is, run {again}"
             if changed.sizes
             else f"warning: {prepared.packed.path}: {changed.words}; to train on its text as it is now, run {again}",
-            flush=True,
         )
     manifest = prepared.packed.manifest
     reread = reread_warning(cfg, len(prepared.packed), manifest.source_exhausted, settings_left_out(manifest))
     if reread:
-        print(reread, flush=True)
+        say(reread)
     if cfg.logging.wandb != "disabled":
         import_wandb(cfg)
     if cfg.logging.tensorboard:
