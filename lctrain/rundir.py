@@ -27,11 +27,32 @@ import yaml
 
 from lctrain.config import Config, load_config, run_dir, to_yaml
 from lctrain.data.manifest import MANIFEST
-from lctrain.errors import UserError, writing
+from lctrain.errors import UserError, first_and_more, writing
 from lctrain.files import replace_file
 from lctrain.lifetime import RunLock, refuse_while_read
 
 _STEP = re.compile(r"^step_(\d+)$")
+# What lctrain writes in eval/ (lctrain.eval: results, predictions, their partial state, the plot, the harness's)
+_EVAL_FILES = frozenset(
+    {"results.json", "predictions.jsonl", "predictions.jsonl.partial", "eval.resume.json", "ruler.png", "harness.json",
+     "harness"}
+)  # fmt: skip
+
+
+def _written_by_lctrain(directory: str, name: str) -> bool:
+    """Whether `name` in the run's `directory` (checkpoints, hf, profile, eval, tensorboard) is of a kind lctrain
+    writes there; hidden names are its temporary files and locks."""
+    if name.startswith("."):
+        return True
+    if directory in ("checkpoints", "hf"):
+        return bool(_STEP.match(name)) or name == "latest"
+    if directory == "profile":
+        return name.startswith(("steps_", "rank"))
+    if directory == "tensorboard":
+        return name.startswith("events.out.tfevents")
+    return name in _EVAL_FILES
+
+
 # Sections every run's config.yaml holds (`write_config` writes them all, and so did every earlier version).
 _RUN_SECTIONS = ("data", "model", "train")
 
@@ -212,18 +233,40 @@ class RunDir:
         except UserError:
             return True  # a damaged metrics file or config cannot show the run unfinished: keep it
 
-    def clear_outputs(self) -> None:
+    def clear_outputs(self, force: bool = False) -> None:
         """Remove what a new run in this directory replaces: checkpoints, exports, profiles, metrics, sessions, the
         evaluation of its exports (`eval/`, `lctrain eval`'s default output: a report would show the old run's scores
         as the new one's) and TensorBoard's event files (TensorBoard draws every file in the directory as one run).
         Only these: anything else in the directory is the user's and stays; a symlink in their place (say eval/
-        pointing to a shared results folder) is left as it is, the files it points to untouched. Refused while an
-        evaluation reads the run (its `Reading` mark, lctrain.eval.runner): its exports and report would go under it."""
+        pointing to a shared results folder) is left as it is, the files it points to untouched. Without `force` (a
+        plain `train`, which clears what a run killed before its first checkpoint left) a file in those directories
+        that lctrain does not write there is refused, not deleted: a project folder used as the run directory may
+        hold the user's own eval/ or profile/. Refused while an evaluation reads the run (its `Reading` mark,
+        lctrain.eval.runner): its exports and report would go under it."""
         refuse_while_read(self.path, "starting a run over here")
+        if not force:
+            self._refuse_foreign_outputs()
         for directory in (self.checkpoints, self.exports_dir, self.profile_dir, self.eval_dir, self.tensorboard_dir):
             shutil.rmtree(directory, ignore_errors=True)  # refuses a symlink: kept
         self.metrics_file.unlink(missing_ok=True)
         self.sessions_file.unlink(missing_ok=True)
+
+    def _refuse_foreign_outputs(self) -> None:
+        directories = (self.checkpoints, self.exports_dir, self.profile_dir, self.eval_dir, self.tensorboard_dir)
+        foreign = [
+            entry
+            for directory in directories
+            if directory.is_dir() and not directory.is_symlink()
+            for entry in sorted(directory.iterdir())
+            if not _written_by_lctrain(directory.name, entry.name)
+        ]
+        if foreign:
+            named = first_and_more([str(p) for p in foreign], 3)
+            raise UserError(
+                f"{self.path}: a new run clears checkpoints/, hf/, profile/, eval/ and tensorboard/ of what an earlier "
+                f"run left, and lctrain did not write {named}: move them elsewhere, choose another train.run_dir, or "
+                f"start over with --force, which deletes them"
+            )
 
     # ------------------------------------------------------------ sessions
 

@@ -175,6 +175,11 @@ def test_refusals_each_in_one_line(zero0, workdir, tmp_path):
     line = refused(zero0, "--out", tmp_path / "notes", "--force")
     assert "a directory that is not an export is in the way" in line
     assert (tmp_path / "notes" / "mine.txt").read_text() == "keep me"
+    # nor a model's folder (the base model the run trained from has a config.json, but no export record)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    assert "a directory that is not an export is in the way" in refused(zero0, "--out", tmp_path / "base", "--force")
+    assert (tmp_path / "base" / "config.json").read_text() == "{}"
 
 
 def test_a_damaged_checkpoint_is_refused_naming_the_others(zero0, tmp_path):

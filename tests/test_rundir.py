@@ -177,3 +177,31 @@ def test_an_older_run_directory_resolves_where_origin_json_says(tmp_path, monkey
     # a config.yaml with `workdir` wins over an origin.json left from an earlier run
     rd.config_file.write_text(f"base: tiny_anchor\ndata:\n  output_dir: data\nworkdir: {elsewhere}\n")
     assert data_dir(rd.read_config()) == elsewhere / "data"
+
+
+def test_a_new_run_refuses_files_lctrain_does_not_write_where_it_clears_and_force_deletes_them(tmp_path):
+    """A project folder used as the run directory: its own eval/ script and profile/ notes are not what an earlier
+    run left, so a plain `train` names them instead of deleting them; --force deletes them, as documented."""
+    rd = RunDir(tmp_path)
+    (rd.eval_dir).mkdir()
+    (rd.eval_dir / "my_eval.py").write_text("print(1)")
+    (rd.eval_dir / "results.json").write_text("{}")
+    rd.profile_dir.mkdir()
+    (rd.profile_dir / "notes.md").write_text("mine")
+    (rd.checkpoints / ".tmp-step_2").mkdir(parents=True)  # a checkpoint write a kill interrupted: lctrain's
+    with pytest.raises(UserError) as refused:
+        rd.clear_outputs()
+    assert str(refused.value) == (
+        f"{tmp_path}: a new run clears checkpoints/, hf/, profile/, eval/ and tensorboard/ of what an earlier run "
+        f"left, and lctrain did not write {rd.profile_dir / 'notes.md'}, {rd.eval_dir / 'my_eval.py'}: move them "
+        f"elsewhere, choose another train.run_dir, or start over with --force, which deletes them"
+    )
+    assert (rd.eval_dir / "my_eval.py").is_file() and (rd.checkpoints / ".tmp-step_2").is_dir()
+    (rd.eval_dir / "my_eval.py").unlink()
+    (rd.profile_dir / "notes.md").unlink()
+    rd.clear_outputs()  # only what lctrain wrote is left: cleared
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    (rd.eval_dir).mkdir()
+    (rd.eval_dir / "my_eval.py").write_text("print(1)")
+    rd.clear_outputs(force=True)
+    assert not rd.eval_dir.exists()

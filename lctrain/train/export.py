@@ -184,7 +184,10 @@ def _check_target(target: Path, force: bool, option: str | None) -> None:
     if target.exists() and not target.is_dir():
         raise UserError(f"{option or 'the export'} {target}: a file is in the way; remove it or choose another --out")
     if target.is_dir() and any(target.iterdir()):
-        if not ((target / EXPORT_RECORD).is_file() or (target / "config.json").is_file()):
+        # an export records itself; in the run's own hf/, an export of an lctrain from before the record has only its
+        # config.json. Elsewhere (--out) a config.json alone is some model's folder: the base model trained from
+        ours = (target / EXPORT_RECORD).is_file() or (option is None and (target / "config.json").is_file())
+        if not ours:
             raise UserError(
                 f"{target}: a directory that is not an export is in the way (--force replaces only an export); "
                 f"choose another --out"
