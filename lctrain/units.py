@@ -4,8 +4,6 @@ meant as "about one allocation-sized block" is written in GiB."""
 
 from __future__ import annotations
 
-import math
-
 from lctrain.errors import UserError
 
 GB = 1e9
@@ -21,9 +19,13 @@ def gb_to_bytes(gb: float) -> int:
     return int(gb * GB)
 
 
+# A petabyte per GPU or node: larger is a typo (1e300 overflowed the byte count into a traceback)
+MAX_OPTION_GB = 1e6
+
+
 def option_gb_to_bytes(gb: float, option: str) -> int:
     """A memory size the user gave in GB (`option` names where, e.g. `--gpu-mem`), in bytes; refused in one line
-    unless finite and > 0."""
-    if not 0 < gb < math.inf:
-        raise UserError(f"{option} = {gb}: expected a memory size in GB, finite and > 0")
+    unless > 0 and at most `MAX_OPTION_GB`."""
+    if not 0 < gb <= MAX_OPTION_GB:
+        raise UserError(f"{option} = {gb}: expected a memory size in GB, > 0 and at most {MAX_OPTION_GB:,.0f}")
     return gb_to_bytes(gb)

@@ -145,9 +145,10 @@ def test_bad_input(tmp_path):
         read_bench(bad)
     with pytest.raises(UserError, match="--gpus 0: must be at least 1"):
         estimate(load_config(None, ARCH), tflops=10.0, gpus=0)
-    for value in ("-3", "nan", "inf"):
+    for value in ("-3", "nan", "inf", "1e300"):
         r = CliRunner().invoke(app, ["estimate", "--tflops", value])
-        assert r.exit_code == 2 and r.output.startswith(f"error: --tflops {float(value)}: must be a positive, finite")
+        refused = f"error: --tflops {float(value)}: expected the achieved TFLOP/s per GPU, > 0 and at most 1,000,000"
+        assert r.exit_code == 2 and r.output.startswith(refused), r.output
     bad.write_text('{"tflops_per_gpu": NaN}')
     with pytest.raises(UserError, match="no positive 'tflops_per_gpu'"):
         read_bench(bad)

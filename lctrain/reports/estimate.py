@@ -36,6 +36,7 @@ from lctrain.parallel.layout import ParallelLayout, layout_of
 from lctrain.reports.inspect_data import MODES, dataset_stats
 from lctrain.train.data import BatchPlan
 
+MAX_TFLOPS = 1e6  # an exaflop per GPU: larger is a typo (1e300 made every time 0, then a division by it)
 SYNTHETIC_WINDOWS = 64  # windows of the fallback layout when no prepared dataset has the config's length
 
 
@@ -201,8 +202,8 @@ def estimate(
     given = [o for o, v in (("--tflops", tflops), ("--from-bench", from_bench), ("--gpu", gpu)) if v is not None]
     if len(given) > 1:
         raise UserError(f"{' and '.join(given)}: give at most one (the rate per GPU); default: the device's peak")
-    if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
-        raise UserError(f"--tflops {tflops}: must be a positive, finite number (achieved TFLOP/s per GPU)")
+    if tflops is not None and not 0 < tflops <= MAX_TFLOPS:
+        raise UserError(f"--tflops {tflops}: expected the achieved TFLOP/s per GPU, > 0 and at most {MAX_TFLOPS:,.0f}")
     n_gpus = checked_layout(cfg, gpus).world
     if tflops is not None:
         rate, rate_source = {"*": float(tflops)}, "--tflops"
