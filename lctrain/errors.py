@@ -76,6 +76,12 @@ _REMEDY = {
 }
 
 
+def cited(command: str) -> str:
+    """A command as a message quotes it, to be copied whole: in single quotes, or in double quotes where a path in it
+    is shell-quoted (single quotes inside single quotes broke it apart)."""
+    return f'"{command}"' if "'" in command else f"'{command}'"
+
+
 def first_and_more(items: list[str], most: int) -> str:
     """The first `most` of a message's items, comma-separated, and how many more ("a, b and 3 more")."""
     more = f" and {len(items) - most:,} more" if len(items) > most else ""

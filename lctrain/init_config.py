@@ -12,6 +12,7 @@ import math
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import quote
 
 import yaml
 from transformers import AutoConfig
@@ -609,5 +610,6 @@ def summary(path: Path, cfg: Config, layout: Layout) -> str:
         batch += " (the paper's batch)"
     return (
         f"wrote {path}: {layout.described()}, {layout.device_bytes / GB:.1f} GB planned per GPU; {batch}; "
-        f"next: lctrain show-config -c {path}, lctrain prepare -c {path}, lctrain train -c {path}"
+        f"next: lctrain show-config -c {quote(str(path))}, lctrain prepare -c {quote(str(path))}, lctrain train -c "
+        f"{quote(str(path))}"
     )

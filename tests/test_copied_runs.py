@@ -34,10 +34,10 @@ def copied(rd: RunDir, to: Path) -> RunDir:
 
 
 def error_command(line: str) -> list[str]:
-    """The command an error line advises, after its last "with '" or "as in '" (a quoted path inside it included), as
-    argv."""
-    start = max(line.rfind("with '") + len("with '"), line.rfind("as in '") + len("as in '"))
-    return shlex.split(line[start : line.rindex("'")])
+    """The command an error line advises, after its last "with " or "as in " and in its quotes (single, or double
+    where a shell-quoted path is inside: `errors.cited`), as argv."""
+    at, opener = max((line.rfind(f"{w} {q}") + len(w) + 1, q) for w in ("with", "as in") for q in "'\"")
+    return shlex.split(line[at + 1 : line.rindex(opener)])
 
 
 def test_a_copy_without_checkpoints_is_told_to_start_over_in_itself(tmp_path):

@@ -533,3 +533,17 @@ def test_answers_kept_by_an_earlier_way_of_answering_are_made_again(tmp_path):
     redone.add_perplexity("step_10", {4096: 3.5})
     reused = Kept.read(tmp_path, partial, settings)
     assert reused.answers == {("step_10", "vt", 4096, 1): answer} and reused.perplexity == {"step_10": {4096: 3.5}}
+
+
+def test_a_run_without_exports_but_with_a_checkpoint_is_told_to_export_it(tmp_path):
+    """Trained with checkpoint.hf_last=0: nothing to evaluate, but its resume checkpoint can be exported."""
+    from lctrain.train.checkpoint import STATE_FILE
+
+    run = tmp_path / "run dir"
+    write_resolved(load_config(None), run)
+    RunDir(run).exports_dir.mkdir()
+    step = RunDir(run).checkpoint(4)
+    step.mkdir(parents=True)
+    (step / STATE_FILE).write_text('{"step": 4}')
+    r = CliRunner().invoke(app, ["eval", str(run)])
+    assert r.exit_code == 2 and r.output.strip().endswith(f"; `lctrain export '{run}'` writes one of step_4"), r.output

@@ -150,7 +150,7 @@ def test_the_launcher_killed_is_one_line_and_takes_its_ranks_along(workdir, tmp_
     run_dir = tmp_path / "run"
     cmd = lctrain("train", *set_args(two_ranks(workdir / "data", run_dir) + ["parallel.launcher=torchrun"]))
     proc = start(cmd)
-    wait_for_steps(run_dir, 2, proc)
+    wait_for_steps(run_dir, 3, proc)  # step 3 runs after step 2's checkpoint is complete: the advice resumes it
     tree = psutil.Process(proc.pid).children(recursive=True)
     find(proc, is_launcher).send_signal(signal.SIGKILL)
     line = the_one_line(proc)

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from shlex import quote
 
 from rich.markup import escape
 from rich.table import Table
@@ -42,6 +43,7 @@ from lctrain.lifetime import Reading, RunLock, lock_holder
 from lctrain.progress_bar import counted_bar
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
+from lctrain.train.checkpoint import latest_checkpoint
 
 OFFLINE_LABEL = "RULER-style v2 (not comparable with published RULER numbers)"
 # predictions.jsonl while an evaluation runs: renamed with results.json when it completes
@@ -137,9 +139,11 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
         cfg = rd.read_config(overrides)
         ckpts = find_checkpoints(rd)
         if not ckpts:
+            last = latest_checkpoint(rd)
+            export = f"; `lctrain export {quote(str(path))}` writes one of {last.name}" if last is not None else ""
             raise UserError(
                 f"{path}/hf: no evaluation checkpoints (hf/step_N/ with config.json); they are written in "
-                f"the last checkpoint.hf_last steps of training, or pass a model directory instead"
+                f"the last checkpoint.hf_last steps of training, or pass a model directory instead{export}"
             )
         return Target("run", path, cfg, ckpts)
     raise UserError(

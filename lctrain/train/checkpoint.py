@@ -33,7 +33,7 @@ import torch
 from lctrain.compat.deepspeed import loading_universal, no_bf16_optimizer_load_print, zero3_full_state_dict
 from lctrain.compat.transformers import config_json_text, legacy_rope_keys
 from lctrain.config import Config
-from lctrain.errors import UserError, WriteFailed, is_environment_error, remedy_of, writing
+from lctrain.errors import UserError, WriteFailed, cited, is_environment_error, remedy_of, writing
 from lctrain.export_record import write_export_record
 from lctrain.files import TEMPORARY_PREFIX, fsync_dir, readable_as_config_json, replace_file
 from lctrain.lifetime import RunLock
@@ -129,8 +129,8 @@ def resume_hint(run: RunDir, resume: str | None = None) -> str:
     its newest complete checkpoint, or a new start when none was written yet."""
     last = latest_checkpoint(run)
     if last is None:
-        return f"no checkpoint was written yet: '{run.start_over_command()}' starts it over"
-    return f"'{resume or f'lctrain resume {quote(str(run.path))}'}' continues from {last.name}"
+        return f"no checkpoint was written yet: {cited(run.start_over_command())} starts it over"
+    return f"{cited(resume or f'lctrain resume {quote(str(run.path))}')} continues from {last.name}"
 
 
 def latest_checkpoint(run: RunDir) -> Path | None:

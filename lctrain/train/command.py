@@ -30,7 +30,7 @@ from lctrain.console import say
 from lctrain.costmodel import ModelShape
 from lctrain.data.manifest import MANIFEST
 from lctrain.data.prepare import input_change, settings_left_out
-from lctrain.errors import RunFailed, UserError, first_and_more
+from lctrain.errors import RunFailed, UserError, cited, first_and_more
 from lctrain.lifetime import Reading
 from lctrain.model import load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
@@ -116,13 +116,13 @@ def refuse_to_replace(rd: RunDir) -> None:
     shown = first_and_more(finished, 8)
     if checkpoints:
         choices = (
-            f"continue it with 'lctrain resume {quote(str(rd))}', or start over (deleting them) with "
-            f"'lctrain train --force'"
+            f"continue it with {cited(f'lctrain resume {quote(str(rd))}')}, or start over (deleting them): the same "
+            f"command with --force"
         )
     else:
         choices = (
-            "it has no checkpoint to resume from: start over (deleting them) with 'lctrain train --force', "
-            "or set train.run_dir to another directory"
+            "it has no checkpoint to resume from: start over (deleting them), the same command with --force, or "
+            "set train.run_dir to another directory"
         )
     raise UserError(f"{rd}: a run already wrote {shown} here; {choices}")
 
@@ -149,7 +149,8 @@ def resume(
     with _run_lock(rd, "lctrain resume", leader), contextlib.ExitStack() as reading:
         if ckpt.latest_checkpoint(rd) is None:
             raise UserError(
-                f"{rd}: no complete checkpoint to resume from; start the run again with '{rd.start_over_command()}'"
+                f"{rd}: no complete checkpoint to resume from; start the run again with "
+                f"{cited(rd.start_over_command())}"
             )
         cfg = rd.read_config(overrides)
         reading.enter_context(_reading_dataset(cfg, rd, leader))
@@ -164,7 +165,7 @@ def resume(
         if not states:  # before any process builds a model: none of them could resume
             raise UserError(
                 f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with "
-                f"'{rd.start_over_command()}'"
+                f"{cited(rd.start_over_command())}"
             )
         done = max((int(s["step"]) for _, s in states), default=0)
         if done >= cfg.train.steps:

@@ -41,7 +41,7 @@ from lctrain.costmodel import (
     step_flops,
     visible_pairs,
 )
-from lctrain.errors import RunFailed, UserError, WriteFailed, is_environment_error, remedy_of
+from lctrain.errors import RunFailed, UserError, WriteFailed, cited, is_environment_error, remedy_of
 from lctrain.hardware import device_peak_flops
 from lctrain.lifetime import StopRequest, Terminated, is_supervised
 from lctrain.measure import peak_bytes, reset_peak, timed
@@ -620,7 +620,7 @@ class Trainer:
             tried.append(path.name)
         raise UserError(
             f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run "
-            f"again with '{rd.start_over_command()}'"
+            f"again with {cited(rd.start_over_command())}"
         )
 
 
