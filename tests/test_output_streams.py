@@ -3,6 +3,7 @@ warnings on stderr; a reader that goes away (`| head`) ends nothing; ASCII table
 box drawing; a diverged run says so in its summary and its metrics records. The streams are checked as a shell
 script sees them: real subprocesses on real pipes, stdout and stderr read apart."""
 
+import json
 import math
 import os
 import subprocess
@@ -161,6 +162,85 @@ def test_tables_are_ascii_where_the_terminal_cannot_draw_boxes(env, boxes):
     assert bool(BOX_DRAWING & set(done.stdout)) == boxes, done.stdout
     if not boxes:
         assert done.stdout.splitlines()[0] == "+-------+" and "| a | b |" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args, listed",
+    [(["--help"], ["prepare", "train", "--version"]), (["train", "--help"], ["--config", "--resume-if-exists"])],
+)
+@pytest.mark.parametrize(
+    "env, boxes",
+    [
+        ({"LANG": "C.UTF-8", "TERM": "dumb"}, False),
+        ({"LANG": "C", "TERM": "xterm"}, False),
+        ({"LANG": "C.UTF-8", "TERM": "xterm"}, True),  # the reference: a terminal that shows them
+    ],
+)
+def test_typers_help_is_ascii_where_the_terminal_cannot_draw_boxes(args, listed, env, boxes):
+    """typer draws its help's panels on a console of its own: ASCII where lctrain's tables are, the help texts'
+    other characters (the '§' of `prepare`'s "docs/design.md §2") written as escapes."""
+    base = {k: v for k, v in clean_env().items() if k not in ("LANG", "LC_ALL", "LC_CTYPE", "TERM", "PYTHONUTF8")}
+    done = subprocess.run(
+        [sys.executable, "-m", "lctrain.cli", *args],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    assert bool(BOX_DRAWING & set(done.stdout)) == boxes, done.stdout
+    assert done.stdout.isascii() != boxes, done.stdout
+    assert all(word in done.stdout for word in listed), done.stdout
+    if not boxes:
+        assert "+- Options -" in done.stdout  # the panels are still drawn, in ASCII
+
+
+def test_a_launched_rank_whose_stdout_reader_is_gone_finishes_its_work(tmp_path):
+    """A worker rank (`lctrain check sp`, the memory bench) writes to the command's stdout: with `| head -1` it was
+    killed by its next write, and the command failed."""
+    from lctrain.parallel.launch import REQUEST_FILE, RESULT_FILE
+
+    # the rank's work: a print of its request
+    (tmp_path / REQUEST_FILE).write_text(json.dumps({"function": "builtins:print", "request": "a line of the work"}))
+    write = no_reader()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "lctrain.parallel.rank", str(tmp_path)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            env=clean_env(),
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == STDOUT_CLOSED + "\n"
+    assert json.loads((tmp_path / RESULT_FILE).read_text()) == {"result": None}
+
+
+@pytest.mark.slow  # over 20 s on 2 cores: make test-slow
+def test_check_sp_piped_into_head_finishes(tmp_path):
+    arch = (
+        "{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, num_attention_heads: 4, "
+        "num_key_value_heads: 1}"
+    )
+    overrides = ["data.seq_len=128", f"model.arch={arch}", "model.dtype=float32", f"data.output_dir={tmp_path / 'no'}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lctrain.cli", "check", "sp", "--modes", "full", "--out", str(tmp_path / "out")]
+        + set_args(overrides),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_env(CUDA_VISIBLE_DEVICES=""),  # CPU processes over gloo even where a GPU is visible
+        text=True,
+    )
+    assert proc.stdout.readline()  # `| head -1`: the ranks' progress
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err[-3000:]
+    assert "BrokenPipeError" not in err
+    assert (tmp_path / "out" / "check_sp.json").is_file()
 
 
 def log_lines_of(bar: ProgressBar) -> None:

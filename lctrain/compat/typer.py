@@ -1,5 +1,5 @@
-"""typer's command-line errors, written against typer 0.29.2, which vendors click as the private `typer._click`
-(earlier releases raise click's own exceptions, which the same names reach)."""
+"""typer's command-line errors and the console of its help, written against typer 0.29.2, which vendors click as the
+private `typer._click` (earlier releases raise click's own exceptions, which the same names reach)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,36 @@ def run(app, args: list[str], prog_name: str) -> int:
         print("aborted", file=sys.stderr)
         return 1
     return result if isinstance(result, int) else 0
+
+
+class _AsciiText:
+    """A text stream whose encoding reads as ASCII, every other character written as a backslash escape (as Python
+    writes them under PYTHONIOENCODING=ascii)."""
+
+    encoding = "ascii"
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(text.encode("ascii", "backslashreplace").decode("ascii"))
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def ascii_help() -> None:
+    """typer's --help in ASCII, for a terminal that shows no more (`lctrain.console.plain_terminal`): rich draws its
+    panels' boxes in ASCII on a console whose file's encoding is ASCII, and the help texts' other characters (a '§',
+    a 'Δ') are written as escapes. typer builds that console in the private `rich_utils._get_rich_console`; imported
+    here, not at start-up: rich costs every command's start-up."""
+    from typer import rich_utils
+
+    typers_console = rich_utils._get_rich_console
+
+    def ascii_console(stderr: bool = False):
+        console = typers_console(stderr=stderr)
+        console.file = _AsciiText(console.file)
+        return console
+
+    rich_utils._get_rich_console = ascii_console

@@ -21,7 +21,7 @@ from pydoc_data.topics import topics
 
 import xxhash
 
-from lctrain.errors import UserError, writing
+from lctrain.errors import UserError, output_path, writing
 
 KINDS = ("prose", "code")
 # the standard library's own test suites and bundled third-party sources are not its prose or its code
@@ -81,11 +81,11 @@ def write_jsonl(out: Path, kinds: tuple[str, ...] = KINDS) -> dict:
     out = Path(out)
     if out.is_dir():
         raise UserError(f"{out}: a directory; give the file to write, e.g. {out / 'shipped.jsonl'}")
+    output_path(out, None)
     counts = {k: {"documents": 0, "characters": 0} for k in kinds}
     h = xxhash.xxh3_64()
     staging = out.with_name(f".{out.name}.partial")
     with writing(out, "the shipped-text corpus"):
-        out.parent.mkdir(parents=True, exist_ok=True)
         with staging.open("w", encoding="utf-8") as f:
             for kind, name, text in documents(kinds):
                 _hash(h, kind, name, text)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lctrain.compat.deepspeed import quiet_cpu_fallback_notice
+from lctrain.console import survive_closed_outputs
 from lctrain.errors import UserError, environment_error_message
 from lctrain.lifetime import Terminated, exit_with_parent, exit_with_supervisor
 from lctrain.parallel.groups import end_process_groups
@@ -44,6 +45,8 @@ def report_failure(workdir: Path, rank: int, kind: str, message: str, **more) ->
 
 
 def main(argv: list[str] | None = None) -> None:
+    # stdout is the command's (`lctrain check sp | head -1`): its reader going away must not end the rank's work
+    survive_closed_outputs()
     # A crash in native code (gloo's or a kernel's abort, a segfault) kills the rank before Python can report it:
     # faulthandler writes the Python stack of every thread to stderr (the launcher's log) first.
     faulthandler.enable()

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from lctrain.config import Config, data_fingerprint, settings
 from lctrain.console import plain_console
-from lctrain.errors import UserError, writing
+from lctrain.errors import UserError, output_dir, writing
 from lctrain.eval import score as scoring
 from lctrain.eval.runner import export_digest
 from lctrain.export_record import EXPORT_RECORD
@@ -676,9 +676,8 @@ def write_report(run_dirs: list[Path], out: Path, last: int | None = None, left_
     check_last(last)  # before any run is read: the arguments first
     report = compare([read_evaluated(p) for p in run_dirs], last)
     report["warnings"] += [f"warning: left out of this report: {run}" for run in left_out]
-    out = Path(out)
+    out = output_dir(Path(out))
     with writing(out, "the report"):
-        out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=2))
         (out / "report.md").write_text(markdown(report))
         plot_report(report, out / "report.png")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lctrain.errors import UserError
+from lctrain.errors import UserError, output_path
 from lctrain.reports.plots import plot_curves
 from lctrain.rundir import RunDir
 
@@ -81,7 +81,7 @@ def plot(run_dirs: list[str], metrics: list[str] | None = None, out: str | Path 
     if not run_dirs:
         raise UserError("give at least one run directory")
     chosen = list(metrics or DEFAULT_METRICS)
-    runs = [read_run(p) for p in run_dirs]
-    path = plot_curves(curves(runs, chosen), Path(out))
+    drawn = curves([read_run(p) for p in run_dirs], chosen)
+    path = plot_curves(drawn, output_path(Path(out), "--out"))
     print(f"wrote {path}", flush=True)
     return path

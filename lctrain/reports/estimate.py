@@ -29,7 +29,7 @@ from lctrain.console import plain_console
 from lctrain.costmodel import hardware_flops_parts, window_pairs
 from lctrain.data.layouts import slimpajama_like_layouts
 from lctrain.data.store import open_packed
-from lctrain.errors import UserError
+from lctrain.errors import UserError, output_path
 from lctrain.hardware import GPUS, device_peak_flops, known_gpu
 from lctrain.model import model_shape
 from lctrain.parallel.layout import ParallelLayout, layout_of
@@ -212,6 +212,8 @@ def estimate(
     else:
         peak, rate_source = default_rate(cfg, gpu)
         rate = {"*": peak}
+    if out:  # the inputs checked, before the table is printed: an --out that cannot be written is refused first
+        output_path(Path(out), "--out")
     rows, source = predict(cfg, rate, n_gpus, from_bench)
     result = {
         "config": cfg.name,
@@ -227,7 +229,6 @@ def estimate(
     }
     _print(result)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2))
     return result
 

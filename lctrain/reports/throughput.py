@@ -25,7 +25,7 @@ from rich.table import Table
 from lctrain.config import Config, tokens_to_prepare, with_overrides
 from lctrain.console import plain_console
 from lctrain.data.prepare import prepare
-from lctrain.errors import UserError
+from lctrain.errors import UserError, output_dir
 from lctrain.hardware import device_peak_flops
 from lctrain.rundir import RunDir
 
@@ -102,6 +102,7 @@ def measure(
 
     if steps < 1 or warmup < 0:
         raise UserError(f"--steps {steps} --warmup {warmup}: need at least 1 timed step and no negative warmup")
+    output_dir(work)  # before any point trains: a --out that cannot be written is refused first
     n_gpus = cfg.parallel.world
     if tflops is None:
         peak = device_peak_flops(_local_device(), cfg.logging.peak_tflops, cfg.model.dtype)
@@ -144,7 +145,6 @@ def measure(
         "warmup": warmup,
         "points": [asdict(p) | {"ratio": p.ratio} for p in points],
     }
-    work.mkdir(parents=True, exist_ok=True)
     (work / "figure6.json").write_text(json.dumps(results, indent=2))
     # reports.plots imports matplotlib: on use (start-up time)
     from lctrain.reports.plots import plot_figure6
