@@ -48,6 +48,15 @@ DOMAINS = ("CommonCrawl", "C4", "GitHub", "ArXiv", "Book", "Wikipedia", "StackEx
 
 # numpy's legacy seeding (np.random.seed, which training calls) takes 0 <= seed < 2**32
 SEED_LIMIT = 2**32
+# The most optimizer steps a run may ask for (and any count or interval of steps), and the most windows one step reads.
+# The steps the prepared token budget could feed are not known when the config loads, so these bound what no run
+# reaches (10^9 steps are 32 years at a second a step; the largest published batches are a few thousand windows) while
+# keeping a run's counts exact: steps x windows per step stays under 2^53, exact in the float64 of the learning-rate
+# schedule and the ETA and in the int64 step and sample counters of DeepSpeed, TensorBoard and W&B; the tokens a run
+# counts (metrics.jsonl's `tokens`, an int64 to W&B and pandas) are those of the steps it took, which no run brings near
+# 2^63. Unbounded, a fuzzed value ran on as a run of years, or, as a batch, filled the memory before its first step.
+MAX_STEPS = 10**9
+MAX_WINDOWS_PER_STEP = 2**20
 # The validation context key that says whether this machine has CUDA (`check_on_this_machine`).
 CUDA_AVAILABLE = "cuda_available"
 
@@ -72,6 +81,8 @@ Seed = Annotated[Int, Field(ge=0, lt=SEED_LIMIT)]
 Text = Annotated[str, Field(min_length=1)]
 Beta = Annotated[Float, Field(ge=0, lt=1)]
 Length = Annotated[Int, Field(ge=1)]
+Steps = Annotated[Int, Field(le=MAX_STEPS)]  # a count or an interval of optimizer steps
+Windows = Annotated[Int, Field(le=MAX_WINDOWS_PER_STEP)]  # windows of one optimizer step
 
 
 def check_domain_shares(shares: Any, domains: tuple[str, ...] | None = DOMAINS) -> None:
@@ -486,9 +497,19 @@ class AttentionConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: Int = Field(2000, ge=1, description="optimizer updates")
-    global_batch: Int = Field(8, ge=1, description="windows per optimizer update, over all data-parallel ranks")
-    micro_batch: Int = Field(1, ge=1, description="windows per forward pass on one rank (the rest is accumulation)")
+    steps: Steps = Field(
+        2000,
+        ge=1,
+        description="optimizer updates; at most 10^9, which no run takes (32 years at a second a step), so that step "
+        "counts stay exact in the schedule's float64 and the step counters' int64",
+    )
+    global_batch: Windows = Field(
+        8,
+        ge=1,
+        description="windows per optimizer update, over all data-parallel ranks; at most 2^20 (hundreds of times the "
+        "largest published batches), so that the windows a run reads stay exact in float64 and int64",
+    )
+    micro_batch: Windows = Field(1, ge=1, description="windows per forward pass on one rank (the rest is accumulation)")
     lr: Float = Field(2e-5, gt=0, description="peak learning rate (AdamW)")
     weight_decay: Float = Field(0.1, ge=0, description="AdamW's decoupled weight decay")
     decay_norms_and_biases: bool = Field(
@@ -496,7 +517,7 @@ class TrainConfig(_Section):
     )
     betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW's (beta1, beta2), each in [0, 1)")
     eps: Float = Field(1e-8, gt=0, description="AdamW's epsilon")
-    warmup_steps: Int = Field(0, ge=0, description="linear warmup from lr/warmup_steps to lr over this many steps")
+    warmup_steps: Steps = Field(0, ge=0, description="linear warmup from lr/warmup_steps to lr over this many steps")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant",
         description="the learning rate after warmup: constant, or decaying towards 0, which it reaches after the "
@@ -584,12 +605,12 @@ class ParallelConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every_steps: Int = Field(100, ge=1, description="a resume checkpoint every this many steps")
+    every_steps: Steps = Field(100, ge=1, description="a resume checkpoint every this many steps")
     keep: Int = Field(2, ge=1, description="resume checkpoints kept (the newest)")
-    hf_every: Int = Field(
+    hf_every: Steps = Field(
         10, ge=1, description="an evaluation checkpoint (hf/step_N) every this many steps, counted back from the last"
     )
-    hf_last: Int = Field(
+    hf_last: Steps = Field(
         50, ge=0, description="the steps, counted back from the last, that hold evaluation checkpoints; 0 = none"
     )
     save_final: bool = Field(True, description="a resume checkpoint after the last step (off for throughput runs)")
@@ -603,13 +624,13 @@ class CheckpointConfig(_Section):
 
 
 class ProfileConfig(_Section):
-    start: Int | None = Field(
+    start: Steps | None = Field(
         None,
         ge=1,
         description="the first training step profiled (numbered as metrics.jsonl's step); null: no profile. The "
         "trace goes to the run directory's profile/ (lctrain/profiling.py)",
     )
-    steps: Int = Field(2, ge=1, description="how many steps are profiled from `start`")
+    steps: Steps = Field(2, ge=1, description="how many steps are profiled from `start`")
     ranks: Literal["all"] | list[Annotated[Int, Field(ge=0)]] = Field(
         [0], min_length=1, description="the ranks that write a trace: a list of global ranks, or all"
     )
@@ -639,7 +660,7 @@ class LoggingConfig(_Section):
         description="also write the step metrics as TensorBoard event files in the run directory's tensorboard/ "
         "(needs the tensorboard package: pip install 'lctrain[tensorboard]')",
     )
-    log_every: Int = Field(
+    log_every: Steps = Field(
         1,
         ge=1,
         description="print the step line (and log to W&B and TensorBoard) every this many steps, and the last "
@@ -785,11 +806,20 @@ class Config(_Section):
     # the `--set` items it was loaded with (load_config): `origin` names them in messages
     _overrides: tuple[str, ...] = PrivateAttr(default=())
 
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        """The `--set` items it was loaded with, as given."""
+        return self._overrides
+
     def origin(self, *keys: str) -> str:
         """Where the values of `keys` (dotted) come from, for a message about them: the `--set` items that gave one
         (or a key inside one), else the config file. A value mistyped on the command line is not the file's."""
         given = [item for item in self._overrides if _overridden(item, keys)]
         return ", ".join(f"--set {item}" for item in given) if given else (self.source_file or "config")
+
+    def overridden(self, key: str) -> bool:
+        """Whether a `--set` item it was loaded with gave `key` (dotted), or a section holding it."""
+        return any(_overridden(item, (key,)) for item in self._overrides)
 
     def resolve_path(self, value: str | Path) -> Path:
         """A path setting of this config (data.path, data.output_dir, parallel.hostfile, ...), relative to `workdir`."""

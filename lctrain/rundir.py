@@ -53,6 +53,22 @@ def _written_by_lctrain(directory: str, name: str) -> bool:
     return name in _EVAL_FILES
 
 
+# What `from_pretrained` loads a model's weights from, beside its config.json: one file or the index of its shards, in
+# safetensors or torch's format (an lctrain export's, a hub download's, a fine-tune's).
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def train_command(config: str | Path, overrides: Iterable[str] = (), *options: str) -> str:
+    """`lctrain train --config CONFIG --set ITEM ... OPTIONS`, every word shell-quoted: advice to copy whole."""
+    sets = "".join(f" --set {quote(item)}" for item in overrides)
+    return f"lctrain train --config {quote(str(config))}{sets}" + "".join(f" {option}" for option in options)
+
+
 # Sections every run's config.yaml holds (`write_config` writes them all, and so did every earlier version).
 _RUN_SECTIONS = ("data", "model", "train")
 
@@ -103,6 +119,24 @@ class RunDir:
     def holds_dataset(self) -> bool:
         return (self.path / MANIFEST).is_file()
 
+    def model_weights(self) -> str | None:
+        """The weights file (`_WEIGHT_FILES`) of the model this directory holds beside its config.json, None when it
+        holds none: a base model's folder or an export, where a run's files would mix with the model's."""
+        if not (self.path / "config.json").is_file():
+            return None
+        return next((name for name in _WEIGHT_FILES if (self.path / name).is_file()), None)
+
+    def not_for_a_run(self) -> str | None:
+        """Why this directory must not become a run directory, for a one-line refusal; None when it may: a prepared
+        dataset or a model's folder would get the run's config.yaml, checkpoints and metrics among its own files (and
+        `--force` would clear them there)."""
+        if self.holds_dataset():
+            return f"a prepared dataset (it holds {MANIFEST}), not a run directory"
+        weights = self.model_weights()
+        if weights is not None:
+            return f"a model's folder (it holds config.json and {weights}), not a run directory"
+        return None
+
     def not_a_run(self) -> str | None:
         """None for a run directory, else why it is not one, for a one-line refusal. A prepared dataset holds a
         config.yaml too (prepare writes its resolved config beside the manifest): it is told apart by its manifest."""
@@ -133,15 +167,16 @@ class RunDir:
         there = run_dir(cfg)
         return None if there.resolve() == self.path.resolve() else there
 
-    def start_over_command(self) -> str:
-        """`lctrain train` that starts this run over here, for advice: with train.run_dir set to this directory when
+    def start_over_command(self, overrides: Iterable[str] = ()) -> str:
+        """`lctrain train --force` that starts this run over here, with the `--set` items `overrides` (those of the
+        refused `resume`, so that it trains what was asked), for advice: with train.run_dir set to this directory when
         its config.yaml names another (`elsewhere`), which the command would otherwise delete and train."""
         try:
             pin = self.elsewhere(self.read_config()) is not None
         except UserError:
             pin = True  # unreadable now: the override that cannot name another directory
-        where = f" --set train.run_dir={quote(str(self.path.absolute()))}" if pin else ""
-        return f"lctrain train --config {quote(str(self.config_file))}{where} --force"
+        where = [f"train.run_dir={self.path.absolute()}"] if pin else []
+        return train_command(self.config_file, [*where, *overrides], "--force")
 
     def write_config(self, cfg: Config) -> Path:
         """The resolved config, with the directory its relative paths resolve against, so that `read_config` from any

@@ -227,6 +227,47 @@ def test_cli_bad_config_is_one_line_exit_2(capsys):
     assert err.startswith("error: ") and "attention.mode" in err and len(err.splitlines()) == 1
 
 
+# The bounds as docs/config.md states them: 10^9 steps, 2^20 windows a step.
+STEP_COUNTS = (
+    "train.steps",
+    "train.warmup_steps",
+    "checkpoint.every_steps",
+    "checkpoint.hf_every",
+    "checkpoint.hf_last",
+    "logging.log_every",
+    "logging.profile.steps",
+)
+
+
+@pytest.mark.parametrize(
+    "key, most",
+    [(k, 1_000_000_000) for k in STEP_COUNTS] + [("train.global_batch", 2**20), ("train.micro_batch", 2**20)],
+)
+def test_step_counts_and_batches_have_an_upper_bound_named_in_one_line(key, most, capsys):
+    """A fuzzed `--set train.steps=10**18` was accepted and trained on as a run of years; the bounds are past any real
+    run and keep a run's counts exact in float64 and int64."""
+    assert _get(load_config(None, [f"{key}={most}"]), key) == most
+    for value in (most + 1, 10**18, 2**63, 10**30):
+        with pytest.raises(SystemExit) as exc:
+            main(["show-config", "--set", f"{key}={value}"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --set {key}={value}: {key} = {value}: Input should be less than or equal to {most}"
+
+
+def test_the_longest_run_at_the_largest_batch_counts_its_windows_exactly():
+    cfg = load_config(None, ["train.steps=1000000000", "train.global_batch=1048576", "train.micro_batch=1"])
+    windows = cfg.windows_read()
+    assert windows == 1_000_000_000 * 1_048_576 and windows < 2**53  # exact as a float64 too
+    assert int(float(windows)) == windows and int(float(windows - 1)) == windows - 1
+
+
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
 def _show_config(capsys, args: list[str]) -> str:
     """What `lctrain show-config ARGS` prints (exit code 0)."""
     with pytest.raises(SystemExit) as exc:
@@ -521,7 +562,7 @@ def test_resuming_a_checkpoint_without_a_dataset_record_says_it_cannot_check(cap
     from lctrain.train.command import check_same_dataset
 
     cfg = load_config(None, [])
-    check_same_dataset(cfg, {}, manifest=None, checkpoint="step_10")
+    check_same_dataset(cfg, {}, manifest=None, checkpoint="step_10", start_over="lctrain train --force")
     said = " ".join(capsys.readouterr().err.split())
     assert said.startswith("warning: checkpoint step_10 was written before lctrain recorded the dataset")
     assert "cannot be checked" in said

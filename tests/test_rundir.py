@@ -205,3 +205,25 @@ def test_a_new_run_refuses_files_lctrain_does_not_write_where_it_clears_and_forc
     (rd.eval_dir / "my_eval.py").write_text("print(1)")
     rd.clear_outputs(force=True)
     assert not rd.eval_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "files, why",
+    [
+        ([], None),
+        (["config.yaml", "metrics.jsonl"], None),  # a run's own
+        (["config.json"], None),  # a project's own config, no weights: nothing from_pretrained loads
+        (["model.safetensors"], None),  # weights without the config from_pretrained needs
+        (["config.json", "model.safetensors"], "a model's folder (it holds config.json and model.safetensors)"),
+        (
+            ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"],
+            "a model's folder (it holds config.json and model.safetensors.index.json)",
+        ),
+        (["config.json", "pytorch_model.bin"], "a model's folder (it holds config.json and pytorch_model.bin)"),
+        (["manifest.json", "config.yaml"], "a prepared dataset (it holds manifest.json)"),
+    ],
+)
+def test_a_dataset_or_a_models_folder_may_not_become_a_run_directory(tmp_path, files, why):
+    for name in files:
+        (tmp_path / name).write_text("{}")
+    assert RunDir(tmp_path).not_for_a_run() == (None if why is None else f"{why}, not a run directory")

@@ -21,7 +21,10 @@ STEPS = 2
 
 
 def test_each_kind_of_end_has_its_outcome():
-    assert session_end(5, None) | {"ended": "t"} == {"ended": "t", "end_step": 5, "outcome": "finished"}
+    finished = {"ended": "t", "end_step": 5, "diverged": False, "outcome": "finished"}
+    assert session_end(5, None) | {"ended": "t"} == finished
+    # a run whose loss diverged at step 3 (metrics.jsonl's "diverged" from there on), in this session or before it
+    assert session_end(5, None, diverged_at=3) | {"ended": "t"} == {**finished, "diverged": True, "diverged_at": 3}
     assert session_end(3, Terminated())["outcome"] == "stopped by SIGTERM"
     assert session_end(3, KeyboardInterrupt())["outcome"] == "interrupted"
     failed = session_end(2, RuntimeError("CUDA error: an illegal memory access\nCUDA kernel errors might be..."))
@@ -64,6 +67,7 @@ def test_a_session_its_workers_could_not_end_is_completed_by_the_command(tmp_pat
     complete_last_session(rd, UserError("rank 1 hung in step 4"), since="2026-01-02T00:00:00+00:00")
     ended = rd.read_sessions()[-1]
     assert (ended["end_step"], ended["outcome"], ended["error"]) == (3, "failed", "UserError: rank 1 hung in step 4")
+    assert ended["diverged"] is False
     complete_last_session(rd, UserError("another"), since="2026-01-02T00:00:00+00:00")  # said already: kept
     assert rd.read_sessions()[-1] == ended
     later = {"started": "2026-01-03T00:00:00+00:00", "start_step": 3, "software": {}}
@@ -76,6 +80,18 @@ def test_a_session_its_workers_could_not_end_is_completed_by_the_command(tmp_pat
     complete_last_session(rd, UserError("another"), since="2026-01-02T00:00:00+00:00")
     assert rd.read_sessions()[-1] == later
     assert capsys.readouterr().out.startswith("warning: could not record how this session ended in ")
+
+
+def test_a_session_its_workers_could_not_end_says_whether_the_run_had_diverged(tmp_path):
+    """Its end record reads the divergence from the metrics the run logged: from the first step that says so."""
+    rd = RunDir(tmp_path)
+    mine = {"started": "2026-01-02T00:00:05+00:00", "start_step": 2, "software": {}}
+    rd.append_session(mine)
+    for step, diverged in ((1, False), (2, True), (3, True), (4, True)):
+        rd.append_metrics({"step": step, "loss": 1.0, "diverged": diverged})
+    complete_last_session(rd, UserError("rank 1 hung in step 5"), since="2026-01-02T00:00:00+00:00")
+    ended = rd.read_sessions()[-1]
+    assert (ended["end_step"], ended["diverged"], ended["diverged_at"]) == (4, True, 2)
 
 
 def test_a_failure_to_record_is_a_warning_and_hides_nothing(tmp_path, capsys):
@@ -110,6 +126,7 @@ def test_runs_record_how_they_ended_and_say_what_their_schedule_does(workdir, tm
     (session,) = rd.read_sessions()
     assert (session["start_step"], session["end_step"], session["outcome"]) == (0, STEPS, "finished")
     assert session["ended"] >= session["started"] and "error" not in session
+    assert session["diverged"] is False and "diverged_at" not in session
     assert session["peak_tflops"] == 7.0  # what its MFU divides by
     resumed = CliRunner().invoke(app, ["resume", str(rd.path), "--set", "train.steps=6"])
     assert resumed.exit_code == 0, resumed.output

@@ -1,10 +1,16 @@
-"""How a diverging run is told apart from a noisy one: the checkpoint a NaN's advice points to, and the one warning
-when the loss passes the loss of guessing uniformly."""
+"""How a diverging run is told apart from a noisy one: the checkpoint a NaN's advice points to, the one warning
+when the loss passes the loss of guessing uniformly, and the run's records of it, kept across resumes."""
 
 import math
 
+import pytest
+from train_helpers import prepared_workdir, set_args, tiny_run
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.rundir import RunDir
 from lctrain.train.metrics import SLOW_WINDOW, SlowSteps, slow_step
-from lctrain.train.trainer import DIVERGED, divergence_warning, loss_rise
+from lctrain.train.trainer import DIVERGED, StepResult, Trainer, divergence_warning, loss_rise
 
 
 def records(*losses):
@@ -60,3 +66,40 @@ def test_slow_steps_are_said_once_in_a_while_leaving_out_profiled_and_checkpoint
     assert said[160] == (
         "note: 13 more slow steps since step 110, under 50% of the median tokens/s of the usual steps before each"
     )
+
+
+@pytest.mark.slow  # three tiny runs
+@pytest.mark.usefixtures("one_thread")
+def test_a_divergence_stays_recorded_across_resumes_from_the_step_it_happened(tmp_path_factory, monkeypatch):
+    """Step 2's loss far above ln V (as a too-high learning rate makes it), the others the model's own: metrics.jsonl
+    says "diverged" from step 2 on in the first session and in a resumed one, and so do both sessions' end records
+    and the summary; resumed from a checkpoint before step 2 (its records cut there), the run has not diverged."""
+    root = prepared_workdir(tmp_path_factory, "diverged_resumed", tiny_run)
+    real_step = Trainer.train_step
+
+    def step(self, windows):
+        result = real_step(self, windows)
+        loss = 1e4 if self.state.step == 1 else result.loss
+        return StepResult(loss, result.valid_labels, result.grad_norm, result.pairs)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    rd = RunDir(root / "run")
+    keep_all = ["checkpoint.every_steps=1", "checkpoint.keep=10"]
+    first = CliRunner().invoke(app, ["train", *set_args(tiny_run(root / "data", rd.path, steps=3) + keep_all)])
+    assert first.exit_code == 0, first.output
+    resumed = CliRunner().invoke(app, ["resume", str(rd.path), "--set", "train.steps=5"])
+    assert resumed.exit_code == 0, resumed.output
+    assert [(r["step"], r["diverged"]) for r in rd.read_metrics()] == [(1, False)] + [(s, True) for s in range(2, 6)]
+    assert "note: the run had diverged at step 2 (" in resumed.output
+    assert f"done: {rd.path} (diverged at step 2)" in resumed.stdout.splitlines()
+    ends = [(s["start_step"], s["end_step"], s["diverged"], s.get("diverged_at")) for s in rd.read_sessions()]
+    assert ends == [(0, 3, True, 2), (3, 5, True, 2)]
+
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    (rd.checkpoints / "latest").write_text("step_1\n")  # the checkpoint before the divergence
+    again = CliRunner().invoke(app, ["resume", str(rd.path), "--set", "train.steps=6"])
+    assert again.exit_code == 0, again.output
+    assert [(r["step"], r["diverged"]) for r in rd.read_metrics()] == [(s, False) for s in range(1, 7)]
+    assert f"done: {rd.path}" in again.stdout.splitlines() and "the run had diverged" not in again.output
+    last = rd.read_sessions()[-1]
+    assert (last["start_step"], last["end_step"], last["diverged"]) == (1, 6, False)

@@ -38,6 +38,7 @@ from lctrain.rundir import RunDir, step_name
 from lctrain.train import checkpoint as ckpt
 
 STEPS = 8
+AGAIN = "lctrain train --force"  # the start-over command a refusal cites
 
 
 def overrides(data_dir: Path, run_dir: Path) -> list[str]:
@@ -270,8 +271,9 @@ def test_resume_refuses_a_dataset_rebuilt_with_other_windows(reference, workdir)
     cfg = load_config(None, overrides(workdir / "data", reference))
     manifest = open_packed(workdir / "data").manifest
     state = ckpt.read_state(ckpt.latest_checkpoint(RunDir(reference)))
-    check_same_dataset(cfg, state, manifest, "step_8")  # the dataset it trained on
-    check_same_dataset(cfg, {k: v for k, v in state.items() if k != "dataset"}, manifest, "step_8")  # an older run's
+    check_same_dataset(cfg, state, manifest, "step_8", AGAIN)  # the dataset it trained on
+    older = {k: v for k, v in state.items() if k != "dataset"}  # an older run's
+    check_same_dataset(cfg, older, manifest, "step_8", AGAIN)
     first = manifest.shards[0]
     other_content = manifest.model_copy(
         update={"shards": [first.model_copy(update={"checksum": "xxh3_128:" + "0" * 32}), *manifest.shards[1:]]}
@@ -281,21 +283,21 @@ def test_resume_refuses_a_dataset_rebuilt_with_other_windows(reference, workdir)
         match=rf"the prepared dataset changed since checkpoint step_8 \(the same {manifest.num_windows} windows, "
         "with other content",
     ):
-        check_same_dataset(cfg, state, other_content, "step_8")
+        check_same_dataset(cfg, state, other_content, "step_8", AGAIN)
     more = manifest.model_copy(update={"num_windows": manifest.num_windows + 25})
     with pytest.raises(
         UserError,
         match=rf"\(it had {manifest.num_windows} windows, now {manifest.num_windows + 25}, rebuilt from other "
         r"input\); resuming would read other windows",
     ):
-        check_same_dataset(cfg, state, more, "step_8")
+        check_same_dataset(cfg, state, more, "step_8", AGAIN)
     # the same windows cut at other places (another data.shard_tokens): other file checksums, named as such
     n, cut = manifest.num_windows, manifest.shards[0].model_copy(update={"checksum": "xxh3_128:" + "1" * 32})
     recut = manifest.model_copy(
         update={"shards": [cut.model_copy(update={"num_windows": n - 1}), cut.model_copy(update={"num_windows": 1})]}
     )
     with pytest.raises(UserError, match=rf"\(the same {n} windows cut into 2 shards where the run's were 1 "):
-        check_same_dataset(cfg, state, recut, "step_8")
+        check_same_dataset(cfg, state, recut, "step_8", AGAIN)
 
 
 def _empty_state(path: Path) -> None:
@@ -464,6 +466,102 @@ def test_a_prepared_dataset_as_run_directory_is_refused_and_left_alone(tmp_path,
     assert {p.name: p.read_text() for p in data.iterdir()} == files
 
 
+@pytest.mark.parametrize("command", [[], ["--force"], ["--resume-if-exists"]], ids=["plain", "force", "if-exists"])
+@pytest.mark.parametrize(
+    "weights",
+    ["model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"],
+)
+def test_a_models_folder_as_run_directory_is_refused_and_left_alone(tmp_path, command, weights):
+    """A folder `from_pretrained` loads (config.json and its weights, or the index of their shards) would get the
+    run's config.yaml, lock, checkpoints and metrics among the model's files."""
+    model = tmp_path / "my model"
+    model.mkdir()
+    files = {"config.json": '{"model_type": "llama"}', weights: "weights", "tokenizer.json": "{}"}
+    for name, text in files.items():
+        (model / name).write_text(text)
+    error = _cli_error(["train", "--set", f"train.run_dir={model}", *command])
+    assert error == (
+        f"error: train.run_dir = {model}: a model's folder (it holds config.json and {weights}), not a run "
+        f"directory; set train.run_dir to another directory"
+    )
+    assert {p.name: p.read_text() for p in model.iterdir()} == files
+
+
+def test_an_lctrain_export_as_run_directory_is_refused_and_config_json_alone_is_not_a_model(reference, tmp_path):
+    export = RunDir(reference).export(STEPS)
+    before = sorted(p.name for p in export.iterdir())
+    error = _cli_error(["train", "--set", f"train.run_dir={export}", "--force"])
+    assert error.startswith(f"error: train.run_dir = {export}: a model's folder (it holds config.json and model.")
+    assert sorted(p.name for p in export.iterdir()) == before
+    # a config.json without weights is nothing from_pretrained loads (a project folder's own config, say)
+    (tmp_path / "config.json").write_text("{}")
+    assert RunDir(tmp_path).not_for_a_run() is None and RunDir(reference).not_for_a_run() is None
+
+
+def test_an_export_lock_that_cannot_be_created_is_worded_for_whoever_exports(tmp_path, monkeypatch):
+    """The training's own export of a step goes into the run's hf/, where no --out can be chosen: its refusal names
+    that directory and what to do instead; `lctrain export RUN` (into hf/ too) has --out to go elsewhere."""
+    import errno
+    import os
+
+    from lctrain import lifetime
+
+    real_open = lifetime.os.open
+
+    def too_long(path, *args, **kwargs):
+        if Path(path).name.startswith(".lctrain-export-"):
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(lifetime.os, "open", too_long)
+    monkeypatch.setattr(ckpt, "write_export", lambda *args, **kwargs: pytest.fail("written without its lock"))
+    monkeypatch.setattr(ckpt, "barrier", lambda: None)
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(UserError) as info:
+        ckpt.save_hf(None, None, None, None, run, 10, rank=0, zero_stage=1, cfg=load_config(None, []))
+    assert str(info.value) == (
+        f"{run.exports_dir}: cannot create the lock file .lctrain-export-step_10.lock of the training's evaluation "
+        f"export of step 10 (File name too long); the run's exports go into this directory: fix it, or set "
+        f"checkpoint.hf_last=0 to train without them ('lctrain export' writes one from a resume checkpoint later); "
+        f"{ckpt.resume_hint(run)}"
+    )
+    with pytest.raises(UserError) as info, ckpt.TargetLock(run.export(10), None):
+        pass
+    assert str(info.value) == (
+        f"the export {run.export(10)}: cannot create its lock file {run.exports_dir / '.lctrain-export-step_10.lock'} "
+        f"(File name too long); export to another directory with --out"
+    )
+
+
+def test_the_output_check_of_the_longest_run_is_arithmetic(tmp_path, monkeypatch):
+    """Whether a step after the session's start writes a resume checkpoint, as `resume_checkpoint_due` says of each
+    (the reference, on short runs), is known at once for a run of a billion steps (asking each step took minutes)."""
+    import itertools
+
+    from lctrain.config import CheckpointConfig
+    from lctrain.train import trainer
+    from lctrain.train.schedule import resume_checkpoint_due
+
+    probed = []
+    monkeypatch.setattr(ckpt, "check_output_dir", lambda path, what: probed.append(what))
+
+    def probes(total: int, every: int, final: bool, start: int) -> bool:
+        probed.clear()
+        sets = [f"train.steps={total}", f"checkpoint.every_steps={every}", f"checkpoint.save_final={final}"]
+        cfg = load_config(None, [*sets, "checkpoint.on_sigterm=false", "checkpoint.hf_last=0"])
+        trainer.check_output_dirs(cfg, RunDir(tmp_path), start)
+        return probed == ["resume checkpoints"]
+
+    for total, every, final in itertools.product((1, 5, 10), (1, 3, 5, 12), (True, False)):
+        plan = CheckpointConfig(every_steps=every, save_final=final)
+        for start in range(total + 1):
+            due = any(resume_checkpoint_due(s, total, plan) for s in range(start + 1, total + 1))
+            assert probes(total, every, final, start) == due, (total, every, final, start)
+    began = time.monotonic()
+    assert probes(10**9, 10**9, False, 1) and not probes(10**9 - 1, 10**9, False, 1)
+    assert time.monotonic() - began < 5
+
+
 @pytest.mark.parametrize(
     "extra, expected",
     [
@@ -550,6 +648,6 @@ def test_a_resume_may_change_the_kernels_and_checkpointing_but_not_the_model():
 
     saved = {"config": settings(load_config(None, []))}
     faster = load_config(None, ["model.fused_kernels=compile", "model.checkpointing=selective"])
-    check_resumable(faster, saved, "config.yaml", "step_4")
+    check_resumable(faster, saved, "config.yaml", "step_4", AGAIN)
     with pytest.raises(UserError, match=r"model.rope_fp32 False -> True changed since checkpoint step_4"):
-        check_resumable(load_config(None, ["model.rope_fp32=true"]), saved, "config.yaml", "step_4")
+        check_resumable(load_config(None, ["model.rope_fp32=true"]), saved, "config.yaml", "step_4", AGAIN)

@@ -397,9 +397,23 @@ class TargetLock(RunLock):
     def cannot_create(self, e: OSError) -> UserError:
         if is_environment_error(e):  # a full disk, a read-only filesystem: worded as any write's failure
             return WriteFailed(e.filename or self.path, "the export's lock file", e.strerror or str(e), remedy_of(e))
+        why = e.strerror or e
+        if self.wait:  # the training's own export, into the run's hf/: it has no --out to choose
+            run = RunDir(self.target.parent.parent)
+            return UserError(
+                f"{run.exports_dir}: cannot create the lock file {self.path.name} of the training's evaluation export "
+                f"of step {step_of(self.target)} ({why}); the run's exports go into this directory: fix it, or set "
+                f"checkpoint.hf_last=0 to train without them ('lctrain export' writes one from a resume checkpoint "
+                f"later); {resume_hint(run)}"
+            )
+        if self.option is None:  # `lctrain export RUN`, into the run's hf/step_N
+            return UserError(
+                f"the export {self.target}: cannot create its lock file {self.path} ({why}); export to another "
+                f"directory with --out"
+            )
         return UserError(
-            f"{self.option or 'the export'} {self.target}: cannot create its lock file {self.path} "
-            f"({e.strerror or e}); choose another --out"
+            f"{self.option} {self.target}: cannot create its lock file {self.path} ({why}); "
+            f"choose another {self.option}"
         )
 
 

@@ -18,6 +18,7 @@ import torch
 from lctrain import fused
 from lctrain.config import (
     Config,
+    bundled_config_dir,
     check_on_this_machine,
     data_dir,
     parse_override,
@@ -28,7 +29,6 @@ from lctrain.config import (
 )
 from lctrain.console import say
 from lctrain.costmodel import ModelShape
-from lctrain.data.manifest import MANIFEST
 from lctrain.data.prepare import input_change, settings_left_out
 from lctrain.errors import RunFailed, UserError, cited, first_and_more
 from lctrain.lifetime import Reading
@@ -37,7 +37,7 @@ from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, RanksHung, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
 from lctrain.parallel.rank import is_out_of_memory
-from lctrain.rundir import RunDir
+from lctrain.rundir import RunDir, train_command
 from lctrain.tokenizer import check_matches_model
 from lctrain.train import checkpoint as ckpt
 from lctrain.train import reshard, session
@@ -53,11 +53,9 @@ def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Check
     check_launcher_env()
     refuse_another_runs_config(cfg)
     rd = RunDir.of(cfg)
-    if rd.holds_dataset():  # --force or not: the run's config.yaml and outputs would land in the dataset
-        raise UserError(
-            f"train.run_dir = {rd}: a prepared dataset (it holds {MANIFEST}), not a run directory; "
-            f"set train.run_dir to another directory"
-        )
+    unfit = rd.not_for_a_run()
+    if unfit is not None:  # --force or not: the run's config.yaml and outputs would land among its files
+        raise UserError(f"train.run_dir = {rd}: {unfit}; set train.run_dir to another directory")
     leader = _leader()
     # marked before preflight opens it: the dataset preflight checks is the one the run reads
     with _reading_dataset(cfg, rd, leader):
@@ -77,18 +75,22 @@ def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: Check
 def train_or_resume(cfg: Config) -> Path:
     """`lctrain train --resume-if-exists`, one command for a job's first start and its requeues: a run directory with
     a complete checkpoint is resumed, with what `cfg` sets otherwise than the run's config.yaml as `--set` changes
-    (checked as `resume` checks them: more steps or another layout pass, another model or data is refused); one
-    without a checkpoint (stopped before its first) starts over; anything else starts the run."""
+    (checked as `resume` checks them: more steps or another layout pass, another model or data is refused, named as
+    the run of another config where not the user's `--set` flags ask for it); one without a checkpoint (stopped
+    before its first) starts over; anything else starts the run."""
     refuse_another_runs_config(cfg)
     rd = RunDir.of(cfg)
-    if rd.is_run() and ckpt.latest_checkpoint(rd) is not None:
+    last = ckpt.latest_checkpoint(rd) if rd.is_run() else None
+    if last is not None:
         changes = {
             k: v for k, v in settings_changes(settings(rd.read_config()), settings(cfg)).items() if k != "train.run_dir"
         }
+        start_over = _start_over(cfg)
+        refuse_another_config(cfg, rd, _fixed(changes), last.name, start_over)
         if _leader():
             said = f", with {shown_changes(changes)}" if changes else ""
             print(f"{rd} has a checkpoint: resuming it (--resume-if-exists){said}", flush=True)
-        return resume(rd.path, [f"{k}={json.dumps(now)}" for k, (_, now) in changes.items()])
+        return resume(rd.path, [f"{k}={json.dumps(now)}" for k, (_, now) in changes.items()], start_over=start_over)
     if rd.is_run() and _leader():
         print(f"{rd} stopped before its first checkpoint: starting it again (--resume-if-exists)", flush=True)
     return train(cfg, force=rd.is_run())
@@ -104,6 +106,22 @@ def refuse_another_runs_config(cfg: Config) -> None:
     raise UserError(
         f"{cfg.source_file} is the config of the copied or moved run {run}, and its train.run_dir names {there}; "
         f"add '--set train.run_dir={quote(str(run.path))}' to act on the copy, or give {there}'s own config"
+    )
+
+
+def refuse_another_config(cfg: Config, rd: RunDir, fixed: dict[str, tuple], checkpoint: str, start_over: str) -> None:
+    """Refuse to resume `rd` with `cfg` when they differ in what its checkpoint fixes (`fixed`, from the run's config
+    to `cfg`): as a change the user's `--set` flags ask for when they give every one of them (the wording of
+    `check_resumable`), else as the run of another config: a job script's config pointed at another run's directory."""
+    if not fixed:
+        return
+    if all(cfg.overridden(key) for key in fixed):
+        raise _changed_since(cfg, fixed, checkpoint, start_over)
+    raise UserError(
+        f"{rd} holds a run of another config than {cfg.source_file} ({shown_changes(fixed, most=3)}), and its "
+        f"checkpoint {checkpoint} resumes only with the model, data and batch it was written with; set train.run_dir "
+        f"to another directory, start over there (deleting that run) with {cited(start_over)}, or resume it with its "
+        f"own config: {cited(f'lctrain resume {quote(str(rd))}')}"
     )
 
 
@@ -131,12 +149,15 @@ def resume(
     run_dir: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
     *,
+    start_over: str | None = None,
     before_checkpoint_complete: CheckpointHook | None = None,
 ) -> Path:
     """Continue the run in `run_dir` from its last complete checkpoint, with nothing but that directory: relative
     paths in its config (the prepared data, a local model or tokenizer) resolve against the directory `train`
     was started from, whatever the current one. `overrides` (`--set KEY=VALUE`) change the run's config.yaml for
-    this and later resumes: more steps, another parallel layout (the checkpoint is converted: reshard.py)."""
+    this and later resumes: more steps, another parallel layout (the checkpoint is converted: reshard.py).
+    `start_over`: the command a refusal advises to start the run over with, the user's own (`train
+    --resume-if-exists` passes its config and `--set` flags); by default the run's config.yaml with `overrides`."""
     check_launcher_env()
     moved = [o for o in overrides if parse_override(o)[0] == ["train", "run_dir"]]
     if moved:
@@ -145,12 +166,12 @@ def resume(
     why = rd.not_a_run()
     if why is not None:
         raise UserError(f"{run_dir}: {why}; give the train.run_dir of a run started with 'lctrain train'")
+    start_over = start_over or rd.start_over_command(overrides)
     leader = _leader()
     with _run_lock(rd, "lctrain resume", leader), contextlib.ExitStack() as reading:
         if ckpt.latest_checkpoint(rd) is None:
             raise UserError(
-                f"{rd}: no complete checkpoint to resume from; start the run again with "
-                f"{cited(rd.start_over_command())}"
+                f"{rd}: no complete checkpoint to resume from; start the run again with {cited(start_over)}"
             )
         cfg = rd.read_config(overrides)
         reading.enter_context(_reading_dataset(cfg, rd, leader))
@@ -164,8 +185,7 @@ def resume(
         states = [(p, s) for p, s in states if s is not None]
         if not states:  # before any process builds a model: none of them could resume
             raise UserError(
-                f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with "
-                f"{cited(rd.start_over_command())}"
+                f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with {cited(start_over)}"
             )
         done = max((int(s["step"]) for _, s in states), default=0)
         if done >= cfg.train.steps:
@@ -178,9 +198,9 @@ def resume(
             return rd.path
         prepared = None
         if leader:
-            check_resumable(cfg, states[0][1], f"{rd.config_file}", states[0][0].name)
+            check_resumable(cfg, states[0][1], f"{rd.config_file}", states[0][0].name, start_over)
             prepared = preflight(cfg)
-            check_same_dataset(cfg, states[0][1], prepared.packed.manifest, states[0][0].name)
+            check_same_dataset(cfg, states[0][1], prepared.packed.manifest, states[0][0].name, start_over)
             if overrides:
                 rd.write_config(cfg)  # what launched ranks and later resumes read
             _convert_for_layout(cfg, states)
@@ -300,26 +320,32 @@ _FREE_KEYS = (
 )
 
 
-def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str) -> None:
-    """Refuse, in one line naming the keys, a config edited since the checkpoint in a way it cannot resume with."""
+def _fixed(changes: dict[str, tuple]) -> dict[str, tuple]:
+    """The `changes` (of `settings_changes`) a checkpoint cannot resume with."""
+    return {k: v for k, v in changes.items() if k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_KEYS}
+
+
+def _changed_since(cfg: Config, changed: dict[str, tuple], checkpoint: str, start_over: str) -> UserError:
+    return UserError(
+        f"{cfg.origin(*changed)}: {shown_changes(changed)} changed since checkpoint {checkpoint}; a checkpoint "
+        f"resumes only with the model, data and batch it was written with: restore them, or start over with "
+        f"{cited(start_over)}"
+    )
+
+
+def check_resumable(cfg: Config, state: dict, source: str, checkpoint: str, start_over: str) -> None:
+    """Refuse, in one line naming the keys, a config edited since the checkpoint in a way it cannot resume with;
+    `start_over`: the command that starts the run over as asked."""
     saved = state.get("config")
     if saved is None:
         return  # a checkpoint from before configs were stored: the fingerprint warning in `run` is all there is
-    changed = {
-        k: v
-        for k, v in settings_changes(saved, settings(cfg)).items()
-        if k.startswith(_FIXED_BY_CHECKPOINT) and k not in _FREE_KEYS
-    }
+    changed = _fixed(settings_changes(saved, settings(cfg)))
     if changed:
-        raise UserError(
-            f"{cfg.origin(*changed)}: {shown_changes(changed)} changed since checkpoint {checkpoint}; a checkpoint "
-            f"resumes only with the model, data and batch it was written with: restore them, or start over with "
-            f"'{_start_over(cfg)}'"
-        )
+        raise _changed_since(cfg, changed, checkpoint, start_over)
     reshard.check_reshardable(saved, settings(cfg), source, checkpoint)
 
 
-def check_same_dataset(cfg: Config, state: dict, manifest, checkpoint: str) -> None:
+def check_same_dataset(cfg: Config, state: dict, manifest, checkpoint: str, start_over: str) -> None:
     """Refuse to resume on a prepared dataset other than the checkpoint's: its windows, in an order that depends on
     their number, would be read from the checkpoint's step on as if they were the same (some twice, some never). A
     `prepare --force` after the corpus changed rebuilds the directory under the same data fingerprint."""
@@ -335,14 +361,16 @@ def check_same_dataset(cfg: Config, state: dict, manifest, checkpoint: str) -> N
         raise UserError(
             f"{data_dir(cfg)}: the prepared dataset changed since checkpoint {checkpoint} ({change}); resuming "
             f"would read other windows than the run's. Restore the dataset the run trained "
-            f"on, or start over on this one with '{_start_over(cfg)}'"
+            f"on, or start over on this one with {cited(start_over)}"
         )
 
 
 def _start_over(cfg: Config) -> str:
-    """The advice to start over a run that cannot resume: `resume` checks the config it read from the run's
-    config.yaml."""
-    return RunDir(Path(cfg.source_file).parent).start_over_command()
+    """The user's `lctrain train` of `cfg` (its config, a bundled one by name, and its `--set` flags) with `--force`:
+    what starts its run over as they asked it."""
+    source = Path(cfg.source_file)
+    config = source.stem if source.parent == bundled_config_dir() else source
+    return train_command(config, cfg.overrides, "--force")
 
 
 def _leader() -> bool:

@@ -175,7 +175,7 @@ class RunEnd:
     checkpoint: Path | None  # the resume checkpoint `lctrain resume` would continue from
     exports: list[Path]
     metrics_file: Path
-    diverged: dict | None = None  # this session's first metrics record that says "diverged"
+    diverged: dict | None = None  # the run's first metrics record that says "diverged", this session's or an earlier
 
 
 def summary(e: RunEnd) -> str:

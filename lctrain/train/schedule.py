@@ -78,6 +78,13 @@ def resume_checkpoint_due(step: int, total_steps: int, ckpt: CheckpointConfig) -
     return (step == total_steps and ckpt.save_final) or step % ckpt.every_steps == 0
 
 
+def resume_checkpoint_after(start_step: int, total_steps: int, ckpt: CheckpointConfig) -> bool:
+    """Whether `resume_checkpoint_due` holds for a step after `start_step`, by arithmetic: asking it of every step
+    took minutes for a run of a billion steps."""
+    first_multiple = (start_step // ckpt.every_steps + 1) * ckpt.every_steps
+    return start_step < total_steps and (ckpt.save_final or first_multiple <= total_steps)
+
+
 def hf_checkpoint_steps(total_steps: int, ckpt: CheckpointConfig) -> list[int]:
     """Evaluation checkpoints every `hf_every` steps within the last `hf_last`, ending at the last step:
     N-40, N-30, N-20, N-10, N for the paper's protocol (hf_every 10, hf_last 50)."""

@@ -8,10 +8,11 @@ can be reproduced and a change of software between sessions is seen: a resume un
 session's says which, since other kernels or summation orders continue the run on other bits than an uninterrupted
 one.
 
-Each line is completed when its session ends (`record_end`): when, the last step reached and how it ended, so the
-file also says which sessions finished, were stopped by SIGTERM or failed (and with which error). The line is
-rewritten in place, one line per session still, so a reader of the start fields sees no other shape of record; a
-session killed with -9, or lost with its machine, keeps only its start.
+Each line is completed when its session ends (`record_end`): when, the last step reached, how it ended and whether
+the run had diverged by then, so the file also says which sessions finished, were stopped by SIGTERM or failed (and
+with which error), and which ran on diverged weights. The line is rewritten in place, one line per session still, so
+a reader of the start fields sees no other shape of record; a session killed with -9, or lost with its machine, keeps
+only its start.
 """
 
 from __future__ import annotations
@@ -78,10 +79,14 @@ def software_note(previous: dict | None, now: dict) -> str | None:
     )
 
 
-def session_end(end_step: int, error: BaseException | None) -> dict:
-    """The fields that complete a session's record: `ended`, `end_step` (the last step reached) and `outcome`:
-    finished, stopped by SIGTERM, interrupted (Ctrl-C) or failed, the last with the error's first line in `error`."""
-    end = {"ended": now(), "end_step": end_step}
+def session_end(end_step: int, error: BaseException | None, diverged_at: int | None = None) -> dict:
+    """The fields that complete a session's record: `ended`, `end_step` (the last step reached), `diverged` (whether
+    the run's loss had diverged by its end, in this session or an earlier one: metrics.jsonl's `diverged`) with the
+    step it diverged at in `diverged_at`, and `outcome`: finished, stopped by SIGTERM, interrupted (Ctrl-C) or failed,
+    the last with the error's first line in `error`."""
+    end = {"ended": now(), "end_step": end_step, "diverged": diverged_at is not None}
+    if diverged_at is not None:
+        end["diverged_at"] = diverged_at
     if error is None:
         return {**end, "outcome": "finished"}
     if isinstance(error, Terminated):
@@ -103,17 +108,27 @@ def complete_last_session(rd: RunDir, error: BaseException, since: str) -> None:
         return
     if not sessions or "ended" in sessions[-1] or sessions[-1].get("started", "") < since:
         return
-    record_end(rd, sessions[-1], logged[-1]["step"] if logged else sessions[-1]["start_step"], error)
+    end_step = logged[-1]["step"] if logged else sessions[-1]["start_step"]
+    record_end(rd, sessions[-1], end_step, error, diverged_step(logged))
 
 
-def record_end(rd: RunDir, session: dict, end_step: int, error: BaseException | None) -> None:
+def diverged_step(records: list[dict]) -> int | None:
+    """The step from which the metrics `records` say the run diverged, None where none does."""
+    return next((r["step"] for r in records if r.get("diverged")), None)
+
+
+def record_end(
+    rd: RunDir, session: dict, end_step: int, error: BaseException | None, diverged_at: int | None = None
+) -> None:
     """Complete this session's line of sessions.jsonl (`session`, as `RunDir.append_session` wrote it) with how it
-    ended; the file is replaced whole (a kill while it is written keeps the old one). Never raises: a failure to
-    record is one warning line, so it neither hides the error the session ended with nor fails a finished run."""
+    ended (`session_end`); the file is replaced whole (a kill while it is written keeps the old one). Never raises: a
+    failure to record is one warning line, so it neither hides the error the session ended with nor fails a finished
+    run."""
     try:
         path = rd.sessions_file
         lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
-        started, ended = json.dumps(session), json.dumps({**session, **session_end(end_step, error)})
+        ended = json.dumps({**session, **session_end(end_step, error, diverged_at)})
+        started = json.dumps(session)
         # the last line that is this session's start (the run lock keeps other sessions out meanwhile); a file
         # removed or replaced since gets the whole record appended
         at = next((i for i in range(len(lines) - 1, -1, -1) if lines[i] == started), None)

@@ -66,11 +66,12 @@ from lctrain.train.schedule import (
     hf_checkpoint_steps,
     learning_rate,
     lr_factor,
+    resume_checkpoint_after,
     resume_checkpoint_due,
     resumed_rate_note,
     warmup_warning,
 )
-from lctrain.train.session import record_end, session_record, software_note
+from lctrain.train.session import diverged_step, record_end, session_record, software_note
 from lctrain.units import to_gb
 
 # Fault injection for tests: called on rank 0 with the step after DeepSpeed has written its files of that step's
@@ -190,15 +191,15 @@ def run(
                 ):
                     say(note)
             if session is not None:
-                trainer.session_ended = lambda e: record_end(rd, session, trainer.state.step, e)
+                trainer.session_ended = lambda e: record_end(rd, session, trainer.state.step, e, trainer.diverged_at)
             try:
                 trainer.fit(packed)
             except BaseException as e:
                 if session is not None:
-                    record_end(rd, session, trainer.state.step, e)
+                    record_end(rd, session, trainer.state.step, e, trainer.diverged_at)
                 raise
             if session is not None:
-                record_end(rd, session, trainer.state.step, None)
+                record_end(rd, session, trainer.state.step, None, trainer.diverged_at)
                 print(summary(trainer.run_end(start_step, time.monotonic() - started)), flush=True)
             end_process_groups()  # the ranks of a launcher the user started exit straight after this
         finally:
@@ -234,8 +235,9 @@ class Trainer:
         self.before_checkpoint_complete = before_checkpoint_complete
         self.state = TrainState()
         self.dataset: dict | None = None  # `fit`'s prepared dataset (`dataset_record`), for its checkpoints
-        # rank 0's: the step of this session whose loss first passed `divergence_warning`'s bound, said once; the
-        # metrics records from there on say "diverged", and so does the end summary (the run still ends 'done')
+        # rank 0's: the step of the run whose loss first passed `divergence_warning`'s bound, said once, in this
+        # session or read back from an earlier one's metrics (`load_checkpoint`); the metrics records from there on
+        # say "diverged", and so do the end summary and the session's end record (the run still ends 'done')
         self.diverged_at: int | None = None
         self.session_ended: Callable[[BaseException], None] | None = None  # rank 0's: completes its sessions.jsonl line
         ds_config = deepspeed_config(cfg, plan, gpu=topo.device.type == "cuda")
@@ -414,7 +416,8 @@ class Trainer:
     def run_end(self, start_step: int, wall_s: float) -> RunEnd:
         """The facts of the end summary, after `fit` trained from `start_step` in `wall_s` seconds (rank 0)."""
         rd = self.run_dir
-        records = [r for r in rd.read_metrics() if r["step"] > start_step]
+        logged = rd.read_metrics()
+        records = [r for r in logged if r["step"] > start_step]
         return RunEnd(
             run_dir=rd.path,
             last=records[-1] if records else None,
@@ -423,7 +426,7 @@ class Trainer:
             tokens_per_step=self.cfg.tokens_per_step,
             wall_s=wall_s,
             peak_mem_gb=max((r["peak_mem_gb"] for r in records), default=None),
-            diverged=next((r for r in records if r.get("diverged")), None),
+            diverged=next((r for r in logged if r["step"] == self.diverged_at), None),
             checkpoint=ckpt.latest_checkpoint(rd),
             exports=rd.exports(),
             metrics_file=rd.metrics_file,
@@ -612,6 +615,15 @@ class Trainer:
                             f"{self.state.step} (the file was truncated or removed); its curve will miss steps "
                             f"{logged + 1}-{self.state.step}"
                         )
+                    # the weights resumed from are of a diverged run when a step up to the checkpoint's diverged
+                    self.diverged_at = diverged_step(rd.read_metrics())
+                    if self.diverged_at is not None:
+                        say(
+                            f"note: the run had diverged at step {self.diverged_at} ({rd.metrics_file}), and "
+                            f"{path.name} continues it: this session's steps are marked diverged too; to train without "
+                            f"it, start over with a lower train.lr, or resume a checkpoint from before step "
+                            f"{self.diverged_at}"
+                        )
                 return
             if topo.is_main:
                 say(
@@ -734,8 +746,7 @@ def check_output_dirs(cfg: Config, rd: RunDir, start_step: int) -> None:
     evaluation exports go into can be created and written (`checkpoint.check_output_dir`), each checked only if a
     step after `start_step` writes into it; a run refused here trained nothing."""
     total, plan = cfg.train.steps, cfg.checkpoint
-    steps = range(start_step + 1, total + 1)
-    if plan.on_sigterm or any(resume_checkpoint_due(s, total, plan) for s in steps):
+    if plan.on_sigterm or resume_checkpoint_after(start_step, total, plan):
         ckpt.check_output_dir(rd.checkpoints, "resume checkpoints")
     if any(s > start_step for s in hf_checkpoint_steps(total, plan)):
         ckpt.check_output_dir(rd.exports_dir, "evaluation exports")
