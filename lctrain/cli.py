@@ -549,12 +549,15 @@ def report(
     out: Annotated[str, typer.Option(help="directory for report.json, report.md and report.png")] = "report",
     last: Annotated[
         int | None,
-        typer.Option(help="average each run's last N evaluated checkpoints; default 5 (the paper's), or all if fewer"),
+        typer.Option(
+            help="average every run over the latest N evaluated checkpoints all the runs share; default 5 (the "
+            "paper's), or all shared if fewer"
+        ),
     ] = None,
 ):
     """The paper's Table 5 for these runs: RULER (mean over tasks) and held-out perplexity per length, one row per
-    attention mode, averaged over each run's last checkpoints and over the runs that differ only in their seeds
-    (mean ± std, the number of seeds); each row's difference from the first row read against the seed spread."""
+    attention mode, averaged over the last checkpoints all the runs share and over the runs that differ only in their
+    seeds (mean ± std, the number of seeds); each row's difference from the first row read against the seed spread."""
     from lctrain.reports.compare import print_report, write_report
 
     path = Path(out)

@@ -134,9 +134,13 @@ class ModelShape:
         """Weights of the gated MLPs of all layers (gate, up, down)."""
         return self.layers * 3 * self.hidden * self.intermediate
 
+    def decoder_linear_params(self) -> int:
+        """Weights of every decoder layer's projections: those the decoder without its LM head multiplies per token."""
+        return self.layers * self.layer_projection_params()
+
     def linear_params(self) -> int:
         """Weights of the projections (q, k, v, o, the gated MLP) and the LM head: those that multiply per token."""
-        return self.layers * self.layer_projection_params() + self.hidden * self.vocab
+        return self.decoder_linear_params() + self.hidden * self.vocab
 
 
 def count_params(module) -> int:

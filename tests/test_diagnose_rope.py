@@ -18,6 +18,7 @@ import pytest
 import sentencepiece as spm
 import torch
 from rope_reference import reference_eq4, reference_eq5
+from torch.utils.flop_counter import FlopCounterMode
 from train_helpers import one_error_line
 from transformers import AutoConfig, AutoModelForCausalLM
 from typer.testing import CliRunner
@@ -163,6 +164,19 @@ def test_per_token_split_is_at_delta1_zero_and_passes_are_counted(shifts, vary):
     assert got["per_token"] == at_zero["per_token"]
     assert len(calls) == p.passes() == len(shifts) + (0 not in shifts) + vary * (len(shifts) - 1) + len(LENGTHS)
     assert p.tokens() == (2 * T * (p.passes() - len(LENGTHS)) + 2 * sum(LENGTHS))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(shifts=(0, 16, 100, 7), vary_delta2=True, shift_batch=3, seq_len=24)])
+def test_estimated_flops_are_those_torch_counts(kw):
+    """The FLOPs behind the printed throughput against torch's own count (FlopCounterMode) of one sequence's
+    measurement: every matmul run (the decoder's projections, the probe's q·kᵀ and weights·V over whole T x T
+    squares). The vocabulary projection, which the decoder alone does not run, is not in it: counting it inflated a
+    CPU's throughput past its peak."""
+    model, p = sharp_model(), plan(**kw)
+    counter = FlopCounterMode(display=False)
+    with torch.inference_mode(), counter:
+        rd.measure_sequence(model, sequence(), p)
+    assert rd.estimate_flops(model, p) == counter.get_total_flops()
 
 
 # ---- properties the paper reports --------------------------------------------------------------------------------
@@ -364,6 +378,12 @@ def test_cli_end_to_end_on_real_text(stdlib_text, tmp_path):
     assert r.exit_code == 0, r.output
     printed = "".join(r.output.split())  # rich wraps lines at the terminal width
     assert "TFLOPpercase" in printed and "timing:fp32" in printed
+    # the work per sequence (64 tokens: the longest logit length), then for a case's 2 sequences
+    p = rd.Plan(48, (0, 16, 200), rd.DELTA2, (64,), True, 4, 1)
+    assert (p.passes(), p.tokens()) == (3, 2 * 3 * 48 + 2 * 64)  # each sweep: one pass of its reference and 2 shifts
+    assert "2sequencesof64tokens" in printed
+    per_case = f"({p.tokens():,}tokenspersequence,6passesand{2 * p.tokens():,}tokenspercase)"
+    assert f"measuredin3forwardpassesofthedecoder{per_case}" in printed
     data = json.loads((out / "rope_drift.json").read_text())
     assert list(data["cases"]) == ["fp32", "bf16_rope_bf16", "bf16", "random"]
     assert data["samples"] == 2 and data["text"]["sequences"] == 2 and data["logit_lengths"] == [64]

@@ -52,7 +52,7 @@ from lctrain.attention.engines.common import expand_kv_heads, unify_dtypes
 from lctrain.compat.transformers import load_errors
 from lctrain.config import Config, bundled_config_names, data_dir, load_config
 from lctrain.console import no_library_bars, plain_console
-from lctrain.costmodel import ModelShape, dense_params, step_flops
+from lctrain.costmodel import ModelShape, step_flops
 from lctrain.diagnostics.probe_text import probe_sequences
 from lctrain.errors import UserError, output_dir
 from lctrain.eval.runner import pick_device
@@ -229,6 +229,13 @@ class Plan:
         return sum(
             (len(g) + 1) * self.seq_len for sweep in self.sweeps().values() for g in self.groups(*sweep)
         ) + 2 * sum(self.logit_lengths)
+
+    def pairs(self) -> int:
+        """(query, key) pairs whose logits and weights `probe_attention` computes in each layer per sequence: the
+        whole T x T square of every batch element (the causal half is masked, not skipped)."""
+        return sum(
+            (len(g) + 1) * self.seq_len**2 for sweep in self.sweeps().values() for g in self.groups(*sweep)
+        ) + 2 * sum(n**2 for n in self.logit_lengths)
 
 
 def key_sums(model, ids: torch.Tensor, reference: int, shifts, plan: Plan, advance: Callable[[], None]) -> torch.Tensor:
@@ -440,11 +447,11 @@ def _check(seq_len: int, max_len: int, samples: int, delta2: int, shift_batch: i
 
 
 def estimate_flops(model, plan: Plan) -> float:
-    """Forward FLOPs per sequence: the dense layers on every token, plus the probe's full T x T logits and weights
-    (the causal half is not skipped) in every layer: one forward pass of the cost model."""
+    """Forward FLOPs per sequence of what `_run` runs, one forward pass of the cost model: the decoder layers'
+    projections on every token (not the vocabulary projection, which the decoder alone leaves out) and the probe's
+    attention over `Plan.pairs` in every layer."""
     shape = ModelShape.from_hf_config(model.config)
-    squares = plan.tokens() * plan.seq_len  # tokens x keys, close enough for the logit passes too
-    return step_flops(dense_params(model), shape.layers, shape.width, plan.tokens(), squares, passes=1)
+    return step_flops(shape.decoder_linear_params(), shape.layers, shape.width, plan.tokens(), plan.pairs(), passes=1)
 
 
 def diagnose_rope(
@@ -493,7 +500,8 @@ def diagnose_rope(
     console.print(
         f"{src.name} on {dev} (loaded in {loaded:.1f} s): {len(cases)} case(s) x {samples} sequences of "
         f"{length:,} tokens from {text_path}, each opening with the anchor {probe_text.anchor['token']} (id "
-        f"{probe_text.anchor['id']}), x {plan.passes()} forward passes ({plan.tokens():,} tokens) = "
+        f"{probe_text.anchor['id']}) and measured in {plan.passes()} forward passes of the decoder ({plan.tokens():,} "
+        f"tokens per sequence, {samples * plan.passes()} passes and {samples * plan.tokens():,} tokens per case) = "
         f"{flops / 1e12:,.1f} TFLOP per case"
     )
     unmeasured = unmeasured_attention(model.config)

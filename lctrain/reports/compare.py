@@ -1,7 +1,8 @@
 """`lctrain report RUN [RUN...]`: the paper's Table 5 for any set of evaluated runs. One row per attention mode (per
 experiment when modes repeat with other differences), the evaluated lengths as columns: RULER's mean over tasks and
-held-out perplexity, each averaged over a run's last evaluation checkpoints (§4.2: the last five, saved every 10
-steps over the last 50), then over the runs that differ only in their seeds (`seed`, `data.seed`).
+held-out perplexity, each averaged over the last evaluation checkpoints (§4.2: the last five, saved every 10 steps
+over the last 50) that every run evaluated, so that the rows compare the same training steps
+(`averaged_checkpoints`), then over the runs that differ only in their seeds (`seed`, `data.seed`).
 
 A difference between two rows is read against the seeds' spread: where the two rows' seed ranges [min, max]
 overlap it is "within seed spread", not a finding; a row of one seed has no spread to read it against. The
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from statistics import mean, stdev
 
@@ -59,8 +61,8 @@ _NOT_EXPERIMENT = (
 
 @dataclass(frozen=True)
 class Evaluated:
-    """One run's recorded config and its `lctrain eval` results, with how the run's exports compare with them
-    (`_exports_against`)."""
+    """One run's config as evaluated (`_as_evaluated`) and its `lctrain eval` results, with how the run's exports
+    compare with them (`_exports_against`)."""
 
     path: Path  # the run directory
     results_file: Path
@@ -120,7 +122,27 @@ def read_evaluated(path: str | Path) -> Evaluated:
             f"groups runs by their config; give run directories written by `lctrain train`"
         )
     not_evaluated, gone = _exports_against(run, file, results)
-    return Evaluated(run.path, file, run.read_config(), results, tuple(not_evaluated), tuple(gone))
+    return Evaluated(
+        run.path, file, _as_evaluated(run.read_config(), results, file), results, tuple(not_evaluated), tuple(gone)
+    )
+
+
+def _as_evaluated(cfg: Config, results: dict, where: Path) -> Config:
+    """The run's config as its results were scored: its config.yaml with the train.steps `lctrain eval` recorded
+    (`training.train_steps`). A resume to more steps since the evaluation (`lctrain resume RUN --set train.steps=N`)
+    rewrote config.yaml but not the exports scored, which trained under the recorded value; the exports it added are
+    warned about (`_export_warnings`). The evaluation records no other setting: the rest is config.yaml's."""
+    steps = (results.get("training") or {}).get("train_steps")
+    if steps is None or steps == cfg.train.steps:
+        return cfg
+    evaluated = cfg.model_copy(deep=True)
+    try:
+        evaluated.train.steps = steps
+    except ValueError:  # pydantic's ValidationError
+        raise UserError(
+            f"{where}: its training record is damaged (train_steps {steps!r}); run `lctrain eval` again"
+        ) from None
+    return evaluated
 
 
 def rewritten_exports(run: RunDir, results: dict) -> list[str]:
@@ -162,22 +184,51 @@ def check_last(last: int | None) -> None:
         raise UserError(f"--last {last}: average over at least 1 checkpoint")
 
 
-def last_checkpoints(results: dict, last: int | None, where: str) -> list[str]:
-    """The evaluated checkpoints to average, oldest first: the last `last`, by default the paper's 5 (all of them
-    when fewer were evaluated)."""
-    check_last(last)
-    ckpts = list(results["checkpoints"])
+def _evaluated_checkpoints(run: Evaluated) -> list[str]:
+    """The checkpoints `run`'s results scored, oldest first."""
+    ckpts = [str(c) for c in run.results["checkpoints"]]
+    if not ckpts:
+        raise UserError(f"{run.path}: no evaluated checkpoint in its results; run `lctrain eval` again")
     if all(step_of(c) is not None for c in ckpts):
         ckpts.sort(key=step_of)
-    if not ckpts:
-        raise UserError(f"{where}: no evaluated checkpoint in its results; run `lctrain eval` again")
-    n = min(DEFAULT_LAST, len(ckpts)) if last is None else last
-    if n > len(ckpts):
-        raise UserError(
-            f"{where}: --last {n} asks for more checkpoints than the {len(ckpts)} evaluated "
-            f"({', '.join(ckpts)}); use --last {len(ckpts)} or evaluate more checkpoints"
-        )
-    return ckpts[-n:]
+    return ckpts
+
+
+def averaged_checkpoints(runs: list[Evaluated], last: int | None) -> tuple[list[list[str]], list[str]]:
+    """The checkpoints each of `runs` is averaged over (oldest first), and the warnings when they are not a run's own
+    latest. `last` (`--last N`; default the paper's 5, §4.2: its last five checkpoints): every run is averaged over the
+    latest N checkpoints that all the runs evaluated, so that the rows compare the same training steps (all of those
+    when fewer are shared). An N beyond the checkpoints a run evaluated is refused; by default a run of fewer averages
+    all of them. Where the shared checkpoints are not each run's own latest N (fewer than N, or earlier), they are
+    averaged and a warning names what each run leaves out; where the runs share none, each is averaged over its own
+    latest N, other training steps, and a warning names each run's."""
+    check_last(last)
+    n = DEFAULT_LAST if last is None else last
+    evaluated = [_evaluated_checkpoints(r) for r in runs]
+    for r, ckpts in zip(runs, evaluated):
+        if n > len(ckpts) and last is not None:
+            raise UserError(
+                f"{r.path}: --last {n} asks for more checkpoints than the {len(ckpts)} evaluated "
+                f"({', '.join(ckpts)}); use --last {len(ckpts)} or evaluate more checkpoints"
+            )
+    own = [ckpts[-n:] for ckpts in evaluated]
+    shared = [c for c in evaluated[0] if all(c in other for other in evaluated[1:])][-n:]
+    if not shared:
+        each = "; ".join(f"{r.path}: {', '.join(ckpts)}" for r, ckpts in zip(runs, own))
+        return own, [
+            f"warning: the runs share no evaluated checkpoint, so each is averaged over its own latest ({each}): the "
+            f"rows' differences mix training steps with what the rows compare; evaluate the same steps of every run"
+        ]
+    left = [(r, [c for c in ckpts if c not in shared]) for r, ckpts in zip(runs, own)]
+    left = [(r, ckpts) for r, ckpts in left if ckpts]
+    if not left:
+        return [shared] * len(runs), []
+    asked = f" ({len(shared)} of the --last {last} asked)" if last is not None and len(shared) < last else ""
+    return [shared] * len(runs), [
+        f"warning: every run averaged over {', '.join(shared)}{asked}, the latest "
+        f"{'checkpoint' if len(shared) == 1 else 'checkpoints'} all the runs evaluated, so that the rows compare the "
+        f"same training steps; not averaged: " + "; ".join(f"{r.path}: {', '.join(ckpts)}" for r, ckpts in left)
+    ]
 
 
 def _by_length(table: dict) -> dict[int, float]:
@@ -350,6 +401,8 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
             seen[seeds] = r.path
     ordered = list(groups.values())
     labels, differing = _labels(ordered)
+    chosen, checkpoint_warnings = averaged_checkpoints(runs, last)
+    averaged = {r.results_file: ckpts for r, ckpts in zip(runs, chosen)}
     # the windows each run read, only where modes differ (it reads the dataset): {run path: Windows or why not}
     counted: dict[str, Windows | str] = {}
     modes_differ = len({g[0].cfg.attention.mode for g in ordered}) > 1
@@ -357,7 +410,7 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
     for label, members in zip(labels, ordered):
         per_run = []
         for r in members:
-            ckpts = last_checkpoints(r.results, last, str(r.path))
+            ckpts = averaged[r.results_file]
             ruler, ppl = checkpoint_average(r.results, ckpts, str(r.results_file))
             progress = trained(r)
             if modes_differ:
@@ -377,6 +430,10 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
                     "train_steps": progress["train_steps"],
                     "finished": progress["finished"],
                     "training_tokens": r.cfg.tokens_read(progress["steps"]),
+                    # which held-out text its perplexity scored: the dataset (`lctrain eval --ppl-data`, else the
+                    # run's own prepared data), by its data fingerprint, and the windows of it
+                    "perplexity_data": _setting(r.results, ("perplexity", "data")),
+                    "perplexity_data_fingerprint": _setting(r.results, ("perplexity", "data_fingerprint")),
                     "perplexity_windows": _setting(r.results, ("perplexity", "rows")),
                     # the distinct windows its training read and how many held more than one document
                     "trained_windows": (
@@ -426,12 +483,14 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
             for metric in METRICS
         }
     return {
-        "warnings": _unfinished_warnings(rows) + _export_warnings(rows),
+        "warnings": checkpoint_warnings + _heldout_warnings(rows) + _unfinished_warnings(rows) + _export_warnings(rows),
         "suite": runs[0].results["suite"],
         "tasks": runs[0].results["tasks"],
         "lengths": {m: sorted({int(L) for row in rows for L in row[m]}) for m in METRICS},
         "last": last,
         "default_last": DEFAULT_LAST,
+        # the checkpoints every run was averaged over; None when the runs share none (each run's are in `runs`)
+        "checkpoints": chosen[0] if all(c == chosen[0] for c in chosen) else None,
         "spread": SPREAD,
         "metrics": METRICS,
         "reference": reference["label"],
@@ -440,6 +499,27 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
         "mode_notes": _mode_notes(ordered, counted),
         "rows": rows,
     }
+
+
+def _heldout_warnings(rows: list[dict]) -> list[str]:
+    """One line when the runs' perplexity scored different held-out datasets (told by the data fingerprint `lctrain
+    eval` records: `--ppl-data` given to some runs, or their own data prepared otherwise): its columns then compare
+    text as well as runs. Warned rather than refused, as the RULER columns still compare; runs without perplexity
+    per length, or whose results predate the fingerprint, are not compared."""
+    runs = [r for row in rows for r in row["runs"] if r["perplexity"] and r["perplexity_data_fingerprint"]]
+    prints = sorted({r["perplexity_data_fingerprint"] for r in runs})
+    if len(prints) < 2:
+        return []
+    datasets = []
+    for fp in prints:
+        scored = [r for r in runs if r["perplexity_data_fingerprint"] == fp]
+        places = ", ".join(sorted({str(r["perplexity_data"]) for r in scored}))
+        datasets.append(f"{fp[:12]} ({places}): {', '.join(r['path'] for r in scored)}")
+    return [
+        f"warning: perplexity scored on {len(prints)} different held-out datasets (data fingerprints "
+        f"{'; '.join(datasets)}): its columns compare other text as well as the runs; score every run on one "
+        f"dataset: lctrain eval RUN --ppl-data DIR"
+    ]
 
 
 def _unfinished_warnings(rows: list[dict]) -> list[str]:
@@ -477,11 +557,21 @@ def _export_warnings(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _scored_text(run: dict, by_data: bool) -> tuple | None:
+    """The held-out text a run's perplexity scored: (its dataset's fingerprint when `by_data`, the windows' rows);
+    None when its results do not record the rows. The same rows of another dataset are other text."""
+    if run["perplexity_windows"] is None:
+        return None
+    return run["perplexity_data_fingerprint"] if by_data else None, tuple(run["perplexity_windows"])
+
+
 def _data_notes(rows: list[dict]) -> list[str]:
     """What the rows' text differs in although their experiments do not: the prepared dataset each run trained on
-    (its data fingerprint; `data.seed` is one of its settings) and the held-out windows its perplexity scored (they
-    depend on the run's seed and train.steps: `lctrain.eval.perplexity.heldout_rows`)."""
+    (its data fingerprint; `data.seed` is one of its settings) and the held-out text its perplexity scored
+    (`_scored_text`: the windows depend on the run's seed and train.steps, `lctrain.eval.perplexity.heldout_rows`)."""
     runs = [r for row in rows for r in row["runs"]]
+    # the held-out datasets are compared where every run records its own; results from before: the windows alone
+    scored = partial(_scored_text, by_data=all(r["perplexity_data_fingerprint"] for r in runs))
     notes = []
     prints = {r["data_fingerprint"] for r in runs}
     if len(prints) > 1:
@@ -490,15 +580,14 @@ def _data_notes(rows: list[dict]) -> list[str]:
         )
         notes.append(f"runs trained on {len(prints)} prepared datasets (data fingerprints {by_print})")
     for row in rows:
-        windows = [r["perplexity_windows"] for r in row["runs"] if r["perplexity_windows"] is not None]
-        if len({tuple(w) for w in windows}) > 1:
+        if len({scored(r) for r in row["runs"]} - {None}) > 1:
             notes.append(
                 f"perplexity of {row['label']}: its runs scored different held-out windows (they depend on seed and "
                 f"train.steps): its spread mixes text with seed"
             )
     # rows of the same seeds score the same windows; results that do not record theirs are not compared
-    per_row = [sorted(tuple(r["perplexity_windows"] or ()) for r in row["runs"]) for row in rows]
-    if all(r["perplexity_windows"] is not None for r in runs) and any(w != per_row[0] for w in per_row[1:]):
+    per_row = [sorted(map(scored, row["runs"]), key=repr) for row in rows]
+    if all(scored(r) is not None for r in runs) and any(w != per_row[0] for w in per_row[1:]):
         notes.append(
             "perplexity: the rows scored different held-out windows: their differences mix text with attention mode"
         )
@@ -577,7 +666,7 @@ def _checkpoint_lines(report: dict) -> list[str]:
         for r in row["runs"]:
             ck = r["checkpoints"]
             lines.append(
-                f"{row['label']}: {r['results']} (seed {r['seed']}, data.seed {r['data_seed']}): last {len(ck)} "
+                f"{row['label']}: {r['results']} (seed {r['seed']}, data.seed {r['data_seed']}): {len(ck)} "
                 f"checkpoint{'s' * (len(ck) > 1)} {', '.join(ck)}"
             )
     return lines
@@ -590,11 +679,18 @@ def _seeds_cell(row: dict) -> str:
     return f"{row['seeds']} ({', '.join(marks)})" if marks else str(row["seeds"])
 
 
+def _averaged_cell(row: dict) -> str:
+    """The checkpoints a row's runs were averaged over, each distinct list once."""
+    return "; ".join(dict.fromkeys(", ".join(r["checkpoints"]) for r in row["runs"]))
+
+
 def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, rows) of each table: the values per metric, then the differences from the reference row."""
+    """(title, header, rows) of each table: the values per metric, then the differences from the reference row. Where
+    the runs were averaged over other checkpoints (they share none), a column names each row's."""
     # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import length_label
 
+    own = report["checkpoints"] is None  # each run averaged over its own latest: name them
     out = []
     for metric, title in report["metrics"].items():
         lengths = [str(L) for L in report["lengths"][metric]]
@@ -606,13 +702,15 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 row["label"],
                 _seeds_cell(row),
                 ", ".join(f"{t:,}" for t in sorted({r["training_tokens"] for r in row["runs"]})),
+                *[_averaged_cell(row)] * own,
             ]
             + [_cell(row[metric].get(L), _DIGITS[metric]) for L in lengths]
             for row in report["rows"]
         ]
-        out.append((f"{title}; mean ± std over seeds", ["row", "seeds", "tokens per run", *heads], body))
+        columns = ["row", "seeds", "tokens per run", *["checkpoints averaged"] * own]
+        out.append((f"{title}; mean ± std over seeds", [*columns, *heads], body))
         diffs = [
-            [row["label"]]
+            [row["label"], *[_averaged_cell(row)] * own]
             + [
                 f"{d['difference']:+.{_DIGITS[metric]}f} ({d['reading']})" if d else "-"
                 for d in (row["vs_reference"][metric].get(L) for L in lengths)
@@ -620,7 +718,8 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             for row in report["rows"][1:]
         ]
         if diffs:
-            out.append((f"{title}: difference from {report['reference']}", ["row", *heads], diffs))
+            header = ["row", *["checkpoints averaged"] * own, *heads]
+            out.append((f"{title}: difference from {report['reference']}", header, diffs))
     return out
 
 
@@ -667,9 +766,10 @@ def print_report(report: dict, out: Path) -> None:
 
 def write_report(run_dirs: list[Path], out: Path, last: int | None = None, left_out: list[str] = ()) -> dict:
     """Compare the evaluated runs `run_dirs` (run directories, eval directories or results.json files), averaging
-    each run's last `last` checkpoints (default: the paper's 5, or all when fewer); write report.json, report.md
-    and report.png to `out` and return the report. `left_out`: runs of the comparison that are not in it, each
-    with why (an experiment's failed runs), warned about in the report itself, which may be read without its log."""
+    every run over the latest `last` checkpoints they all evaluated (`averaged_checkpoints`); write report.json,
+    report.md and report.png to `out` and return the report. `left_out`: runs of the comparison that are not in it,
+    each with why (an experiment's failed runs), warned about in the report itself, which may be read without its
+    log."""
     # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import plot_report
 
