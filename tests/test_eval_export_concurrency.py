@@ -287,3 +287,28 @@ def test_an_export_beside_a_read_only_target_is_one_line(tmp_path, monkeypatch):
         f"error: cannot write the export's lock file {RunDir(run).exports_dir / '.lctrain-export-step_18.lock'}: "
         f"Read-only file system; choose a path on a writable filesystem, then run the command again"
     )
+
+
+def test_an_export_marks_its_run_so_a_new_run_there_waits(tmp_path, monkeypatch):
+    """While `lctrain export` reads a run's checkpoint (and writes into its hf/), starting a run over there (`train
+    --force`, which clears both) is refused naming the export; once it has finished, nothing is left to refuse."""
+    run = with_checkpoints(fake_run(tmp_path), 18)
+    target = RunDir(run).export(18)
+    seen = []
+
+    def export_while_run_starts_over(run_dir, checkpoint, state, to, force, option):
+        seen.append([r["reader"] for r in lifetime.readers(run)])
+        with pytest.raises(UserError) as refused:
+            RunDir(run).clear_outputs(force=True)
+        seen.append(str(refused.value))
+        return to
+
+    monkeypatch.setattr(export_module, "_export", export_while_run_starts_over)
+    assert invoke("export", run, "--step", 18).exit_code == 0
+    reader = f"the export of step_18 into {target}"
+    assert seen[0] == [reader]
+    assert seen[1].startswith(f"{run}: {reader} (pid {PID} on ")
+    assert seen[1].endswith(f"wait for it to finish or stop it (kill {PID}) before starting a run over here")
+    assert lifetime.readers(run) == []
+    RunDir(run).clear_outputs(force=True)
+    assert not RunDir(run).checkpoints.exists()

@@ -21,7 +21,8 @@ of that step trained with, even after `resume --set train.steps=...` rewrote con
 One export at a time writes a target: a second one is refused in one line naming the first's pid (`TargetLock`, the
 run lock's primitive), and so is one of a step whose export the training running in the run writes itself. An export
 may run beside the training of its run; a checkpoint that training's `checkpoint.keep` removes while the export reads
-it is said to be that, not damage.
+it is said to be that, not damage. The export marks the run as read (`lifetime.Reading`): a new run started over in
+it (`train --force`) is refused meanwhile, as it is while `lctrain eval` reads the run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lctrain.config import Config
 from lctrain.console import no_library_bars
 from lctrain.errors import UserError, output_dir
 from lctrain.export_record import EXPORT_RECORD, read_export_record
-from lctrain.lifetime import lock_holder
+from lctrain.lifetime import Reading, lock_holder
 from lctrain.model import apply_changes, config_changes, load_hf_config
 from lctrain.rundir import RunDir, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor
@@ -65,7 +66,9 @@ def export_checkpoint(
     option = "--out" if out is not None else None
     if option is not None:
         output_dir(target.parent, option)  # where the lock goes: one line if it cannot be created
-    with ckpt.TargetLock(target, option):
+    # the run marked as read: a `train --force` there meanwhile would delete the checkpoint and hf/ under the export
+    reading = Reading(run.path, "lctrain export", f"the export of {checkpoint.name} into {target.absolute()}")
+    with reading, ckpt.TargetLock(target, option):
         if option is None:
             _refuse_an_export_training_writes(run, step, target)
         return _export(run, checkpoint, state, target, force, option)
