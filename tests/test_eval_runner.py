@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import types
 
@@ -26,15 +27,19 @@ from lctrain.eval.kept import Kept
 from lctrain.eval.perplexity import heldout_rows, perplexity
 from lctrain.eval.ruler import PromptEncoder, Sample
 from lctrain.eval.runner import (
+    MAX_LENGTH,
     OFFLINE_LABEL,
     evaluate,
     greedy_generate,
     load_model,
+    model_context,
     parse_lengths,
     resolve_target,
+    too_short,
     until_answered,
 )
 from lctrain.eval.score import sample_score, settled
+from lctrain.eval.tasks import generate, task_specs
 from lctrain.export_record import EXPORT_RECORD
 from lctrain.reports.compare import write_report
 from lctrain.rundir import RunDir
@@ -204,6 +209,11 @@ def test_parse_lengths():
     assert parse_lengths("4k,8K,4096,128k") == [4096, 8192, 131072]
     with pytest.raises(UserError, match="not a length"):
         parse_lengths("4k,abc")
+    # the ceiling: 16384k = 2^24 tokens, beyond any model's context
+    assert parse_lengths("16384k") == [MAX_LENGTH] == [2**24]
+    for text in ("16385k", str(2**24 + 1), "999999999"):
+        with pytest.raises(UserError, match=r"beyond any model's context; use lengths of at most 16384k"):
+            parse_lengths(text, "--eval-lengths")
 
 
 def test_bad_input_exits_2_with_one_line(run_dir, tmp_path):
@@ -221,6 +231,9 @@ def test_bad_input_exits_2_with_one_line(run_dir, tmp_path):
         ([str(run_dir), "--lengths", "4k,x"], "not a length"),
         ([str(tmp_path)], "neither a run directory"),
         ([str(run_dir), "--device", "foo"], "--device foo: not a device"),
+        ([str(run_dir), "--lengths", "999999999"], "--lengths '999999999': 999,999,999 tokens is beyond any model's"),
+        ([str(run_dir), "--lengths", "256k"], "--lengths 262144: more than 4x the 256 positions step_30 was made"),
+        ([str(run_dir), "--out", str(RunDir(run_dir).export(STEPS[0]))], "a model directory (it holds config.json)"),
     ]
     for args, message in cases:
         r = runner.invoke(app, ["eval", *args])
@@ -547,3 +560,174 @@ def test_a_run_without_exports_but_with_a_checkpoint_is_told_to_export_it(tmp_pa
     (step / STATE_FILE).write_text('{"step": 4}')
     r = CliRunner().invoke(app, ["eval", str(run)])
     assert r.exit_code == 2 and r.output.strip().endswith(f"; `lctrain export '{run}'` writes one of step_4"), r.output
+
+
+# ---------------------------------------------------------------- what an evaluation refuses before any work
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Sample generation and model loading made to fail the test: a refusal must come before either."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("work started before the refusal")
+
+    monkeypatch.setattr("lctrain.eval.runner.generate", forbidden)
+    monkeypatch.setattr("lctrain.eval.runner.load_model", forbidden)
+
+
+def one_line_refusal(args: list[str]) -> str:
+    r = CliRunner().invoke(app, ["eval", *args])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    return lines[0]
+
+
+def test_lengths_beyond_4x_the_models_context_are_refused_before_any_work(run_dir, tmp_path, no_work):
+    """The run trained 256-token windows: its exports' max_position_embeddings is 256, so 4 x 256 = 1024 is the
+    longest length evaluated; one token more is refused, naming where the length came from."""
+    assert json.loads((RunDir(run_dir).export(STEPS[0]) / "config.json").read_text())["max_position_embeddings"] == 256
+    out = tmp_path / "out"
+    expected = "more than 4x the 256 positions step_30 was made for"
+    line = one_line_refusal([str(run_dir), "--lengths", "512,1025", "--out", str(out)])
+    assert line.startswith(f"error: --lengths 1025: {expected}") and line.endswith("use --lengths of at most 1024")
+    line = one_line_refusal([str(run_dir), "--set", "eval.lengths=[4096,512]", "--out", str(out)])
+    assert line.startswith(f"error: eval.lengths 4096: {expected}")
+    assert line.endswith("use --lengths (or eval.lengths) of at most 1024")
+    assert not out.exists()  # no lock, no report: nothing was started
+
+
+def test_ruler_data_beyond_4x_the_models_context_is_refused_once_read(run_dir, tmp_path, no_work):
+    """RULER's data brings its lengths: a directory the evaluation would score past 4 x 256 is refused, naming it,
+    before any model loads; one without data for the task set is not scored, so not refused."""
+    data = tmp_path / "synthetic"
+    for length in (1024, 2048):
+        folder = data / str(length) / "data" / "vt"
+        folder.mkdir(parents=True)
+        (folder / "validation.jsonl").write_text(json.dumps({"input": "x y z", "outputs": ["x"]}) + "\n")
+    (data / "4096").mkdir()
+    r = CliRunner().invoke(
+        app, ["eval", str(run_dir), "--ruler-data", str(data), "--tasks", "vt", "--out", str(tmp_path)]
+    )
+    line = r.output.strip().splitlines()[-1]  # after the bar of the data read
+    assert r.exit_code == 2 and line.startswith(
+        f"error: --ruler-data {data}: length 2048: more than 4x the 256 positions step_30 was made"
+    )
+    assert line.endswith("use --lengths of at most 1024")
+
+
+def test_a_length_at_4x_the_models_context_is_evaluated(run_dir, tmp_path):
+    out = evaluate(resolve_target(run_dir), lengths=[1024], tasks=["vt"], samples=1, out=tmp_path / "e")
+    results = json.loads((out / "results.json").read_text())
+    assert results["lengths"] == [1024] and set(results["average"]["vt"]) == {"1024"}
+
+
+def test_model_context_counts_rope_scaling(tmp_path):
+    """What each config.json says its model was made for, by hand: Llama-2 4K; a YaRN config keeping Llama-2's 4096
+    with factor 16 (the paper's Table 2 'YaRN' free row, 64K); Llama-3.1's llama3 scaling (factor 8 of 8192, under
+    its own 131072); transformers 5's rope_parameters; and configs that say nothing usable."""
+    cases = [
+        ({"max_position_embeddings": 4096}, 4096),
+        (
+            {
+                "max_position_embeddings": 4096,
+                "rope_scaling": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096},
+            },
+            65536,
+        ),
+        (
+            {
+                "max_position_embeddings": 131072,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192},
+            },
+            131072,
+        ),
+        ({"max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 131072),
+        ({"max_position_embeddings": 8192, "rope_scaling": None, "rope_parameters": {"rope_theta": 1e6}}, 8192),
+        ({"max_position_embeddings": 8192, "rope_scaling": "linear"}, 8192),
+        ({"hidden_size": 64}, None),
+        ([], None),
+    ]
+    for i, (config, expected) in enumerate(cases):
+        model = tmp_path / str(i)
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(config))
+        assert model_context(model) == expected, config
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "config.json").write_text('{"max_position_embeddings": 40')
+    assert model_context(tmp_path / "torn") is None and model_context(tmp_path / "nowhere") is None
+
+
+def test_a_length_whose_cache_cannot_fit_is_refused_before_any_sample(run_dir, tmp_path, monkeypatch, no_work):
+    """The generation plan's own estimate (`generation.plan_generation`) made before the model loads: 1024 tokens
+    of this model's fp32 KV cache (2 layers x K and V x 2 KV heads x 16 dims x 4 bytes x 1024, 512 KiB) do not fit
+    in a quarter of that."""
+    import lctrain.eval.generation as generation
+
+    cache = 2 * 2 * 2 * 16 * 4 * 1024
+    monkeypatch.setattr(generation, "free_memory", lambda device: (cache // 4, None))
+    line = one_line_refusal([str(run_dir), "--lengths", "1024", "--tasks", "vt", "--out", str(tmp_path / "o")])
+    assert "a 1024-token prompt does not fit for generation" in line and "(--lengths)" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_model_directory_is_refused_as_out(run_dir, tmp_path, no_work):
+    """--out a model's folder (config.json and weights) wrote the report among the model's files."""
+    export = RunDir(run_dir).export(STEPS[0])
+    before = sorted(p.name for p in export.iterdir())
+    line = one_line_refusal([str(run_dir), "--lengths", "512", "--out", str(export)])
+    assert line == (
+        f"error: --out {export}: a model directory (it holds config.json); the evaluation would write its report "
+        f"among the model's files: pick another directory for --out (by default {run_dir}/eval)"
+    )
+    assert sorted(p.name for p in export.iterdir()) == before
+    base = tmp_path / "base model"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "pytorch_model.bin").write_bytes(b"weights")
+    assert "--out" in one_line_refusal([str(export), "--lengths", "512", "--out", str(base)])
+    assert sorted(p.name for p in base.iterdir()) == ["config.json", "pytorch_model.bin"]
+
+
+def test_too_short_agrees_with_the_generator_at_the_boundary():
+    """`too_short` against the generator it anticipates (`tasks.generate`, which refuses a length whose samples do
+    not fit with an empty haystack): the same verdict at every length around each task's shortest."""
+    tokenizer = load_tokenizer(load_config(None).data.tokenizer)
+    encoder = text_encoder(tokenizer).prompted(resolve_anchor(tokenizer))
+    specs = {t: s for t, s in task_specs(0).items() if t in ("niah_single_1", "niah_multikey_1", "vt", "cwe", "fwe")}
+
+    def count(text):
+        return len(encoder.encode(text, specials=True))
+
+    for name, spec in specs.items():
+        (shortest, need) = too_short({name: spec}, [16], 3, 0, encoder)[name]
+        assert shortest == 16 and need > 16
+        verdicts = set()
+        for length in range(need - 12, need + 12):
+            refused = name in too_short({name: spec}, [length], 3, 0, encoder)
+            try:
+                generate(spec, length, 3, 0, count)
+                generated = True
+            except UserError as e:
+                assert "too short" in str(e)
+                generated = False
+            assert refused != generated, (name, length)
+            verdicts.add(refused)
+        assert verdicts == {True, False}, name  # the boundary lies in the lengths tried
+
+
+def test_lengths_too_short_for_a_task_are_refused_before_any_sample(run_dir, tmp_path, no_work):
+    line = one_line_refusal([str(run_dir), "--set", "eval.lengths=[100,512]", "--tasks", "vt,fwe"])
+    assert line.startswith("error: eval.lengths 100,512: too short for the prompt and generation of vt (")
+    assert "fwe (" in line and line.endswith("or --exclude vt,fwe")
+    assert "use --lengths (or eval.lengths) of at least" in line
+
+
+def test_the_runner_loads_without_training_code():
+    """`lctrain.train.checkpoint` (DeepSpeed's and torch's imports) is imported only for the hint of a run without
+    exports: importing the runner leaves it out."""
+    code = (
+        "import sys, lctrain.eval.runner; print(sorted({'lctrain.train.checkpoint', 'deepspeed'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -27,11 +27,12 @@ from lctrain.cli import app
 from lctrain.config import data_fingerprint, load_config, max_steps
 from lctrain.data.store import open_packed
 from lctrain.errors import UserError
+from lctrain.eval.tasks import generate, task_specs
 from lctrain.experiments import extend as ex
 from lctrain.init_config import rope_base
 from lctrain.lifetime import Terminated, terminate_as_interrupt
 from lctrain.rundir import RunDir
-from lctrain.tokenizer import load_tokenizer
+from lctrain.tokenizer import load_tokenizer, resolve_anchor, text_encoder
 from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import stream_rows
 from lctrain.train.schedule import hf_checkpoint_steps
@@ -96,13 +97,50 @@ def test_the_bundled_experiment_configs():
         ({"seq_len": 2050}, "--seq-len 2050"),
         ({"eval_lengths": [4096, 65536]}, "65536 is beyond"),
         ({"overrides": ("train.nope=1",)}, "train.nope"),
+        ({"tokens": -5}, "--tokens -5: less than one step of 131,072 tokens"),
+        ({"tokens": 131071}, "--tokens 131,071: less than one step"),
+        ({"train_seconds": float("inf")}, "--train-seconds inf"),
+        ({"train_seconds": float("nan")}, "--train-seconds nan"),
+        ({"steps": 2, "checkpoints": 3}, "--checkpoints 3: a run of 2 step"),
+        # 100 windows of 32K in the configs' token budget, 8 held out, 4 per step: 23 steps
+        (
+            {"steps": 24},
+            "24 steps x 4 windows read more than the 100 windows of --seq-len 32768 in data.token_budget = "
+            "3,276,800 leave beside 8 held out for perplexity: give --steps or --tokens of at most 23 steps",
+        ),
+        ({"seq_len": 2**40}, "the 0 windows of --seq-len 1099511627776 in data.token_budget = 3,276,800 leave 0 step"),
     ],
 )
 def test_bad_requests_are_refused_before_anything_is_built(tmp_path, kwargs, message):
     out = tmp_path / "exp"
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError, match=re.escape(message)):
         ex.extend(out, device="cpu", **kwargs)
     assert not out.exists()
+
+
+def test_an_out_through_a_file_is_refused_first(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError) as e:
+        ex.extend(tmp_path / "afile" / "x", steps=1, device="cpu")  # --steps 1 < 5 checkpoints: refused after
+    assert str(e.value) == (
+        f"--out {tmp_path}/afile/x: Not a directory ({tmp_path}/afile is a file); choose another --out"
+    )
+
+
+def test_a_bad_number_on_the_command_line_writes_nothing(tmp_path, monkeypatch):
+    """--tokens -5 was refused only once the example model and the corpus were written."""
+    monkeypatch.setattr(ex.example_model, "build", lambda out: pytest.fail("the example model was built"))
+    out = tmp_path / "exp"
+    for bad in (
+        ["--tokens", "-5"],
+        ["--steps", "24"],
+        ["--train-seconds", "inf"],
+        ["--checkpoints", "3", "--steps", "2"],
+    ):
+        result = CliRunner().invoke(app, ["experiment", "extend", "--out", str(out), "--device", "cpu", *bad])
+        assert result.exit_code == 2 and result.output.startswith("error: "), result.output
+        assert len(result.output.splitlines()) == 1 and bad[0] in result.output, result.output
+        assert not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -117,7 +155,6 @@ def test_bad_requests_are_refused_before_anything_is_built(tmp_path, kwargs, mes
             "lctrain train (anchor) crashed with SIGSEGV in native code (a library aborted or faulted); run the same",
         ),
         ("sys.exit(143)", "lctrain train (anchor) was stopped by SIGTERM (from outside: a scheduler or a user)"),
-        ("sys.exit(2)", "lctrain train (anchor) failed (exit code 2; its output is above)"),
     ],
 )
 def test_a_stage_that_ends_badly_is_one_line_naming_how(monkeypatch, tmp_path, exit_by, message):
@@ -129,6 +166,20 @@ def test_a_stage_that_ends_badly_is_one_line_naming_how(monkeypatch, tmp_path, e
     with pytest.raises(UserError, match=re.escape(message)) as e:
         exp.run("lctrain train (anchor)", ["train"])
     assert str(e.value).endswith("run the same `lctrain experiment extend` again to continue from what is finished")
+    assert e.value.exit_code == 1
+
+
+def test_a_stage_that_refused_its_command_says_to_correct_it_first(monkeypatch, tmp_path):
+    """Exit code 2 is the stage's "fix the command": the same command again would meet the same refusal."""
+    monkeypatch.setattr(ex, "lctrain_command", lambda *args: [sys.executable, "-c", "import sys; sys.exit(2)"])
+    exp = ex.Experiment(tmp_path, 2048, ex.MODES, 1, 5, (512, 1024, 2048), "cpu", None, ())
+    with pytest.raises(UserError) as e:
+        exp.run("lctrain eval runs/anchor_s0", ["eval"])
+    assert str(e.value) == (
+        "lctrain eval runs/anchor_s0 failed (exit code 2; its output is above); correct what its error names, then "
+        "run `lctrain experiment extend` again to continue from what is finished"
+    )
+    assert e.value.exit_code == 2
 
 
 def test_sigterm_to_the_experiment_is_passed_to_its_stage_which_stops_in_its_own_time(monkeypatch, tmp_path):
@@ -212,7 +263,9 @@ def stand_ins(monkeypatch):
     calls, reported)."""
     fail, calls, reported = {}, [], []
     monkeypatch.setattr(ex, "supervise", stand_in_stage(fail, calls))
-    monkeypatch.setattr(ex, "ensure_inputs", lambda exp: None)
+    monkeypatch.setattr(ex, "ensure_model", lambda exp: None)
+    monkeypatch.setattr(ex, "check_evaluation", lambda exp, lengths_given: None)
+    monkeypatch.setattr(ex, "ensure_corpus", lambda exp: None)
     monkeypatch.setattr(ex, "prepare_once", lambda exp, state, steps: {"path": "prepared", "windows": 100})
     monkeypatch.setattr(
         ex,
@@ -517,11 +570,9 @@ def tiny_extend(out, model, *, lengths=(TINY_SEQ_LEN,), overrides=()):
 
 
 @pytest.fixture(scope="module")
-def tiny_experiment(tmp_path_factory):
-    """An experiment on a tiny random Llama (an example-model directory by its marker) and a small corpus of its own,
-    trained and evaluated once."""
-    root = tmp_path_factory.mktemp("tiny_extend")
-    model = root / "model"
+def tiny_model(tmp_path_factory):
+    """A tiny random Llama with the built-in tokenizer, an example-model directory by its marker."""
+    model = tmp_path_factory.mktemp("tiny_model") / "model"
     tokenizer = load_tokenizer(load_config(None).data.tokenizer)
     arch = LlamaConfig(
         hidden_size=64,
@@ -535,7 +586,14 @@ def tiny_experiment(tmp_path_factory):
     LlamaForCausalLM(arch).save_pretrained(model)
     tokenizer.save_pretrained(model)
     (model / example_model.DONE).write_text("")
-    out = root / "exp"
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_experiment(tmp_path_factory, tiny_model):
+    """An experiment on the tiny model and a small corpus of its own, trained and evaluated once."""
+    model = tiny_model
+    out = tmp_path_factory.mktemp("tiny_extend") / "exp"
     corpus = out / ex.CORPUS
     corpus.parent.mkdir(parents=True)
     words = "the quick brown fox jumps over a lazy dog while the python code runs".split()
@@ -647,3 +705,40 @@ def test_runs_evaluated_before_the_settings_were_recorded_are_not_evaluated_agai
     tiny_extend(out, model)
     assert capsys.readouterr().out.count("eval finished, skipped") == len(TINY_MODES)
     assert {p: p.read_bytes() for p in results} == results
+
+
+def test_eval_lengths_too_short_for_a_task_are_refused_before_anything_is_written(tiny_model, tmp_path, monkeypatch):
+    """--seq-len 100 evaluates at 25, 50 and 100 tokens, less than a needle task's prompt with an empty haystack:
+    every run trained, then its evaluation failed naming eval's --lengths, and the same command again trained
+    nothing, evaluated again and failed again. Now the command refuses before it writes or runs anything, naming
+    its own options, and so does the same command again."""
+    stages = []
+    monkeypatch.setattr(ex, "supervise", lambda cmd, env, **kw: stages.append(cmd[3:]) or 0)
+    out = tmp_path / "exp"
+    command = ["experiment", "extend", "--out", str(out), "--model", str(tiny_model), "--steps", "2"]
+    command += ["--checkpoints", "1", "--modes", "anchor", "--device", "cpu"]
+    for _ in range(2):
+        result = CliRunner().invoke(app, [*command, "--seq-len", "100"])
+        assert result.exit_code == 2, result.output
+        line = result.output.splitlines()[-1]
+        assert line.startswith(
+            "error: --seq-len 100: evaluates at 25,50,100 (seq_len/4, /2 and seq_len), too short for the prompt and "
+            "generation of niah_single_1 ("
+        )
+        assert ", give --eval-lengths of at least " in line and "--set eval.exclude=[" in line
+        assert not out.exists() and stages == []
+    result = CliRunner().invoke(app, [*command, "--seq-len", "512", "--eval-lengths", "64,512"])
+    assert result.exit_code == 2 and not out.exists() and stages == []
+    line = result.output.splitlines()[-1]
+    assert line.startswith("error: --eval-lengths 64,512: too short for the prompt and generation of niah_single_1 (")
+    # the generator refuses those samples too; the length the message names is enough for every task
+    need = int(re.search(r"give --eval-lengths of at least (\d+)", line).group(1))
+    exp = ex.Experiment(out, 512, ("anchor",), 1, 1, (64,), "cpu", tiny_model, ())
+    cfg = exp.config("anchor")
+    tokenizer = load_tokenizer(str(tiny_model))
+    encoder = text_encoder(tokenizer).prompted(resolve_anchor(tokenizer, cfg.data.anchor))
+    spec = task_specs(cfg.eval.seed)["niah_single_1"]
+    with pytest.raises(UserError, match="too short for task niah_single_1"):
+        generate(spec, 64, cfg.eval.samples_per_task, cfg.eval.seed, lambda t: len(encoder.encode(t, specials=True)))
+    ex.check_evaluation(ex.Experiment(out, 512, ("anchor",), 1, 1, (need, 512), "cpu", tiny_model, ()), True)
+    assert not out.exists()

@@ -36,14 +36,21 @@ from lctrain.eval import score as scoring
 from lctrain.eval.kept import Kept, checkpoint_files
 from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths, select_heldout
 from lctrain.eval.ruler import Sample
-from lctrain.eval.tasks import QA_FORMATS, generate, load_qa, task_specs, unscorable_qa
+from lctrain.eval.tasks import (
+    QA_FORMATS,
+    TaskSpec,
+    build_sample,
+    generate,
+    load_qa,
+    task_specs,
+    unscorable_qa,
+)
 from lctrain.export_record import EXPORT_RECORD, read_export_record, verify_export
 from lctrain.files import TEMPORARY_PREFIX, replace_file, temporary_of
 from lctrain.lifetime import Reading, RunLock, lock_holder
 from lctrain.progress_bar import counted_bar
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import load_tokenizer, recorded_anchor, resolve_anchor, text_encoder
-from lctrain.train.checkpoint import latest_checkpoint
 
 OFFLINE_LABEL = "RULER-style v2 (not comparable with published RULER numbers)"
 # predictions.jsonl while an evaluation runs: renamed with results.json when it completes
@@ -54,6 +61,13 @@ EVAL_LOCK = ".lctrain-eval.lock"
 # the machine's refusals that another output directory avoids: their remedy (`errors.remedy_of`) gains --out DIR
 _ELSEWHERE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# The longest length any command parses: 16M tokens, beyond every model's context (the longest published, 10M). Past
+# it a typo (999999999) reached the sample generator, which aborted in native code for want of memory.
+MAX_LENGTH = 1 << 24
+# How far beyond a model's own context `lctrain eval` scores: the paper evaluates its 64K runs at 128K (Tables 4 and
+# 5), twice their context, where vanilla RoPE already loses up to 31 points (Table 4). Further out a score measures
+# a model that lost its positions, at the cost of prompts many times those it was made for.
+EXTRAPOLATION = 4
 
 
 @dataclass
@@ -73,7 +87,13 @@ def parse_lengths(text: str, option: str = "--lengths") -> list[int]:
         m = re.fullmatch(r"(\d+)\s*([kK]?)", item)
         if not m or int(m.group(1)) <= 0:
             raise UserError(f"{option} '{text}': '{item}' is not a length; use e.g. {option} 4k,8k,16k or 4096,8192")
-        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
+        length = int(m.group(1)) * (1024 if m.group(2) else 1)
+        if length > MAX_LENGTH:
+            raise UserError(
+                f"{option} '{text}': {length:,} tokens is beyond any model's context; use lengths of at most "
+                f"{MAX_LENGTH // 1024}k ({MAX_LENGTH:,} tokens)"
+            )
+        out.append(length)
     return sorted(set(out))
 
 
@@ -139,6 +159,9 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
         cfg = rd.read_config(overrides)
         ckpts = find_checkpoints(rd)
         if not ckpts:
+            # training's checkpoint module imports DeepSpeed's and torch's: on use, for this hint alone (start-up time)
+            from lctrain.train.checkpoint import latest_checkpoint
+
             last = latest_checkpoint(rd)
             export = f"; `lctrain export {quote(str(path))}` writes one of {last.name}" if last is not None else ""
             raise UserError(
@@ -212,20 +235,108 @@ def pick_device(device: str | None) -> str:
     return device
 
 
-def load_model(model_dir: Path, device: str):
-    # torch/transformers on use: this module loads without them (start-up time)
+def eval_dtype(device: str):
+    """What a checkpoint is evaluated in: bf16 on a GPU, fp32 on a CPU."""
+    # torch on use: this module loads without it (start-up time)
     import torch
+
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def load_model(model_dir: Path, device: str):
+    # transformers on use: this module loads without it (start-up time)
     from transformers import AutoModelForCausalLM
 
     no_library_bars()  # a "Loading weights" bar per checkpoint would tear through eval's own bar
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=eval_dtype(device), attn_implementation="sdpa"
+        )
     except load_errors() as e:
         raise UserError(
             f"{model_dir}: cannot load the model ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from None
     return model.to(device).eval()
+
+
+def model_context(model_dir: Path) -> int | None:
+    """The positions a model directory's config.json says the model was made for: its max_position_embeddings
+    (which training raises to data.seq_len), or the original context its RoPE scaling stretches by its factor where
+    that is longer (a YaRN config that keeps the base model's 4096); None when it says neither or cannot be read
+    (loading the model says why)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        own = int(config["max_position_embeddings"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    rope = config.get("rope_scaling") or config.get("rope_parameters")  # transformers 4's key, 5's
+    try:
+        original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+        return max(own, int((original or own) * float(rope.get("factor") or 1)))
+    except (AttributeError, TypeError, ValueError):
+        return own
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The lengths an evaluation scores, where they came from as its refusals name them (`source`: --lengths, the
+    config's eval.lengths, or --ruler-data's length directories) and the `option` that chooses others."""
+
+    lengths: list[int]
+    source: str
+    option: str
+
+
+def offline_lengths(lengths: list[int] | None, ev) -> Lengths:
+    """The offline suite's lengths: `lengths` (--lengths), else the config's eval.lengths."""
+    if lengths:
+        return Lengths(lengths, "--lengths", "--lengths")
+    return Lengths(sorted(set(ev.lengths)), "eval.lengths", "--lengths (or eval.lengths)")
+
+
+def refuse_unrunnable(tgt: Target, asked: Lengths, longest: int, backend: str, device: str) -> None:
+    """`check_context`, then with the hf backend `check_memory` for a prompt plus generation of `longest` tokens
+    (vLLM places its own cache, and refuses a length when its engine starts)."""
+    check_context(tgt, asked)
+    if backend == "hf":
+        check_memory(tgt, longest, device)
+
+
+def check_context(tgt: Target, asked: Lengths) -> None:
+    """Refuse lengths beyond `EXTRAPOLATION` times the model's context (`model_context`) before any work: a typo or a
+    run's default eval.lengths on a model trained short otherwise generated samples for minutes, or aborted in native
+    code out of memory, before a model was loaded. A run's checkpoints share one config: the first one's decides."""
+    name, path = tgt.checkpoints[0]
+    context = model_context(path)
+    if context is None:
+        return
+    most = EXTRAPOLATION * context
+    beyond = [L for L in asked.lengths if L > most]
+    if beyond:
+        raise UserError(
+            f"{asked.source} {','.join(map(str, beyond))}: more than {EXTRAPOLATION}x the {context:,} positions "
+            f"{name} was made for (max_position_embeddings and RoPE scaling of {path}/config.json); lctrain "
+            f"evaluates up to {EXTRAPOLATION}x a model's context (the paper 2x: its 64K runs at 128K): use "
+            f"{asked.option} of at most {most}"
+        )
+
+
+def check_memory(tgt: Target, tokens: int, device: str) -> None:
+    """Refuse, before any sample is generated, a prompt of `tokens` whose KV cache and prefill activations alone
+    cannot fit in the memory free now: `generation.plan_generation`'s rule, which the loaded model's plan (`plan_for`)
+    applies again with its weights counted. A config transformers cannot read is left to the model's load."""
+    # torch and transformers on use: this module loads without them (start-up time)
+    import torch
+    from transformers import AutoConfig
+
+    from lctrain.eval.generation import free_memory, plan_generation
+
+    try:
+        config = AutoConfig.from_pretrained(str(tgt.checkpoints[0][1]))  # a run's checkpoints share their shape
+    except load_errors():
+        return
+    free, host = free_memory(torch.device(device))
+    plan_generation(config, tokens, eval_dtype(device).itemsize, free, host)
 
 
 def greedy_generate(model, tokenizer, encoder, sample: Sample, plan, ends: list[int], cache=None) -> str:
@@ -278,22 +389,66 @@ def _counter(encoder):
     return lambda text: len(encoder.encode(text, specials=True))
 
 
-def offline_suite(
-    names: list[str], lengths: list[int], num_samples: int, seed: int, encoder, qa_paths: dict[str, str | None]
-) -> Suite:
-    """The built-in generator's samples; qa_1/qa_2 only with their local SQuAD/HotpotQA files."""
+def qa_files(cfg: Config, squad: str | None = None, hotpotqa: str | None = None) -> dict[str, str | None]:
+    """The local files of the offline suite's qa_1 (SQuAD) and qa_2 (HotpotQA): `squad` and `hotpotqa` (the
+    options), else the config's eval.squad_path and eval.hotpotqa_path."""
+    return {
+        "qa_1": squad or _setting_path(cfg, cfg.eval.squad_path),
+        "qa_2": hotpotqa or _setting_path(cfg, cfg.eval.hotpotqa_path),
+    }
+
+
+def offline_tasks(
+    names: list[str], seed: int, qa_paths: dict[str, str | None]
+) -> tuple[dict[str, TaskSpec], dict[str, str]]:
+    """The built-in generator's specs of the tasks of the set it can score, and those it cannot ({task: why}: qa_1/qa_2
+    without their local SQuAD/HotpotQA files); refused when none is left."""
     missing = unscorable_qa(names, qa_paths)
     runnable = [t for t in names if t not in missing]
     if not runnable:
         raise UserError(f"no task of the set can be scored: {'; '.join(f'{t}: {w}' for t, w in missing.items())}")
     specs = task_specs(seed, {t: load_qa(qa_paths[t], t) for t in QA_FORMATS if t in runnable})
+    return {t: specs[t] for t in runnable}, missing
+
+
+def too_short(
+    specs: dict[str, TaskSpec], lengths: list[int], num_samples: int, seed: int, encoder
+) -> dict[str, tuple[int, int]]:
+    """{task: (the shortest of `lengths` too short for it, the tokens its samples need there)} for every task with
+    a sample whose prompt with an empty haystack, plus its generation, does not fit in a length: exactly the samples
+    `tasks.generate` refuses, since a prompt only grows with its haystack. Found in a fraction of a second, before any
+    sample is generated, so that the refusal names where the lengths came from and no sample is generated in vain."""
+    count = _counter(encoder)
+    short = {}
+    for name, spec in specs.items():
+        for length in sorted(lengths):
+            need = max(
+                count(build_sample(spec, seed, length, i, num_samples, 0).prompt)  # as the generator draws it
+                for i in range(num_samples)
+            )
+            if need + spec.max_new_tokens > length:
+                short[name] = (length, need + spec.max_new_tokens)
+                break
+    return short
+
+
+def shortfall(short: dict[str, tuple[int, int]]) -> str:
+    """`too_short`'s findings in words: what each task needs at the length too short for it."""
+    tasks = ", ".join(f"{t} ({need:,} tokens at {length})" for t, (length, need) in short.items())
+    return f"too short for the prompt and generation of {tasks}, with an empty haystack"
+
+
+def offline_suite(
+    specs: dict[str, TaskSpec], missing: dict[str, str], lengths: list[int], num_samples: int, seed: int, encoder
+) -> Suite:
+    """The built-in generator's samples of the tasks `offline_tasks` found scorable (`missing`: those it did not)."""
     count = _counter(encoder)
     sources: list[list[Sample]] = []
     with counted_bar() as bar:
-        job = bar.add_task("generating task samples", total=len(runnable) * len(lengths))
-        for name in runnable:
+        job = bar.add_task("generating task samples", total=len(specs) * len(lengths))
+        for spec in specs.values():
             for length in lengths:
-                sources.append(generate(specs[name], length, num_samples, seed, count))
+                sources.append(generate(spec, length, num_samples, seed, count))
                 bar.advance(job)
     longest = max(s.num_tokens + s.max_new_tokens for src in sources for s in src)
     return Suite(
@@ -501,7 +656,12 @@ class EvalLock(RunLock):
 def evaluating(tgt: Target, out_dir: Path) -> Iterator[None]:
     """Held by an evaluation (RULER's, the harness's) from start to end: its output directory's `EvalLock`, and its
     `Reading` mark on the run it scores, with which `lctrain train --force` refuses to delete the run's exports and
-    report under it."""
+    report under it. A model directory is refused as the output directory: the report went among the model's files."""
+    if _is_model_dir(out_dir):
+        raise UserError(
+            f"--out {out_dir}: a model directory (it holds config.json); the evaluation would write its report among "
+            f"the model's files: pick another directory for --out (by default {RunDir(tgt.path).eval_dir})"
+        )
     reading = Reading(tgt.path, "lctrain eval", f"the evaluation into {out_dir.absolute()}")
     with reading if tgt.kind == "run" else nullcontext(), EvalLock(out_dir):
         yield
@@ -590,6 +750,11 @@ def evaluate(
     data_dir = ruler_data or _setting_path(tgt.cfg, ev.ruler_data)
     out_dir = Path(out) if out else RunDir(tgt.path).eval_dir
     dev = pick_device(device)
+    # the offline suite's lengths are refused before its samples are generated; RULER data's once read (a length
+    # directory it scores, its samples' own token counts), before any model loads
+    asked = None if data_dir else offline_lengths(lengths, ev)
+    if asked is not None:
+        refuse_unrunnable(tgt, asked, max(asked.lengths), backend, dev)
 
     # one evaluation at a time writes a report: two at once renamed each other's predictions away
     with evaluating(tgt, out_dir), eval_writes(out_dir):
@@ -598,19 +763,19 @@ def evaluate(
         if data_dir:
             encoder = ruler.PromptEncoder(tokenizer, anchor)
             suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
+            found = Lengths(suite.lengths, "--lengths" if lengths else f"--ruler-data {data_dir}: length", "--lengths")
+            refuse_unrunnable(tgt, found, suite.longest, backend, dev)
         else:
             encoder = text_encoder(tokenizer).prompted(anchor)
-            suite = offline_suite(
-                names,
-                lengths or sorted(set(ev.lengths)),
-                samples if samples is not None else ev.samples_per_task,
-                ev.seed,
-                encoder,
-                {
-                    "qa_1": squad or _setting_path(tgt.cfg, ev.squad_path),
-                    "qa_2": hotpotqa or _setting_path(tgt.cfg, ev.hotpotqa_path),
-                },
-            )
+            specs, missing = offline_tasks(names, ev.seed, qa_files(tgt.cfg, squad, hotpotqa))
+            num_samples = samples if samples is not None else ev.samples_per_task
+            short = too_short(specs, asked.lengths, num_samples, ev.seed, encoder)
+            if short:
+                raise UserError(
+                    f"{asked.source} {','.join(map(str, asked.lengths))}: {shortfall(short)}; use {asked.option} of "
+                    f"at least {max(need for _, need in short.values())}, or --exclude {','.join(short)}"
+                )
+            suite = offline_suite(specs, missing, asked.lengths, num_samples, ev.seed, encoder)
         heldout = select_heldout(tgt, ppl_data, tokenizer)
         # taken before any answer: the exports the scores are of, as `resolve_target` verified them
         digests = {name: export_digest(path) for name, path in tgt.checkpoints}

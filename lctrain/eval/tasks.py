@@ -440,8 +440,11 @@ def unscorable_qa(names: list[str], paths: dict[str, str | None]) -> dict[str, s
 # ---------------------------------------------------------------- fitting to a token length
 
 
-def _sample_rng(seed: int, task: str, length: int, index: int) -> random.Random:
-    return random.Random(f"{seed}:{task}:{length}:{index}")
+def build_sample(spec: TaskSpec, seed: int, length: int, index: int, num_samples: int, units: int) -> Built:
+    """Sample `index` of `num_samples` of task `spec` at `length` with a haystack of `units`, drawn as `generate`
+    draws it: its own seeding, its first needle's depth."""
+    rng = random.Random(f"{seed}:{spec.name}:{length}:{index}")
+    return spec.build(rng, units, (index + 0.5) / num_samples, length)
 
 
 def fit_units(count: Callable[[int], int], budget: int, max_units: int | None = None, start: int = 16) -> int:
@@ -491,7 +494,7 @@ def generate(
     budget = length - spec.max_new_tokens
 
     def build(index: int, n: int) -> Built:
-        return spec.build(_sample_rng(seed, spec.name, length, index), n, (index + 0.5) / num_samples, length)
+        return build_sample(spec, seed, length, index, num_samples, n)
 
     def fit(index: int, start: int = 16) -> int:
         n = fit_units(lambda k: count_tokens(build(index, k).prompt), budget, spec.max_units, start)

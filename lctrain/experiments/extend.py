@@ -2,6 +2,11 @@
 AnchorAttention extending one model's context with the same data, tokens and schedule), small and offline
 (docs/experiment.md): the example model SmolLM2-135M-Instruct extended 4x, 8K -> 32K, on Python's shipped text.
 
+Every option is checked before anything is written (the steps against the windows the token budget makes, the
+checkpoints against the steps), and the evaluation's task set and lengths against the model's tokenizer before any
+run is trained (`check_evaluation`): refused later, a bad value left files behind, or trained every run before each
+evaluation failed, again at every rerun.
+
 Stages, each said as it starts and skipped when a rerun finds it done:
 1. inputs: the example model and the corpus under OUT, where the bundled configs `smollm2_32k_<mode>` look for them
    (`--model DIR`: a model directory `lctrain example-model` already wrote);
@@ -23,6 +28,7 @@ recorded and left out, the other runs go on and are reported, and the command st
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -50,11 +56,14 @@ from lctrain.config import (
 from lctrain.data.shipped_text import write_jsonl
 from lctrain.data.store import open_packed
 from lctrain.errors import RunFailed, UserError
+from lctrain.eval import ruler
+from lctrain.eval.runner import offline_tasks, qa_files, shortfall, too_short
 from lctrain.files import replace_file
 from lctrain.lifetime import STOPPED, Terminated, death_of, signal_name, supervise
 from lctrain.reports.compare import print_report, rewritten_exports, write_report
 from lctrain.reports.trained_windows import Windows, trained_windows
 from lctrain.rundir import RunDir
+from lctrain.tokenizer import load_tokenizer, resolve_anchor, text_encoder
 from lctrain.train import checkpoint as ckpt
 
 MODES = ("full", "intra_doc", "anchor")
@@ -88,9 +97,12 @@ class StageFailed(UserError):
     rank out of memory, killed), as `RunFailed` says."""
 
     def __init__(self, failure: str, stage_code: int | None = None):
-        super().__init__(f"{failure}; {RERUN} to continue from what is finished")
+        refused = stage_code == UserError.exit_code
+        # the same command would meet the same refusal: what the stage named has to change first
+        then = "correct what its error names, then run `lctrain experiment extend` again" if refused else RERUN
+        super().__init__(f"{failure}; {then} to continue from what is finished")
         self.failure = failure
-        self.exit_code = UserError.exit_code if stage_code == UserError.exit_code else RunFailed.exit_code
+        self.exit_code = UserError.exit_code if refused else RunFailed.exit_code
 
 
 def lctrain_command(*args: str) -> list[str]:
@@ -216,7 +228,7 @@ class State:
         replace_file(self.path, json.dumps(self.data, indent=2), "the experiment's state")
 
 
-def ensure_inputs(exp: Experiment) -> None:
+def ensure_model(exp: Experiment) -> None:
     model = exp.model or exp.out / MODEL_DIR
     if example_model.is_built(model):
         say("inputs", f"example model {model}: present")
@@ -225,12 +237,45 @@ def ensure_inputs(exp: Experiment) -> None:
     else:
         say("inputs", f"building the example model into {model}")
         example_model.build(model)
+
+
+def ensure_corpus(exp: Experiment) -> None:
     corpus = exp.out / CORPUS
     if corpus.is_file():
         say("inputs", f"corpus {corpus}: present")
     else:
         info = write_jsonl(corpus)
         say("inputs", f"wrote {corpus} (Python {info['python']}, fingerprint {info['fingerprint']})")
+
+
+def check_evaluation(exp: Experiment, lengths_given: bool) -> None:
+    """Refuse, before any run is trained, eval settings that each run's evaluation would refuse once trained (and
+    again at every rerun): a task set with nothing to score, or evaluation lengths too short for a task's prompt, in
+    this command's own options. Counted with the model's tokenizer and anchor, as `lctrain eval` counts them; RULER
+    data (`--set eval.ruler_data`) brings its own lengths."""
+    cfg = exp.config(exp.modes[0])
+    ev = cfg.eval
+    names, _ = ruler.select_task_set(ev.tasks, list(ev.exclude))
+    if ev.ruler_data:
+        return
+    specs, _ = offline_tasks(names, ev.seed, qa_files(cfg))
+    tokenizer = load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
+    encoder = text_encoder(tokenizer).prompted(resolve_anchor(tokenizer, cfg.data.anchor, cfg.data.tokenizer))
+    short = too_short(specs, list(exp.eval_lengths), ev.samples_per_task, ev.seed, encoder)
+    if not short:
+        return
+    need = max(n for _, n in short.values())
+    leave_out = f"--set eval.exclude=[{','.join(sorted({*ev.exclude, *short}))}]"
+    lengths = ",".join(map(str, exp.eval_lengths))
+    if lengths_given:
+        raise UserError(
+            f"--eval-lengths {lengths}: {shortfall(short)}; give --eval-lengths of at least {need}, or leave the "
+            f"tasks out ({leave_out})"
+        )
+    raise UserError(
+        f"--seq-len {exp.seq_len}: evaluates at {lengths} (seq_len/4, /2 and seq_len), {shortfall(short)}; use "
+        f"--seq-len {4 * need} or more, give --eval-lengths of at least {need}, or leave the tasks out ({leave_out})"
+    )
 
 
 def prepare_once(exp: Experiment, state: State, steps: int | None) -> dict:
@@ -276,18 +321,33 @@ def measure_tokens_per_s(exp: Experiment) -> float:
     return statistics.median(float(r["tokens_per_s"]) for r in records)
 
 
+def step_limit(cfg: Config, windows: int, holding: str, steps: int | None, checkpoints: int) -> int:
+    """The most steps that read each of `windows` windows (`holding`: where they are, in words) at most once beside
+    the held-out ones; refused when that is fewer than `checkpoints`, or than `steps` when given."""
+    batch, held = cfg.train.global_batch, cfg.eval.ppl_windows
+    limit = max_steps(windows, held, batch)
+    if limit < checkpoints:
+        raise UserError(
+            f"the {windows} windows {holding} leave {limit} step(s) of {batch} beside {held} held-out windows, fewer "
+            f"than --checkpoints {checkpoints}; raise data.token_budget (--set) or lower --seq-len or "
+            f"train.global_batch"
+        )
+    if steps is not None and steps > limit:
+        raise UserError(
+            f"{steps} steps x {batch} windows read more than the {windows} windows {holding} leave beside {held} "
+            f"held out for perplexity: give --steps or --tokens of at most {limit} steps "
+            f"({limit * cfg.tokens_per_step:,} tokens), or raise data.token_budget (--set)"
+        )
+    return limit
+
+
 def choose_steps(exp: Experiment, state: State, prepared: dict, given: int | None, seconds: float | None) -> int:
     """Steps per run: `given` (--steps, or --tokens in whole steps), else sized from measured throughput, else the
     configs' own; never more than the prepared windows hold beside the held-out ones."""
     cfg = exp.config(exp.modes[0])
     per_step = cfg.tokens_per_step
-    limit = max_steps(prepared["windows"], cfg.eval.ppl_windows, cfg.train.global_batch)
-    if limit < exp.checkpoints:
-        raise UserError(
-            f"{prepared['path']}: {prepared['windows']} windows leave {limit} step(s) of {cfg.train.global_batch} "
-            f"beside {cfg.eval.ppl_windows} held-out windows, fewer than --checkpoints {exp.checkpoints}; raise "
-            f"data.token_budget (--set) or lower train.global_batch"
-        )
+    chosen = None if seconds is not None else given if given is not None else cfg.train.steps
+    limit = step_limit(cfg, prepared["windows"], f"prepared in {prepared['path']}", chosen, exp.checkpoints)
     if seconds is not None:
         recorded = state.data.get("sizing") or {}
         if recorded.get("train_seconds") == seconds and recorded.get("limit") == limit:
@@ -305,14 +365,6 @@ def choose_steps(exp: Experiment, state: State, prepared: dict, given: int | Non
             "why": why,
         }
         state.save()
-        return chosen
-    chosen = given if given is not None else cfg.train.steps
-    if chosen > limit:
-        raise UserError(
-            f"{chosen} steps x {cfg.train.global_batch} windows read more than the {prepared['windows']} prepared "
-            f"windows leave beside {cfg.eval.ppl_windows} held out for perplexity: at most {limit} steps "
-            f"({limit * per_step:,} tokens); or raise data.token_budget (--set)"
-        )
     return chosen
 
 
@@ -548,6 +600,14 @@ def report_runs(exp: Experiment, state: State, failed: dict[str, str]) -> dict:
     return report
 
 
+def check_out(out: Path) -> None:
+    """Refuse an --out that is, or runs through, a file before any other check: no other option makes it the
+    experiment's directory, and checking does not create it (a refused command writes nothing)."""
+    blocking = next((p for p in (out, *out.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise UserError(f"--out {out}: {os.strerror(errno.ENOTDIR)} ({blocking} is a file); choose another --out")
+
+
 def pick_device(device: str) -> str:
     # torch on use: `lctrain --help` does not pay for it (start-up time)
     import torch
@@ -580,11 +640,12 @@ def extend(
     """Run (or continue) the experiment in `out`; returns the report `write_report` wrote. With `keep_going`, a run
     whose training or evaluation fails is left out and the others go on; the report is written without it, then a
     RunFailed names it."""
+    check_out(Path(out))
     if sum(x is not None for x in (steps, tokens, train_seconds)) > 1:
         raise UserError("give one of --steps, --tokens and --train-seconds")
     if steps is not None and steps < 1:
         raise UserError(f"--steps {steps}: train at least 1 step")
-    if train_seconds is not None and not train_seconds > 0:
+    if train_seconds is not None and not 0 < train_seconds < math.inf:
         raise UserError(f"--train-seconds {train_seconds}: expected a time in seconds > 0")
     if seeds < 1:
         raise UserError(f"--seeds {seeds}: run at least 1 seed")
@@ -610,13 +671,21 @@ def extend(
         Path(model).absolute() if model is not None else None,
         tuple(overrides),
     )
-    exp.config(exp.modes[0])  # a bad --set is refused here, before anything is built
-    exp.out.mkdir(parents=True, exist_ok=True)
-    state = State(exp.out / STATE_FILE)
-    ensure_inputs(exp)
-    cfg = exp.config(exp.modes[0])
+    cfg = exp.config(exp.modes[0])  # a bad --set is refused here, before anything is built
     per_step = cfg.tokens_per_step
     given = steps if steps is not None else steps_for_tokens(tokens, per_step) if tokens is not None else None
+    windows = cfg.data.token_budget // seq_len  # the most that prepare packs
+    planned = None if train_seconds is not None else given if given is not None else cfg.train.steps
+    step_limit(
+        cfg, windows, f"of --seq-len {seq_len} in data.token_budget = {cfg.data.token_budget:,}", planned, checkpoints
+    )
+    if planned is not None:
+        checkpoint_spacing(planned, checkpoints)
+    ensure_model(exp)
+    check_evaluation(exp, eval_lengths is not None)  # the model's tokenizer counts the prompts
+    exp.out.mkdir(parents=True, exist_ok=True)
+    state = State(exp.out / STATE_FILE)
+    ensure_corpus(exp)
     prepared = prepare_once(exp, state, given)
     chosen = choose_steps(exp, state, prepared, given, train_seconds)
     check_trained_runs(exp, chosen)  # a refused plan is never recorded
