@@ -731,3 +731,26 @@ def test_the_runner_loads_without_training_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_heldout_dataset_is_marked_as_read_while_scored(run_dir, tmp_path, monkeypatch):
+    """While an evaluation scores perplexity on a prepared dataset, `prepare --force` of it is refused (it would
+    replace the windows under the scoring), as while a training reads it; the mark goes with the evaluation."""
+    from lctrain import lifetime
+    from lctrain.eval import runner
+
+    data = RunDir(run_dir).read_config().data.output_dir
+    out = tmp_path / "marked"
+    seen = []
+
+    def scoring(tgt, suite, tokenizer, encoder, device, heldout, kept, backend="hf", anchor_id=None):
+        seen.append([r["reader"] for r in lifetime.readers(heldout.path)])
+        with pytest.raises(UserError, match="reads it now; wait for it to finish"):
+            lifetime.refuse_while_read(heldout.path, "rebuilding it here")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "score_checkpoints", scoring)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(resolve_target(run_dir), out=out, lengths=[512], tasks=["vt"], samples=1)
+    assert seen == [[f"the evaluation into {out}"]]
+    assert lifetime.readers(data) == []

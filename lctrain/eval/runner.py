@@ -19,7 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from shlex import quote
@@ -757,7 +757,7 @@ def evaluate(
         refuse_unrunnable(tgt, asked, max(asked.lengths), backend, dev)
 
     # one evaluation at a time writes a report: two at once renamed each other's predictions away
-    with evaluating(tgt, out_dir), eval_writes(out_dir):
+    with evaluating(tgt, out_dir), eval_writes(out_dir), ExitStack() as reading:
         tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
         anchor = eval_anchor(tgt.checkpoints[0][1], tgt.cfg, tokenizer)
         if data_dir:
@@ -777,6 +777,8 @@ def evaluate(
                 )
             suite = offline_suite(specs, missing, asked.lengths, num_samples, ev.seed, encoder)
         heldout = select_heldout(tgt, ppl_data, tokenizer)
+        if heldout.path is not None:  # `prepare --force` of it meanwhile is refused, as while a training reads it
+            reading.enter_context(Reading(heldout.path, "lctrain eval", f"the evaluation into {out_dir.absolute()}"))
         # taken before any answer: the exports the scores are of, as `resolve_target` verified them
         digests = {name: export_digest(path) for name, path in tgt.checkpoints}
         key = {
