@@ -331,6 +331,21 @@ def special_affixes(tok) -> tuple[list[int], list[int]]:
     )
 
 
+def _canonical(value):
+    """A tokenizers pipeline (its JSON) as every tokenizers release writes it: fields a release added are written as
+    their default (null, false, an empty list) by the releases after it and absent in files before, and merges went
+    from "a b" strings to ["a", "b"] pairs (0.20), so both are dropped or written one way; without this a library
+    upgrade would read as a tokenizer edited in place."""
+    if isinstance(value, dict):
+        kept = {k: _canonical(v) for k, v in value.items() if not (v is None or v is False or v == [] or v == {})}
+        if isinstance(kept.get("merges"), list):
+            kept["merges"] = [" ".join(m) if isinstance(m, list) else m for m in kept["merges"]]
+        return kept
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
 class TextEncoder:
     """Text -> token ids, exactly as the model's reference tokenizer gives them with its special tokens split: text
     that spells a special token ("<|endoftext|>", "<|im_start|>", "<s>") is encoded as the text it is, never as that
@@ -389,6 +404,25 @@ class TextEncoder:
             return [np.array(e.ids, dtype=np.int32) for e in encode_fn(texts, add_special_tokens=False)]
         ids = self.backend(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return [np.array(x, dtype=np.int32) for x in ids]
+
+    def digest(self) -> str:
+        """What decides the ids `encode_batch` gives a text (sha256): the SentencePiece model's bytes; the fast
+        tokenizer's whole pipeline (normalizer, pre-tokenizer, model, added tokens, post-processor, truncation) but its
+        decoder, which only turns ids back into text; for another tokenizer its class and vocabulary, its other rules
+        being its class's code (its pickle differs from process to process). A prepared dataset records it: the
+        vocabulary fingerprint stays the same when tokenizer.json gains a normalizer, and most documents' ids do not."""
+        if self.kind == "sentencepiece":
+            rules = self.blob
+        elif self.kind == "tokenizers":
+            pipeline = json.loads(self.blob)
+            for unused in ("decoder", "truncation", "padding"):  # `encode_batch` neither decodes, truncates nor pads
+                pipeline.pop(unused, None)
+            rules = json.dumps(_canonical(pipeline), sort_keys=True, ensure_ascii=False).encode()
+        else:
+            cls = type(self.backend)
+            vocab = sorted(self.backend.get_vocab().items())
+            rules = json.dumps([f"{cls.__module__}.{cls.__qualname__}", vocab], ensure_ascii=False).encode()
+        return hashlib.sha256(self.kind.encode() + b"\0" + rules).hexdigest()
 
     def encode(self, text: str, specials: bool = False) -> list[int]:
         """The ids of one text; `specials`: with the special tokens the model's tokenizer adds to an input (a

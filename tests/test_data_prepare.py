@@ -13,11 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
+import torch
 import zstandard
 from train_helpers import one_error_line, set_args
 from typer.testing import CliRunner
 
 import lctrain.data.prepare as prepare_module
+from lctrain.attention.batch import make_batch
 from lctrain.cli import app
 from lctrain.config import DOMAINS, load_config
 from lctrain.data.manifest import CHECKSUM_KEY, MANIFEST, manifest_checksum
@@ -434,6 +436,40 @@ def test_domain_tags(tmp_path, tok, words):
     assert len(started) > 10
 
 
+def test_a_tail_too_short_for_a_text_token_holds_the_anchor_and_what_fits_of_the_tag(tmp_path, tok, words):
+    """docs/data.md: with domain tags, a window's tail too short for one text token holds the next document's anchor
+    and as much of its tag as fits (`tag_lens` counts it), the document starting whole in the next window; the labels
+    mask that tag token's target as every tag's, and the row's last."""
+    L = 64
+    tag = tok("StackExchange", add_special_tokens=False)["input_ids"]
+    assert len(tag) == 3  # '▁Stack' 'Ex' 'change'
+    first = " ".join(words[: L - 3 - len(tag)])  # anchor, tag and text leave 2 tokens: an anchor and 1 tag token
+    second = " ".join(words[100:200])
+    docs = [{"text": t, "meta": {"redpajama_set_name": "RedPajamaStackExchange"}} for t in (first, second)]
+    ids = [tok(d["text"], add_special_tokens=False)["input_ids"] for d in docs]
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    over = ["data.domain_tags=true", f"data.seq_len={L}", f"data.token_budget={2 * L}", "data.shuffle_buffer_tokens=0"]
+    data = open_packed(prepare(cfg_for(tmp_path / "out", *over, source=src)))
+    anchor = tok.bos_token_id
+    rows = [data[i] for i in range(len(data))]
+    assert rows[0]["input_ids"].tolist() == [anchor, *tag, *ids[0], anchor, tag[0]]
+    assert rows[0]["seg_lens"].tolist() == [L - 2, 2] and rows[0]["tag_lens"].tolist() == [len(tag), 1]
+    assert rows[1]["input_ids"].tolist() == [anchor, *tag, *ids[1][: L - 1 - len(tag)]]
+    assert rows[1]["tag_lens"].tolist() == [len(tag)]
+
+    row = rows[0]
+    batch = make_batch(
+        torch.tensor(row["input_ids"][None]),
+        [row["seg_lens"]],
+        "full",
+        seg_doc=[row["seg_doc"]],
+        tag_lens=[row["tag_lens"]],
+    )
+    labels = batch.labels[0].tolist()
+    assert labels[L - 3] == anchor  # the anchor after the first document's last token is learned
+    assert labels[L - 2] == labels[L - 1] == -100  # the tail's tag token, and nothing after the row
+
+
 def test_interleaved_chunks_keep_order_and_share_seg_doc(tmp_path, tok, words):
     docs = make_docs(words, 80, seed=5, lengths=(3, 60))
     src = write_jsonl(tmp_path / "c.jsonl", docs)
@@ -539,6 +575,46 @@ def test_bad_records_are_skipped_counted_and_strict_stops(tmp_path, words):
     line = one_error_line(r)
     assert r.stderr.strip().splitlines()[-1] == line and f"{src}:21" in line and "not a JSON object" in line
     assert not (tmp_path / "s").exists()
+
+
+def test_strict_on_a_dataset_that_skipped_bad_records_is_refused_not_a_noop(tmp_path, words):
+    """`strict` is not a data setting, so --strict finds the dataset a build without it made: when that build skipped
+    bad records, "nothing to do" would tell someone validating the corpus that it is clean. Refused, naming the
+    counts by reason and where they are recorded; --strict --force rebuilds and stops at the first. A dataset whose
+    build skipped nothing --strict stops at (a blank line is no bad record) is nothing to do."""
+    good = [json.dumps(d) for d in make_docs(words, 30, seed=7)]
+    # text all whitespace as str.isspace counts it, the separators \x1c-\x1f included, is empty (docs/data.md)
+    blank = "\u00a0\u3000\x1c\x1f"
+    assert blank.isspace()
+    bad = ["{not json", json.dumps({"meta": {}}), json.dumps({"text": 7}), json.dumps({"text": blank})]
+    src = tmp_path / "bad.jsonl"
+    src.write_text("\n".join(good[:10] + bad + good[10:]) + "\n")
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("\n".join(good[:10] + [""] + good[10:]) + "\n")
+
+    def run(path, out, *flags):
+        over = ["data.source=local", f"data.path={path}", "data.seq_len=128", f"data.output_dir={tmp_path / out}"]
+        return CliRunner().invoke(app, ["prepare", *flags, *set_args(over)])
+
+    assert run(src, "bad").exit_code == 0
+    assert open_packed(tmp_path / "bad").manifest.skipped["counts"] == {
+        "empty_text": 1,
+        "malformed_json": 1,
+        "no_text": 2,
+    }
+    line = one_error_line(run(src, "bad", "--strict"))
+    assert line == (
+        f"error: {tmp_path / 'bad'}: already prepared, but its build skipped 4 bad records without --strict "
+        f"(1 empty_text, 1 malformed_json, 2 no_text; manifest.json: skipped.counts); run prepare again with --strict "
+        f"--force to rebuild it, stopping at the first one"
+    )
+    line = one_error_line(run(src, "bad", "--strict", "--force"))
+    assert f"{src}:11: not a JSON object (--strict stops at the first bad record" in line
+
+    assert run(clean, "clean").exit_code == 0
+    assert open_packed(tmp_path / "clean").manifest.skipped["counts"] == {"blank_line": 1}
+    r = run(clean, "clean", "--strict")
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
 
 
 @pytest.mark.parametrize(

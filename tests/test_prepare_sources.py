@@ -1,12 +1,15 @@
 """Sources resolved explicitly: an existing path is a path even with glob characters in its name, only regular files
 are read (a named pipe is refused in one line, never opened), and dangling symlinks, unreadable files and files of
-other types are skipped, counted and named in the summary and the manifest. A `.json` file is JSON Lines or one JSON
-array of records; a `data.path` corpus whose records keep their text under another name is refused in one line
-saying how to name it."""
+other types are skipped, counted and named in the summary and the manifest; a folder passes over hidden files and
+folders, as a glob over it does. A `.json` file is JSON Lines or one JSON array of records; a `data.path` corpus whose
+records keep their text under another name is refused in one line saying how to name it."""
 
+import glob
 import json
 import os
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import zstandard
@@ -33,11 +36,10 @@ def records(n=30):
     return [{"text": f"document {i} " + "word " * 60} for i in range(n)]
 
 
-def run_prepare(tmp_path, data_path):
+def run_prepare(tmp_path, data_path, *extra):
     args = ["prepare", "--set", "data.source=local", "--set", f"data.path={data_path}", "--set", "data.seq_len=64"]
-    return CliRunner().invoke(
-        app, [*args, "--set", "data.token_budget=640", "--set", f"data.output_dir={tmp_path / 'o'}"]
-    )
+    more = [x for o in ["data.token_budget=640", f"data.output_dir={tmp_path / 'o'}", *extra] for x in ("--set", o)]
+    return CliRunner().invoke(app, [*args, *more])
 
 
 def cfg(tmp_path, data_path, *extra):
@@ -159,6 +161,54 @@ def test_files_of_other_types_in_a_folder_or_a_glob_are_skipped_and_named(tmp_pa
     resolved = sources.resolve_local_files(str(src / "*.*"), "train", 0)
     assert resolved.files == [src / "a.jsonl"]
     assert resolved.skipped == [(src / "b.jsonl.gz", OTHER_TYPE), (src / "x.jsonl.gz", OTHER_TYPE)]
+
+
+def named_corpus(path, name, n):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": f"{name} document {i} " + "word " * 40}) + "\n" for i in range(n)))
+    return path
+
+
+def windows(out):
+    data = open_packed(out)
+    return [(data[i]["input_ids"].tolist(), data[i]["seg_lens"].tolist()) for i in range(len(data))]
+
+
+def test_a_folder_passes_over_hidden_files_and_folders_as_a_glob_does(tmp_path):
+    """A git checkout's .git/, Jupyter's checkpoint copies (the same records again) and macOS's AppleDouble files
+    (binary, named like the file they describe) are not data: a folder reads what a glob over it reads, the same
+    windows as the folder without them, and says nothing of them. A path or a pattern that names a hidden file reads
+    it."""
+    clean = tmp_path / "clean"
+    named_corpus(clean / "a.jsonl", "alpha", 12)
+    named_corpus(clean / "sub" / "b.jsonl", "beta", 9)
+    src = tmp_path / "src"
+    shutil.copytree(clean, src)
+    named_corpus(src / ".hidden.jsonl", "hidden", 5)
+    named_corpus(src / ".git" / "x.jsonl", "git", 5)
+    named_corpus(src / "sub" / ".cache" / "y.jsonl", "cache", 5)
+    (src / ".ipynb_checkpoints").mkdir()
+    shutil.copy(src / "a.jsonl", src / ".ipynb_checkpoints" / "a-checkpoint.jsonl")
+    (src / "._a.jsonl").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(range(256)) * 4)
+
+    # the reference: Python's glob, which passes over names that start with a dot
+    globbed = sorted(Path(f) for f in glob.glob(str(src / "**" / "*.jsonl"), recursive=True))
+    assert globbed == [src / "a.jsonl", src / "sub" / "b.jsonl"]
+    resolved = sources.resolve_local_files(str(src), "train", 0)
+    assert sorted(resolved.files) == globbed and resolved.skipped == []
+
+    everything = ["data.token_budget=64000"]  # more than the input: every document is in the windows
+    built = {}
+    for name, path in [("folder", src), ("clean", clean), ("glob", src / "**" / "*.jsonl")]:
+        r = run_prepare(tmp_path / name, path, *everything)
+        assert r.exit_code == 0 and "skipped" not in r.output, r.output
+        built[name] = windows(tmp_path / name / "o")
+    assert built["folder"] == built["clean"] == built["glob"]
+    assert open_packed(tmp_path / "folder" / "o").manifest.source["files"] == 2
+
+    # named, a hidden file is read
+    assert sources.resolve_local_files(str(src / ".hidden.jsonl"), "train", 0).files == [src / ".hidden.jsonl"]
+    assert sources.resolve_local_files(str(src / ".h*.jsonl"), "train", 0).files == [src / ".hidden.jsonl"]
 
 
 @pytest.mark.parametrize("path", ["only_gz", "only_gz/*"])

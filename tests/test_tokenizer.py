@@ -1,23 +1,28 @@
 """Tokenizer loading and the exact text -> ids encoder: every SentencePiece-model tokenizer (the built-ins, a `.model`
 file, a directory that carries `tokenizer.model`) gives exactly `sentencepiece.SentencePieceProcessor.encode`'s ids, on
 real text that ships with Python and the installed packages; other tokenizers give their `tokenizers` pipeline's ids;
-the on-disk cache of the conversion; bad specs."""
+the on-disk cache of the conversion; bad specs; the digest of what decides the ids, with which `prepare` refuses to call
+a dataset prepared once its tokenizer changed in place."""
 
 import json
+import os
 import pickle
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 import sentencepiece as spm
 from tokenizers import Tokenizer, models, pre_tokenizers
-from train_helpers import one_error_line
+from train_helpers import one_error_line, set_args
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.data import prepare as prepare_mod
+from lctrain.data.manifest import CHECKSUM_KEY, MANIFEST, manifest_checksum
 from lctrain.data.sources import RawBatch
 from lctrain.data.store import FORMAT_VERSION, open_packed, read_manifest
 from lctrain.errors import UserError
@@ -350,3 +355,197 @@ def test_a_saved_tokenizer_is_in_the_form_transformers_4_loads_and_5_loads_uncha
     assert json.loads((tmp_path / "resaved" / "tokenizer_config.json").read_text()) == json.loads(
         (tmp_path / "own" / "tokenizer_config.json").read_text()
     )
+
+
+@pytest.fixture()
+def reloaded():
+    """Loads that see a tokenizer edited on disk: the CLI runs in a fresh process, these tests in one."""
+    load_tokenizer.cache_clear()
+    load_encoder.cache_clear()
+    yield load_tokenizer.cache_clear
+    load_tokenizer.cache_clear()
+    load_encoder.cache_clear()
+
+
+def _word_level_dir(path: Path) -> Path:
+    vocab = {"<eos>": 0, "[UNK]": 1, "hello": 2, "world": 3, "again": 4}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="[UNK]").save_pretrained(str(path))
+    return path
+
+
+def _edit_tokenizer_json(directory: Path, **changes) -> None:
+    path = directory / "tokenizer.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def test_the_digest_changes_exactly_when_the_ids_do(tmp_path, reloaded):
+    """The digest a dataset records covers what decides the ids: the same SentencePiece model as a built-in, a `.model`
+    file or a saved directory is one digest (one set of ids, SentencePiece's); another model is another. A fast
+    tokenizer's normalizer added to tokenizer.json changes the ids (the `tokenizers` library reading the file says
+    so) and the digest, though not the vocabulary fingerprint; its decoder changes neither."""
+    model = builtin_model_file("mistral-7b-v0.1")
+    save_tokenizer(load_tokenizer("builtin:mistral-7b-v0.1"), tmp_path / "ckpt")
+    same = [load_encoder(spec) for spec in ("builtin:mistral-7b-v0.1", str(model), str(tmp_path / "ckpt"))]
+    reference = spm.SentencePieceProcessor(model_file=str(model)).encode(TEXT)
+    assert [e.encode(TEXT) for e in same] == [reference] * 3
+    assert len({e.digest() for e in same}) == 1
+    assert load_encoder("builtin:mistral-7b-v0.3").digest() != same[0].digest()
+
+    words = _word_level_dir(tmp_path / "wl")
+    text = "Hello world again"
+
+    def state():
+        reloaded()
+        tok = load_tokenizer(str(words))
+        ids = Tokenizer.from_file(str(words / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+        return ids, text_encoder(tok).digest(), tokenizer_fingerprint(tok)
+
+    ids, digest, fingerprint = state()
+    _edit_tokenizer_json(words, decoder={"type": "WordPiece", "prefix": "##", "cleanup": True})
+    assert state() == (ids, digest, fingerprint)
+    _edit_tokenizer_json(words, normalizer={"type": "Lowercase"})
+    lowered, new_digest, new_fingerprint = state()
+    assert ids == [1, 3, 4] and lowered == [2, 3, 4]
+    assert new_digest != digest and new_fingerprint == fingerprint
+
+
+def test_a_tokenizer_without_a_serialized_pipeline_is_digested_by_class_and_vocabulary():
+    """A pure-Python tokenizer (ByT5's) travels pickled, and its pickle differs between processes (sets of strings
+    in it follow the hash seed): its digest is its class and vocabulary, the same in a process of another hash seed,
+    and another once a token is added."""
+    from transformers import ByT5Tokenizer
+
+    encoder = text_encoder(ByT5Tokenizer())
+    assert encoder.kind == "pickled"
+    script = "from transformers import ByT5Tokenizer; from lctrain.tokenizer import text_encoder; "
+    script += "print(text_encoder(ByT5Tokenizer()).digest())"
+    other = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, "PYTHONHASHSEED": "12345"}, capture_output=True, text=True
+    )
+    assert other.stdout.split()[-1] == encoder.digest(), other.stderr
+    extended = ByT5Tokenizer()
+    extended.add_tokens(["<doc>"])
+    assert text_encoder(extended).digest() != encoder.digest()
+
+
+def _windows(out: Path) -> list[list[int]]:
+    data = open_packed(out)
+    return [data[i]["input_ids"].tolist() for i in range(len(data))]
+
+
+def test_a_tokenizer_edited_in_place_is_refused_not_called_prepared(tmp_path, reloaded):
+    """The data fingerprint names the tokenizer, not its files. An untouched tokenizer: nothing to do. A normalizer
+    added to its tokenizer.json (vocabulary unchanged): one line naming the dataset and the tokenizer, and --force
+    rebuilds with the ids the `tokenizers` library gives reading the edited file. A dataset prepared before the
+    digest was recorded is not compared."""
+    words = _word_level_dir(tmp_path / "tok")
+    texts = [" ".join(["Hello", "world", "again"] * (3 + i)) for i in range(12)]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "out"
+    over = [
+        "data.source=local",
+        f"data.path={src}",
+        f"data.tokenizer={words}",
+        "data.seq_len=16",
+        "data.token_budget=160",
+        "data.shuffle_buffer_tokens=0",  # the documents in file order, to compare with the reference
+        f"data.output_dir={out}",
+    ]
+
+    def run(*more):
+        return CliRunner().invoke(app, ["prepare", *more, *set_args(over)])
+
+    def expected_body():
+        reference = Tokenizer.from_file(str(words / "tokenizer.json"))
+        return [i for t in texts for i in reference.encode(t, add_special_tokens=False).ids]
+
+    def body(windows):  # every segment's anchor (the EOS, id 0: no text token) left out
+        return [i for w in windows for i in w if i != 0]
+
+    r = run()
+    assert r.exit_code == 0, r.output
+    before = _windows(out)
+    assert body(before) == expected_body()[: len(body(before))] and 1 in body(before)  # "Hello" is unknown
+    r = run()
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
+
+    _edit_tokenizer_json(words, normalizer={"type": "Lowercase"})
+    reloaded()
+    line = one_error_line(run())
+    assert line.startswith(f"error: {out}: already prepared, but data.tokenizer = '{words}' changed since: ")
+    assert "run prepare again with --force" in line
+    assert _windows(out) == before
+
+    r = run("--force")
+    assert r.exit_code == 0, r.output
+    after = _windows(out)
+    assert body(after) == expected_body()[: len(body(after))] and 1 not in body(after)
+    r = run()
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
+
+    # a manifest from before the digest: accepted as it is, whatever the tokenizer now
+    manifest = out / MANIFEST
+    raw = json.loads(manifest.read_text())
+    del raw["tokenizer_digest"], raw[CHECKSUM_KEY]
+    manifest.write_text(json.dumps(raw | {CHECKSUM_KEY: manifest_checksum(raw)}))
+    assert open_packed(out).manifest.tokenizer_digest is None
+    _edit_tokenizer_json(words, normalizer=None)
+    reloaded()
+    r = run()
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
+
+
+def test_a_sentencepiece_directory_is_compared_by_its_model_and_its_anchor(tmp_path, reloaded):
+    """A directory with tokenizer.model encodes with SentencePiece, so an edit of its tokenizer.json's normalizer
+    changes no id and leaves the dataset prepared; one that stops the tokenizer putting BOS before text makes the
+    auto anchor its EOS: refused, and --force rebuilds on that anchor."""
+    tok_dir = tmp_path / "tok"
+    save_tokenizer(load_tokenizer("builtin:mistral-7b-v0.1"), tok_dir)
+    out = tmp_path / "out"
+    over = [f"data.tokenizer={tok_dir}", "data.seq_len=128", "data.token_budget=1280", f"data.output_dir={out}"]
+
+    def run(*more):
+        return CliRunner().invoke(app, ["prepare", *more, *set_args(over)])
+
+    assert run().exit_code == 0
+    assert {w[0] for w in _windows(out)} == {1}
+
+    _edit_tokenizer_json(tok_dir, normalizer={"type": "Lowercase"})
+    reloaded()
+    assert load_encoder(str(tok_dir)).encode(TEXT) == load_encoder("builtin:mistral-7b-v0.1").encode(TEXT)
+    r = run()
+    assert r.exit_code == 0 and "nothing to do" in r.output, r.output
+
+    _edit_tokenizer_json(tok_dir, post_processor=None)
+    reloaded()
+    line = one_error_line(run())
+    said = f"data.tokenizer = '{tok_dir}' changed since: its anchor is now </s> (id 2), the dataset's <s> (id 1);"
+    assert said in line and "--force" in line
+    assert run("--force").exit_code == 0
+    assert {w[0] for w in _windows(out)} == {2}
+
+
+def test_the_digest_reads_a_pipeline_as_any_tokenizers_release_writes_it(reloaded):
+    """A tokenizers upgrade writes the same pipeline otherwise: merges as ["a", "b"] pairs where older releases wrote
+    "a b", fields it added as their default (false, null) where older files lack them. Neither changes the ids, so
+    neither changes the digest; a changed value (the normalizer) does, and so does a field turned on."""
+    from lctrain.tokenizer import TextEncoder
+
+    bpe = Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
+    newer = json.loads(bpe.to_str())
+    assert newer["model"]["merges"] == [["a", "b"]] and newer["model"]["ignore_merges"] is False
+    older_model = {k: v for k, v in newer["model"].items() if k not in ("ignore_merges", "byte_fallback")}
+    older = {k: v for k, v in newer.items() if k not in ("truncation", "padding")} | {
+        "model": older_model | {"merges": ["a b"]}
+    }
+
+    def digest(p: dict) -> str:
+        return TextEncoder("tokenizers", json.dumps(p), [], []).digest()
+
+    assert Tokenizer.from_str(json.dumps(older)).encode("ab").ids == bpe.encode("ab").ids == [2]
+    assert digest(older) == digest(newer)
+    assert digest(newer | {"normalizer": {"type": "Lowercase"}}) != digest(newer)
+    assert digest(newer | {"model": newer["model"] | {"ignore_merges": True}}) != digest(newer)

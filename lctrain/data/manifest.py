@@ -120,6 +120,10 @@ class Manifest(_Record):
     build: dict[str, Any]
     # how input_ids are stored (`store.token_dtype`); datasets prepared before 2026-11-27 stored int32 and say nothing
     token_dtype: Literal["uint16", "int32"] = "int32"
+    # what decided the ids (`TextEncoder.digest`): prepare refuses to call the dataset prepared once the tokenizer
+    # encodes otherwise (edited in place). At the top level, not in `tokenizer`: an lctrain that does not know it then
+    # reads a newer lctrain's dataset, not damage to rebuild. Datasets prepared before it was kept say nothing.
+    tokenizer_digest: str | None = Field(default=None, pattern=_HEX64)
 
     @model_validator(mode="after")
     def _consistent(self):

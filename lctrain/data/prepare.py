@@ -495,6 +495,56 @@ def _check_input_unchanged(cfg: Config, out: Path, manifest: Manifest, console) 
     )
 
 
+def _tokenizer_change(cfg: Config, manifest: Manifest) -> str | None:
+    """How `data.tokenizer` now encodes otherwise than when `manifest`'s dataset was prepared, or None: the data
+    fingerprint holds the tokenizer's name, not its files, so a tokenizer.json edited in place (a normalizer added,
+    the vocabulary kept) or a hub repository updated would otherwise leave the old ids called prepared. None too for
+    a manifest from before the digest was kept, or a tokenizer that cannot be loaded now: nothing to compare."""
+    if manifest.tokenizer_digest is None:
+        return None
+    try:
+        tok = load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
+        digest = text_encoder(tok).digest()
+        anchor = resolve_anchor(tok, cfg.data.anchor, cfg.data.tokenizer)
+    except UserError:
+        return None
+    if digest != manifest.tokenizer_digest:
+        return (
+            f"it encodes text otherwise (tokenizer digest {digest[:12]}, the dataset's "
+            f"{manifest.tokenizer_digest[:12]})"
+        )
+    if anchor.id != manifest.anchor.id:
+        return (
+            f"its anchor is now {anchor.token} (id {anchor.id}), the dataset's {manifest.anchor.token} (id "
+            f"{manifest.anchor.id})"
+        )
+    return None
+
+
+def _check_tokenizer_unchanged(cfg: Config, out: Path, manifest: Manifest) -> None:
+    """Refuse to call `out` prepared when its tokenizer changed since (`_tokenizer_change`)."""
+    changed = _tokenizer_change(cfg, manifest)
+    if changed is not None:
+        raise UserError(
+            f"{out}: already prepared, but data.tokenizer = '{cfg.data.tokenizer}' changed since: {changed}; run "
+            f"prepare again with --force to rebuild it with the tokenizer as it is now"
+        )
+
+
+def _check_nothing_skipped(out: Path, manifest: Manifest) -> None:
+    """--strict on a dataset already prepared: `strict` is not a data setting (the same records make the same
+    windows), so the dataset may come from a build that skipped the records --strict stops at, and "nothing to do"
+    would be a false all-clear for a corpus being validated."""
+    counts = manifest.skipped.get("counts", {})
+    bad = {reason: n for reason, n in counts.items() if reason in encode.MALFORMED and n}
+    if bad:
+        raise UserError(
+            f"{out}: already prepared, but its build skipped {sum(bad.values()):,} bad records without --strict "
+            f"({', '.join(f'{n:,} {reason}' for reason, n in bad.items())}; {MANIFEST}: skipped.counts); run prepare "
+            f"again with --strict --force to rebuild it, stopping at the first one"
+        )
+
+
 def _existing_is_current(out: Path, fingerprint: str, force: bool) -> tuple[Manifest | None, str | None]:
     """(the manifest when `out` already holds this dataset, why a damaged one of ours there is rebuilt); raises when
     `out` holds something else and force is off."""
@@ -593,6 +643,9 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     if current is not None:
         check_matches_model(cfg)
         _check_input_unchanged(cfg, out, current, warnings)
+        _check_tokenizer_unchanged(cfg, out, current)
+        if d.strict:
+            _check_nothing_skipped(out, current)
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         left = Partial(out).dir
         if left.is_dir():  # a `--force` rebuild stopped before it was complete: disk space nothing else will free
@@ -645,6 +698,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         # by the largest id, not the count: a vocabulary may leave ids unused (shards of another width: not continued)
         "token_dtype": token_dtype(max(tok.get_vocab().values()) + 1),
         "tokenizer": tokenizer,
+        "tokenizer_digest": encoder.digest(),
         "source": _source_identity(files, source),
     }
     if d.sources is not None:
@@ -742,6 +796,7 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             dropped_tail_by_domain=read["tail"],
             shards=shards,
             token_dtype=resume_key["token_dtype"],
+            tokenizer_digest=resume_key["tokenizer_digest"],
             build={
                 "seconds": round(elapsed, 3),
                 "packed_tokens_per_s": round(packed_now / max(elapsed, 1e-9)),

@@ -107,7 +107,8 @@ class LocalFiles:
 def _candidates(path: str, split: str) -> tuple[list[Path], list[tuple[Path, str]]]:
     """Entries with a supported name under `data.path`; the others, and unlistable directories, with the reason. A
     path that exists is taken as a path even when its name holds glob characters (a directory `data[1]`); only one
-    that does not is a pattern."""
+    that does not is a pattern. A folder's hidden entries are passed over, as Python's glob passes them over unless
+    the pattern spells their dot; a file path or pattern that names a hidden file reads it."""
     p = Path(path)
     if p.exists() or p.is_symlink():
         if not p.is_dir():
@@ -117,15 +118,14 @@ def _candidates(path: str, split: str) -> tuple[list[Path], list[tuple[Path, str
         root = p / split if (p / split).is_dir() else p
         found, other, unlistable = [], [], []
         for top, dirs, names in os.walk(root, onerror=lambda e: unlistable.append((Path(e.filename), e.strerror))):
-            dirs.sort()
-            # hidden files and folders (.DS_Store, the hub client's .cache/) are bookkeeping, not data someone
-            # expected read: naming them would only bury the files that matter
-            hidden = any(part.startswith(".") for part in Path(top).relative_to(root).parts)
+            # hidden files and folders (.DS_Store, .git/, .ipynb_checkpoints/, macOS's ._a.jsonl, the hub client's
+            # .cache/) are bookkeeping, not data someone expected read: reading them would add copies or binary
+            # files, naming them would only bury the files that matter, and a glob over the folder skips them too
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             for n in sorted(names):
-                if _supported(Path(n)):
-                    found.append(Path(top) / n)
-                elif not (hidden or n.startswith(".")):
-                    other.append(Path(top) / n)
+                if n.startswith("."):
+                    continue
+                (found if _supported(Path(n)) else other).append(Path(top) / n)
         if not found and not unlistable:
             raise UserError(f"data.path = '{path}': no {', '.join(SUPPORTED)} files under {root}{_others(other)}")
         return sorted(found), [(d, f"directory cannot be listed: {why}") for d, why in unlistable] + [
