@@ -435,7 +435,7 @@ def _windows(out: Path) -> list[list[int]]:
     return [data[i]["input_ids"].tolist() for i in range(len(data))]
 
 
-def test_a_tokenizer_edited_in_place_is_refused_not_called_prepared(tmp_path, reloaded):
+def test_a_tokenizer_edited_in_place_is_refused_not_called_prepared(tmp_path, reloaded, capsys):
     """The data fingerprint names the tokenizer, not its files. An untouched tokenizer: nothing to do. A normalizer
     added to its tokenizer.json (vocabulary unchanged): one line naming the dataset and the tokenizer, and --force
     rebuilds with the ids the `tokenizers` library gives reading the edited file. A dataset prepared before the
@@ -478,6 +478,12 @@ def test_a_tokenizer_edited_in_place_is_refused_not_called_prepared(tmp_path, re
     assert line.startswith(f"error: {out}: already prepared, but data.tokenizer = '{words}' changed since: ")
     assert "run prepare again with --force" in line
     assert _windows(out) == before
+    # a training of the dataset as it is trains, said: its exports would carry the edited tokenizer
+    from lctrain.train.command import preflight
+
+    preflight(load_config(None, [*over, "train.steps=1", "train.global_batch=2", "eval.ppl_windows=0"]))
+    said = capsys.readouterr().err
+    assert f"warning: {out} was prepared before data.tokenizer = '{words}' changed: it encodes text otherwise" in said
 
     r = run("--force")
     assert r.exit_code == 0, r.output

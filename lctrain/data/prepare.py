@@ -495,7 +495,7 @@ def _check_input_unchanged(cfg: Config, out: Path, manifest: Manifest, console) 
     )
 
 
-def _tokenizer_change(cfg: Config, manifest: Manifest) -> str | None:
+def tokenizer_change(cfg: Config, manifest: Manifest) -> str | None:
     """How `data.tokenizer` now encodes otherwise than when `manifest`'s dataset was prepared, or None: the data
     fingerprint holds the tokenizer's name, not its files, so a tokenizer.json edited in place (a normalizer added,
     the vocabulary kept) or a hub repository updated would otherwise leave the old ids called prepared. None too for
@@ -522,8 +522,8 @@ def _tokenizer_change(cfg: Config, manifest: Manifest) -> str | None:
 
 
 def _check_tokenizer_unchanged(cfg: Config, out: Path, manifest: Manifest) -> None:
-    """Refuse to call `out` prepared when its tokenizer changed since (`_tokenizer_change`)."""
-    changed = _tokenizer_change(cfg, manifest)
+    """Refuse to call `out` prepared when its tokenizer changed since (`tokenizer_change`)."""
+    changed = tokenizer_change(cfg, manifest)
     if changed is not None:
         raise UserError(
             f"{out}: already prepared, but data.tokenizer = '{cfg.data.tokenizer}' changed since: {changed}; run "

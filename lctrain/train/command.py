@@ -29,7 +29,7 @@ from lctrain.config import (
 )
 from lctrain.console import say
 from lctrain.costmodel import ModelShape
-from lctrain.data.prepare import input_change, settings_left_out
+from lctrain.data.prepare import input_change, settings_left_out, tokenizer_change
 from lctrain.errors import RunFailed, UserError, cited, first_and_more
 from lctrain.lifetime import Reading
 from lctrain.model import load_hf_config, shape_without_download
@@ -422,6 +422,13 @@ def preflight(cfg: Config) -> Prepared:
             else f"warning: {prepared.packed.path}: {changed.words}; to train on its text as it is now, run {again}",
         )
     manifest = prepared.packed.manifest
+    retokenized = tokenizer_change(cfg, manifest)
+    if retokenized:  # said as a changed input is: the run's exports carry the tokenizer as it is now
+        say(
+            f"warning: {prepared.packed.path} was prepared before data.tokenizer = '{cfg.data.tokenizer}' changed: "
+            f"{retokenized}; this run trains on the prepared ids, which its exports' tokenizer would not give: run "
+            f"'{prepare_command(cfg)} --force' first"
+        )
     reread = reread_warning(cfg, len(prepared.packed), manifest.source_exhausted, settings_left_out(manifest))
     if reread:
         say(reread)
