@@ -29,6 +29,7 @@ from lctrain.compat.deepspeed import tiled_mlp_apply
 from lctrain.compat.transformers import (
     attn_implementation_of,
     nested_rope_keys,
+    pin_longrope,
     sdpa_refused,
     set_attn_implementation,
 )
@@ -233,6 +234,15 @@ def _rope_theta(cfg: Config, current: dict) -> tuple[float, str]:
     return default_rope_theta(cfg.data.seq_len), f"the paper's Table 1 base for data.seq_len = {cfg.data.seq_len}"
 
 
+def _warn_dynamic(hf_config, cfg: Config, which: str) -> None:
+    """`dynamic` NTK, `which` (in words), does nothing in training when max_position_embeddings covers the window."""
+    if max_position_embeddings(hf_config, cfg) >= cfg.data.seq_len:
+        log.warning(
+            f"{which}: 'dynamic' NTK rescales only past max_position_embeddings, so training at data.seq_len uses "
+            "plain RoPE at rope_theta; the paper's NTK-aware scaling is model.rope_scaling: {rope_type: ntk}"
+        )
+
+
 def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
     """The `rope_parameters` dict (transformers 5) for this config: theta (`_rope_theta`), and the scaling passed
     through, except lctrain's `ntk`, which becomes plain RoPE at the NTK-aware base. Without `model.rope_scaling` the
@@ -242,17 +252,16 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
     if cfg.model.rope_scaling is None:
         params = {**current, "rope_theta": theta}
         params.setdefault("rope_type", "default")
+        if params["rope_type"] == "dynamic":
+            _warn_dynamic(hf_config, cfg, "the model's own rope_type 'dynamic' scaling (kept)")
         return params
     scaling = dict(cfg.model.rope_scaling)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
     if rope_type == NTK_ROPE_TYPE:
         return _ntk_parameters(hf_config, current, scaling, theta)
     known = ["default", NTK_ROPE_TYPE, *ROPE_INIT_FUNCTIONS]
-    if rope_type == "dynamic" and max_position_embeddings(hf_config, cfg) >= cfg.data.seq_len:
-        log.warning(
-            "model.rope_scaling: 'dynamic' NTK rescales only past max_position_embeddings, so training at "
-            "data.seq_len uses plain RoPE at rope_theta; the paper's NTK-aware scaling is rope_type: ntk"
-        )
+    if rope_type == "dynamic":
+        _warn_dynamic(hf_config, cfg, "model.rope_scaling: 'dynamic'")
     if rope_type not in known:
         raise UserError(f"model.rope_scaling.rope_type = {rope_type!r} is unknown; expected one of {', '.join(known)}")
     params = {"rope_type": rope_type, **_rotary_layout(current), **scaling, "rope_theta": theta}
@@ -663,6 +672,12 @@ def build_model(cfg: Config, *, vocab_size: int | None = None, device: str | tor
             f"model.checkpointing={checkpointing} keeps nothing of the {engine.name} engine's attention "
             "(no kernel output its policy can see): the backward reruns it, as under full; the varlen and sdpa "
             "engines keep it"
+        )
+    if pin_longrope(model, cfg.data.seq_len):
+        log.warning(
+            "note: longrope takes its long factors in every forward (data.seq_len passes its "
+            "original_max_position_embeddings), as one process computing a whole window picks them, also on "
+            "sequence-parallel slices and in intra_doc_reset windows, whose largest position would pick the short ones"
         )
     if cfg.model.rope_fp32:
         rotary_in_fp32(model)

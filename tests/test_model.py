@@ -148,7 +148,18 @@ def test_dynamic_ntk_within_the_training_length_is_plain_rope_and_says_so(caplog
         dynamic = build_model(
             config("model.rope_theta=10000", "model.rope_scaling={rope_type: dynamic, factor: 16}"), vocab_size=100
         ).model
-    assert "the paper's NTK-aware scaling is rope_type: ntk" in caplog.text
+    assert "the paper's NTK-aware scaling is model.rope_scaling: {rope_type: ntk}" in caplog.text
+    assert torch.equal(rotary(dynamic).inv_freq, rotary(plain).inv_freq)
+
+
+def test_a_models_own_dynamic_ntk_within_the_training_length_says_so_too(caplog):
+    """The model's own `dynamic` scaling is kept, and does as little: said as for model.rope_scaling."""
+    own = {**ARCH, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    with caplog.at_level(logging.WARNING, logger="lctrain.model"):
+        dynamic = build_model(config("model.rope_theta=10000", arch=own), vocab_size=100).model
+    assert "the model's own rope_type 'dynamic' scaling (kept): 'dynamic' NTK rescales only past" in caplog.text
+    assert dynamic.config.rope_parameters["rope_type"] == "dynamic"
+    plain = build_model(config("model.rope_theta=10000"), vocab_size=100).model
     assert torch.equal(rotary(dynamic).inv_freq, rotary(plain).inv_freq)
 
 

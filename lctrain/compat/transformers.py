@@ -91,6 +91,42 @@ def rotary_in_fp32(model) -> int:
     return hooked
 
 
+def pin_longrope(model, seq_len: int) -> int:
+    """Give every `longrope` rotary module of `model` its long factors for good when training windows of `seq_len`
+    tokens pass the module's `original_max_position_embeddings`; returns the number pinned. transformers 5.17-5.23
+    choose the long or the short factors at each forward by its largest position (`dynamic_rope_update`), so the
+    same window got the short ones on a sequence-parallel rank whose slice ends within the original length (rank 0
+    trained on other rotations than the others), and in an `intra_doc_reset` window of short documents; one process
+    computing a whole window of `seq_len` picks the long ones, and now every forward does. The choice is in two
+    non-persistent buffers (`inv_freq`, which the forward overwrites from `original_inv_freq` or the plain attribute
+    `long_inv_freq`), hence here."""
+    # transformers and torch on use (start-up time)
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    pinned = 0
+    for module in model.modules():
+        rope_types = getattr(module, "rope_type", None)
+        if not type(module).__name__.endswith("RotaryEmbedding") or rope_types is None:
+            continue
+        per_layer = rope_types if isinstance(rope_types, dict) else {None: rope_types}
+        for layer_type, rope_type in per_layer.items():
+            params = module.config.rope_parameters if layer_type is None else module.config.rope_parameters[layer_type]
+            original = params.get("original_max_position_embeddings") if rope_type == "longrope" else None
+            if original is None or seq_len <= original:
+                continue  # no window reaches past it: every forward picks the short factors, as one process does
+            prefix = "" if layer_type is None else f"{layer_type}_"
+            buffer = getattr(module, f"{prefix}inv_freq")
+            kind = {} if layer_type is None else {"layer_type": layer_type}
+            long, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, buffer.device, seq_len=original + 1, **kind)
+            with torch.no_grad():
+                for name in ("inv_freq", "original_inv_freq"):
+                    getattr(module, f"{prefix}{name}").copy_(long)
+            setattr(module, f"{prefix}long_inv_freq", long)
+            pinned += 1
+    return pinned
+
+
 def load_errors() -> tuple[type[BaseException], ...]:
     """What `from_pretrained` raises for a damaged or foreign model directory (transformers 5.17-5.23): a missing
     or unreadable file (OSError), a bad config value (ValueError, TypeError, or huggingface_hub's strict-dataclass

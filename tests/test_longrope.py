@@ -1,0 +1,61 @@
+"""`longrope` (Phi-3's scaling) rotates a window the same on every sequence-parallel slice: transformers picks its long
+or short factors at each forward by the largest position it is given, so a slice ending within the model's original
+context got the short ones while one process computing the whole window, and the other slices, got the long ones
+(`compat.transformers.pin_longrope`). Checked against transformers' own rotary module on the whole window."""
+
+import torch
+
+from lctrain.compat.transformers import pin_longrope
+from lctrain.config import load_config
+from lctrain.model import build_model
+
+WINDOW, ORIGINAL = 256, 64
+PHI3 = {
+    "model_type": "phi3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": WINDOW,
+    "original_max_position_embeddings": ORIGINAL,
+    "partial_rotary_factor": 0.5,
+    "rope_scaling": {"rope_type": "longrope", "long_factor": [1.0, 4.0, 16.0, 64.0], "short_factor": [1.0] * 4},
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def built(seq_len: int):
+    cfg = load_config(
+        None,
+        [f"data.seq_len={seq_len}", "model.dtype=float32", "model.rope_theta=null", "attention.engine=reference"],
+    )
+    cfg.model.arch = dict(PHI3)
+    return build_model(cfg, vocab_size=128).model
+
+
+def rotations(rotary, positions: range) -> torch.Tensor:
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.tensor([list(positions)]))
+    return torch.cat([cos, sin], dim=-1)
+
+
+def test_every_slice_of_a_window_is_rotated_as_the_whole_window_is():
+    model = built(WINDOW)
+    hf = type(model.model.rotary_emb)(model.config)  # the same config's module as transformers builds it: unpinned
+    whole = rotations(hf, range(WINDOW))
+    assert torch.equal(rotations(model.model.rotary_emb, range(WINDOW)), whole)  # one process: unchanged
+    for rank in range(WINDOW // ORIGINAL):  # sequence parallel over 4: slices of 64 positions
+        part = range(rank * ORIGINAL, (rank + 1) * ORIGINAL)
+        assert torch.equal(rotations(model.model.rotary_emb, part), whole[:, part.start : part.stop])
+    # transformers itself rotates the first slice with the short factors
+    assert not torch.allclose(rotations(hf, range(ORIGINAL)), whole[:, :ORIGINAL])
+
+
+def test_windows_within_the_original_context_keep_transformers_choice():
+    model = built(ORIGINAL)
+    hf = type(model.model.rotary_emb)(model.config)
+    assert pin_longrope(model, ORIGINAL) == 0
+    for part in (range(ORIGINAL), range(ORIGINAL // 2)):
+        assert torch.equal(rotations(model.model.rotary_emb, part), rotations(hf, part))
