@@ -304,6 +304,21 @@ def _dtype_name(value) -> str | None:
     return None if value is None else str(value).removeprefix("torch.")
 
 
+def _longrope_scaling_note(hf_config, params: dict, max_pos: int) -> str:
+    """What raising a `longrope` model's max_position_embeddings to `max_pos` does besides: without a `factor` of its
+    own, transformers derives it from max_position_embeddings / original_max_position_embeddings, and from that the
+    attention scaling that multiplies every rotated q and k (transformers' own formula, asked of it)."""
+    if params.get("rope_type") != "longrope":
+        return ""
+    raised = copy.deepcopy(hf_config)
+    raised.max_position_embeddings, raised.rope_parameters = max_pos, params
+    longrope = ROPE_INIT_FUNCTIONS["longrope"]
+    before, after = longrope(hf_config, None)[1], longrope(raised, None)[1]
+    if math.isclose(before, after):
+        return ""
+    return f"; longrope's attention scaling follows it: {before:.4f} -> {after:.4f}, at every position"
+
+
 def config_changes(hf_config, cfg: Config, *, vocab_size: int | None, attn_implementation: str) -> list[ConfigChange]:
     """Every change lctrain makes to the model's config `hf_config` (not modified) for training `cfg`: RoPE base and
     scaling, context length, sliding window, vocabulary (`model.arch`, `vocab_size`: the tokenizer's), dtype, KV
@@ -339,6 +354,7 @@ def config_changes(hf_config, cfg: Config, *, vocab_size: int | None, attn_imple
             why = "data.seq_len (model.arch names no context length)"
         else:
             why = f"raised to data.seq_len = {cfg.data.seq_len}"
+        why += _longrope_scaling_note(hf_config, params, max_pos)
         changes.append(ConfigChange("max_position_embeddings", hf_config.max_position_embeddings, max_pos, why))
     if _window_removed(hf_config, cfg):
         # The lctrain engines compute full-window attention masks; long-context continual pretraining of Mistral-style

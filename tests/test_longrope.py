@@ -59,3 +59,26 @@ def test_windows_within_the_original_context_keep_transformers_choice():
     assert pin_longrope(model, ORIGINAL) == 0
     for part in (range(ORIGINAL), range(ORIGINAL // 2)):
         assert torch.equal(rotations(model.model.rotary_emb, part), rotations(hf, part))
+
+
+def test_raising_the_context_of_a_longrope_model_says_what_it_does_to_its_attention_scaling():
+    """transformers derives longrope's scale s from max_position_embeddings / original and scales q and k by
+    sqrt(1 + ln s / ln original) (Phi-3's rule): raising the context to the window changes it, and says so."""
+    import math
+
+    from transformers import AutoConfig
+
+    from lctrain.model import config_changes
+
+    hf_config = AutoConfig.for_model(**PHI3 | {"max_position_embeddings": 2 * ORIGINAL})
+    cfg = load_config(None, [f"data.seq_len={WINDOW}", "model.rope_theta=null"])
+    [change] = [
+        c
+        for c in config_changes(hf_config, cfg, vocab_size=None, attn_implementation="sdpa")
+        if c.key == "max_position_embeddings"
+    ]
+    scaling = [math.sqrt(1 + math.log(s) / math.log(ORIGINAL)) for s in (2, WINDOW / ORIGINAL)]
+    assert (change.old, change.new) == (2 * ORIGINAL, WINDOW)
+    assert change.why.endswith(
+        f"longrope's attention scaling follows it: {scaling[0]:.4f} -> {scaling[1]:.4f}, at every position"
+    )
