@@ -13,10 +13,12 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from shlex import quote
+from typing import Any
 
 import yaml
 from transformers import AutoConfig
 
+from lctrain.compat.transformers import attn_implementation_of, sdpa_refused
 from lctrain.config import (
     Config,
     DataConfig,
@@ -31,7 +33,7 @@ from lctrain.costmodel import ModelShape
 from lctrain.data.sources import resolve_local_files
 from lctrain.errors import UserError
 from lctrain.memory import SELECTIVE, Budget, plan_memory, replan
-from lctrain.model import default_rope_theta, require_rope
+from lctrain.model import config_changes, default_rope_theta, require_rope
 from lctrain.parallel.layout import ParallelLayout, kv_replication
 from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, Positions
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer
@@ -53,6 +55,9 @@ class BaseModel:
     shape: ModelShape
     positions: Positions
     source: str  # where the shape came from, for the YAML's comment
+    # its Hugging Face config when init has it (a directory's, a cached one's): what train changes in it, and which
+    # attention engine runs it
+    hf_config: Any = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ def _hf_base(name_or_path: str, hf, stem: str, source: str) -> BaseModel:
         ModelShape.from_hf_config(hf),
         Positions(float(rope["rope_theta"]), int(hf.max_position_embeddings), rope.get("rope_type", "default")),
         source,
+        hf,
     )
 
 
@@ -117,7 +123,7 @@ def base_model(spec: str) -> BaseModel:
         return _hf_base(str(path.resolve()), hf, path.resolve().name.lower(), f"{path / 'config.json'}")
     if spec in HUB_NAMES:
         key = HUB_NAMES[spec]
-        return BaseModel(spec, key, SHAPES[key], POSITIONS[key], "lctrain's table of known base models")
+        return BaseModel(spec, key, SHAPES[key], POSITIONS[key], "lctrain's table of known base models", _cached(spec))
     try:
         hf = AutoConfig.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError, TypeError):
@@ -126,6 +132,49 @@ def base_model(spec: str) -> BaseModel:
             "and not in the Hugging Face cache; download its config.json first or pass a directory"
         ) from None
     return _hf_base(spec, hf, spec.rsplit("/", 1)[-1].lower(), "its config.json in the Hugging Face cache")
+
+
+def _cached(spec: str):
+    """The config.json of hub model `spec` in the local Hugging Face cache, else None (never a download)."""
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def attention_engine(base: BaseModel) -> tuple[str, str | None]:
+    """(attention.engine, the YAML comment saying why when it is not auto): auto picks sdpa on a CPU and in full mode,
+    which transformers refuses for a model class without sdpa (Gemma-2: its attention soft-caps the logits, which
+    sdpa cannot); flex runs it on any CUDA GPU."""
+    hf = base.hf_config
+    if hf is None or not sdpa_refused(hf, "sdpa"):
+        return "auto", None
+    # Gemma-2's class has no sdpa for its soft-capping, which it applies whenever its config sets it
+    soft = " (its attention soft-capping needs a step sdpa lacks)" if hasattr(hf, "attn_logit_softcapping") else ""
+    why = (
+        f"flex, not auto: transformers runs no sdpa for model type '{hf.model_type}'{soft}, and auto means sdpa on a "
+        f"CPU and in full mode. flex runs on a CUDA GPU; varlen is faster there in bfloat16 with flash-attn; "
+        f"reference on a CPU (small tests: dense scores)"
+    )
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    if cap is not None:
+        why += (
+            f". This model soft-caps attention logits (attn_logit_softcapping = {cap}), which no lctrain engine "
+            f"computes: train refuses it until the model's config.json sets attn_logit_softcapping: null (another "
+            f"model than the one given)"
+        )
+    return "flex", why
+
+
+def model_changes(base: BaseModel, cfg: Config) -> list[str]:
+    """What train changes in the model's config for `cfg` (`lctrain.model.config_changes`, the one list of them
+    show-config, the train banner and model_changes.json show), one description each; the attention implementation
+    is left out: it depends on the machine (show-config says it there). Empty when init has no config of the model."""
+    hf = base.hf_config
+    if hf is None:
+        return []
+    changes = config_changes(hf, cfg, vocab_size=None, attn_implementation=attn_implementation_of(hf))
+    return [c.describe() for c in changes]
 
 
 def rope_base(own: float, seq_len: int) -> tuple[float, str]:
@@ -332,6 +381,7 @@ def _recipe(
     theta: float,
     tokenizer: str,
     data: str | None = None,
+    engine: str = "auto",
 ) -> dict:
     """The settings that do not depend on the layout; `data`: a local corpus, else SlimPajama from the hub."""
     source = {"source": "local", "path": data} if data else {"source": "hub", "hub_name": SLIMPAJAMA}
@@ -350,7 +400,7 @@ def _recipe(
             "dtype": "bfloat16",
             "checkpointing": "full",
         },
-        "attention": {"mode": mode, "engine": "auto"},
+        "attention": {"mode": mode, "engine": engine},
         "train": {
             "micro_batch": 1,
             "lr": 2.0e-5,
@@ -408,6 +458,7 @@ def render(
     why_tokenizer: str,
     wandb: tuple[str, str],
     exclude: Exclude,
+    why_engine: str | None = None,
 ) -> str:
     """The YAML text of `raw` with comments saying where each choice comes from."""
     d, m, t, p = raw["data"], raw["model"], raw["train"], raw["parallel"]
@@ -439,6 +490,19 @@ def render(
         if layout.offload_activations
         else ""
     )
+    changes = model_changes(base, cfg)
+    changed = (
+        "\n  # train changes the model's config so (show-config lists them on the machine that trains, the run's"
+        "\n  # model_changes.json and each export's README.md record them):"
+        + "".join(
+            "\n" + textwrap.fill(c, 118, initial_indent="  #   ", subsequent_indent="  #     ", break_on_hyphens=False)
+            for c in changes
+        )
+        if changes
+        else ""
+    )
+    engine = raw["attention"]["engine"]
+    engine_line = f"{_comment(why_engine)}\n  engine: {engine}" if why_engine else f"  engine: {engine}"
     nodes = (
         f"\n  # {p['num_nodes']} nodes: set hostfile: FILE, a DeepSpeed hostfile listing them (docs/cluster.md)"
         if p["num_nodes"] > 1
@@ -470,13 +534,13 @@ model:
   name_or_path: {_v(m["name_or_path"])}
   # {why_theta}{scaling_note}
   rope_theta: {_num(m["rope_theta"])}
-  # max_position_embeddings is left to the model: raised to seq_len when lower, never lowered
+  # max_position_embeddings is left to the model: raised to seq_len when lower, never lowered{changed}
   dtype: {m["dtype"]}
 {_comment(why_checkpointing)}
   checkpointing: {m["checkpointing"]}{savers}
 attention:
   mode: {raw["attention"]["mode"]}   # full, intra_doc, intra_doc_reset or anchor (the paper's AnchorAttention)
-  engine: auto
+{engine_line}
 train:
   steps: {t["steps"]}
   # {t["global_batch"]} windows per step ({cfg.tokens_per_step:,} tokens) over {dp} data-parallel \
@@ -568,7 +632,8 @@ def init_config(
             resolve_local_files(data, DataConfig.model_fields["hub_split"].default, 0)
         except UserError as e:
             raise UserError(str(e).replace(f"data.path = '{data}'", f"--data {data}")) from None
-    recipe = _recipe(base, seq_len, per_node, mode, name, theta, tokenizer, data)
+    engine, why_engine = attention_engine(base)
+    recipe = _recipe(base, seq_len, per_node, mode, name, theta, tokenizer, data, engine)
     layout, tried = choose_layout(recipe, base.shape, budget, gpus)
     raw = _with_layout(recipe, layout, gpus)
     raw, layout, why_checkpointing = choose_checkpointing(raw, layout, base.shape, budget, gpus)
@@ -583,6 +648,7 @@ def init_config(
         why_tokenizer,
         wandb_mode(),
         paper_exclude(base.name_or_path),
+        why_engine,
     )
     cfg = validate(load_yaml(text), str(path))  # what is written is what was planned, checked as train would
     RunPlan.of(cfg)

@@ -754,3 +754,97 @@ def test_the_heldout_dataset_is_marked_as_read_while_scored(run_dir, tmp_path, m
         evaluate(resolve_target(run_dir), out=out, lengths=[512], tasks=["vt"], samples=1)
     assert seen == [[f"the evaluation into {out}"]]
     assert lifetime.readers(data) == []
+
+
+# ------------------------------------------------------------------ models transformers runs no sdpa for
+
+# a tiny Gemma-2 with attention soft-capping low enough to change its logits; transformers builds it with eager
+# attention only (no sdpa: it would drop the soft-capping)
+TINY_GEMMA2 = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "query_pre_attn_scalar": 8,
+    "max_position_embeddings": 1024,
+    "sliding_window": 16,
+    "attn_logit_softcapping": 1.0,
+    "final_logit_softcapping": 30.0,
+    "initializer_range": 0.5,
+}
+
+
+@pytest.fixture(scope="module")
+def gemma2_export(tmp_path_factory):
+    """A Gemma-2 evaluation export (weights, the built-in tokenizer, its record) and the model it holds."""
+    from train_helpers import export_by_hand
+    from transformers import Gemma2Config
+
+    tok = load_tokenizer("builtin:mistral-7b-v0.1")
+    config = Gemma2Config(vocab_size=len(tok), pad_token_id=0, bos_token_id=1, eos_token_id=2, **TINY_GEMMA2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    return export_by_hand(model, tok, tmp_path_factory.mktemp("gemma2") / "run", 1), model
+
+
+def test_a_gemma2_export_loads_with_eager_attention_and_its_own_logits(gemma2_export, capsys):
+    from lctrain.eval import runner
+
+    path, model = gemma2_export
+    runner._EAGER_SAID.discard("gemma2")
+    loaded = load_model(path, "cpu")
+    assert loaded.config._attn_implementation == "eager"
+    ids = torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = model(input_ids=ids).logits
+        torch.testing.assert_close(loaded(input_ids=ids).logits, theirs, rtol=0, atol=0)
+        # the soft-capping matters: the same weights without it give other logits
+        uncapped = copy_without_softcap(model)
+        assert (uncapped(input_ids=ids).logits - theirs).abs().max() > 1e-2
+    load_model(path, "cpu")  # said once per model type
+    err = capsys.readouterr().err
+    assert err.count("note: model type 'gemma2' is evaluated with transformers' eager attention") == 1
+    assert "attn_logit_softcapping = 1.0" in err
+
+
+def copy_without_softcap(model):
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.attn_logit_softcapping = None
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    return plain.eval()
+
+
+def test_a_gemma2_export_is_evaluated(gemma2_export, tmp_path):
+    path, _ = gemma2_export
+    out = evaluate(resolve_target(path), lengths=[512], tasks=["vt"], samples=1, out=tmp_path / "o")
+    results = json.loads((out / "results.json").read_text())
+    assert results["kind"] == "model" and results["checkpoints"] == ["step_1"]
+
+
+def test_sdpa_refused_at_load_falls_back_to_eager(run_dir, monkeypatch, capsys):
+    """A model class lctrain cannot look up (remote code) that transformers refuses sdpa for is loaded eager."""
+    from lctrain.eval import runner
+
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def refuse_sdpa(cls, path, *args, attn_implementation=None, **kwargs):
+        if attn_implementation == "sdpa":
+            raise ValueError("LlamaForCausalLM does not support an attention implementation through sdpa yet")
+        return real(cls, path, *args, attn_implementation=attn_implementation, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(refuse_sdpa))
+    runner._EAGER_SAID.discard("llama")
+    model = load_model(RunDir(run_dir).export(STEPS[0]), "cpu")
+    assert model.config._attn_implementation == "eager"
+    assert "model type 'llama' is evaluated with transformers' eager attention (transformers runs no sdpa" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_llama_export_keeps_sdpa(run_dir):
+    assert load_model(RunDir(run_dir).export(STEPS[0]), "cpu").config._attn_implementation == "sdpa"

@@ -128,7 +128,44 @@ def test_export_of_a_run_from_a_pretrained_model_with_yarn(workdir, tmp_path):
     assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 1e6  # tiny_anchor's model.rope_theta
     assert json.loads((tmp_path / "exported" / "generation_config.json").read_text())["temperature"] == 0.7
-    assert f"- base model: `{base}`" in (tmp_path / "exported" / ckpt.MODEL_CARD).read_text()
+    card = (tmp_path / "exported" / ckpt.MODEL_CARD).read_text()
+    assert f"- base model: `{base}`" in card
+    assert "## Changes to the base model's config" in card
+    assert "- rope_parameters.rope_type: 'default' -> 'yarn' (model.rope_scaling (rope_type yarn))" in card
+
+
+def test_the_model_card_says_the_sliding_window_was_removed(tmp_path):
+    """A Mistral with a window shorter than data.seq_len trains and is exported without it: the card says so, from
+    the one list of lctrain's changes (`model.config_changes`), without what the export does not hold."""
+    from transformers import MistralConfig
+
+    from lctrain.model import apply_changes, config_changes, load_hf_config
+    from lctrain.tokenizer import resolve_anchor
+    from lctrain.train.model_card import model_card
+
+    base = tmp_path / "mistral"
+    MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        sliding_window=256,
+    ).save_pretrained(base)
+    cfg = load_config(None, ["model.arch=null", f"model.name_or_path={base}", "data.seq_len=1024"])
+    trained = load_hf_config(cfg)
+    apply_changes(trained, config_changes(trained, cfg, vocab_size=None, attn_implementation="eager"))
+    tok = load_tokenizer("builtin:mistral-7b-v0.1")
+    card = model_card(cfg, trained, tok, resolve_anchor(tok), 2, "float32")
+    assert "- sliding_window: 256 -> None (shorter than data.seq_len = 1024)" in card
+    assert "The base model's sliding window was removed: every layer attended to all earlier tokens" in card
+    assert "use_cache" not in card and "attn_implementation" not in card
+
+    # a window at least as long as the training windows is kept, and the card says nothing of it
+    cfg = load_config(None, ["model.arch=null", f"model.name_or_path={base}", "data.seq_len=256"])
+    card = model_card(cfg, load_hf_config(cfg), tok, resolve_anchor(tok), 2, "float32")
+    assert "sliding" not in card
 
 
 @pytest.mark.slow
@@ -218,6 +255,9 @@ def test_model_card(zero0):
         "- tokens seen: 512 (2 steps x 2 windows x 128 tokens)",
         "- weights: float32, the model's training dtype (model.dtype)",
         "- anchor: `<s>` (id 1)",
+        "## Changes to the base model's config",
+        "lctrain trained with these changes to the model.arch config",
+        "- rope_parameters.rope_theta: 10000.0 -> 1000000.0 (model.rope_theta)",
         "- exported by lctrain ",
         "ids = [1] + tok(text, add_special_tokens=False, split_special_tokens=True).input_ids",
         "eos_token_id=[2, 1]",

@@ -8,7 +8,7 @@ import math
 import pytest
 import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -59,13 +59,17 @@ def tiny_dir(tmp_path):
         rope_theta=10000.0,
         max_position_embeddings=2048,
     ).save_pretrained(d)
-    # a model directory as save_pretrained leaves it, with its tokenizer (a tiny word-level one: quick to load)
+    save_tiny_tokenizer(d)
+    return d
+
+
+def save_tiny_tokenizer(d):
+    """A model directory as save_pretrained leaves it, with its tokenizer (a tiny word-level one: quick to load)."""
     words = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(
         tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     ).save_pretrained(d)
-    return d
 
 
 def fits(cfg, shape, gpu_mem_gb=80, host_mem_gb=512):
@@ -417,3 +421,66 @@ def test_wandb_only_when_installed(installed, tiny_dir, tmp_path, monkeypatch):
         if importlib.util.find_spec("wandb") is None:
             with pytest.raises(Exception, match="needs Weights & Biases"):
                 import_wandb(load_config(str(out), ["logging.wandb=offline"]))
+
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 512,
+}
+
+
+def show_config(path, *overrides):
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    return CliRunner().invoke(app, ["show-config", "-c", str(path), *sets])
+
+
+@pytest.mark.parametrize("cap", [None, 50.0])
+def test_gemma2_gets_an_engine_transformers_runs_it_with(cap, tmp_path):
+    """transformers runs no sdpa for Gemma-2 (its attention soft-caps), and auto is sdpa on a CPU and in full mode:
+    init writes flex and says why; show-config passes on this CPU, and with the CPU's reference engine shows the
+    changes train makes (the layers' window removed). A soft-capping model is said to be refused by train."""
+    d = tmp_path / "gemma2"
+    Gemma2Config(
+        **TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=256, attn_logit_softcapping=cap
+    ).save_pretrained(d)
+    save_tiny_tokenizer(d)
+    out = tmp_path / "g.yaml"
+    r = run_init("--model", str(d), "--seq-len", "1024", "--gpus", "1", "--mode", "full", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert load_config(str(out)).attention.engine == "flex"
+    said = comments(out.read_text())
+    assert "flex, not auto: transformers runs no sdpa for model type 'gemma2'" in said
+    assert "layer_types: ['sliding_attention', 'full_attention'] -> ['full_attention', 'full_attention']" in said
+    assert ("train refuses it until the model's config.json sets attn_logit_softcapping: null" in said) == bool(cap)
+    reference = show_config(out, "attention.engine=reference")
+    if cap is not None:  # as the comment says
+        assert reference.exit_code != 0 and "set attn_logit_softcapping: null" in reference.output
+        return
+    shown = show_config(out)
+    assert shown.exit_code == 0, shown.output
+    assert reference.exit_code == 0, reference.output
+    assert "layer_types: ['sliding_attention', 'full_attention'] -> ['full_attention', 'full_attention']" in (
+        reference.output
+    )
+
+
+def test_the_window_train_removes_is_said_in_the_comments(tmp_path):
+    d = tmp_path / "mistral"
+    MistralConfig(**TINY, sliding_window=256).save_pretrained(d)
+    save_tiny_tokenizer(d)
+    out = tmp_path / "m.yaml"
+    r = run_init("--model", str(d), "--seq-len", "1024", "--gpus", "1", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    said = comments(out.read_text())
+    assert "train changes the model's config so (show-config lists them" in said
+    assert "sliding_window: 256 -> None (shorter than data.seq_len = 1024)" in said
+    assert "max_position_embeddings: 512 -> 1024 (raised to data.seq_len = 1024)" in said
+    assert "attn_implementation" not in said  # the machine's: show-config says it there
+    assert load_config(str(out)).attention.engine == "auto"  # Mistral runs sdpa
+    shown = show_config(out)
+    assert shown.exit_code == 0 and "sliding_window: 256 -> None" in shown.output, shown.output

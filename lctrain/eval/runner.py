@@ -7,7 +7,8 @@ the config's task set (`eval.tasks` minus `eval.exclude`: the paper's Llama-2 co
 cwe) with RULER's metrics, and a task of the set that cannot be scored is named at the top of the report.
 
 A single-document prompt needs nothing but causal attention, so the checkpoints are loaded with the model's stock
-`sdpa` attention: bf16 on a GPU, fp32 on a CPU.
+`sdpa` attention (`eager` where sdpa would not compute the model: Gemma-2's soft-capping): bf16 on a GPU, fp32 on a
+CPU.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from shlex import quote
 from rich.markup import escape
 from rich.table import Table
 
-from lctrain.compat.transformers import load_errors
+from lctrain.compat.transformers import load_errors, sdpa_refused
 from lctrain.config import Config, apply_overrides, load_config, validate
 from lctrain.console import no_library_bars, plain_console
 from lctrain.errors import UserError, WriteFailed, remedy_of, writing
@@ -243,19 +244,67 @@ def eval_dtype(device: str):
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
+def eval_attention(hf_config) -> str:
+    """The attention implementation a checkpoint is evaluated with: transformers' `sdpa`, else `eager` where sdpa
+    would compute another model or is refused: attention soft-capping (`attn_logit_softcapping`, which sdpa has no
+    step for) or a model class without sdpa (Gemma-2, `compat.transformers.sdpa_refused`)."""
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None or sdpa_refused(hf_config, "sdpa"):
+        return "eager"
+    return "sdpa"
+
+
+# the model types whose fall-back to eager attention was said on stderr: once per model type and process
+_EAGER_SAID: set[str] = set()
+
+
+def _say_eager(hf_config) -> None:
+    model_type = getattr(hf_config, "model_type", "?")
+    if model_type in _EAGER_SAID:
+        return
+    _EAGER_SAID.add(model_type)
+    cap = getattr(hf_config, "attn_logit_softcapping", None)
+    why = (
+        f"sdpa would drop its attention soft-capping (attn_logit_softcapping = {cap}), which eager applies"
+        if cap is not None
+        else "transformers runs no sdpa for it"
+    )
+    print(
+        f"note: model type '{model_type}' is evaluated with transformers' eager attention ({why}): slower than sdpa, "
+        f"with memory quadratic in the prompt's length",
+        file=sys.stderr,
+    )
+
+
+def _sdpa_refusal(e: BaseException) -> bool:
+    """Whether `from_pretrained` refused the model for its sdpa attention (a class `sdpa_refused` cannot look up:
+    remote code)."""
+    return isinstance(e, ValueError) and "sdpa" in str(e)
+
+
 def load_model(model_dir: Path, device: str):
+    """A checkpoint for evaluation, in `eval_dtype` and with the attention `eval_attention` chooses, eager where
+    transformers refuses sdpa for the model; a fall-back to eager is said once on stderr."""
     # transformers on use: this module loads without it (start-up time)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     no_library_bars()  # a "Loading weights" bar per checkpoint would tear through eval's own bar
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=eval_dtype(device), attn_implementation="sdpa"
-        )
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
+        impl = eval_attention(hf_config)
+        load = {"dtype": eval_dtype(device)}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=impl, **load)
+        except ValueError as e:
+            if impl == "eager" or not _sdpa_refusal(e):
+                raise
+            impl = "eager"
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=impl, **load)
     except load_errors() as e:
         raise UserError(
             f"{model_dir}: cannot load the model ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from None
+    if impl == "eager":
+        _say_eager(hf_config)
     return model.to(device).eval()
 
 

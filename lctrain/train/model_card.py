@@ -1,12 +1,16 @@
 """An evaluation export's README.md: what was trained (the run's settings), the RoPE and dtype the export holds,
-and how to prompt it as lctrain's evaluation does: the anchor first, and its id among the stop tokens, since each
-training document was followed by the next one's anchor. Another researcher loading the export with plain
-transformers reads this, not lctrain's code."""
+what lctrain changed in the base model's config (a sliding window removed among them), and how to prompt it as
+lctrain's evaluation does: the anchor first, and its id among the stop tokens, since each training document was
+followed by the next one's anchor. Another researcher loading the export with plain transformers reads this, not
+lctrain's code."""
 
 from __future__ import annotations
 
 from lctrain import __version__
+from lctrain.compat.transformers import attn_implementation_of
 from lctrain.config import Config
+from lctrain.errors import UserError
+from lctrain.model import config_changes, load_hf_config
 from lctrain.tokenizer import Anchor, special_affixes
 
 _MODE_MEANS = {
@@ -74,6 +78,7 @@ def model_card(cfg: Config, hf_config, tokenizer, anchor: Anchor, step: int, dty
         "",
         *[f"- {row}" for row in rows],
         "",
+        *_changes_section(cfg, hf_config),
         "## Start every prompt with the anchor",
         "",
         f"Every training document, and so every training window, started with {a}.{why} lctrain's own evaluation "
@@ -99,6 +104,54 @@ def model_card(cfg: Config, hf_config, tokenizer, anchor: Anchor, step: int, dty
         "",
     ]
     return "\n".join(lines)
+
+
+# the keys of `config_changes` that remove a sliding window (lctrain.model._full_attention_changes)
+_WINDOW_KEYS = ("sliding_window", "use_sliding_window", "layer_types")
+# the changes an export does not hold: its config.json is saved with the KV cache on (checkpoint._with_kv_cache) and
+# no attention implementation
+_NOT_EXPORTED = ("use_cache", "attn_implementation")
+
+
+def _changes_section(cfg: Config, hf_config) -> list[str]:
+    """The card's lines on what lctrain changed in the base model's config (`lctrain.model.config_changes`, the list
+    show-config, the train banner and model_changes.json show), as this export's config.json holds them."""
+    try:
+        base = load_hf_config(cfg)
+        changes = config_changes(
+            base,
+            cfg,
+            vocab_size=getattr(hf_config, "vocab_size", None),
+            attn_implementation=attn_implementation_of(base),
+        )
+    except UserError:  # the base model's config unreadable now (it was read when the run started)
+        return [
+            "## Changes to the base model's config",
+            "",
+            "The base model's config could not be read at export: the run's `model_changes.json` lists lctrain's "
+            "changes to it.",
+            "",
+        ]
+    changes = [c for c in changes if c.key not in _NOT_EXPORTED]
+    if not changes:
+        return ["## Changes to the base model's config", "", "None: config.json is the base model's.", ""]
+    origin = "base model's" if cfg.model.name_or_path else "model.arch"
+    lines = [
+        "## Changes to the base model's config",
+        "",
+        f"lctrain trained with these changes to the {origin} config, and this export's config.json holds them "
+        "(the run's `model_changes.json` records them too):",
+        "",
+        *[f"- {c.describe()}" for c in changes],
+        "",
+    ]
+    if any(c.key in _WINDOW_KEYS for c in changes):
+        lines[-1:-1] = [
+            "",
+            "The base model's sliding window was removed: every layer attended to all earlier tokens of its "
+            f"{cfg.data.seq_len:,}-token training window, and this export's layers attend to the whole prompt too.",
+        ]
+    return lines
 
 
 def _rope_text(rope: dict, cfg: Config) -> str:
