@@ -104,6 +104,26 @@ def sequence_parallel_groups(sp: int):
     return group, sp_state
 
 
+def sequence_parallel_bf16_norm(engine) -> None:
+    """Let 0.19.8's `BF16_Optimizer` (bf16 with ZeRO-1, fp32 gradient accumulation: lctrain's bf16 ZeRO-1) measure
+    the gradient norm under sequence parallelism. It is handed the engine's `mpu`, which under Ulysses is
+    `parallel_state_sp`, and that module aliases the model-parallel rank, size and group to the sequence-parallel
+    ones (`get_model_parallel_rank = get_sequence_parallel_rank`). The engine (`groups._get_model_parallel_world_size`)
+    and ZeRO-1/2's `DeepSpeedZeroOptimizer` recognise it (`hasattr(mpu, 'initialize_sequence_parallel')`: no model
+    parallelism); `BF16_Optimizer` does not: its `get_grads_for_norm` keeps a gradient only on "tensor-parallel rank"
+    0, so every sequence-parallel rank but the first collects none and `get_global_norm_of_tensors` fails with
+    "stack expects a non-empty TensorList" (any dp, ZeRO-1 + bf16 + sequence_parallel > 1). Its gradients are the
+    full ones, all-reduced over every rank, so without an `mpu` each rank measures the whole norm itself, as in
+    plain data parallelism; the optimizer reads `mpu` for the norm and clipping only, and the engine keeps its own
+    (groups, checkpoint metadata)."""
+    # deepspeed on use: it takes seconds to import (start-up time)
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    optimizer = engine.optimizer
+    if isinstance(optimizer, BF16_Optimizer) and hasattr(optimizer.mpu, "initialize_sequence_parallel"):
+        optimizer.mpu = None
+
+
 def zero3_full_state_dict(engine) -> dict:
     """The full 16-bit state dict gathered from ZeRO-3 shards (all ranks call; rank 0 gets the tensors). DeepSpeed
     0.19.8 has it only as the private `DeepSpeedEngine._zero3_consolidated_16bit_state_dict`, which its public

@@ -30,7 +30,11 @@ from torch.profiler import record_function
 from lctrain import fused
 from lctrain.activation_checkpointing import keeps_attention
 from lctrain.attention import make_batch
-from lctrain.compat.deepspeed import checkpoint_offload_context, no_bf16_optimizer_memory_report
+from lctrain.compat.deepspeed import (
+    checkpoint_offload_context,
+    no_bf16_optimizer_memory_report,
+    sequence_parallel_bf16_norm,
+)
 from lctrain.config import Config, config_fingerprint, settings, settings_changes, shown_changes
 from lctrain.console import launched_rank, say, survive_closed_outputs
 from lctrain.costmodel import (
@@ -263,6 +267,7 @@ class Trainer:
                 mpu=topo.mpu,
                 lr_scheduler=partial(_lambda_lr, train_cfg=cfg.train),
             )
+        sequence_parallel_bf16_norm(self.engine)  # bf16 ZeRO-1 with sequence parallelism measures its norm
         del hf_ds_config
         # DeepSpeed reports the gradient norm for ZeRO and mixed precision only; plain fp32 without ZeRO keeps the
         # reduced gradients in .grad, where we can measure it before the step.
