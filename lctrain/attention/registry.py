@@ -58,6 +58,10 @@ def register_all() -> None:
         register(engine)
 
 
+# the CPU engine of a model transformers runs no sdpa for: `auto` and `sdpa` are refused for it, and init writes flex
+_CPU_WITHOUT_SDPA = "'reference' for a model transformers runs no sdpa for, such as Gemma-2"
+
+
 def resolve_engine(engine: str, mode: str, device, *, dtype) -> Engine:
     """`auto` -> the fastest engine for this mode, device and dtype; a named engine is checked to be able to run it.
     Called once per model (`lctrain.model.build_model`, which hands the result to whoever needs it).
@@ -83,7 +87,8 @@ def _engine_name(engine: str, mode: str, device, dtype) -> str:
     if engine == "varlen":
         if not gpu:
             raise UserError(
-                f"attention.engine = 'varlen' needs a CUDA GPU (device is {device_type}); use 'sdpa' or 'auto'"
+                f"attention.engine = 'varlen' needs a CUDA GPU (device is {device_type}); use 'sdpa' or 'auto' "
+                f"({_CPU_WITHOUT_SDPA})"
             )
         if not half:
             raise UserError(
@@ -98,6 +103,6 @@ def _engine_name(engine: str, mode: str, device, dtype) -> str:
     if engine == "flex" and not gpu:
         raise UserError(
             f"attention.engine = 'flex' cannot train on {device_type}: FlexAttention has no CPU "
-            f"backward; use 'sdpa' or 'auto'"
+            f"backward; use 'sdpa' or 'auto' ({_CPU_WITHOUT_SDPA})"
         )
     return engine
