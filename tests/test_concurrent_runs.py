@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_eval_export_concurrency import fake_run, invoke, with_checkpoints
 from test_eval_harness import write_tasks
-from train_helpers import one_error_line, prepared_workdir, set_args, tiny_run
+from train_helpers import export_lock_fails, one_error_line, prepared_workdir, set_args, tiny_run
 
 from lctrain import lifetime
 from lctrain.config import load_config, write_resolved
@@ -228,14 +228,7 @@ def test_an_export_the_running_training_does_not_write_goes_on(tmp_path):
 
 def test_a_lock_file_that_cannot_be_created_for_another_reason_suggests_out(tmp_path, monkeypatch):
     run = with_checkpoints(fake_run(tmp_path), 18)
-    real_open = lifetime.os.open
-
-    def too_long(path, *args, **kwargs):
-        if Path(path).name.startswith(".lctrain-export-"):
-            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(path))
-        return real_open(path, *args, **kwargs)
-
-    monkeypatch.setattr(lifetime.os, "open", too_long)
+    export_lock_fails(monkeypatch, errno.ENAMETOOLONG)
     out = tmp_path / "x"
     assert one_error_line(invoke("export", run, "--step", 18, "--out", out)) == (
         f"error: --out {out}: cannot create its lock file {tmp_path / '.lctrain-export-x.lock'} (File name too long); "

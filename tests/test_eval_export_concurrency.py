@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
-from train_helpers import one_error_line
+from train_helpers import export_lock_fails, one_error_line
 from typer.testing import CliRunner
 
 from lctrain import lifetime
@@ -275,14 +275,7 @@ def test_an_export_to_a_full_disk_leaves_no_temporary(tmp_path, monkeypatch):
 
 def test_an_export_beside_a_read_only_target_is_one_line(tmp_path, monkeypatch):
     run = with_checkpoints(fake_run(tmp_path), 18)
-    real_open = lifetime.os.open
-
-    def read_only(path, *args, **kwargs):
-        if Path(path).name.startswith(".lctrain-export-"):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-        return real_open(path, *args, **kwargs)
-
-    monkeypatch.setattr(lifetime.os, "open", read_only)
+    export_lock_fails(monkeypatch, errno.EROFS)
     assert one_error_line(invoke("export", run, "--step", 18)) == (
         f"error: cannot write the export's lock file {RunDir(run).exports_dir / '.lctrain-export-step_18.lock'}: "
         f"Read-only file system; choose a path on a writable filesystem, then run the command again"

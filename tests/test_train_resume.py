@@ -20,6 +20,7 @@ from train_helpers import (
     TINY_ARCH,
     clean_env,
     cli_train_command,
+    export_lock_fails,
     killed_in_checkpoint_command,
     losses,
     metric_records,
@@ -502,18 +503,8 @@ def test_an_export_lock_that_cannot_be_created_is_worded_for_whoever_exports(tmp
     """The training's own export of a step goes into the run's hf/, where no --out can be chosen: its refusal names
     that directory and what to do instead; `lctrain export RUN` (into hf/ too) has --out to go elsewhere."""
     import errno
-    import os
 
-    from lctrain import lifetime
-
-    real_open = lifetime.os.open
-
-    def too_long(path, *args, **kwargs):
-        if Path(path).name.startswith(".lctrain-export-"):
-            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), str(path))
-        return real_open(path, *args, **kwargs)
-
-    monkeypatch.setattr(lifetime.os, "open", too_long)
+    export_lock_fails(monkeypatch, errno.ENAMETOOLONG)
     monkeypatch.setattr(ckpt, "write_export", lambda *args, **kwargs: pytest.fail("written without its lock"))
     monkeypatch.setattr(ckpt, "barrier", lambda: None)
     run = RunDir(tmp_path / "run")

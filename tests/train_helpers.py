@@ -171,3 +171,18 @@ def nan_loss_at(monkeypatch, update: int):
 
     monkeypatch.setattr(Trainer, "train_step", step)
     return real_step
+
+
+def export_lock_fails(monkeypatch, number: int) -> None:
+    """Every export's lock file (`.lctrain-export-*.lock`) fails to open with errno `number`, as the machine would
+    refuse it (a name too long, a read-only filesystem); every other file opens."""
+    from lctrain import lifetime
+
+    real_open = lifetime.os.open
+
+    def refused(path, *args, **kwargs):
+        if Path(path).name.startswith(".lctrain-export-"):
+            raise OSError(number, os.strerror(number), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(lifetime.os, "open", refused)
