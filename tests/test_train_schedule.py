@@ -17,11 +17,26 @@ from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkp
 
 def test_hf_checkpoints_follow_the_paper_protocol():
     ck = CheckpointConfig()
-    assert hf_checkpoint_steps(2000, ck) == [1960, 1970, 1980, 1990, 2000]
-    assert hf_checkpoint_steps(60, ck) == [20, 30, 40, 50, 60]
-    assert hf_checkpoint_steps(25, ck) == [5, 15, 25]  # a run shorter than the window: never step 0
-    assert hf_checkpoint_steps(6, CheckpointConfig(hf_every=2, hf_last=4)) == [4, 6]
-    assert hf_checkpoint_steps(100, CheckpointConfig(hf_last=0)) == []
+    assert list(hf_checkpoint_steps(2000, ck)) == [1960, 1970, 1980, 1990, 2000]
+    assert list(hf_checkpoint_steps(60, ck)) == [20, 30, 40, 50, 60]
+    assert list(hf_checkpoint_steps(25, ck)) == [5, 15, 25]  # a run shorter than the window: never step 0
+    assert list(hf_checkpoint_steps(6, CheckpointConfig(hf_every=2, hf_last=4))) == [4, 6]
+    assert list(hf_checkpoint_steps(100, CheckpointConfig(hf_last=0))) == []
+
+
+@pytest.mark.parametrize(
+    "total, every, last", [(60, 10, 50), (25, 10, 50), (7, 3, 7), (1, 1, 1), (97, 7, 40), (10, 4, 100)]
+)
+def test_hf_checkpoints_match_a_loop_over_every_step(total, every, last):
+    """The step rule spelled out: within the last `last` steps, every `every` counting back from the final one."""
+    ck = CheckpointConfig(hf_every=every, hf_last=last)
+    loop = [s for s in range(1, total + 1) if total - s < last and (total - s) % every == 0]
+    assert list(hf_checkpoint_steps(total, ck)) == loop
+
+
+def test_hf_checkpoints_of_a_billion_steps_cost_nothing():
+    steps = hf_checkpoint_steps(10**9, CheckpointConfig(hf_every=1, hf_last=10**9))
+    assert len(steps) == 10**9 and 1 in steps and 10**9 in steps and 0 not in steps
 
 
 def test_resume_checkpoints_every_n_steps_and_at_the_end():

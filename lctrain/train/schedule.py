@@ -85,10 +85,12 @@ def resume_checkpoint_after(start_step: int, total_steps: int, ckpt: CheckpointC
     return start_step < total_steps and (ckpt.save_final or first_multiple <= total_steps)
 
 
-def hf_checkpoint_steps(total_steps: int, ckpt: CheckpointConfig) -> list[int]:
+def hf_checkpoint_steps(total_steps: int, ckpt: CheckpointConfig) -> range:
     """Evaluation checkpoints every `hf_every` steps within the last `hf_last`, ending at the last step:
-    N-40, N-30, N-20, N-10, N for the paper's protocol (hf_every 10, hf_last 50)."""
+    N-40, N-30, N-20, N-10, N for the paper's protocol (hf_every 10, hf_last 50). A range, not a list: `hf_last` may
+    be as large as `train.steps`, and membership is arithmetic."""
     if ckpt.hf_last <= 0:
-        return []
+        return range(0)
     first = max(1, total_steps - ckpt.hf_last + 1)
-    return [s for s in range(total_steps, first - 1, -ckpt.hf_every)][::-1]
+    earliest = total_steps - (total_steps - first) // ckpt.hf_every * ckpt.hf_every
+    return range(earliest, total_steps + 1, ckpt.hf_every)

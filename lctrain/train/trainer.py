@@ -442,7 +442,7 @@ class Trainer:
         cfg, topo = self.cfg, self.topo
         total = cfg.train.steps
         self.dataset = dataset_record(packed.manifest)
-        hf_steps = set(hf_checkpoint_steps(total, cfg.checkpoint))
+        hf_steps = hf_checkpoint_steps(total, cfg.checkpoint)
         peak = self.peak_flops
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
         profiler = self.step_profiler()
@@ -470,7 +470,7 @@ class Trainer:
     def _steps(
         self,
         packed,
-        hf_steps: set[int],
+        hf_steps: range,
         peak: float | None,
         logger: StepLogger | None,
         profiler: StepProfiler,
@@ -753,7 +753,8 @@ def check_output_dirs(cfg: Config, rd: RunDir, start_step: int) -> None:
     total, plan = cfg.train.steps, cfg.checkpoint
     if plan.on_sigterm or resume_checkpoint_after(start_step, total, plan):
         ckpt.check_output_dir(rd.checkpoints, "resume checkpoints")
-    if any(s > start_step for s in hf_checkpoint_steps(total, plan)):
+    exports = hf_checkpoint_steps(total, plan)
+    if exports and exports[-1] > start_step:
         ckpt.check_output_dir(rd.exports_dir, "evaluation exports")
 
 
