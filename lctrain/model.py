@@ -359,7 +359,7 @@ def config_changes(hf_config, cfg: Config, *, vocab_size: int | None, attn_imple
     if _window_removed(hf_config, cfg):
         # The lctrain engines compute full-window attention masks; long-context continual pretraining of Mistral-style
         # models trains without the sliding window (Mistral-7B-v0.2/0.3 ship without one).
-        changes += _full_attention_changes(hf_config, cfg.data.seq_len)
+        changes += _full_attention_changes(hf_config, cfg.data.seq_len, max_pos)
     if vocab_size is not None and cfg.model.arch is not None and vocab_size != hf_config.vocab_size:
         changes.append(ConfigChange("vocab_size", hf_config.vocab_size, vocab_size, "the tokenizer's vocabulary"))
     if _dtype_name(getattr(hf_config, "dtype", None)) != cfg.model.dtype:
@@ -380,12 +380,14 @@ def _window_removed(hf_config, cfg: Config) -> bool:
     return window is not None and window < cfg.data.seq_len
 
 
-def _full_attention_changes(hf_config, seq_len: int) -> list[ConfigChange]:
+def _full_attention_changes(hf_config, seq_len: int, max_pos: int) -> list[ConfigChange]:
     """Every layer to full attention, consistently: a config left with `use_sliding_window: true` or
     "sliding_attention" layers but no window is one transformers cannot run (the cache and masks of those layers need
     the window), so the exported model could not generate. The window's value goes where it is the switch (Mistral:
-    no layer types; Qwen2: `use_sliding_window`); where layer types alone decide (Gemma-2), the value stays, unused,
-    as those model classes build a sliding-window mask whatever their layers."""
+    no layer types; Qwen2: `use_sliding_window`). Where layer types alone decide (Gemma-2), those model classes build
+    a sliding-window mask whatever their layers, so the value stays, widened to the model's context (`max_pos`): the
+    releases before `layer_types` (transformers < 4.53, and the servers built on them) slide every other layer by it
+    and would otherwise run the export with the window it trained without."""
     window = hf_config.sliding_window
     why = f"sliding_window {window} shorter than data.seq_len = {seq_len}"
     layer_types = getattr(hf_config, "layer_types", None) or []
@@ -393,6 +395,9 @@ def _full_attention_changes(hf_config, seq_len: int) -> list[ConfigChange]:
     changes = []
     if switch or "sliding_attention" not in layer_types:
         changes.append(ConfigChange("sliding_window", window, None, f"shorter than data.seq_len = {seq_len}"))
+    elif max_pos > window:
+        widened = f"shorter than data.seq_len = {seq_len}; no layer slides (layer_types), for releases before them"
+        changes.append(ConfigChange("sliding_window", window, max_pos, widened))
     if switch:
         changes.append(ConfigChange("use_sliding_window", True, False, why))
     if "sliding_attention" in layer_types:

@@ -181,8 +181,8 @@ def test_an_export_without_the_window_loads_and_generates(name, tmp_path):
     assert set(changed["layer_types"]) == {"full_attention"}
     if name == "qwen2":
         assert changed["sliding_window"] is None and changed["use_sliding_window"] is False
-    else:  # Gemma-2 builds its sliding mask whatever the layer types: the window stays, no layer uses it
-        assert "sliding_window" not in changed
+    else:  # Gemma-2 builds its sliding mask whatever the layer types: the window stays, widened to the context
+        assert changed["sliding_window"] == SEQ
     for key, value in changed.items():
         if not key.startswith("rope_parameters.") and key not in ("attn_implementation", "dtype"):
             assert getattr(built.model.config, key) == value
@@ -191,6 +191,24 @@ def test_an_export_without_the_window_loads_and_generates(name, tmp_path):
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=impl).eval()
         out = loaded.generate(ids_of()[:, :5], max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert out.shape == (1, 8)
+
+
+def test_a_gemma2_export_attends_fully_where_layer_types_are_unknown(tmp_path):
+    """transformers releases before `layer_types` slide every other layer (the first of each pair) by
+    `sliding_window`: the export's window, run so, computes what the full-attention model trained."""
+    built = build(SLIDING["gemma2"])
+    built.model.save_pretrained(tmp_path)
+    full = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    older = AutoConfig.from_pretrained(tmp_path)
+    older.layer_types = [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(older.num_hidden_layers)
+    ]
+    sliding = AutoModelForCausalLM.from_pretrained(tmp_path, config=older, attn_implementation="eager").eval()
+    ids = ids_of()[:, :SEQ]
+    torch.testing.assert_close(sliding(ids).logits, full(ids).logits, rtol=0, atol=0)
+    older.sliding_window = SLIDING["gemma2"]["sliding_window"]  # the base's window, as exports kept it before
+    kept = AutoModelForCausalLM.from_pretrained(tmp_path, config=older, attn_implementation="eager").eval()
+    assert not torch.allclose(kept(ids).logits, full(ids).logits)
 
 
 PARTIAL = {
