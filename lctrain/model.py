@@ -599,6 +599,14 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
         engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, device, dtype=cfg.model.dtype)
     except UserError as e:
         engine, refused = None, e
+        if device != "cuda":
+            # a config for a GPU, read on a laptop: the model is still checked as train on a GPU checks it
+            try:
+                engine = resolve_engine(cfg.attention.engine, cfg.attention.mode, "cuda", dtype=cfg.model.dtype)
+            except UserError:
+                pass
+            else:
+                notes.append(f"attention.engine: {engine.name} does not run here ({e}); checked as on a GPU")
     if cfg.attention.engine == "auto":
         used["attention.engine"] = engine.name
         notes.append(

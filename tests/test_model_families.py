@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from train_helpers import show_config_refusal
+from train_helpers import set_args, show_config_refusal
 from transformers import AutoConfig, AutoModelForCausalLM
+from typer.testing import CliRunner
 
 from lctrain.attention import ENGINES, make_batch
+from lctrain.cli import app
 from lctrain.compat.transformers import sdpa_refused
 from lctrain.config import load_config
 from lctrain.errors import UserError
@@ -147,6 +149,20 @@ def _reference_call(**kwargs):
     seg.pop("input_ids", None)
     seg.pop("position_ids", None)
     return ENGINES["reference"].attention(None, q, k, v, **seg, **kwargs)
+
+
+def test_show_config_on_a_cpu_checks_a_flex_config_as_train_on_a_gpu_does():
+    """flex cannot run on a CPU; show-config there still refuses the model train would refuse."""
+    with pytest.raises(UserError) as err:
+        build({**GEMMA2, "attn_logit_softcapping": 5.0})
+    arch = json.dumps({**GEMMA2, "attn_logit_softcapping": 5.0})
+    assert show_config_refusal([f"model.arch={arch}", "attention.engine=flex", "model.dtype=float32"]) == (
+        f"error: {err.value}"
+    )
+    fine = json.dumps({**GEMMA2, "attn_logit_softcapping": None})
+    shown = CliRunner().invoke(app, ["show-config", *set_args([f"model.arch={fine}", "attention.engine=flex"])])
+    assert shown.exit_code == 0, shown.output
+    assert "attention.engine: flex does not run here" in shown.output and "layer_types" in shown.output
 
 
 def test_the_engines_refuse_softcap_and_a_window_they_would_drop():
