@@ -16,6 +16,7 @@ from lctrain.eval.generation import (
     kv_cache_bytes,
     plan_generation,
     planned_cache,
+    prefill_activation_bytes,
     stop_ids,
 )
 
@@ -202,6 +203,50 @@ def test_a_sliding_windows_mask_is_counted_in_one_pass_too(window):
     assert plain.one_pass and plan.one_pass
     masked = window.get("use_sliding_window", True)
     assert plan.device_bytes - plain.device_bytes == (65664 * 65664 if masked else 0)
+
+
+def test_eager_attention_scores_are_planned_as_measured():
+    """Gemma-2 is evaluated with eager attention, which holds every head's chunk x context scores: a one-pass prefill
+    of T tokens is planned with them, at least what one attention forward is measured to hold, and not far above."""
+    from memory_helpers import PeakBytes
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention, Gemma2RotaryEmbedding
+
+    config = AutoConfig.for_model(
+        "gemma2",
+        hidden_size=256,
+        intermediate_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        attn_logit_softcapping=50.0,
+        num_hidden_layers=2,
+        max_position_embeddings=4096,
+        sliding_window=4096,
+        vocab_size=256,
+        attn_implementation="eager",
+    )
+    tokens = 1024
+    attention = Gemma2Attention(config, layer_idx=1).eval()
+    x = torch.randn(1, tokens, config.hidden_size)
+    cos_sin = Gemma2RotaryEmbedding(config)(x, torch.arange(tokens)[None])
+    mask = torch.full((1, 1, tokens, tokens), float("-inf")).triu(1)
+    with torch.no_grad(), PeakBytes() as measured:
+        attention(x, cos_sin, mask)
+    scores = 8 * tokens * tokens * 8  # float32 scores and their float32 softmax
+    assert scores < measured.peak
+    planned = prefill_activation_bytes(config, tokens, tokens, 4, "eager")
+    assert measured.peak <= planned <= 1.25 * measured.peak
+    assert planned - prefill_activation_bytes(config, tokens, tokens, 4) == scores
+    # bf16 on a GPU: the bf16 scores, their float32 softmax and its cast back
+    assert (
+        prefill_activation_bytes(config, tokens, tokens, 2, "eager")
+        - prefill_activation_bytes(config, tokens, tokens, 2)
+        == 8 * tokens * tokens * 8
+    )
+    sdpa = plan_generation(config, tokens, 4, 10**9, None)
+    eager = plan_generation(config, tokens, 4, 10**9, None, attention="eager")
+    assert eager.device_bytes - sdpa.device_bytes == scores
 
 
 def test_cpu_plan_never_offloads():

@@ -22,7 +22,9 @@ than the 128 GiB of host memory of an H100 machine, which killed the process (me
 Device memory for a prompt of T tokens plus N generated ones (`plan_generation`): weights, plus the cache of T + N
 tokens for the resident layers, plus two staging layers when any layer is offloaded, plus the activations of one
 prefill chunk of c tokens (q, k, v and output projections, the MLP's gate, up and product, and the c x (T + N)
-attention mask, none for a single pass of a model without a sliding window). Host memory: the cache of the
+attention mask, none for a single pass of a model without a sliding window; with eager attention, which Gemma-2 is
+evaluated with, also the heads x c x (T + N) attention scores: quadratic in the prompt where a chunk is the whole
+prompt). Host memory: the cache of the
 offloaded layers. If even the most offloaded plan does not fit, `lctrain eval` stops before generating, saying the
 longest prompt that fits.
 """
@@ -39,7 +41,7 @@ import psutil
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from lctrain.compat.transformers import load_errors
+from lctrain.compat.transformers import attn_implementation_of, load_errors
 from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.search import longest_fitting
@@ -66,8 +68,9 @@ def sliding_window(config) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def prefill_activation_bytes(config, chunk: int, context: int, dtype_bytes: int) -> int:
-    """Peak activations of one decoder layer for a chunk of `chunk` new tokens attending to `context` positions."""
+def prefill_activation_bytes(config, chunk: int, context: int, dtype_bytes: int, attention: str = "sdpa") -> int:
+    """Peak activations of one decoder layer for a chunk of `chunk` new tokens attending to `context` positions,
+    with transformers' `attention` implementation."""
     m = ModelShape.from_hf_config(config)
     # transformers passes SDPA a boolean mask of the chunk over the cache, except to a single pass over the whole
     # prompt of a model without a window (causal attention needs none)
@@ -76,7 +79,14 @@ def prefill_activation_bytes(config, chunk: int, context: int, dtype_bytes: int)
     mlp = 3 * chunk * m.intermediate * dtype_bytes  # gate, up and their product live together
     hidden = 2 * chunk * m.hidden * dtype_bytes  # the residual stream and the normed input
     mask = chunk * context if masked else 0
-    return projections + mlp + hidden + mask + m.vocab * torch.float32.itemsize  # last position's logits
+    scores = m.heads * chunk * context * eager_score_bytes(dtype_bytes) if attention == "eager" else 0
+    return projections + mlp + hidden + mask + scores + m.vocab * torch.float32.itemsize  # last position's logits
+
+
+def eager_score_bytes(dtype_bytes: int) -> int:
+    """Bytes per attention score that transformers' eager attention holds at once: the scores in the model's dtype
+    and their softmax in float32, plus its cast back to a 16-bit dtype (while the float32 one is alive)."""
+    return dtype_bytes + torch.float32.itemsize + (dtype_bytes if dtype_bytes < torch.float32.itemsize else 0)
 
 
 @dataclass(frozen=True)
@@ -115,12 +125,12 @@ class GenerationPlan:
 STAGING_LAYERS = 2  # an offloaded layer computes in one staging buffer while the next is copied into the other
 
 
-def _needs(config, tokens: int, chunk: int, dtype_bytes: int, resident: int) -> tuple[int, int]:
+def _needs(config, tokens: int, chunk: int, dtype_bytes: int, resident: int, attention: str) -> tuple[int, int]:
     """(device bytes beside the weights, host bytes) with `resident` layers' cache on the device."""
     layers = ModelShape.from_hf_config(config).layers
     offloaded = layers - resident
     on_device = resident + (STAGING_LAYERS if offloaded else 0)
-    act = prefill_activation_bytes(config, min(chunk, tokens), tokens, dtype_bytes)
+    act = prefill_activation_bytes(config, min(chunk, tokens), tokens, dtype_bytes, attention)
     return (
         kv_cache_bytes(config, tokens, dtype_bytes, layers=on_device) + act,
         kv_cache_bytes(config, tokens, dtype_bytes, layers=offloaded),
@@ -128,24 +138,24 @@ def _needs(config, tokens: int, chunk: int, dtype_bytes: int, resident: int) -> 
 
 
 def _most_resident(
-    config, tokens: int, dtype_bytes: int, device_free: int, chunk: int, can_offload: bool
+    config, tokens: int, dtype_bytes: int, device_free: int, chunk: int, can_offload: bool, attention: str
 ) -> tuple[int, int, int] | None:
     """(resident layers, device bytes, host bytes) keeping the most layers on the device within its free memory
     (less HEADROOM), or None when not even the fully offloaded cache fits."""
     layers = ModelShape.from_hf_config(config).layers
     for resident in range(layers, -1 if can_offload else layers - 1, -1):
-        device, host = _needs(config, tokens, chunk, dtype_bytes, resident)
+        device, host = _needs(config, tokens, chunk, dtype_bytes, resident, attention)
         if device <= device_free * (1 - HEADROOM):
             return resident, device, host
     return None
 
 
 def _fitting(
-    config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None, chunk: int
+    config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None, chunk: int, attention: str
 ) -> GenerationPlan | None:
     """The plan for `tokens` with the fewest layers offloaded, or None. Offloading more layers only needs more host
     memory, so the most resident plan that fits the device decides."""
-    best = _most_resident(config, tokens, dtype_bytes, device_free, chunk, host_free is not None)
+    best = _most_resident(config, tokens, dtype_bytes, device_free, chunk, host_free is not None, attention)
     if best is None:
         return None
     resident, device, host = best
@@ -155,21 +165,27 @@ def _fitting(
 
 
 def plan_generation(
-    config, tokens: int, dtype_bytes: int, device_free: int, host_free: int | None, prefill_chunk: int = PREFILL_CHUNK
+    config,
+    tokens: int,
+    dtype_bytes: int,
+    device_free: int,
+    host_free: int | None,
+    prefill_chunk: int = PREFILL_CHUNK,
+    attention: str = "sdpa",
 ) -> GenerationPlan:
     """The plan that fits `tokens` (prompt + generated) into `device_free` bytes beside the weights with the fewest
     layers offloaded, prefilling in one pass when that fits with no layer offloaded, else in chunks of
     `prefill_chunk` (the module docstring says why); `host_free` None means the device is the host (CPU), where
-    offloading saves nothing."""
-    whole = _fitting(config, tokens, dtype_bytes, device_free, host_free, tokens)
+    offloading saves nothing; `attention` is transformers' attention implementation of the model."""
+    whole = _fitting(config, tokens, dtype_bytes, device_free, host_free, tokens, attention)
     if whole is not None and not whole.offload:
         return whole
-    plan = _fitting(config, tokens, dtype_bytes, device_free, host_free, prefill_chunk)
+    plan = _fitting(config, tokens, dtype_bytes, device_free, host_free, prefill_chunk, attention)
     if plan is not None:
         return plan
     longest = (
         longest_fitting(
-            lambda n: _fitting(config, n, dtype_bytes, device_free, host_free, prefill_chunk) is not None,
+            lambda n: _fitting(config, n, dtype_bytes, device_free, host_free, prefill_chunk, attention) is not None,
             0,
             MAX_TOKENS - 1,
         )
@@ -177,7 +193,7 @@ def plan_generation(
     )
     layers = ModelShape.from_hf_config(config).layers
     offload = host_free is not None
-    best = _most_resident(config, tokens, dtype_bytes, device_free, prefill_chunk, offload)
+    best = _most_resident(config, tokens, dtype_bytes, device_free, prefill_chunk, offload, attention)
     if best is not None:  # the device has room: host memory for the offloaded layers ran out
         resident, _, host = best
         short = (
@@ -185,7 +201,7 @@ def plan_generation(
             f"memory and {to_gb(host_free):.1f} GB are available"
         )
     else:
-        device, _ = _needs(config, tokens, prefill_chunk, dtype_bytes, 0 if offload else layers)
+        device, _ = _needs(config, tokens, prefill_chunk, dtype_bytes, 0 if offload else layers, attention)
         short = (
             f"it needs {to_gb(device):.1f} GB beside the weights (KV cache{' offloaded' if offload else ''} and "
             f"one prefill chunk) and {to_gb(device_free):.1f} GB are free"
@@ -207,9 +223,10 @@ def free_memory(device) -> tuple[int, int | None]:
 
 
 def plan_for(model, tokens: int) -> GenerationPlan:
-    """The plan for `tokens` on the model's own device and dtype."""
+    """The plan for `tokens` on the model's own device, dtype and attention."""
     free, host = free_memory(model.device)
-    return plan_generation(model.config, tokens, model.dtype.itemsize, free, host)
+    attention = attn_implementation_of(model.config)
+    return plan_generation(model.config, tokens, model.dtype.itemsize, free, host, attention=attention)
 
 
 PAGE = 4096

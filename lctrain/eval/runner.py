@@ -385,7 +385,7 @@ def check_memory(tgt: Target, tokens: int, device: str) -> None:
     except load_errors():
         return
     free, host = free_memory(torch.device(device))
-    plan_generation(config, tokens, eval_dtype(device).itemsize, free, host)
+    plan_generation(config, tokens, eval_dtype(device).itemsize, free, host, attention=eval_attention(config))
 
 
 def greedy_generate(model, tokenizer, encoder, sample: Sample, plan, ends: list[int], cache=None) -> str:
