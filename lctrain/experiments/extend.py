@@ -28,7 +28,6 @@ recorded and left out, the other runs go on and are reported, and the command st
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -55,7 +54,7 @@ from lctrain.config import (
 )
 from lctrain.data.shipped_text import write_jsonl
 from lctrain.data.store import open_packed
-from lctrain.errors import RunFailed, UserError
+from lctrain.errors import RunFailed, UserError, check_creatable
 from lctrain.eval import ruler
 from lctrain.eval.runner import offline_tasks, qa_files, shortfall, too_short
 from lctrain.files import replace_file
@@ -251,15 +250,23 @@ def ensure_corpus(exp: Experiment) -> None:
 def check_evaluation(exp: Experiment, lengths_given: bool) -> None:
     """Refuse, before any run is trained, eval settings that each run's evaluation would refuse once trained (and
     again at every rerun): a task set with nothing to score, or evaluation lengths too short for a task's prompt, in
-    this command's own options. Counted with the model's tokenizer and anchor, as `lctrain eval` counts them; RULER
-    data (`--set eval.ruler_data`) brings its own lengths."""
+    this command's own options. Counted with the model's tokenizer and anchor, as `lctrain eval` counts them, before
+    the example model is built (a refused command writes nothing); RULER data (`--set eval.ruler_data`) brings its own
+    lengths."""
     cfg = exp.config(exp.modes[0])
     ev = cfg.eval
     names, _ = ruler.select_task_set(ev.tasks, list(ev.exclude))
     if ev.ruler_data:
         return
     specs, _ = offline_tasks(names, ev.seed, qa_files(cfg))
-    tokenizer = load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
+    model = exp.model or exp.out / MODEL_DIR
+    built = example_model.is_built(model)
+    if exp.model is not None and not built:
+        return  # not a model `lctrain example-model` wrote: `ensure_model` refuses it
+    if not built and cfg.resolve_path(cfg.data.tokenizer) == model:  # the example model is built after this check
+        tokenizer = example_model.load_tokenizer()
+    else:
+        tokenizer = load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
     encoder = text_encoder(tokenizer).prompted(resolve_anchor(tokenizer, cfg.data.anchor, cfg.data.tokenizer))
     short = too_short(specs, list(exp.eval_lengths), ev.samples_per_task, ev.seed, encoder)
     if not short:
@@ -600,14 +607,6 @@ def report_runs(exp: Experiment, state: State, failed: dict[str, str]) -> dict:
     return report
 
 
-def check_out(out: Path) -> None:
-    """Refuse an --out that is, or runs through, a file before any other check: no other option makes it the
-    experiment's directory, and checking does not create it (a refused command writes nothing)."""
-    blocking = next((p for p in (out, *out.parents) if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
-        raise UserError(f"--out {out}: {os.strerror(errno.ENOTDIR)} ({blocking} is a file); choose another --out")
-
-
 def pick_device(device: str) -> str:
     # torch on use: `lctrain --help` does not pay for it (start-up time)
     import torch
@@ -640,7 +639,8 @@ def extend(
     """Run (or continue) the experiment in `out`; returns the report `write_report` wrote. With `keep_going`, a run
     whose training or evaluation fails is left out and the others go on; the report is written without it, then a
     RunFailed names it."""
-    check_out(Path(out))
+    # the first check, and one that creates nothing: a refused command writes nothing
+    check_creatable(Path(out), Path(out))
     if sum(x is not None for x in (steps, tokens, train_seconds)) > 1:
         raise UserError("give one of --steps, --tokens and --train-seconds")
     if steps is not None and steps < 1:
@@ -681,8 +681,8 @@ def extend(
     )
     if planned is not None:
         checkpoint_spacing(planned, checkpoints)
-    ensure_model(exp)
     check_evaluation(exp, eval_lengths is not None)  # the model's tokenizer counts the prompts
+    ensure_model(exp)
     exp.out.mkdir(parents=True, exist_ok=True)
     state = State(exp.out / STATE_FILE)
     ensure_corpus(exp)
