@@ -182,7 +182,7 @@ def test_table3_grid_and_figure4():
         1e6,
     )
     assert fig4.eval.lengths == [16384]
-    assert hf_checkpoint_steps(fig4.train.steps, fig4.checkpoint) == list(range(100, 2001, 100))
+    assert list(hf_checkpoint_steps(fig4.train.steps, fig4.checkpoint)) == list(range(100, 2001, 100))
 
 
 def test_no_study_config_outside_the_paper():
