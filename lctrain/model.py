@@ -264,13 +264,35 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
         _warn_dynamic(hf_config, cfg, "model.rope_scaling: 'dynamic'")
     if rope_type not in known:
         raise UserError(f"model.rope_scaling.rope_type = {rope_type!r} is unknown; expected one of {', '.join(known)}")
+    factor = scaling.get("factor")
+    if "factor" in scaling and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1):
+        # transformers only logs it: a factor below 1 compresses the positions instead of extending the context
+        raise UserError(
+            f"model.rope_scaling.factor = {factor!r}: rope_type {rope_type!r} needs a factor >= 1 (new / original "
+            f"context length)"
+        )
     params = {"rope_type": rope_type, **_rotary_layout(current), **scaling, "rope_theta": theta}
-    if rope_type in _ROPE_TYPES_WITH_ORIGINAL_LENGTH:
-        # The model's own context length before we raise max_position_embeddings to the training length; Phi-3 keeps
-        # its pretraining length apart, and transformers gives that one priority.
-        own = getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings
-        params.setdefault("original_max_position_embeddings", own)
+    if rope_type in _ROPE_TYPES_WITH_ORIGINAL_LENGTH and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = _original_length(hf_config, cfg, rope_type)
     return params
+
+
+def _original_length(hf_config, cfg: Config, rope_type: str) -> int:
+    """The context length a scaling extends from: the model's own before we raise max_position_embeddings to the
+    training length (Phi-3 keeps its pretraining length apart, and transformers gives that one priority). A
+    `model.arch` has one only where it names it: its config class's default (Llama's 2048, Phi-3's 4096) is no
+    model's, and a 256-token model would be scaled as if extended from 2048."""
+    arch = cfg.model.arch
+    if arch is None:
+        return getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings
+    for key in ("original_max_position_embeddings", "max_position_embeddings"):
+        if arch.get(key) is not None:
+            return arch[key]
+    raise UserError(
+        f"model.rope_scaling: rope_type {rope_type!r} extends the model's context from its original length, and "
+        f"model.arch names none; set model.rope_scaling.original_max_position_embeddings (or "
+        f"max_position_embeddings in model.arch)"
+    )
 
 
 def max_position_embeddings(hf_config, cfg: Config) -> int:

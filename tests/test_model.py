@@ -180,6 +180,36 @@ def test_ntk_user_errors(scaling, match):
         build_model(config(f"model.rope_scaling={scaling}"), vocab_size=100)
 
 
+@pytest.mark.parametrize(
+    "scaling,match",
+    [
+        ("{rope_type: linear, factor: 0.5}", "factor = 0.5: rope_type 'linear' needs a factor >= 1"),
+        ("{rope_type: yarn, factor: 0.5, original_max_position_embeddings: 32}", "rope_type 'yarn' needs a factor"),
+        ("{rope_type: dynamic, factor: '2'}", "factor = '2': rope_type 'dynamic' needs a factor >= 1"),
+        ("{rope_type: yarn, factor: 4.0}", "rope_type 'yarn' extends the model's context .* model.arch names none"),
+        ("{rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0}", "model.arch names none"),
+    ],
+)
+def test_scaling_user_errors(scaling, match):
+    """transformers only logs a factor below 1; a model.arch naming no context length has no original one."""
+    with pytest.raises(UserError, match=match):
+        build_model(config(f"model.rope_scaling={scaling}"), vocab_size=100)
+
+
+def test_a_scaled_arch_extends_from_the_length_it_names():
+    """Not from its config class's default (Llama's 2048), which YaRN's ramp and attention factor would follow."""
+    named = {**ARCH, "max_position_embeddings": 32}
+    yarn = build_model(config("model.rope_scaling={rope_type: yarn, factor: 4.0}", arch=named), vocab_size=100).model
+    assert yarn.config.rope_parameters["original_max_position_embeddings"] == 32
+    given = "{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 16}"
+    assert (
+        build_model(config(f"model.rope_scaling={given}"), vocab_size=100).model.config.rope_parameters[
+            "original_max_position_embeddings"
+        ]
+        == 16
+    )
+
+
 def test_dtype_engine_and_seeded_init():
     model, engine, _ = build_model(config("model.dtype=bfloat16"), vocab_size=100)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
