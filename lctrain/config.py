@@ -383,7 +383,8 @@ class ModelConfig(_Section):
     rope_scaling: dict[str, Any] | None = Field(
         None,
         description="RoPE scaling (rope_type: linear, dynamic, yarn, llama3, ... or lctrain's static ntk, with its "
-        "parameters); null keeps the model's own",
+        "parameters; factor >= 1; yarn, llama3 and longrope extend from original_max_position_embeddings, by default "
+        "the model's own context length); null keeps the model's own",
     )
     max_position_embeddings: Int | None = Field(
         None,
