@@ -736,6 +736,22 @@ def test_an_input_shorter_than_the_budget_says_so_and_what_training_would_re_rea
     fits = (windows - cfg.eval.ppl_windows) // cfg.train.global_batch  # the held-out windows stay unread
     advice = f"add input data (and prepare again) or set train.steps={fits}"
     assert advice in " ".join(captured.err.split()) and advice not in " ".join(captured.out.split())
+    assert "shuffled through a buffer" not in captured.err  # every document was read
+
+
+def test_a_budget_below_the_input_says_it_sampled_the_inputs_head(tmp_path, tok, words, capsys):
+    """The shuffle buffer is at most the budget: the windows come from the first documents read, which is said."""
+    src = write_jsonl(tmp_path / "c.jsonl", make_docs(words, 1200, seed=5))
+    manifest = open_packed(prepare(cfg_for(tmp_path / "out", source=src))).manifest
+    said = " ".join(capsys.readouterr().err.split())
+    assert not manifest.source_exhausted and manifest.shuffle["buffer_tokens"] == 12800
+    read = manifest.source["tokens_read"]
+    total = sum(len(tok(d["text"], add_special_tokens=False)["input_ids"]) for d in make_docs(words, 1200, seed=5))
+    assert read < total / 2
+    assert "shuffled through a buffer of 12,800 tokens (data.shuffle_buffer_tokens, at most the budget): the " in said
+    assert f"windows hold documents of the first {read:,} tokens read" in said
+    prepare(cfg_for(tmp_path / "plain", "data.shuffle_buffer_tokens=0", source=src))  # file order, as asked
+    assert "shuffled through a buffer" not in capsys.readouterr().err
 
 
 def test_rerun_is_a_noop_and_other_fingerprint_needs_force(tmp_path):

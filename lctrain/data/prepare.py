@@ -264,7 +264,8 @@ class _Builder:
         self.num_windows = d.token_budget // d.seq_len
         self.min_doc_tokens = d.min_doc_tokens
         shuffle_seed, mix_seed, chunk_seed = np.random.SeedSequence(d.seed).spawn(3)
-        # a buffer larger than the dataset shuffles no better and only delays the first window
+        # Capped at the budget: a larger buffer only delays the first window of a short build. It also narrows what a
+        # budget smaller than the input samples to the input's head, which `_say_what_was_left_out` says.
         buffer_tokens = min(d.shuffle_buffer_tokens, self.num_windows * d.seq_len)
         self.buffer = ShuffleBuffer(buffer_tokens, np.random.default_rng(shuffle_seed))
         self.mixture = Mixture(
@@ -952,6 +953,15 @@ def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int, cf
         reread = reread_warning(cfg, manifest.num_windows, source_exhausted=True, settings_left_out=bool(left_out))
         if reread:
             console.print(reread, style="yellow", markup=False)
+    buffer = manifest.shuffle.get("buffer_tokens")
+    if not manifest.source_exhausted and cfg.data.source != "synthetic" and buffer < cfg.data.shuffle_buffer_tokens:
+        console.print(
+            f"the documents were shuffled through a buffer of {buffer:,} tokens (data.shuffle_buffer_tokens, at most "
+            f"the budget): the windows hold documents of the first {manifest.source['tokens_read']:,} tokens read, "
+            f"the input's files in a seeded order, not a sample of the whole input",
+            style="yellow",
+            markup=False,
+        )
 
 
 def _say_domains_left_out(console, data, builder: _Builder) -> None:
