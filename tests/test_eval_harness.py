@@ -143,6 +143,20 @@ def test_loglikelihood_matches_a_plain_forward(tiny):
         assert lp == pytest.approx(ref_lp, abs=1e-4) and greedy == ref_greedy
 
 
+def test_a_contexts_trailing_space_goes_to_the_continuation(tiny):
+    """A context ending in a space is scored as lm-eval's models score it, the space moved into the continuation:
+    split after the context's ids, the joined text's "▁blue" took the place of the context's space token, and every
+    continuation was left no token (score 0, whatever the choice)."""
+    model, tok = tiny
+    lm = checkpoint_lm(model, tok, max_length=128)
+    trailing = lm.loglikelihood([Req("The quiet lake is ", "blue"), Req("The quiet lake is \n", "stone")])
+    moved = lm.loglikelihood([Req("The quiet lake is", " blue"), Req("The quiet lake is", " \nstone")])
+    assert trailing == moved
+    whole = ids_of(tok, "The quiet lake is blue")
+    ref, _ = reference_logprob(model, [tok.bos_token_id] + whole, len(whole) - len(ids_of(tok, "The quiet lake is")))
+    assert trailing[0][0] == pytest.approx(ref, abs=1e-4) and ref < 0
+
+
 def test_loglikelihood_keeps_the_last_max_length_tokens(tiny):
     model, tok = tiny
     lm = checkpoint_lm(model, tok, max_length=16)

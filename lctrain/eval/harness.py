@@ -129,8 +129,13 @@ def _make_lm_class():
             pairs = []
             for req in requests:
                 context, continuation = req.args
-                # the harness puts word-boundary spaces into the continuation; tokenizing the joined text keeps the
-                # ids a real document would have, and the context's ids are its prefix up to the boundary
+                # The harness puts word-boundary spaces into the continuation, and a context's trailing whitespace
+                # goes there too, as lm-eval's own models move it: tokenizers join a space to the word after it, so
+                # "is " + "Paris" split after the context's ids left the continuation no token of its own (every
+                # choice scored 0). Tokenizing the joined text keeps the ids a real document would have, and the
+                # context's ids are its prefix up to the boundary.
+                kept = context.rstrip()
+                context, continuation = kept, context[len(kept) :] + continuation
                 whole = self.encode(context + continuation)
                 n_ctx = len(self.encode(context))
                 pairs.append(([self.bos] + whole[:n_ctx], whole[n_ctx:]))
