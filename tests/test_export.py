@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.export_record import EXPORT_RECORD, read_export_record, verify_export
+from lctrain.files import TEMPORARY_PREFIX
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import Anchor, load_tokenizer
 from lctrain.train import checkpoint as ckpt
@@ -191,6 +192,30 @@ def test_default_latest_checkpoint_into_the_run_and_no_overwrite_without_force(z
     assert f"export: checkpoint step_4 of {run} -> {run}/hf/step_4" in said
     assert_same_export(RunDir(run).export(4), RunDir(zero0).export(4))
     assert [p.name for p in RunDir(run).exports()] == ["step_4"]  # nothing else left in hf/
+
+
+def test_resume_writes_the_exports_a_killed_session_left_unwritten(zero0, tmp_path):
+    """Killed after a step's resume checkpoint, in its export: the run resumed after that step and never wrote it
+    (its end state without the final export, 'complete, nothing to resume'). Resume writes it from the checkpoint,
+    what training wrote, and the killed export's temporary directory goes."""
+    run = shutil.copytree(zero0, tmp_path / "run")
+    for step in (2, 4):
+        shutil.rmtree(RunDir(run).export(step))
+    killed = run / "hf" / f"{TEMPORARY_PREFIX}step_4"
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"torn")
+    said = CliRunner().invoke(app, ["resume", str(run)])
+    assert said.exit_code == 0, said.output
+    for step in (2, 4):
+        assert (
+            f"{run}/hf/step_{step} was not written (its session stopped between checkpoint step_{step} and"
+            in said.output
+        )
+        assert_same_export(RunDir(run).export(step), RunDir(zero0).export(step))
+    assert f"{run} is complete: step 4 of 4; nothing to resume" in said.output
+    assert sorted(p.name for p in (run / "hf").iterdir()) == ["step_2", "step_4"]
+    again = CliRunner().invoke(app, ["resume", str(run)])
+    assert again.exit_code == 0 and "was not written" not in again.output
 
 
 def test_refusals_each_in_one_line(zero0, workdir, tmp_path):

@@ -188,6 +188,11 @@ def resume(
                 f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with {cited(start_over)}"
             )
         done = max((int(s["step"]) for _, s in states), default=0)
+        if leader:
+            # on use: the export reads checkpoints with DeepSpeed's tools (start-up time of the other commands)
+            from lctrain.train.export import write_unwritten_exports
+
+            write_unwritten_exports(rd)
         if done >= cfg.train.steps:
             if leader:
                 print(

@@ -74,6 +74,36 @@ def export_checkpoint(
         return _export(run, checkpoint, state, target, force, option)
 
 
+def write_unwritten_exports(run: RunDir) -> list[Path]:
+    """Write the evaluation exports a stopped session owed. Training writes a step's resume checkpoint, then its
+    export (a failed export then loses no step), so a session killed between the two resumes after that step and
+    would never write the export: its run ends without the final model's export, with nothing said, and `lctrain
+    eval` averages what is there. Each complete checkpoint whose step its training was due to export (its recorded
+    `checkpoint.hf_every` / `hf_last`) and which has no `hf/step_N/` gets it here, as `lctrain export` writes it (the
+    killed export's temporary directory replaced). `lctrain resume` and `train --resume-if-exists` call this under
+    the run's lock; returns the exports written."""
+    written = []
+    for checkpoint in ckpt.complete_checkpoints(run):
+        state = ckpt.readable_state(checkpoint)
+        if state is None:
+            continue
+        step = state["step"]
+        target = run.export(step)
+        if target.exists():
+            continue
+        cfg = _trained_config(run, state)
+        if step not in hf_checkpoint_steps(cfg.train.steps, cfg.checkpoint):
+            continue
+        print(
+            f"{target} was not written (its session stopped between checkpoint {checkpoint.name} and that export): "
+            f"writing it from the checkpoint",
+            flush=True,
+        )
+        with ckpt.TargetLock(target, None, command="lctrain resume", wait=True):
+            written.append(_export(run, checkpoint, state, target, False, None))
+    return written
+
+
 def _refuse_an_export_training_writes(run: RunDir, step: int, target: Path) -> None:
     """Refuse `hf/step_N` while the training running in `run` is yet to write it itself: a step of its
     `checkpoint.hf_every` / `hf_last` schedule after the one its session started at, whose export is not there and
