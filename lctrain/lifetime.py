@@ -349,9 +349,10 @@ def exit_with_supervisor() -> None:
     exit_with(supervisor)
 
 
-def _stop_tree(root: psutil.Process, grace_s: float) -> None:
-    """Kill the launchers in the tree first (so they do not report their workers' deaths), then SIGTERM the
-    workers, whose default handler ends them without output; SIGKILL whatever remains after `grace_s`."""
+def _stop_tree(root: psutil.Process, grace_s: float, sig: int = signal.SIGTERM) -> None:
+    """Kill the launchers in the tree first (so they do not report their workers' deaths), then send the workers
+    `sig`; SIGKILL whatever remains after `grace_s`. Ctrl-C passes on as SIGINT, which stops a training worker at
+    once: SIGTERM asks it to finish its step and checkpoint (`StopRequest`), and said so, which a Ctrl-C did not do."""
     try:
         tree = [root] + root.children(recursive=True)
     except psutil.NoSuchProcess:
@@ -361,7 +362,7 @@ def _stop_tree(root: psutil.Process, grace_s: float) -> None:
         if p not in leaves:
             _signal(p, signal.SIGKILL)
     for p in leaves:
-        _signal(p, signal.SIGTERM)
+        _signal(p, sig)
     _, alive = psutil.wait_procs(tree, timeout=grace_s)
     for p in alive:
         _signal(p, signal.SIGKILL)
@@ -417,14 +418,14 @@ def supervise(
                 on_terminate(psutil.Process(proc.pid))
             proc.wait()
         except KeyboardInterrupt:
-            _stop_tree(psutil.Process(proc.pid), grace_s)
+            _stop_tree(psutil.Process(proc.pid), grace_s, signal.SIGINT)
             proc.wait()
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
         raise stop
     except KeyboardInterrupt:
-        _stop_tree(psutil.Process(proc.pid), grace_s)
+        _stop_tree(psutil.Process(proc.pid), grace_s, signal.SIGINT)
         proc.wait()
         raise
 

@@ -17,6 +17,7 @@ from lctrain.cli import main
 from lctrain.data import shipped_text
 from lctrain.errors import UserError
 from lctrain.lifetime import SUPERVISOR_ENV, RunLock, StopRequest, Terminated, is_alive, supervisor_token
+from lctrain.parallel.launch import LAUNCHER_LOG
 from lctrain.rundir import RunDir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,15 +46,9 @@ def as_from_a_terminal() -> None:
 
 
 def start(cmd: list[str], **popen) -> subprocess.Popen:
-    env = clean_env()
+    popen = {"stdout": subprocess.DEVNULL, **popen}
     return subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=as_from_a_terminal,
-        **popen,
+        cmd, env=clean_env(), stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal, **popen
     )
 
 
@@ -163,10 +158,10 @@ def test_is_alive_sees_running_zombie_reaped_and_reused_processes():
     assert is_alive(1)  # another user's process (init) exists all the same
 
 
-def start_sp2_run(data_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process], list[str]]:
+def start_sp2_run(data_dir: Path, run_dir: Path, **popen) -> tuple[subprocess.Popen, list[psutil.Process], list[str]]:
     """A 2-process `lctrain train` under torchrun, two steps in: (its process, every process under it, its args)."""
     args = set_args([f"data.output_dir={data_dir}", f"train.run_dir={run_dir}", *LONG])
-    proc = start(lctrain("train", "-c", "tiny_anchor_sp2", *args))
+    proc = start(lctrain("train", "-c", "tiny_anchor_sp2", *args), **popen)
     wait_for_steps(run_dir, 2, proc)
     tree = psutil.Process(proc.pid).children(recursive=True)
     assert len(tree) >= 3  # the launcher and two workers
@@ -176,7 +171,7 @@ def start_sp2_run(data_dir: Path, run_dir: Path) -> tuple[subprocess.Popen, list
 @pytest.mark.slow  # over 20 s on 2 cores: make test-slow
 def test_multiprocess_run_is_locked_and_ctrl_c_stops_every_process_quietly(data_dir, tmp_path):
     run_dir = tmp_path / "sp2"
-    proc, tree, args = start_sp2_run(data_dir, run_dir)
+    proc, tree, args = start_sp2_run(data_dir, run_dir, stdout=subprocess.PIPE)
 
     for second in (lctrain("train", "-c", "tiny_anchor_sp2", *args), lctrain("resume", str(run_dir))):
         other = subprocess.run(second, env=clean_env(), capture_output=True, text=True, timeout=120)
@@ -187,6 +182,9 @@ def test_multiprocess_run_is_locked_and_ctrl_c_stops_every_process_quietly(data_
     assert proc.wait(timeout=60) == 130
     err = proc.stderr.read()
     assert err.count("interrupted") == 1 and "Traceback" not in err, err[-3000:]
+    # the ranks stop at once, quietly: passed on as SIGTERM, rank 0 said it would finish its step and checkpoint
+    assert "SIGTERM" not in proc.stdout.read()
+    assert "Traceback" not in (run_dir / "ranks" / LAUNCHER_LOG).read_text()
     assert not survivors(tree)
 
 

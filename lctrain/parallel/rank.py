@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(128 + signal.SIGTERM)
+    except KeyboardInterrupt:  # Ctrl-C, passed on by the command that launched the ranks, which says it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGINT)
     except Exception as e:
         if is_out_of_memory(e):
             report_failure(args.workdir, rank, "out_of_memory", " ".join(str(e).split()))
