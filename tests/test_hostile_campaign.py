@@ -303,7 +303,7 @@ CASES = [
         "args",
         ["experiment", "extend", "--out", "afile/x", "--steps", "1"],
         {},
-        r"afile/x: Not a directory",
+        r"afile/x: cannot create the directory \(Not a directory\): afile is a file",
     ),
     ("report-nothing-there", "args", ["report", "emptydir"], {}, r"emptydir: neither an evaluated run directory"),
     ("report-not-evaluated", "args", ["report", "run"], {}, r"run: not evaluated yet .*lctrain eval run"),
