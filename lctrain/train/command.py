@@ -195,15 +195,19 @@ def resume(
             write_unwritten_exports(rd)
         if done >= cfg.train.steps:
             if leader:
+                of = f"step {done} of {cfg.train.steps}" if done == cfg.train.steps else f"{done} steps trained"
                 print(
-                    f"{rd} is complete: step {done} of {cfg.train.steps}; nothing to resume (to train further: "
+                    f"{rd} is complete: {of}; nothing to resume (to train further: "
                     f"lctrain resume {quote(str(run_dir))} --set train.steps=N, N > {done})",
                     flush=True,
                 )
             return rd.path
         prepared = None
         if leader:
-            check_resumable(cfg, states[0][1], f"{rd.config_file}", states[0][0].name, start_over)
+            # the layout's refusal names where it was asked for: the --set flags, else the edited config.yaml
+            layout = [f"--set {o}" for o in overrides if parse_override(o)[0][0] == "parallel"]
+            source = " ".join(layout) or f"{rd.config_file}"
+            check_resumable(cfg, states[0][1], source, states[0][0].name, start_over)
             prepared = preflight(cfg)
             check_same_dataset(cfg, states[0][1], prepared.packed.manifest, states[0][0].name, start_over)
             if overrides:
