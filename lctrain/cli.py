@@ -356,6 +356,13 @@ def eval_(
             help="generation: hf (chunked prefill, KV cache offloaded when it does not fit) or vllm (needs vLLM)"
         ),
     ] = "hf",
+    anchor_prompts: Annotated[
+        bool,
+        typer.Option(
+            help="with --ruler-data: start every prompt with the training anchor, also where the tokenizer puts no "
+            "BOS before a text (Qwen, SmolLM2), unlike RULER's own encoding"
+        ),
+    ] = False,
     harness: Annotated[
         str | None,
         typer.Option(
@@ -411,6 +418,7 @@ def eval_(
         device=device,
         ppl_data=ppl_data,
         backend=backend,
+        anchor_prompts=anchor_prompts,
     )
 
 

@@ -22,7 +22,13 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import bundled_config_names, load_config
 from lctrain.errors import UserError
-from lctrain.eval.ruler import PromptEncoder, scan_task, select_task_set
+from lctrain.eval.ruler import (
+    PROMPT_START_ANCHOR,
+    PROMPT_START_RULER,
+    PromptEncoder,
+    scan_task,
+    select_task_set,
+)
 from lctrain.eval.runner import OFFLINE_LABEL, evaluate, resolve_target, ruler_suite
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import builtin_model_file, load_tokenizer, resolve_anchor, text_encoder
@@ -322,8 +328,10 @@ def test_a_chat_templates_special_tokens_are_the_tokens(v3, tmp_path):
 
 @pytest.mark.real_model
 def test_a_chat_templates_special_tokens_are_the_tokens_of_a_byte_level_bpe(model_dir):
-    """SmolLM2's ChatML: `<|im_start|>`/`<|im_end|>` are its tokens 1 and 2; its tokenizer puts nothing before a text,
-    so the anchor `<|endoftext|>` comes first, once, also before a prompt that starts with it."""
+    """SmolLM2's ChatML: `<|im_start|>`/`<|im_end|>` are its tokens 1 and 2. Its tokenizer puts nothing before a
+    text, so RULER's `tokenizer(prompt)` starts with the template itself, and so does the prompt here (scores
+    comparable with RULER's); with `anchored` the anchor `<|endoftext|>` comes first, once, also before a prompt
+    that starts with it."""
     from transformers import AutoTokenizer
 
     smol = AutoTokenizer.from_pretrained(str(model_dir))
@@ -331,11 +339,15 @@ def test_a_chat_templates_special_tokens_are_the_tokens_of_a_byte_level_bpe(mode
     start, stop = smol.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert (anchor.token, anchor.id, start, stop) == ("<|endoftext|>", 0, 1, 2)
     prompt = f"<|im_start|>user\n{NIAH}<|im_end|>\n<|im_start|>assistant\n{NIAH_PREFIX}"
-    encoder = PromptEncoder(smol, anchor)
+    as_ruler = PromptEncoder(smol, anchor)
+    assert as_ruler.encode(prompt, specials=True) == smol(prompt)["input_ids"]
+    assert as_ruler.prompt_start == PROMPT_START_RULER
+    encoder = PromptEncoder(smol, anchor, anchored=True)
     ids = encoder.encode(prompt, specials=True)
     assert ids == [0, *smol(prompt)["input_ids"]] and ids[:2] == [0, start]
     assert ids.count(start) == 2 and ids.count(stop) == 1 and ids.count(0) == 1
     assert encoder.encode("<|endoftext|>" + prompt, specials=True) == ids
+    assert encoder.prompt_start == PROMPT_START_ANCHOR
 
 
 def _sized(tok, total: int, task: str = "vt", budget: int = 30) -> dict:

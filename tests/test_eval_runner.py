@@ -234,6 +234,7 @@ def test_bad_input_exits_2_with_one_line(run_dir, tmp_path):
         ([str(run_dir), "--lengths", "999999999"], "--lengths '999999999': 999,999,999 tokens is beyond any model's"),
         ([str(run_dir), "--lengths", "256k"], "--lengths 262144: more than 4x the 256 positions step_30 was made"),
         ([str(run_dir), "--out", str(RunDir(run_dir).export(STEPS[0]))], "a model directory (it holds config.json)"),
+        ([str(run_dir), "--anchor-prompts"], "--anchor-prompts: the offline suite's prompts start with the anchor"),
     ]
     for args, message in cases:
         r = runner.invoke(app, ["eval", *args])

@@ -222,6 +222,7 @@ def test_eval_and_diagnose_start_prompts_with_the_anchor(trained, tokenizer):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["anchor"] == {"token": "<|endoftext|>", "id": 0} and results["checkpoints"] == [ckpt.name]
+    assert results["prompt_start"] == "anchor"  # the offline suite's prompts, as the training documents
     text = tmp / "docs.jsonl"
     probe = probe_sequences(text, tokenizer, 256, 1, vocab_size=len(tokenizer), anchor="<|endoftext|>")
     assert probe.sequences[0][0] == 0

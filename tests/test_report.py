@@ -19,6 +19,7 @@ from lctrain.cli import app
 from lctrain.config import data_fingerprint, load_config
 from lctrain.errors import UserError
 from lctrain.eval.perplexity import perplexity_by_length, perplexity_lengths
+from lctrain.eval.ruler import PROMPT_START_ANCHOR, PROMPT_START_RULER
 from lctrain.reports.compare import (
     BEYOND,
     UNKNOWN,
@@ -376,6 +377,19 @@ def test_runs_evaluated_differently_are_refused_naming_the_setting_and_results(t
     results_file(fewer).write_text(json.dumps(results))
     with pytest.raises(UserError, match=r"different numbers of perplexity windows: .*: 8; .*fewer/eval.*: 4; "):
         compare([read_evaluated(good), read_evaluated(fewer)])
+    # results written before the prompt's start was recorded all started with the anchor
+    assert "prompt_start" not in results_of(good)
+    anchored = fake_evaluated(tmp_path, "anchored", "anchor")
+    results = results_of(anchored)
+    results_file(anchored).write_text(json.dumps({**results, "prompt_start": PROMPT_START_ANCHOR}))
+    compare([read_evaluated(good), read_evaluated(anchored)])
+    results_file(anchored).write_text(json.dumps({**results, "prompt_start": PROMPT_START_RULER}))
+    with pytest.raises(UserError) as e:
+        compare([read_evaluated(good), read_evaluated(anchored)])
+    assert str(e.value) == (
+        f"runs evaluated with different prompt starts: {results_file(good)}: anchor; {results_file(anchored)}: the "
+        f"tokenizer's own (as RULER); evaluate them with the same --anchor-prompts"
+    )
 
 
 def test_the_footnote_names_the_results_file_read(tmp_path):

@@ -82,7 +82,7 @@ class Sample:
     answers: tuple[str, ...]
     max_new_tokens: int
     metric: str  # "all": fraction of the answers found; "part": 1 if any is found (QA)
-    num_tokens: int  # the tokens the model reads for the prompt, its anchor included
+    num_tokens: int  # the tokens the model reads for the prompt, its start (anchor or BOS) included
     needles: tuple[tuple[str, float], ...] = ()
 
 
@@ -144,21 +144,37 @@ def _record(path: Path, lineno: int, line: str) -> dict:
     return rec
 
 
+# results.json's `prompt_start`: the anchor first (the offline suite, `--anchor-prompts`), or what RULER's own
+# `tokenizer(prompt)` puts first (RULER's data): the same for a tokenizer whose BOS is the anchor
+PROMPT_START_ANCHOR = "anchor"
+PROMPT_START_RULER = "the tokenizer's own (as RULER)"
+
+
 class PromptEncoder:
     """RULER's prompts as RULER encodes them: by the model's Hugging Face tokenizer, with which RULER sized the data
     (its `length`) and which its prediction runs. That tokenizer reads text spelling one of its added tokens as the
     token, so a chat template's `[INST]` or `<|start_header_id|>` reaches the model as the control token it was tuned
     on; lctrain's `TextEncoder` encodes such text as text, as the training data's documents and the offline suite's
-    prompts need. The anchor goes first, as every training document started, unless the prompt already starts a
-    document, with the anchor or the BOS the tokenizer puts before a text (a template's `<s>` or
-    `<|begin_of_text|>`): never twice. `encode` answers as `TextEncoder.encode` does, `specials` adding the anchor."""
+    prompts need. A prompt starts as RULER's `tokenizer(prompt)` starts it, with the BOS the tokenizer puts before a
+    text (Llama's and Mistral's `<s>`, the anchor they trained with), and with nothing for a tokenizer that puts none
+    (Qwen, SmolLM2), whose scores then compare with published RULER numbers; `anchored` puts the anchor first there
+    too, as every training document started. Never twice: a prompt that already starts a document, with the anchor
+    or that BOS (a template's `<s>` or `<|begin_of_text|>`), keeps its own, where RULER's `tokenizer(prompt)` puts
+    two. `encode` answers as `TextEncoder.encode` does, `specials` adding the start."""
 
-    def __init__(self, tokenizer, anchor: Anchor):
+    def __init__(self, tokenizer, anchor: Anchor, anchored: bool = False):
         # on use: the config, which imports this module, loads without numpy (start-up time)
         from lctrain.tokenizer import special_affixes
 
+        bos = special_affixes(tokenizer)[0]
         self.tokenizer, self.anchor = tokenizer, anchor
-        self.starts = {anchor.id, *special_affixes(tokenizer)[0]}
+        self.starts = {anchor.id, *bos}
+        self.start = [anchor.id] if anchored else list(bos)
+
+    @property
+    def prompt_start(self) -> str:
+        """What a prompt not already starting a document starts with, as results.json records it."""
+        return PROMPT_START_ANCHOR if self.start == [self.anchor.id] else PROMPT_START_RULER
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """The ids of each text, without the anchor: the tokens RULER's `length` counts."""
@@ -169,7 +185,7 @@ class PromptEncoder:
 
     def prompted(self, ids: list[int]) -> list[int]:
         """A prompt's ids as the model reads them."""
-        return ids if ids[:1] and ids[0] in self.starts else [self.anchor.id, *ids]
+        return ids if ids[:1] and ids[0] in self.starts else [*self.start, *ids]
 
     def encode(self, text: str, specials: bool = False) -> list[int]:
         ids = self.encode_batch([text])[0]

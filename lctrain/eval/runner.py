@@ -785,11 +785,13 @@ def evaluate(
     device: str | None = None,
     ppl_data: str | None = None,
     backend: str = "hf",
+    anchor_prompts: bool = False,
 ) -> Path:
     """Score every checkpoint of the resolved run or model (`resolve_target`) on RULER's data (`ruler_data` or
     eval.ruler_data) or else the offline RULER-style suite; write results.json, predictions.jsonl and ruler.png to
     `out` (default RUN_DIR/eval or MODEL_DIR/eval) and print the report. `lengths`, `tasks` and `exclude` default to
-    the config's eval section. Returns the output directory."""
+    the config's eval section; `anchor_prompts`: RULER's prompts start with the anchor also where the tokenizer puts
+    no BOS before a text (`ruler.PromptEncoder`). Returns the output directory."""
     if backend not in ("hf", "vllm"):
         raise UserError(f"--backend {backend}: choose hf (lctrain's planned generation) or vllm")
     ev = tgt.cfg.eval
@@ -797,6 +799,11 @@ def evaluate(
         raise UserError(f"--samples {samples}: need at least 1 sample per task and length")
     names, excluded = ruler.select_task_set(tasks or ev.tasks, exclude if exclude is not None else list(ev.exclude))
     data_dir = ruler_data or _setting_path(tgt.cfg, ev.ruler_data)
+    if anchor_prompts and not data_dir:
+        raise UserError(
+            "--anchor-prompts: the offline suite's prompts start with the anchor already; it changes how RULER's "
+            "own data (--ruler-data) is encoded"
+        )
     out_dir = Path(out) if out else RunDir(tgt.path).eval_dir
     dev = pick_device(device)
     # the offline suite's lengths are refused before its samples are generated; RULER data's once read (a length
@@ -810,7 +817,7 @@ def evaluate(
         tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
         anchor = eval_anchor(tgt.checkpoints[0][1], tgt.cfg, tokenizer)
         if data_dir:
-            encoder = ruler.PromptEncoder(tokenizer, anchor)
+            encoder = ruler.PromptEncoder(tokenizer, anchor, anchored=anchor_prompts)
             suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
             found = Lengths(suite.lengths, "--lengths" if lengths else f"--ruler-data {data_dir}: length", "--lengths")
             refuse_unrunnable(tgt, found, suite.longest, backend, dev)
@@ -825,6 +832,7 @@ def evaluate(
                     f"at least {max(need for _, need in short.values())}, or --exclude {','.join(short)}"
                 )
             suite = offline_suite(specs, missing, asked.lengths, num_samples, ev.seed, encoder)
+        prompt_start = encoder.prompt_start if data_dir else ruler.PROMPT_START_ANCHOR
         heldout = select_heldout(tgt, ppl_data, tokenizer)
         if heldout.path is not None:  # `prepare --force` of it meanwhile is refused, as while a training reads it
             reading.enter_context(Reading(heldout.path, "lctrain eval", f"the evaluation into {out_dir.absolute()}"))
@@ -842,6 +850,7 @@ def evaluate(
             "backend": backend,
             "device": dev,
             "anchor": anchor.record(),
+            "prompt_start": prompt_start,
             "heldout": [str(heldout.path) if heldout.path else None, heldout.rows],
         }
         kept = Kept.read(out_dir, out_dir / PARTIAL_PREDICTIONS, key)
@@ -878,7 +887,8 @@ def evaluate(
             # {checkpoint: `export_digest`, None for an export without a record}: which weights were scored
             "export_records": digests,
             "device": dev,
-            "anchor": anchor.record(),  # what every prompt started with
+            "anchor": anchor.record(),
+            "prompt_start": prompt_start,  # what a prompt that does not start a document is given first
             "tasks": [t for t in names if t in average],
             "lengths": suite.lengths,
             "samples_per_task": None if data_dir and samples is None else (samples or ev.samples_per_task),

@@ -24,6 +24,7 @@ from lctrain.config import Config, data_fingerprint, settings
 from lctrain.console import plain_console
 from lctrain.errors import UserError, output_dir, writing
 from lctrain.eval import score as scoring
+from lctrain.eval.ruler import PROMPT_START_ANCHOR
 from lctrain.eval.runner import export_digest
 from lctrain.export_record import EXPORT_RECORD
 from lctrain.reports.trained_windows import Windows, trained_windows
@@ -92,6 +93,7 @@ def _read_results(file: Path) -> dict:
     missing = [k for k in needed if k not in results] if isinstance(results, dict) else list(needed)
     if missing:
         raise UserError(f"{file}: not the results.json of `lctrain eval` (no {', '.join(missing)})")
+    results.setdefault("prompt_start", PROMPT_START_ANCHOR)  # every prompt did, before the start was recorded
     return results
 
 
@@ -309,6 +311,7 @@ def _heldout_differs(what: str, first: Evaluated, other: Evaluated, a, b) -> str
 # where a cause other than an eval setting is known, the refusal that names it (or None, where it does not apply).
 _EVALUATION = (
     (("suite",), "suites", "evaluate them with the same data", None),
+    (("prompt_start",), "prompt starts", "evaluate them with the same --anchor-prompts", None),
     (("seed",), "eval seeds (the offline suite's needles)", "evaluate them with the same eval.seed", None),
     (("samples_per_task",), "samples per task", "evaluate them with the same --samples", None),
     (("lengths",), "lengths", "evaluate them at the same --lengths", None),
