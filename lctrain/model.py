@@ -417,7 +417,7 @@ def _full_attention_changes(hf_config, seq_len: int, max_pos: int) -> list[Confi
     changes = []
     if switch or "sliding_attention" not in layer_types:
         changes.append(ConfigChange("sliding_window", window, None, f"shorter than data.seq_len = {seq_len}"))
-    elif max_pos > window:
+    else:  # the window is shorter than data.seq_len, and so than max_pos
         widened = f"shorter than data.seq_len = {seq_len}; no layer slides (layer_types), for releases before them"
         changes.append(ConfigChange("sliding_window", window, max_pos, widened))
     if switch:
