@@ -301,9 +301,15 @@ def choose_tokenizer(base: BaseModel, given: str | None) -> tuple[str, str]:
     if given is not None:
         if given.startswith(BUILTIN_PREFIX) or Path(given).expanduser().exists():
             try:
-                load_tokenizer(given)
+                tok = load_tokenizer(given)
             except UserError as e:
                 raise UserError(f"--tokenizer {given}: {e}") from None
+            top = max(tok.get_vocab().values())
+            if top >= base.shape.vocab:  # as `prepare` and `train` refuse it (tokenizer.check_matches_model)
+                raise UserError(
+                    f"--tokenizer {given}: its ids reach {top:,}, past the {base.shape.vocab:,} embedding rows of "
+                    f"--model {base.name_or_path}; pass the model's own tokenizer"
+                )
             return (
                 given if given.startswith(BUILTIN_PREFIX) else str(Path(given).expanduser().resolve())
             ), "--tokenizer"
@@ -329,13 +335,25 @@ class Exclude:
     configs: list[str]  # the bundled configs of the model; none when no bundled config trains it
 
 
-def paper_exclude(name_or_path: str) -> Exclude:
-    """`eval.exclude` of the bundled configs training `name_or_path` (the paper's models), read from those configs so
-    that they stay its one home: an init config scores RULER as the bundled ones do, and its averages compare with
-    the paper's. They agree for each model (tests/test_init_config.py); the first one's is taken."""
+def paper_exclude(base: BaseModel) -> Exclude:
+    """`eval.exclude` of the bundled configs training `base` (the paper's models), read from those configs so that
+    they stay its one home: an init config scores RULER as the bundled ones do, and its averages compare with the
+    paper's. They agree for each model (tests/test_init_config.py); the first one's is taken. A local directory is
+    the known base model of its shape and positions (a downloaded Llama-2-7B is meta-llama/Llama-2-7b-hf)."""
+    name = known_hub_name(base) or base.name_or_path
     configs = [load_config(n) for n in bundled_config_names()]
-    mine = [c for c in configs if c.model.name_or_path == name_or_path]
+    mine = [c for c in configs if c.model.name_or_path == name]
     return Exclude(list(mine[0].eval.exclude) if mine else [], [c.name for c in mine])
+
+
+def known_hub_name(base: BaseModel) -> str | None:
+    """The hub name of the known base model `base` is, by name or by its shape and positions."""
+    if base.name_or_path in HUB_NAMES:
+        return base.name_or_path
+    return next(
+        (hub for hub, key in HUB_NAMES.items() if SHAPES[key] == base.shape and POSITIONS[key] == base.positions),
+        None,
+    )
 
 
 def _eval_exclude(exclude: Exclude) -> str:
@@ -647,7 +665,7 @@ def init_config(
         tried,
         why_tokenizer,
         wandb_mode(),
-        paper_exclude(base.name_or_path),
+        paper_exclude(base),
         why_engine,
     )
     cfg = validate(load_yaml(text), str(path))  # what is written is what was planned, checked as train would

@@ -42,7 +42,7 @@ from lctrain.parallel.groups import pick_backend
 from lctrain.parallel.layout import ParallelLayout, layout_of
 from lctrain.rundir import RunDir
 from lctrain.shapes import HUB_NAMES, SHAPES
-from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer, resolve_anchor
+from lctrain.tokenizer import BUILTIN_PREFIX, check_matches_model, load_tokenizer, resolve_anchor
 from lctrain.train.loss import logit_transform
 
 log = logging.getLogger(__name__)
@@ -598,8 +598,8 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
     (`model.rope_theta`, `model.rope_scaling`, `model.max_position_embeddings`, `model.tiled_mlp`, `data.anchor`).
     Also comment lines: the changes to the model's config, which values this machine decides, or why a value cannot
     be resolved here (a hub model not downloaded). A model or tokenizer that `prepare` and `train` would refuse (an
-    architecture that cannot be built, a pad token outside the vocabulary, a missing anchor token) raises their
-    UserError."""
+    architecture that cannot be built, a pad token outside the vocabulary, a missing anchor token, a tokenizer whose
+    ids are not the model's) raises their UserError."""
     used: dict[str, Any] = {}
     notes: list[str] = []
     if cfg.model.checkpointing is None:
@@ -642,7 +642,8 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
             f"is not downloaded here)"
         )
     else:
-        anchor = resolve_anchor(load_tokenizer(tokenizer), cfg.data.anchor, cfg.data.tokenizer)
+        loaded = load_tokenizer(tokenizer)
+        anchor = resolve_anchor(loaded, cfg.data.anchor, cfg.data.tokenizer)
         used["data.anchor"] = anchor.token
         notes.append(f"data.anchor: {anchor.token} (id {anchor.id}; {anchor.why})")
     try:
@@ -653,6 +654,8 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
                 raise _NotHere(f"'{cfg.model.name_or_path}' is not downloaded here")
             local = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": path})})
         hf_config = load_hf_config(local)
+        if tokenizer is not None:  # prepare's and train's refusal of a tokenizer with other ids than the model's
+            check_matches_model(local, loaded)
         if cfg.model.tiled_mlp == "auto":
             used["model.tiled_mlp"] = auto_mlp_shards(
                 training_mlp_rows(cfg), ModelShape.from_hf_config(hf_config).hidden

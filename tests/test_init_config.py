@@ -298,6 +298,75 @@ def test_ruler_exclusions_are_the_bundled_configs_of_the_model(tmp_path, monkeyp
     assert "left out of RULER's average as in the bundled configs of this model (llama2_128k_anchor and" in text
 
 
+def test_a_downloaded_llama2_directory_leaves_out_what_the_paper_does(tmp_path):
+    """A local Llama-2-7B (its config.json) is meta-llama/Llama-2-7b-hf by its shape and positions: the paper's two
+    tasks left out, where a name match alone gave it all 13 with a comment saying no bundled config trains it."""
+    d = tmp_path / "Llama-2-7b-local"
+    LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    ).save_pretrained(d)
+    out = tmp_path / "local.yaml"
+    r = run_init(*r_args(d, out))
+    assert r.exit_code == 0, r.output
+    assert load_config(str(out)).eval.exclude == ["niah_multikey_3", "cwe"]
+    (d / "config.json").write_text(
+        (d / "config.json").read_text().replace('"rope_theta": 10000.0', '"rope_theta": 1e5')
+    )
+    other = tmp_path / "other.yaml"
+    assert run_init(*r_args(d, other)).exit_code == 0
+    assert load_config(str(other)).eval.exclude == []  # another base: not the paper's model
+
+
+def r_args(model, out):
+    return [
+        "--model",
+        str(model),
+        "--tokenizer",
+        "builtin:mistral-7b-v0.1",
+        "--seq-len",
+        "65536",
+        "--gpus",
+        "8",
+        "--out",
+        str(out),
+    ]
+
+
+def test_a_tokenizer_with_ids_past_the_models_embedding_is_refused(tiny_dir, tmp_path):
+    """The 32,000-token built-in tokenizer for a 1,000-row model: init, and show-config of a config naming it,
+    refuse in one line as prepare and train do, not after tokenizing the corpus."""
+    out = tmp_path / "mine.yaml"
+    r = run_init(
+        "--model",
+        str(tiny_dir),
+        "--tokenizer",
+        "builtin:mistral-7b-v0.1",
+        "--seq-len",
+        "4096",
+        "--gpus",
+        "1",
+        "--out",
+        str(out),
+    )
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and not out.exists(), r.output
+    assert lines[0] == (
+        f"error: --tokenizer builtin:mistral-7b-v0.1: its ids reach 31,999, past the 1,000 embedding rows of --model "
+        f"{tiny_dir.resolve()}; pass the model's own tokenizer"
+    )
+    assert run_init("--model", str(tiny_dir), "--seq-len", "4096", "--gpus", "1", "--out", str(out)).exit_code == 0
+    shown = show_config(out, "data.tokenizer=builtin:mistral-7b-v0.1")
+    assert shown.exit_code == 2, shown.output  # train's refusal: the model's own tokenizer gives its ids other words
+    assert shown.output.startswith("error: data.tokenizer = 'builtin:mistral-7b-v0.1' is not the tokenizer of model.")
+
+
 def test_the_bundled_configs_of_a_model_agree_on_the_ruler_exclusions():
     excludes = {}
     for name in bundled_config_names():
