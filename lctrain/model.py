@@ -39,7 +39,7 @@ from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.eval.ruler import select_task_set
 from lctrain.parallel.groups import pick_backend
-from lctrain.parallel.layout import ParallelLayout, layout_of
+from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
 from lctrain.rundir import RunDir
 from lctrain.shapes import HUB_NAMES, SHAPES
 from lctrain.tokenizer import BUILTIN_PREFIX, check_matches_model, load_tokenizer, resolve_anchor
@@ -656,6 +656,13 @@ def used_values(cfg: Config, device: str) -> tuple[dict[str, Any], list[str]]:
         hf_config = load_hf_config(local)
         if tokenizer is not None:  # prepare's and train's refusal of a tokenizer with other ids than the model's
             check_matches_model(local, loaded)
+        shape = ModelShape.from_hf_config(hf_config)
+        kv_replication(
+            shape.heads,
+            shape.kv_heads,
+            cfg.parallel.sequence_parallel,
+            cfg.origin("parallel.sequence_parallel", "model"),
+        )
         if cfg.model.tiled_mlp == "auto":
             used["model.tiled_mlp"] = auto_mlp_shards(
                 training_mlp_rows(cfg), ModelShape.from_hf_config(hf_config).hidden

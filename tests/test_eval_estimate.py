@@ -161,6 +161,12 @@ def test_bad_input(tmp_path):
         assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
         assert r.output.startswith(f"error: {message}"), r.output
     assert "not divisible by train.micro_batch x data-parallel size = 2 x 3" in r.output
+    # a sequence-parallel size the heads cannot split, as train and plan refuse it (show-config too)
+    sets = ["--set", "parallel.sequence_parallel=8", "--set", "parallel.nproc_per_node=8"]
+    for command in (["estimate", "--tflops", "10"], ["show-config"]):
+        r = CliRunner().invoke(app, [*command, "-c", "tiny_anchor_sp2", *sets])
+        assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+        assert "attention heads are not divisible by parallel.sequence_parallel = 8" in r.output, r.output
     r = CliRunner().invoke(app, ["estimate", "--tflops", "1", "--gpu", "H100 80GB HBM3"])
     assert r.exit_code == 2 and r.output.startswith("error: --tflops and --gpu: give at most one")
     # the measured run's options are not silently dropped from the FLOP estimate

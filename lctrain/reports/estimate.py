@@ -32,7 +32,7 @@ from lctrain.data.store import open_packed
 from lctrain.errors import UserError, output_path
 from lctrain.hardware import GPUS, device_peak_flops, known_gpu
 from lctrain.model import model_shape
-from lctrain.parallel.layout import ParallelLayout, layout_of
+from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
 from lctrain.reports.inspect_data import MODES, dataset_stats
 from lctrain.train.data import BatchPlan
 
@@ -152,6 +152,10 @@ def predict(
     """The FLOP model's hours per 1B tokens, seconds per optimizer step and hours for the config's `train.steps`,
     for each of `modes` at `rate` TFLOP/s per GPU ({mode or "*": rate}), and where the segment layout came from."""
     shape = model_shape(cfg)
+    # refused as train, plan and init refuse it: a sequence-parallel size that does not divide the heads
+    kv_replication(
+        shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, cfg.origin("parallel.sequence_parallel", "model")
+    )
     L = cfg.data.seq_len
     pairs, source = mean_pairs(cfg)
     windows_per_b = 1e9 / L
