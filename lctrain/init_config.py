@@ -178,12 +178,16 @@ def model_changes(base: BaseModel, cfg: Config) -> list[str]:
 
 
 def rope_base(own: float, seq_len: int) -> tuple[float, str]:
-    """The RoPE base to train at and why: the paper's rule (section 4.3, Table 1: 1M up to 32K, 5M at 64K, 10M at
-    128K, 50M beyond), unless the model's own base is already higher (a base is never lowered behind a model)."""
+    """The RoPE base to train at and why: the paper's rule (section 4.3: "1M for 32K, 5M for 64K, 10M for 128K, and
+    50M for 256K"; Table 1 lists the first three), unless the model's own base is already higher (a base is never
+    lowered behind a model)."""
     rule = default_rope_theta(seq_len)
     if own > rule:
         return own, f"the model's own base, above the paper's {rule:,.0f} for {seq_len:,} tokens: kept"
-    return rule, f"the paper's base for {seq_len:,}-token windows (Table 1 rule); the model's own is {own:,.0f}"
+    return rule, (
+        f"the paper's base for {seq_len:,}-token windows (its rule: 1M for 32K, 5M for 64K, 10M for 128K, 50M for "
+        f"256K); the model's own is {own:,.0f}"
+    )
 
 
 def eval_lengths(seq_len: int) -> list[int]:
