@@ -203,8 +203,7 @@ def _sp_sizes(shape: ModelShape, gpus: int, seq_len: int) -> list[int]:
     batch, each smallest first. A larger batch at the paper's learning rate is another recipe (16 windows per step on
     16 GPUs are twice the paper's tokens per step), while sequence parallelism within a node leaves each GPU the same
     FLOPs for a little all-to-all traffic; the bundled paper configs train 64K windows at SP 4 on 8 GPUs."""
-    sizes = [s for s in (1 << i for i in range(gpus.bit_length())) if gpus % s == 0 and seq_len % s == 0]
-    usable = [s for s in sizes if shape.heads % s == 0]
+    usable = [s for s in range(1, gpus + 1) if gpus % s == 0 and seq_len % s == 0 and shape.heads % s == 0]
     return sorted(usable, key=lambda s: (batch_for(gpus // s), s))
 
 
@@ -235,11 +234,19 @@ def choose_layout(raw: dict, shape: ModelShape, budget: Budget, gpus: int) -> tu
                     over = max(device / budget.device, host / budget.host)
                     if over < nearest_over:
                         nearest, nearest_over = layout, over
+    # the sequence-parallel groups must divide the heads: more GPUs split the sequence further only in the next one
+    larger = [s for s in range(max(sp_sizes) + 1, shape.heads + 1) if shape.heads % s == 0 and seq_len % s == 0]
+    more_gpus = (
+        f"more GPUs (--gpus, a multiple of {larger[0]}: the next sequence-parallel size the model's {shape.heads} "
+        f"heads allow)"
+        if larger
+        else "more GPUs (--gpus)"
+    )
     raise UserError(
         f"no layout fits {gpus} GPU(s) of {budget.label} at seq_len {seq_len:,}: tried {tried} (ZeRO 1-3 x sequence "
         f"parallel {', '.join(map(str, sorted(sp_sizes)))} x optimizer offload or not, each without and with tiled "
         f"MLP and activation offload); the nearest ({nearest.described()}) needs {nearest.device_bytes / GB:.1f} GB "
-        f"per GPU and {nearest.host_bytes / GB:.1f} GB of host memory per node; use more GPUs (--gpus), more memory "
+        f"per GPU and {nearest.host_bytes / GB:.1f} GB of host memory per node; use {more_gpus}, more memory "
         f"(--gpu-mem, --host-mem) or a shorter --seq-len"
     )
 

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import bundled_config_names, load_config, with_overrides
 from lctrain.costmodel import ModelShape
+from lctrain.init_config import _sp_sizes
 from lctrain.memory import DEVICE_RUNTIME_BYTES, WARN_FRACTION, Budget, plan_memory
 from lctrain.model import model_shape
 from lctrain.tokenizer import load_tokenizer
@@ -278,6 +279,29 @@ def test_the_refusal_names_what_was_tried(tmp_path, monkeypatch):
     assert "tried 72 (ZeRO 1-3 x sequence parallel 1, 2, 4 x optimizer offload or not" in r.output
     assert "without and with tiled MLP and activation offload" in r.output and "up to 8" not in r.output
     assert "the nearest (ZeRO-" in r.output
+
+
+def test_sequence_parallel_sizes_are_the_divisors_the_heads_allow(tmp_path):
+    """Any divisor of the GPUs, the heads and the window, not only powers of two; a refusal for want of GPUs names
+    the next size the heads allow (25 heads on 8 GPUs: sequence parallel 1 only, 5 on 10)."""
+    # those keeping the paper's 8 windows per step first (3 and 6), then the nearest batch
+    assert _sp_sizes(ModelShape(4, 768, 12, 12, 64, 2048, 32000), 6, 6144) == [3, 6, 2, 1]
+    d = tmp_path / "odd"
+    LlamaConfig(
+        hidden_size=3200,
+        intermediate_size=8640,
+        num_hidden_layers=26,
+        num_attention_heads=25,
+        num_key_value_heads=25,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ).save_pretrained(d)
+    args = ["--model", str(d), "--tokenizer", "builtin:mistral-7b-v0.1", "--seq-len", "204800", "--gpus", "8"]
+    r = run_init(*args, "--gpu-mem", "10", "--host-mem", "64", "--out", str(tmp_path / "o.yaml"))
+    assert r.exit_code == 2 and "x sequence parallel 1 x" in r.output, r.output
+    assert "use more GPUs (--gpus, a multiple of 5: the next sequence-parallel size the model's 25 heads allow)" in (
+        " ".join(r.output.split())
+    )
 
 
 def test_ruler_exclusions_are_the_bundled_configs_of_the_model(tmp_path, monkeypatch):
