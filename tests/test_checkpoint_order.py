@@ -124,9 +124,8 @@ def test_a_failed_export_at_the_last_step_names_the_export_and_its_checkpoint(tm
     msg = failed(run, 4, trainer_module.EXPORT, OSError(errno.ENOSPC, "No space left on device"))
     assert msg == (
         f"{run}: cannot write the step 4 evaluation export (No space left on device) at {run.path / 'x'}; free disk "
-        f"space or choose a path on another filesystem, then 'lctrain export {run} --step 4' writes it from "
-        f"checkpoint step_4"
-    )  # no 'lctrain resume': of a run at its last step, it trains and exports nothing
+        f"space or choose a path on another filesystem, then 'lctrain resume {run}' writes it from checkpoint step_4"
+    )  # and trains nothing more: the run is at its last step
 
 
 def test_a_failed_export_before_the_last_step_says_resume_continues(tmp_path):
@@ -135,8 +134,8 @@ def test_a_failed_export_before_the_last_step_says_resume_continues(tmp_path):
     msg = failed(run, 2, trainer_module.EXPORT, OSError(errno.EDQUOT, "Disk quota exceeded"))
     assert "cannot write the step 2 evaluation export (Disk quota exceeded)" in msg
     assert msg.endswith(
-        f"free space within your quota or choose a path on another filesystem, then 'lctrain export {run} --step 2' "
-        f"writes it from checkpoint step_2 and 'lctrain resume {run}' continues from step_2"
+        f"free space within your quota or choose a path on another filesystem, then 'lctrain resume {run}' writes it "
+        f"from checkpoint step_2 and continues from step_2"
     )
 
 
@@ -208,7 +207,7 @@ def test_an_export_failing_at_the_last_step_keeps_its_checkpoint(data_dir, tmp_p
     assert line == (
         f"error: {run_dir}: cannot write the step 4 evaluation export (No space left on device) at "
         f"{rd.exports_dir / (TEMPORARY_PREFIX + 'step_4')}; free disk space or choose a path on another filesystem, "
-        f"then 'lctrain export {run_dir} --step 4' writes it from checkpoint step_4"
+        f"then 'lctrain resume {run_dir}' writes it from checkpoint step_4"
     )
     assert ckpt.latest_checkpoint(rd) == rd.checkpoint(4)
     assert ckpt.read_state(rd.checkpoint(4))["step"] == 4
@@ -225,7 +224,8 @@ def test_an_export_failing_before_the_last_step_then_resume_continues(data_dir, 
         m.setattr(ckpt, "write_export_record", full)
         line = one_error_line(CliRunner().invoke(app, train_args(data_dir, run_dir)))
     assert "cannot write the step 2 evaluation export (No space left on device)" in line
-    assert line.endswith(f"and 'lctrain resume {run_dir}' continues from step_2")
+    assert line.endswith(f"'lctrain resume {run_dir}' writes it from checkpoint step_2 and continues from step_2")
     result = CliRunner().invoke(app, ["resume", str(run_dir)])
     assert result.exit_code == 0, result.output
-    assert [p.name for p in RunDir(run_dir).exports()] == ["step_4"]  # step 2's: `lctrain export --step 2`
+    assert f"{run_dir}/hf/step_2 was not written" in result.output
+    assert [p.name for p in RunDir(run_dir).exports()] == ["step_2", "step_4"]  # as the advice said

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, partial
+from shlex import quote
 
 import deepspeed
 import deepspeed.comm as dist
@@ -732,18 +733,17 @@ def _write_of_step(rd: RunDir, step: int, total: int, what: str):
 
 
 def _what_continues(rd: RunDir, step: int, total: int, what: str) -> str:
-    """What gets the run (and a failed export) back once the cause is fixed: `lctrain export` for the export of a step
-    whose resume checkpoint is complete, `lctrain resume` from the newest checkpoint (none: a new start) for the rest
-    of the run. `lctrain resume` of a run at its last step trains nothing, and writes no export."""
+    """What gets the run (and a failed export) back once the cause is fixed: `lctrain resume` from the newest
+    checkpoint (none: a new start), which first writes the export of a step whose resume checkpoint is complete
+    (`export.write_unwritten_exports`), then trains the rest of the run."""
     last = ckpt.latest_checkpoint(rd)
     if last is None:
         return f"; {ckpt.resume_hint(rd)}"
-    then = []
     if what == EXPORT and step_of(last) == step:
-        then.append(f"'lctrain export {rd} --step {step}' writes it from checkpoint {last.name}")
-    if (step_of(last) or 0) < total:
-        then.append(ckpt.resume_hint(rd))
-    return ", then " + " and ".join(then) if then else ""
+        command = cited(f"lctrain resume {quote(str(rd.path))}")
+        more = f" and continues from {last.name}" if step < total else ""
+        return f", then {command} writes it from checkpoint {last.name}{more}"
+    return f", then {ckpt.resume_hint(rd)}" if (step_of(last) or 0) < total else ""
 
 
 def check_output_dirs(cfg: Config, rd: RunDir, start_step: int) -> None:
