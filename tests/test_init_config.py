@@ -337,18 +337,18 @@ def test_a_downloaded_llama2_directory_leaves_out_what_the_paper_does(tmp_path):
         max_position_embeddings=4096,
     ).save_pretrained(d)
     out = tmp_path / "local.yaml"
-    r = run_init(*r_args(d, out))
+    r = run_init(*llama2_init_args(d, out))
     assert r.exit_code == 0, r.output
     assert load_config(str(out)).eval.exclude == ["niah_multikey_3", "cwe"]
     (d / "config.json").write_text(
         (d / "config.json").read_text().replace('"rope_theta": 10000.0', '"rope_theta": 1e5')
     )
     other = tmp_path / "other.yaml"
-    assert run_init(*r_args(d, other)).exit_code == 0
+    assert run_init(*llama2_init_args(d, other)).exit_code == 0
     assert load_config(str(other)).eval.exclude == []  # another base: not the paper's model
 
 
-def r_args(model, out):
+def llama2_init_args(model, out):
     return [
         "--model",
         str(model),
