@@ -582,18 +582,25 @@ def _cheapest_combination(cfg: Config, candidates: list[Candidate], shape: Model
 
 def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
     """Each candidate setting that `cfg`'s checks accept, re-planned, with its predicted needs: those that fit first,
-    the cheapest in speed first (`candidate_fixes`' order), then those that do not by total need. When none fits
-    alone, one more: the cheapest combination that fits, or the nearest when none does (`_cheapest_combination`; with
-    the highest ZeRO stage any of them asks for, e.g. ZeRO-3 over the ZeRO-1 that optimizer offload alone needs)."""
+    the cheapest in speed first (`candidate_fixes`' order), then those that do not by total need. Before the first
+    that fits alone (or last when none does), the cheapest combination of the candidates cheaper than it
+    (`_cheapest_combination`; with the highest ZeRO stage any of them asks for, e.g. ZeRO-3 over the ZeRO-1 that
+    optimizer offload alone needs): a larger sequence-parallel group under ZeRO-3 fits where alone only an offload
+    does. When nothing fits alone, the combination of all of them that comes nearest is listed even if it does not
+    fit."""
     candidates = candidate_fixes(cfg)
-    out = [f for c in candidates if (f := _replan_if_it_runs(cfg, list(c.overrides), shape, budget)) is not None]
-    if not any(f.fits for f in out):
-        # every candidate: one refused alone may run beside another (activation offload beside checkpointing)
-        combined = _cheapest_combination(cfg, candidates, shape, budget)
-        if combined is not None and all(set(combined.overrides) != set(f.overrides) for f in out):
-            out.append(combined)
-    speed = {f.overrides: rank for rank, f in enumerate(out)}
-    return sorted(out, key=lambda f: (not f.fits, speed[f.overrides] if f.fits else 0, f.device + f.host))
+    alone = [
+        (i, f) for i, c in enumerate(candidates) if (f := _replan_if_it_runs(cfg, list(c.overrides), shape, budget))
+    ]
+    first_fit = min((i for i, f in alone if f.fits), default=len(candidates))
+    # every cheaper candidate: one refused alone may run beside another (activation offload beside checkpointing)
+    combined = _cheapest_combination(cfg, candidates[:first_fit], shape, budget) if first_fit else None
+    wanted = combined is not None and (combined.fits or first_fit == len(candidates))
+    if wanted and all(set(combined.overrides) != set(f.overrides) for _, f in alone):
+        alone.append((first_fit - 0.5, combined))
+    return [
+        f for _, f in sorted(alone, key=lambda a: (not a[1].fits, a[0] if a[1].fits else 0, a[1].device + a[1].host))
+    ]
 
 
 def faster_fit(cfg: Config, shape: ModelShape, budget: Budget) -> Fix | None:

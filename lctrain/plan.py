@@ -177,7 +177,10 @@ def print_report(r: dict, stderr: bool = False) -> None:
             f"{_gb(f['host'])} GB host): keeps each layer's attention output, so the backward does not rerun attention"
         )
     if not r["fits"] and r["fixes"]:
-        fix_table = Table(title="settings that lower the memory (each alone, and combined when none fits alone)")
+        fix_table = Table(
+            title="settings that lower the memory (each alone, and the cheapest combination of those faster than "
+            "the first to fit alone)"
+        )
         for col in ("--set", "device GB", "host GB", "fits"):
             fix_table.add_column(col)
         for f in r["fixes"]:

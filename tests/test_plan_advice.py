@@ -196,6 +196,29 @@ def test_the_combined_fix_offloads_nothing_when_a_fit_without_offload_exists():
     assert set(combined.overrides) == {"parallel.sequence_parallel=4", "parallel.zero_stage=3"}
 
 
+def test_a_fit_without_offload_comes_before_an_offload_that_fits_alone():
+    """Llama-3-8B at 128K on 4 x 80 GB from ZeRO-1 and SP 2: the optimizer offload fits alone, and so does sequence
+    parallel 4 under ZeRO-3, which neither fits alone. Found by brute force over the settings that move nothing to
+    the host; the first row must be one of them, before every offload."""
+    cfg = load_config(
+        "llama3_128k_anchor", ["parallel.nproc_per_node=4", "parallel.zero_stage=1", "parallel.sequence_parallel=2"]
+    )
+    shape = model_shape(cfg)
+    budget = Budget(int(80 * GB), int(1000 * GB), "80 GB").planned()
+    found = fixes(cfg, shape, budget)
+    offloads = [f for f in found if f.fits and any("offload" in o for o in f.overrides)]
+    assert offloads and all(len(f.overrides) <= 2 for f in offloads)
+    fitting = []
+    for sp, zero, tiled in itertools.product([None, 4], [None, 3], [False, True]):
+        overrides = [f"parallel.sequence_parallel={sp}"] * bool(sp) + [f"parallel.zero_stage={zero}"] * bool(zero)
+        overrides += ["model.tiled_mlp=auto"] * tiled
+        if overrides and budget.fits(plan_memory(with_overrides(cfg, overrides, "test"), shape)):
+            fitting.append(set(overrides))
+    assert fitting and all(len(f) > 1 for f in fitting)  # none fits alone
+    assert found[0].fits and set(found[0].overrides) in fitting
+    assert found.index(found[0]) < min(found.index(f) for f in offloads)
+
+
 # --- selective checkpointing never below full
 
 
