@@ -251,27 +251,50 @@ def choose_layout(raw: dict, shape: ModelShape, budget: Budget, gpus: int) -> tu
     )
 
 
+def _selective_layouts(raw: dict, layout: Layout, shape: ModelShape, gpus: int) -> list[tuple[int, int]]:
+    """The (sequence-parallel size, ZeRO stage) pairs `choose_checkpointing` tries, the cheapest first: the layout's
+    own; its ZeRO-1 raised to ZeRO-2 (which shards the gradients too and moves the same bytes: a reduce-scatter and an
+    all-gather where ZeRO-1 all-reduces); then each larger sequence-parallel group within a node that keeps the batch
+    (each GPU's FLOPs stay the same for a little all-to-all traffic over the node's links, far less than the attention
+    forward whole-layer recomputation reruns at these lengths)."""
+    zeros = [layout.zero_stage] + ([2] if layout.zero_stage == 1 else [])
+    batch = batch_for(ParallelLayout(gpus, layout.sequence_parallel).dp)
+    larger = [
+        sp
+        for sp in _sp_sizes(shape, gpus, raw["data"]["seq_len"])
+        if layout.sequence_parallel < sp <= raw["parallel"]["nproc_per_node"]
+        and batch_for(ParallelLayout(gpus, sp).dp) == batch
+    ]
+    return [(sp, zero) for sp in [layout.sequence_parallel, *sorted(larger)] for zero in zeros]
+
+
 def choose_checkpointing(
     raw: dict, layout: Layout, shape: ModelShape, budget: Budget, gpus: int
 ) -> tuple[dict, Layout, str]:
     """Selective checkpointing when a plan with it fits `budget` on the layout chosen with whole-layer
-    checkpointing, or on the same layout at ZeRO-2 when that was ZeRO-1 (ZeRO-2 shards the gradients too and moves
-    the same bytes: a reduce-scatter and an all-gather where ZeRO-1 all-reduces); else `raw` as it is. The config,
-    its layout with the planned needs, and the YAML comment that says why. Selective keeps each layer's attention
-    output, so the backward does not rerun attention: the 1B model's full-attention step at 64K took 3.68 s against
-    4.31 s with whole layers on one H100 (docs/performance.md)."""
-    p = raw["parallel"]
+    checkpointing, or on the first of `_selective_layouts` where it does; else `raw` as it is. The config, its layout
+    with the planned needs, and the YAML comment that says why. Selective keeps each layer's attention output, so the
+    backward does not rerun attention: the 1B model's full-attention step at 64K took 3.68 s against 4.31 s with
+    whole layers on one H100 (docs/performance.md)."""
     cfg = validate(raw, "lctrain init")
-    for zero in [p["zero_stage"]] + ([2] if p["zero_stage"] == 1 else []):
-        fix = replan(cfg, [SELECTIVE, f"parallel.zero_stage={zero}"], shape, budget)
+    tried = []
+    for sp, zero in _selective_layouts(raw, layout, shape, gpus):
+        fix = replan(cfg, [SELECTIVE, f"parallel.sequence_parallel={sp}", f"parallel.zero_stage={zero}"], shape, budget)
+        tried.append((sp, zero, fix))
         if fix.fits:
-            chosen = dataclasses.replace(layout, zero_stage=zero, device_bytes=fix.device, host_bytes=fix.host)
+            chosen = dataclasses.replace(
+                layout, zero_stage=zero, sequence_parallel=sp, device_bytes=fix.device, host_bytes=fix.host
+            )
             laid = _with_layout(raw, chosen, gpus)
             selective = laid | {"model": laid["model"] | {"checkpointing": "selective"}}
-            at = "" if zero == p["zero_stage"] else f" at ZeRO-{zero} (ZeRO-{p['zero_stage']} fits only whole layers)"
+            new, old = _changes(layout, sp, zero)
+            at = f" at {new} ({old} fits only whole layers)" if new else ""
             why = f"selective{at}: the backward does not rerun attention; each layer's attention output is kept"
             return selective, chosen, why
-    at = f" at ZeRO-{zero}" if zero != p["zero_stage"] else ""
+    # the nearest to fit names what selective would need
+    sp, zero, fix = min(tried, key=lambda t: max(t[2].device / budget.device, t[2].host / budget.host))
+    new, _ = _changes(layout, sp, zero)
+    at = f" at {new}" if new else ""
     need, limit = (
         (f"{fix.device / GB:.1f} GB per GPU", f"{budget.device / GB:.1f} GB per GPU")
         if fix.device > budget.device
@@ -283,6 +306,15 @@ def choose_checkpointing(
         f"full: selective (the backward would not rerun attention) needs {need}{at}, over init's budget of {limit} "
         f"({budget.label})",
     )
+
+
+def _changes(layout: Layout, sp: int, zero: int) -> tuple[str, str]:
+    """What of (`sp`, `zero`) differs from `layout`, as a comment names it, and the layout's own values of it
+    (('', '') when nothing does)."""
+    pairs = [(f"sequence parallel {sp}", f"sequence parallel {layout.sequence_parallel}")] * (
+        sp != layout.sequence_parallel
+    ) + [(f"ZeRO-{zero}", f"ZeRO-{layout.zero_stage}")] * (zero != layout.zero_stage)
+    return " and ".join(p[0] for p in pairs), " and ".join(p[1] for p in pairs)
 
 
 def _with_layout(raw: dict, layout: Layout, gpus: int) -> dict:

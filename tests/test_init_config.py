@@ -103,26 +103,35 @@ def layout_overrides(tiled, activations, offload, zero, sp, batch):
 
 
 def assert_first_that_fits(cfg, shape):
-    """The layout is the first in init's order that fits with whole-layer checkpointing (every earlier one does
-    not), and the checkpointing selective exactly when that fits on it (or on it at ZeRO-2, from ZeRO-1)."""
+    """The layout is the first in init's order that fits with whole-layer checkpointing, found by trying each; the
+    checkpointing is selective exactly when it fits on that layout, on it at ZeRO-2 from ZeRO-1, or then on a larger
+    sequence-parallel group within the node that keeps the batch (the first of those that fits, in that order)."""
     assert fits(cfg, shape)
+    p = cfg.parallel
     whole = with_overrides(cfg, ["model.checkpointing=full"], "whole layers")
-    selective = with_overrides(cfg, ["model.checkpointing=selective"], "selective")
-    if cfg.model.checkpointing == "selective" and cfg.parallel.zero_stage == 2:
-        at_one = with_overrides(whole, ["parallel.zero_stage=1"], "ZeRO-1")
-        if fits(at_one, shape):  # the layout was ZeRO-1, raised to 2 for selective checkpointing
-            assert not fits(with_overrides(selective, ["parallel.zero_stage=1"], "ZeRO-1"), shape)
-            whole = at_one
-    elif cfg.model.checkpointing == "full":
-        assert not fits(selective, shape)
-        if cfg.parallel.zero_stage == 1:
-            assert not fits(with_overrides(selective, ["parallel.zero_stage=2"], "ZeRO-2"), shape)
-    p, m = whole.parallel, whole.model
     order = in_order(p.nproc_per_node * p.num_nodes, shape.heads)
-    chosen = (m.tiled_mlp, m.offload_activations, p.offload_optimizer, p.zero_stage, p.sequence_parallel)
-    assert chosen + (whole.train.global_batch,) in order
-    for earlier in order[: [o[:5] for o in order].index(chosen)]:
-        assert not fits(with_overrides(whole, layout_overrides(*earlier), "earlier"), shape), earlier
+    first = next(o for o in order if fits(with_overrides(whole, layout_overrides(*o), "in order"), shape))
+    tiled, activations, offload, zero, sp, batch = first
+    larger = sorted({o[4] for o in order if sp < o[4] <= p.nproc_per_node and o[5] == batch})
+    zeros = [zero, 2] if zero == 1 else [zero]
+    tries = [(s, z) for s in [sp, *larger] for z in zeros]
+    laid = with_overrides(whole, layout_overrides(*first), "first")
+    on = [
+        (s, z)
+        for s, z in tries
+        if fits(
+            with_overrides(
+                laid,
+                ["model.checkpointing=selective", f"parallel.zero_stage={z}", f"parallel.sequence_parallel={s}"],
+                "selective",
+            ),
+            shape,
+        )
+    ]
+    want = (*on[0], "selective") if on else (sp, zero, "full")
+    m = cfg.model
+    assert (m.tiled_mlp, m.offload_activations, p.offload_optimizer) == (tiled, activations, offload)
+    assert (p.sequence_parallel, p.zero_stage, m.checkpointing, cfg.train.global_batch) == (*want, batch)
 
 
 def comments(text):
@@ -131,28 +140,50 @@ def comments(text):
 
 
 @pytest.mark.parametrize(
-    "model, seq_len, zero, checkpointing, comment",
+    "model, seq_len, gpus, zero, sp, checkpointing, comment",
     [
-        ("meta-llama/Llama-3.2-1B", 65536, 1, "selective", "the backward does not rerun attention"),
-        ("meta-llama/Llama-2-7b-hf", 57344, 2, "selective", "selective at ZeRO-2 (ZeRO-1 fits only whole layers)"),
-        # 72.0 GB is init's budget, 90% of the 80 GB: not a plan
+        ("meta-llama/Llama-3.2-1B", 65536, 8, 1, 1, "selective", "the backward does not rerun attention"),
+        (
+            "meta-llama/Llama-2-7b-hf",
+            57344,
+            8,
+            2,
+            1,
+            "selective",
+            "selective at ZeRO-2 (ZeRO-1 fits only whole layers)",
+        ),
         (
             "meta-llama/Llama-2-7b-hf",
             65536,
+            8,
             1,
+            2,
+            "selective",
+            "selective at sequence parallel 2 (sequence parallel 1 fits only whole layers)",
+        ),
+        # 72.0 GB is init's budget, 90% of the 80 GB: not a plan; sequence parallel 4 is the largest 4 GPUs give
+        (
+            "meta-llama/Llama-2-7b-hf",
+            262144,
+            4,
+            3,
+            4,
             "full",
-            "GB per GPU at ZeRO-2, over init's budget of 72.0 GB per GPU (90% of 80 GB per GPU",
+            "needs 84.5 GB per GPU, over init's budget of 72.0 GB per GPU (90% of 80 GB per GPU",
         ),
     ],
 )
-def test_selective_checkpointing_where_it_fits(model, seq_len, zero, checkpointing, comment, tmp_path, monkeypatch):
+def test_selective_checkpointing_where_it_fits(
+    model, seq_len, gpus, zero, sp, checkpointing, comment, tmp_path, monkeypatch
+):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "c.yaml"
-    r = run_init("--model", model, "--seq-len", str(seq_len), "--gpus", "8", "--out", str(out))
+    r = run_init("--model", model, "--seq-len", str(seq_len), "--gpus", str(gpus), "--out", str(out))
     assert r.exit_code == 0, r.output
     cfg = load_config(str(out))
-    assert (cfg.parallel.zero_stage, cfg.model.checkpointing) == (zero, checkpointing)
-    assert comment in comments(out.read_text()) and f"ZeRO-{zero}," in r.output
+    p = cfg.parallel
+    assert (p.zero_stage, p.sequence_parallel, cfg.model.checkpointing) == (zero, sp, checkpointing)
+    assert comment in comments(out.read_text()) and f"ZeRO-{zero}, sequence parallel {sp}," in r.output
     assert_first_that_fits(cfg, model_shape(cfg))
 
 
