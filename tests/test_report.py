@@ -422,6 +422,13 @@ def test_notes_when_runs_score_other_windows_or_train_on_other_data(tmp_path):
         "perplexity: the rows scored different held-out windows: their differences mix text with attention mode",
     ]
     assert compare([read_evaluated(p) for p in same])["data_notes"] == []
+    # two seeds of one mode and three of another, every run on the same windows: the rows' means are over one text
+    seeds = [
+        fake_evaluated(tmp_path, f"seeds_{m}_{s}", m, seed=s, ppl_rows=[7, 21])
+        for m, n in (("full", 2), ("anchor", 3))
+        for s in range(n)
+    ]
+    assert compare([read_evaluated(p) for p in seeds])["data_notes"] == []
 
 
 @pytest.fixture(scope="module")

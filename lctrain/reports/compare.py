@@ -588,8 +588,9 @@ def _data_notes(rows: list[dict]) -> list[str]:
                 f"perplexity of {row['label']}: its runs scored different held-out windows (they depend on seed and "
                 f"train.steps): its spread mixes text with seed"
             )
-    # rows of the same seeds score the same windows; results that do not record theirs are not compared
-    per_row = [sorted(map(scored, row["runs"]), key=repr) for row in rows]
+    # rows of the same seeds score the same windows; results that do not record theirs are not compared. What each
+    # row's mean is over: the texts its runs scored, however many seeds scored each
+    per_row = [set(map(scored, row["runs"])) for row in rows]
     if all(scored(r) is not None for r in runs) and any(w != per_row[0] for w in per_row[1:]):
         notes.append(
             "perplexity: the rows scored different held-out windows: their differences mix text with attention mode"
