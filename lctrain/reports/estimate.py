@@ -120,7 +120,10 @@ def default_rate(cfg: Config, gpu: str | None) -> tuple[float, str]:
         name = torch.cuda.get_device_name(0)
         return table_peak(name, f"this machine's GPU '{name}'"), f"{name}'s dense bf16 peak: the time at 100% HFU"
     cpu = device_peak_flops(torch.device("cpu"), dtype=cfg.model.dtype) / 1e12
-    return cpu, f"this CPU's measured {cfg.model.dtype} matmul rate (no GPU here; --gpu NAME for a GPU's peak)"
+    return cpu, (
+        f"this CPU's measured {cfg.model.dtype} matmul rate, which varies with its load: the time at 100% HFU (no GPU "
+        f"here; --gpu NAME for a GPU's peak)"
+    )
 
 
 def checked_layout(cfg: Config, gpus: int | None) -> ParallelLayout:
