@@ -59,6 +59,23 @@ def test_launcher_variables_without_the_rendezvous_address(run, monkeypatch):
     assert "but MASTER_ADDR is not" in cli("resume", str(run / "run"))
 
 
+def test_a_launcher_of_another_world_size_than_the_config(run, monkeypatch):
+    """torchrun --nproc-per-node 2 with a config of one process: refused before anything is written (it trained on
+    2 while config.yaml recorded 1), naming the settings that match the launcher."""
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"
+    ).items():
+        monkeypatch.setenv(key, value)
+    line = cli("train", *set_args(TINY + [f"train.run_dir={run / 'other'}", f"data.output_dir={run / 'data'}"]))
+    assert line.endswith(
+        "tiny_anchor.yaml: the launcher started 2 processes (WORLD_SIZE) where the config asks for "
+        "parallel.nproc_per_node x parallel.num_nodes = 1 x 1 = 1; make them match: --set parallel.nproc_per_node=2 "
+        "--set parallel.num_nodes=1 (the run directory records the layout it trains on)"
+    )
+    assert not (run / "other").exists()
+    assert "the launcher started 2 processes" in cli("resume", str(run / "run"), "--set", "train.steps=3")
+
+
 def test_empty_eval_lengths(run):
     line = cli("eval", str(run / "run"), "--set", "eval.lengths=[]")
     assert "eval.lengths" in line and "Traceback" not in line

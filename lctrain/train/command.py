@@ -400,13 +400,35 @@ def _reading_dataset(cfg: Config, rd: RunDir, leader: bool):
     return Reading(data_dir(cfg), "lctrain train", f"the training in {rd.path.absolute()}")
 
 
+def _check_launcher_world(cfg: Config) -> None:
+    """Refuse a launcher the user started with another number of processes than the config asks for: the run would
+    train on the launcher's, while its config.yaml records the config's, which `lctrain resume` (its own launcher),
+    `plan`, `estimate` and `report` then read."""
+    world, p = int(os.environ["WORLD_SIZE"]), cfg.parallel
+    if world == p.world:
+        return
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    fix = (
+        f"--set parallel.nproc_per_node={per_node} --set parallel.num_nodes={world // per_node}"
+        if per_node and world % per_node == 0
+        else "set parallel.nproc_per_node x parallel.num_nodes to it"
+    )
+    raise UserError(
+        f"{cfg.origin('parallel')}: the launcher started {world} processes (WORLD_SIZE) where the config asks for "
+        f"parallel.nproc_per_node x parallel.num_nodes = {p.nproc_per_node} x {p.num_nodes} = {p.world}; "
+        f"make them match: {fix} (the run directory records the layout it trains on)"
+    )
+
+
 def preflight(cfg: Config) -> Prepared:
     """Everything that can be checked before any process starts, so the user gets one line and exit code 2; the
     checked plan and dataset, for a run in this process."""
     check_on_this_machine(cfg, torch.cuda.is_available())
     if cfg.model.fused_kernels == "liger":
         fused.require_liger("cuda" if torch.cuda.is_available() else "cpu")
-    plan = RunPlan.of(cfg, layout_of(cfg, int(os.environ["WORLD_SIZE"]) if under_launcher() else None))
+    if under_launcher():
+        _check_launcher_world(cfg)
+    plan = RunPlan.of(cfg, layout_of(cfg))
     if cfg.model.arch is not None or Path(cfg.resolve_source(cfg.model.name_or_path)).is_dir():
         # a bad model.arch, a model without RoPE: refused here, before the dataset is opened or anything launched
         shape = ModelShape.from_hf_config(load_hf_config(cfg))
