@@ -429,6 +429,13 @@ def test_notes_when_runs_score_other_windows_or_train_on_other_data(tmp_path):
         for s in range(n)
     ]
     assert compare([read_evaluated(p) for p in seeds])["data_notes"] == []
+    # one seed each, and not the same one: the rows' difference is seed's as much as the mode's
+    lone = [fake_evaluated(tmp_path, f"lone_{m}", m, seed=s, ppl_rows=[7, 21]) for m, s in (("full", 0), ("anchor", 1))]
+    assert compare([read_evaluated(p) for p in lone])["data_notes"] == [
+        "the rows trained from different seeds (full: 0; anchor: 1): a seed sets the initial weights and the order the "
+        "windows are read in, so their differences mix seed with what the rows differ in; train every row with the "
+        "same seeds"
+    ]
 
 
 @pytest.fixture(scope="module")

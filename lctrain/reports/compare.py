@@ -570,7 +570,8 @@ def _scored_text(run: dict, by_data: bool) -> tuple | None:
 
 def _data_notes(rows: list[dict]) -> list[str]:
     """What the rows' text differs in although their experiments do not: the prepared dataset each run trained on
-    (its data fingerprint; `data.seed` is one of its settings) and the held-out text its perplexity scored
+    (its data fingerprint; `data.seed` is one of its settings), the seeds (`seed`: the initial weights and the
+    windows' order) and the held-out text its perplexity scored
     (`_scored_text`: the windows depend on the run's seed and train.steps, `lctrain.eval.perplexity.heldout_rows`)."""
     runs = [r for row in rows for r in row["runs"]]
     # the held-out datasets are compared where every run records its own; results from before: the windows alone
@@ -582,6 +583,15 @@ def _data_notes(rows: list[dict]) -> list[str]:
             f"{fp[:12]}: {', '.join(r['path'] for r in runs if r['data_fingerprint'] == fp)}" for fp in sorted(prints)
         )
         notes.append(f"runs trained on {len(prints)} prepared datasets (data fingerprints {by_print})")
+    seeds = [sorted({r["seed"] for r in row["runs"]}) for row in rows]
+    # rows of several seeds each are read against their spread; a row of one seed has none to absorb the seed's part
+    if any(s != seeds[0] for s in seeds[1:]) and any(len(s) == 1 for s in seeds):
+        by_row = "; ".join(f"{row['label']}: {', '.join(map(str, s))}" for row, s in zip(rows, seeds))
+        notes.append(
+            f"the rows trained from different seeds ({by_row}): a seed sets the initial weights and the order the "
+            f"windows are read in, so their differences mix seed with what the rows differ in; train every row with "
+            f"the same seeds"
+        )
     for row in rows:
         if len({scored(r) for r in row["runs"]} - {None}) > 1:
             notes.append(
