@@ -112,8 +112,38 @@ def test_a_rank_killed_by_the_os_is_one_line_then_resume_ends_as_the_uninterrupt
     assert line.startswith(f"error: rank 1 (pid {victim.pid}) was killed by SIGKILL (most likely the kernel's out")
     assert f"'lctrain resume {run_dir}' continues from step_" in line
     assert (run_dir / "ranks" / "launcher.log").is_file() and str(run_dir / "ranks" / "launcher.log") in line
+    # the session's record names the cause, not what rank 0 met in the collective the dead rank left
+    assert RunDir(run_dir).read_sessions()[-1]["error"].startswith(f"RunFailed: rank 1 (pid {victim.pid}) was killed")
     run_to_end(lctrain("resume", str(run_dir)))
     assert losses(run_dir) == reference
+
+
+@pytest.mark.slow  # a 2-process run on 2 cores
+def test_a_rank_killed_under_the_users_own_torchrun_leaves_rank_0s_error_line(workdir, tmp_path):
+    """Under a torchrun the user started, lctrain's launcher is not there to name a dead rank: torchrun's summary
+    does, and rank 0, whose collective failed, ends with one `error:` line saying so and what continues the run."""
+    from lctrain.parallel.groups import free_port
+
+    run_dir = tmp_path / "run"
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    cmd = [*torchrun, "-m", "lctrain.cli", "train", *set_args(two_ranks(workdir / "data", run_dir))]
+    proc = start(cmd)
+    wait_for_steps(run_dir, 3, proc)
+    find(proc, lambda p: "lctrain.cli" in p.cmdline() and p.environ().get("RANK") == "1").send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=120) == 1
+    errors = [line for line in proc.stderr.read().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 failed in step "), errors
+    assert "another rank stopped first: the launcher's summary names it" in errors[0]
+    assert f"'... -m lctrain.cli resume {run_dir}' continues from step_" in errors[0]
+    assert RunDir(run_dir).read_sessions()[-1]["outcome"] == "failed"
 
 
 @pytest.mark.slow  # a 2-process run and its resume on 2 cores

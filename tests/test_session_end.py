@@ -11,7 +11,7 @@ from train_helpers import nan_loss_at, one_error_line, prepared_workdir, set_arg
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.errors import UserError
+from lctrain.errors import RunFailed, UserError
 from lctrain.hardware import device_peak_flops
 from lctrain.lifetime import Terminated
 from lctrain.rundir import RunDir
@@ -80,6 +80,33 @@ def test_a_session_its_workers_could_not_end_is_completed_by_the_command(tmp_pat
     complete_last_session(rd, UserError("another"), since="2026-01-02T00:00:00+00:00")
     assert rd.read_sessions()[-1] == later
     assert capsys.readouterr().out.startswith("warning: could not record how this session ended in ")
+
+
+def test_the_launchers_cause_replaces_the_symptom_rank_0_recorded(tmp_path):
+    """A rank killed: rank 0 records the collective that failed with it; the launcher, which names the dead rank,
+    puts that in `error` and keeps rank 0's as `symptom`. Without `cause`, or for a session that finished or was
+    stopped, what is recorded stays."""
+    rd = RunDir(tmp_path)
+    mine = {"started": "2026-01-02T00:00:05+00:00", "start_step": 2, "software": {}}
+    rd.append_session(mine)
+    record_end(rd, mine, 5, RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:51106"))
+    ended = rd.read_sessions()[-1]
+    killed = RunFailed("rank 1 (pid 42) was killed by SIGKILL")
+    complete_last_session(rd, killed, since="2026-01-02T00:00:00+00:00")
+    assert rd.read_sessions()[-1] == ended
+    complete_last_session(rd, killed, since="2026-01-02T00:00:00+00:00", cause=True)
+    amended = rd.read_sessions()[-1]
+    assert amended == {
+        **ended,
+        "error": "RunFailed: rank 1 (pid 42) was killed by SIGKILL",
+        "symptom": "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:51106",
+    }
+    stopped = {"started": "2026-01-03T00:00:00+00:00", "start_step": 5, "software": {}}
+    rd.append_session(stopped)
+    record_end(rd, stopped, 6, Terminated())
+    complete_last_session(rd, killed, since="2026-01-02T00:00:00+00:00", cause=True)
+    assert rd.read_sessions()[-1]["outcome"] == "stopped by SIGTERM" and "error" not in rd.read_sessions()[-1]
+    assert rd.read_sessions()[-2] == amended
 
 
 def test_a_session_its_workers_could_not_end_says_whether_the_run_had_diverged(tmp_path):

@@ -283,7 +283,7 @@ def _start(
                 cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir, stop_on_sigterm=cfg.checkpoint.on_sigterm
             )
         except (ProcessKilled, RanksHung) as e:
-            raise _session_failed(rd, RunFailed(f"{e.what}; {ckpt.resume_hint(rd)}"), began) from None
+            raise _session_failed(rd, RunFailed(f"{e.what}; {ckpt.resume_hint(rd)}"), began, cause=True) from None
         except BaseException as e:
             _session_failed(rd, e, began)
             raise
@@ -291,10 +291,11 @@ def _start(
             raise _session_failed(rd, _out_of_memory(rd, f"rank {outcome.rank}", outcome.message), began)
 
 
-def _session_failed(rd: RunDir, error: BaseException, began: str) -> BaseException:
+def _session_failed(rd: RunDir, error: BaseException, began: str, cause: bool = False) -> BaseException:
     """`error`, after completing this session's line of sessions.jsonl (begun at `began` or later) with it where rank 0
-    could not (a rank killed, hung, out of memory: the launcher stops rank 0 before it says how the session ended)."""
-    session.complete_last_session(rd, error, began)
+    could not (a rank killed, hung, out of memory: the launcher stops rank 0 before it says how the session ended),
+    or, with `cause`, in place of the error rank 0 recorded (`session.complete_last_session`)."""
+    session.complete_last_session(rd, error, began, cause)
     return error
 
 

@@ -97,19 +97,38 @@ def session_end(end_step: int, error: BaseException | None, diverged_at: int | N
     return {**end, "outcome": "failed", "error": f"{type(error).__name__}: {first}" if first else type(error).__name__}
 
 
-def complete_last_session(rd: RunDir, error: BaseException, since: str) -> None:
+def complete_last_session(rd: RunDir, error: BaseException, since: str, cause: bool = False) -> None:
     """Complete the run's last session with `error` if it started at `since` or later (an ISO time, as `started`)
     and has not said how it ended: its workers were stopped before rank 0 could (killed, hung, out of memory). Its
-    last step is the last one logged. Never raises (`record_end`): it runs while the command fails with `error`."""
+    last step is the last one logged. With `cause` (the launcher names the rank that died or hung), a session rank 0
+    recorded as failed with what it met (a collective's "Connection closed by peer") gets `error` in its place, rank
+    0's kept as `symptom`. Never raises (`record_end`): it runs while the command fails with `error`."""
     try:
         sessions, logged = rd.read_sessions(), rd.read_metrics()
     except OSError as e:
         _not_recorded(rd, e)
         return
-    if not sessions or "ended" in sessions[-1] or sessions[-1].get("started", "") < since:
+    if not sessions or sessions[-1].get("started", "") < since:
         return
-    end_step = logged[-1]["step"] if logged else sessions[-1]["start_step"]
-    record_end(rd, sessions[-1], end_step, error, diverged_step(logged))
+    last = sessions[-1]
+    if "ended" not in last:
+        end_step = logged[-1]["step"] if logged else last["start_step"]
+        record_end(rd, last, end_step, error, diverged_step(logged))
+    elif cause and last.get("outcome") == "failed":
+        said = {k: v for k, v in last.items() if k not in ("error", "symptom")}
+        _replace_record(rd, last, {**said, "error": session_end(0, error)["error"], "symptom": last.get("error")})
+
+
+def _replace_record(rd: RunDir, old: dict, new: dict) -> None:
+    """sessions.jsonl with its last line that is `old` replaced by `new`, the file replaced whole; never raises."""
+    try:
+        lines = rd.sessions_file.read_text(errors="replace").splitlines()
+        at = next((i for i in range(len(lines) - 1, -1, -1) if json.loads(lines[i] or "null") == old), None)
+        if at is not None:
+            lines[at] = json.dumps(new)
+            replace_file(rd.sessions_file, "".join(line + "\n" for line in lines), "the sessions record")
+    except Exception as e:
+        _not_recorded(rd, e)
 
 
 def diverged_step(records: list[dict]) -> int | None:

@@ -202,6 +202,8 @@ def run(
             except BaseException as e:
                 if session is not None:
                     record_end(rd, session, trainer.state.step, e, trainer.diverged_at)
+                    if under_launcher() and not is_supervised() and _unexplained(e):
+                        say(_crash_line(rd, trainer.state.step, e))
                 raise
             if session is not None:
                 record_end(rd, session, trainer.state.step, None, trainer.diverged_at)
@@ -730,6 +732,24 @@ def _write_of_step(rd: RunDir, step: int, total: int, what: str):
         f"{rd}: cannot write the step {step} {what} ({cause}) at {path}; {remedy_of(error)}"
         f"{_what_continues(rd, step, total, what)}"
     ) from None
+
+
+def _unexplained(e: BaseException) -> bool:
+    """An error that ends a rank with only its traceback: not a UserError (its own line), a stop or a Ctrl-C."""
+    return isinstance(e, Exception) and not isinstance(e, UserError)
+
+
+def _crash_line(rd: RunDir, step: int, e: Exception) -> str:
+    """Rank 0's one line, under a launcher the user started, when it fails with a traceback: most often another rank
+    died (gloo's "Connection closed by peer", NCCL's error), which only that launcher's summary names, and the same
+    resume continues either way. lctrain's own launcher names a dead rank itself."""
+    first = next(iter(str(e).strip().splitlines()), "")
+    resume = f"... -m lctrain.cli resume {rd.path}"
+    return (
+        f"error: rank 0 failed in step {step + 1} with {type(e).__name__}: {first[:300]} (its traceback follows; "
+        f"when a collective failed, another rank stopped first: the launcher's summary names it); "
+        f"{ckpt.resume_hint(rd, resume)}"
+    )
 
 
 def _what_continues(rd: RunDir, step: int, total: int, what: str) -> str:
