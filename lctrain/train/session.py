@@ -93,8 +93,13 @@ def session_end(end_step: int, error: BaseException | None, diverged_at: int | N
         return {**end, "outcome": "stopped by SIGTERM"}
     if isinstance(error, KeyboardInterrupt):
         return {**end, "outcome": "interrupted"}
+    return {**end, "outcome": "failed", "error": _error_text(error)}
+
+
+def _error_text(error: BaseException) -> str:
+    """An error as a session's record names it: its type and its message's first line."""
     first = next(iter(str(error).splitlines()), "")
-    return {**end, "outcome": "failed", "error": f"{type(error).__name__}: {first}" if first else type(error).__name__}
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def complete_last_session(rd: RunDir, error: BaseException, since: str, cause: bool = False) -> None:
@@ -116,7 +121,7 @@ def complete_last_session(rd: RunDir, error: BaseException, since: str, cause: b
         record_end(rd, last, end_step, error, diverged_step(logged))
     elif cause and last.get("outcome") == "failed":
         said = {k: v for k, v in last.items() if k not in ("error", "symptom")}
-        _replace_record(rd, last, {**said, "error": session_end(0, error)["error"], "symptom": last.get("error")})
+        _replace_record(rd, last, {**said, "error": _error_text(error), "symptom": last.get("error")})
 
 
 def _replace_record(rd: RunDir, old: dict, new: dict) -> None:

@@ -452,7 +452,7 @@ class Trainer:
         said = "SIGTERM: finishing the step under way on every rank, then writing its checkpoint"
         stop = StopRequest(said if topo.is_main else None) if cfg.checkpoint.on_sigterm else None
         # a launcher the user started resumes the run itself: its command line is theirs
-        resume = None if is_supervised() or not under_launcher() else f"... -m lctrain.cli resume {self.run_dir.path}"
+        resume = None if is_supervised() or not under_launcher() else _launcher_resume(self.run_dir)
         watchdog = StepWatchdog(
             cfg.train.step_timeout_minutes and 60 * cfg.train.step_timeout_minutes,
             topo.rank,
@@ -744,12 +744,16 @@ def _crash_line(rd: RunDir, step: int, e: Exception) -> str:
     died (gloo's "Connection closed by peer", NCCL's error), which only that launcher's summary names, and the same
     resume continues either way. lctrain's own launcher names a dead rank itself."""
     first = next(iter(str(e).strip().splitlines()), "")
-    resume = f"... -m lctrain.cli resume {rd.path}"
     return (
         f"error: rank 0 failed in step {step + 1} with {type(e).__name__}: {first[:300]} (its traceback follows; "
         f"when a collective failed, another rank stopped first: the launcher's summary names it); "
-        f"{ckpt.resume_hint(rd, resume)}"
+        f"{ckpt.resume_hint(rd, _launcher_resume(rd))}"
     )
+
+
+def _launcher_resume(rd: RunDir) -> str:
+    """The resume to run under a launcher the user started: their launcher's command line, then lctrain's."""
+    return f"... -m lctrain.cli resume {rd.path}"
 
 
 def _what_continues(rd: RunDir, step: int, total: int, what: str) -> str:
