@@ -142,6 +142,8 @@ class RunDir:
         config.yaml too (prepare writes its resolved config beside the manifest): it is told apart by its manifest."""
         if self.holds_dataset():
             return f"a prepared dataset (it holds {MANIFEST}), not a run directory"
+        if not self.path.exists():
+            return "no such run directory"
         if not self.config_file.is_file():
             return "not a run directory (no config.yaml)"
         return None

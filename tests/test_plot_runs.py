@@ -91,6 +91,7 @@ def test_bad_input_is_one_line(runs, tmp_path):
     (dataset.path / "manifest.json").write_text("{}")
     cases = [
         ([str(tmp_path / "empty")], "empty: not a run directory (no config.yaml)"),
+        ([str(tmp_path / "nosuch")], "nosuch: no such run directory"),
         ([str(dataset)], "dataset: a prepared dataset (it holds manifest.json), not a run directory"),
         ([str(runs[0]), "--metric", "perplexity"], "--metric perplexity: not in these runs' metrics.jsonl; one of"),
     ]
