@@ -203,19 +203,19 @@ def test_banner_of_a_paper_run():
     )
 
 
-def test_banner_of_a_resumed_cpu_run_with_scaling_and_no_plan():
+def test_banner_of_a_resumed_cpu_run_with_scaling():
     text = banner(
         start(
             start_step=400,
             rope={"rope_theta": 500000.5, "rope_type": "yarn", "factor": 16.0},
             changes=[],
-            planned=None,
+            planned=PlannedMemory(device_gb=None, host_gb=3.31),
             device="cpu",
         )
     )
     assert text.splitlines()[0] == "lctrain train llama2_64k_anchor: 2000 steps, resuming at step 400"
     assert "  rope         base 500,000.5, rope_type yarn (factor 16.0); max positions 65,536" in text
-    assert "  memory plan  not planned (world differs from the config's)" in text
+    assert "  memory plan  3.3 GB host (`lctrain plan` itemises it)" in text
     assert text.endswith("  model config: as given, no changes")
 
 

@@ -106,7 +106,7 @@ class RunStart:
     device: str
     steps: int
     start_step: int
-    planned: PlannedMemory | None
+    planned: PlannedMemory
 
 
 def _count(n: int) -> str:
@@ -133,10 +133,8 @@ def _rope(params: dict, max_positions: int) -> str:
 def banner(s: RunStart) -> str:
     """What rank 0 prints before the first step."""
     where = "from step 0" if s.start_step == 0 else f"resuming at step {s.start_step}"
-    memory = "not planned (world differs from the config's)"
-    if s.planned is not None:
-        on_device = f"{s.planned.device_gb:.1f} GB per device, " if s.planned.device_gb is not None else ""
-        memory = f"{on_device}{s.planned.host_gb:.1f} GB host (`lctrain plan` itemises it)"
+    on_device = f"{s.planned.device_gb:.1f} GB per device, " if s.planned.device_gb is not None else ""
+    memory = f"{on_device}{s.planned.host_gb:.1f} GB host (`lctrain plan` itemises it)"
     rows = [
         ("model", f"{s.model}: {_count(s.params)} parameters ({_count(s.dense_params)} counted for MFU)"),
         ("rope", _rope(s.rope, s.max_positions)),

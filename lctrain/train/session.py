@@ -120,18 +120,23 @@ def complete_last_session(rd: RunDir, error: BaseException, since: str, cause: b
         end_step = logged[-1]["step"] if logged else last["start_step"]
         record_end(rd, last, end_step, error, diverged_step(logged))
     elif cause and last.get("outcome") == "failed":
-        said = {k: v for k, v in last.items() if k not in ("error", "symptom")}
-        _replace_record(rd, last, {**said, "error": _error_text(error), "symptom": last.get("error")})
+        _replace_record(rd, last, {**last, "error": _error_text(error), "symptom": last.get("error")})
 
 
 def _replace_record(rd: RunDir, old: dict, new: dict) -> None:
-    """sessions.jsonl with its last line that is `old` replaced by `new`, the file replaced whole; never raises."""
+    """sessions.jsonl with its last line that is `old` replaced by `new`, the file replaced whole (a kill while it is
+    written keeps the old one); the run lock keeps other sessions out meanwhile, and a file removed or replaced since
+    gets `new` appended. Never raises: a failure is one warning line."""
     try:
-        lines = rd.sessions_file.read_text(errors="replace").splitlines()
-        at = next((i for i in range(len(lines) - 1, -1, -1) if json.loads(lines[i] or "null") == old), None)
-        if at is not None:
+        path = rd.sessions_file
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        written = json.dumps(old)
+        at = next((i for i in range(len(lines) - 1, -1, -1) if lines[i] == written), None)
+        if at is None:
+            lines.append(json.dumps(new))
+        else:
             lines[at] = json.dumps(new)
-            replace_file(rd.sessions_file, "".join(line + "\n" for line in lines), "the sessions record")
+        replace_file(path, "".join(line + "\n" for line in lines), "the sessions record")
     except Exception as e:
         _not_recorded(rd, e)
 
@@ -148,21 +153,7 @@ def record_end(
     ended (`session_end`); the file is replaced whole (a kill while it is written keeps the old one). Never raises: a
     failure to record is one warning line, so it neither hides the error the session ended with nor fails a finished
     run."""
-    try:
-        path = rd.sessions_file
-        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
-        ended = json.dumps({**session, **session_end(end_step, error, diverged_at)})
-        started = json.dumps(session)
-        # the last line that is this session's start (the run lock keeps other sessions out meanwhile); a file
-        # removed or replaced since gets the whole record appended
-        at = next((i for i in range(len(lines) - 1, -1, -1) if lines[i] == started), None)
-        if at is None:
-            lines.append(ended)
-        else:
-            lines[at] = ended
-        replace_file(path, "".join(line + "\n" for line in lines), "the sessions record")
-    except Exception as e:
-        _not_recorded(rd, e)
+    _replace_record(rd, session, {**session, **session_end(end_step, error, diverged_at)})
 
 
 def _not_recorded(rd: RunDir, e: Exception) -> None:

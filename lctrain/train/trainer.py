@@ -391,10 +391,9 @@ class Trainer:
         """The facts of the start banner."""
         cfg, layout = self.cfg, self.layout
         gpu = self.topo.device.type == "cuda"
-        planned = None
-        if layout.world == cfg.parallel.world:  # the plan is of the config's world
-            device, host = need(plan_memory(cfg, self.shape, gpu), gpu)
-            planned = PlannedMemory(to_gb(device) if gpu else None, to_gb(host))
+        # the config's world: a launcher the user started with another was refused (command._check_launcher_world)
+        device, host = need(plan_memory(cfg, self.shape, gpu), gpu)
+        planned = PlannedMemory(to_gb(device) if gpu else None, to_gb(host))
         return RunStart(
             name=cfg.name,
             run_dir=self.run_dir.path,
