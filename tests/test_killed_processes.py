@@ -36,9 +36,9 @@ def lctrain(*args: str) -> list[str]:
     return [sys.executable, "-m", "lctrain.cli", *args]
 
 
-def start(cmd: list[str]) -> subprocess.Popen:
+def start(cmd: list[str], stdout=subprocess.DEVNULL) -> subprocess.Popen:
     env = clean_env(CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -104,11 +104,15 @@ def test_a_rank_killed_by_the_os_is_one_line_then_resume_ends_as_the_uninterrupt
     workdir, reference, tmp_path, launcher
 ):
     run_dir = tmp_path / "run"
-    proc = start(lctrain("train", *set_args(two_ranks(workdir / "data", run_dir) + [f"parallel.launcher={launcher}"])))
+    with open(tmp_path / "stdout", "w") as stdout:
+        args = set_args(two_ranks(workdir / "data", run_dir) + [f"parallel.launcher={launcher}"])
+        proc = start(lctrain("train", *args), stdout)
     wait_for_steps(run_dir, 3, proc)
     victim = find(proc, is_rank(1))
     victim.send_signal(signal.SIGKILL)
     line = the_one_line(proc)
+    # the launcher's SIGTERM to the ranks left is no request to finish a step, and no line says it is
+    assert "SIGTERM" not in (tmp_path / "stdout").read_text()
     assert line.startswith(f"error: rank 1 (pid {victim.pid}) was killed by SIGKILL (most likely the kernel's out")
     assert f"'lctrain resume {run_dir}' continues from step_" in line
     assert (run_dir / "ranks" / "launcher.log").is_file() and str(run_dir / "ranks" / "launcher.log") in line

@@ -19,6 +19,7 @@ from lctrain.errors import UserError
 from lctrain.lifetime import SUPERVISOR_ENV, RunLock, StopRequest, Terminated, is_alive, supervisor_token
 from lctrain.parallel.launch import LAUNCHER_LOG
 from lctrain.rundir import RunDir
+from lctrain.train.trainer import SIGTERM_SAID
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LONG = ["train.steps=500", "checkpoint.every_steps=1000", "checkpoint.hf_last=0"]
@@ -189,17 +190,19 @@ def test_multiprocess_run_is_locked_and_ctrl_c_stops_every_process_quietly(data_
 
 
 @pytest.mark.slow  # over 20 s on 2 cores: make test-slow
-@pytest.mark.parametrize("to", ["the command", "every process", "one rank"])
+@pytest.mark.parametrize("to", ["the command", "every process", "one rank", "rank 0"])
 def test_multiprocess_run_stops_on_sigterm_at_a_checkpoint_of_the_last_step(data_dir, tmp_path, to):
     """SIGTERM to `lctrain train` (kill), to every process of the job at once (a SLURM time limit or preemption:
     the launcher too, whose own handling would kill the ranks 30 s later), or to one rank: the ranks agree to stop
     after the same step, write its checkpoint and end; one line says where, and nothing is left running."""
     run_dir = tmp_path / "sp2"
-    proc, tree, _ = start_sp2_run(data_dir, run_dir)
+    with open(tmp_path / "stdout", "w") as stdout:
+        proc, tree, _ = start_sp2_run(data_dir, run_dir, stdout=stdout)
     targets = {
         "the command": [psutil.Process(proc.pid)],
         "every process": [psutil.Process(proc.pid), *tree],
         "one rank": [p for p in tree if "lctrain.parallel.rank" in p.cmdline() and p.environ().get("RANK") == "1"],
+        "rank 0": [p for p in tree if "lctrain.parallel.rank" in p.cmdline() and p.environ().get("RANK") == "0"],
     }[to]
     assert targets
     for p in targets:
@@ -215,6 +218,10 @@ def test_multiprocess_run_stops_on_sigterm_at_a_checkpoint_of_the_last_step(data
     ), err[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
     assert not survivors(tree)
+    # said once, when the signal came, by the command that got it; a SIGTERM to the ranks alone is what the launcher
+    # sends when another rank died (no step will be finished then): rank 0 says nothing of it
+    said = (tmp_path / "stdout").read_text().count(SIGTERM_SAID)
+    assert said == (0 if to in ("one rank", "rank 0") else 1)
 
 
 @pytest.mark.slow  # over 20 s on 2 cores: make test-slow

@@ -37,6 +37,7 @@ from lctrain.files import TEMPORARY_PREFIX
 from lctrain.measure import reset_host_peak
 from lctrain.rundir import RunDir, step_name
 from lctrain.train import checkpoint as ckpt
+from lctrain.train.trainer import SIGTERM_SAID
 
 STEPS = 8
 AGAIN = "lctrain train --force"  # the start-over command a refusal cites
@@ -222,7 +223,7 @@ def test_sigterm_stops_after_the_step_under_way_with_a_checkpoint_of_it_and_resu
     step = stopped_by_sigterm(proc)
     assert 3 <= step < STEPS and len(metric_records(run_dir)) == step
     # said when the signal came, not only when the step ended (a 64K-token step can take minutes)
-    assert "SIGTERM: finishing the step under way on every rank, then writing its checkpoint" in log.read_text()
+    assert SIGTERM_SAID in log.read_text()
     assert ckpt.latest_checkpoint(RunDir(run_dir)).name == step_name(step)
     assert ckpt.read_state(ckpt.latest_checkpoint(RunDir(run_dir)))["step"] == step
     result = CliRunner().invoke(app, ["resume", str(run_dir)])

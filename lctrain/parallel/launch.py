@@ -18,6 +18,7 @@ import json
 import signal
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -169,13 +170,21 @@ def failure_file(workdir: Path, rank: int) -> Path:
 
 
 def run_on_ranks(
-    cfg: Config, function: str, request: dict, workdir: str | Path, *, stop_on_sigterm: bool = False
+    cfg: Config,
+    function: str,
+    request: dict,
+    workdir: str | Path,
+    *,
+    stop_on_sigterm: bool = False,
+    say_on_sigterm: str | None = None,
 ) -> Finished | OutOfMemory:
     """Call `function(request)` ("package.module:function", importable by every rank; `request` JSON-able) on every
     process of `cfg`'s layout and wait. Ctrl-C or SIGTERM stops them all (lifetime.supervise); a kill of this process
     ends them too (the ranks exit with their supervisor). With `stop_on_sigterm`, a SIGTERM is passed to the ranks
     instead, which stop where `function` polls its `lifetime.StopRequest` (and raise `Terminated`); this returns
-    when they have, raising `Terminated` with what rank 0 said."""
+    when they have, raising `Terminated` with what rank 0 said. `say_on_sigterm`: printed when this process passes
+    a SIGTERM on (the ranks' `StopRequest` says nothing here: a SIGTERM that reaches them alone comes from the
+    launcher when another rank died, or was sent to one rank by hand)."""
     check_on_this_machine(cfg, torch.cuda.is_available())
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -196,7 +205,7 @@ def run_on_ranks(
             cmd,
             env=launcher_env(),
             stderr=log,
-            on_terminate=_pass_sigterm_to_ranks if stop_on_sigterm else None,
+            on_terminate=partial(_pass_sigterm_to_ranks, say_on_sigterm) if stop_on_sigterm else None,
         )
     except Terminated:
         raise Terminated(_stopped_words(workdir)) from None
@@ -236,9 +245,11 @@ def run_on_ranks(
     raise RanksFailed(rc)
 
 
-def _pass_sigterm_to_ranks(launcher: psutil.Process) -> None:
+def _pass_sigterm_to_ranks(say: str | None, launcher: psutil.Process) -> None:
     """SIGTERM to the guards of this host's ranks, which pass it to their rank: a rank's request stops them all (they
     agree at the step's end), so the ranks of other hosts need none."""
+    if say is not None:
+        print(say, flush=True)
     for p in launcher.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             if GUARD_MODULE in p.cmdline():

@@ -44,7 +44,7 @@ from lctrain.train import reshard, session
 from lctrain.train.data import dataset_change, dataset_record, prepare_command
 from lctrain.train.metrics import import_wandb, tensorboard_writer_class
 from lctrain.train.runplan import Prepared, RunPlan
-from lctrain.train.trainer import CheckpointHook, run
+from lctrain.train.trainer import SIGTERM_SAID, CheckpointHook, run
 
 
 def train(cfg: Config, force: bool = False, *, before_checkpoint_complete: CheckpointHook | None = None) -> Path:
@@ -280,7 +280,12 @@ def _start(
         began = session.now()
         try:
             outcome = run_on_ranks(
-                cfg, f"{__name__}:train_on_rank", request, rd.ranks_dir, stop_on_sigterm=cfg.checkpoint.on_sigterm
+                cfg,
+                f"{__name__}:train_on_rank",
+                request,
+                rd.ranks_dir,
+                stop_on_sigterm=cfg.checkpoint.on_sigterm,
+                say_on_sigterm=SIGTERM_SAID,
             )
         except (ProcessKilled, RanksHung) as e:
             raise _session_failed(rd, RunFailed(f"{e.what}; {ckpt.resume_hint(rd)}"), began, cause=True) from None

@@ -83,6 +83,9 @@ from lctrain.units import to_gb
 # resume checkpoint and before the checkpoint is complete.
 CheckpointHook = Callable[[int], None]
 
+# Said at once when a SIGTERM comes (a 64K-token step can take minutes: the log shows that the signal was seen).
+SIGTERM_SAID = "SIGTERM: finishing the step under way on every rank, then writing its checkpoint"
+
 # What a step writes, in the words of the messages when a write fails: a step with both writes them in this order.
 CHECKPOINT, EXPORT = "resume checkpoint", "evaluation export"
 
@@ -448,8 +451,11 @@ class Trainer:
         peak = self.peak_flops
         logger = StepLogger(self.run_dir, cfg, self.state.step, total, self.state.wandb_id) if topo.is_main else None
         profiler = self.step_profiler()
-        said = "SIGTERM: finishing the step under way on every rank, then writing its checkpoint"
-        stop = StopRequest(said if topo.is_main else None) if cfg.checkpoint.on_sigterm else None
+        # Under lctrain's own launcher the command that launched the ranks says it when the SIGTERM reaches it: a
+        # SIGTERM only the ranks get there is the launcher's, after another rank died, and no step will be finished.
+        own_launcher = is_supervised() and under_launcher()
+        said = SIGTERM_SAID if topo.is_main and not own_launcher else None
+        stop = StopRequest(said) if cfg.checkpoint.on_sigterm else None
         # a launcher the user started resumes the run itself: its command line is theirs
         resume = None if is_supervised() or not under_launcher() else _launcher_resume(self.run_dir)
         watchdog = StepWatchdog(
