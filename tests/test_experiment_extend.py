@@ -682,6 +682,28 @@ def test_a_training_change_is_still_refused(tiny_experiment):
     assert (out / ex.STATE_FILE).read_bytes() == state  # the refused plan is not recorded: the runs did not change
 
 
+def test_each_runs_description_names_its_model_and_window_and_a_former_one_is_no_change(tiny_experiment, capsys):
+    """The bundled configs' description names SmolLM2 and 32K, untrue of a run on another model or --seq-len; a run
+    directory whose config.yaml holds another description (an earlier lctrain's) trained the same."""
+    out, model = tiny_experiment
+    for mode in TINY_MODES:
+        config = out / "runs" / f"{mode}_s0" / "config.yaml"
+        recorded = load_config(str(config))
+        assert (
+            recorded.description == f"{model.name} at 512 windows, {mode} attention, seed 0 (lctrain experiment extend)"
+        )
+        former = config.read_text()
+        config.write_text(former.replace(recorded.description, load_config(ex.CONFIG.format(mode=mode)).description))
+        try:
+            capsys.readouterr()
+            tiny_extend(out, model)
+            assert capsys.readouterr().out.count("finished, skipped") == 2 * len(TINY_MODES)
+        finally:
+            config.write_text(former)
+    mine = ex.Experiment(out, TINY_SEQ_LEN, TINY_MODES, 1, 1, (512,), "cpu", model, ("description=mine",))
+    assert mine.config("anchor", mine.run_overrides("anchor", 0, TINY_STEPS)).description == "mine"
+
+
 def test_the_modes_are_warned_before_training_when_no_window_read_holds_two_documents(tiny_experiment, capsys):
     out, model = tiny_experiment
     exp = ex.Experiment(out, TINY_SEQ_LEN, ("full", "anchor"), 1, 1, (TINY_SEQ_LEN,), "cpu", model, tuple(TINY))

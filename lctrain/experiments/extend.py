@@ -180,12 +180,25 @@ class Experiment:
         every, last = checkpoint_spacing(steps, self.checkpoints)
         return [
             f"name={mode}_s{seed}",
+            *self.description(mode, seed),
             f"seed={seed}",
             f"train.run_dir={self.run_dir(mode, seed)}",
             f"train.steps={steps}",
             f"checkpoint.hf_every={every}",
             f"checkpoint.hf_last={last}",
         ]
+
+    def description(self, mode: str, seed: int) -> list[str]:
+        """The run's `description` override, unless the user set one: the bundled config's names SmolLM2 at 32K,
+        which another model or --seq-len would make untrue in the run's config.yaml."""
+        if any(o.split("=", 1)[0].strip() == "description" for o in self.overrides):
+            return []
+        from lctrain.reports.plots import length_label
+
+        model = Path(self.config(mode).model.name_or_path).name
+        windows = length_label(self.seq_len)
+        said = f"{model} at {windows} windows, {mode} attention, seed {seed} (lctrain experiment extend)"
+        return [f"description={json.dumps(said)}"]
 
     def env(self) -> dict:
         # a CPU experiment trains on the CPU even where CUDA is present (training takes CUDA whenever it sees it)
@@ -381,7 +394,7 @@ def is_trained(rd: RunDir, steps: int) -> bool:
 
 
 def trained_settings(cfg: Config) -> dict:
-    return {section: value for section, value in settings(cfg).items() if section != "eval"}
+    return {section: value for section, value in settings(cfg).items() if section not in ("eval", "description")}
 
 
 def check_trained_runs(exp: Experiment, steps: int) -> None:
