@@ -262,6 +262,43 @@ def test_a_json_array_counts_and_numbers_its_elements_like_lines(tmp_path):
     assert data.manifest.source["documents_read"] == 300 - len(bad)
 
 
+def long_records(n: int) -> list[dict]:
+    return [
+        {"text": f"doc {i} " + "x" * (50 + 37 * (i % 7)), "body": {"text": f"nested {i} " + "y" * 80}} for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "json array", "parquet of data.sources", "json array of data.sources"])
+def test_rows_are_batched_by_their_text_as_lines_are_by_their_bytes(tmp_path, monkeypatch, kind):
+    """Rows (parquet, a JSON array) weighed nothing towards the batch's bytes: 256 long documents made one batch of
+    millions of tokens in flight, and no shard for an interrupted prepare to keep until it was tokenized whole."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(sources, "BATCH_BYTES", 1000)
+    recs = long_records(300)
+    field = "body.text" if "data.sources" in kind else "text"
+    src = tmp_path / ("c.parquet" if "parquet" in kind else "c.json")
+    if "parquet" in kind:
+        pq.write_table(pa.Table.from_pylist(recs), src)
+    else:
+        src.write_text(json.dumps(recs))
+    if "data.sources" in kind:
+        stream = sources.SourceStream("c", field, None, 1.0, sources.local_batches([src], ("body",)), "data.sources[0]")
+        batches = list(sources.mixed_batches([stream], seed=0))
+        rows = [[item for _, _, _, _, item in b.items] for b in batches]
+    else:
+        batches = list(sources.local_batches([src]))
+        rows = [b.items for b in batches]
+    text = [[sources.field_at(r, field) for r in batch] for batch in rows]
+    assert [r for batch in text for r in batch] == [sources.field_at(r, field) for r in recs]  # every row, in order
+    assert [b.first for b in batches] == [1 + sum(map(len, rows[:i])) for i in range(len(rows))]
+    # each batch closes on the row that brings its text to 1000 characters
+    for batch in text:
+        assert sum(map(len, batch[:-1])) < 1000
+    assert all(sum(map(len, batch)) >= 1000 for batch in text[:-1])
+
+
 @pytest.mark.parametrize(
     "content,needle",
     [

@@ -184,7 +184,7 @@ def source_streams(data, files: list[LocalFiles | None]) -> list[SourceStream]:
         key = f"data.sources[{i}]"
         fields = (s.text_field, *([s.domain_field.split(".")[0]] if s.domain_field else []))
         if f is None:
-            batches = hub_batches(s.hub, s.split, data.seed, s.subset, key=f"{key}.hub")
+            batches = hub_batches(s.hub, s.split, data.seed, s.subset, key=f"{key}.hub", text_field=s.text_field)
         else:
             batches = local_batches(f.files, fields)
         # token shares are drawn in their proportions; SourceShares then admits each source up to its share

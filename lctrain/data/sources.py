@@ -23,7 +23,7 @@ import json
 import os
 import stat
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -545,7 +545,31 @@ def _is_json_array(path: Path) -> bool:
     return head.startswith(b"[")
 
 
-def _json_array_batches(path: Path) -> Iterator[RawBatch]:
+def _text_size(item, text_field: str) -> int:
+    """What a raw record weighs towards `BATCH_BYTES`: a jsonl line's bytes, a row's text in characters. Rows counted
+    nothing once: 256 long documents of a parquet file made one batch of millions of tokens, held in memory many
+    times over in flight, and no shard was written (nothing for an interrupted prepare to keep) until it was done."""
+    if isinstance(item, bytes):
+        return len(item)
+    text = field_at(item, text_field) if isinstance(item, dict) else None
+    return len(text) if isinstance(text, str) else 0
+
+
+def _sized_batches(kind: str, src: str, rows: Iterable, text_field: str, first: int = 1) -> Iterator[RawBatch]:
+    """`rows` in batches of at most `BATCH_RECORDS` records and about `BATCH_BYTES` of text, numbered from `first`."""
+    batch, size = [], 0
+    for row in rows:
+        batch.append(row)
+        size += _text_size(row, text_field)
+        if len(batch) >= BATCH_RECORDS or size >= BATCH_BYTES:
+            yield RawBatch(kind, src, first, batch)
+            first += len(batch)
+            batch, size = [], 0
+    if batch:
+        yield RawBatch(kind, src, first, batch)
+
+
+def _json_array_batches(path: Path, text_field: str) -> Iterator[RawBatch]:
     """The elements of a `.json` file holding one JSON array, numbered from 1. Read and parsed whole: an array has no
     record boundaries to stream by, unlike JSON Lines."""
     with _open_binary(path) as f:
@@ -564,9 +588,7 @@ def _json_array_batches(path: Path) -> Iterator[RawBatch]:
     problem = _array_problem(path, records)
     if problem:
         raise UserError(problem)
-    # batches by count only: the whole array is in memory already, and batches in flight are slices of it
-    for start in range(0, len(records), BATCH_RECORDS):
-        yield RawBatch("rows", str(path), start + 1, records[start : start + BATCH_RECORDS])
+    yield from _sized_batches("rows", str(path), records, text_field)
 
 
 def _parquet_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
@@ -582,10 +604,15 @@ def _parquet_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
         tops = [f if f in names else f.split(".")[0] for f in fields]
         # without its text column every column is read: the first record's check then names them all
         columns = [c for c in dict.fromkeys(tops) if c in names] if tops[0] in names else None
-        for batch in pf.iter_batches(batch_size=BATCH_RECORDS, columns=columns):
-            records = batch.to_pylist()
-            yield RawBatch("rows", str(path), row, records)
-            row += len(records)
+
+        def rows() -> Iterator[dict]:
+            nonlocal row
+            for b in pf.iter_batches(batch_size=BATCH_RECORDS, columns=columns):
+                records = b.to_pylist()
+                yield from records
+                row += len(records)
+
+        yield from _sized_batches("rows", str(path), rows(), fields[0])
     except (OSError, pa.ArrowException) as e:
         raise UserError(
             f"{path}: unreadable as parquet at row {row} ({type(e).__name__}: {e}); re-download or remove the file"
@@ -597,7 +624,7 @@ def _file_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
     if path.name.endswith(PARQUET_SUFFIXES):
         return _parquet_batches(path, fields)
     if path.name.endswith((".json", ".json.zst")) and _is_json_array(path):
-        return _json_array_batches(path)
+        return _json_array_batches(path, fields[0])
     return _jsonl_batches(path)
 
 
@@ -651,10 +678,10 @@ def _check_path_record(record: dict, where: str) -> None:
 
 
 def hub_batches(
-    name: str, split: str, seed: int, subset: str | None = None, key: str = "data.hub_name"
+    name: str, split: str, seed: int, subset: str | None = None, key: str = "data.hub_name", text_field: str = "text"
 ) -> Iterator[RawBatch]:
-    """Stream a hub dataset (rows with `text` and optional `meta`) without downloading it whole. `key`: the config
-    key that named it, for messages."""
+    """Stream a hub dataset (rows with `text_field` and optional `meta`) without downloading it whole. `key`: the
+    config key that named it, for messages."""
     # only hub sources need datasets, which takes ~1 s to import (start-up time)
     from datasets import load_dataset
 
@@ -667,27 +694,23 @@ def hub_batches(
             f"check the name and network (HF_DATASETS_OFFLINE), or download it and read it from a local path"
         ) from None
     ds = ds.shuffle(seed=seed, buffer_size=1000)
-    rows, row, size = [], 1, 0
-    stream = iter(ds)
-    while True:
-        try:
-            record = next(stream)
-        except StopIteration:
-            break
-        except Exception as e:  # a dropped connection mid-stream surfaces as whatever the transport raises
-            raise UserError(
-                f"{key} = '{name}': streaming failed after {row + len(rows) - 1} rows "
-                f"({type(e).__name__}: {e}); rerun, or download it and use data.source=local"
-            ) from None
-        rows.append(record)
-        text = record.get("text") if isinstance(record, dict) else None
-        size += len(text) if isinstance(text, str) else 0
-        if len(rows) >= BATCH_RECORDS or size >= BATCH_BYTES:
-            yield RawBatch("rows", name, row, rows)
-            row += len(rows)
-            rows, size = [], 0
-    if rows:
-        yield RawBatch("rows", name, row, rows)
+
+    def rows() -> Iterator[dict]:
+        stream, read = iter(ds), 0
+        while True:
+            try:
+                record = next(stream)
+            except StopIteration:
+                return
+            except Exception as e:  # a dropped connection mid-stream surfaces as whatever the transport raises
+                raise UserError(
+                    f"{key} = '{name}': streaming failed after {read} rows "
+                    f"({type(e).__name__}: {e}); rerun, or download it and use data.source=local"
+                ) from None
+            read += 1
+            yield record
+
+    yield from _sized_batches("rows", name, rows(), text_field)
 
 
 @dataclass
@@ -768,7 +791,7 @@ def mixed_batches(streams: list[SourceStream], seed: int) -> Iterator[RawBatch]:
         if checked.get(pick) != file and _check_text_field(streams[pick], file, line, item):
             checked[pick] = file
         items.append((pick, kind, file, line, item))
-        size += len(item) if isinstance(item, bytes) else 0
+        size += _text_size(item, streams[pick].text_field)
         if len(items) >= BATCH_RECORDS or size >= BATCH_BYTES:
             yield RawBatch("mixed", "sources", first, items, params)
             first += len(items)
