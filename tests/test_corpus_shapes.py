@@ -202,4 +202,19 @@ def test_each_file_of_a_corpus_is_checked_for_its_text_field(tmp_path):
 def test_a_source_that_yields_nothing_is_named_in_words(tmp_path):
     (tmp_path / "empty.jsonl").write_bytes(b"")
     line = one_error_line(run_prepare(tmp_path, f"data.sources=[{{name: e, path: '{tmp_path / 'empty.jsonl'}'}}]"))
-    assert "the 1 source of data.sources yielded 0 tokens in 0 usable documents" in line
+    assert f"the 1 source of data.sources (e: {tmp_path / 'empty.jsonl'}, 0 bytes) yielded 0 tokens in 0 usable" in line
+
+
+def test_a_folder_that_yields_nothing_names_what_it_read_and_skipped(tmp_path):
+    """Said only as 'the local source yielded 0 tokens' once: which file was empty, and that a file of another type
+    (a capitalised extension) was passed over, were in no line."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(b"\n\n")
+    (folder / "b.JSONL").write_bytes(jsonl(records()))
+    line = one_error_line(run_prepare(tmp_path, "data.source=local", f"data.path={folder}"))
+    assert line.startswith(
+        f"error: the local source ({folder / 'a.jsonl'}, 2 bytes; skipped 1 input file(s): {folder / 'b.JSONL'} "
+        f"(unsupported file type: not .jsonl, .json, .jsonl.zst, .json.zst or .parquet)) yielded 0 tokens in 0 usable "
+        "documents (skipped: 2 blank_line)"
+    )

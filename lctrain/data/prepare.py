@@ -749,8 +749,9 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         if builder.writer.num_windows == 0:
             # no manifest is written, so the skip table is never shown: say here why records were not usable
             skipped = ", ".join(f"{n:,} {reason}" for reason, n in read["skipped"]["counts"].items())
+            read_from = f" ({_files_read(source)})" if _files_read(source) else ""
             yielded = (
-                f"the {what_source} yielded {read['tokens']:,} tokens in {read['documents']:,} "
+                f"the {what_source}{read_from} yielded {read['tokens']:,} tokens in {read['documents']:,} "
                 f"usable documents{f' (skipped: {skipped})' if skipped else ''}"
             )
             if left_out:
@@ -926,15 +927,37 @@ def _left_out_by_settings(data, builder: _Builder, skipped: dict[str, int]) -> l
     return [f"{n:,} documents {why}" for n, why in reasons if n]
 
 
+def _files_read(source: dict) -> str:
+    """The input files the local sources of a manifest's `source` read, for a message that says they held too
+    little: which and how large, and those skipped ("" for a hub or synthetic source)."""
+    local = [source] if source["kind"] == "local" else [e for e in source.get("sources", ()) if "path" in e]
+    read = [f"{_file_count(e)}, {e['bytes']:,} byte{'' if e['bytes'] == 1 else 's'}" for e in local]
+    if source["kind"] == "sources":
+        read = [f"{e['name']}: {r}" for e, r in zip(local, read)]
+    return "; ".join(filter(None, [*read, _skipped_files(source)]))
+
+
+def _file_count(entry: dict) -> str:
+    return entry["newest_file"] if entry["files"] == 1 else f"{entry['files']:,} files"
+
+
+def _skipped_files(source: dict) -> str:
+    """`skipped N input file(s): PATH (why); ...` from a manifest's `source`, or "" when none was."""
+    skipped = source.get("skipped_files") or []
+    if not skipped:
+        return ""
+    named = "; ".join(f"{f['path']} ({f['reason']})" for f in skipped[:NAMED_FILES])
+    if len(skipped) > NAMED_FILES:
+        named += f"; and {len(skipped) - NAMED_FILES:,} more (manifest.json: source.skipped_files)"
+    return f"skipped {len(skipped):,} input file(s): {named}"
+
+
 def _say_what_was_left_out(console, manifest: Manifest, planned_windows: int, cfg: Config, left_out: list[str]) -> None:
     """The input files not read, the source's tail that could not fill a window, a source shorter than the budget
     (and the documents the settings turned away, `_left_out_by_settings`, when they may be why)."""
-    skipped = manifest.source.get("skipped_files") or []
+    skipped = _skipped_files(manifest.source)
     if skipped:
-        named = "; ".join(f"{f['path']} ({f['reason']})" for f in skipped[:NAMED_FILES])
-        if len(skipped) > NAMED_FILES:
-            named += f"; and {len(skipped) - NAMED_FILES:,} more (manifest.json: source.skipped_files)"
-        console.print(f"skipped {len(skipped):,} input file(s): {named}", style="yellow", markup=False)
+        console.print(skipped, style="yellow", markup=False)
     if manifest.dropped_tail_tokens:
         per_domain = ", ".join(f"{d} {n:,}" for d, n in manifest.dropped_tail_by_domain.items())
         console.print(
