@@ -609,7 +609,7 @@ def test_strict_on_a_dataset_that_skipped_bad_records_is_refused_not_a_noop(tmp_
         f"--force to rebuild it, stopping at the first one"
     )
     line = one_error_line(run(src, "bad", "--strict", "--force"))
-    assert f"{src}:11: not a JSON object (--strict stops at the first bad record" in line
+    assert f"{src}:11: malformed JSON or not a JSON object (--strict stops at the first bad record" in line
 
     assert run(clean, "clean").exit_code == 0
     assert open_packed(tmp_path / "clean").manifest.skipped["counts"] == {"blank_line": 1}

@@ -127,5 +127,5 @@ def test_a_malformed_record_is_named_by_its_file_and_line(tmp_path, corpus):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine words here"}\n{not json\n')
     cfg = cfg_of(tmp_path, {**corpus, "bad": bad}, "weight", {"short": 1, "bad": 1}, "bad", "data.strict=true")
-    with pytest.raises(UserError, match=rf"^{re.escape(str(bad))}:2: not a JSON object"):
+    with pytest.raises(UserError, match=rf"^{re.escape(str(bad))}:2: malformed JSON or not a JSON object"):
         prepare(cfg)

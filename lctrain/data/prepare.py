@@ -97,7 +97,7 @@ SMALL_BUDGET = 2_000_000
 # a build interrupted under an older lctrain starts over instead of failing on the state it cannot read.
 STATE_LAYOUT = 3
 _SKIP_TEXT = {
-    "malformed_json": "not a JSON object",
+    "malformed_json": "malformed JSON or not a JSON object",
     "no_text": "no string 'text' field",
     "empty_text": "empty text",
     "undecodable": "not valid UTF-8",
