@@ -550,3 +550,32 @@ def test_perplexity_windows_short_because_training_read_them_say_so(tmp_path):
 def test_the_notes_state_the_perplexity_convention(tmp_path):
     md = markdown(compare([read_evaluated(fake_evaluated(tmp_path, "r", "anchor"))]))
     assert "- perplexity: every mode scored with plain causal attention over each held-out window" in md
+
+
+def test_the_report_records_what_every_run_was_evaluated_with(tmp_path):
+    """report.json and its notes name the evaluation settings the runs share (samples per task, eval seed, prompt
+    start, perplexity windows): a reader of the report alone could not tell 25 samples per task from 2."""
+    runs = [fake_evaluated(tmp_path, f"{m}", m, samples=7, eval_seed=3) for m in ("full", "anchor")]
+    for run in runs:  # as `lctrain eval` records it
+        results = results_of(run)
+        results_file(run).write_text(json.dumps({**results, "prompt_start": PROMPT_START_ANCHOR}))
+    report = write_report(runs, tmp_path / "out")
+    recorded = results_of(runs[0])
+    assert report["evaluation"] == {
+        "suite": recorded["suite"],
+        "prompt_start": PROMPT_START_ANCHOR,
+        "seed": 3,
+        "samples_per_task": 7,
+        "lengths": LENGTHS,
+        "tasks": TASKS,
+        "perplexity_windows": 8,
+    }
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["evaluation"] == report["evaluation"]
+    assert _notes(report)[0] == (
+        f"suite: {recorded['suite']}; tasks: {', '.join(TASKS)}; 7 samples per task; eval seed 3; prompts start with "
+        f"{PROMPT_START_ANCHOR}; perplexity over 8 held-out windows"
+    )
+    # a report written before the settings were recorded still reads
+    assert _notes({k: v for k, v in report.items() if k != "evaluation"})[0] == (
+        f"suite: {recorded['suite']}; tasks: {', '.join(TASKS)}"
+    )

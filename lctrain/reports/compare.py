@@ -489,6 +489,8 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
         "warnings": checkpoint_warnings + _heldout_warnings(rows) + _unfinished_warnings(rows) + _export_warnings(rows),
         "suite": runs[0].results["suite"],
         "tasks": runs[0].results["tasks"],
+        # what every run was evaluated with (`_check_same_evaluation`), for a reader of the report alone
+        "evaluation": {"_".join(keys): _setting(runs[0].results, keys) for keys, *_ in _EVALUATION},
         "lengths": {m: sorted({int(L) for row in rows for L in row[m]}) for m in METRICS},
         "last": last,
         "default_last": DEFAULT_LAST,
@@ -737,8 +739,23 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     return out
 
 
+def _evaluated_with(report: dict) -> str:
+    """The evaluation settings every run shares, in words (reports from before they were recorded: "")."""
+    ev = report.get("evaluation")
+    if ev is None:
+        return ""
+    said = [
+        f"{ev['samples_per_task']} samples per task" if ev["samples_per_task"] is not None else "",
+        f"eval seed {ev['seed']}" if ev["seed"] is not None else "",
+        f"prompts start with {ev['prompt_start']}" if ev["prompt_start"] else "",
+        f"perplexity over {ev['perplexity_windows']} held-out windows" if ev["perplexity_windows"] else "",
+    ]
+    return "; ".join(filter(None, said))
+
+
 def _notes(report: dict) -> list[str]:
-    notes = [f"suite: {report['suite']}; tasks: {', '.join(report['tasks'])}", f"spread: {report['spread']}"]
+    evaluated = "; ".join(filter(None, [f"tasks: {', '.join(report['tasks'])}", _evaluated_with(report)]))
+    notes = [f"suite: {report['suite']}; {evaluated}", f"spread: {report['spread']}"]
     if report["other_differences"]:
         notes.append(f"rows also differ in: {', '.join(report['other_differences'])}")
     notes += [f"rows also differ in their text: {n}" for n in report["data_notes"]]
