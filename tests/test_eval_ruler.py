@@ -381,6 +381,26 @@ def test_data_of_the_models_length_is_neither_foreign_nor_extrapolated(ruler_run
     assert pred["tokens"] == 512 - 30 + 1 and results["notes"] == {}
 
 
+def test_files_short_of_samples_are_noted_and_the_samples_scored_recorded(ruler_run, tok, tmp_path, one_thread):
+    """--samples 3 over RULER files of 1 and 2 samples scored 1 and 2 in silence and recorded 3 samples per task, which
+    `report` compares: each short file is noted, and what was scored recorded, per task and length where it differs."""
+    run, _, _ = ruler_run
+    root = tmp_path / "synthetic"
+    _write_task(root, 256, "vt", [_sized(tok, 200)])
+    _write_task(root, 512, "vt", [_sized(tok, 300), _sized(tok, 400)])
+    out = evaluate(resolve_target(RunDir(run).export(10)), ruler_data=str(root), samples=3, out=tmp_path / "o")
+    results = json.loads((out / "results.json").read_text())
+    predictions = (out / "predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == 1 + 2
+    assert results["samples_per_task"] == {"vt": {"256": 1, "512": 2}}
+    for length, n in ((256, 1), (512, 2)):
+        path = root / str(length) / "data" / "vt" / "validation.jsonl"
+        assert results["notes"][f"vt at {length}"] == f"{n} sample(s) in {path}, fewer than --samples 3"
+    out = evaluate(resolve_target(RunDir(run).export(10)), ruler_data=str(root), lengths=[512], out=tmp_path / "all")
+    results = json.loads((out / "results.json").read_text())
+    assert results["samples_per_task"] == 2 and results["notes"] == {}  # all of the file, as RULER scores it
+
+
 def test_task_sets_of_the_paper():
     assert select_task_set(None, []) == (RULER_13, [])
     assert select_task_set(None, ["cwe", "niah_multikey_3"]) == (LLAMA2_SET, ["niah_multikey_3", "cwe"])

@@ -575,6 +575,9 @@ def test_the_report_records_what_every_run_was_evaluated_with(tmp_path):
         f"suite: {recorded['suite']}; tasks: {', '.join(TASKS)}; 7 samples per task; eval seed 3; prompts start with "
         f"{PROMPT_START_ANCHOR}; perplexity over 8 held-out windows"
     )
+    # RULER files of different sizes (results.json: samples per task and length, as scored)
+    uneven = {**report, "evaluation": {**report["evaluation"], "samples_per_task": {"vt": {"4096": 3, "8192": 5}}}}
+    assert "; 3-5 samples per task and length; eval seed 3;" in _notes(uneven)[0]
     # a report written before the settings were recorded still reads
     assert _notes({k: v for k, v in report.items() if k != "evaluation"})[0] == (
         f"suite: {recorded['suite']}; tasks: {', '.join(TASKS)}"

@@ -266,7 +266,11 @@ def scan_task(path: Path, task: str, length: int, limit: int | None, encoder: Pr
             count()
     count()
     totals = [c + TASKS[task].max_new_tokens for c in ruler_counts]
-    return TaskFile(path, task, length, tuple(lines), tuple(counts), _length_note(totals, recorded, length))
+    note = _length_note(totals, recorded, length)
+    if limit is not None and len(lines) < limit:
+        fewer = f"{len(lines)} sample(s) in {path}, fewer than --samples {limit}"
+        note = f"{fewer}; {note}" if note else fewer
+    return TaskFile(path, task, length, tuple(lines), tuple(counts), note)
 
 
 def _length_note(totals: list[int], recorded: list[int], length: int) -> str | None:

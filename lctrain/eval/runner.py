@@ -434,6 +434,17 @@ class Suite:
     notes: dict[str, str] = field(default_factory=dict)
 
 
+def scored_samples(suite: Suite) -> int | dict[str, dict[str, int]]:
+    """Samples per task as scored: one number where every task and length has as many, else {task: {length: n}}
+    (RULER's files may hold fewer than --samples asks, or differ in size): what `report` compares."""
+    counts: dict[str, dict[str, int]] = {}
+    for src in suite.sources:
+        task, length = (src.task, src.length) if isinstance(src, ruler.TaskFile) else (src[0].task, src[0].length)
+        counts.setdefault(task, {})[str(length)] = len(src)
+    numbers = {n for per in counts.values() for n in per.values()}
+    return numbers.pop() if len(numbers) == 1 else counts
+
+
 def _counter(encoder):
     return lambda text: len(encoder.encode(text, specials=True))
 
@@ -891,7 +902,7 @@ def evaluate(
             "prompt_start": prompt_start,  # what a prompt that does not start a document is given first
             "tasks": [t for t in names if t in average],
             "lengths": suite.lengths,
-            "samples_per_task": None if data_dir and samples is None else (samples or ev.samples_per_task),
+            "samples_per_task": scored_samples(suite),
             "seed": None if data_dir else ev.seed,
             "notes": {**suite.notes, **notes},
             "generation_backend": backend,

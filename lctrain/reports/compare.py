@@ -739,13 +739,20 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     return out
 
 
+def _samples_said(samples) -> str:
+    if isinstance(samples, dict):  # RULER files of different sizes (results.json: samples_per_task)
+        counts = sorted({n for per in samples.values() for n in per.values()})
+        return f"{counts[0]}-{counts[-1]} samples per task and length"
+    return f"{samples} samples per task" if samples is not None else ""
+
+
 def _evaluated_with(report: dict) -> str:
     """The evaluation settings every run shares, in words (reports from before they were recorded: "")."""
     ev = report.get("evaluation")
     if ev is None:
         return ""
     said = [
-        f"{ev['samples_per_task']} samples per task" if ev["samples_per_task"] is not None else "",
+        _samples_said(ev["samples_per_task"]),
         f"eval seed {ev['seed']}" if ev["seed"] is not None else "",
         f"prompts start with {ev['prompt_start']}" if ev["prompt_start"] else "",
         f"perplexity over {ev['perplexity_windows']} held-out windows" if ev["perplexity_windows"] else "",
