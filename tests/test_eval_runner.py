@@ -598,6 +598,16 @@ def test_lengths_beyond_4x_the_models_context_are_refused_before_any_work(run_di
     assert not out.exists()  # no lock, no report: nothing was started
 
 
+def test_a_ppl_data_that_is_no_dataset_is_refused_before_any_work(run_dir, tmp_path, no_work):
+    """--ppl-data of a path the user typed was refused only after the task samples were made, telling them to run
+    prepare 'with the same config' (a config they did not name)."""
+    line = one_line_refusal([str(run_dir), "--ppl-data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
+    assert line == (
+        f"error: {tmp_path / 'nowhere'}: no prepared dataset here; --ppl-data takes a dataset directory 'lctrain "
+        f"prepare' wrote, whole: prepare it again with its config"
+    )
+
+
 def test_ruler_data_beyond_4x_the_models_context_is_refused_once_read(run_dir, tmp_path, no_work):
     """RULER's data brings its lengths: a directory the evaluation would score past 4 x 256 is refused, naming it,
     before any model loads; one without data for the task set is not scored, so not refused."""

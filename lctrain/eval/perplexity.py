@@ -77,6 +77,10 @@ def check_same_tokenizer(packed: PackedData, tokenizer, model_dir: Path) -> None
     )
 
 
+# what a --ppl-data that is no dataset (or a damaged one) needs: the user named it, not a config
+PPL_REBUILD = "--ppl-data takes a dataset directory 'lctrain prepare' wrote, whole: prepare it again with its config"
+
+
 def select_heldout(tgt, ppl_data: str | None, tokenizer) -> Heldout:
     """The windows to score for `tgt` (a runner Target) with its `tokenizer`: a given dataset dir (all of it unless
     it is the run's own data), else the run's prepared data minus what training consumed; a note says why there are
@@ -95,7 +99,7 @@ def select_heldout(tgt, ppl_data: str | None, tokenizer) -> Heldout:
             return Heldout(note=f"skipped: the run's prepared dataset {path} is not here; pass --ppl-data DIR")
     else:
         return Heldout(note="skipped: no dataset to score; pass --ppl-data DIR (a prepared dataset)")
-    packed = open_packed(path)
+    packed = open_packed(path, rebuild=PPL_REBUILD) if ppl_data else open_packed(path)
     check_same_tokenizer(packed, tokenizer, tgt.checkpoints[0][1])
     n = len(packed)
     own = tgt.kind == "run" and packed.manifest.data_fingerprint == data_fingerprint(cfg.data)

@@ -827,6 +827,10 @@ def evaluate(
     with evaluating(tgt, out_dir), eval_writes(out_dir), ExitStack() as reading:
         tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
         anchor = eval_anchor(tgt.checkpoints[0][1], tgt.cfg, tokenizer)
+        # before the task samples are made: a --ppl-data that is no dataset is refused at once
+        heldout = select_heldout(tgt, ppl_data, tokenizer)
+        if heldout.path is not None:  # `prepare --force` of it meanwhile is refused, as while a training reads it
+            reading.enter_context(Reading(heldout.path, "lctrain eval", f"the evaluation into {out_dir.absolute()}"))
         if data_dir:
             encoder = ruler.PromptEncoder(tokenizer, anchor, anchored=anchor_prompts)
             suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
@@ -844,9 +848,6 @@ def evaluate(
                 )
             suite = offline_suite(specs, missing, asked.lengths, num_samples, ev.seed, encoder)
         prompt_start = encoder.prompt_start if data_dir else ruler.PROMPT_START_ANCHOR
-        heldout = select_heldout(tgt, ppl_data, tokenizer)
-        if heldout.path is not None:  # `prepare --force` of it meanwhile is refused, as while a training reads it
-            reading.enter_context(Reading(heldout.path, "lctrain eval", f"the evaluation into {out_dir.absolute()}"))
         # taken before any answer: the exports the scores are of, as `resolve_target` verified them
         digests = {name: export_digest(path) for name, path in tgt.checkpoints}
         key = {
