@@ -323,8 +323,10 @@ def test_vllm_backend_errors_are_one_line(run_dir, tmp_path, monkeypatch):
     with pytest.raises(UserError, match="vLLM cannot serve .* use --backend hf"):
         evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, backend="vllm", out=tmp_path / "a")
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(UserError, match="pip install vllm"):
-        evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, backend="vllm", out=tmp_path / "b")
+    with monkeypatch.context() as no_work:  # refused before any sample is made
+        no_work.setattr("lctrain.eval.runner.generate", lambda *a, **k: pytest.fail("samples were made"))
+        with pytest.raises(UserError, match="pip install vllm"):
+            evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], backend="vllm", out=tmp_path / "b")
     with pytest.raises(UserError, match="--backend tgi: choose hf"):
         evaluate(resolve_target(run_dir), lengths=[512], tasks=["vt"], samples=1, backend="tgi", out=tmp_path / "c")
 

@@ -462,6 +462,9 @@ def greedy_ids(
     return new
 
 
+NO_VLLM = "--backend vllm needs vLLM: pip install vllm (or use the default --backend hf)"
+
+
 class VllmGenerator:
     """Greedy generation by vLLM (`--backend vllm`, optional: `pip install vllm`), what long-context evaluation
     normally runs on: a paged KV cache in `gpu_memory_utilization` of the GPU and continuous batching of a task
@@ -475,7 +478,7 @@ class VllmGenerator:
             # optional dependency: vllm
             import vllm
         except ImportError:
-            raise UserError("--backend vllm needs vLLM: pip install vllm (or use the default --backend hf)") from None
+            raise UserError(NO_VLLM) from None
         self.vllm, self.eos, self.max_len = vllm, eos, max_len
         try:
             self.llm = vllm.LLM(

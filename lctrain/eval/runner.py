@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -805,6 +806,13 @@ def evaluate(
     no BOS before a text (`ruler.PromptEncoder`). Returns the output directory."""
     if backend not in ("hf", "vllm"):
         raise UserError(f"--backend {backend}: choose hf (lctrain's planned generation) or vllm")
+    if backend == "vllm":  # refused before any sample is made
+        from lctrain.eval.generation import NO_VLLM
+
+        try:
+            importlib.import_module("vllm")
+        except ImportError:
+            raise UserError(NO_VLLM) from None
     ev = tgt.cfg.eval
     if samples is not None and samples < 1:
         raise UserError(f"--samples {samples}: need at least 1 sample per task and length")
