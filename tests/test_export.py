@@ -194,28 +194,56 @@ def test_default_latest_checkpoint_into_the_run_and_no_overwrite_without_force(z
     assert [p.name for p in RunDir(run).exports()] == ["step_4"]  # nothing else left in hf/
 
 
+def killed_in_its_last_export(run: Path) -> None:
+    """`run` as a session killed with -9 in its last step's export leaves it: the export's temporary directory, and
+    the session's line of sessions.jsonl with its start only."""
+    rd = RunDir(run)
+    shutil.rmtree(rd.export(4))
+    killed = run / "hf" / f"{TEMPORARY_PREFIX}step_4"
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"torn")
+    *before, last = rd.read_sessions()
+    started = {k: v for k, v in last.items() if k not in ("ended", "end_step", "diverged", "diverged_at", "outcome")}
+    rd.sessions_file.write_text("".join(json.dumps(r) + "\n" for r in [*before, started]))
+
+
 def test_resume_writes_the_exports_a_killed_session_left_unwritten(zero0, tmp_path):
     """Killed after a step's resume checkpoint, in its export: the run resumed after that step and never wrote it
     (its end state without the final export, 'complete, nothing to resume'). Resume writes it from the checkpoint,
     what training wrote, and the killed export's temporary directory goes."""
     run = shutil.copytree(zero0, tmp_path / "run")
-    for step in (2, 4):
-        shutil.rmtree(RunDir(run).export(step))
-    killed = run / "hf" / f"{TEMPORARY_PREFIX}step_4"
-    killed.mkdir()
-    (killed / "model.safetensors").write_bytes(b"torn")
+    killed_in_its_last_export(run)
     said = CliRunner().invoke(app, ["resume", str(run)])
     assert said.exit_code == 0, said.output
-    for step in (2, 4):
-        assert (
-            f"{run}/hf/step_{step} was not written (its session stopped between checkpoint step_{step} and"
-            in said.output
-        )
-        assert_same_export(RunDir(run).export(step), RunDir(zero0).export(step))
+    assert f"{run}/hf/step_4 was not written (its session stopped between checkpoint step_4 and" in said.output
+    assert_same_export(RunDir(run).export(4), RunDir(zero0).export(4))
     assert f"{run} is complete: step 4 of 4; nothing to resume" in said.output
     assert sorted(p.name for p in (run / "hf").iterdir()) == ["step_2", "step_4"]
     again = CliRunner().invoke(app, ["resume", str(run)])
     assert again.exit_code == 0 and "was not written" not in again.output
+
+
+def test_resume_leaves_out_the_exports_the_user_removed(zero0, tmp_path):
+    """Exports training wrote and the user deleted (to free disk) were written again by every resume, each said to be
+    one 'its session stopped' before writing: training wrote step 2's before step 3 (metrics.jsonl), and step 4's
+    before its session finished (sessions.jsonl)."""
+    run = shutil.copytree(zero0, tmp_path / "run")
+    for step in (2, 4):
+        shutil.rmtree(RunDir(run).export(step))
+    said = CliRunner().invoke(app, ["resume", str(run)])
+    assert said.exit_code == 0, said.output
+    assert "was not written" not in said.output and RunDir(run).exports() == []
+    assert (
+        f"{run}/hf/step_2, {run}/hf/step_4: written by training and removed since, not written again ('lctrain "
+        f"export {run} --step N' writes one from its checkpoint)"
+    ) in said.output
+    # killed in the export of step 4 after the user removed step 2's: step 4's alone is owed
+    shutil.copytree(RunDir(zero0).export(4), RunDir(run).export(4))
+    killed_in_its_last_export(run)
+    said = CliRunner().invoke(app, ["resume", str(run)])
+    assert f"{run}/hf/step_4 was not written (its session stopped" in said.output
+    assert f"{run}/hf/step_2: written by training and removed since" in said.output
+    assert [p.name for p in RunDir(run).exports()] == ["step_4"]
 
 
 def test_refusals_each_in_one_line(zero0, workdir, tmp_path):

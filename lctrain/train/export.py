@@ -81,8 +81,9 @@ def write_unwritten_exports(run: RunDir) -> list[Path]:
     eval` averages what is there. Each complete checkpoint whose step its training was due to export (its recorded
     `checkpoint.hf_every` / `hf_last`) and which has no `hf/step_N/` gets it here, as `lctrain export` writes it (the
     killed export's temporary directory replaced). `lctrain resume` and `train --resume-if-exists` call this under
-    the run's lock; returns the exports written."""
-    written = []
+    the run's lock; returns the exports written. An export training wrote and the user removed since (to free disk)
+    is not written again (`_written_before`): one line names those, and `lctrain export` writes one on request."""
+    written, removed = [], []
     for checkpoint in ckpt.complete_checkpoints(run):
         state = ckpt.readable_state(checkpoint)
         if state is None:
@@ -94,6 +95,9 @@ def write_unwritten_exports(run: RunDir) -> list[Path]:
         cfg = _trained_config(run, state)
         if step not in hf_checkpoint_steps(cfg.train.steps, cfg.checkpoint):
             continue
+        if _written_before(run, step):
+            removed.append(target)
+            continue
         print(
             f"{target} was not written (its session stopped between checkpoint {checkpoint.name} and that export): "
             f"writing it from the checkpoint",
@@ -101,7 +105,24 @@ def write_unwritten_exports(run: RunDir) -> list[Path]:
         )
         with ckpt.TargetLock(target, None, command="lctrain resume", wait=True):
             written.append(_export(run, checkpoint, state, target, False, None))
+    if removed:
+        print(
+            f"{', '.join(map(str, removed))}: written by training and removed since, not written again "
+            f"('lctrain export {run} --step N' writes one from its checkpoint)",
+            flush=True,
+        )
     return written
+
+
+def _written_before(run: RunDir, step: int) -> bool:
+    """Whether training wrote `step`'s export: a session trains on after a step only once its export is written (a
+    failed one ends the session), so a later step in metrics.jsonl says it was, as does a session that ended at the
+    step finished or stopped by SIGTERM (which stops after the step's writes). A session killed, interrupted or
+    failed at the step may have stopped between its checkpoint and its export."""
+    if any(record["step"] > step for record in run.read_metrics()):
+        return True
+    clean = ("finished", "stopped by SIGTERM")
+    return any(s.get("end_step") == step and s.get("outcome") in clean for s in run.read_sessions())
 
 
 def _refuse_an_export_training_writes(run: RunDir, step: int, target: Path) -> None:
