@@ -315,3 +315,21 @@ def test_resume_keeps_its_run_directory(tmp_path):
     assert one_error_line(result) == (
         f"error: --set train.run_dir=elsewhere: a run resumes in its own directory, {tmp_path}; train.run_dir stays"
     )
+
+
+@pytest.mark.slow  # four half runs on 2 cores
+def test_a_resume_clips_gradients_at_the_configs_new_norm_under_zero(workdir):
+    """ZeRO-1/2's optimizer restored the checkpoint's clipping norm over the config's, and saved it again: a resume
+    with `--set train.grad_clip` said it continued 'with the new values' and clipped at the old one for good. The
+    reference is ZeRO-0 in fp32, whose engine clips with its config: both layouts, trained unclipped for the first
+    half and resumed at a norm below every step's gradient norm, must continue alike."""
+    clipped = [f"train.steps={STEPS}", "train.grad_clip=0.01"]
+    ends = {}
+    for stage in (0, 2):
+        run_dir = train_half(workdir, f"clip_zero{stage}", [f"parallel.zero_stage={stage}"])
+        resume_here(run_dir, clipped)
+        ends[stage] = RunDir(run_dir).read_metrics()
+    resumed = [r for r in ends[0] if r["step"] > STEPS // 2]
+    assert all(r["grad_norm"] > 0.1 for r in resumed)  # the norm clips every resumed step
+    got, want = (torch.tensor([r["loss"] for r in ends[s]]) for s in (2, 0))
+    torch.testing.assert_close(got, want, rtol=LOSS_RTOL, atol=0)

@@ -124,6 +124,15 @@ def sequence_parallel_bf16_norm(engine) -> None:
         optimizer.mpu = None
 
 
+def set_gradient_clipping(engine, max_norm: float) -> None:
+    """The gradient norm the engine's optimizer clips to. 0.19.8's ZeRO-1/2 and bf16 optimizers keep it in
+    `clip_grad`, which loading a checkpoint sets to the checkpoint's value (`DeepSpeedZeroOptimizer._load_global_state`,
+    `BF16_Optimizer.load_state_dict`) over the config's `gradient_clipping`, and save it again with every checkpoint;
+    where the optimizer has none (ZeRO-0 in fp32) the engine clips with the config's own."""
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = max_norm
+
+
 def zero3_full_state_dict(engine) -> dict:
     """The full 16-bit state dict gathered from ZeRO-3 shards (all ranks call; rank 0 gets the tensors). DeepSpeed
     0.19.8 has it only as the private `DeepSpeedEngine._zero3_consolidated_16bit_state_dict`, which its public

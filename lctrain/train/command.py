@@ -310,9 +310,9 @@ def _out_of_memory(rd: RunDir, who: str, message: str) -> RunFailed:
 
 # Settings a checkpoint fixes: the model it holds, the data order it continues, and the weight decay of the
 # optimizer's parameter groups (loading the optimizer state restores the saved groups' decay, and which groups decay).
-# The parallel layout may change (lctrain/train/reshard.py), and so may anything else (steps, learning rate, betas and
-# eps, which the trainer gives the restored optimizer again: `apply_optimizer_settings`; logging, checkpoint and eval
-# schedule, engine).
+# The parallel layout may change (lctrain/train/reshard.py), and so may anything else (steps; learning rate, betas, eps
+# and gradient clipping, which the trainer gives the restored optimizer again: `apply_optimizer_settings`; logging,
+# checkpoint and eval schedule, engine).
 _FIXED_BY_CHECKPOINT = (
     "seed",
     "model.",

@@ -35,6 +35,7 @@ from lctrain.compat.deepspeed import (
     checkpoint_offload_context,
     no_bf16_optimizer_memory_report,
     sequence_parallel_bf16_norm,
+    set_gradient_clipping,
 )
 from lctrain.config import Config, config_fingerprint, settings, settings_changes, shown_changes
 from lctrain.console import launched_rank, say, survive_closed_outputs
@@ -803,10 +804,12 @@ def _lambda_lr(optimizer, train_cfg):
 
 
 def apply_optimizer_settings(engine, train, next_index: int) -> None:
-    """Give the optimizer the config's learning rate, betas and eps after a checkpoint's state restored those it was
-    written with (the scheduler's `base_lrs` and every parameter group's values): a resume may change them
-    (docs/training.md), e.g. a lower `train.lr` after a divergence. `next_index`: the 0-based index of the next
-    update, whose rate the group must hold now (LambdaLR set it after the last step)."""
+    """Give the optimizer the config's learning rate, betas, eps and gradient clipping after a checkpoint's state
+    restored those it was written with (the scheduler's `base_lrs`, every parameter group's values, the ZeRO
+    optimizer's clipping norm): a resume may change them (docs/training.md), e.g. a lower `train.lr` after a
+    divergence. `next_index`: the 0-based index of the next update, whose rate the group must hold now (LambdaLR set
+    it after the last step)."""
+    set_gradient_clipping(engine, train.grad_clip)
     scheduler = engine.lr_scheduler
     scheduler.base_lrs = [train.lr] * len(scheduler.base_lrs)
     for group in scheduler.optimizer.param_groups:
