@@ -1349,13 +1349,14 @@ def max_steps(windows: int, held_out: int, global_batch: int) -> int:
 
 
 def reread_warning(
-    cfg: Config, windows: int, source_exhausted: bool = False, settings_left_out: bool = False
+    cfg: Config, windows: int, source_exhausted: bool = False, settings_left_out: bool = False, resuming: bool = False
 ) -> str | None:
     """One line when training reads more windows (`train.steps` x `train.global_batch`) than `windows` hold, else
     None. Reading runs through the windows in order (train/data.py), so the re-read windows are the last steps',
     which hold every evaluation checkpoint. `source_exhausted`: the input ran out before `data.token_budget`, so a
     larger budget would not help; `settings_left_out`: the data settings turned documents of it away (a minimum
-    length, the mixture's shares or down-sampling), which letting in would help as well."""
+    length, the mixture's shares or down-sampling), which letting in would help as well; `resuming`: a resume, which
+    continues on its dataset (a data change is refused), so only fewer steps help."""
     needed = cfg.windows_read()
     if needed <= windows:
         return None
@@ -1373,7 +1374,7 @@ def reread_warning(
         more = f"set data.token_budget={tokens_to_prepare(cfg.train.steps, batch, seq_len, held)} (and prepare again)"
     steps = max_steps(windows, held, batch)
     if steps:
-        fewer = [f"set train.steps={steps}" if ran_out else "lower train.steps"]
+        fewer = [f"set train.steps={steps}" if ran_out or resuming else "lower train.steps"]
     else:
         # train.steps >= 1: the windows must hold one step's besides the held-out ones, so fewer steps cannot help
         # a step's windows split evenly over the data-parallel ranks' micro-batches (train/data.py BatchPlan)
@@ -1383,7 +1384,12 @@ def reread_warning(
             fewer.append(f"set train.global_batch={(windows - held) // split * split}")
         if windows >= batch:
             fewer.append(f"set eval.ppl_windows={windows - batch}")
-    fix = " or ".join([more, *fewer])
+    if resuming:  # its dataset and batch are the checkpoint's
+        more = None
+        fewer = [f for f in fewer if not f.startswith("set train.global_batch")]
+    fix = " or ".join(filter(None, [more, *fewer])) or (
+        "a resume continues on this dataset: start the run over on more data to read each window once"
+    )
     return (
         f"warning: {cfg.train.steps:,} steps x {cfg.train.global_batch} windows x {seq_len:,} tokens = "
         f"{cfg.tokens_read():,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "

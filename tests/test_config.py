@@ -461,6 +461,12 @@ def test_reread_warning_counts_the_steps_that_read_windows_twice():
         None, ["data.seq_len=131072", "data.token_budget=3000000000", "train.steps=2000", "train.global_batch=8"]
     )
     assert reread_warning(enough_budget, 15_258).endswith(ran_out)
+    # a resume continues on its dataset (a data change is refused): fewer steps alone help, or nothing
+    assert reread_warning(cfg, 15_258, resuming=True).endswith("steps re-read windows; set train.steps=1906")
+    three = load_config(None, ["data.seq_len=1024", "train.steps=100", "train.global_batch=8", "eval.ppl_windows=8"])
+    assert reread_warning(three, 3, resuming=True).endswith(
+        "re-read windows; a resume continues on this dataset: start the run over on more data to read each window once"
+    )
 
 
 def _fix_of(line: str) -> str:

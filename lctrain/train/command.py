@@ -208,7 +208,7 @@ def resume(
             layout = [f"--set {o}" for o in overrides if parse_override(o)[0][0] == "parallel"]
             source = " ".join(layout) or f"{rd.config_file}"
             check_resumable(cfg, states[0][1], source, states[0][0].name, start_over)
-            prepared = preflight(cfg)
+            prepared = preflight(cfg, resuming=True)
             check_same_dataset(cfg, states[0][1], prepared.packed.manifest, states[0][0].name, start_over)
             if overrides:
                 rd.write_config(cfg)  # what launched ranks and later resumes read
@@ -426,9 +426,9 @@ def _check_launcher_world(cfg: Config) -> None:
     )
 
 
-def preflight(cfg: Config) -> Prepared:
+def preflight(cfg: Config, resuming: bool = False) -> Prepared:
     """Everything that can be checked before any process starts, so the user gets one line and exit code 2; the
-    checked plan and dataset, for a run in this process."""
+    checked plan and dataset, for a run in this process (`resuming`: a resume's)."""
     check_on_this_machine(cfg, torch.cuda.is_available())
     if cfg.model.fused_kernels == "liger":
         fused.require_liger("cuda" if torch.cuda.is_available() else "cpu")
@@ -466,7 +466,9 @@ def preflight(cfg: Config) -> Prepared:
             f"{retokenized}; this run trains on the prepared ids, which its exports' tokenizer would not give: run "
             f"'{prepare_command(cfg)} --force' first"
         )
-    reread = reread_warning(cfg, len(prepared.packed), manifest.source_exhausted, settings_left_out(manifest))
+    reread = reread_warning(
+        cfg, len(prepared.packed), manifest.source_exhausted, settings_left_out(manifest), resuming=resuming
+    )
     if reread:
         say(reread)
     if cfg.logging.wandb != "disabled":
