@@ -140,6 +140,27 @@ def test_a_moved_project_without_its_dataset_is_told_which_directory_to_give(tmp
     )
 
 
+def test_a_project_copied_into_a_folder_of_its_old_workdir_is_told_its_new_one(tmp_path):
+    """A copy below the old workdir was taken for the run in its own project: told to prepare with its config, which
+    would rebuild the dataset at the old place, where the copy beside it needed only --set workdir."""
+    old = tmp_path / "project"
+    written = written_run(old / "runs" / "r", "data.output_dir=prepared/d", f"workdir={old}")
+    written.write_config(load_config(str(written.config_file), ["train.run_dir=runs/r"]))
+    new = old / "moved"
+    (new / "prepared" / "d").mkdir(parents=True)
+    (new / "prepared" / "d" / MANIFEST).write_text("{}")
+    shutil.copytree(written.path, new / "runs" / "r")
+    run = RunDir(new / "runs" / "r")
+    with pytest.raises(UserError) as e:
+        open_checked(run.read_config())
+    assert str(e.value).endswith(
+        f"the run has moved from {old}, the workdir its config.yaml records: add '--set workdir={new}' to the "
+        f"command, as in 'lctrain resume {run.path} --set workdir={new}'"
+    )
+    with pytest.raises(UserError, match="no prepared dataset for this config; run 'lctrain prepare --config "):
+        open_checked(written.read_config())  # the original, where its config says: told to prepare
+
+
 def test_a_run_in_its_own_project_is_told_to_prepare(tmp_path):
     run = written_run(tmp_path / "a b" / "runs" / "r", "data.output_dir=prepared/d", f"workdir={tmp_path / 'a b'}")
     with pytest.raises(UserError, match="no prepared dataset for this config; run 'lctrain prepare --config ") as e:

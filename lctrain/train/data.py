@@ -50,10 +50,11 @@ def _moved_run_hint(cfg: Config, path: Path) -> str | None:
     if run is None or cfg.workdir is None:
         return None
     old = Path(cfg.workdir)
-    if run.path.resolve().is_relative_to(old.resolve()) or not path.is_relative_to(old):
+    named = run_dir(cfg)
+    # where its config says it is: not moved (a copy below the old workdir is moved, as one elsewhere)
+    if run.path.resolve() == named.resolve() or not path.is_relative_to(old):
         return None
     # where the run's relative paths are now: as far above the run as the workdir was above it, or the current one
-    named = run_dir(cfg)
     depth = len(named.relative_to(old).parts) if named.is_relative_to(old) else 0
     dirs = ([run.path.parents[depth - 1]] if 0 < depth <= len(run.path.parents) else []) + [Path.cwd()]
     now = next((d for d in dirs if (d / path.relative_to(old) / MANIFEST).is_file()), None)
