@@ -640,8 +640,8 @@ logging:
   # {wandb[1]}
   wandb: {wandb[0]}
 eval:
-  # RULER doubling from 4K up to the training length (and at it), as the paper scores its 64K and 128K models
-  # (Tables 2 and 5)
+  # RULER at the training length, and below it at 4K, 8K, 16K, ... (none under 4K), as the paper scores its 64K
+  # and 128K models (Tables 2 and 5)
   lengths: {_v(eval_lengths(d["seq_len"]))}
   tasks: null   # RULER's 13 tasks (docs/evaluation.md)
 {_eval_exclude(exclude)}
