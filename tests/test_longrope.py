@@ -82,3 +82,26 @@ def test_raising_the_context_of_a_longrope_model_says_what_it_does_to_its_attent
     assert change.why.endswith(
         f"longrope's attention scaling follows it: {scaling[0]:.4f} -> {scaling[1]:.4f}, at every position"
     )
+
+
+def test_the_model_card_of_a_longrope_export_says_short_prompts_run_on_other_factors():
+    """Training took the long factors at every position; transformers, reading the export, takes the short ones for a
+    sequence within the original context (as `test_every_slice...` shows of its module): the card says so, and says
+    nothing of it for windows within the original context, where training kept transformers' own choice."""
+    from transformers import AutoConfig
+
+    from lctrain.tokenizer import load_tokenizer, resolve_anchor
+    from lctrain.train.model_card import model_card
+
+    tok = load_tokenizer("builtin:mistral-7b-v0.1")
+    hf_config = AutoConfig.for_model(**PHI3)
+    cards = {
+        seq_len: model_card(load_config(None, [f"data.seq_len={seq_len}"]), hf_config, tok, resolve_anchor(tok), 2, "x")
+        for seq_len in (WINDOW, ORIGINAL)
+    }
+    assert (
+        f"longrope: trained with the long factors at every position ({WINDOW}-token windows, past "
+        f"original_max_position_embeddings {ORIGINAL}); transformers takes the short factors for a sequence of at most "
+        f"{ORIGINAL} tokens, so a prompt that short runs on rotations this training did not use"
+    ) in cards[WINDOW]
+    assert "short factors" not in cards[ORIGINAL]

@@ -45,6 +45,9 @@ def model_card(cfg: Config, hf_config, tokenizer, anchor: Anchor, step: int, dty
         )
     rows.append(f"attention in training: `{cfg.attention.mode}` ({_MODE_MEANS.get(cfg.attention.mode, '')})")
     rows.append(f"RoPE as trained: {_rope_text(rope, cfg)}")
+    long_factors = _long_factors_text(rope, hf_config, cfg)
+    if long_factors:
+        rows.append(long_factors)
     batch, seq = cfg.train.global_batch, cfg.data.seq_len
     rows.append(
         f"training length: {seq:,} tokens (data.seq_len); max_position_embeddings "
@@ -172,6 +175,22 @@ def _rope_text(rope: dict, cfg: Config) -> str:
         + "; config.json holds it as `rope_parameters` (transformers 5) and as the top-level `rope_theta`"
         + (" and `rope_scaling`" if kind != "default" else "")
         + " transformers 4.x reads"
+    )
+
+
+def _long_factors_text(rope: dict, hf_config, cfg: Config) -> str | None:
+    """What a `longrope` export does to short prompts: training took the long factors at every position (its windows
+    pass the original length: `compat.transformers.pin_longrope`), transformers takes the short ones for a sequence
+    within `original_max_position_embeddings`, so such a prompt runs on rotations the run never trained on."""
+    original = rope.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None
+    )
+    if rope.get("rope_type") != "longrope" or not original or cfg.data.seq_len <= original:
+        return None
+    return (
+        f"longrope: trained with the long factors at every position ({cfg.data.seq_len:,}-token windows, past "
+        f"original_max_position_embeddings {original:,}); transformers takes the short factors for a sequence of at "
+        f"most {original:,} tokens, so a prompt that short runs on rotations this training did not use"
     )
 
 
