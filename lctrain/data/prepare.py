@@ -749,7 +749,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         if builder.writer.num_windows == 0:
             # no manifest is written, so the skip table is never shown: say here why records were not usable
             skipped = ", ".join(f"{n:,} {reason}" for reason, n in read["skipped"]["counts"].items())
-            read_from = f" ({_files_read(source)})" if _files_read(source) else ""
+            read_from = _files_read(source)
+            read_from = f" ({read_from})" if read_from else ""
             yielded = (
                 f"the {what_source}{read_from} yielded {read['tokens']:,} tokens in {read['documents']:,} "
                 f"usable documents{f' (skipped: {skipped})' if skipped else ''}"

@@ -36,6 +36,7 @@ import signal
 import statistics
 import sys
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import psutil
@@ -188,6 +189,11 @@ class Experiment:
             f"checkpoint.hf_last={last}",
         ]
 
+    @cached_property
+    def model_name(self) -> str:
+        """The trained model's directory name (every mode trains the same model), read from the config once."""
+        return Path(self.config(self.modes[0]).model.name_or_path).name
+
     def description(self, mode: str, seed: int) -> list[str]:
         """The run's `description` override, unless the user set one: the bundled config's names SmolLM2 at 32K,
         which another model or --seq-len would make untrue in the run's config.yaml."""
@@ -195,9 +201,8 @@ class Experiment:
             return []
         from lctrain.reports.plots import length_label
 
-        model = Path(self.config(mode).model.name_or_path).name
         windows = length_label(self.seq_len)
-        said = f"{model} at {windows} windows, {mode} attention, seed {seed} (lctrain experiment extend)"
+        said = f"{self.model_name} at {windows} windows, {mode} attention, seed {seed} (lctrain experiment extend)"
         return [f"description={json.dumps(said)}"]
 
     def env(self) -> dict:

@@ -28,6 +28,7 @@ it (`train --force`) is refused meanwhile, as it is while `lctrain eval` reads t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -82,8 +83,9 @@ def write_unwritten_exports(run: RunDir) -> list[Path]:
     `checkpoint.hf_every` / `hf_last`) and which has no `hf/step_N/` gets it here, as `lctrain export` writes it (the
     killed export's temporary directory replaced). `lctrain resume` and `train --resume-if-exists` call this under
     the run's lock; returns the exports written. An export training wrote and the user removed since (to free disk)
-    is not written again (`_written_before`): one line names those, and `lctrain export` writes one on request."""
+    is not written again (`_exports_written`): one line names those, and `lctrain export` writes one on request."""
     written, removed = [], []
+    written_before = None
     for checkpoint in ckpt.complete_checkpoints(run):
         state = ckpt.readable_state(checkpoint)
         if state is None:
@@ -95,7 +97,8 @@ def write_unwritten_exports(run: RunDir) -> list[Path]:
         cfg = _trained_config(run, state)
         if step not in hf_checkpoint_steps(cfg.train.steps, cfg.checkpoint):
             continue
-        if _written_before(run, step):
+        written_before = written_before or _exports_written(run)
+        if written_before(step):
             removed.append(target)
             continue
         print(
@@ -114,15 +117,15 @@ def write_unwritten_exports(run: RunDir) -> list[Path]:
     return written
 
 
-def _written_before(run: RunDir, step: int) -> bool:
-    """Whether training wrote `step`'s export: a session trains on after a step only once its export is written (a
-    failed one ends the session), so a later step in metrics.jsonl says it was, as does a session that ended at the
-    step finished or stopped by SIGTERM (which stops after the step's writes). A session killed, interrupted or
-    failed at the step may have stopped between its checkpoint and its export."""
-    if any(record["step"] > step for record in run.read_metrics()):
-        return True
+def _exports_written(run: RunDir) -> Callable[[int], bool]:
+    """Whether training wrote a step's export, from the run's records read once: a session trains on after a step
+    only once its export is written (a failed one ends the session), so a later step in metrics.jsonl says it was, as
+    does a session that ended at the step finished or stopped by SIGTERM (which stops after the step's writes). A
+    session killed, interrupted or failed at the step may have stopped between its checkpoint and its export."""
+    last = max((record["step"] for record in run.read_metrics()), default=0)
     clean = ("finished", "stopped by SIGTERM")
-    return any(s.get("end_step") == step and s.get("outcome") in clean for s in run.read_sessions())
+    ended = {s.get("end_step") for s in run.read_sessions() if s.get("outcome") in clean}
+    return lambda step: step < last or step in ended
 
 
 def _refuse_an_export_training_writes(run: RunDir, step: int, target: Path) -> None:
