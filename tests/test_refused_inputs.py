@@ -1,7 +1,8 @@
 """Inputs that used to end in a library's traceback or in a number that is no result, each now one line and exit
 code 2 before any work: a launcher's variables without the rendezvous address, an empty eval.lengths, a device this
 machine does not have, a harness limit of no documents, an infinite memory size for `plan`, and perplexity data
-prepared with another tokenizer than the model's (the two Mistral tokenizers that mistral-common ships)."""
+prepared with another tokenizer than the model's (the two Mistral tokenizers that mistral-common ships); and a
+missing input, whose refusal prepare says alone."""
 
 import json
 
@@ -116,3 +117,14 @@ def test_the_fingerprint_is_the_same_from_the_source_and_from_the_export(run):
     export = AutoTokenizer.from_pretrained(str(RunDir(run / "run").export(2)))
     assert manifest["tokenizer"]["fingerprint"] == tokenizer_fingerprint(export)
     check_same_tokenizer(open_packed(run / "data"), export, RunDir(run / "run").export(2))  # accepted
+
+
+def test_a_missing_input_is_the_only_line_prepare_says(tmp_path):
+    """A config whose steps would re-read windows warns so, but not ahead of its refusal: an input that is not there
+    gets one line, the refusal (the warning is about a dataset that will not be built)."""
+    missing = tmp_path / "corpus.jsonl"
+    over = TINY + ["data.source=local", f"data.path={missing}", "train.steps=100", f"data.output_dir={tmp_path / 'd'}"]
+    result = CliRunner().invoke(app, ["prepare", *set_args(over)])
+    assert (
+        result.output.strip() == one_error_line(result) == f"error: data.path = '{missing}': no such file or directory"
+    )

@@ -637,9 +637,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
             f"data.token_budget = {d.token_budget} is smaller than one window (data.seq_len = "
             f"{d.seq_len}); set data.token_budget to at least {d.seq_len}"
         )
+    # said once the inputs passed their checks: a refusal is then the only line a bad input gets
     reread = reread_warning(cfg, num_windows)
-    if reread:
-        warnings.print(reread, markup=False)
     current, damage = _existing_is_current(out, fingerprint, force)
     if current is not None:
         check_matches_model(cfg)
@@ -647,6 +646,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
         _check_tokenizer_unchanged(cfg, out, current)
         if d.strict:
             _check_nothing_skipped(out, current)
+        if reread:
+            warnings.print(reread, markup=False)
         console.print(f"{out}: already prepared (data fingerprint {fingerprint[:12]}); nothing to do")
         left = Partial(out).dir
         if left.is_dir():  # a `--force` rebuild stopped before it was complete: disk space nothing else will free
@@ -680,6 +681,8 @@ def prepare(cfg: Config, force: bool = False) -> Path:
                 f"data.seq_len = {d.seq_len} cannot hold an anchor, a {longest}-token domain tag and "
                 f"text; raise data.seq_len or set data.domain_tags=false"
             )
+    if reread:
+        warnings.print(reread, markup=False)
     workers = _num_workers(d.num_workers, num_windows * d.seq_len)
 
     partial = Partial(out)
