@@ -26,7 +26,9 @@ from lctrain.reports.compare import spread
 
 def test_stage_selection():
     assert select_stages([]) == select_stages(["all"]) == list(STAGES)
-    assert select_stages(["cli", "tests"]) == ["tests", "cli"]  # canonical order, whatever the order given
+    # the order given is the priority under --total-limit: a stage named first is not starved by a later one
+    assert select_stages(["peer_tuned", "attention", "install", "peer_tuned"]) == ["install", "peer_tuned", "attention"]
+    assert select_stages(["cli", "tests"]) == ["cli", "tests"]
     with pytest.raises(SystemExit, match="unknown stage bench"):
         select_stages(["tests", "bench"])
 

@@ -1,7 +1,7 @@
 """Every GPU-side check and benchmark of lctrain on one CUDA GPU, in stages of at most ~10 minutes, into one report.
 
     python scripts/gpu_check.py                          # every stage, in order (about 65 minutes on an H100)
-    python scripts/gpu_check.py install tests attention  # some stages; the report keeps the other stages' results
+    python scripts/gpu_check.py install tests attention  # some stages, in that order (the report keeps the rest)
     python scripts/gpu_check.py --wheels .whl install    # on an offline machine: install what it lacks from wheels
     python scripts/gpu_check.py wheels --dest .whl       # on a connected machine: build that wheelhouse (--have FREEZE)
     python scripts/gpu_check.py gguf-parts --dest .gguf    # here: the example model's GGUF in parts (carry limit)

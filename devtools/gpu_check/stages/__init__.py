@@ -29,7 +29,9 @@ MIN_STAGE_S = 60  # under this a stage measures nothing worth its start (install
 
 
 def select_stages(names: list[str]) -> list[str]:
-    """Stage names (or 'all', or none) -> the stages to run, in their canonical order."""
+    """Stage names (or 'all', or none) -> the stages to run: `install` first (the others need what it installs),
+    then the others in the order given, which is their priority when --total-limit runs out (every stage with
+    'all' or none, in their canonical order)."""
     if not names or names == ["all"]:
         return list(STAGES)
     unknown = [n for n in names if n not in STAGES]
@@ -37,7 +39,7 @@ def select_stages(names: list[str]) -> list[str]:
         raise SystemExit(
             f"gpu_check: unknown stage {', '.join(unknown)}; expected 'all' or some of {', '.join(STAGES)}"
         )
-    return [s for s in STAGES if s in names]
+    return ["install"] * ("install" in names) + [s for s in dict.fromkeys(names) if s != "install"]
 
 
 STAGE_FNS: dict[str, Callable] = {
