@@ -155,3 +155,16 @@ def test_lctrain_and_transformers_run_in_fresh_processes(tmp_path, capsys):
     (ratio,) = data["ratios"]
     assert ratio["ratio"] == pytest.approx(data["rows"][0]["tokens_per_s"] / data["rows"][1]["tokens_per_s"])
     assert "lctrain / peer" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a fresh process importing torch and lctrain: ~8 s on 2 cores
+def test_a_failed_run_keeps_its_whole_stderr_in_the_log(tmp_path):
+    """A row keeps the last line of a failed run's stderr (often torch.compile's 'Set TORCHDYNAMO_VERBOSE=1'); the
+    traceback that says why is in the log beside the JSON."""
+    log = tmp_path / "peer.log"
+    spec = peer.RunSpec("lctrain", "tiny", 128, "full", 1, "float32", 1, 0, "none", device="no-such-device")
+    row = peer.run_fresh(spec, timeout=120, log=log)
+    assert row["error"].startswith("exit 1: ") and row["error"].endswith(f"(stderr in {log})")
+    header, *stderr = log.read_text().splitlines()
+    assert header == "=== lctrain L=128 full: exit 1"
+    assert stderr[0] == "Traceback (most recent call last):" and len(stderr) > 3

@@ -299,19 +299,28 @@ def measure(spec: RunSpec) -> dict:
 # ---------------------------------------------------------------- the driver
 
 
-def run_fresh(spec: RunSpec, timeout: float) -> dict:
-    """`measure(spec)` in a fresh process; its row, or the row with the error that ended it."""
+def run_fresh(spec: RunSpec, timeout: float, log: Path) -> dict:
+    """`measure(spec)` in a fresh process; its row, or the row with the error that ended it. The process's stderr is
+    appended to `log` whole: a row keeps one line of it, too little to tell why a run on a lent GPU failed."""
     row = dataclasses.asdict(spec)
     command = [sys.executable, "-m", "lctrain.bench.peer", "--one", *spec.argv()]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**row, "error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as e:
+        # TimeoutExpired holds bytes whatever `text` asked for
+        _append_log(log, spec, f"timed out after {timeout:.0f} s", (e.stderr or b"").decode(errors="replace"))
+        return {**row, "error": f"timed out after {timeout:.0f} s (stderr in {log})"}
+    _append_log(log, spec, f"exit {proc.returncode}", proc.stderr)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {**row, "error": f"exit {proc.returncode}: {tail}"}
+        return {**row, "error": f"exit {proc.returncode}: {tail} (stderr in {log})"}
     return {**row, **json.loads(lines[-1])}
+
+
+def _append_log(log: Path, spec: RunSpec, outcome: str, stderr: str) -> None:
+    with log.open("a") as f:
+        f.write(f"=== {spec.peer} L={spec.seq_len} {spec.mode}: {outcome}\n{stderr.rstrip()}\n")
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -463,9 +472,11 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     console = plain_console(width=160)
+    log = out.with_suffix(".log")
+    log.write_text("")
     rows = []
     for i, spec in enumerate(specs, 1):
-        rows.append(run_fresh(spec, args.timeout))
+        rows.append(run_fresh(spec, args.timeout, log))
         r = rows[-1]
         result = r.get("error") or f"{r['tokens_per_s']:,.0f} tokens/s"
         console.print(f"[{i}/{len(specs)}] L={spec.seq_len} {spec.mode} {spec.peer}: {result}")
@@ -473,7 +484,7 @@ def main(argv=None) -> None:
         out.write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": ratios(rows)}, indent=1))
     console.print(row_table(rows))
     console.print(ratio_table(ratios(rows)))
-    print(f"wrote {out}")
+    print(f"wrote {out} (each run's stderr in {log})")
 
 
 if __name__ == "__main__":
