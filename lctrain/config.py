@@ -403,8 +403,8 @@ class ModelConfig(_Section):
         description="activation checkpointing per decoder layer: full recomputes the layer's forward in the backward; "
         "selective keeps the attention kernel's outputs (and log-sum-exp) so the backward does not rerun attention "
         "(not the flex engine's, whose compiled kernel it cannot see: there selective is full); "
-        "selective_matmul also keeps every matmul's output; none keeps everything; null follows "
-        "gradient_checkpointing",
+        "selective_matmul also keeps every matmul's output (not with model.fused_kernels, which write into them); "
+        "none keeps everything; null follows gradient_checkpointing",
     )
     rope_fp32: bool = Field(False, description="rotate q/k in fp32 before the bf16 attention")
     tiled_mlp: Literal["auto"] | Annotated[int, Field(ge=0)] = Field(
@@ -465,6 +465,14 @@ class ModelConfig(_Section):
             raise ValueError(
                 "model.fused_kernels=liger rotates q/k in Liger's kernel, in their own dtype, so it cannot keep "
                 "model.rope_fp32's fp32 rotation; set one of them"
+            )
+        if self.fused_kernels != "none" and self.checkpointing_mode == "selective_matmul":
+            # torch checks a kept tensor's version counter: the compiled MLP's in-place write trips it (a backward
+            # error); Liger's Triton RoPE writes into the q/k projections' outputs without bumping it (a silent one)
+            raise ValueError(
+                f"model.fused_kernels={self.fused_kernels} writes in place into matmul outputs that "
+                f"model.checkpointing=selective_matmul keeps for the backward; set model.checkpointing=selective "
+                f"(it keeps the attention's outputs) or model.fused_kernels=none"
             )
         if self.fused_kernels != "none" and self.tiled_mlp:
             raise ValueError(

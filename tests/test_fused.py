@@ -83,6 +83,17 @@ def test_compile_keeps_losses_and_gradients(checkpointing):
     assert_relatively_close(compiled, eager, COMPILE_RTOL)
 
 
+@pytest.mark.slow
+def test_compile_with_selective_matmul_is_refused_because_the_backward_fails():
+    """Why the config refuses the pair: the compiled MLP writes into a matmul output the policy keeps."""
+    cfg = config("model.fused_kernels=compile")
+    object.__setattr__(cfg.model, "checkpointing", "selective_matmul")  # past the refusal
+    with pytest.raises(RuntimeError, match="cached during selective activation checkpoint has been mutated"):
+        loss_and_grads(cfg, steps=1)
+    with pytest.raises(UserError, match="writes in place into matmul outputs"):
+        load_config(None, ["model.fused_kernels=compile", "model.checkpointing=selective_matmul"])
+
+
 @pytest.mark.slow  # torch.compile's first call imports dynamo and inductor: ~5 s
 def test_compile_is_bound_on_the_instance():
     model = build_model(config(), vocab_size=100).model
@@ -142,6 +153,8 @@ def test_liger_names_what_is_missing(monkeypatch):
         (["model.fused_kernels=liger", "model.rope_fp32=true"], "cannot keep model.rope_fp32"),
         (["model.fused_kernels=compile", "model.tiled_mlp=2"], "replaces the MLP that model.tiled_mlp shards"),
         (["model.fused_kernels=liger", "parallel.zero_stage=3"], "which ZeRO-3 partitions"),
+        (["model.fused_kernels=liger", "model.checkpointing=selective_matmul"], "writes in place into matmul outputs"),
+        (["model.fused_kernels=compile", "model.checkpointing=selective_matmul"], "set model.checkpointing=selective"),
         (["model.fused_kernels=fast"], "model.fused_kernels"),
     ],
 )
