@@ -1,6 +1,7 @@
 """Model families beyond Llama through build_model, the loss and the perplexity, each against plain transformers
 (eager, fp32): logit transforms (Gemma-2's final soft-capping, Cohere's logit_scale, Granite's logits_scaling),
-attention soft-capping and the sliding window refused or removed consistently, partial rotary kept."""
+attention soft-capping and the sliding window refused or removed consistently, attention sinks refused, partial
+rotary kept."""
 
 import copy
 import json
@@ -285,3 +286,16 @@ def test_rope_diagnosis_says_what_its_probe_leaves_out():
     assert unmeasured_attention(AutoConfig.for_model("qwen2", **SMALL)) is None
     full = AutoConfig.for_model("gemma2", **SMALL, attn_logit_softcapping=None, layer_types=["full_attention"] * 2)
     assert unmeasured_attention(full) is None
+
+
+def test_attention_sinks_are_refused_where_they_would_be_dropped():
+    """gpt-oss passes each head's sink logit to the attention function as `s_aux`; an engine that took it into its
+    **kwargs unread trained another attention (explorer: a step-1 loss 8.7e-3 from the model's, equal to the model's
+    with its sinks at -inf)."""
+    arch = {"model_type": "gpt_oss", **SMALL, "head_dim": 16, "num_local_experts": 2, "num_experts_per_tok": 1}
+    model = build(arch).model
+    assert any(name.endswith("self_attn.sinks") for name, _ in model.named_parameters())
+    with pytest.raises(UserError, match="attention has sinks"):
+        model(**make_batch(ids_of(), [[SEQ]], "full").model_kwargs())
+    with pytest.raises(UserError, match="s_aux"):
+        _reference_call(s_aux=torch.zeros(4))

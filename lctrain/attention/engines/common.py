@@ -64,11 +64,17 @@ def causal_rows(query, key, value, scaling):
     return sdpa(query, key, value, is_causal=True, scale=scaling).transpose(1, 2).contiguous()
 
 
-def check_unapplied(softcap, sliding_window, keys: int) -> None:
+def check_unapplied(softcap, sliding_window, keys: int, sinks=None) -> None:
     """Refuse what a model class asks of attention that no engine kernel computes: soft-capped logits (Gemma-2's
-    `attn_logit_softcapping`), and a sliding window shorter than the keys (a window of at least `keys` positions
-    masks nothing). `lctrain.model` refuses or removes both before a model is built; this stops any other path from
-    training another attention than the model's."""
+    `attn_logit_softcapping`), a sliding window shorter than the keys (a window of at least `keys` positions masks
+    nothing), and attention sinks (gpt-oss's per-head logit `s_aux` in every softmax's denominator). `lctrain.model`
+    refuses or removes the first two before a model is built; this stops any other path from training another
+    attention than the model's."""
+    if sinks is not None:
+        raise UserError(
+            "the model's attention has sinks (a learned logit per head in every softmax, gpt-oss's s_aux), which the "
+            "lctrain attention engines do not compute: training would drop them and their gradients"
+        )
     if softcap is not None:
         raise UserError(
             f"attention soft-capping (softcap = {softcap}, the model's attn_logit_softcapping) is not computed by the "
@@ -100,7 +106,7 @@ def hf_attention(kernel):
         **kwargs,
     ):
         check_dropout(dropout)
-        check_unapplied(softcap, sliding_window, key.shape[-2])
+        check_unapplied(softcap, sliding_window, key.shape[-2], kwargs.get("s_aux"))
         query, key, value = unify_dtypes(query, key, value)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return kernel(query, key, value, segments_of(module, kwargs, query), scaling), None
