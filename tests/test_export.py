@@ -353,7 +353,6 @@ ROPES = {
 
 @pytest.mark.parametrize("kind", sorted(ROPES))
 def test_config_carries_the_legacy_rope_keys_and_loads_unchanged(tmp_path, tokenizer, kind):
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = ckpt.write_export(
         tmp_path / "step_3", tiny_lm(ROPES[kind]), tokenizer, Anchor("<s>", 1, "test"), 3, load_config(None, [])
@@ -365,20 +364,46 @@ def test_config_carries_the_legacy_rope_keys_and_loads_unchanged(tmp_path, token
         assert "rope_scaling" not in saved
     else:  # transformers 4.x's form: the parameters without the base
         assert saved["rope_scaling"] == {k: v for k, v in params.items() if k != "rope_theta"}
-    # the same export without the legacy keys, as transformers 5 writes it
-    plain = shutil.copytree(out, tmp_path / "plain")
-    (plain / "config.json").write_text(
-        json.dumps({k: v for k, v in saved.items() if k not in ("rope_theta", "rope_scaling")}, indent=2)
-    )
+    assert_loads_as_without(out, ("rope_theta", "rope_scaling"), tmp_path / "plain")
+
+
+def assert_loads_as_without(out, legacy: tuple[str, ...], plain):
+    """transformers 5 loads the export `out` as the same export without its `legacy` keys, as 5 writes it: the same
+    config (some classes keep a legacy key in it too, e.g. GPT-NeoX a top-level rope_theta, which 5 does not read)
+    and the same logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    saved = json.loads((out / "config.json").read_text())
+    shutil.copytree(out, plain)
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k not in legacy}, indent=2))
     a, b = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(plain)
-    assert a.rope_parameters == b.rope_parameters == params
-    assert a.to_json_string() == b.to_json_string()
+    assert a.rope_parameters == b.rope_parameters == saved["rope_parameters"]
+    loaded = json.loads(a.to_json_string())
+    assert {k: v for k, v in loaded.items() if k not in legacy} == json.loads(b.to_json_string())
     ids = torch.arange(3, 200)[None]
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
         want = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)(ids).logits
     assert torch.equal(got, want)
     assert verify_export(out, 3)  # the config was rewritten before the record
+
+
+def test_a_gpt_neox_export_carries_the_names_transformers_4_reads_for_it(tmp_path, tokenizer):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.25}
+    config = GPTNeoXConfig(
+        vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    config.rope_parameters = rope
+    lm = GPTNeoXForCausalLM(config)
+    out = ckpt.write_export(tmp_path / "step_3", lm, tokenizer, Anchor("<s>", 1, "test"), 3, load_config(None, []))
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["rope_parameters"] == rope
+    assert saved["rotary_emb_base"] == saved["rope_theta"] == 5e6 and saved["rotary_pct"] == 0.25
+    legacy = ("rope_theta", "partial_rotary_factor", "rotary_emb_base", "rotary_pct")
+    assert_loads_as_without(out, legacy, tmp_path / "plain")
 
 
 def test_legacy_rope_keys_only_where_transformers_4_reads_them():
@@ -389,6 +414,21 @@ def test_legacy_rope_keys_only_where_transformers_4_reads_them():
     assert legacy_rope_keys({**partial, "partial_rotary_factor": 0.4}) == {"rope_theta": 1e4}  # kept as it is
     nested = {"rope_parameters": {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}
     assert legacy_rope_keys(nested) == {} and legacy_rope_keys({"model_type": "gpt2"}) == {}
+    # a stale base at the top level (4.x would read it) is replaced; GPT-NeoX's 4.x names are written too, as
+    # 4.57's GPTNeoXConfig sets rope_theta from rotary_emb_base (default 10000) over a top-level rope_theta
+    neox = {"model_type": "gpt_neox", **partial}
+    assert legacy_rope_keys(neox) == {
+        **legacy_rope_keys(partial),
+        "rotary_emb_base": 1e4,
+        "rotary_pct": 0.5,
+    }
+    stale = {**neox, "rope_theta": 1e4, "rope_parameters": {**partial["rope_parameters"], "rope_theta": 5e6}}
+    assert legacy_rope_keys(stale) == {
+        "rope_theta": 5e6,
+        "partial_rotary_factor": 0.5,
+        "rotary_emb_base": 5e6,
+        "rotary_pct": 0.5,
+    }
 
 
 def test_weights_in_5gb_shards_each_in_the_record(tmp_path, tokenizer, monkeypatch):

@@ -201,14 +201,23 @@ def quiet_gguf_conversion():
 # What transformers 5 nests in `rope_parameters` beside the scaling: the base, and the rotary layout (Phi's part of
 # each head). transformers 4.x reads both from the top level of config.json, and the scaling from `rope_scaling`.
 _ROPE_TOP_LEVEL_KEYS = ("rope_theta", "partial_rotary_factor")
+# 4.x's GPT-NeoX configs (Pythia) read their own names, and set `rope_theta` from them over a top-level one (4.57's
+# GPTNeoXConfig: `self.rope_theta = rotary_emb_base`, default 10000; `partial_rotary_factor = rotary_pct`, 0.25).
+_ROPE_4X_NAMES = {
+    "gpt_neox": {"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"},
+    "gpt_neox_japanese": {"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"},
+}
+_BASE_KEYS = ("rope_theta", "rotary_emb_base")
 
 
 def legacy_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
     """The top-level RoPE keys transformers 4.x reads, for a config.json as 5.17-5.23 save it (`config`: its JSON
     object), which keeps them only in `rope_parameters`: `rope_theta`; `partial_rotary_factor` where the parameters
-    hold one; `rope_scaling`, the parameters without those two, where the type is not `default`. Without them 4.46
-    to 4.57 load the model with the class default, e.g. base 10000, silently. Only keys `config` lacks; none for
-    per-layer-type parameters (nested dicts, which 4.x spells per model type) or a config without RoPE.
+    hold one; `rope_scaling`, the parameters without those two, where the type is not `default`; GPT-NeoX's
+    `rotary_emb_base` and `rotary_pct` besides. Without them 4.46 to 4.57 load the model with the class default, e.g.
+    base 10000, silently. Only keys `config` lacks, and a base key it holds with another value than the parameters'
+    (a stale top-level base, e.g. the pretrained one a config class kept as an extra attribute: 4.x would read it);
+    none for per-layer-type parameters (nested dicts, which 4.x spells per model type) or a config without RoPE.
 
     transformers 5 loads such a config to the same `rope_parameters` (tests/test_export.py, on the installed release):
     `RotaryEmbeddingConfigMixin.convert_rope_params_to_dict` (5.17 and 5.23 alike) takes `rope_scaling`, when
@@ -220,9 +229,12 @@ def legacy_rope_keys(config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(params, dict) or not params or any(isinstance(v, dict) for v in params.values()):
         return {}
     legacy = {key: params[key] for key in _ROPE_TOP_LEVEL_KEYS if key in params}
+    legacy |= {
+        name: legacy[key] for key, name in _ROPE_4X_NAMES.get(config.get("model_type"), {}).items() if key in legacy
+    }
     if params.get("rope_type", "default") != "default":
         legacy["rope_scaling"] = {k: v for k, v in params.items() if k not in _ROPE_TOP_LEVEL_KEYS}
-    return {k: v for k, v in legacy.items() if k not in config}
+    return {k: v for k, v in legacy.items() if k not in config or (k in _BASE_KEYS and config[k] != v)}
 
 
 def legacy_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
