@@ -306,6 +306,7 @@ def run_end(diverged: dict | None) -> RunEnd:
         checkpoint=run / "checkpoints" / "step_60",
         exports=[run / "hf" / "step_60"],
         metrics_file=run / "metrics.jsonl",
+        start_over="lctrain train --config runs/x/config.yaml --set train.lr=0.0001 --force",
         diverged=diverged,
     )
 
@@ -315,7 +316,10 @@ def test_the_summary_of_a_diverged_run_says_so_first_and_sends_it_nowhere_near_e
     lines = said.splitlines()
     assert lines[0] == "done: runs/x (diverged at step 12)"
     assert lines[2] == '  diverged     loss 4496.8211 at step 12; metrics.jsonl says "diverged": true from there'
-    assert lines[-1] == ("  next         lower train.lr and start over (lctrain train --force)")
+    assert lines[-1] == (
+        "  next         start over with a lower train.lr, e.g. lctrain train --config runs/x/config.yaml --set "
+        "train.lr=0.0001 --force"
+    )
     healthy = summary(run_end(None))
     assert healthy.splitlines()[0] == "done: runs/x" and "diverged" not in healthy
     assert healthy.splitlines()[-1] == "  next         lctrain eval runs/x; lctrain plot runs/x"

@@ -232,6 +232,7 @@ def end(**kw) -> RunEnd:
         checkpoint=run / "checkpoints" / "step_60",
         exports=[run / "hf" / "step_50", run / "hf" / "step_60"],
         metrics_file=run / "metrics.jsonl",
+        start_over="lctrain train --config runs/x/config.yaml --set train.lr=0.0001 --force",
     )
     return RunEnd(**{**values, **kw})
 

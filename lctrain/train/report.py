@@ -173,6 +173,7 @@ class RunEnd:
     checkpoint: Path | None  # the resume checkpoint `lctrain resume` would continue from
     exports: list[Path]
     metrics_file: Path
+    start_over: str  # the command that starts this run over with a lower train.lr (advice after a divergence)
     diverged: dict | None = None  # the run's first metrics record that says "diverged", this session's or an earlier
 
 
@@ -204,7 +205,7 @@ def summary(e: RunEnd) -> str:
         rows.append(("hf exports", "none"))
     rows.append(("metrics", str(e.metrics_file)))
     if e.diverged is not None:
-        rows.append(("next", "lower train.lr and start over (lctrain train --force)"))
+        rows.append(("next", f"start over with a lower train.lr, e.g. {e.start_over}"))
     elif step < e.steps:
         rows.append(("next", f"lctrain resume {quote(str(e.run_dir))}"))
     elif e.exports:

@@ -441,6 +441,7 @@ class Trainer:
             checkpoint=ckpt.latest_checkpoint(rd),
             exports=rd.exports(),
             metrics_file=rd.metrics_file,
+            start_over=lower_rate_start_over(rd, self.cfg),
         )
 
     def fit(self, packed) -> None:
@@ -650,6 +651,11 @@ class Trainer:
         )
 
 
+def lower_rate_start_over(rd: RunDir, cfg: Config) -> str:
+    """`lctrain train --force` of this run with a tenth of its train.lr: advice after a divergence, to copy whole."""
+    return rd.start_over_command([f"train.lr={cfg.train.lr / 10:g}"])
+
+
 def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -> None:
     """Stop, before anything of the step is logged or saved, at a loss or gradient norm that is not a number: every
     later step would be too, and a checkpoint of it would hold broken weights. Every rank sees the same reduced
@@ -664,15 +670,23 @@ def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -
     step = step_index + 1
     last = ckpt.latest_checkpoint(rd)
     rose = loss_rise(rd.read_metrics(), step_of(last)) if last is not None else None
+    lower = cited(lower_rate_start_over(rd, cfg))
     if last is None:
-        then = "no checkpoint was written before it: lower train.lr and start over with 'lctrain train --force'"
+        then = f"no checkpoint was written before it: start over with a lower train.lr, e.g. {lower}"
     elif rose is not None:
         at, best, best_step = rose
         then = (
             f"the last checkpoint, {last.name}, had diverged already (loss {at:.4g} at its step, {best:.4g} at step "
-            f"{best_step}), so resuming it diverges again: start over with a lower train.lr ('lctrain train "
-            f"--force'), or resume an earlier checkpoint if one is kept (write its name into "
-            f"{rd.checkpoints / ckpt.LATEST})"
+            f"{best_step}), so resuming it diverges again: start over with a lower train.lr, e.g. {lower}, or "
+            f"resume an earlier checkpoint if one is kept (write its name into {rd.checkpoints / ckpt.LATEST})"
+        )
+    elif step_of(last) == step - 1:
+        # the step's loss and gradient are computed on the checkpoint's weights, before any rate of its own applies
+        then = (
+            f"this step computes on the weights of the last checkpoint, {last.name}, so resuming it fails here again "
+            f"whatever the rate: resume an earlier checkpoint if one is kept (write its name into "
+            f"{rd.checkpoints / ckpt.LATEST}, then lower train.lr in {rd.config_file} and 'lctrain resume {rd}'), or "
+            f"start over with a lower train.lr, e.g. {lower}"
         )
     else:
         then = f"the last checkpoint is {last.name}: lower train.lr in {rd.config_file}, then 'lctrain resume {rd}'"
