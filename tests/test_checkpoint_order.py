@@ -229,3 +229,24 @@ def test_an_export_failing_before_the_last_step_then_resume_continues(data_dir, 
     assert result.exit_code == 0, result.output
     assert f"{run_dir}/hf/step_2 was not written" in result.output
     assert [p.name for p in RunDir(run_dir).exports()] == ["step_2", "step_4"]  # as the advice said
+
+
+@pytest.mark.slow
+def test_a_checkpoint_failing_on_a_full_disk_leaves_no_partial_one(data_dir, tmp_path, monkeypatch):
+    """A full disk while writing a checkpoint: its partial files went only at the next resume, so the disk stayed
+    full and the session's end could not be recorded (explorer: 42 MB left in checkpoints/.tmp-step_2 on a 40 MB
+    filesystem, sessions.jsonl without an outcome)."""
+    rng_file = ckpt.rng_file
+
+    def full_at_step_4(rank):  # the disk fills after DeepSpeed wrote the model and optimizer states
+        if (tmp_path / "run" / "checkpoints" / (TEMPORARY_PREFIX + "step_4")).is_dir():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return rng_file(rank)
+
+    monkeypatch.setattr(ckpt, "rng_file", full_at_step_4)
+    run_dir = tmp_path / "run"
+    rd = RunDir(run_dir)
+    line = one_error_line(CliRunner().invoke(app, train_args(data_dir, run_dir)))
+    assert line.startswith(f"error: {run_dir}: cannot write the step 4 resume checkpoint (No space left on device)")
+    assert sorted(p.name for p in rd.checkpoints.iterdir()) == sorted(["step_2", ckpt.LATEST])
+    assert rd.read_sessions()[-1]["outcome"] == "failed"

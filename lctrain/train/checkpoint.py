@@ -232,9 +232,14 @@ def save_resume(
             root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     barrier()
-    with writing(tmp, "the resume checkpoint"):
-        engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
-        torch.save({**rng_state(), "step": step}, tmp / rng_file(rank))
+    try:
+        with writing(tmp, "the resume checkpoint"):
+            engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+            torch.save({**rng_state(), "step": step}, tmp / rng_file(rank))
+    except BaseException:
+        if rank == 0:  # a full disk's space back for the session's record and the resume (the others' parts too)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     barrier()
     if rank == 0:
         if before_complete is not None:
