@@ -16,6 +16,7 @@ from lctrain.config import load_config
 from lctrain.data.prepare import prepare
 from lctrain.data.store import open_packed
 from lctrain.eval.perplexity import check_same_tokenizer
+from lctrain.parallel.groups import check_launcher_env
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer, tokenizer_fingerprint
 
@@ -58,6 +59,27 @@ def test_launcher_variables_without_the_rendezvous_address(run, monkeypatch):
     assert "but MASTER_ADDR is not" in line and "torchrun" in line
     assert not (run / "new").exists()
     assert "but MASTER_ADDR is not" in cli("resume", str(run / "run"))
+
+
+def test_srun_tasks_without_a_launcher(run, monkeypatch):
+    """`srun --ntasks=2 lctrain train`: SLURM sets no RANK or WORLD_SIZE, so each task trained the whole run alone."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    line = cli("train", *set_args(TINY + [f"train.run_dir={run / 'srun'}", f"data.output_dir={run / 'data'}"]))
+    assert line.startswith("error: this is task 1 of 2 that srun started, and each would train the whole run")
+    assert not (run / "srun").exists()
+    assert cli("resume", str(run / "run")) == line
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # one task: lctrain starts its own processes, as documented
+    check_launcher_env()
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")  # tasks that run a launcher: its variables are set
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    check_launcher_env()
 
 
 def test_a_launcher_of_another_world_size_than_the_config(run, monkeypatch):

@@ -59,7 +59,8 @@ def under_launcher() -> bool:
 
 def check_launcher_env() -> None:
     """Refuse, in one line, a launcher's variables without the rendezvous address (a half-configured scheduler job),
-    which torch.distributed would report as a traceback from every rank."""
+    which torch.distributed would report as a traceback from every rank, and srun's tasks without a launcher (each a
+    run of its own)."""
     given = [k for k in LAUNCHER_ENV if k in os.environ and k not in _SELF_SET]
     if given and len(given) < len(LAUNCHER_ENV):  # a leftover of another job: WORLD_SIZE=2 alone would wait forever
         unset = [k for k in LAUNCHER_ENV if k not in given]
@@ -80,6 +81,14 @@ def check_launcher_env() -> None:
         raise UserError(
             f"{', '.join(bad)}: launcher variables must be non-negative integers with RANK < WORLD_SIZE; fix or "
             f"unset them"
+        )
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if not given and tasks.isdigit() and int(tasks) > 1:
+        # srun's tasks set no RANK or WORLD_SIZE: each would train the whole run alone, into one run directory
+        raise UserError(
+            f"this is task {os.environ.get('SLURM_PROCID', '?')} of {tasks} that srun started, and each would train "
+            f"the whole run on its own: start one task per node running torchrun (its processes are the ranks), or "
+            f"lctrain alone in the batch script with parallel.hostfile (docs/cluster.md)"
         )
     missing = [k for k in RENDEZVOUS_ENV if k not in os.environ]
     if under_launcher() and missing:
