@@ -85,7 +85,10 @@ from lctrain.units import to_gb
 CheckpointHook = Callable[[int], None]
 
 # Said at once when a SIGTERM comes (a 64K-token step can take minutes: the log shows that the signal was seen).
-SIGTERM_SAID = "SIGTERM: finishing the step under way on every rank, then writing its checkpoint"
+SIGTERM_SAID = (
+    "SIGTERM: finishing the step under way on every rank, then writing its checkpoint (ranks still starting stop at "
+    "once: nothing to keep)"
+)
 
 # What a step writes, in the words of the messages when a write fails: a step with both writes them in this order.
 CHECKPOINT, EXPORT = "resume checkpoint", "evaluation export"
