@@ -86,6 +86,19 @@ def peak_bytes(device: torch.device) -> int:
     return host_peak_bytes()
 
 
+def largest_peak_bytes(device: torch.device) -> int:
+    """`peak_bytes` of the rank that peaked highest (every rank of the process group calls it: one all-reduce): what
+    meets a device's limit first, where ranks hold different shares (ZeRO's partitions, uneven sequence slices)."""
+    import torch.distributed as dist
+
+    peak = peak_bytes(device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return peak
+    largest = torch.tensor([peak], dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return int(largest.item())
+
+
 def peak_reserved_bytes(device: torch.device) -> int:
     """Peak bytes PyTorch's caching allocator reserved on the GPU `device` since `reset_peak`."""
     return torch.cuda.max_memory_reserved(device)

@@ -80,3 +80,18 @@ def leaves_its_group_to_the_exit(request: dict) -> None:
 
 def returns_nothing(request: dict) -> None:
     return None
+
+
+def largest_peak(request: dict) -> dict | None:
+    """`measure.largest_peak_bytes` over gloo with each rank's peak set to `request["peaks"][rank]`."""
+    import torch.distributed as dist
+
+    from lctrain import measure
+
+    dist.init_process_group("gloo")
+    try:
+        measure.peak_bytes = lambda device: request["peaks"][dist_rank()]
+        largest = measure.largest_peak_bytes(torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    return {"largest": largest} if dist_rank() == 0 else None

@@ -58,7 +58,9 @@ def test_train_and_estimate_count_the_flops_written_out(tmp_path, one_thread, ti
     try:
         pairs = BATCH * L * (L + 1) // 2
         # one second at a peak of 1 FLOP/s on one rank: the utilisations are the step's FLOPs
-        record = trainer.metrics(0, StepResult(1.0, 1, None, pairs), seconds=1.0, peak=1.0, mem_scope="step")
+        record = trainer.metrics(
+            0, StepResult(1.0, 1, None, pairs), seconds=1.0, peak=1.0, peak_mem=0, mem_scope="step"
+        )
     finally:
         release_single_process()
     assert record["mfu"] == pytest.approx(BATCH * model, rel=1e-12)

@@ -35,6 +35,13 @@ def test_rank_0s_return_value_comes_back(tmp_path):
     assert run("returns_nothing", {}, tmp_path) == Finished(None)  # training's kind of function
 
 
+@pytest.mark.slow  # 2 processes importing torch and lctrain
+@pytest.mark.usefixtures("ranks_env")
+def test_the_logged_peak_memory_is_the_highest_ranks(tmp_path):
+    """metrics.jsonl's peak_mem_gb was rank 0's alone, under ZeRO or uneven slices not the rank nearest its limit."""
+    assert run("largest_peak", {"peaks": [3_000, 5_000_000_000]}, tmp_path) == Finished({"largest": 5_000_000_000})
+
+
 @pytest.mark.usefixtures("ranks_env")
 def test_a_user_error_in_a_rank_is_one_user_error_here(tmp_path, capfd):
     with pytest.raises(UserError) as raised:

@@ -9,9 +9,9 @@ torchtitan's and Megatron's convention, for comparison with their numbers. `hfu`
 to the strict count the forward that activation checkpointing reruns in the decoder layers (the whole layer under
 `full`; all but attention under `selective`) and the MLP forward that `model.tiled_mlp` reruns: the work the device
 does, where MFU is the work the model needs.
-`peak_mem_gb` is in GB (10^9 bytes, the unit of `lctrain plan`) and is the step's own peak (`lctrain.measure`):
-PyTorch's allocations on a GPU, the resident set on the CPU; `peak_mem_scope` is "lifetime" where the platform
-cannot reset the host's peak, and the value is then the process's peak so far.
+`peak_mem_gb` is in GB (10^9 bytes, the unit of `lctrain plan`) and is the step's own peak (`lctrain.measure`) of the
+rank that peaked highest: PyTorch's allocations on a GPU, the resident set on the CPU; `peak_mem_scope` is
+"lifetime" where the platform cannot reset the host's peak, and the value is then the process's peak so far.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from lctrain.costmodel import (
 from lctrain.errors import RunFailed, UserError, WriteFailed, cited, is_environment_error, remedy_of
 from lctrain.hardware import device_peak_flops
 from lctrain.lifetime import StopRequest, Terminated, is_supervised
-from lctrain.measure import peak_bytes, reset_peak, timed
+from lctrain.measure import largest_peak_bytes, reset_peak, timed
 from lctrain.memory import need, plan_memory
 from lctrain.model import build_model, write_model_changes
 from lctrain.parallel.groups import Topology, end_process_groups, init_topology, release_single_process, under_launcher
@@ -366,9 +366,12 @@ class Trainer:
             attention_kept=self.attention_kept,
         )
 
-    def metrics(self, step_index: int, result: StepResult, seconds: float, peak: float | None, mem_scope: str) -> dict:
-        """The metrics.jsonl record of update `step_index`: `peak_mem_gb` in GB (10^9 bytes), the peak since
-        `reset_peak` returned `mem_scope` (the step, or the process's life where the host's peak cannot be reset)."""
+    def metrics(
+        self, step_index: int, result: StepResult, seconds: float, peak: float | None, peak_mem: int, mem_scope: str
+    ) -> dict:
+        """The metrics.jsonl record of update `step_index`: `peak_mem_gb` the highest rank's `peak_mem` bytes in GB
+        (10^9 bytes), the peak since `reset_peak` returned `mem_scope` (the step, or the process's life where the
+        host's peak cannot be reset)."""
         cfg = self.cfg
         tokens = cfg.tokens_per_step
         step = step_index + 1
@@ -384,7 +387,7 @@ class Trainer:
             "mfu": self.step_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
             "mfu_full_square": self.full_square_flops() / seconds / (peak * self.layout.world) if peak else None,
             "hfu": self.hardware_flops(tokens, result.pairs) / seconds / (peak * self.layout.world) if peak else None,
-            "peak_mem_gb": to_gb(peak_bytes(self.topo.device)),
+            "peak_mem_gb": to_gb(peak_mem),
             "peak_mem_scope": mem_scope,
         }
 
@@ -504,6 +507,7 @@ class Trainer:
             result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
             profiler.after(step_index)
             check_finite(result, step_index, cfg, self.run_dir)
+            peak_mem = largest_peak_bytes(topo.device)
             self.state.step = step_index + 1
             if logger is not None:
                 warning = divergence_warning(
@@ -511,7 +515,7 @@ class Trainer:
                 )
                 if warning is not None:
                     self.diverged_at = self.state.step
-                record = self.metrics(step_index, result, seconds, peak, mem_scope)
+                record = self.metrics(step_index, result, seconds, peak, peak_mem, mem_scope)
                 diverged = self.diverged_at is not None
                 logger.log({**record, "profiled": profiler.slowed(step_index), "diverged": diverged})
                 if warning is not None:  # after the step's own line
