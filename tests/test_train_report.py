@@ -141,6 +141,9 @@ def test_step_line_formats_a_record():
         "step=30/100 loss=6.1235 lr=2.000e-05 grad_norm=n/a tokens_per_s=12346 mfu=43.2% peak_mem_gb=71.23 eta=1:02:05"
     )
     assert "mfu=n/a%" in step_line({**record, "mfu": None}, 100, None)
+    # five significant digits whatever the value (the loss has four decimals): a column of norms lines up
+    for norm, text in [(1.0030182, "1.0030"), (0.98419, "0.98419"), (44.368, "44.368"), (447.918, "447.92")]:
+        assert f" grad_norm={text} " in step_line({**record, "grad_norm": norm}, 100, None)
 
 
 @pytest.mark.parametrize(
