@@ -235,6 +235,16 @@ def test_varlen_plan_on_cpu_matches_table(mode, with_gqa, monkeypatch):
         engine.torch_varlen_takes_gqa.cache_clear()
 
 
+def test_varlen_refuses_value_heads_of_another_size():
+    """Multi-head latent attention (DeepSeek-V3): the varlen kernels take one head size for q, k and v."""
+    from lctrain.attention.engines import varlen as engine
+
+    batch, _, (q, k, v), _ = make_case("anchor", torch.float32, heads=(6, 2), seed=7)
+    plan = engine.build_varlen_plan(batch.segments.layout, "anchor", "cpu")
+    with pytest.raises(UserError, match="set attention.engine=sdpa or flex"):
+        engine.varlen_from_plan(q, k, v[..., :-2], plan, 0.25)
+
+
 GPU_TOL = {torch.bfloat16: dict(atol=5e-2, rtol=5e-2), torch.float32: dict(atol=2e-3, rtol=2e-3)}  # fp32: TF32 dots
 GPU_GRAD_SCALE = {torch.bfloat16: 4, torch.float32: 1}
 

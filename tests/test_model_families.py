@@ -299,3 +299,36 @@ def test_attention_sinks_are_refused_where_they_would_be_dropped():
         model(**make_batch(ids_of(), [[SEQ]], "full").model_kwargs())
     with pytest.raises(UserError, match="s_aux"):
         _reference_call(s_aux=torch.zeros(4))
+
+
+MLA = {
+    "model_type": "deepseek_v3",
+    **SMALL,
+    "num_key_value_heads": 4,
+    "q_lora_rank": None,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,  # value heads narrower than the query/key heads (24)
+    "n_routed_experts": 2,
+    "num_experts_per_tok": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+}
+
+
+@pytest.mark.parametrize("mode", ["anchor", "full"])
+def test_multi_head_latent_attention_through_the_sdpa_engine_equals_the_reference(mode):
+    """DeepSeek-V3's value heads are narrower than its query/key heads: the sdpa engine reshaped them to the query's
+    size (a traceback at the first step, models explorer); against the reference engine (the dense mask)."""
+    ids = ids_of()
+    ids[0, [0, 11, 20]] = 1
+    batch = make_batch(ids, [[11, 9, SEQ - 20]], mode)
+    losses = []
+    for engine in ("reference", "sdpa"):
+        torch.manual_seed(0)
+        model = CausalLMLossSum(build(MLA, f"attention.mode={mode}", f"attention.engine={engine}").model)
+        losses.append(model(batch))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)

@@ -50,8 +50,9 @@ def sdpa_attention(query, key, value, seg, scaling):
         return causal_rows(query, key, value, scaling)
     plan = seg.cached(("sdpa", query.device), lambda: build_sdpa_plan(seg.layout).to(query.device))
     B, H, L, D = query.shape
+    Dv = value.shape[-1]  # the query's head size but for multi-head latent attention (DeepSeek-V3's 128 vs 192)
     k = key.transpose(1, 2).reshape(B * L, key.shape[1], D)
-    v = value.transpose(1, 2).reshape(B * L, value.shape[1], D)
+    v = value.transpose(1, 2).reshape(B * L, value.shape[1], Dv)
     if query.device.type == "cpu" and key.shape[1] != H:
         k, v = expand_kv_heads(k, H), expand_kv_heads(v, H)  # once per layer, not once per job (see common.sdpa)
     # One gather per tensor and `split` (whose backward is one concatenation) instead of per-job indexing.
@@ -61,6 +62,6 @@ def sdpa_attention(query, key, value, seg, scaling):
     vs = torch.split(v[plan.order], sizes)
     outs = []
     for i, (G, n) in enumerate(plan.causal):
-        qg, kg, vg = (t[i].view(G, n, -1, D).transpose(1, 2) for t in (qs, ks, vs))
-        outs.append(sdpa(qg, kg, vg, is_causal=True, scale=scaling).transpose(1, 2).reshape(G * n, H, D))
-    return torch.cat(outs)[plan.inverse].view(B, L, H, D)
+        qg, kg, vg = (t[i].view(G, n, -1, t[i].shape[-1]).transpose(1, 2) for t in (qs, ks, vs))
+        outs.append(sdpa(qg, kg, vg, is_causal=True, scale=scaling).transpose(1, 2).reshape(G * n, H, Dv))
+    return torch.cat(outs)[plan.inverse].view(B, L, H, Dv)

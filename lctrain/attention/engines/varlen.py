@@ -85,6 +85,12 @@ def varlen_from_plan(query, key, value, plan: VarlenPlan, scaling: float) -> tor
     """Causal attention within each sequence of the plan, over the batch flattened to one row of B*L tokens:
     [B, H, L, D] inputs -> [B, L, H, D]. Device-agnostic, so the plan is tested on CPU with a stand-in kernel."""
     B, H, L, D = query.shape
+    if value.shape[-1] != D:
+        raise UserError(
+            f"attention.engine = varlen: value heads of {value.shape[-1]} beside query and key heads of {D} "
+            f"(multi-head latent attention, e.g. DeepSeek-V3) are not taken by the varlen kernels; set "
+            f"attention.engine=sdpa or flex"
+        )
     q = query.transpose(1, 2).reshape(B * L, H, D)
     k = key.transpose(1, 2).reshape(B * L, key.shape[1], D)
     v = value.transpose(1, 2).reshape(B * L, value.shape[1], D)
