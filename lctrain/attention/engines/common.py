@@ -32,9 +32,10 @@ def segments_of(module, kwargs: dict, query: torch.Tensor) -> Segments:
     if seg is None:
         raise UserError(
             f"the lctrain attention engine got no segment metadata ({SEGMENTS_KEY}) from "
-            f"{type(module).__name__ if module is not None else 'its caller'}: pass `batch.model_kwargs()` to the "
-            f"model; a model class that does not forward its keyword arguments to attention cannot train with lctrain "
-            f"(Llama, Mistral and Qwen2 do)"
+            f"{type(module).__name__ if module is not None else 'its caller'}: this model class's decoder layers do "
+            f"not pass their keyword arguments on to attention, so they cannot carry the documents' boundaries to it "
+            f"and lctrain cannot train it (Llama, Mistral, Qwen2/3, Phi-3, Gemma-2 and most others do); calling a "
+            f"model yourself, pass it `batch.model_kwargs()`"
         )
     B, _, S, _ = query.shape
     if (seg.batch, seg.length) != (B, S):
