@@ -155,7 +155,7 @@ def reference_tokens(tok, docs):
     return [(REFERENCE.encode(d["text"]), SET_DOMAIN[d["meta"]["redpajama_set_name"]]) for d in docs]
 
 
-def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words):
+def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words, capsys):
     docs = make_docs(words, 120)
     src = write_jsonl(tmp_path / "corpus.jsonl", docs)
     data = open_packed(prepare(cfg_for(tmp_path / "out", source=src)))
@@ -172,6 +172,16 @@ def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words):
     assert m.stats["documents"] == len(started)
     assert sum(e["tokens"] for e in m.stats["domains"].values()) == 12800
     assert started != sorted(started)  # documents were shuffled
+    # the documents read past the budget into the shuffle buffer are said, so "N docs read" adds up
+    ahead = m.source["documents_read"] - len(started)
+    assert (
+        ahead > 0
+        and (
+            f"wrote 100 windows (12,800 tokens, {len(started):,} documents; {ahead:,} more documents read into the "
+            f"shuffle buffer were not needed) to "
+        )
+        in capsys.readouterr().out
+    )
 
 
 def test_source_shorter_than_budget_finishes_with_what_there_is(tmp_path, tok, words):

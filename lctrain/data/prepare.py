@@ -841,8 +841,21 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     _say_what_was_left_out(warnings, manifest, num_windows, cfg, left_out)
     _say_domains_left_out(warnings, d, builder)
     _say_share_misses(warnings, stats, manifest, bool(left_out))
+    # read past the budget to fill the shuffle buffer (counted as read, in no window and in no other count)
+    unused = (
+        manifest.source["documents_read"]
+        - stats["documents"]
+        - sum(read["skipped"]["counts"].values())
+        - sum(manifest.mixture_dropped.values())
+    )
+    ahead = (
+        f"; {unused:,} more documents read into the shuffle buffer were not needed"
+        if unused > 0 and not resumed_shards
+        else ""
+    )
     console.print(
-        f"wrote {manifest.num_windows:,} windows ({packed:,} tokens) to {out} in {elapsed:.1f} s"
+        f"wrote {manifest.num_windows:,} windows ({packed:,} tokens, {stats['documents']:,} documents{ahead}) to "
+        f"{out} in {elapsed:.1f} s"
         f"{f' after resuming at {windows_before:,}' if resumed_shards else ''} "
         # tokenized this session: a resumed run packs the restored shuffle buffer's tokens too, read before
         f"({manifest.build['tokenized_tokens_per_s']:,} tokens/s tokenized)"
