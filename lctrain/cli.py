@@ -497,7 +497,13 @@ app.add_typer(check, name="check")
 def check_sp(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    nproc: Annotated[int, typer.Option(help="sequence-parallel processes (GPUs, or CPU processes over gloo)")] = 2,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            help="sequence-parallel processes (GPUs, or CPU processes over gloo); default the config's "
+            "parallel.sequence_parallel, or 2 where it is 1"
+        ),
+    ] = None,
     modes: Annotated[str | None, typer.Option(help="comma-separated attention modes; default all four")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16; default model.dtype")] = None,
     window: Annotated[int, typer.Option(help="which window of the prepared dataset (or synthetic seed offset)")] = 0,

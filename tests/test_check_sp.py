@@ -169,6 +169,43 @@ def test_the_window_comes_from_the_prepared_dataset_when_there_is_one(tmp_path):
     assert "--window 100000" in line and "windows" in line
 
 
+def test_the_processes_default_to_the_configs_sequence_parallel(monkeypatch):
+    """A config of SP 4 was checked on 2 processes, silently, where --nproc was not given."""
+    from lctrain.diagnostics.check_sp import check_config
+
+    monkeypatch.setattr("lctrain.diagnostics.check_sp.allowed_processes", lambda: 8)
+    sp4 = load_config(None, OVERRIDES + ["parallel.sequence_parallel=4", "parallel.nproc_per_node=4"])
+    assert check_config(sp4, None, None).parallel.sequence_parallel == 4
+    assert check_config(sp4, 2, None).parallel.sequence_parallel == 2  # --nproc given: it
+    assert check_config(load_config(None, OVERRIDES), None, None).parallel.sequence_parallel == 2
+
+
+def test_a_window_of_one_document_is_said_not_to_tell_the_modes_apart(tmp_path, monkeypatch, capsys):
+    from lctrain.data.prepare import prepare
+    from lctrain.diagnostics import check_sp as module
+    from lctrain.diagnostics.check_sp import check_sp, pick_window
+
+    monkeypatch.setattr(module, "allowed_processes", lambda: 2)
+    cfg = load_config(None, OVERRIDES + ["data.token_budget=3000", f"data.output_dir={tmp_path / 'data'}"])
+    prepare(cfg)
+    one = next(row for row in range(20) if len(pick_window(cfg, row)[0]["seg_lens"]) == 1)
+    assert pick_window(cfg, one)[1].endswith(f"window {one}: 1 segment(s)")
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(module, "run_on_ranks", stop)
+    for modes, said in ((None, True), (["full"], False)):
+        capsys.readouterr()
+        with pytest.raises(Stop):
+            check_sp(cfg, modes=modes, window=one, out=str(tmp_path / "out"))
+        note = f"note: window {one} is one document: every mode attends as full attention does there"
+        assert (note in capsys.readouterr().out) == said
+
+
 def run_cli(args: list[str], overrides=OVERRIDES):
     return CliRunner().invoke(app, ["check", "sp"] + args + set_args(overrides))
 

@@ -108,9 +108,11 @@ def allowed_processes() -> int:
     return usable_cpus()
 
 
-def check_config(cfg: Config, nproc: int, dtype: str | None) -> Config:
+def check_config(cfg: Config, nproc: int | None, dtype: str | None) -> Config:
     """`cfg` laid out for a P-process Ulysses run of one window, refusing what cannot run before any process
-    starts."""
+    starts. `nproc` None: the config's own parallel.sequence_parallel where it has one, else 2."""
+    if nproc is None:
+        nproc = max(cfg.parallel.sequence_parallel, 2)
     if nproc < 2:
         raise UserError(f"--nproc {nproc}: sequence parallelism needs at least 2 processes")
     allowed = allowed_processes()
@@ -138,7 +140,8 @@ def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]
         item = packed[row]
         window = {k: np.asarray(item[k], dtype=np.int64) for k in ("input_ids", "seg_lens", "seg_doc", "tag_lens")}
         vocab = packed.manifest.tokenizer.vocab_size
-        return window, f"prepared dataset {data_dir(cfg)}, window {row}", vocab
+        segments = len(window["seg_lens"])
+        return window, f"prepared dataset {data_dir(cfg)}, window {row}: {segments} segment(s)", vocab
     anchor = anchor_token_id(load_tokenizer(cfg.resolve_source(cfg.data.tokenizer)), cfg.data.anchor)
     vocab = model_shape(cfg).vocab
     window = synthetic_window(cfg.data.seq_len, vocab, anchor, cfg.parallel.sequence_parallel, seed=cfg.seed + row)
@@ -155,7 +158,7 @@ def pick_window(cfg: Config, row: int) -> tuple[dict[str, np.ndarray], str, int]
 def check_sp(
     cfg: Config,
     *,
-    nproc: int = 2,
+    nproc: int | None = None,
     modes: list[str] | None = None,
     dtype: str | None = None,
     window: int = 0,
@@ -168,6 +171,12 @@ def check_sp(
         raise UserError(f"--window {window}: a window index is 0 or more")
     cfg = check_config(cfg, nproc, dtype)
     win, source, vocab = pick_window(cfg, window)
+    if len(win["seg_lens"]) == 1 and chosen != ["full"]:
+        print(
+            f"note: window {window} is one document: every mode attends as full attention does there, so the modes "
+            f"are not told apart; --window picks another",
+            flush=True,
+        )
     out_dir = output_dir(Path(out) if out else Path("check_sp") / cfg.name)
     write_resolved(cfg, out_dir)
     np.savez(out_dir / WINDOW_FILE, **win)

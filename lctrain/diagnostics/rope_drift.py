@@ -502,7 +502,7 @@ def diagnose_rope(
         f"{length:,} tokens from {text_path}, each opening with the anchor {probe_text.anchor['token']} (id "
         f"{probe_text.anchor['id']}) and measured in {plan.passes()} forward passes of the decoder ({plan.tokens():,} "
         f"tokens per sequence, {samples * plan.passes()} passes and {samples * plan.tokens():,} tokens per case) = "
-        f"{flops / 1e12:,.1f} TFLOP per case"
+        f"{f'{flops / 1e12:,.1f} TFLOP' if flops >= 1e11 else f'{flops / 1e9:,.3g} GFLOP'} per case"
     )
     unmeasured = unmeasured_attention(model.config)
     if unmeasured:
