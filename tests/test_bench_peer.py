@@ -22,12 +22,18 @@ COMMON = dict(model="tiny", batch=1, dtype="float32", steps=1, warmup=0, checkpo
 
 def test_schedule_alternates_the_peers_within_each_length_and_mode():
     specs = peer.schedule(["lctrain", "torchtitan"], [32768, 65536], ["full", "document"], 2, **COMMON)
-    assert [(s.seq_len, s.mode, s.peer) for s in specs[:4]] == [
+    assert [(s.seq_len, s.mode, s.peer) for s in specs[:8]] == [
         (32768, "full", "lctrain"),
         (32768, "full", "torchtitan"),
+        (32768, "full", "torchtitan"),  # A/B/B/A: neither runs first every time
         (32768, "full", "lctrain"),
-        (32768, "full", "torchtitan"),
+        (32768, "document", "torchtitan"),
+        (32768, "document", "lctrain"),
+        (32768, "document", "lctrain"),
+        (32768, "document", "torchtitan"),
     ]
+    one_round = peer.schedule(["lctrain", "torchtitan"], [65536], ["full", "document"], 1, **COMMON)
+    assert [s.peer for s in one_round] == ["lctrain", "torchtitan", "torchtitan", "lctrain"]
     assert len(specs) == 2 * 2 * 2 * 2
     assert [(s.seq_len, s.mode) for s in specs[::4]] == [
         (32768, "full"),

@@ -15,7 +15,7 @@ Stages:
   train      scripts/bench_train.py, a 1B Llama-shaped model at 64K, every mode, bf16, activation checkpointing
   fused      scripts/bench_train.py as train, selective checkpointing, with model.fused_kernels none / liger / compile
              (+ fused AdamW): step time of each against none
-  peer       scripts/bench_peer.py at 64K: lctrain, torchtitan and transformers + SDPA, full and document, A/B/A/B
+  peer       scripts/bench_peer.py at 64K: lctrain, torchtitan and transformers + SDPA, full and document, A/B/B/A
              in fresh processes; lctrain / torchtitan against issue 20's goals (needs torchtitan: the `peer` extra)
   peer_32k   the same at 32K
   peer_tuned the same at 64K with each side's own speed-ups: lctrain's selective checkpointing and Liger kernels,

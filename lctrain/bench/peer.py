@@ -5,7 +5,7 @@ torchtitan, and plain transformers + SDPA + fused AdamW; tokens/s of every run a
     python scripts/bench_peer.py --model tiny --lengths 256 --device cpu --peers lctrain transformers --steps 1
 
 Every run is a fresh process (`python -m lctrain.bench.peer --one ...`: no allocator cache, compiled kernel or warm
-state carries from one peer to the next), and the peers alternate A/B/A/B over `--rounds` for each (length, mode),
+state carries from one peer to the next), and the peers alternate A/B/B/A over `--rounds` for each (length, mode),
 so a drift of the machine (clocks, a neighbour) falls on every peer alike; the ratio is of the peers' median tokens/s.
 
 What each peer runs, one optimizer step = forward, backward, gradient clipping at 1.0 and AdamW:
@@ -92,13 +92,15 @@ class RunSpec:
 
 
 def schedule(peers: list[str], lengths: list[int], modes: list[str], rounds: int, **common) -> list[RunSpec]:
-    """The runs in order: for each length and mode, `rounds` rounds of every peer in turn (A/B/A/B)."""
+    """The runs in order: for each length and mode, `rounds` rounds of every peer in turn, the order reversed every
+    other round and every other (length, mode) (A/B/B/A, then B/A/A/B): no peer always runs first or on the heels of
+    the same one, also with one round."""
+    blocks = [(length, mode) for length in lengths for mode in modes]
     return [
         RunSpec(peer=peer, seq_len=length, mode=mode, **common)
-        for length in lengths
-        for mode in modes
-        for _ in range(rounds)
-        for peer in peers
+        for b, (length, mode) in enumerate(blocks)
+        for r in range(rounds)
+        for peer in (peers if (b + r) % 2 == 0 else peers[::-1])
     ]
 
 
