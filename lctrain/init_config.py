@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import math
 import textwrap
@@ -214,16 +215,21 @@ def batch_for(dp: int) -> int:
 
 def choose_layout(raw: dict, shape: ModelShape, budget: Budget, gpus: int) -> tuple[Layout, int]:
     """The first layout whose plan fits `budget`, and how many were tried: without the model's memory savers
-    (`SAVERS`) before with them; within those, no optimizer offload before any; then the lowest ZeRO stage (1: bf16
-    needs ZeRO's fp32 master weights); then the sequence-parallel sizes of `_sp_sizes`. `raw` is the config without
-    its parallel and batch settings. Refuses in one line naming what was tried and the plan that came nearest."""
+    (`SAVERS`) before with them; within those, no optimizer offload before any; then sequence-parallel groups within
+    a node before groups across nodes (Ulysses' all-to-alls, four per layer on the step's critical path, over the
+    node's links rather than the network: ZeRO-3 within a node before ZeRO-2 across two); then the lowest ZeRO stage
+    (1: bf16 needs ZeRO's fp32 master weights); then the sequence-parallel sizes of `_sp_sizes`. `raw` is the config
+    without its parallel and batch settings. Refuses in one line naming what was tried and the plan that came
+    nearest."""
     seq_len = raw["data"]["seq_len"]
     sp_sizes = _sp_sizes(shape, gpus, seq_len)
+    per_node = raw["parallel"]["nproc_per_node"]
+    groups = [[sp for sp in sp_sizes if sp <= per_node], [sp for sp in sp_sizes if sp > per_node]]
     tried, nearest, nearest_over = 0, None, math.inf
     for tiled, offload_activations in SAVERS:
         for offload in (False, True):
-            for zero in (1, 2, 3):  # bf16 training keeps fp32 master weights in ZeRO's optimizer: stage >= 1
-                for sp in sp_sizes:
+            for group, zero in itertools.product(groups, (1, 2, 3)):  # bf16 keeps fp32 master weights: ZeRO >= 1
+                for sp in group:
                     tried += 1
                     layout = Layout(zero, sp, offload, tiled, offload_activations)
                     plan = plan_memory(validate(_with_layout(raw, layout, gpus), "lctrain init"), shape, gpu=True)
@@ -622,8 +628,9 @@ parallel:
   num_nodes: {p["num_nodes"]}{nodes}
   launcher: deepspeed
   # The first layout that fits (lctrain plan, {budget.label}; {tried} tried, in
-  # order: without tiled MLP and activation offload before with, no optimizer offload before it, the lowest ZeRO
-  # stage, the sequence-parallel sizes that keep the paper's batch before the others, smallest first):
+  # order: without tiled MLP and activation offload before with, no optimizer offload before it, sequence-parallel
+  # groups within a node before groups across nodes, the lowest ZeRO stage, the sequence-parallel sizes that keep
+  # the paper's batch before the others, smallest first):
   # {layout.device_bytes / GB:.1f} GB per GPU, {layout.host_bytes / GB:.1f} GB of host memory per node.
   # Ulysses sequence parallel over {layout.sequence_parallel} GPU(s): {s.heads // layout.sequence_parallel} query \
 heads and {d["seq_len"] // layout.sequence_parallel:,} tokens per rank.

@@ -78,16 +78,24 @@ def fits(cfg, shape, gpu_mem_gb=80, host_mem_gb=512):
     return budget.fits(plan_memory(cfg, shape, gpu=True))
 
 
-def in_order(world, heads):
-    """init's documented order of layouts on `world` GPUs, as (tiled_mlp, offload_activations, offload_optimizer,
-    zero_stage, sequence_parallel, global_batch): without the model's memory savers before with them (tiled MLP,
-    then activation offload, then both), no optimizer offload before it, the lowest ZeRO stage, then the
-    sequence-parallel sizes by the batch they give (the paper's 8 windows, else the next multiple of the replicas)
-    and then by size."""
+def in_order(world, heads, per_node):
+    """init's documented order of layouts on `world` GPUs, `per_node` a node, as (tiled_mlp, offload_activations,
+    offload_optimizer, zero_stage, sequence_parallel, global_batch): without the model's memory savers before with
+    them (tiled MLP, then activation offload, then both), no optimizer offload before it, sequence-parallel groups
+    within a node before those across nodes, the lowest ZeRO stage, then the sequence-parallel sizes by the batch
+    they give (the paper's 8 windows, else the next multiple of the replicas) and then by size."""
     batch = {sp: math.ceil(8 / (world // sp)) * (world // sp) for sp in (1, 2, 4, 8, 16) if world % sp == 0}
     sps = sorted((sp for sp in batch if heads % sp == 0), key=lambda sp: (batch[sp], sp))
+    tiers = [[sp for sp in sps if sp <= per_node], [sp for sp in sps if sp > per_node]]
     savers = [(0, False), ("auto", False), (0, True), ("auto", True)]
-    return [(t, a, o, z, sp, batch[sp]) for t, a in savers for o in (False, True) for z in (1, 2, 3) for sp in sps]
+    return [
+        (t, a, o, z, sp, batch[sp])
+        for t, a in savers
+        for o in (False, True)
+        for tier in tiers
+        for z in (1, 2, 3)
+        for sp in tier
+    ]
 
 
 def layout_overrides(tiled, activations, offload, zero, sp, batch):
@@ -102,15 +110,15 @@ def layout_overrides(tiled, activations, offload, zero, sp, batch):
     ]
 
 
-def assert_first_that_fits(cfg, shape):
+def assert_first_that_fits(cfg, shape, gpu_mem_gb=80):
     """The layout is the first in init's order that fits with whole-layer checkpointing, found by trying each; the
     checkpointing is selective exactly when it fits on that layout, on it at ZeRO-2 from ZeRO-1, or then on a larger
     sequence-parallel group within the node that keeps the batch (the first of those that fits, in that order)."""
-    assert fits(cfg, shape)
+    assert fits(cfg, shape, gpu_mem_gb)
     p = cfg.parallel
     whole = with_overrides(cfg, ["model.checkpointing=full"], "whole layers")
-    order = in_order(p.nproc_per_node * p.num_nodes, shape.heads)
-    first = next(o for o in order if fits(with_overrides(whole, layout_overrides(*o), "in order"), shape))
+    order = in_order(p.nproc_per_node * p.num_nodes, shape.heads, p.nproc_per_node)
+    first = next(o for o in order if fits(with_overrides(whole, layout_overrides(*o), "in order"), shape, gpu_mem_gb))
     tiled, activations, offload, zero, sp, batch = first
     larger = sorted({o[4] for o in order if sp < o[4] <= p.nproc_per_node and o[5] == batch})
     zeros = [zero, 2] if zero == 1 else [zero]
@@ -126,6 +134,7 @@ def assert_first_that_fits(cfg, shape):
                 "selective",
             ),
             shape,
+            gpu_mem_gb,
         )
     ]
     want = (*on[0], "selective") if on else (sp, zero, "full")
@@ -257,6 +266,22 @@ def test_several_nodes_keep_the_papers_batch(tmp_path, monkeypatch):
     assert "8 windows per step x 2000 steps (the paper's batch)" in r.output
     assert yaml.safe_load(out.read_text())["parallel"]["num_nodes"] == 2
     assert_first_that_fits(cfg, model_shape(cfg))
+
+
+def test_a_sequence_parallel_group_within_a_node_before_one_across_nodes(tmp_path, monkeypatch):
+    """Llama-3-8B at 64K on 2 nodes of 8 x 40 GB: ZeRO-2 fits only with SP 16, whose all-to-alls cross the nodes in
+    every layer; ZeRO-3 fits at SP 8, within each node (plan explorer: init chose SP 16)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "l3.yaml"
+    model = ["--model", "meta-llama/Meta-Llama-3-8B", "--seq-len", "65536", "--gpus", "16", "--gpu-mem", "40"]
+    r = run_init(*model, "--out", str(out))
+    assert r.exit_code == 0, r.output
+    cfg = load_config(str(out))
+    assert (cfg.parallel.nproc_per_node, cfg.parallel.num_nodes, cfg.parallel.sequence_parallel) == (8, 2, 8)
+    assert cfg.parallel.zero_stage == 3
+    across = with_overrides(cfg, ["parallel.zero_stage=2", "parallel.sequence_parallel=16"], "across nodes")
+    assert fits(with_overrides(across, ["model.checkpointing=full"], "whole layers"), model_shape(cfg), 40)
+    assert_first_that_fits(cfg, model_shape(cfg), 40)
 
 
 def test_a_batch_that_cannot_stay_the_papers_is_said_in_the_summary(tiny_dir, tmp_path):
