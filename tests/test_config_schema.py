@@ -300,10 +300,13 @@ def coupled(draw) -> dict[str, Any]:
     v["parallel.zero_stage"] = stage
     v["parallel.offload_optimizer"] = stage >= 1 and draw(st.booleans())
     v["parallel.offload_params"] = stage == 3 and draw(st.booleans())
-    # fused kernels replace the MLP that tiled_mlp shards; liger rotates in its own kernel (not rope_fp32's fp32) and
-    # reads lm_head's weight outside its forward (not under ZeRO-3)
+    # fused kernels replace the MLP that tiled_mlp shards and write into matmul outputs (not selective_matmul's to
+    # keep); liger rotates in its own kernel (not rope_fp32's fp32) and reads lm_head's weight outside its forward
+    # (not under ZeRO-3)
     v["model.fused_kernels"] = fused = draw(
-        st.sampled_from(["none", "liger", "compile"]).filter(lambda f: not (f == "liger" and stage == 3))
+        st.sampled_from(["none", "liger", "compile"]).filter(
+            lambda f: not (f == "liger" and stage == 3) and not (f != "none" and mode == "selective_matmul")
+        )
     )
     v["model.tiled_mlp"] = 0 if fused != "none" else draw(st.one_of(st.just("auto"), st.integers(0, 8)))
     v["model.rope_fp32"] = fused != "liger" and draw(st.booleans())
