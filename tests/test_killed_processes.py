@@ -195,9 +195,8 @@ def test_the_launcher_killed_is_one_line_and_takes_its_ranks_along(workdir, tmp_
 
 
 @two_tokenizer_workers
-@pytest.mark.parametrize(
-    "moment", ["starting", pytest.param("encoding", marks=pytest.mark.slow)], ids=["while-starting", "while-encoding"]
-)
+@pytest.mark.slow  # a prepare with two tokenizer processes and a kill: ~6 s each, over the default suite's budget
+@pytest.mark.parametrize("moment", ["starting", "encoding"], ids=["while-starting", "while-encoding"])
 def test_a_tokenizer_worker_killed_by_the_os_is_one_line(tmp_path, moment):
     over = [
         f"data.output_dir={tmp_path / 'big'}",

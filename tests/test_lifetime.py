@@ -240,9 +240,9 @@ def test_kill_9_of_the_launching_command_takes_its_workers_along(data_dir, tmp_p
     ("sig", "moment"),
     [
         (signal.SIGKILL, "encoding"),
-        # the same clean-up path as Ctrl-C (tested below): slow-marked to keep the default suite under its budget
+        # SIGTERM takes the clean-up path of Ctrl-C; both slow-marked to keep the default suite under its budget
         pytest.param(signal.SIGTERM, "encoding", marks=pytest.mark.slow),
-        (signal.SIGINT, "starting"),
+        pytest.param(signal.SIGINT, "starting", marks=pytest.mark.slow),
     ],
     ids=["kill-9", "kill", "ctrl-c-while-the-workers-start"],
 )

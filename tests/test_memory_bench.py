@@ -11,6 +11,7 @@ import lctrain.bench.memory as bench
 from lctrain.errors import UserError
 
 
+@pytest.mark.slow  # a timed CPU row of the benchmark: ~4 s, over the default suite's budget
 def test_cpu_rows_are_written_and_predicted(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     monkeypatch.setattr(

@@ -29,6 +29,7 @@ def run(function: str, request: dict, workdir: Path):
     return run_on_ranks(load_config(None, CFG), f"rank_functions:{function}", request, workdir)
 
 
+@pytest.mark.slow  # the launch itself is in the refusal, crash and out-of-memory tests below, each ~4 s
 @pytest.mark.usefixtures("ranks_env")
 def test_rank_0s_return_value_comes_back(tmp_path):
     assert run("rank_and_world", {"value": 7}, tmp_path) == Finished({"gathered": [[0, 7], [1, 7]]})
