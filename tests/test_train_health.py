@@ -26,6 +26,38 @@ def test_a_checkpoint_of_diverged_weights_is_told_from_a_noisy_one():
     assert loss_rise([], 4) is None and loss_rise(records(10.4), 1) is None  # nothing before it to compare with
 
 
+def test_a_nans_advice_judges_a_checkpoint_by_the_loss_computed_on_its_weights(tmp_path):
+    """Step k's loss is computed before its update, on step_{k-1}'s weights: step_1 held diverged weights when step
+    2 logged 4492 (verify explorer: the advice said to lower the rate and resume step_1, which diverged again)."""
+    import json
+
+    from lctrain.config import load_config
+    from lctrain.errors import RunFailed
+    from lctrain.train import checkpoint as ckpt
+    from lctrain.train.trainer import check_finite
+
+    rd = RunDir(tmp_path / "run")
+    rd.path.mkdir()
+    rd.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in records(10.39, 4491.9, 7350.4)))
+    for step in (1, 2):  # complete checkpoints as far as the advice reads them
+        rd.checkpoint(step).mkdir(parents=True)
+        (rd.checkpoint(step) / ckpt.STATE_FILE).write_text(json.dumps({"step": step}))
+    (rd.checkpoints / ckpt.LATEST).write_text("step_1\n")
+    nan = StepResult(math.nan, 1, None, 0)
+    with pytest.raises(RunFailed) as failed:
+        check_finite(nan, 3, load_config(None, []), rd)  # step 4
+    said = str(failed.value)
+    assert "the last checkpoint, step_1, had diverged already (loss 4492 at step 2, computed on its weights" in said
+    assert "no earlier checkpoint is kept" in said
+    (rd.checkpoints / ckpt.LATEST).write_text("step_2\n")
+    with pytest.raises(RunFailed) as failed:
+        check_finite(nan, 3, load_config(None, []), rd)
+    assert "step_2, had diverged already (loss 7350 at step 3" in str(failed.value)
+    assert f"resume step_1, the newest kept before it (write its name into {rd.checkpoints / ckpt.LATEST}" in str(
+        failed.value
+    )
+
+
 def test_one_warning_when_the_loss_passes_the_uniform_guess():
     vocab = 32000  # ln V = 10.37: a random init starts there
     assert divergence_warning(10.5, 1, vocab, warned=False) is None

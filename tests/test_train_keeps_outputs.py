@@ -136,8 +136,10 @@ def test_a_learning_rate_that_diverges_stops_at_the_first_non_finite_step(workdi
     assert [p.name for p in rd.exports()] == [f"step_{s}" for s in range(1, bad)]
     if bad > 1:  # the bad step computed on the last checkpoint's weights: resuming it fails whatever the rate
         assert f"this step computes on the weights of the last checkpoint, step_{bad - 1}, so resuming it" in line
+        earlier = "no earlier checkpoint is kept" if bad == 2 else f"resume step_{bad - 2}, the newest kept before it"
+        assert earlier in line
     start_over = f"lctrain train --config {run_dir / 'config.yaml'} --set train.lr=1e+29 --force"
-    assert line.endswith(f"start over with a lower train.lr, e.g. '{start_over}'")
+    assert f"start over with a lower train.lr, e.g. '{start_over}'" in line
 
 
 def test_an_injected_nan_loss_names_the_step_and_keeps_the_checkpoint_before_it(workdir, tmp_path, monkeypatch):
@@ -145,7 +147,9 @@ def test_an_injected_nan_loss_names_the_step_and_keeps_the_checkpoint_before_it(
     run_dir = tmp_path / "run"
     line = one_error_line(train(workdir, run_dir, ["checkpoint.every_steps=5", "checkpoint.hf_last=0"]), code=1)
     assert line.startswith("error: step 7: the loss is nan;")
-    assert f"the last checkpoint is step_5: lower train.lr in {run_dir / 'config.yaml'}" in line
+    assert line.endswith(
+        f"the last checkpoint is step_5: lower train.lr in {run_dir / 'config.yaml'}, then 'lctrain resume {run_dir}'"
+    )
     rd = RunDir(run_dir)
     assert [r["step"] for r in rd.read_metrics()] == list(range(1, 7))
     assert [p.name for p in ckpt.complete_checkpoints(rd)] == ["step_5"]

@@ -676,27 +676,34 @@ def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -
         return
     step = step_index + 1
     last = ckpt.latest_checkpoint(rd)
-    rose = loss_rise(rd.read_metrics(), step_of(last)) if last is not None else None
+    # a checkpoint's weights are judged by the loss of the step after it, computed on them
+    rose = loss_rise(rd.read_metrics(), step_of(last) + 1) if last is not None else None
     lower = cited(lower_rate_start_over(rd, cfg))
+    resume = cited(f"lctrain resume {quote(str(rd))}")
+    earlier = [p.name for p in ckpt.complete_checkpoints(rd) if last is not None and step_of(p) < step_of(last)]
+    instead = (
+        f"resume {earlier[-1]}, the newest kept before it (write its name into {rd.checkpoints / ckpt.LATEST}, lower "
+        f"train.lr in {rd.config_file}, then {resume})"
+        if earlier
+        else "no earlier checkpoint is kept"
+    )
     if last is None:
         then = f"no checkpoint was written before it: start over with a lower train.lr, e.g. {lower}"
     elif rose is not None:
         at, best, best_step = rose
         then = (
-            f"the last checkpoint, {last.name}, had diverged already (loss {at:.4g} at its step, {best:.4g} at step "
-            f"{best_step}), so resuming it diverges again: start over with a lower train.lr, e.g. {lower}, or "
-            f"resume an earlier checkpoint if one is kept (write its name into {rd.checkpoints / ckpt.LATEST})"
+            f"the last checkpoint, {last.name}, had diverged already (loss {at:.4g} at step {step_of(last) + 1}, "
+            f"computed on its weights; {best:.4g} at step {best_step}), so resuming it diverges again whatever the "
+            f"rate: start over with a lower train.lr, e.g. {lower}, or {instead}"
         )
     elif step_of(last) == step - 1:
         # the step's loss and gradient are computed on the checkpoint's weights, before any rate of its own applies
         then = (
             f"this step computes on the weights of the last checkpoint, {last.name}, so resuming it fails here again "
-            f"whatever the rate: resume an earlier checkpoint if one is kept (write its name into "
-            f"{rd.checkpoints / ckpt.LATEST}, then lower train.lr in {rd.config_file} and 'lctrain resume {rd}'), or "
-            f"start over with a lower train.lr, e.g. {lower}"
+            f"whatever the rate: start over with a lower train.lr, e.g. {lower}, or {instead}"
         )
     else:
-        then = f"the last checkpoint is {last.name}: lower train.lr in {rd.config_file}, then 'lctrain resume {rd}'"
+        then = f"the last checkpoint is {last.name}: lower train.lr in {rd.config_file}, then {resume}"
     lr = learning_rate(step_index, cfg.train)
     raise RunFailed(
         f"step {step}: the {' and the '.join(bad)}; training stopped without logging or saving this step. "
