@@ -19,6 +19,7 @@ from lctrain.attention import make_batch
 from lctrain.cli import app
 from lctrain.config import load_config
 from lctrain.diagnostics.check_sp import allowed_processes, logit_diff, synthetic_window
+from lctrain.errors import UserError
 
 SEQ_LEN, HIDDEN, INTERMEDIATE, LAYERS = 128, 64, 128, 2
 ARCH = (
@@ -178,6 +179,9 @@ def test_the_processes_default_to_the_configs_sequence_parallel(monkeypatch):
     assert check_config(sp4, None, None).parallel.sequence_parallel == 4
     assert check_config(sp4, 2, None).parallel.sequence_parallel == 2  # --nproc given: it
     assert check_config(load_config(None, OVERRIDES), None, None).parallel.sequence_parallel == 2
+    monkeypatch.setattr("lctrain.diagnostics.check_sp.allowed_processes", lambda: 2)
+    with pytest.raises(UserError, match=r"^parallel.sequence_parallel = 4 \(--nproc's default\): this machine has 2"):
+        check_config(sp4, None, None)
 
 
 def test_a_window_of_one_document_is_said_not_to_tell_the_modes_apart(tmp_path, monkeypatch, capsys):

@@ -142,7 +142,8 @@ def test_step_line_formats_a_record():
     )
     assert "mfu=n/a%" in step_line({**record, "mfu": None}, 100, None)
     # five significant digits whatever the value (the loss has four decimals): a column of norms lines up
-    for norm, text in [(1.0030182, "1.0030"), (0.98419, "0.98419"), (44.368, "44.368"), (447.918, "447.92")]:
+    norms = [(1.0030182, "1.0030"), (0.98419, "0.98419"), (44.368, "44.368"), (447.918, "447.92"), (17232.4, "17232")]
+    for norm, text in norms:
         assert f" grad_norm={text} " in step_line({**record, "grad_norm": norm}, 100, None)
 
 

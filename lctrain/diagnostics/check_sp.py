@@ -111,14 +111,16 @@ def allowed_processes() -> int:
 def check_config(cfg: Config, nproc: int | None, dtype: str | None) -> Config:
     """`cfg` laid out for a P-process Ulysses run of one window, refusing what cannot run before any process
     starts. `nproc` None: the config's own parallel.sequence_parallel where it has one, else 2."""
+    given = f"--nproc {nproc}"
     if nproc is None:
         nproc = max(cfg.parallel.sequence_parallel, 2)
+        given = f"parallel.sequence_parallel = {nproc} (--nproc's default)"
     if nproc < 2:
-        raise UserError(f"--nproc {nproc}: sequence parallelism needs at least 2 processes")
+        raise UserError(f"{given}: sequence parallelism needs at least 2 processes")
     allowed = allowed_processes()
     if nproc > allowed:
         where = "GPUs" if torch.cuda.is_available() else "CPU cores available to this process"
-        raise UserError(f"--nproc {nproc}: this machine has {allowed} {where}; use --nproc <= {allowed}")
+        raise UserError(f"{given}: this machine has {allowed} {where}; use --nproc <= {allowed}")
     layout = [f"parallel.nproc_per_node={nproc}", f"parallel.sequence_parallel={nproc}", "parallel.num_nodes=1"]
     cfg = with_overrides(cfg, layout + ([f"model.dtype={dtype}"] if dtype else []), f"--nproc {nproc}")
     shape = ModelShape.from_hf_config(load_hf_config(cfg))

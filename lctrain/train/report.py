@@ -52,7 +52,7 @@ def step_line(record: dict, total_steps: int, eta_s: float | None) -> str:
             f"step={record['step']}/{total_steps}",
             f"loss={loss_text(record['loss'])}",
             f"lr={record['lr']:.3e}",
-            f"grad_norm={_optional(record['grad_norm'], '#.5g')}",  # 5 digits always: 1.0030, not 1.003
+            f"grad_norm={_optional(record['grad_norm'], '#.5g').removesuffix('.')}",  # 5 digits: 1.0030, not 1.003
             f"tokens_per_s={record['tokens_per_s']:.0f}",
             f"mfu={_optional(record['mfu'] * 100 if record['mfu'] is not None else None, '.1f')}%",
             f"peak_mem_gb={record['peak_mem_gb']:.2f}",
