@@ -2,6 +2,7 @@
 (a full disk at the last step) loses no step of the run; the directories both go into are checked before the first
 step; a failed write says which of the two failed, the remedy for its cause, and what continues the run."""
 
+import contextlib
 import errno
 import json
 import os
@@ -250,3 +251,31 @@ def test_a_checkpoint_failing_on_a_full_disk_leaves_no_partial_one(data_dir, tmp
     assert line.startswith(f"error: {run_dir}: cannot write the step 4 resume checkpoint (No space left on device)")
     assert sorted(p.name for p in rd.checkpoints.iterdir()) == sorted(["step_2", ckpt.LATEST])
     assert rd.read_sessions()[-1]["outcome"] == "failed"
+
+
+def test_a_failed_writes_file_is_closed_before_its_checkpoint_is_removed(tmp_path):
+    """A write that failed holds its file open from its frame while the error lives, so removing it freed no space
+    on a full disk (a 40 MB tmpfs stayed full and sessions.jsonl got no outcome); the frames are cleared first."""
+    path = tmp_path / "mp_rank_00_model_states.pt"
+
+    def open_files() -> list[str]:
+        links = []
+        for n in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+                links.append(os.readlink(f"/proc/self/fd/{n}"))
+        return links
+
+    def write_until_full():
+        f = open(path, "wb")  # noqa: SIM115 - held open by the frame, as torch.save's zip writer is
+        f.write(b"x")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    try:
+        try:
+            write_until_full()
+        except OSError as cause:
+            raise UserError("cannot write the resume checkpoint") from cause
+    except UserError as e:
+        assert str(path) in open_files()
+        ckpt._release_files(e)
+        assert str(path) not in open_files()
