@@ -203,10 +203,8 @@ def quiet_gguf_conversion():
 _ROPE_TOP_LEVEL_KEYS = ("rope_theta", "partial_rotary_factor")
 # 4.x's GPT-NeoX configs (Pythia) read their own names, and set `rope_theta` from them over a top-level one (4.57's
 # GPTNeoXConfig: `self.rope_theta = rotary_emb_base`, default 10000; `partial_rotary_factor = rotary_pct`, 0.25).
-_ROPE_4X_NAMES = {
-    "gpt_neox": {"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"},
-    "gpt_neox_japanese": {"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"},
-}
+_NEOX_NAMES = {"rope_theta": "rotary_emb_base", "partial_rotary_factor": "rotary_pct"}
+_ROPE_4X_NAMES = {"gpt_neox": _NEOX_NAMES, "gpt_neox_japanese": _NEOX_NAMES}
 _BASE_KEYS = ("rope_theta", "rotary_emb_base")
 
 

@@ -680,7 +680,7 @@ def check_finite(result: StepResult, step_index: int, cfg: Config, rd: RunDir) -
     rose = loss_rise(rd.read_metrics(), step_of(last) + 1) if last is not None else None
     lower = cited(lower_rate_start_over(rd, cfg))
     resume = cited(f"lctrain resume {quote(str(rd))}")
-    earlier = [p.name for p in ckpt.complete_checkpoints(rd) if last is not None and step_of(p) < step_of(last)]
+    earlier = [p.name for p in ckpt.complete_checkpoints(rd) if step_of(p) < step_of(last)] if last else []
     instead = (
         f"resume {earlier[-1]}, the newest kept before it (write its name into {rd.checkpoints / ckpt.LATEST}, lower "
         f"train.lr in {rd.config_file}, then {resume})"
