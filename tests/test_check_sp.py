@@ -180,7 +180,7 @@ def test_the_processes_default_to_the_configs_sequence_parallel(monkeypatch):
     assert check_config(sp4, 2, None).parallel.sequence_parallel == 2  # --nproc given: it
     assert check_config(load_config(None, OVERRIDES), None, None).parallel.sequence_parallel == 2
     monkeypatch.setattr("lctrain.diagnostics.check_sp.allowed_processes", lambda: 2)
-    with pytest.raises(UserError, match=r"^parallel.sequence_parallel = 4 \(--nproc's default\): this machine has 2"):
+    with pytest.raises(UserError, match=r"^4 processes \(--nproc's default: the config's parallel.sequence_parallel"):
         check_config(sp4, None, None)
 
 

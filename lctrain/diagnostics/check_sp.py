@@ -114,7 +114,7 @@ def check_config(cfg: Config, nproc: int | None, dtype: str | None) -> Config:
     given = f"--nproc {nproc}"
     if nproc is None:
         nproc = max(cfg.parallel.sequence_parallel, 2)
-        given = f"parallel.sequence_parallel = {nproc} (--nproc's default)"
+        given = f"{nproc} processes (--nproc's default: the config's parallel.sequence_parallel, at least 2)"
     if nproc < 2:
         raise UserError(f"{given}: sequence parallelism needs at least 2 processes")
     allowed = allowed_processes()
@@ -124,7 +124,7 @@ def check_config(cfg: Config, nproc: int | None, dtype: str | None) -> Config:
     layout = [f"parallel.nproc_per_node={nproc}", f"parallel.sequence_parallel={nproc}", "parallel.num_nodes=1"]
     cfg = with_overrides(cfg, layout + ([f"model.dtype={dtype}"] if dtype else []), f"--nproc {nproc}")
     shape = ModelShape.from_hf_config(load_hf_config(cfg))
-    kv_replication(shape.heads, shape.kv_heads, nproc, f"{cfg.source_file or 'config'} with --nproc {nproc}")
+    kv_replication(shape.heads, shape.kv_heads, nproc, f"{cfg.source_file or 'config'} with {given}")
     layout_of(cfg, nproc)
     return cfg
 
