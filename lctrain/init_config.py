@@ -525,9 +525,11 @@ def render(
     why_tokenizer: str,
     wandb: tuple[str, str],
     exclude: Exclude,
+    command: str,
     why_engine: str | None = None,
 ) -> str:
-    """The YAML text of `raw` with comments saying where each choice comes from."""
+    """The YAML text of `raw` with comments saying where each choice comes from; `command`: the `lctrain init`
+    command line that writes it again."""
     d, m, t, p = raw["data"], raw["model"], raw["train"], raw["parallel"]
     cfg = validate(raw, "lctrain init")  # the config the text writes, for the quantities it derives
     gpus = cfg.parallel.world
@@ -575,8 +577,7 @@ def render(
         if p["num_nodes"] > 1
         else ""
     )
-    return f"""# Written by `lctrain init --model {base.name_or_path} --seq-len {d["seq_len"]} --gpus {gpus} --mode \
-{raw["attention"]["mode"]}`:
+    return f"""# Written by `{command}`:
 # the paper's recipe (AnchorAttention, arXiv 2411.13476, section 4.1) adapted to this model. Check it with
 #   lctrain show-config -c THIS_FILE  and  lctrain plan -c THIS_FILE --gpu-mem GB_PER_GPU
 # then run  lctrain prepare -c THIS_FILE  and  lctrain train -c THIS_FILE  (docs/training.md).
@@ -692,6 +693,7 @@ def init_config(
     if path.exists() and not force:
         raise UserError(f"{path} exists; choose another --out or pass --force to overwrite it")
     theta, why_theta = rope_base(base.positions.rope_theta, seq_len)
+    command = init_command(model, seq_len, gpus, mode, gpu_mem_gb, host_mem_gb, gpus_per_node, tokenizer, data)
     tokenizer, why_tokenizer = choose_tokenizer(base, tokenizer)
     # planned within the share of memory under which `train` starts without a memory warning
     budget = memory.planned()
@@ -716,6 +718,7 @@ def init_config(
         why_tokenizer,
         wandb_mode(),
         paper_exclude(base),
+        command,
         why_engine,
     )
     cfg = validate(load_yaml(text), str(path))  # what is written is what was planned, checked as train would
@@ -727,6 +730,34 @@ def init_config(
     except OSError as e:
         raise UserError(f"--out {path}: cannot write the config ({e.strerror})") from None
     return path, cfg, layout
+
+
+def init_command(
+    model: str,
+    seq_len: int,
+    gpus: int,
+    mode: str,
+    gpu_mem_gb: float,
+    host_mem_gb: float,
+    gpus_per_node: int,
+    tokenizer: str | None,
+    data: str | None,
+) -> str:
+    """The `lctrain init` command line with every option the plan depends on, the memory sizes among them: rerun on
+    another machine, the defaults (80 GB GPUs) would plan another layout."""
+    words = [
+        "lctrain init",
+        f"--model {quote(model)}",
+        f"--seq-len {seq_len}",
+        f"--gpus {gpus}",
+        f"--mode {mode}",
+        f"--gpu-mem {gpu_mem_gb:g}",
+        f"--host-mem {host_mem_gb:g}",
+        f"--gpus-per-node {gpus_per_node}",
+    ]
+    words += [f"--tokenizer {quote(tokenizer)}"] if tokenizer else []
+    words += [f"--data {quote(data)}"] if data else []
+    return " ".join(words)
 
 
 def summary(path: Path, cfg: Config, layout: Layout) -> str:

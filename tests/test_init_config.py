@@ -4,6 +4,7 @@ the bundled configs of the model leave out, and the first layout in init's order
 says fits (every earlier one does not). Bad input is one line."""
 
 import math
+import shlex
 
 import pytest
 import yaml
@@ -501,6 +502,27 @@ def test_your_own_corpus_is_written_as_the_local_source(tiny_dir, tmp_path, monk
     cfg = load_config("mine.yaml")
     assert (cfg.data.source, cfg.data.path) == ("local", "corpus")
     assert "# your corpus (--data)" in (tmp_path / "mine.yaml").read_text()
+
+
+def test_the_header_command_writes_the_same_config_again(tiny_dir, tmp_path, monkeypatch):
+    """The header's command carries every option the plan read: run as written (the memory sizes among them, which
+    changed the layout here), it writes the same file; without --gpu-mem it planned for 80 GB."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my corpus").mkdir()
+    (tmp_path / "my corpus" / "a.jsonl").write_text('{"text": "one"}\n')
+    args = ["--model", str(tiny_dir), "--seq-len", "131072", "--gpus", "2", "--gpu-mem", "4", "--host-mem", "64"]
+    r = run_init(*args, "--data", "my corpus", "--out", "first.yaml")
+    assert r.exit_code == 0, r.output
+    first = (tmp_path / "first.yaml").read_text()
+    command = first.splitlines()[0].removeprefix("# Written by `").removesuffix("`:")
+    words = shlex.split(command)
+    assert words[:2] == ["lctrain", "init"] and "--gpu-mem" in words
+    r = run_init(*words[2:], "--out", "again.yaml")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "again.yaml").read_text() == first
+    r = run_init(*args[:6], "--data", "my corpus", "--out", "d.yaml")
+    assert r.exit_code == 0, r.output
+    assert (load_config("d.yaml").parallel.zero_stage, load_config("first.yaml").parallel.zero_stage) == (1, 2)
 
 
 def test_an_existing_file_is_kept_without_force(tiny_dir, tmp_path):
