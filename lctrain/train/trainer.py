@@ -506,7 +506,12 @@ class Trainer:
             profiler.before(step_index)
             result, seconds = timed(lambda i=step_index: self.train_step(self.read_windows(packed, i)), topo.device)
             profiler.after(step_index)
-            check_finite(result, step_index, cfg, self.run_dir)
+            try:
+                check_finite(result, step_index, cfg, self.run_dir)
+            except RunFailed:
+                if self.diverged_at is None:  # the session's record says so, as metrics.jsonl would have
+                    self.diverged_at = step_index + 1
+                raise
             peak_mem = largest_peak_bytes(topo.device)
             self.state.step = step_index + 1
             if logger is not None:
