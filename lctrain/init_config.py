@@ -276,10 +276,11 @@ def _selective_layouts(raw: dict, layout: Layout, shape: ModelShape, gpus: int) 
 
 def choose_checkpointing(
     raw: dict, layout: Layout, shape: ModelShape, budget: Budget, gpus: int
-) -> tuple[dict, Layout, str]:
+) -> tuple[dict, Layout, str, str]:
     """Selective checkpointing when a plan with it fits `budget` on the layout chosen with whole-layer
     checkpointing, or on the first of `_selective_layouts` where it does; else `raw` as it is. The config, its layout
-    with the planned needs, and the YAML comment that says why. Selective keeps each layer's attention output, so the
+    with the planned needs, the YAML comment that says why, and what selective changed of the layout ('' when
+    nothing, else e.g. 'sequence parallel 2'). Selective keeps each layer's attention output, so the
     backward does not rerun attention: the 1B model's full-attention step at 64K took 3.68 s against 4.31 s with
     whole layers on one H100 (docs/performance.md)."""
     cfg = validate(raw, "lctrain init")
@@ -296,7 +297,7 @@ def choose_checkpointing(
             new, old = _changes(layout, sp, zero)
             at = f" at {new} ({old} fits only whole layers)" if new else ""
             why = f"selective{at}: the backward does not rerun attention; each layer's attention output is kept"
-            return selective, chosen, why
+            return selective, chosen, why, new
     # the nearest to fit names what selective would need
     sp, zero, fix = min(tried, key=lambda t: max(t[2].device / budget.device, t[2].host / budget.host))
     new, _ = _changes(layout, sp, zero)
@@ -311,6 +312,7 @@ def choose_checkpointing(
         layout,
         f"full: selective (the backward would not rerun attention) needs {need}{at}, over init's budget of {limit} "
         f"({budget.label})",
+        "",
     )
 
 
@@ -520,6 +522,7 @@ def render(
     layout: Layout,
     why_theta: str,
     why_checkpointing: str,
+    moved: str,
     budget: Budget,
     tried: int,
     why_tokenizer: str,
@@ -558,6 +561,9 @@ def render(
         "\n  # memory, copied out and back beside the compute\n  offload_activations: true"
         if layout.offload_activations
         else ""
+    )
+    moved_note = (
+        f",\n  # then {moved}, the first where selective checkpointing fits (model.checkpointing)" if moved else ""
     )
     changes = model_changes(base, cfg)
     changed = (
@@ -631,7 +637,7 @@ parallel:
   # The first layout that fits (lctrain plan, {budget.label}; {tried} tried, in
   # order: without tiled MLP and activation offload before with, no optimizer offload before it, sequence-parallel
   # groups within a node before groups across nodes, the lowest ZeRO stage, the sequence-parallel sizes that keep
-  # the paper's batch before the others, smallest first):
+  # the paper's batch before the others, smallest first){moved_note}:
   # {layout.device_bytes / GB:.1f} GB per GPU, {layout.host_bytes / GB:.1f} GB of host memory per node.
   # Ulysses sequence parallel over {layout.sequence_parallel} GPU(s): {s.heads // layout.sequence_parallel} query \
 heads and {d["seq_len"] // layout.sequence_parallel:,} tokens per rank.
@@ -706,13 +712,14 @@ def init_config(
     recipe = _recipe(base, seq_len, per_node, mode, name, theta, tokenizer, data, engine)
     layout, tried = choose_layout(recipe, base.shape, budget, gpus)
     raw = _with_layout(recipe, layout, gpus)
-    raw, layout, why_checkpointing = choose_checkpointing(raw, layout, base.shape, budget, gpus)
+    raw, layout, why_checkpointing, moved = choose_checkpointing(raw, layout, base.shape, budget, gpus)
     text = render(
         base,
         raw,
         layout,
         why_theta,
         why_checkpointing,
+        moved,
         budget,
         tried,
         why_tokenizer,

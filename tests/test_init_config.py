@@ -194,6 +194,10 @@ def test_selective_checkpointing_where_it_fits(
     p = cfg.parallel
     assert (p.zero_stage, p.sequence_parallel, cfg.model.checkpointing) == (zero, sp, checkpointing)
     assert comment in comments(out.read_text()) and f"ZeRO-{zero}, sequence parallel {sp}," in r.output
+    # the parallel section says the layout moved from the first that fits, and to what
+    moved = comment.removeprefix("selective at ").split(" (")[0] if comment.startswith("selective at ") else None
+    then = "the first where selective checkpointing fits (model.checkpointing)"
+    assert (f"then {moved}, {then}" in comments(out.read_text())) if moved else then not in out.read_text()
     assert_first_that_fits(cfg, model_shape(cfg))
 
 
