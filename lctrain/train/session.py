@@ -81,9 +81,10 @@ def software_note(previous: dict | None, now: dict) -> str | None:
 
 def session_end(end_step: int, error: BaseException | None, diverged_at: int | None = None) -> dict:
     """The fields that complete a session's record: `ended`, `end_step` (the last step reached), `diverged` (whether the
-    run's loss had diverged by its end, in this session or an earlier one: metrics.jsonl's `diverged`, or the loss of
-    the step the run stopped at was not a number) with the step it diverged at in `diverged_at`, and `outcome`:
-    finished, stopped by SIGTERM, interrupted (Ctrl-C) or failed, the last with the error's first line in `error`."""
+    run's loss had diverged by its end, in this session or an earlier one: metrics.jsonl's `diverged`, or the run
+    stopped at a step whose loss or gradient norm was not a number) with the step it diverged at in `diverged_at`, and
+    `outcome`: finished, stopped by SIGTERM, interrupted (Ctrl-C) or failed, the last with the error's first line in
+    `error`."""
     end = {"ended": now(), "end_step": end_step, "diverged": diverged_at is not None}
     if diverged_at is not None:
         end["diverged_at"] = diverged_at
