@@ -158,8 +158,10 @@ def reference_tokens(tok, docs):
 def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words, capsys):
     docs = make_docs(words, 120)
     src = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    src.write_text('{not json\n{"text": ""}\n' + src.read_text())  # skipped, and no document read ahead
     data = open_packed(prepare(cfg_for(tmp_path / "out", source=src)))
     m = data.manifest
+    assert m.skipped["counts"] == {"malformed_json": 1, "empty_text": 1}
     assert len(data) == m.num_windows == 100 and m.num_tokens == 12800
     check_layout(data, tok)
     ref = reference_tokens(tok, docs)
@@ -177,17 +179,18 @@ def test_round_trip_no_token_lost_or_duplicated(tmp_path, tok, words, capsys):
     assert (
         ahead > 0
         and (
-            f"wrote 100 windows (12,800 tokens, {len(started):,} documents; {ahead:,} more documents read into the "
-            f"shuffle buffer were not needed) to "
+            f"wrote 100 windows (12,800 tokens, {len(started):,} documents; {ahead:,} more documents read ahead were "
+            f"not needed) to "
         )
         in capsys.readouterr().out
     )
 
 
-def test_source_shorter_than_budget_finishes_with_what_there_is(tmp_path, tok, words):
+def test_source_shorter_than_budget_finishes_with_what_there_is(tmp_path, tok, words, capsys):
     docs = make_docs(words, 30, seed=1)
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     data = open_packed(prepare(cfg_for(tmp_path / "out", "data.token_budget=1000000", source=src)))
+    assert "more documents read" not in capsys.readouterr().out  # the unfinished window is the tail, not read ahead
     m = data.manifest
     ref = reference_tokens(tok, docs)
     total = sum(len(ids) + 1 for ids, _ in ref)  # anchors included

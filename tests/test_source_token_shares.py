@@ -73,6 +73,22 @@ def test_written_tokens_follow_the_asked_shares(tmp_path, corpus, capsys):
     assert "per source (asked -> achieved): short token_share 0.5000 -> " in said
 
 
+def test_a_document_cut_to_its_share_is_counted_by_its_whole_length(tmp_path, corpus, capsys):
+    """Figure 8 counts documents by their whole length: a long document the share cuts short is no short one. The
+    last line's documents read ahead are those read and neither packed nor left out by the shares."""
+    book = tmp_path / "book.jsonl"  # ~1,500 tokens a document, 1-2K in the histogram: its share takes ~2.2 of them
+    book.write_text("".join(json.dumps({"text": f"book{i} " + "word " * 1500}) + "\n" for i in range(20)))
+    shares = {"short": 0.8, "book": 0.2}
+    path = prepare(cfg_of(tmp_path, {**corpus, "book": book}, "token_share", shares, "cut"))
+    m = open_packed(path).manifest
+    assert m.mixture_dropped["source_share_cut_tokens"] > 0  # a book was cut to fit its share
+    books = m.stats["domains"]["book"]["documents"]
+    assert m.stats["length_histogram"]["per_domain"]["book"] == [0, books, 0, 0, 0, 0, 0, 0, 0]
+    ahead = m.source["documents_read"] - m.stats["documents"] - m.mixture_dropped["source_share_full"]
+    said = " ".join(capsys.readouterr().out.split())
+    assert ahead > 0 and f"{m.stats['documents']:,} documents; {ahead:,} more documents read ahead were not" in said
+
+
 @pytest.mark.slow  # a second prepare
 def test_weights_alone_do_not_give_token_shares(tmp_path, corpus):
     """The same proportions as draw weights give the long documents far more than their share of the tokens."""

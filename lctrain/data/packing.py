@@ -92,6 +92,11 @@ class Packer:
         """Tokens in the window being filled (lost if the stream ends before it is full)."""
         return self._filled
 
+    @property
+    def pending_documents(self) -> int:
+        """Documents that begin in the window being filled."""
+        return len(self._starts)
+
     def pending_by_domain(self) -> dict[int, int]:
         """`filled` per domain: the tokens (anchors and tags included) of the window being filled."""
         out: dict[int, int] = {}
@@ -133,9 +138,11 @@ class Packer:
         self._reset()
         return out
 
-    def add(self, tokens: np.ndarray, domain: int, source: int = 0) -> list[PackedWindow]:
+    def add(self, tokens: np.ndarray, domain: int, source: int = 0, length: int | None = None) -> list[PackedWindow]:
         """Pack one document (of `data.sources` index `source`); return the windows it completed (possibly none,
-        possibly several). `placed` is then the tokens it took, its anchors and tags in every window included."""
+        possibly several). `placed` is then the tokens it took, its anchors and tags in every window included.
+        `length`: the document's whole length where `tokens` is its start only (a token share's cut), which
+        `doc_starts` records, as Figure 8 counts each document by its whole length."""
         out = []
         header = self._header(domain)
         pos, n = 0, len(tokens)
@@ -147,7 +154,7 @@ class Packer:
             self._filled += min(room, len(header)) + take
             self.placed += min(room, len(header)) + take
             if take and pos == 0:
-                self._starts.append((domain, n))
+                self._starts.append((domain, n if length is None else length))
             pos += take
             if self._filled == self.seq_len:
                 out.append(self._emit(open_end=pos < n))
@@ -164,6 +171,9 @@ class ShuffleBuffer:
         self._items: list = []
         self._sizes: list[int] = []
         self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def _pop_random(self):
         i = int(self.rng.integers(len(self._items)))

@@ -355,6 +355,13 @@ class _Builder:
         self.released.extend(self.buffer.add((ids, domain, index), len(ids)))
         self._pump()
 
+    def unused_documents(self) -> int:
+        """Documents read past the budget, in no written window and dropped by no rule: those left in the shuffle
+        buffer or read with the last batch, and those packed into windows past the last one written. After the
+        source ended, the window being filled is its tail (`dropped_tail_tokens`), not read ahead."""
+        ahead = len(self.released) + len(self.buffer) + sum(len(pw.doc_starts) for pw in self.windows)
+        return ahead + self.packer.pending_documents if self.done else ahead
+
     def source_ended(self, batches: int) -> None:
         self.position = (batches, -1)
         self.released.extend(self.buffer.drain())
@@ -375,7 +382,7 @@ class _Builder:
                 continue
             take = self.shares.admit(source, 1 + tag_len, len(tokens))
             if take:
-                self.windows.extend(self.packer.add(tokens[:take], domain, source))
+                self.windows.extend(self.packer.add(tokens[:take], domain, source, length=len(tokens)))
                 self.shares.placed(source, self.packer.placed)
 
 
@@ -841,16 +848,10 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     _say_what_was_left_out(warnings, manifest, num_windows, cfg, left_out)
     _say_domains_left_out(warnings, d, builder)
     _say_share_misses(warnings, stats, manifest, bool(left_out))
-    # read past the budget to fill the shuffle buffer (counted as read, in no window and in no other count)
-    unused = (
-        manifest.source["documents_read"]
-        - stats["documents"]
-        - sum(read["skipped"]["counts"].values())
-        - sum(manifest.mixture_dropped.values())
-    )
+    # read past the budget (counted as read, in no window and in no other count), so "N docs read" adds up
     ahead = (
-        f"; {unused:,} more documents read into the shuffle buffer were not needed"
-        if unused > 0 and not resumed_shards
+        f"; {read['unused']:,} more documents read ahead were not needed"
+        if read["unused"] > 0 and not resumed_shards
         else ""
     )
     console.print(
@@ -1145,4 +1146,5 @@ def _read(
         **builder.counts,
         "exhausted": exhausted,
         "tail": {builder.domains[dom]: n for dom, n in sorted(tail.items())},
+        "unused": builder.unused_documents(),
     }
