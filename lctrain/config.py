@@ -1217,9 +1217,10 @@ def _blamed(err: ValidationError, source: str, overrides: list[str] | tuple[str,
         if key == k or key.startswith((k + ".", k + "[")):
             return f"--set {item}"
     # a rule across a section's fields (data.path is required with data.source local), or across sections: the
-    # --set in that section, or those the rule's message names
-    within = [f"--set {item}" for item, k in keys if (k.startswith(key + ".") if key else k in first["msg"])]
-    return ", ".join(within) if within else source
+    # --sets the rule's message names, else (a section's rule) every --set in that section
+    named = [f"--set {item}" for item, k in keys if k in first["msg"] and (not key or k.startswith(key + "."))]
+    within = [f"--set {item}" for item, k in keys if key and k.startswith(key + ".")]
+    return ", ".join(named or within) or source
 
 
 def check_on_this_machine(cfg: Config, cuda_available: bool) -> None:

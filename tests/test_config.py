@@ -119,6 +119,14 @@ def test_bad_values_name_file_key_and_allowed_values(override, expected, tmp_pat
     assert str(err.value).startswith(f"{path}: ")
 
 
+def test_a_sections_rule_names_the_set_it_is_about_not_its_neighbours():
+    """A rule across data's fields names the --set that gave the key its message names, not every --set of data (a
+    --set data.seed beside it was blamed too: data explorer)."""
+    with pytest.raises(UserError) as err:
+        load_config(None, ["data.seed=3", "data.short_doc_tokens=10", "train.steps=2"])
+    assert str(err.value).startswith("--set data.short_doc_tokens=10: data: data.short_doc_tokens down-sample")
+
+
 def test_bad_override_syntax_and_missing_config():
     with pytest.raises(UserError, match="expected KEY=VALUE"):
         load_config(None, ["data.seq_len"])
