@@ -437,7 +437,8 @@ def test_config_task_names_are_checked():
         ('{"input": "x", "outputs": []}\n', "validation.jsonl:1: 'outputs' must be a non-empty list of strings"),
         ('["x", "a"]\n', "validation.jsonl:1: a list, not a JSON object"),
         ('{"input": "x", "outputs": ["a"], "answer_prefix": 3}\n', "'answer_prefix' must be a string"),
-        ('{"input": "x", "outputs": ["a"], "length": "long"}\n', "'length' must be an integer"),
+        ('{"input": "x", "outputs": ["a"], "length": "long"}\n', "'length' must be a positive integer"),
+        ('{"input": "x", "outputs": ["a"], "length": 0}\n', "validation.jsonl:1: 'length' must be a positive integer"),
         (b'{"input": "\xff", "outputs": ["a"]}\n', "validation.jsonl: not UTF-8 text"),
     ],
 )

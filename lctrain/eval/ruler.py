@@ -139,8 +139,8 @@ def _record(path: Path, lineno: int, line: str) -> dict:
         raise UserError(f"{where}: 'outputs' must be a non-empty list of strings (the expected answers)")
     if not isinstance(rec.get("answer_prefix", ""), str):
         raise UserError(f"{where}: 'answer_prefix' must be a string")
-    if "length" in rec and (isinstance(rec["length"], bool) or not isinstance(rec["length"], int)):
-        raise UserError(f"{where}: 'length' must be an integer token count")
+    if "length" in rec and (isinstance(rec["length"], bool) or not isinstance(rec["length"], int) or rec["length"] < 1):
+        raise UserError(f"{where}: 'length' must be a positive integer token count (RULER's tokens of the sample)")
     return rec
 
 
