@@ -1231,6 +1231,14 @@ def check_on_this_machine(cfg: Config, cuda_available: bool) -> None:
     )
 
 
+def schema_defaults(overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The schema's defaults with `overrides` and no config file (what a bare model directory is evaluated under),
+    knowing which `--set` items gave what (`Config.overridden`)."""
+    cfg = validate(apply_overrides({}, overrides), "--set", overrides=overrides)
+    cfg._overrides = tuple(overrides)
+    return cfg
+
+
 def load_config(name_or_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a config by path or bundled name (default: the embedded tiny CPU config), apply overrides, validate."""
     if name_or_path is not None and not name_or_path.strip():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from eval_helpers import random_checkpoints, tiny_arch
+from train_helpers import one_error_line
 from transformers import AutoModelForCausalLM, GenerationConfig
 from typer.testing import CliRunner
 
@@ -203,6 +204,29 @@ def test_model_dir_and_out(run_dir, tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["kind"] == "model" and results["checkpoints"] == [f"step_{STEPS[1]}"]
     assert results["perplexity"]["note"].startswith("skipped")
+
+
+def test_a_model_directory_without_a_tokenizer_needs_one_named(run_dir, tmp_path):
+    """No tokenizer files and no config: the schema's default tokenizer is another model's (Mistral's 32,000 ids
+    for SmolLM2 scored 0 where its own scored 100: eval explorer), so it is refused; named, it is used."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    export = RunDir(run_dir).export(STEPS[1])
+    for f in export.iterdir():
+        if f.is_file() and not f.name.startswith(("tokenizer", "special_tokens", "export")):
+            shutil.copy(f, bare / f.name)
+    runner = CliRunner()
+    r = runner.invoke(app, ["eval", str(bare), "--lengths", "512", "--tasks", "vt", "--samples", "1"])
+    line = one_error_line(r)
+    assert line == (
+        f"error: {bare}: no tokenizer (tokenizer.json, tokenizer.model, tokenizer_config.json); copy the model's "
+        f"tokenizer files into it, or name its tokenizer: --set data.tokenizer=DIR_OR_HUB_NAME"
+    )
+    tokenizer = load_config(str(run_dir / "config.yaml")).data.tokenizer
+    args = ["eval", str(bare), "--lengths", "512", "--tasks", "vt", "--samples", "1", "--out", str(tmp_path / "o")]
+    r = runner.invoke(app, [*args, "--set", f"data.tokenizer={tokenizer}"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["checkpoints"] == ["bare"]
 
 
 def test_parse_lengths():

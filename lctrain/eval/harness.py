@@ -333,7 +333,7 @@ def run_harness(target, settings: HarnessSettings, out_dir: Path, device: str) -
     # one evaluation at a time writes into out_dir (`EvalLock`): two at once overwrote each other's harness.json
     with evaluating(target, out_dir):
         max_length = settings.max_length if settings.max_length is not None else target.cfg.data.seq_len
-        tokenizer = load_eval_tokenizer(target.checkpoints[0][1], target.cfg)
+        tokenizer = load_eval_tokenizer(target.checkpoints[0][1], target.cfg, target.tokenizer_fallback)
         anchor = eval_anchor(target.checkpoints[0][1], target.cfg, tokenizer)
         per_checkpoint: dict[str, dict[str, dict[str, float]]] = {}
         # the harness builds its requests inside simple_evaluate, so the bar counts requests answered, without a total

@@ -30,7 +30,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from lctrain.compat.transformers import load_errors, sdpa_refused
-from lctrain.config import Config, apply_overrides, load_config, validate
+from lctrain.config import Config, load_config, schema_defaults
 from lctrain.console import no_library_bars, plain_console
 from lctrain.errors import UserError, WriteFailed, remedy_of, writing
 from lctrain.eval import ruler
@@ -80,6 +80,9 @@ class Target:
     path: Path
     cfg: Config
     checkpoints: list[tuple[str, Path]] = field(default_factory=list)
+    # whether cfg's data.tokenizer may stand in for a checkpoint saved without one: a run's (it trained with it), or
+    # one the user named (--config, --set data.tokenizer); never the schema's default, another model's tokenizer
+    tokenizer_fallback: bool = True
 
 
 def parse_lengths(text: str, option: str = "--lengths") -> list[int]:
@@ -152,8 +155,9 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
         raise UserError(f"{path}: no such run or model directory")
     if _is_model_dir(path):
         verify_export(path, step_of(path))
-        cfg = load_config(config, overrides) if config else validate(apply_overrides({}, overrides), "--set")
-        return Target("model", path, cfg, [(path.name or str(path), path)])
+        cfg = load_config(config, overrides) if config else schema_defaults(overrides)
+        named = config is not None or cfg.overridden("data.tokenizer")
+        return Target("model", path, cfg, [(path.name or str(path), path)], tokenizer_fallback=named)
     rd = RunDir(path)
     if rd.is_run() or rd.exports_dir.is_dir():
         if not rd.is_run():
@@ -198,8 +202,9 @@ def _setting_path(cfg: Config, value: str | None) -> str | None:
     return str(cfg.resolve_path(value)) if value else None
 
 
-def load_eval_tokenizer(model_dir: Path, cfg: Config):
-    """The checkpoint's own tokenizer; a checkpoint saved without one falls back to the run's `data.tokenizer`."""
+def load_eval_tokenizer(model_dir: Path, cfg: Config, fallback: bool = True):
+    """The checkpoint's own tokenizer; a checkpoint saved without one falls back to `data.tokenizer` where `fallback`
+    (`Target.tokenizer_fallback`), else is refused: prompts in another tokenizer's ids score nothing."""
     if any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         # transformers on use: this module loads without it (start-up time)
         from transformers import AutoTokenizer
@@ -211,6 +216,11 @@ def load_eval_tokenizer(model_dir: Path, cfg: Config):
                 f"{model_dir}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                 f"restore its tokenizer files"
             ) from None
+    if not fallback:
+        raise UserError(
+            f"{model_dir}: no tokenizer ({', '.join(_TOKENIZER_FILES)}); copy the model's tokenizer files into it, or "
+            f"name its tokenizer: --set data.tokenizer=DIR_OR_HUB_NAME"
+        )
     return load_tokenizer(cfg.resolve_source(cfg.data.tokenizer))
 
 
@@ -833,7 +843,7 @@ def evaluate(
 
     # one evaluation at a time writes a report: two at once renamed each other's predictions away
     with evaluating(tgt, out_dir), eval_writes(out_dir), ExitStack() as reading:
-        tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg)
+        tokenizer = load_eval_tokenizer(tgt.checkpoints[0][1], tgt.cfg, tgt.tokenizer_fallback)
         anchor = eval_anchor(tgt.checkpoints[0][1], tgt.cfg, tokenizer)
         # before the task samples are made: a --ppl-data that is no dataset is refused at once
         heldout = select_heldout(tgt, ppl_data, tokenizer)
