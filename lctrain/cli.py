@@ -308,8 +308,16 @@ def show_config(
 @user_errors
 def eval_(
     target: Annotated[
-        str, typer.Argument(help="run directory (evaluates every hf/step_N/) or a Hugging Face model directory")
+        str,
+        typer.Argument(help="run directory (evaluates its latest --last hf/step_N/) or a Hugging Face model directory"),
     ],
+    last: Annotated[
+        int | None,
+        typer.Option(
+            help="a run's latest N evaluation checkpoints, scored and averaged; default 5 (the paper's), or all if "
+            "fewer"
+        ),
+    ] = None,
     ruler_data: Annotated[
         str | None,
         typer.Option(
@@ -381,7 +389,15 @@ def eval_(
         int | None, typer.Option(help="longest harness input in tokens; default data.seq_len")
     ] = None,
     harness_batch: Annotated[int, typer.Option(help="log-likelihood requests per forward pass")] = 1,
-    config: ConfigOpt = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="for a model directory: the config whose eval settings (and data.tokenizer) apply; default the "
+            "schema's defaults (docs/config.md: all 13 tasks at 4K-128K); a run directory uses its own config.yaml",
+        ),
+    ] = None,
     set_: SetOpt = None,
 ):
     """RULER scores per checkpoint and averaged over checkpoints (the paper's protocol), plus held-out perplexity:
@@ -401,12 +417,12 @@ def eval_(
             harness_max_len,
             harness_batch,
         )
-        evaluate_harness(resolve_target(target, config, list(set_ or [])), settings, out=out, device=device)
+        evaluate_harness(resolve_target(target, config, list(set_ or []), last), settings, out=out, device=device)
         return
     from lctrain.eval.runner import evaluate, parse_lengths
 
     evaluate(
-        resolve_target(target, config, list(set_ or [])),
+        resolve_target(target, config, list(set_ or []), last),
         lengths=parse_lengths(lengths) if lengths is not None else None,
         tasks=parse_names(tasks, "--tasks"),
         exclude=parse_names(exclude),

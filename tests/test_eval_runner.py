@@ -229,6 +229,50 @@ def test_a_model_directory_without_a_tokenizer_needs_one_named(run_dir, tmp_path
     assert json.loads((tmp_path / "o" / "results.json").read_text())["checkpoints"] == ["bare"]
 
 
+def test_a_run_is_scored_on_its_latest_checkpoints_the_papers_five(tmp_path):
+    """The paper averages RULER over its last five checkpoints (§4.2); a run with more exports (a wider hf_last, an
+    `lctrain export` of an earlier step) had every one averaged, unlike `lctrain report` (eval explorer)."""
+    run = tmp_path / "run"
+    steps = [2, 4, 6, 8, 10, 12, 14]
+    random_checkpoints(load_config(None, tiny_arch()), run, steps)
+    assert [c for c, _ in resolve_target(run).checkpoints] == [f"step_{s}" for s in steps[-5:]]
+    assert [c for c, _ in resolve_target(run, last=7).checkpoints] == [f"step_{s}" for s in steps]
+    assert [c for c, _ in resolve_target(run, last=1).checkpoints] == ["step_14"]
+    with pytest.raises(UserError, match=r"^--last 8: .* has 7 evaluation checkpoint\(s\) \(step_2, .*, step_14\); use"):
+        resolve_target(run, last=8)
+    with pytest.raises(UserError, match="^--last 0: average over at least 1 checkpoint"):
+        resolve_target(run, last=0)
+    with pytest.raises(UserError, match=r"is a model directory \(one checkpoint\), not a run directory"):
+        resolve_target(RunDir(run).export(14), last=1)
+
+
+def test_last_chooses_what_eval_scores_and_averages(run_dir, tmp_path):
+    r = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            str(run_dir),
+            "--last",
+            "1",
+            "--lengths",
+            "512",
+            "--tasks",
+            "vt",
+            "--samples",
+            "1",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert (
+        f"note: evaluating the latest 1 of the run's 2 checkpoints (step_{STEPS[1]}) and averaging over them, the "
+        f"paper's protocol (its last five, §4.2); step_{STEPS[0]} left out: --last 2 evaluates every one"
+    ) in " ".join(r.output.split())
+    results = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert results["checkpoints"] == [f"step_{STEPS[1]}"]
+
+
 def test_parse_lengths():
     assert parse_lengths("4k,8K,4096,128k") == [4096, 8192, 131072]
     with pytest.raises(UserError, match="not a length"):
@@ -259,6 +303,7 @@ def test_bad_input_exits_2_with_one_line(run_dir, tmp_path):
         ([str(run_dir), "--lengths", "256k"], "--lengths 262144: more than 4x the 256 positions step_30 was made"),
         ([str(run_dir), "--out", str(RunDir(run_dir).export(STEPS[0]))], "a model directory (it holds config.json)"),
         ([str(run_dir), "--anchor-prompts"], "--anchor-prompts: the offline suite's prompts start with the anchor"),
+        ([str(run_dir), "-c", "tiny_anchor"], "is a run directory, evaluated under its own config.yaml; change its"),
     ]
     for args, message in cases:
         r = runner.invoke(app, ["eval", *args])

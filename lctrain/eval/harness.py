@@ -1,5 +1,6 @@
 """`lctrain eval --harness`: the paper's Table 7 (LongBench, HellaSwag, MMLU) through EleutherAI's
-lm-evaluation-harness, on every evaluation checkpoint of a run, averaged over checkpoints like the RULER scores.
+lm-evaluation-harness, on the evaluation checkpoints `lctrain eval` scores (a run's latest `--last`), averaged over
+them like the RULER scores.
 
 The paper (§4.2, Table 7) reports "LongBench ICL", HellaSwag and MMLU to show that long-context training keeps the
 model's short-context abilities; Appendix E (Table 12) splits LongBench into its six categories. The harness owns the

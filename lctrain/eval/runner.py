@@ -149,11 +149,38 @@ def export_digest(directory: Path) -> str | None:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def resolve_target(target: str | Path, config: str | None = None, overrides: list[str] | tuple = ()) -> Target:
+def latest_exports(ckpts: list[tuple[str, Path]], last: int | None, run: Path) -> list[tuple[str, Path]]:
+    """The latest `last` of a run's exports (default the paper's 5, or all of fewer): those `eval` scores and
+    averages, as the paper averages RULER over its last five checkpoints (§4.2). A note names those left out."""
+    scoring.check_last(last)
+    n = scoring.DEFAULT_LAST if last is None else last
+    names = [name for name, _ in ckpts]
+    if n > len(ckpts) and last is not None:
+        raise UserError(
+            f"--last {n}: {run} has {len(ckpts)} evaluation checkpoint(s) ({', '.join(names)}); use --last "
+            f"{len(ckpts)} or fewer"
+        )
+    if n < len(ckpts):
+        print(
+            f"note: evaluating the latest {n} of the run's {len(ckpts)} checkpoints ({', '.join(names[-n:])}) and "
+            f"averaging over them, the paper's protocol (its last five, §4.2); {', '.join(names[:-n])} left out: "
+            f"--last {len(ckpts)} evaluates every one",
+            flush=True,
+        )
+    return ckpts[-n:]
+
+
+def resolve_target(
+    target: str | Path, config: str | None = None, overrides: list[str] | tuple = (), last: int | None = None
+) -> Target:
+    """What `target` names (a run directory or a model directory) with its config; of a run, the latest `last`
+    exports (`latest_exports`)."""
     path = Path(target)
     if not path.exists():
         raise UserError(f"{path}: no such run or model directory")
     if _is_model_dir(path):
+        if last is not None:
+            raise UserError(f"--last {last}: {path} is a model directory (one checkpoint), not a run directory")
         verify_export(path, step_of(path))
         cfg = load_config(config, overrides) if config else schema_defaults(overrides)
         named = config is not None or cfg.overridden("data.tokenizer")
@@ -162,7 +189,13 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
     if rd.is_run() or rd.exports_dir.is_dir():
         if not rd.is_run():
             raise UserError(f"{rd.config_file}: missing; a run directory written by `lctrain train` has one")
+        if config is not None:
+            raise UserError(
+                f"--config {config}: {path} is a run directory, evaluated under its own {rd.config_file.name}; change "
+                f"its eval settings with --set eval.KEY=VALUE"
+            )
         cfg = rd.read_config(overrides)
+        scoring.check_last(last)  # the arguments before the checkpoints' checks
         ckpts = find_checkpoints(rd)
         if not ckpts:
             # training's checkpoint module imports DeepSpeed's and torch's: on use, for this hint alone (start-up time)
@@ -174,7 +207,7 @@ def resolve_target(target: str | Path, config: str | None = None, overrides: lis
                 f"{path}/hf: no evaluation checkpoints (hf/step_N/ with config.json); they are written in "
                 f"the last checkpoint.hf_last steps of training, or pass a model directory instead{export}"
             )
-        return Target("run", path, cfg, ckpts)
+        return Target("run", path, cfg, latest_exports(ckpts, last, path))
     raise UserError(
         f"{path}: neither a run directory (config.yaml, hf/step_N/) nor a Hugging Face model directory (config.json)"
     )

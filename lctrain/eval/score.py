@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from statistics import mean
 
+from lctrain.errors import UserError
+
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
 
@@ -55,6 +57,15 @@ def settled(metric: str, answers: tuple[str, ...] | list[str], prediction: str) 
 def task_score(per_sample: list[float]) -> float:
     """A task's score at one length, in percent, rounded as RULER's summary.csv reports it."""
     return round(100.0 * mean(per_sample), 2)
+
+
+DEFAULT_LAST = 5  # the paper's five checkpoints over the last 50 steps (§4.2)
+
+
+def check_last(last: int | None) -> None:
+    """`--last N` of eval and report: at least one checkpoint."""
+    if last is not None and last < 1:
+        raise UserError(f"--last {last}: average over at least 1 checkpoint")
 
 
 def average_checkpoints(scores: dict[str, dict[str, dict[int, float]]]) -> dict[str, dict[int, float]]:

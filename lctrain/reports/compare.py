@@ -30,7 +30,6 @@ from lctrain.export_record import EXPORT_RECORD
 from lctrain.reports.trained_windows import Windows, trained_windows
 from lctrain.rundir import RunDir, step_of
 
-DEFAULT_LAST = 5  # the paper's five checkpoints over the last 50 steps (§4.2)
 RESULTS_FILE = "results.json"
 SPREAD = "std over seeds (sample standard deviation, n-1); rows compared by their seed ranges [min, max]"
 WITHIN, BEYOND, UNKNOWN = "within seed spread", "beyond seed spread", "single seed: spread unknown"
@@ -181,11 +180,6 @@ def _exports_against(run: RunDir, file: Path, results: dict) -> tuple[list[str],
     return [name for name in exports if name not in scored], gone
 
 
-def check_last(last: int | None) -> None:
-    if last is not None and last < 1:
-        raise UserError(f"--last {last}: average over at least 1 checkpoint")
-
-
 def _evaluated_checkpoints(run: Evaluated) -> list[str]:
     """The checkpoints `run`'s results scored, oldest first."""
     ckpts = [str(c) for c in run.results["checkpoints"]]
@@ -204,8 +198,8 @@ def averaged_checkpoints(runs: list[Evaluated], last: int | None) -> tuple[list[
     all of them. Where the shared checkpoints are not each run's own latest N (fewer than N, or earlier), they are
     averaged and a warning names what each run leaves out; where the runs share none, each is averaged over its own
     latest N, other training steps, and a warning names each run's."""
-    check_last(last)
-    n = DEFAULT_LAST if last is None else last
+    scoring.check_last(last)
+    n = scoring.DEFAULT_LAST if last is None else last
     evaluated = [_evaluated_checkpoints(r) for r in runs]
     for r, ckpts in zip(runs, evaluated):
         if n > len(ckpts) and last is not None:
@@ -493,7 +487,7 @@ def compare(runs: list[Evaluated], last: int | None = None) -> dict:
         "evaluation": {"_".join(keys): _setting(runs[0].results, keys) for keys, *_ in _EVALUATION},
         "lengths": {m: sorted({int(L) for row in rows for L in row[m]}) for m in METRICS},
         "last": last,
-        "default_last": DEFAULT_LAST,
+        "default_last": scoring.DEFAULT_LAST,
         # the checkpoints every run was averaged over; None when the runs share none (each run's are in `runs`)
         "checkpoints": chosen[0] if all(c == chosen[0] for c in chosen) else None,
         "spread": SPREAD,
@@ -811,7 +805,7 @@ def write_report(run_dirs: list[Path], out: Path, last: int | None = None, left_
     # matplotlib, via reports.plots, on use (start-up time)
     from lctrain.reports.plots import plot_report
 
-    check_last(last)  # before any run is read: the arguments first
+    scoring.check_last(last)  # before any run is read: the arguments first
     report = compare([read_evaluated(p) for p in run_dirs], last)
     report["warnings"] += [f"warning: left out of this report: {run}" for run in left_out]
     out = output_dir(Path(out))
