@@ -212,6 +212,28 @@ def test_two_ranks_continue_on_one(workdir, reference):
 
 
 @pytest.mark.slow
+def test_a_damaged_file_of_another_ranks_part_falls_back_on_every_rank(workdir, reference):
+    """2 ranks at ZeRO-3, rank 1's optimizer file of the last checkpoint truncated: ZeRO-3's load runs collectives,
+    and rank 1 failing inside them left rank 0 waiting for ever (resume explorer: a hang; a deleted file: a gloo
+    traceback). Every rank checks every file against the sizes the checkpoint recorded before any loads."""
+    run_dir = workdir / "z3_damaged"
+    run_cli_train(overrides, workdir, run_dir.name, ["parallel.nproc_per_node=2", "parallel.zero_stage=3"])
+    damaged = RunDir(run_dir).checkpoint(STEPS) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    size = damaged.stat().st_size
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    out = resume(run_dir, [f"train.steps={STEPS + 1}"])
+    assert (
+        f"warning: checkpoint step_{STEPS} is damaged ({damaged.name} has 1,000 bytes, not the {size:,} written); "
+        f"trying the one before it"
+    ) in out
+    assert f"warning: resuming from step_{STEPS // 2}" in out and len(losses(run_dir)) == STEPS + 1
+    # steps 3-4 trained again from step_2, as the uninterrupted run trained them
+    torch.testing.assert_close(
+        torch.tensor(losses(run_dir)[:STEPS]), torch.tensor(losses(reference)), rtol=LOSS_RTOL, atol=0
+    )
+
+
+@pytest.mark.slow
 def test_one_process_continues_on_two_ranks_with_sequence_parallelism(workdir, reference):
     """More GPUs, and the sequence split over them: 1 process (ZeRO-3) -> Ulysses SP 2 (ZeRO-3)."""
     run_dir = train_half(workdir, "one_to_sp2", ["parallel.zero_stage=3"])

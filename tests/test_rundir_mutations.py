@@ -179,8 +179,8 @@ RESUME = [
     ("checkpoints", swapped("mp_rank_00_model_states.pt"), r"error: .*no checkpoint could be loaded"),
     (f"{CK4}/rng_rank0.pt", deleted, r"warning: checkpoint step_4 is damaged \(rng_rank0.pt is missing\)"),
     (f"{CK4}/rng_rank0.pt", zeroed, r"warning: checkpoint step_4 is damaged"),
-    (f"{CK4}/mp_rank_00_model_states.pt", deleted, r"damaged \(a DeepSpeed state file is missing\)"),
-    (f"{CK4}/mp_rank_00_model_states.pt", truncated, r"warning: checkpoint step_4 is damaged"),
+    (f"{CK4}/mp_rank_00_model_states.pt", deleted, r"damaged \(mp_rank_00_model_states.pt is missing\)"),
+    (f"{CK4}/mp_rank_00_model_states.pt", truncated, r"damaged \(mp_rank_00_model_states.pt has [\d,]+ bytes, not the"),
     ("model_changes.json", zeroed, None),  # written again by every start
     ("anchor.json", text("{}"), None),  # written again by every start
     (".lctrain.lock", text("[1]"), None),  # only its flock counts

@@ -96,6 +96,7 @@ _STATE_FIELDS = {
     "wandb_id": str,
     "time": (int, float),
     "config": dict,
+    "files": dict,
 }
 
 
@@ -118,7 +119,29 @@ def state_or_why(path: Path) -> tuple[dict | None, str]:
     wrong = [k for k, kind in _STATE_FIELDS.items() if k in state and not _is(state[k], kind)]
     if wrong:
         return None, f"{STATE_FILE}: {', '.join(wrong)} of the wrong type"
-    return state, ""
+    why = _files_problem(path, state.get("files", {}))  # checkpoints written before the record have none
+    return (None, why) if why else (state, "")
+
+
+def _file_sizes(path: Path) -> dict[str, int]:
+    """{name: bytes} of the files every rank wrote into checkpoint `path`."""
+    return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
+
+
+def _files_problem(path: Path, files: dict) -> str:
+    """Why checkpoint `path` lacks a file it was written with, or holds one of another size ('' if none): checked on
+    every rank before any loads, since a ZeRO-3 load runs collectives, and a rank that meets a damaged file of
+    another rank's part inside them leaves the others waiting (2 ranks, one optimizer file truncated: a hang)."""
+    for name, size in files.items():
+        if not isinstance(size, int) or isinstance(size, bool):
+            return f"{STATE_FILE}: the size of {name} is not a number"
+        try:
+            got = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if got != size:
+            return f"{name} has {got:,} bytes, not the {size:,} written"
+    return ""
 
 
 def _is(value, kind) -> bool:
@@ -246,6 +269,7 @@ def save_resume(
     if rank == 0:
         if before_complete is not None:
             before_complete(step)
+        state = {**state, "files": _file_sizes(tmp)}
         replace_file(tmp / STATE_FILE, json.dumps(state, indent=1), "a checkpoint file")
         with writing(final, "the resume checkpoint"):
             _replace_dir(tmp, final)
