@@ -271,9 +271,14 @@ def resolve_anchor(tokenizer, spec: str = ANCHOR_AUTO, name: str | None = None) 
     if spec != ANCHOR_AUTO:
         token_id = _vocabulary_id(tokenizer, spec)
         if token_id is None:
+            # an example of this tokenizer's own: a fixed one (<|endoftext|>) was the very token refused for some
+            own = next(
+                (t for t in (tokenizer.eos_token, tokenizer.bos_token, *tokenizer.all_special_tokens) if t), None
+            )
+            example = f" (e.g. {own}, one of its special tokens)" if own else ""
             raise UserError(
                 f"data.anchor = {spec!r} is not a token of tokenizer '{name}'; use auto, bos, eos or one token of "
-                f"its vocabulary (e.g. {END_OF_TEXT})"
+                f"its vocabulary{example}"
             )
         special = int(token_id) in set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
         # an ordinary piece ("none", "hello") also occurs inside text, where it would read as a document start

@@ -7,6 +7,7 @@ a dataset prepared once its tokenizer changed in place."""
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import sysconfig
@@ -280,6 +281,11 @@ def test_anchor_rule():
     assert resolve_anchor(no_separator).token == "<eos>"
     with pytest.raises(UserError, match="data.anchor = 'nope' is not a token of tokenizer"):
         resolve_anchor(no_separator, "nope")
+    # the example it gives is one of this tokenizer's (a fixed <|endoftext|> was the token refused: docs explorer)
+    with pytest.raises(UserError) as refused:
+        resolve_anchor(no_separator, "<|endoftext|>")
+    suggested = re.search(r"\(e\.g\. (\S+), one of its special tokens\)$", str(refused.value)).group(1)
+    assert resolve_anchor(no_separator, suggested).token == suggested == "<eos>"
     with pytest.raises(UserError, match="neither a BOS nor an EOS"):
         resolve_anchor(_word_tokenizer(["hello", "[UNK]"]))
     # a named token is taken as it is, with a warning when it is an ordinary word text contains too
