@@ -42,7 +42,7 @@ from lctrain.eval.runner import (
 from lctrain.eval.score import sample_score, settled
 from lctrain.eval.tasks import generate, task_specs
 from lctrain.export_record import EXPORT_RECORD
-from lctrain.reports.compare import write_report
+from lctrain.reports.compare import _exports_against, write_report
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer, resolve_anchor, text_encoder
 
@@ -224,6 +224,9 @@ def test_a_model_directory_without_a_tokenizer_needs_one_named(run_dir, tmp_path
     )
     tokenizer = load_config(str(run_dir / "config.yaml")).data.tokenizer
     args = ["eval", str(bare), "--lengths", "512", "--tasks", "vt", "--samples", "1", "--out", str(tmp_path / "o")]
+    # a --config's tokenizer is a default's or another model's, not one named for this model
+    r = runner.invoke(app, [*args, "-c", "tiny_anchor"])
+    assert one_error_line(r).startswith(f"error: {bare}: no tokenizer")
     r = runner.invoke(app, [*args, "--set", f"data.tokenizer={tokenizer}"])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "o" / "results.json").read_text())["checkpoints"] == ["bare"]
@@ -244,6 +247,11 @@ def test_a_run_is_scored_on_its_latest_checkpoints_the_papers_five(tmp_path):
         resolve_target(run, last=0)
     with pytest.raises(UserError, match=r"is a model directory \(one checkpoint\), not a run directory"):
         resolve_target(RunDir(run).export(14), last=1)
+    # `lctrain report` names unscored exports newer than the first scored (a stale evaluation), not those eval left out
+    scored = {"checkpoints": [f"step_{s}" for s in steps[-5:]]}
+    assert _exports_against(RunDir(run), run / "eval" / "results.json", scored) == ([], [])
+    stale = {"checkpoints": [f"step_{s}" for s in steps[:-1]]}
+    assert _exports_against(RunDir(run), run / "eval" / "results.json", stale) == (["step_14"], [])
 
 
 def test_last_chooses_what_eval_scores_and_averages(run_dir, tmp_path):
@@ -266,8 +274,8 @@ def test_last_chooses_what_eval_scores_and_averages(run_dir, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert (
-        f"note: evaluating the latest 1 of the run's 2 checkpoints (step_{STEPS[1]}) and averaging over them, the "
-        f"paper's protocol (its last five, §4.2); step_{STEPS[0]} left out: --last 2 evaluates every one"
+        f"note: evaluating the latest 1 of the run's 2 checkpoints (step_{STEPS[1]}) and averaging over them (--last "
+        f"1); step_{STEPS[0]} left out: --last 2 evaluates every one"
     ) in " ".join(r.output.split())
     results = json.loads((tmp_path / "o" / "results.json").read_text())
     assert results["checkpoints"] == [f"step_{STEPS[1]}"]

@@ -7,6 +7,7 @@ ranks (a few ulps per step; 1e-5 relative is ~100x that), while a checkpoint res
 in the wrong place, the wrong step) changes the first resumed loss by far more, as the negative control shows.
 """
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -218,6 +219,7 @@ def test_a_damaged_file_of_another_ranks_part_falls_back_on_every_rank(workdir, 
     traceback). Every rank checks every file against the sizes the checkpoint recorded before any loads."""
     run_dir = workdir / "z3_damaged"
     run_cli_train(overrides, workdir, run_dir.name, ["parallel.nproc_per_node=2", "parallel.zero_stage=3"])
+    shutil.copytree(run_dir, workdir / "z3_zeroed")
     damaged = RunDir(run_dir).checkpoint(STEPS) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     size = damaged.stat().st_size
     damaged.write_bytes(damaged.read_bytes()[:1000])
@@ -226,6 +228,12 @@ def test_a_damaged_file_of_another_ranks_part_falls_back_on_every_rank(workdir, 
         f"warning: checkpoint step_{STEPS} is damaged ({damaged.name} has 1,000 bytes, not the {size:,} written); "
         f"trying the one before it"
     ) in out
+    # the same size, its first 4 KB zeroed (verify explorer: still a hang with the sizes checked alone)
+    with (workdir / "z3_zeroed" / damaged.relative_to(run_dir)).open("r+b") as f:
+        f.write(bytes(4096))
+    out = resume(workdir / "z3_zeroed", [f"train.steps={STEPS + 1}"])
+    assert f"warning: checkpoint step_{STEPS} is damaged ({damaged.name}: BadZipFile: " in out
+    assert len(losses(workdir / "z3_zeroed")) == STEPS + 1
     assert f"warning: resuming from step_{STEPS // 2}" in out and len(losses(run_dir)) == STEPS + 1
     # steps 3-4 trained again from step_2, as the uninterrupted run trained them
     torch.testing.assert_close(

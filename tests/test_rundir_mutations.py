@@ -71,6 +71,12 @@ def zeroed(path: Path) -> None:
     path.write_bytes(b"\0" * path.stat().st_size)
 
 
+def head_zeroed(path: Path) -> None:
+    """Its first 4 KB zeroed, its size kept (a size check does not see it)."""
+    with path.open("r+b") as f:
+        f.write(bytes(min(4096, path.stat().st_size)))
+
+
 def truncated(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
@@ -181,6 +187,8 @@ RESUME = [
     (f"{CK4}/rng_rank0.pt", zeroed, r"warning: checkpoint step_4 is damaged"),
     (f"{CK4}/mp_rank_00_model_states.pt", deleted, r"damaged \(mp_rank_00_model_states.pt is missing\)"),
     (f"{CK4}/mp_rank_00_model_states.pt", truncated, r"damaged \(mp_rank_00_model_states.pt has [\d,]+ bytes, not the"),
+    (f"{CK4}/mp_rank_00_model_states.pt", head_zeroed, r"damaged \(mp_rank_00_model_states.pt: BadZipFile: "),
+    (f"{CK4}/rng_rank0.pt", head_zeroed, r"damaged \(rng_rank0.pt: BadZipFile: "),
     ("model_changes.json", zeroed, None),  # written again by every start
     ("anchor.json", text("{}"), None),  # written again by every start
     (".lctrain.lock", text("[1]"), None),  # only its flock counts

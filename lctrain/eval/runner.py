@@ -81,7 +81,7 @@ class Target:
     cfg: Config
     checkpoints: list[tuple[str, Path]] = field(default_factory=list)
     # whether cfg's data.tokenizer may stand in for a checkpoint saved without one: a run's (it trained with it), or
-    # one the user named (--config, --set data.tokenizer); never the schema's default, another model's tokenizer
+    # one the user named for this model (--set data.tokenizer); never a default's or a --config's, another model's
     tokenizer_fallback: bool = True
 
 
@@ -159,11 +159,11 @@ def latest_exports(ckpts: list[tuple[str, Path]], last: int | None, run: Path) -
             f"--last {n}: {run} has {len(ckpts)} evaluation checkpoint(s) ({', '.join(names)}); use --last "
             f"{len(ckpts)} or fewer"
         )
+    protocol = ", the paper's protocol (its last five, §4.2)" if n == scoring.DEFAULT_LAST else f" (--last {n})"
     if n < len(ckpts):
         print(
             f"note: evaluating the latest {n} of the run's {len(ckpts)} checkpoints ({', '.join(names[-n:])}) and "
-            f"averaging over them, the paper's protocol (its last five, §4.2); {', '.join(names[:-n])} left out: "
-            f"--last {len(ckpts)} evaluates every one",
+            f"averaging over them{protocol}; {', '.join(names[:-n])} left out: --last {len(ckpts)} evaluates every one",
             flush=True,
         )
     return ckpts[-n:]
@@ -182,7 +182,7 @@ def resolve_target(
             raise UserError(f"--last {last}: {path} is a model directory (one checkpoint), not a run directory")
         verify_export(path, step_of(path))
         cfg = load_config(config, overrides) if config else schema_defaults(overrides)
-        named = config is not None or cfg.overridden("data.tokenizer")
+        named = cfg.overridden("data.tokenizer")
         return Target("model", path, cfg, [(path.name or str(path), path)], tokenizer_fallback=named)
     rd = RunDir(path)
     if rd.is_run() or rd.exports_dir.is_dir():

@@ -58,6 +58,7 @@ from lctrain.data.store import open_packed
 from lctrain.errors import RunFailed, UserError, check_creatable
 from lctrain.eval import ruler
 from lctrain.eval.runner import offline_tasks, qa_files, shortfall, too_short
+from lctrain.eval.score import DEFAULT_LAST
 from lctrain.files import replace_file
 from lctrain.lifetime import STOPPED, Terminated, death_of, signal_name, supervise
 from lctrain.reports.compare import print_report, rewritten_exports, write_report
@@ -526,10 +527,10 @@ def results_digest(results: bytes) -> str:
 
 def evaluated_with(rd: RunDir, record) -> dict | None:
     """The eval settings the run's eval/results.json was written with: those `record` (the run's "evaluated" in
-    experiment.json) holds beside the file's digest. None when there is nothing to keep: no results, torn ones, ones
-    of other checkpoints than the run's exports now (evaluated before training ended) or of exports written again
-    since (`rewritten_exports`, as `lctrain report` refuses them), or ones rewritten since the record (`lctrain eval`
-    by hand, with settings not known here)."""
+    experiment.json) holds beside the file's digest. None when there is nothing to keep: no results, torn ones, ones of
+    other checkpoints than the latest exports `lctrain eval` scores now (evaluated before training ended) or of exports
+    written again since (`rewritten_exports`, as `lctrain report` refuses them), or ones rewritten since the record
+    (`lctrain eval` by hand, with settings not known here)."""
     results = rd.eval_dir / "results.json"
     if not results.is_file():
         return None
@@ -538,7 +539,7 @@ def evaluated_with(rd: RunDir, record) -> dict | None:
         done = json.loads(raw)
     except ValueError:
         return None
-    if done.get("checkpoints") != [p.name for p in rd.exports()] or rewritten_exports(rd, done):
+    if done.get("checkpoints") != [p.name for p in rd.exports()][-DEFAULT_LAST:] or rewritten_exports(rd, done):
         return None
     if isinstance(record, dict):
         return record.get("eval") if record.get("results_sha256") == results_digest(raw) else None

@@ -162,7 +162,8 @@ def rewritten_exports(run: RunDir, results: dict) -> list[str]:
 
 
 def _exports_against(run: RunDir, file: Path, results: dict) -> tuple[list[str], list[str]]:
-    """(the run's exports `results` do not score, the scored exports the run no longer holds); refuses results of an
+    """(the run's exports `results` do not score, but for those older than all it scores (eval's --last left them
+    out), the scored exports the run no longer holds); refuses results of an
     export whose weights are not the ones scored (`rewritten_exports`). Results written before the exports' records
     were kept are compared by name only (as `lctrain experiment extend` compares them to decide an evaluation is
     current)."""
@@ -177,7 +178,12 @@ def _exports_against(run: RunDir, file: Path, results: dict) -> tuple[list[str],
     recorded = results.get("export_records")
     recorded = recorded if isinstance(recorded, dict) else {}
     gone = [name for name in scored if recorded.get(name) is not None and name not in exports]
-    return [name for name in exports if name not in scored], gone
+    # eval scores a run's latest exports (--last): those before the first it scored were left out on purpose
+    first = min((step_of(name) for name in scored if step_of(name) is not None), default=None)
+    unscored = [name for name in exports if name not in scored]
+    if first is not None:
+        unscored = [name for name in unscored if step_of(name) is None or step_of(name) > first]
+    return unscored, gone
 
 
 def _evaluated_checkpoints(run: Evaluated) -> list[str]:

@@ -24,6 +24,7 @@ import random
 import shutil
 import tempfile
 import traceback
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from shlex import quote
@@ -129,9 +130,10 @@ def _file_sizes(path: Path) -> dict[str, int]:
 
 
 def _files_problem(path: Path, files: dict) -> str:
-    """Why checkpoint `path` lacks a file it was written with, or holds one of another size ('' if none): checked on
-    every rank before any loads, since a ZeRO-3 load runs collectives, and a rank that meets a damaged file of
-    another rank's part inside them leaves the others waiting (2 ranks, one optimizer file truncated: a hang)."""
+    """Why checkpoint `path` lacks a file it was written with, holds one of another size, or one whose structure
+    torch.load would fail on ('' if none): checked on every rank before any loads, since a ZeRO-3 load runs
+    collectives, and a rank that meets a damaged file of its part inside them leaves the others waiting (2 ranks, one
+    optimizer file truncated, or its first 4 KB zeroed: a hang)."""
     for name, size in files.items():
         if not isinstance(size, int) or isinstance(size, bool):
             return f"{STATE_FILE}: the size of {name} is not a number"
@@ -141,6 +143,22 @@ def _files_problem(path: Path, files: dict) -> str:
             return f"{name} is missing"
         if got != size:
             return f"{name} has {got:,} bytes, not the {size:,} written"
+        if name.endswith(".pt") and (why := _unreadable_archive(path / name)):
+            return f"{name}: {why}"
+    return ""
+
+
+def _unreadable_archive(file: Path) -> str:
+    """Why torch.save's zip archive `file` would not load ('' if it would): its directory and its pickled structure,
+    read with their CRC checks. The tensors' bytes are left unread (the whole checkpoint's size in reads); the
+    pickles, kilobytes, are where a load would fail."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            for member in archive.infolist():
+                if member.filename.endswith(".pkl"):
+                    archive.read(member)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError) as e:
+        return f"{type(e).__name__}: {e}"
     return ""
 
 
