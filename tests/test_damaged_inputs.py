@@ -93,10 +93,12 @@ def model_dir(tmp_path):
 
 
 def test_damaged_model_directories_in_eval_and_diagnose(model_dir):
+    ids = load_config(None).data.tokenizer
     weights = model_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     for cmd in (
-        ["eval", str(model_dir), "--tasks", "vt", "--samples", "1", "--lengths", "256"],
+        # the directory has no tokenizer: eval is told the one its 32,000 ids are of
+        ["eval", str(model_dir), "--tasks", "vt", "--samples", "1", "--lengths", "256", "-s", f"data.tokenizer={ids}"],
         ["diagnose", "rope", str(model_dir), "--seq-len", "64", "--max-len", "64"],
     ):
         assert "cannot" in one_error_line(CliRunner().invoke(app, cmd))
