@@ -130,10 +130,8 @@ def _file_sizes(path: Path) -> dict[str, int]:
 
 
 def _files_problem(path: Path, files: dict) -> str:
-    """Why checkpoint `path` lacks a file it was written with, holds one of another size, or one whose structure
-    torch.load would fail on ('' if none): checked on every rank before any loads, since a ZeRO-3 load runs
-    collectives, and a rank that meets a damaged file of its part inside them leaves the others waiting (2 ranks, one
-    optimizer file truncated, or its first 4 KB zeroed: a hang)."""
+    """Why checkpoint `path` lacks a file it was written with, or holds one of another size ('' if none): a stat per
+    file, for every reader of the state; `load_resume` reads the archives' structure too."""
     for name, size in files.items():
         if not isinstance(size, int) or isinstance(size, bool):
             return f"{STATE_FILE}: the size of {name} is not a number"
@@ -143,8 +141,6 @@ def _files_problem(path: Path, files: dict) -> str:
             return f"{name} is missing"
         if got != size:
             return f"{name} has {got:,} bytes, not the {size:,} written"
-        if name.endswith(".pt") and (why := _unreadable_archive(path / name)):
-            return f"{name}: {why}"
     return ""
 
 
@@ -157,7 +153,7 @@ def _unreadable_archive(file: Path) -> str:
             for member in archive.infolist():
                 if member.filename.endswith(".pkl"):
                     archive.read(member)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as e:  # an OSError is the machine's, not the file's
         return f"{type(e).__name__}: {e}"
     return ""
 
@@ -358,6 +354,12 @@ def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> tu
     state, why = state_or_why(path)
     if state is None:
         return None, why
+    # every rank reads every file's structure before any loads: a ZeRO-3 load runs collectives, and a rank that met a
+    # damaged file inside them left the others waiting (2 ranks, an optimizer file truncated or its first 4 KB zeroed:
+    # a hang; the sizes `state_or_why` checks see only the first)
+    damaged = next((f"{f.name}: {why}" for f in sorted(path.glob("*.pt")) if (why := _unreadable_archive(f))), "")
+    if damaged:
+        return None, damaged
     step = state["step"]
     changed = reshard.layout_changes(state.get("config"), now) if now is not None else []
     if changed and not reshard.universal_dir(path).is_dir():
