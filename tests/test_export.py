@@ -280,6 +280,9 @@ def test_a_damaged_checkpoint_is_refused_naming_the_others(zero0, tmp_path):
     assert line.startswith(f"error: {run}/checkpoints/step_4: damaged (")
     assert line.endswith("export another with --step (step_2)")
     assert not (tmp_path / "x").exists()
+    module.write_bytes(bytes(4096) + (run / "checkpoints" / "step_2" / module.name).read_bytes()[4096:])
+    line = refused(run, "--out", tmp_path / "x")  # the size written, its first 4 KB zeroed: the file named
+    assert "damaged (mp_rank_00_model_states.pt: BadZipFile: " in line and not (tmp_path / "x").exists()
     (run / "checkpoints" / "step_2" / ckpt.STATE_FILE).write_text("")
     line = refused(run, "--step", 2, "--out", tmp_path / "x")
     assert line == (

@@ -144,6 +144,11 @@ def _files_problem(path: Path, files: dict) -> str:
     return ""
 
 
+def damaged_archive(path: Path) -> str:
+    """The first of checkpoint `path`'s torch.save archives that would not load, with why ('' if none)."""
+    return next((f"{f.name}: {why}" for f in sorted(path.glob("*.pt")) if (why := _unreadable_archive(f))), "")
+
+
 def _unreadable_archive(file: Path) -> str:
     """Why torch.save's zip archive `file` would not load ('' if it would): its directory and its pickled structure,
     read with their CRC checks. The tensors' bytes are left unread (the whole checkpoint's size in reads); the
@@ -357,7 +362,7 @@ def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> tu
     # every rank reads every file's structure before any loads: a ZeRO-3 load runs collectives, and a rank that met a
     # damaged file inside them left the others waiting (2 ranks, an optimizer file truncated or its first 4 KB zeroed:
     # a hang; the sizes `state_or_why` checks see only the first)
-    damaged = next((f"{f.name}: {why}" for f in sorted(path.glob("*.pt")) if (why := _unreadable_archive(f))), "")
+    damaged = damaged_archive(path)
     if damaged:
         return None, damaged
     step = state["step"]

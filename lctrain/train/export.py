@@ -62,6 +62,9 @@ def export_checkpoint(
     state, why = ckpt.state_or_why(checkpoint)
     if state is None:
         raise _damaged(run, checkpoint, why, missing=not (checkpoint / ckpt.STATE_FILE).is_file())
+    why = ckpt.damaged_archive(checkpoint)  # named here: the loaders' own errors say little (torch's mmap hint)
+    if why:
+        raise _damaged(run, checkpoint, why, missing=False)
     step = state["step"]
     target = Path(out) if out is not None else run.export(step)
     option = "--out" if out is not None else None
