@@ -205,16 +205,34 @@ def test_a_source_that_yields_nothing_is_named_in_words(tmp_path):
     assert f"the 1 source of data.sources (e: {tmp_path / 'empty.jsonl'}, 0 bytes) yielded 0 tokens in 0 usable" in line
 
 
+def test_capitalised_extensions_are_read_as_their_lower_case_would_be(tmp_path):
+    """`A.JSONL` (as some exports name files) was passed over as an unsupported file type; a `.JSON.ZST` array, a
+    `.Parquet` file and a `.JSONL` are read as their lower-case names are; the array advice keeps the name's case."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.JSONL").write_bytes(jsonl(records(3)))
+    (folder / "b.JSON.ZST").write_bytes(_zst(json.dumps(records(4)).encode()))
+    pq.write_table(pa.Table.from_pylist(records(5)), folder / "c.Parquet")
+    files = sources.resolve_local_files(str(folder), "train", 0).files
+    assert sorted(f.name for f in files) == ["a.JSONL", "b.JSON.ZST", "c.Parquet"]
+    texts = [r for b in sources.local_batches(sorted(files)) for r in b.items]
+    assert len(texts) == 3 + 4 + 5
+    pretty = folder / "d.JSONL.Zst"
+    pretty.write_bytes(_zst(json.dumps(records(2), indent=1).encode()))
+    with pytest.raises(UserError, match=r"rename it to d\.json\.Zst "):
+        list(sources.local_batches([pretty]))
+
+
 def test_a_folder_that_yields_nothing_names_what_it_read_and_skipped(tmp_path):
     """Said only as 'the local source yielded 0 tokens' once: which file was empty, and that a file of another type
-    (a capitalised extension) was passed over, were in no line."""
+    was passed over, were in no line."""
     folder = tmp_path / "corpus"
     folder.mkdir()
     (folder / "a.jsonl").write_bytes(b"\n\n")
-    (folder / "b.JSONL").write_bytes(jsonl(records()))
+    (folder / "b.csv").write_bytes(jsonl(records()))
     line = one_error_line(run_prepare(tmp_path, "data.source=local", f"data.path={folder}"))
     assert line.startswith(
-        f"error: the local source ({folder / 'a.jsonl'}, 2 bytes; skipped 1 input file(s): {folder / 'b.JSONL'} "
+        f"error: the local source ({folder / 'a.jsonl'}, 2 bytes; skipped 1 input file(s): {folder / 'b.csv'} "
         f"(unsupported file type: not .jsonl, .json, .jsonl.zst, .json.zst or .parquet)) yielded 0 tokens in 0 usable "
         "documents (skipped: 2 blank_line)"
     )

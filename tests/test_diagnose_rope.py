@@ -324,6 +324,14 @@ def test_local_text_errors(stdlib_text, tokenizer, tmp_path):
         probe_sequences(tmp_path / "x.csv", tokenizer, 4, 1, vocab_size=len(tokenizer))
 
 
+def test_capitalised_extensions_are_text_too(tokenizer, tmp_path):
+    """`NOTES.TXT` and `CORPUS.JSONL` were refused ("--text takes ...") or passed over in a folder."""
+    (tmp_path / "NOTES.TXT").write_text("plain words " * 20)
+    (tmp_path / "CORPUS.JSONL").write_text(json.dumps({"text": "json words " * 20}) + "\n")
+    got = probe_sequences(tmp_path, tokenizer, 8, 2, vocab_size=len(tokenizer))
+    assert sorted(o.rpartition("/")[2] for o in got.origins) == ["CORPUS.JSONL:1", "NOTES.TXT"]
+
+
 def test_a_text_given_twice_is_one_sample(tmp_path, tokenizer):
     """A corpus can hold one text twice (the standard library has copies): the copy is no second sample."""
     src = Path(sysconfig.get_path("stdlib"))

@@ -76,8 +76,13 @@ class RawBatch:
     params: dict = field(default_factory=dict)
 
 
+def _named(path: Path, suffixes: str | tuple[str, ...]) -> bool:
+    """Whether the file's name ends with one of `suffixes`, in any case (`CORPUS.JSONL`, as some exports name them)."""
+    return path.name.lower().endswith(suffixes)
+
+
 def _supported(p: Path) -> bool:
-    return p.name.endswith(SUPPORTED)
+    return _named(p, SUPPORTED)
 
 
 _NOT_REGULAR = {
@@ -213,7 +218,7 @@ def _check_compression(path: Path) -> None:
         return  # reading it says why
     found = _compression(head)
     name = path.name
-    if name.endswith(".zst"):
+    if _named(path, ".zst"):
         if found is not None and found[0] != "zstd":
             raise UserError(
                 f"{path}: {found[0]}-compressed, not zstd as its name says; decompress it ({found[1]}) and compress "
@@ -223,7 +228,7 @@ def _check_compression(path: Path) -> None:
             raise UserError(f"{path}: plain JSON text, not zstd-compressed as its name says; rename it to {name[:-4]}")
     elif found is not None:
         kind, tool = found
-        if name.endswith(PARQUET_SUFFIXES):
+        if _named(path, PARQUET_SUFFIXES):
             raise UserError(f"{path}: {kind}-compressed, not a parquet file; decompress it ({tool})")
         if kind == "zstd":
             raise UserError(f"{path}: zstd-compressed, but its name does not say so; rename it to {name}.zst")
@@ -245,8 +250,8 @@ def _check_encoding(path: Path, first_line: bytes) -> None:
 
 def _stem(path: Path) -> str:
     """The file's name without its JSON and zstd suffixes."""
-    name = path.name.removesuffix(".zst")
-    return next((name.removesuffix(s) for s in (".jsonl", ".json") if name.endswith(s)), name)
+    name = path.name[:-4] if _named(path, ".zst") else path.name
+    return next((name[: -len(s)] for s in (".jsonl", ".json") if name.lower().endswith(s)), name)
 
 
 def parse_line(line: bytes):
@@ -338,7 +343,7 @@ def _document_shape(path: Path) -> str | None:
     except Exception:  # whatever reading or parsing raised, the file is not one JSON document: its lines say more
         return None
     if isinstance(value, list):
-        zst = ".zst" if path.name.endswith(".zst") else ""
+        zst = path.name[-4:] if _named(path, ".zst") else ""
         return _array_problem(path, value) or (
             f"{path}: one JSON array of {_count(len(value), 'record')} spread over lines, not JSON Lines; rename it to "
             f"{_stem(path)}.json{zst} (a .json file that starts with '[' is read as one array of records)"
@@ -438,7 +443,7 @@ def _open_binary(path: Path):
         raw = open(path, "rb")
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror}); check data.path and permissions") from None
-    if path.name.endswith(".zst"):
+    if _named(path, ".zst"):
         return io.BufferedReader(_ZstdReader(raw), 1 << 20)
     return raw
 
@@ -621,9 +626,9 @@ def _parquet_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
 
 def _file_batches(path: Path, fields: tuple[str, ...]) -> Iterator[RawBatch]:
     _check_compression(path)
-    if path.name.endswith(PARQUET_SUFFIXES):
+    if _named(path, PARQUET_SUFFIXES):
         return _parquet_batches(path, fields)
-    if path.name.endswith((".json", ".json.zst")) and _is_json_array(path):
+    if _named(path, (".json", ".json.zst")) and _is_json_array(path):
         return _json_array_batches(path, fields[0])
     return _jsonl_batches(path)
 

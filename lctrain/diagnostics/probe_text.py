@@ -108,14 +108,14 @@ def _from_packed(path: Path, length: int, count: int, vocab_size: int) -> ProbeT
 def _documents(path: Path, seed: int) -> Iterator[tuple[str, str]]:
     """(origin, text) of each document under `path`, folders in a seeded order."""
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (*TEXT_SUFFIXES, JSONL_SUFFIX))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in (*TEXT_SUFFIXES, JSONL_SUFFIX))
         random.Random(seed).shuffle(files)
     else:
         files = [path]
     for f in files:
-        if f.suffix == JSONL_SUFFIX:
+        if f.suffix.lower() == JSONL_SUFFIX:
             yield from _jsonl_documents(f)
-        elif f.suffix in TEXT_SUFFIXES:
+        elif f.suffix.lower() in TEXT_SUFFIXES:
             yield str(f), f.read_text(encoding="utf-8", errors="replace")
         else:
             raise UserError(
