@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lctrain.attention.modes import MODES
+from lctrain.errors import UserError
 
 # FLOPs per visible pair and unit of width in one forward pass: 2 for QK^T, 2 for PV.
 ATTENTION_FORWARD_FLOPS = 4
@@ -82,6 +83,10 @@ def step_flops(
     return sum(step_flops_parts(dense_params, layers, width, tokens, pairs, passes))
 
 
+# what `ModelShape.from_hf_config` reads without a default
+_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the cost of a decoder depends on, read from a Hugging Face config (no weights needed)."""
@@ -97,6 +102,13 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf) -> ModelShape:
+        """Refuses, in one line, a config without the fields of a Llama-shaped decoder (the cost model's)."""
+        missing = [k for k in _SHAPE_FIELDS if getattr(hf, k, None) is None]
+        if missing:
+            raise UserError(
+                f"model type '{hf.model_type}' has no {' or '.join(missing)} in its config: lctrain plans and trains "
+                f"Llama-shaped decoders (Llama, Mistral, Qwen, ...)"
+            )
         heads = hf.num_attention_heads
         return cls(
             hf.num_hidden_layers,

@@ -34,7 +34,7 @@ from lctrain.costmodel import ModelShape
 from lctrain.data.sources import resolve_local_files
 from lctrain.errors import UserError
 from lctrain.memory import SELECTIVE, Budget, plan_memory, replan
-from lctrain.model import config_changes, default_rope_theta, require_rope
+from lctrain.model import config_changes, default_rope_theta, require_engines, require_rope
 from lctrain.parallel.layout import ParallelLayout, kv_replication
 from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, Positions
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer
@@ -94,6 +94,7 @@ SAVERS = ((False, False), (True, False), (False, True), (True, True))  # (tiled_
 
 def _hf_base(name_or_path: str, hf, stem: str, source: str) -> BaseModel:
     require_rope(hf, name_or_path)
+    require_engines(hf, name_or_path)
     rope = dict(hf.rope_parameters)
     if "rope_theta" not in rope:
         raise UserError(

@@ -24,6 +24,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from lctrain import activation_checkpointing, fused
 from lctrain.attention import ENGINES, Engine, resolve_engine
+from lctrain.attention.class_probe import engines_refused
 from lctrain.attention.engines.common import check_dropout
 from lctrain.compat.deepspeed import tiled_mlp_apply
 from lctrain.compat.transformers import (
@@ -202,6 +203,24 @@ def require_rope(hf_config, what: str) -> None:
             f"{what}: model type '{hf_config.model_type}' has no RoPE (rope_parameters); lctrain extends RoPE models "
             f"(Llama, Mistral, Qwen, ...)"
         )
+
+
+def require_engines(hf_config, what: str) -> None:
+    """A model class lctrain's engines cannot train (`class_probe`) is refused where a run's model config is first
+    read (`lctrain init`, `prepare`, `train` before it launches), not at the first step, after the data is prepared
+    and the weights loaded, or never (a class with attention of its own)."""
+    why = engines_refused(hf_config)
+    if why is not None:
+        raise UserError(f"{what}: model type '{hf_config.model_type}': {why}")
+
+
+def check_model_class(cfg: Config) -> None:
+    """`require_engines` for the model a config trains, where its config is here without a download (`model.arch`
+    or a local directory)."""
+    if cfg.model.arch is None and not Path(cfg.resolve_source(cfg.model.name_or_path)).is_dir():
+        return
+    what = "model.arch" if cfg.model.arch is not None else f"model.name_or_path = '{cfg.model.name_or_path}'"
+    require_engines(load_hf_config(cfg), what)
 
 
 def shape_without_download(cfg: Config) -> bool:

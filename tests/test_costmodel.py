@@ -76,3 +76,14 @@ def test_full_square_pairs_count_every_query_key_pair():
         square = sum(1 for q in range(L) for k in range(L))
         assert full_square_pairs(L) == square
         assert full_square_pairs(L) == 2 * visible_pairs([L], [0], "full", L) - L  # the causal half and the diagonal
+
+
+def test_a_config_without_a_llama_shape_is_refused_in_one_line():
+    """Falcon's config has no intermediate_size (its MLP is ffn_hidden_size wide, ungated): init, plan and estimate
+    ended in an AttributeError traceback."""
+    from transformers import FalconConfig
+
+    from lctrain.errors import UserError
+
+    with pytest.raises(UserError, match=r"^model type 'falcon' has no intermediate_size in its config: lctrain plans"):
+        ModelShape.from_hf_config(FalconConfig())

@@ -676,6 +676,10 @@ def prepare(cfg: Config, force: bool = False) -> Path:
     source = describe_source(d, files)
     tok = load_tokenizer(cfg.resolve_source(d.tokenizer))
     check_matches_model(cfg, tok)
+    # torch and the model classes on use: prepare loads without them (start-up time)
+    from lctrain.model import check_model_class
+
+    check_model_class(cfg)  # a model lctrain cannot train, refused before the corpus is tokenized for it
     encoder = text_encoder(tok)
     anchor = resolve_anchor(tok, d.anchor, d.tokenizer)
     anchor_id = anchor.id

@@ -32,7 +32,7 @@ from lctrain.costmodel import ModelShape
 from lctrain.data.prepare import input_change, settings_left_out, tokenizer_change
 from lctrain.errors import RunFailed, UserError, cited, first_and_more
 from lctrain.lifetime import Reading
-from lctrain.model import load_hf_config, shape_without_download
+from lctrain.model import check_model_class, load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, RanksHung, run_on_ranks
 from lctrain.parallel.layout import kv_replication, layout_of
@@ -442,6 +442,7 @@ def preflight(cfg: Config, resuming: bool = False) -> Prepared:
             source = cfg.origin("parallel.sequence_parallel", "model")
             kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, source)
     check_matches_model(cfg)
+    check_model_class(cfg)
     if shape_without_download(cfg):  # an unknown hub name is not downloaded just to plan
         from lctrain.plan import memory_warning
 

@@ -16,6 +16,15 @@ def unify_dtypes(query, key, value):
     return query.to(value.dtype), key.to(value.dtype), value
 
 
+# why a model class whose attention gets no segments cannot be trained (here, and where `lctrain init`, `prepare`
+# and `train` find it out before the first step: `lctrain.attention.class_probe`)
+NO_SEGMENTS = (
+    "this model class's decoder layers do not pass their keyword arguments on to attention, so they cannot carry the "
+    "documents' boundaries to it and lctrain cannot train it (Llama, Mistral, Qwen2/3, Phi-3, Gemma-2 and most "
+    "others do)"
+)
+
+
 def check_dropout(dropout: float) -> None:
     if dropout:
         raise UserError(
@@ -30,12 +39,10 @@ def segments_of(module, kwargs: dict, query: torch.Tensor) -> Segments:
     run configured for a document mode, without a word."""
     seg = kwargs.get(SEGMENTS_KEY)
     if seg is None:
+        caller = type(module).__name__ if module is not None else "its caller"
         raise UserError(
-            f"the lctrain attention engine got no segment metadata ({SEGMENTS_KEY}) from "
-            f"{type(module).__name__ if module is not None else 'its caller'}: this model class's decoder layers do "
-            f"not pass their keyword arguments on to attention, so they cannot carry the documents' boundaries to it "
-            f"and lctrain cannot train it (Llama, Mistral, Qwen2/3, Phi-3, Gemma-2 and most others do); calling a "
-            f"model yourself, pass it `batch.model_kwargs()`"
+            f"the lctrain attention engine got no segment metadata ({SEGMENTS_KEY}) from {caller}: "
+            f"{NO_SEGMENTS}; calling a model yourself, pass it `batch.model_kwargs()`"
         )
     B, _, S, _ = query.shape
     if (seg.batch, seg.length) != (B, S):
