@@ -169,6 +169,23 @@ def test_the_model_card_says_the_sliding_window_was_removed(tmp_path):
     assert "sliding" not in card
 
 
+def test_the_model_card_says_documents_carried_domain_tags():
+    """An AnchorAttention + Tag run's card said every document started with the anchor, and nothing of the tag each
+    one had after it, nor that lctrain's evaluation prompts carry none."""
+    from lctrain.model import load_hf_config
+    from lctrain.tokenizer import resolve_anchor
+    from lctrain.train.model_card import model_card
+
+    tok = load_tokenizer("builtin:mistral-7b-v0.1")
+    cards = {}
+    for tags in (True, False):
+        cfg = load_config(None, [f"data.domain_tags={str(tags).lower()}"])
+        cards[tags] = model_card(cfg, load_hf_config(cfg), tok, resolve_anchor(tok), 2, "float32")
+    assert "- domain tags (data.domain_tags, the paper's AnchorAttention + Tag): each document's anchor" in cards[True]
+    assert "lctrain's evaluation puts none in its prompts" in cards[True]
+    assert "tag" not in cards[False].lower()
+
+
 @pytest.mark.slow
 def test_export_of_a_two_rank_zero3_checkpoint(workdir, tmp_path):
     """Two launched ranks: each holds half of every parameter's fp32 partition, which the export joins."""

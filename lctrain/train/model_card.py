@@ -59,6 +59,11 @@ def model_card(cfg: Config, hf_config, tokenizer, anchor: Anchor, step: int, dty
     master = "; the fp32 master weights of mixed precision are not exported" if dtype in ("bfloat16", "float16") else ""
     rows.append(f"weights: {dtype}, the model's training dtype (model.dtype){master}")
     rows.append(f"anchor: {a}")
+    if cfg.data.domain_tags:
+        rows.append(
+            "domain tags (data.domain_tags, the paper's AnchorAttention + Tag): each document's anchor was followed by "
+            "its domain's name as text, the tag, whose tokens were never trained as targets"
+        )
     rows.append(f"exported by lctrain {__version__}")
     mode = cfg.attention.mode
     why = {
@@ -66,6 +71,11 @@ def model_card(cfg: Config, hf_config, tokenizer, anchor: Anchor, step: int, dty
         "document of the window (AnchorAttention's shared anchor), with positions continuing through the window.",
         "intra_doc_reset": " Positions restarted at 0 with it for every document.",
     }.get(mode, "")
+    if cfg.data.domain_tags:
+        why += (
+            " Each was followed by its domain tag (above); lctrain's evaluation puts none in its prompts, so every "
+            "score it gives is of prompts without one."
+        )
     own = special_affixes(tokenizer) == ([anchor.id], [])
     tokenizer_note = (
         f"This tokenizer puts `{anchor.token}` before a text itself, so `tok(text).input_ids` starts the same way."
