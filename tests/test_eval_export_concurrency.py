@@ -305,3 +305,19 @@ def test_an_export_marks_its_run_so_a_new_run_there_waits(tmp_path, monkeypatch)
     assert lifetime.readers(run) == []
     RunDir(run).clear_outputs(force=True)
     assert not RunDir(run).checkpoints.exists()
+
+
+def test_a_run_trained_with_fp32_rotation_evaluated_in_bf16_is_noted(tmp_path):
+    """Eval runs exports as transformers and vLLM do (rotation in the model's dtype): a model.rope_fp32 run scored on
+    a GPU got no word that its rotation differed from training's."""
+    from lctrain.eval.runner import rope_fp32_note
+
+    run = fake_run(tmp_path)
+    cfg = RunDir(run).read_config()
+    tgt = Target("run", run, cfg, [])
+    assert rope_fp32_note(tgt, "cuda") is None  # trained with the rotation in the model's dtype
+    cfg.model.rope_fp32 = True
+    assert rope_fp32_note(tgt, "cuda").startswith("the run rotated q/k in fp32 in training (model.rope_fp32); eval")
+    assert "rotating them in bfloat16" in rope_fp32_note(tgt, "cuda")
+    assert rope_fp32_note(tgt, "cpu") is None  # fp32 evaluation rotates in fp32
+    assert rope_fp32_note(Target("model", run, cfg, []), "cuda") is None

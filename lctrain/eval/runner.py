@@ -825,6 +825,18 @@ def unfinished_note(tgt: Target, training: dict) -> str:
     return f"{done}; still training{pid}: evaluate again when it ends"
 
 
+def rope_fp32_note(tgt: Target, device: str) -> str | None:
+    """The note of a run trained with `model.rope_fp32` evaluated in 16 bits: eval loads its exports as transformers
+    and vLLM do, whose rotation runs in the model's dtype."""
+    dtype = str(eval_dtype(device)).removeprefix("torch.")
+    if tgt.kind != "run" or not tgt.cfg.model.rope_fp32 or dtype == "float32":
+        return None
+    return (
+        f"the run rotated q/k in fp32 in training (model.rope_fp32); eval runs its exports as transformers and vLLM "
+        f"do, rotating them in {dtype}: the scores are of the model as others run it"
+    )
+
+
 def evaluate(
     tgt: Target,
     *,
@@ -925,6 +937,9 @@ def evaluate(
         per_sample, ppl, notes, memory = score_checkpoints(
             tgt, suite, tokenizer, encoder, dev, heldout, kept, backend, anchor.id
         )
+        rope_note = rope_fp32_note(tgt, dev)
+        if rope_note:
+            notes["model.rope_fp32"] = rope_note
         training = training_progress(tgt)
         if training and not training["finished"]:
             notes["unfinished run"] = unfinished_note(tgt, training)
