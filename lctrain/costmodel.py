@@ -8,9 +8,10 @@ norms and biases do element-wise work, no matmul), and, per causally visible (qu
 forward (QK^T and PV, `width` = heads x head dim) and 12 x width for training. FlashAttention's backward recomputes
 the scores (2.5x forward instead of 2x); that recomputation is the kernel's implementation, like activation
 checkpointing, so the model FLOPs count neither.
-The FLOPs the device runs add what activation checkpointing reruns (`recomputed_flops`) and the MLP forward that
-`model.tiled_mlp` reruns (`tiled_mlp_flops`): the hardware FLOPs utilisation (HFU) of a run, and `estimate`, which
-predicts wall time rather than utilisation, count them through one function (`hardware_flops_parts`).
+The FLOPs the device runs add what activation checkpointing reruns (`recomputed_flops`), the MLP forward that
+`model.tiled_mlp` reruns (`tiled_mlp_flops`) and the LM head's forward that the chunked loss reruns
+(`lm_head_rerun_flops`): the hardware FLOPs utilisation (HFU) of a run, and `estimate`, which predicts wall time rather
+than utilisation, count them through one function (`hardware_flops_parts`).
 
 Visible pairs follow the masks the engines compute (docs/design.md §3): the causal window for `full`; for the document
 modes, each token sees the earlier tokens of its own document, an interleaved document's earlier chunks included.
@@ -203,6 +204,12 @@ def tiled_mlp_flops(shape: ModelShape, tokens: float) -> float:
     return dense_flops(shape.mlp_params(), tokens, 1)
 
 
+def lm_head_rerun_flops(shape: ModelShape, tokens: float) -> float:
+    """FLOPs of the LM head's forward over `tokens` tokens, which the chunked loss reruns in its backward: it keeps
+    each chunk's hidden states, not its logits (`lctrain.train.loss.reruns_lm_head`)."""
+    return dense_flops(shape.vocab * shape.hidden, tokens, 1)
+
+
 def hardware_flops_parts(
     shape: ModelShape,
     dense_params: int,
@@ -211,13 +218,16 @@ def hardware_flops_parts(
     checkpointing: str,
     tiled_mlp: bool = False,
     attention_kept: bool = True,
+    lm_head_rerun: bool = False,
 ) -> tuple[float, float]:
     """(dense, attention) FLOPs the device runs: `step_flops_parts`, plus what activation checkpointing reruns
-    (`recomputed_flops`) and, with `tiled_mlp`, what TiledMLP reruns (`tiled_mlp_flops`)."""
+    (`recomputed_flops`), with `tiled_mlp` what TiledMLP reruns (`tiled_mlp_flops`), and with `lm_head_rerun` the LM
+    head's forward the chunked loss reruns (`lm_head_rerun_flops`)."""
     dense, attention = step_flops_parts(dense_params, shape.layers, shape.width, tokens, pairs)
     dense_rerun, attention_rerun = recomputed_flops(shape, tokens, pairs, checkpointing, attention_kept)
     tiled = tiled_mlp_flops(shape, tokens) if tiled_mlp else 0.0
-    return dense + dense_rerun + tiled, attention + attention_rerun
+    head = lm_head_rerun_flops(shape, tokens) if lm_head_rerun else 0.0
+    return dense + dense_rerun + tiled + head, attention + attention_rerun
 
 
 def hardware_step_flops(
@@ -228,7 +238,11 @@ def hardware_step_flops(
     checkpointing: str,
     tiled_mlp: bool = False,
     attention_kept: bool = True,
+    lm_head_rerun: bool = False,
 ) -> float:
     """The FLOPs the device runs (`hardware_flops_parts`), for the hardware FLOPs utilisation (HFU) of Megatron's
     "Reducing Activation Recomputation" and PaLM, against MFU's model FLOPs, and for `estimate`'s wall time."""
-    return sum(hardware_flops_parts(shape, dense_params, tokens, pairs, checkpointing, tiled_mlp, attention_kept))
+    parts = hardware_flops_parts(
+        shape, dense_params, tokens, pairs, checkpointing, tiled_mlp, attention_kept, lm_head_rerun
+    )
+    return sum(parts)

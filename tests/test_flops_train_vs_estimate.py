@@ -1,5 +1,6 @@
 """One count of a step's FLOPs: `train`'s mfu and hfu (Trainer.metrics) and `estimate`'s prediction agree with each
-other and with the FLOPs written out by hand here, with and without model.tiled_mlp and activation checkpointing."""
+other and with the FLOPs written out by hand here, with and without model.tiled_mlp, activation checkpointing and the
+loss's chunks (whose LM head reruns in the backward)."""
 
 import pytest
 
@@ -19,11 +20,12 @@ ARCH = [
 ]
 
 
-def hand_flops(tiled: bool, checkpointing: str) -> tuple[float, float]:
+def hand_flops(tiled: bool, checkpointing: str, chunked: bool) -> tuple[float, float]:
     """(model FLOPs, FLOPs the device runs) of one window of full attention: 2 FLOPs per weight of a linear layer
     (q, k, v, o, gate, up, down, the LM head; no norm, no embedding lookup) and token, 4 x heads x head dim per causal
     pair and layer, training = 3 forward passes. The device also runs TiledMLP's second MLP forward, and what
-    checkpointing reruns: `full` each layer's forward but its down projection, attention included."""
+    checkpointing reruns: `full` each layer's forward but its down projection, attention included; and the LM head's
+    forward again where the loss is computed in checkpointed chunks."""
     q_o, k_v, mlp = 2 * D * HEADS * HEAD_DIM, 2 * D * KV * HEAD_DIM, 3 * D * FFN
     linear = LAYERS * (q_o + k_v + mlp) + D * VOCAB
     pairs = L * (L + 1) / 2
@@ -32,11 +34,17 @@ def hand_flops(tiled: bool, checkpointing: str) -> tuple[float, float]:
     device = model + (2 * LAYERS * mlp * L if tiled else 0)
     if checkpointing == "full":
         device += 2 * LAYERS * (q_o + k_v + 2 * D * FFN) * L + attention_forward
+    if chunked:
+        device += 2 * D * VOCAB * L
     return model, device
 
 
-@pytest.mark.parametrize("tiled, checkpointing", [(False, "none"), (True, "none"), (True, "full"), (False, "full")])
-def test_train_and_estimate_count_the_flops_written_out(tmp_path, one_thread, tiled, checkpointing):
+@pytest.mark.parametrize(
+    "tiled, checkpointing, batch",
+    [(False, "none", BATCH), (True, "none", BATCH), (True, "full", BATCH), (False, "full", BATCH), (False, "none", 64)],
+)
+def test_train_and_estimate_count_the_flops_written_out(tmp_path, one_thread, tiled, checkpointing, batch):
+    """64 windows of 256 tokens in a micro-batch pass the loss's 8,192 logit rows at once: it runs in chunks."""
     cfg = load_config(
         None,
         [
@@ -45,23 +53,23 @@ def test_train_and_estimate_count_the_flops_written_out(tmp_path, one_thread, ti
             f"data.output_dir={tmp_path / 'none'}",  # no prepared dataset: full attention's pairs are the causal half
             "model.dtype=float32",
             "parallel.zero_stage=0",
-            f"train.global_batch={BATCH}",
-            f"train.micro_batch={BATCH}",
+            f"train.global_batch={batch}",
+            f"train.micro_batch={batch}",
             f"model.checkpointing={checkpointing}",
             f"model.tiled_mlp={4 if tiled else 0}",
         ],
     )
-    model, device = hand_flops(tiled, checkpointing)
+    model, device = hand_flops(tiled, checkpointing, chunked=batch * L > 8192)
     predicted = predict(cfg, {"*": 1.0}, 1, modes=("full",))[0]["full"]
     assert predicted["flops_per_window"] == pytest.approx(device, rel=1e-12)
     trainer = Trainer(cfg, init_topology(cfg), vocab_size=VOCAB)
     try:
-        pairs = BATCH * L * (L + 1) // 2
+        pairs = batch * L * (L + 1) // 2
         # one second at a peak of 1 FLOP/s on one rank: the utilisations are the step's FLOPs
         record = trainer.metrics(
             0, StepResult(1.0, 1, None, pairs), seconds=1.0, peak=1.0, peak_mem=0, mem_scope="step"
         )
     finally:
         release_single_process()
-    assert record["mfu"] == pytest.approx(BATCH * model, rel=1e-12)
-    assert record["hfu"] == pytest.approx(BATCH * device, rel=1e-12)
+    assert record["mfu"] == pytest.approx(batch * model, rel=1e-12)
+    assert record["hfu"] == pytest.approx(batch * device, rel=1e-12)

@@ -189,6 +189,29 @@ def test_chunked_loss_equals_full_logits_cross_entropy():
             torch.testing.assert_close(g, r)
 
 
+@pytest.mark.parametrize("rows, length, chunk_tokens", [(1, 40, 10), (2, 40, 10), (1, 40, 40), (4, 10, 40)])
+def test_the_lm_head_reruns_in_the_backward_exactly_where_the_cost_model_counts_it(rows, length, chunk_tokens):
+    """HFU and `estimate` left out the LM head's forward that the checkpointed loss chunks rerun: the head's forward
+    calls counted in a forward and backward against `reruns_lm_head`, and the FLOPs those calls do against
+    `lm_head_rerun_flops` (2 x vocab x hidden per token)."""
+    from lctrain.costmodel import ModelShape, lm_head_rerun_flops
+    from lctrain.train.loss import reruns_lm_head
+
+    head = torch.nn.Linear(8, 50, bias=False)
+    tokens = []
+    head.register_forward_hook(lambda module, args, out: tokens.append(args[0].shape[0] * args[0].shape[1]))
+    hidden = torch.randn(rows, length, 8, requires_grad=True)
+    labels = torch.randint(0, 50, (rows, length))
+    chunked_loss_sum(head, hidden, labels, chunk_tokens=chunk_tokens).backward()
+    forward_tokens = rows * length
+    rerun_tokens = sum(tokens) - forward_tokens
+    assert rerun_tokens in (0, forward_tokens)  # every chunk's head again, or none
+    assert reruns_lm_head(rows, length, "none", chunk_tokens) is (rerun_tokens > 0)
+    shape = ModelShape(1, 8, 1, 1, 8, 16, 50)
+    assert lm_head_rerun_flops(shape, rerun_tokens) == 2 * 50 * 8 * rerun_tokens
+    assert not reruns_lm_head(1, 1 << 20, "liger")  # Liger's fused loss replaces the chunks
+
+
 def test_the_loss_wrappers_state_dict_unwraps_to_the_models_own():
     """ZeRO-3 gathers the state dict of the module DeepSpeed holds (the loss wrapper); the export needs the model's
     own keys and tensors, which `lm_state_dict` recovers."""

@@ -4,12 +4,13 @@ the time of one optimizer step and of the config's whole run (`train.steps` step
 FLOPs per window come from the cost model (`lctrain.costmodel`, the convention MFU uses): the linear layers (q, k,
 v, o, the gated MLP, the LM head) and attention over the causally visible (query, key) pairs, each 3 forward passes
 for training, plus what activation checkpointing reruns (`costmodel.recomputed_flops`: the layers' forward under
-`full`, all of it but attention under `selective`) and, with `model.tiled_mlp`, the MLP forward that TiledMLP reruns
-in the backward: the FLOPs the device runs (`costmodel.hardware_flops_parts`, which `train`'s hfu counts too), as wall
-time, not utilisation, is predicted here. The rate is per GPU on those FLOPs: `--tflops`, bench_train's
-`hardware_tflops_per_gpu` (`--from-bench`), or by default a device's peak for the time at 100% HFU: `--gpu NAME`'s
-dense bf16 peak from lctrain's hardware table, else this machine's (`logging.peak_tflops`, its GPU's from the table,
-or its CPU's measured matmul rate; lctrain.hardware).
+`full`, all of it but attention under `selective`), with `model.tiled_mlp` the MLP forward that TiledMLP reruns in
+the backward, and the LM head's forward that the loss's checkpointed chunks rerun: the FLOPs the device runs
+(`costmodel.hardware_flops_parts`, which `train`'s hfu counts too), as wall time, not utilisation, is predicted
+here. The rate is per GPU on those FLOPs: `--tflops`, bench_train's `hardware_tflops_per_gpu` (`--from-bench`), or
+by default a device's peak for the time at 100% HFU: `--gpu NAME`'s dense bf16 peak from lctrain's hardware table,
+else this machine's (`logging.peak_tflops`, its GPU's from the table, or its CPU's measured matmul rate;
+lctrain.hardware).
 The visible pairs per mode come from the actual segment layout of the prepared dataset; without one, from a
 synthetic packing of SlimPajama-like document lengths (`lctrain.data.layouts`, the benchmarks' windows), flagged
 as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs); a step is `train.global_batch` windows.
@@ -35,6 +36,7 @@ from lctrain.model import model_shape
 from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
 from lctrain.reports.inspect_data import MODES, dataset_stats
 from lctrain.train.data import BatchPlan
+from lctrain.train.loss import reruns_lm_head
 
 MAX_TFLOPS = 1e6  # an exaflop per GPU: larger is a typo (1e300 made every time 0, then a division by it)
 SYNTHETIC_WINDOWS = 64  # windows of the fallback layout when no prepared dataset has the config's length
@@ -176,6 +178,7 @@ def predict(
             cfg.model.checkpointing_mode,
             bool(cfg.model.tiled_mlp),
             keeps_attention(cfg.attention.engine),
+            reruns_lm_head(cfg.train.micro_batch, L // cfg.parallel.sequence_parallel, cfg.model.fused_kernels),
         )
         flops = dense + attention
         window_s = flops / (r * 1e12 * n_gpus)

@@ -111,6 +111,15 @@ def positions_per_chunk(rows: int, length: int, chunk_tokens: int = DEFAULT_CHUN
     return min(length, max(1, chunk_tokens // rows))
 
 
+def reruns_lm_head(
+    micro_batch: int, seq_tokens: int, fused_kernels: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> bool:
+    """Whether a micro-batch's loss reruns the LM head's forward in its backward (`costmodel.lm_head_rerun_flops`):
+    the chunked loss checkpoints every chunk of more than one, and Liger's fused loss replaces it. `seq_tokens`: the
+    rank's positions of a window (data.seq_len over the sequence-parallel degree)."""
+    return fused_kernels != "liger" and positions_per_chunk(micro_batch, seq_tokens, chunk_tokens) < seq_tokens
+
+
 def chunked_loss_sum(
     lm_head: torch.nn.Module,
     hidden: torch.Tensor,

@@ -64,7 +64,7 @@ from lctrain.train import checkpoint as ckpt
 from lctrain.train.data import collate, dataset_record
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
 from lctrain.train.determinism import deterministic_algorithms
-from lctrain.train.loss import CausalLMLossSum
+from lctrain.train.loss import CausalLMLossSum, reruns_lm_head
 from lctrain.train.metrics import StepLogger, quiet_libraries
 from lctrain.train.report import PlannedMemory, RunEnd, RunStart, banner, profile_line, summary
 from lctrain.train.runplan import Prepared, RunPlan
@@ -353,8 +353,8 @@ class Trainer:
         return self.step_flops(cfg.tokens_per_step, cfg.train.global_batch * full_square_pairs(cfg.data.seq_len))
 
     def hardware_flops(self, tokens: int, pairs: int) -> float:
-        """`step_flops` and what this run's activation checkpointing and tiled MLP rerun (costmodel.hardware_step_flops,
-        which `estimate` counts with too)."""
+        """`step_flops` and what this run's activation checkpointing, tiled MLP and chunked loss rerun
+        (costmodel.hardware_step_flops, which `estimate` counts with too)."""
         model = self.cfg.model
         return hardware_step_flops(
             self.shape,
@@ -364,6 +364,9 @@ class Trainer:
             model.checkpointing_mode,
             tiled_mlp=bool(model.tiled_mlp),
             attention_kept=self.attention_kept,
+            lm_head_rerun=reruns_lm_head(
+                self.cfg.train.micro_batch, self.cfg.data.seq_len // self.layout.sp, model.fused_kernels
+            ),
         )
 
     def metrics(
