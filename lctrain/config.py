@@ -576,6 +576,12 @@ class ParallelConfig(_Section):
         False, description="keep the optimizer states and master weights in host memory (needs zero_stage >= 1)"
     )
     offload_params: bool = Field(False, description="keep the ZeRO-3 weight shards in host memory (needs zero_stage 3)")
+    overlap_comm: bool | None = Field(
+        None,
+        description="run ZeRO's gradient reduction and weight gathering on their own CUDA streams, beside the compute; "
+        "null = DeepSpeed's default for the stage: on for ZeRO-3, off for ZeRO-1 and 2 (where it keeps two reduce "
+        "buckets)",
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="torch.distributed backend: auto = nccl with CUDA, else gloo; nccl needs CUDA"
     )

@@ -330,7 +330,11 @@ def model_state_items(
             items.append(Item("unpinned copy while the engine is built", shard * FP32, "host", BUILD))
     items.append(Item("Adam moments (fp32)", 2 * shard * FP32, optimizer_where))
     if stage >= 1:
-        items.append(Item("DeepSpeed reduce bucket", zero["reduce_bucket_size"] * reduce_bytes, "device"))
+        bucket = zero["reduce_bucket_size"] * reduce_bytes
+        items.append(Item("DeepSpeed reduce bucket", bucket, "device"))
+        if stage < 3 and zero["overlap_comm"]:
+            # ZeRO-1/2 overlapping the reduction fill one bucket while the other is reduced (stage_1_and_2.py)
+            items.append(Item("DeepSpeed second reduce bucket (parallel.overlap_comm)", bucket, "device"))
     if stage == 3:
         unit = max(shape.layer_params(), shape.vocab * shape.hidden)  # the largest module gathered whole
         live = min(zero["max_live_parameters"], unit + zero["prefetch_bucket_size"], n)

@@ -193,3 +193,18 @@ def test_no_study_config_outside_the_paper():
 def test_hidden_bases_are_not_listed():
     assert not any(n.startswith("_") for n in bundled_config_names())
     assert {"tiny_anchor", "tiny_full", "tiny_anchor_sp2", "tiny_anchor_zero3"} <= set(bundled_config_names())
+
+
+@pytest.mark.parametrize(
+    "stage, overlap, expected",
+    [(3, None, True), (2, None, False), (1, None, False), (3, False, False), (2, True, True)],
+)
+def test_zero_overlaps_its_communication_as_deepspeed_does_unless_set(stage, overlap, expected):
+    """ZeRO-3 ran every all-gather and reduce-scatter on the compute stream (overlap_comm was false for every stage,
+    DeepSpeed's default for ZeRO-3 being true); DeepSpeed's throughput timer synchronised the device twice per
+    micro-batch for figures nobody reads."""
+    over = [f"parallel.zero_stage={stage}"] + ([] if overlap is None else [f"parallel.overlap_comm={overlap}"])
+    cfg = load_config("tiny_anchor", over)
+    ds = deepspeed_config(cfg, RunPlan.of(cfg, layout_of(cfg)), gpu=True)
+    assert ds["zero_optimization"]["overlap_comm"] is expected
+    assert ds["timers"] == {"throughput": {"enabled": False, "synchronized": False}}

@@ -18,6 +18,12 @@ def uses_torch_adam(cfg: Config, gpu: bool) -> bool:
     return cfg.train.torch_adam or not (gpu and cfg.parallel.offload_optimizer)
 
 
+def overlaps_comm(cfg: Config) -> bool:
+    """`parallel.overlap_comm`, its null resolved to DeepSpeed's default for the ZeRO stage (on for ZeRO-3 only)."""
+    p = cfg.parallel
+    return p.zero_stage == 3 if p.overlap_comm is None else p.overlap_comm
+
+
 def grad_divisor(cfg: Config, layout: ParallelLayout) -> int:
     """What DeepSpeed divides the summed gradients by; the trainer multiplies the loss by it so that the ranks'
     gradient contributions simply add up."""
@@ -33,7 +39,7 @@ def deepspeed_config(cfg: Config, plan: RunPlan, *, gpu: bool) -> dict:
     zero: dict = {"stage": p.zero_stage}
     if p.zero_stage >= 1:
         # reduce_scatter fixes how ZeRO-3 averages gradients (compat/deepspeed.py: grad_divisor)
-        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_scatter=True)
+        zero.update(overlap_comm=overlaps_comm(cfg), contiguous_gradients=True, reduce_scatter=True)
     if p.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if p.offload_params:
@@ -60,6 +66,9 @@ def deepspeed_config(cfg: Config, plan: RunPlan, *, gpu: bool) -> dict:
         },
         "steps_per_print": _QUIET_STEPS,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer, whose figures nobody reads (lctrain times its own steps), synchronised the
+        # device twice per micro-batch, at the forward and at the step
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
     if torch_adam and p.offload_optimizer:
         ds["zero_force_ds_cpu_optimizer"] = False

@@ -298,7 +298,7 @@ class Trainer:
     def train_step(self, windows: list[dict]) -> StepResult:
         """One optimizer step over this rank's micro-batches (collated windows, `train.data.collate`)."""
         cfg, topo = self.cfg, self.topo
-        micro, pairs = [], 0
+        micro, pairs, valid = [], 0, 0
         for raw in windows:
             if topo.sp_rank == 0:  # the group's other ranks hold the same windows: count each window once
                 pairs += sum(
@@ -308,11 +308,13 @@ class Trainer:
             batch = make_batch(
                 raw["input_ids"], raw["seg_lens"], cfg.attention.mode, seg_doc=raw["seg_doc"], tag_lens=raw["tag_lens"]
             )
-            micro.append(batch.shard(topo.sp, topo.sp_rank).to(topo.device))
+            local = batch.shard(topo.sp, topo.sp_rank)
+            valid += local.valid_labels()  # counted on the host: read back from the device, a synchronisation
+            micro.append(local.to(topo.device))
         # one all-reduce: valid labels of the whole step (the loss denominator) and attention pairs (for MFU).
         # Reduced tensors live on the device: an nccl process group has no CPU backend.
         counts = torch.tensor(
-            [float(sum(b.valid_labels() for b in micro)), float(pairs)],
+            [float(valid), float(pairs)],
             dtype=torch.float64,
             device=topo.device,
         )
