@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import resource
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,7 +65,17 @@ _TORCH_WRITE_FAILED = re.compile(r"PytorchStreamWriter failed writing file|inlin
 # Rust libraries (tokenizers, safetensors) raise a plain Exception whose text ends in "(os error 28)"; pyarrow's
 # OSError may carry the errno only in its text ("[errno 28]").
 _ERRNO_IN_TEXT = re.compile(r"\(os error (\d+)\)|\[errno (\d+)\]", re.I)
-_TORCH_CAUSE = "the write failed; is the disk full?"
+
+
+def _torch_cause() -> str:
+    """Why torch's serializer may have failed to write: a full disk, or, where this process has one, its file-size
+    limit (`ulimit -f`: the write fails as on a full disk, with free space left)."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return "is the disk full?"
+    return f"is the disk full, or a file past this process's file-size limit of {limit:,} bytes (ulimit -f)?"
+
+
 # What to do about each cause: the remedy follows the cause in the one line.
 _REMEDY = {
     errno.ENOSPC: "free disk space or choose a path on another filesystem",
@@ -122,7 +133,7 @@ def environment_error_message(e: BaseException) -> str | None:
         where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f) or "a file"
         what = e.strerror or str(e)
     elif _errno_of(e) is None:
-        where, what = "a checkpoint file", "the write failed (is the disk full?)"
+        where, what = "a checkpoint file", f"the write failed ({_torch_cause()})"
     else:
         where, what = "a file", os.strerror(_errno_of(e))
     return " ".join(f"{where}: {what}; {remedy_of(e)}, then run the command again".split())
@@ -150,7 +161,8 @@ def writing(path: str | os.PathLike, what: str) -> Iterator[None]:
         if not is_environment_error(e):
             raise
         number = _errno_of(e)
-        cause = _TORCH_CAUSE if number is None else os.strerror(number)  # None: torch's serializer, no errno
+        # None: torch's serializer, which gives no errno
+        cause = f"the write failed; {_torch_cause()}" if number is None else os.strerror(number)
         remedy = remedy_of(e)
         where = e.filename if isinstance(e, OSError) and e.filename else path
         raise WriteFailed(where, what, cause, remedy) from e

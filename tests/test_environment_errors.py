@@ -49,6 +49,17 @@ def test_messages():
     assert "is the disk full?" in environment_error_message(RuntimeError(torch_msg))
 
 
+def test_a_failed_torch_write_under_a_file_size_limit_names_the_limit(monkeypatch):
+    """`ulimit -f` makes a large write fail as a full disk does, with space left: the message said only 'is the disk
+    full?' (signals explorer)."""
+    import resource
+
+    torch_msg = "[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0"
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (30_720_000, resource.RLIM_INFINITY))
+    msg = environment_error_message(RuntimeError(torch_msg))
+    assert "is the disk full, or a file past this process's file-size limit of 30,720,000 bytes (ulimit -f)?" in msg
+
+
 def test_train_on_a_full_disk_names_the_step_and_resume(data_dir, tmp_path, monkeypatch):
     def full_disk(*args, **kwargs):  # what torch.save raises when the disk fills up mid-checkpoint
         raise RuntimeError(
@@ -66,6 +77,34 @@ def test_train_on_a_full_disk_names_the_step_and_resume(data_dir, tmp_path, monk
     assert "cannot write the step 1 resume checkpoint (the write failed; is the disk full?)" in line
     assert "no checkpoint was written yet" in line
     assert "lctrain resume" not in line  # there is no checkpoint to resume from
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS], ids=["no-inodes", "read-only"])
+def test_a_checkpoint_directory_that_cannot_be_made_is_one_line_naming_the_resume(
+    data_dir, tmp_path, monkeypatch, error
+):
+    """Out of inodes, or checkpoints/ remounted read-only, after step 1's checkpoint: DeepSpeed logged its failed
+    makedirs and went on, and the next write ended in a 70-line traceback ('Parent directory ... does not exist'),
+    exit code 1 (signals explorer)."""
+    from lctrain.files import TEMPORARY_PREFIX
+
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        if Path(path).name == TEMPORARY_PREFIX + "step_2":
+            raise OSError(error, os.strerror(error), str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    run_dir = tmp_path / "run"
+    line = one_error_line(
+        CliRunner().invoke(
+            app, ["train"] + set_args(TINY + [f"data.output_dir={data_dir}", f"train.run_dir={run_dir}"])
+        )
+    )
+    assert "cannot write the step 2 resume checkpoint" in line and os.strerror(error) in line
+    assert f"'lctrain resume {run_dir}' continues from step_1" in line
+    assert RunDir(run_dir).checkpoint(1).is_dir()
 
 
 def test_unwritable_metrics_is_one_line(data_dir, tmp_path):

@@ -270,12 +270,16 @@ def save_resume(
     runs on rank 0 once every rank's files are written and before the checkpoint is complete (fault injection)."""
     root, final = run.checkpoints, run.checkpoint(step)
     tmp = root / (TEMPORARY_PREFIX + final.name)
-    if rank == 0:
-        with writing(root, "the checkpoints directory"):
-            root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
     try:
+        if rank == 0:
+            with writing(root, "the checkpoints directory"):
+                root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            with writing(tmp, "the resume checkpoint"):
+                # made here: DeepSpeed only logs a failed makedirs (a full disk, a read-only mount), and its next
+                # write fails with a RuntimeError naming no cause
+                tmp.mkdir()
+        barrier()
         with writing(tmp, "the resume checkpoint"):
             engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
             torch.save({**rng_state(), "step": step}, tmp / rng_file(rank))
