@@ -334,19 +334,37 @@ def is_supervised() -> bool:
     return bool(os.environ.get(SUPERVISOR_ENV))
 
 
-def exit_with_supervisor() -> None:
-    """In a training worker: end with the `lctrain train` that launched it, if one did."""
+def _supervisor() -> psutil.Process | None:
+    """The `lctrain train` that launched this worker, None where none did; raises `psutil.NoSuchProcess` when it has
+    ended (its pid gone, or reused by another process)."""
     token = os.environ.get(SUPERVISOR_ENV)
     if not token:
-        return
+        return None
     pid, created = token.split(":", 1)
+    supervisor = psutil.Process(int(pid))
+    if abs(supervisor.create_time() - float(created)) > 1e-3:
+        raise psutil.NoSuchProcess(int(pid))
+    return supervisor
+
+
+def exit_with_supervisor() -> None:
+    """In a training worker: end with the `lctrain train` that launched it, if one did."""
     try:
-        supervisor = psutil.Process(int(pid))
-        if abs(supervisor.create_time() - float(created)) > 1e-3:
-            os._exit(1)  # the pid was reused: the supervisor is already gone
+        supervisor = _supervisor()
     except psutil.NoSuchProcess:
         os._exit(1)
-    exit_with(supervisor)
+    if supervisor is not None:
+        exit_with(supervisor)
+
+
+def supervisor_gone() -> bool:
+    """Whether the `lctrain train` that launched this worker has ended before it: killed (it waits for its workers
+    otherwise), so the other ranks are ending with it and a collective's failure here is their end, not a fault."""
+    try:
+        _supervisor()
+    except psutil.NoSuchProcess:
+        return True
+    return False
 
 
 def _stop_tree(root: psutil.Process, grace_s: float, sig: int = signal.SIGTERM) -> None:

@@ -187,3 +187,42 @@ def test_a_resume_of_a_run_without_sessions_says_its_earlier_software_is_unknown
     assert software_note(None, started) is None
     note = software_note(None, {**started, "start_step": 10})
     assert note.startswith("note: sessions.jsonl starts at step 10: the steps before were trained by an lctrain")
+
+
+@pytest.mark.slow  # a tiny run and its prepared data: 5 s
+@pytest.mark.usefixtures("one_thread")
+def test_a_session_whose_launching_command_was_killed_keeps_only_its_start(workdir, tmp_path, monkeypatch):
+    """`kill -9` of `lctrain train` ends its ranks (each watches it): rank 0 recorded the session as failed with the
+    gloo error its collective met when rank 1 went ("Connection closed by peer"), as if the run had crashed, where a
+    killed session keeps only its start (signals explorer: 2 of 4 such kills)."""
+    from lctrain.train import trainer
+
+    nan_loss_at(monkeypatch, 1)  # the error rank 0 meets as its peers go
+    monkeypatch.setattr(trainer, "supervisor_gone", lambda: True)
+    train(workdir, tmp_path / "killed")
+    (session,) = RunDir(tmp_path / "killed").read_sessions()
+    assert "ended" not in session and "outcome" not in session
+
+
+def test_a_launching_command_is_gone_when_its_process_is(monkeypatch):
+    import subprocess
+    import sys
+
+    import psutil
+
+    from lctrain.lifetime import SUPERVISOR_ENV, supervisor_gone, supervisor_token
+
+    monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
+    assert not supervisor_gone()  # started by no lctrain command
+    monkeypatch.setenv(SUPERVISOR_ENV, supervisor_token())
+    assert not supervisor_gone()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    token = f"{child.pid}:{psutil.Process(child.pid).create_time()}"
+    monkeypatch.setenv(SUPERVISOR_ENV, token)
+    assert not supervisor_gone()
+    child.kill()
+    child.wait()
+    assert supervisor_gone()
+    me = psutil.Process()
+    monkeypatch.setenv(SUPERVISOR_ENV, f"{me.pid}:{me.create_time() - 5}")  # its pid taken by another process
+    assert supervisor_gone()

@@ -49,7 +49,7 @@ from lctrain.costmodel import (
 )
 from lctrain.errors import RunFailed, UserError, WriteFailed, cited, is_environment_error, remedy_of
 from lctrain.hardware import device_peak_flops
-from lctrain.lifetime import StopRequest, Terminated, is_supervised
+from lctrain.lifetime import StopRequest, Terminated, is_supervised, supervisor_gone
 from lctrain.measure import largest_peak_bytes, reset_peak, timed
 from lctrain.memory import need, plan_memory
 from lctrain.model import build_model, write_model_changes
@@ -207,7 +207,9 @@ def run(
             try:
                 trainer.fit(packed)
             except BaseException as e:
-                if session is not None:
+                # a killed `lctrain train` takes its ranks with it: recorded as a kill is (the start only), not as
+                # the failure the collective met ("Connection closed by peer")
+                if session is not None and not supervisor_gone():
                     record_end(rd, session, trainer.state.step, e, trainer.diverged_at)
                     if under_launcher() and not is_supervised() and _unexplained(e):
                         say(_crash_line(rd, trainer.state.step, e))
