@@ -13,6 +13,7 @@ the nccl backend) is checked by `check_on_this_machine` before a run starts, so 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import json
@@ -863,10 +864,8 @@ def bundled_config_names() -> list[str]:
 
 
 def _locate(name_or_path: str, relative_to: Path | None = None) -> Path:
-    candidates = []
-    if relative_to is not None:
-        candidates.append(relative_to / name_or_path)
-    candidates.append(Path(name_or_path))
+    # a `base:` is relative to the file that names it, never to where lctrain runs: a config means the same anywhere
+    candidates = [Path(name_or_path) if relative_to is None else relative_to / name_or_path]
     stem = name_or_path[:-5] if name_or_path.endswith(".yaml") else name_or_path
     candidates.append(bundled_config_dir() / f"{stem}.yaml")
     for c in candidates:
@@ -877,10 +876,18 @@ def _locate(name_or_path: str, relative_to: Path | None = None) -> Path:
         inside = folder / "config.yaml"
         hint = f"its config is {inside}" if inside.is_file() else "give a YAML file"
         raise UserError(f"config '{name_or_path}' is a directory; {hint}")
+    near = _near(stem.lower(), bundled_config_names())
+    where = "a file" if relative_to is None else f"a file beside the config whose base it is ({relative_to})"
     raise UserError(
-        f"config '{name_or_path}' not found (neither a file nor a bundled config); "
-        f"run 'lctrain configs' to list the bundled ones"
+        f"config '{name_or_path}' not found (neither {where} nor a bundled config); "
+        f"{near}run 'lctrain configs' to list the bundled ones"
     )
+
+
+def _near(word: str, choices: list[str]) -> str:
+    """ "did you mean 'x'? " for the choice closest to a mistyped `word`, "" when none is close."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.75)
+    return f"did you mean '{close[0]}'? " if close else ""
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -1183,8 +1190,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     loc = tuple(p for p in e["loc"])
     key = _dotted(loc) or "(top level)"
     if e["type"] == "extra_forbidden":
-        allowed = ", ".join(k for k in _allowed_keys(Config, loc) if k not in NOT_SETTINGS)
-        return f"{source}: unknown key '{key}'; allowed keys here: {allowed}"
+        keys = [k for k in _allowed_keys(Config, loc) if k not in NOT_SETTINGS]
+        return f"{source}: unknown key '{key}'; {_near(str(loc[-1]), keys)}allowed keys here: {', '.join(keys)}"
     if e["type"] == "literal_error":
         return f"{source}: {key} = {e.get('input')!r} is not allowed; expected {e['ctx']['expected']}"
     msg = e["msg"].removeprefix("Value error, ")

@@ -77,6 +77,25 @@ def test_base_inheritance_merges_sections_key_by_key(tmp_path):
     assert cfg.model.arch == {"model_type": "mistral"}
 
 
+def test_a_base_is_found_beside_its_config_wherever_lctrain_runs(tmp_path, monkeypatch):
+    """A `base:` missing beside its file was read from the working directory: the same config meant another run
+    depending on where lctrain started (config explorer)."""
+    _write(tmp_path / "user_base.yaml", {"base": "tiny_anchor", "train": {"steps": 3}})
+    (tmp_path / "sub").mkdir()
+    child = _write(tmp_path / "sub" / "child.yaml", {"base": "user_base.yaml"})
+    monkeypatch.chdir(tmp_path)  # where a user_base.yaml is, but not beside child.yaml
+    with pytest.raises(UserError, match=r"^config 'user_base.yaml' not found \(neither a file beside the config whose"):
+        load_config(str(child))
+    _write(tmp_path / "sub" / "beside.yaml", {"base": "../user_base.yaml"})
+    assert load_config(str(tmp_path / "sub" / "beside.yaml")).train.steps == 3
+
+
+@pytest.mark.parametrize("name", ["llama2_64k_anchr", "LLAMA2_64K_ANCHOR"])
+def test_a_mistyped_bundled_config_name_is_answered_with_the_near_one(name):
+    with pytest.raises(UserError, match=r"did you mean 'llama2_64k_anchor'\? run 'lctrain configs'"):
+        load_config(name)
+
+
 def test_base_loop_is_reported(tmp_path):
     _write(tmp_path / "a.yaml", {"base": "b.yaml"})
     _write(tmp_path / "b.yaml", {"base": "a.yaml"})
@@ -88,7 +107,7 @@ def test_base_loop_is_reported(tmp_path):
     "override, expected",
     [
         ("attention.mode=anchr", r"attention.mode = 'anchr' is not allowed; expected 'full', 'intra_doc'"),
-        ("data.mixtur=natural", r"unknown key 'data.mixtur'; allowed keys here: source, path"),
+        ("data.mixtur=natural", r"unknown key 'data.mixtur'; did you mean 'mixture'\? allowed keys here: source, path"),
         ("train.lr=-1", r"train.lr = -1: Input should be greater than 0"),
         ("data.source=local", r"data: data.path is required"),
         # a path without data.source=local was ignored: the synthetic corpus trained instead of the user's files

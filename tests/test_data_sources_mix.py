@@ -180,7 +180,11 @@ def test_configs_without_sources_keep_their_fingerprint():
 @pytest.mark.parametrize(
     ("sources", "extra", "needle"),
     [
-        ("[{name: a, path: A, wieght: 3}]", [], "unknown key 'data.sources[0].wieght'; allowed keys here: name, path"),
+        (
+            "[{name: a, path: A, wieght: 3}]",
+            [],
+            "unknown key 'data.sources[0].wieght'; did you mean 'weight'? allowed keys here: name, path",
+        ),
         ("[{name: a, path: A, weight: 0}]", [], "data.sources[0].weight = 0: Input should be greater than 0"),
         ("[{name: a, path: A, weight: -1}]", [], "data.sources[0].weight = -1"),
         ("[{name: a, path: A, weight: .inf}]", [], "data.sources[0].weight = inf: not a finite number"),
