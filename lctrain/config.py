@@ -76,6 +76,14 @@ def _finite(value: Any) -> Any:
     return _not_a_boolean(value)
 
 
+def _a_boolean(value: Any) -> Any:
+    # pydantic's lax mode reads 'yes', 'on', 'y' and 1 as true; YAML 1.2, which lctrain reads, has only true and false
+    if not isinstance(value, bool):
+        raise ValueError("not a boolean; expected true or false")
+    return value
+
+
+Bool = Annotated[bool, BeforeValidator(_a_boolean)]
 Int = Annotated[int, BeforeValidator(_not_a_boolean)]
 Float = Annotated[float, BeforeValidator(_finite), AllowInfNan(False)]
 Seed = Annotated[Int, Field(ge=0, lt=SEED_LIMIT)]
@@ -249,10 +257,10 @@ class DataConfig(_Section):
     down_sample_ratio: Float = Field(
         0.1, ge=0.0, le=1.0, description="upsampled: the probability a document shorter than short_doc_tokens is kept"
     )
-    domain_tags: bool = Field(
+    domain_tags: Bool = Field(
         False, description="a domain tag after each segment's anchor (the paper's AnchorAttention + Tag)"
     )
-    interleave_chunks: bool = Field(
+    interleave_chunks: Bool = Field(
         False,
         description="split each window's documents into 2-3 chunks and interleave them, keeping each document's "
         "chunk order (the paper's Fig. 5)",
@@ -268,7 +276,7 @@ class DataConfig(_Section):
     output_dir: Text | None = Field(
         None, description="where the prepared dataset goes; null = prepared/<data fingerprint> (shared by configs)"
     )
-    strict: bool = Field(
+    strict: Bool = Field(
         False, description="stop at the first malformed input record, naming file and line, instead of counting it"
     )
     shuffle_buffer_tokens: Int = Field(
@@ -396,7 +404,7 @@ class ModelConfig(_Section):
     dtype: Literal["bfloat16", "float32", "float16"] = Field(
         "bfloat16", description="the weights' and the computation's dtype (bf16/fp16 keep fp32 master weights)"
     )
-    gradient_checkpointing: bool = Field(
+    gradient_checkpointing: Bool = Field(
         False, description="the older switch: true is model.checkpointing=full (used when checkpointing is null)"
     )
     checkpointing: Literal["full", "selective", "selective_matmul", "none"] | None = Field(
@@ -407,13 +415,13 @@ class ModelConfig(_Section):
         "selective_matmul also keeps every matmul's output (not with model.fused_kernels, which write into them); "
         "none keeps everything; null follows gradient_checkpointing",
     )
-    rope_fp32: bool = Field(False, description="rotate q/k in fp32 before the bf16 attention")
+    rope_fp32: Bool = Field(False, description="rotate q/k in fp32 before the bf16 attention")
     tiled_mlp: Literal["auto"] | Annotated[int, Field(ge=0)] = Field(
         0,
         description="run each decoder MLP in this many sequence shards with DeepSpeed's TiledMLP (0 = off; "
         "'auto' = ceil(tokens per rank / hidden_size), the largest over the ranks)",
     )
-    offload_activations: bool = Field(
+    offload_activations: Bool = Field(
         False,
         description="keep the checkpointed hidden states in host memory between forward and backward "
         "(DeepSpeed's checkpoint offload; needs gradient_checkpointing)",
@@ -522,7 +530,7 @@ class TrainConfig(_Section):
     micro_batch: Windows = Field(1, ge=1, description="windows per forward pass on one rank (the rest is accumulation)")
     lr: Float = Field(2e-5, gt=0, description="peak learning rate (AdamW)")
     weight_decay: Float = Field(0.1, ge=0, description="AdamW's decoupled weight decay")
-    decay_norms_and_biases: bool = Field(
+    decay_norms_and_biases: Bool = Field(
         False, description="also decay norm weights and biases (the paper's released code decays every parameter)"
     )
     betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW's (beta1, beta2), each in [0, 1)")
@@ -534,17 +542,17 @@ class TrainConfig(_Section):
         "last update (the last step's rate is one step's decay above it)",
     )
     grad_clip: Float = Field(1.0, ge=0, description="clip the gradients' global norm to this; 0 = no clipping")
-    torch_adam: bool = Field(
+    torch_adam: Bool = Field(
         False,
         description="torch's AdamW also where DeepSpeed's CPU Adam would run (an offloaded optimizer on a GPU): "
         "no C++ op to build, a slower host step, and host memory for its out-of-place temporaries",
     )
-    fused_optimizer: bool = Field(
+    fused_optimizer: Bool = Field(
         False,
         description="torch's AdamW with fused=True (one kernel for the whole update; on CPU and CUDA); not with "
         "DeepSpeed's CPU Adam, already one fused C++ step",
     )
-    deterministic: bool = Field(
+    deterministic: Bool = Field(
         False,
         description="steps that repeat bit for bit on a GPU: PyTorch's deterministic kernels (an op with none is an "
         "error naming it), cuBLAS's fixed workspace, flash-attn's deterministic backward; a slower attention "
@@ -573,11 +581,11 @@ class ParallelConfig(_Section):
     zero_stage: Int = Field(
         2, ge=0, le=3, description="DeepSpeed ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + weights"
     )
-    offload_optimizer: bool = Field(
+    offload_optimizer: Bool = Field(
         False, description="keep the optimizer states and master weights in host memory (needs zero_stage >= 1)"
     )
-    offload_params: bool = Field(False, description="keep the ZeRO-3 weight shards in host memory (needs zero_stage 3)")
-    overlap_comm: bool | None = Field(
+    offload_params: Bool = Field(False, description="keep the ZeRO-3 weight shards in host memory (needs zero_stage 3)")
+    overlap_comm: Bool | None = Field(
         None,
         description="run ZeRO's gradient reduction and weight gathering on their own CUDA streams, beside the compute; "
         "null = DeepSpeed's default for the stage: on for ZeRO-3, off for ZeRO-1 and 2 (where it keeps two reduce "
@@ -629,8 +637,8 @@ class CheckpointConfig(_Section):
     hf_last: Steps = Field(
         50, ge=0, description="the steps, counted back from the last, that hold evaluation checkpoints; 0 = none"
     )
-    save_final: bool = Field(True, description="a resume checkpoint after the last step (off for throughput runs)")
-    on_sigterm: bool = Field(
+    save_final: Bool = Field(True, description="a resume checkpoint after the last step (off for throughput runs)")
+    on_sigterm: Bool = Field(
         True,
         description="on SIGTERM (a scheduler's time limit or preemption), finish the step under way, write a resume "
         "checkpoint of it and stop (exit code 143), so that a resume loses nothing; false: stop at once, as Ctrl-C "
@@ -661,7 +669,7 @@ class ProfileConfig(_Section):
             return ranks
         raise ValueError("expected all, or a list of global ranks (integers >= 0)")
 
-    memory: bool = Field(
+    memory: Bool = Field(
         False,
         description="also record every tensor allocation in the trace, and on CUDA write the allocator's snapshot "
         "(rank<r>.memory.pickle, for pytorch.org/memory_viz): larger files, slower profiled steps",
@@ -671,7 +679,7 @@ class ProfileConfig(_Section):
 class LoggingConfig(_Section):
     wandb: Literal["disabled", "offline", "online"] = Field("disabled", description="Weights & Biases logging")
     wandb_project: Text = Field("lctrain", description="the Weights & Biases project")
-    tensorboard: bool = Field(
+    tensorboard: Bool = Field(
         False,
         description="also write the step metrics as TensorBoard event files in the run directory's tensorboard/ "
         "(needs the tensorboard package: pip install 'lctrain[tensorboard]')",
@@ -712,6 +720,13 @@ class EvalConfig(_Section):
             if data.pop("qa_path") is not None:
                 raise ValueError("qa_path is now eval.squad_path (task qa_1) and eval.hotpotqa_path (task qa_2)")
         return data
+
+    @model_validator(mode="after")
+    def _lengths_once(self):
+        twice = sorted({n for n in self.lengths if self.lengths.count(n) > 1})
+        if twice:
+            raise ValueError(f"eval.lengths names {', '.join(map(str, twice))} more than once; name each length once")
+        return self
 
     @model_validator(mode="after")
     def _known_tasks(self):

@@ -190,7 +190,6 @@ def test_yaml_nan_and_refusals():
         ("train.lr=1e-4", "train.lr", 1e-4, 1e-4),  # a string pydantic read as a float, a float now
         ("description=yes", "description", "refused: True is not a string", "yes"),
         ("name=2024-01-01", "name", "refused: a date is not a string", "2024-01-01"),
-        ("model.rope_fp32=yes", "model.rope_fp32", True, True),  # text now, which pydantic reads as a bool
     ],
 )
 def test_set_values_as_yaml_1_2(override, key, before, now):
@@ -199,6 +198,13 @@ def test_set_values_as_yaml_1_2(override, key, before, now):
     for part in key.split("."):
         node = node[part]
     assert node == now and type(node) is type(now)
+
+
+@pytest.mark.parametrize("value", ["yes", "on", "y", "1", "'true'"])
+def test_a_boolean_is_true_or_false_only(value):
+    """YAML 1.1's yes/on, text, and numbers were read as true by pydantic's lax mode (config explorer)."""
+    assert "model.rope_fp32 = " in _refused(f"model.rope_fp32={value}")
+    assert "not a boolean; expected true or false" in _refused(f"model.rope_fp32={value}")
 
 
 def test_sexagesimal_is_not_a_number():
@@ -330,3 +336,8 @@ def test_a_written_config_reads_back_the_same_whatever_its_strings_look_like(tmp
     again = load_config(str(write_resolved(cfg, tmp_path)))
     assert (again.name, again.description) == ("08", "1e5")
     assert config_fingerprint(again) == config_fingerprint(cfg)
+
+
+def test_an_evaluation_length_named_twice_is_refused():
+    """`eval.lengths=[4096,4096]` was accepted (config explorer): a length scored twice, or a typo for another."""
+    assert "eval.lengths names 4096 more than once" in _refused("eval.lengths=[4096,8192,4096]")
