@@ -215,8 +215,9 @@ def require_engines(hf_config, what: str) -> None:
 
 
 def check_model_class(cfg: Config) -> None:
-    """`require_engines` for the model a config trains, where its config is here without a download (`model.arch`
-    or a local directory)."""
+    """`check_rope_scaling`, and `require_engines` for the model a config trains where its config is here without a
+    download (`model.arch` or a local directory)."""
+    check_rope_scaling(cfg.model.rope_scaling)
     if cfg.model.arch is None and not Path(cfg.resolve_source(cfg.model.name_or_path)).is_dir():
         return
     what = "model.arch" if cfg.model.arch is not None else f"model.name_or_path = '{cfg.model.name_or_path}'"
@@ -262,6 +263,29 @@ def _warn_dynamic(hf_config, cfg: Config, which: str) -> None:
         )
 
 
+def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
+    """`model.rope_scaling`'s type and factor, refused in one line without the model's config: `prepare`, `train` and
+    `show-config` check them first, for a hub model not downloaded too."""
+    if scaling is None:
+        return
+    rope_type = scaling.get("rope_type") or scaling.get("type")
+    known = ["default", NTK_ROPE_TYPE, *ROPE_INIT_FUNCTIONS]
+    if rope_type is None:
+        raise UserError(
+            f"model.rope_scaling = {scaling} names no rope_type; give one of {', '.join(known)} (a rope_scaling "
+            f"mapping replaces its base config's whole, rope_type included)"
+        )
+    if rope_type not in known:
+        raise UserError(f"model.rope_scaling.rope_type = {rope_type!r} is unknown; expected one of {', '.join(known)}")
+    factor = scaling.get("factor")
+    if "factor" in scaling and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1):
+        # transformers only logs it: a factor below 1 compresses the positions instead of extending the context
+        raise UserError(
+            f"model.rope_scaling.factor = {factor!r}: rope_type {rope_type!r} needs a factor >= 1 (new / original "
+            f"context length)"
+        )
+
+
 def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
     """The `rope_parameters` dict (transformers 5) for this config: theta (`_rope_theta`), and the scaling passed
     through, except lctrain's `ntk`, which becomes plain RoPE at the NTK-aware base. Without `model.rope_scaling` the
@@ -274,22 +298,13 @@ def rope_parameters(hf_config, cfg: Config) -> dict[str, Any]:
         if params["rope_type"] == "dynamic":
             _warn_dynamic(hf_config, cfg, "the model's own rope_type 'dynamic' scaling (kept)")
         return params
+    check_rope_scaling(cfg.model.rope_scaling)
     scaling = dict(cfg.model.rope_scaling)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
     if rope_type == NTK_ROPE_TYPE:
         return _ntk_parameters(hf_config, current, scaling, theta)
-    known = ["default", NTK_ROPE_TYPE, *ROPE_INIT_FUNCTIONS]
     if rope_type == "dynamic":
         _warn_dynamic(hf_config, cfg, "model.rope_scaling: 'dynamic'")
-    if rope_type not in known:
-        raise UserError(f"model.rope_scaling.rope_type = {rope_type!r} is unknown; expected one of {', '.join(known)}")
-    factor = scaling.get("factor")
-    if "factor" in scaling and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1):
-        # transformers only logs it: a factor below 1 compresses the positions instead of extending the context
-        raise UserError(
-            f"model.rope_scaling.factor = {factor!r}: rope_type {rope_type!r} needs a factor >= 1 (new / original "
-            f"context length)"
-        )
     params = {"rope_type": rope_type, **_rotary_layout(current), **scaling, "rope_theta": theta}
     if rope_type in _ROPE_TYPES_WITH_ORIGINAL_LENGTH and "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = _original_length(hf_config, cfg, rope_type)

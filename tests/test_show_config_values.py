@@ -142,3 +142,22 @@ def test_a_pad_token_in_the_vocabulary_or_none_builds(ids):
     cfg = load_config(None, [f"model.arch={PHI3}, {ids}}}"])
     model = build_model(cfg, vocab_size=len(load_tokenizer(cfg.data.tokenizer))).model
     assert model.get_input_embeddings().num_embeddings == 32000
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["data.seq_len=65537"], "data.seq_len = 65537 is not divisible by parallel.sequence_parallel = 4"),
+        (["train.global_batch=7"], "train.global_batch = 7 is not divisible by train.micro_batch x data-parallel"),
+        (["model.rope_scaling={rope_type: foo}"], "model.rope_scaling.rope_type = 'foo' is unknown; expected one of"),
+        (["model.rope_scaling={rope_type: yarn, factor: 0.5}"], "rope_type 'yarn' needs a factor >= 1"),
+        (["model.rope_scaling={factor: 8}"], "model.rope_scaling = {'factor': 8} names no rope_type; give one of"),
+    ],
+)
+def test_show_config_refuses_what_train_and_plan_would_of_a_model_not_downloaded(overrides, expected):
+    """show-config printed a paper config (its model a hub name, not downloaded) with a batch its layout cannot split
+    or an unknown RoPE scaling, exit code 0: train refused the first, and the second only once the model loaded
+    (config explorer)."""
+    result = CliRunner().invoke(app, ["show-config", "-c", "llama2_64k_anchor", *set_args(overrides)])
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and "\n" not in line and expected in line, result.output
