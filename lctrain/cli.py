@@ -17,7 +17,7 @@ from lctrain.config import bundled_config_names, load_config, to_yaml
 from lctrain.config_reference import reference_markdown
 from lctrain.console import plain_terminal, survive_closed_outputs
 from lctrain.errors import UserError, environment_error_message, output_path
-from lctrain.lifetime import Terminated, is_supervised, terminate_as_interrupt
+from lctrain.lifetime import Terminated, exit_with_supervisor, is_supervised, terminate_as_interrupt
 
 # Each command imports its implementation when it runs: `lctrain --help` and the quick commands must not pay for
 # torch/transformers/deepspeed (start-up time).
@@ -786,6 +786,9 @@ def experiment_extend(
 def main(argv: list[str] | None = None) -> None:
     survive_closed_outputs()  # first: the libraries imported later keep the streams it sets
     terminate_as_interrupt()
+    # a command another lctrain command started (`experiment` runs `train`, `eval`, ...) ends with it: killed, it can
+    # no longer stop this one, which would train on unwatched
+    exit_with_supervisor()
     quiet_cpu_fallback_notice()
     if plain_terminal():  # where lctrain's tables are ASCII, so is typer's help
         compat_typer.ascii_help()

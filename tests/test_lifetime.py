@@ -293,3 +293,25 @@ def test_retry_after_a_kill_before_the_first_checkpoint_starts_a_clean_run(data_
     assert retry.returncode == 0, retry.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in RunDir(run_dir).metrics_file.read_text().splitlines()]
     assert steps == [1, 2]
+
+
+@pytest.mark.slow  # two Python start-ups and lctrain's imports: ~10-20 s
+def test_a_command_another_lctrain_command_started_ends_with_it(tmp_path):
+    """`kill -9` of `lctrain experiment` left the `lctrain train` it had started training on, unwatched, in a process
+    group of its own (experiment explorer): every command started under an lctrain supervisor now ends with it."""
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    token = f"{supervisor.pid}:{psutil.Process(supervisor.pid).create_time()}"
+    command = (
+        "import time; from lctrain import cli\ncli.app.command('wait')(lambda: time.sleep(120))\ncli.main(['wait'])\n"
+    )
+    started = subprocess.Popen([sys.executable, "-c", command], env={**clean_env(), SUPERVISOR_ENV: token})
+    try:
+        time.sleep(5)  # the command is up, watching its supervisor
+        assert started.poll() is None
+        supervisor.kill()
+        supervisor.wait()
+        assert started.wait(timeout=30) == 1
+    finally:
+        for p in (started, supervisor):
+            p.kill()
+            p.wait()
