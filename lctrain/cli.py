@@ -294,13 +294,14 @@ def show_config(
         return
     import torch
 
-    from lctrain.model import check_rope_scaling, used_values
+    from lctrain.model import check_heads_split, check_rope_scaling, used_values
     from lctrain.train.runplan import RunPlan
 
     cfg = load_config(config, list(set_ or []))
     # the rules train and plan check before they start (a batch the layout cannot split, an unknown RoPE scaling)
     RunPlan.of(cfg)
     check_rope_scaling(cfg.model.rope_scaling)
+    check_heads_split(cfg)
     used, notes = used_values(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     if "model.checkpointing" in used:
         gradient = "true" if cfg.model.gradient_checkpointing else "false"

@@ -610,6 +610,11 @@ class ParallelConfig(_Section):
                 "parallel.offload_optimizer offloads the ZeRO optimizer's partition, so it needs "
                 "parallel.zero_stage >= 1 (it is 0)"
             )
+        if self.overlap_comm and self.zero_stage == 0:
+            raise ValueError(
+                "parallel.overlap_comm overlaps ZeRO's communication with compute, so it needs parallel.zero_stage "
+                ">= 1 (it is 0)"
+            )
         return self
 
     @property

@@ -56,6 +56,7 @@ ENVIRONMENT_ERRNOS = frozenset(
         errno.ENOTDIR,
         errno.EISDIR,
         errno.EEXIST,
+        errno.EFBIG,
     }
 )
 # torch.save reports a failed write (a full disk) as a RuntimeError of its zip writer without an errno:
@@ -84,6 +85,7 @@ _REMEDY = {
     errno.EACCES: "fix the permissions or choose a writable path",
     errno.EPERM: "fix the permissions or choose a writable path",
     errno.EBUSY: "it is a mount point or in use: choose a directory inside it or stop what holds it",
+    errno.EFBIG: "raise this shell's file-size limit (ulimit -f unlimited) or choose another filesystem",
 }
 
 
@@ -121,8 +123,12 @@ def is_environment_error(e: BaseException) -> bool:
 
 def remedy_of(e: BaseException) -> str:
     """What to do about the environment failure `e`, by its errno (`_REMEDY`); one without an errno (torch's
-    serializer) is taken for a full disk. For a `WriteFailed`, pass the error it was raised from (its `__cause__`)."""
-    return _REMEDY.get(_errno_of(e) or errno.ENOSPC, "fix the path or choose another one")
+    serializer) is taken for a full disk, or a file-size limit where this process has one. For a `WriteFailed`, pass
+    the error it was raised from (its `__cause__`)."""
+    number = _errno_of(e)
+    if number is None and resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return f"{_REMEDY[errno.ENOSPC]}, or raise this shell's file-size limit (ulimit -f unlimited)"
+    return _REMEDY.get(number or errno.ENOSPC, "fix the path or choose another one")
 
 
 def environment_error_message(e: BaseException) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 from huggingface_hub import try_to_load_from_cache
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -216,12 +216,26 @@ def require_engines(hf_config, what: str) -> None:
 
 def check_model_class(cfg: Config) -> None:
     """`check_rope_scaling`, and `require_engines` for the model a config trains where its config is here without a
-    download (`model.arch` or a local directory)."""
+    download: `model.arch`, a local directory, or a hub name in the Hugging Face cache."""
     check_rope_scaling(cfg.model.rope_scaling)
-    if cfg.model.arch is None and not Path(cfg.resolve_source(cfg.model.name_or_path)).is_dir():
-        return
+    if cfg.model.arch is not None or Path(cfg.resolve_source(cfg.model.name_or_path)).is_dir():
+        hf_config = load_hf_config(cfg)
+    else:
+        try:
+            hf_config = AutoConfig.from_pretrained(cfg.model.name_or_path, local_files_only=True)
+        except (OSError, ValueError):
+            return  # not here without a download: the first step is the check
     what = "model.arch" if cfg.model.arch is not None else f"model.name_or_path = '{cfg.model.name_or_path}'"
-    require_engines(load_hf_config(cfg), what)
+    require_engines(hf_config, what)
+
+
+def check_heads_split(cfg: Config) -> None:
+    """The model's attention heads split over `parallel.sequence_parallel` (`kv_replication`), checked where its
+    shape is known without a download (`shape_without_download`): `train`, `plan` and `show-config` alike."""
+    if cfg.parallel.sequence_parallel > 1 and shape_without_download(cfg):
+        shape = model_shape(cfg)
+        source = cfg.origin("parallel.sequence_parallel", "model")
+        kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, source)
 
 
 def shape_without_download(cfg: Config) -> bool:

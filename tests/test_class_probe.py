@@ -98,3 +98,29 @@ def test_init_prepare_and_train_refuse_such_a_model_before_any_work(stablelm, tm
         line = one_error_line(runner.invoke(app, [command, *set_args(over)]))
         assert f"error: model.name_or_path = '{stablelm}': model type 'stablelm': its attention" in line, command
     assert not (tmp_path / "prepared").exists() and not (tmp_path / "run").exists()
+
+
+def test_prepare_refuses_a_hub_name_whose_config_is_in_the_cache(stablelm, tmp_path, monkeypatch):
+    """`init` read a hub name's config from the Hugging Face cache and refused StableLM; `prepare` and `train` of a
+    config naming it skipped the probe (verify explorer: Falcon then ended train in a KeyError traceback)."""
+    import lctrain.model
+
+    real = AutoConfig.from_pretrained
+
+    def cached(name, *args, **kwargs):  # the cache holds tiny/stablelm; nothing is downloaded
+        if name == "tiny/stablelm" and kwargs.get("local_files_only"):
+            return real(stablelm)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(lctrain.model.AutoConfig, "from_pretrained", cached)
+    over = [
+        "model.arch=null",
+        "model.name_or_path=tiny/stablelm",
+        "data.tokenizer=builtin:mistral-7b-v0.1",
+        "data.seq_len=64",
+        "data.token_budget=6400",
+        f"data.output_dir={tmp_path / 'prepared'}",
+    ]
+    line = one_error_line(CliRunner().invoke(app, ["prepare", *set_args(over)]))
+    assert "error: model.name_or_path = 'tiny/stablelm': model type 'stablelm': its attention" in line
+    assert not (tmp_path / "prepared").exists()

@@ -58,6 +58,13 @@ def test_a_failed_torch_write_under_a_file_size_limit_names_the_limit(monkeypatc
     monkeypatch.setattr(resource, "getrlimit", lambda what: (30_720_000, resource.RLIM_INFINITY))
     msg = environment_error_message(RuntimeError(torch_msg))
     assert "is the disk full, or a file past this process's file-size limit of 30,720,000 bytes (ulimit -f)?" in msg
+    assert msg.endswith("or raise this shell's file-size limit (ulimit -f unlimited), then run the command again")
+    # safetensors (the evaluation exports) says EFBIG in its text: a traceback, exit code 1 (verify explorer)
+    msg = environment_error_message(Exception("Error while serializing: I/O error: File too large (os error 27)"))
+    assert msg == (
+        "a file: File too large; raise this shell's file-size limit (ulimit -f unlimited) or choose another "
+        "filesystem, then run the command again"
+    )
 
 
 def test_train_on_a_full_disk_names_the_step_and_resume(data_dir, tmp_path, monkeypatch):

@@ -171,7 +171,8 @@ def test_the_model_card_says_the_sliding_window_was_removed(tmp_path):
 
 def test_the_model_card_says_documents_carried_domain_tags():
     """An AnchorAttention + Tag run's card said every document started with the anchor, and nothing of the tag each
-    one had after it, nor that lctrain's evaluation prompts carry none."""
+    one had after it, nor that lctrain's evaluation prompts carry none; a model.rope_fp32 run's, nothing of its
+    rotation in fp32 (what eval notes of a run, not of its export directory)."""
     from lctrain.model import load_hf_config
     from lctrain.tokenizer import resolve_anchor
     from lctrain.train.model_card import model_card
@@ -184,6 +185,9 @@ def test_the_model_card_says_documents_carried_domain_tags():
     assert "- domain tags (data.domain_tags, the paper's AnchorAttention + Tag): each document's anchor" in cards[True]
     assert "lctrain's evaluation puts none in its prompts" in cards[True]
     assert "tag" not in cards[False].lower()
+    cfg = load_config(None, ["model.rope_fp32=true"])
+    card = model_card(cfg, load_hf_config(cfg), tok, resolve_anchor(tok), 2, "float32")
+    assert "(q and k rotated in fp32, model.rope_fp32; transformers rotates them in the model's dtype)" in card
 
 
 @pytest.mark.slow

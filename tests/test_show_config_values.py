@@ -152,6 +152,14 @@ def test_a_pad_token_in_the_vocabulary_or_none_builds(ids):
         (["model.rope_scaling={rope_type: foo}"], "model.rope_scaling.rope_type = 'foo' is unknown; expected one of"),
         (["model.rope_scaling={rope_type: yarn, factor: 0.5}"], "rope_type 'yarn' needs a factor >= 1"),
         (["model.rope_scaling={factor: 8}"], "model.rope_scaling = {'factor': 8} names no rope_type; give one of"),
+        (
+            ["parallel.num_nodes=8", "parallel.sequence_parallel=64"],
+            "the model's 32 attention heads are not divisible by parallel.sequence_parallel = 64",
+        ),
+        (
+            ["parallel.zero_stage=0", "parallel.overlap_comm=true"],
+            "parallel.overlap_comm overlaps ZeRO's communication",
+        ),
     ],
 )
 def test_show_config_refuses_what_train_and_plan_would_of_a_model_not_downloaded(overrides, expected):

@@ -32,10 +32,10 @@ from lctrain.costmodel import ModelShape
 from lctrain.data.prepare import input_change, settings_left_out, tokenizer_change
 from lctrain.errors import RunFailed, UserError, cited, first_and_more
 from lctrain.lifetime import Reading
-from lctrain.model import check_model_class, load_hf_config, shape_without_download
+from lctrain.model import check_heads_split, check_model_class, load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, RanksHung, run_on_ranks
-from lctrain.parallel.layout import kv_replication, layout_of
+from lctrain.parallel.layout import layout_of
 from lctrain.parallel.rank import is_out_of_memory
 from lctrain.rundir import RunDir, train_command
 from lctrain.tokenizer import check_matches_model
@@ -437,10 +437,8 @@ def preflight(cfg: Config, resuming: bool = False) -> Prepared:
     plan = RunPlan.of(cfg, layout_of(cfg))
     if cfg.model.arch is not None or Path(cfg.resolve_source(cfg.model.name_or_path)).is_dir():
         # a bad model.arch, a model without RoPE: refused here, before the dataset is opened or anything launched
-        shape = ModelShape.from_hf_config(load_hf_config(cfg))
-        if cfg.parallel.sequence_parallel > 1:
-            source = cfg.origin("parallel.sequence_parallel", "model")
-            kv_replication(shape.heads, shape.kv_heads, cfg.parallel.sequence_parallel, source)
+        ModelShape.from_hf_config(load_hf_config(cfg))
+    check_heads_split(cfg)
     check_matches_model(cfg)
     check_model_class(cfg)
     if shape_without_download(cfg):  # an unknown hub name is not downloaded just to plan

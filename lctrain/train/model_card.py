@@ -44,7 +44,8 @@ def model_card(cfg: Config, hf_config, tokenizer, anchor: Anchor, step: int, dty
             f"hidden size {hidden})"
         )
     rows.append(f"attention in training: `{cfg.attention.mode}` ({_MODE_MEANS.get(cfg.attention.mode, '')})")
-    rows.append(f"RoPE as trained: {_rope_text(rope, cfg)}")
+    fp32 = " (q and k rotated in fp32, model.rope_fp32; transformers rotates them in the model's dtype)"
+    rows.append(f"RoPE as trained: {_rope_text(rope, cfg)}{fp32 if cfg.model.rope_fp32 else ''}")
     long_factors = _long_factors_text(rope, hf_config, cfg)
     if long_factors:
         rows.append(long_factors)
@@ -73,8 +74,8 @@ def model_card(cfg: Config, hf_config, tokenizer, anchor: Anchor, step: int, dty
     }.get(mode, "")
     if cfg.data.domain_tags:
         why += (
-            " Each was followed by its domain tag (above); lctrain's evaluation puts none in its prompts, so every "
-            "score it gives is of prompts without one."
+            " Every document's anchor was followed by its domain tag (above); lctrain's evaluation puts none in its "
+            "prompts, so every score it gives is of prompts without one."
         )
     own = special_affixes(tokenizer) == ([anchor.id], [])
     tokenizer_note = (
