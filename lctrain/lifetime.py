@@ -335,15 +335,17 @@ def is_supervised() -> bool:
 
 
 def _supervisor() -> psutil.Process | None:
-    """The `lctrain train` that launched this worker, None where none did; raises `psutil.NoSuchProcess` when it has
+    """The lctrain command that started this process, None where none did (or the variable is not the
+    `supervisor_token` it sets: every command reads it as it starts); raises `psutil.NoSuchProcess` when it has
     ended (its pid gone, or reused by another process)."""
-    token = os.environ.get(SUPERVISOR_ENV)
-    if not token:
+    pid, _, created = os.environ.get(SUPERVISOR_ENV, "").partition(":")
+    try:
+        pid_number, started = int(pid), float(created)
+    except ValueError:
         return None
-    pid, created = token.split(":", 1)
-    supervisor = psutil.Process(int(pid))
-    if abs(supervisor.create_time() - float(created)) > 1e-3:
-        raise psutil.NoSuchProcess(int(pid))
+    supervisor = psutil.Process(pid_number)
+    if abs(supervisor.create_time() - started) > 1e-3:
+        raise psutil.NoSuchProcess(pid_number)
     return supervisor
 
 

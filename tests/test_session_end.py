@@ -210,7 +210,7 @@ def test_a_launching_command_is_gone_when_its_process_is(monkeypatch):
 
     import psutil
 
-    from lctrain.lifetime import SUPERVISOR_ENV, supervisor_gone, supervisor_token
+    from lctrain.lifetime import SUPERVISOR_ENV, exit_with_supervisor, supervisor_gone, supervisor_token
 
     monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
     assert not supervisor_gone()  # started by no lctrain command
@@ -226,3 +226,7 @@ def test_a_launching_command_is_gone_when_its_process_is(monkeypatch):
     me = psutil.Process()
     monkeypatch.setenv(SUPERVISOR_ENV, f"{me.pid}:{me.create_time() - 5}")  # its pid taken by another process
     assert supervisor_gone()
+    # every command reads the variable as it starts: one set otherwise is no supervisor, not a ValueError traceback
+    monkeypatch.setenv(SUPERVISOR_ENV, "1")
+    assert not supervisor_gone()
+    exit_with_supervisor()
