@@ -552,6 +552,14 @@ class TrainConfig(_Section):
         description="torch's AdamW with fused=True (one kernel for the whole update; on CPU and CUDA); not with "
         "DeepSpeed's CPU Adam, already one fused C++ step",
     )
+    loss_gradients: Literal["forward", "recompute"] = Field(
+        "forward",
+        description="where the chunked loss computes its gradients: forward (each chunk's, right after its logits, "
+        "scaled in the backward by the incoming gradient, as Liger's fused loss: the LM head runs once; the hidden "
+        "states' gradient and an fp32 lm_head gradient are held until the backward) or recompute (each chunk's "
+        "logits again in the backward: the LM head's forward runs twice); with model.fused_kernels=liger, Liger's "
+        "fused loss replaces both",
+    )
     deterministic: Bool = Field(
         False,
         description="steps that repeat bit for bit on a GPU: PyTorch's deterministic kernels (an op with none is an "

@@ -16,8 +16,10 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
 - the backward peak of one layer: its forward recomputed under checkpointing (the MLP's intermediates for the rank's
   tokens or for one `tiled_mlp` shard); the layer's gradients reuse what its freed saved tensors held (measured on
   CPU, tests/test_memory.py), so they add nothing of their own;
-- the loss chunk's logits (train/loss.py): fp32 log-probabilities and their gradients for one chunk, at the start of
-  the backward (with several chunks, lm_head's gradient from the first chunk's backward beside the next one's);
+- the loss chunk's logits (train/loss.py): fp32 log-probabilities and their gradients for one chunk, in the loss's
+  forward (`train.loss_gradients=forward`, with several chunks: beside the gradients it holds until the backward,
+  lm_head's in fp32 and the hidden states') or at the start of the backward (`recompute`: with several chunks,
+  lm_head's gradient from the first chunk's backward beside the next one's);
 - the optimizer step's own tensors (ZeRO-3's flattened fp32 gradients, torch AdamW's out-of-place denominator), and
   under ZeRO-3 with an offloaded optimizer the second fp32 gradient buffer, the page-locked buffers' rounding to a
   power of two (`pinned_bytes`) and the unpinned copy DeepSpeed pins the gradient partition from, once all other
@@ -55,7 +57,7 @@ from lctrain.model import auto_mlp_shards, training_mlp_rows
 from lctrain.parallel.layout import ParallelLayout, kv_replication
 from lctrain.search import longest_fitting
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
-from lctrain.train.loss import positions_per_chunk
+from lctrain.train.loss import DEFAULT_CHUNK_TOKENS, positions_per_chunk
 from lctrain.train.runplan import RunPlan
 from lctrain.units import GiB
 
@@ -235,9 +237,35 @@ def reference_scores(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
 
 
 def logits_bytes(shape: ModelShape, tokens: int, b: int) -> int:
-    """One loss chunk: fp32 log-probabilities, their gradient and the logits' fp32 gradient, plus the model-dtype
-    logits when the model is not fp32 (cast to fp32 before the softmax)."""
-    return tokens * shape.vocab * (3 * FP32 + (b if b != FP32 else 0))
+    """One loss chunk: fp32 log-probabilities, their gradient and the logits' fp32 gradient, beside lm_head's logits
+    in the model's dtype (in fp32 too, where the cast returns them: measured, tests/test_loss_gradients.py)."""
+    return tokens * shape.vocab * (3 * FP32 + b)
+
+
+def loss_items(shape: ModelShape, cfg: Config, seq_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[Item]:
+    """What the loss of one micro-batch holds (train/loss.py), `seq_tokens` positions of each window on this rank:
+    a chunk's logits, and with several chunks the gradients made before the backward reaches lm_head."""
+    b = dtype_bytes(cfg.model.dtype)
+    micro_batch = cfg.train.micro_batch
+    per_chunk = positions_per_chunk(micro_batch, seq_tokens, chunk_tokens)
+    logits = logits_bytes(shape, micro_batch * per_chunk, b)
+    head = shape.vocab * shape.hidden
+    if per_chunk == seq_tokens:
+        return [Item("loss chunk logits", logits, "device", LOSS)]
+    if cfg.train.loss_gradients == "forward" and cfg.model.fused_kernels != "liger":
+        # the loss's forward computes the gradients and holds them until its backward: lm_head's summed in fp32, the
+        # hidden states'; each chunk's own lm_head gradient exists beside its logits
+        hidden_grad = micro_batch * seq_tokens * shape.hidden * b
+        return [
+            Item("loss chunk logits and lm_head gradient", logits + head * b, "device", LOSS),
+            Item("lm_head gradient from the loss's forward", head * FP32, "device", SAVED),
+            Item("hidden states' gradient from the loss's forward", hidden_grad, "device", SAVED),
+        ]
+    items = [Item("loss chunk logits", logits, "device", LOSS)]
+    if cfg.parallel.zero_stage < 2:
+        # lm_head's gradient exists from the first chunk's backward on, beside the next chunk's logits
+        items.append(Item("lm_head gradient during the loss", head * b, "device", SAVED))
+    return items
 
 
 def _zero_settings(ds_config: dict) -> dict:
@@ -371,15 +399,13 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     m = cfg.model
     b = dtype_bytes(m.dtype)
     seq_tokens = cfg.data.seq_len // layout.sp
-    micro_batch = cfg.train.micro_batch
     tokens = training_mlp_rows(cfg, layout)
     shards = auto_mlp_shards(tokens, shape.hidden) if m.tiled_mlp == "auto" else m.tiled_mlp
     shard_tokens = math.ceil(tokens / shards) if shards else tokens
     # the engine's whole-sequence q, k, v and output under Ulysses, beside the local ones the projections keep
     all_to_all = 4 * tokens * shape.width * b if layout.sp > 1 else 0
     final_norm = tokens * (shape.hidden * (FP32 + b) + FP32)
-    logits = logits_bytes(shape, micro_batch * positions_per_chunk(micro_batch, seq_tokens), b)
-    items = [Item("loss chunk logits", logits, "device", LOSS), Item("final norm", final_norm, "device", SAVED)]
+    items = [*loss_items(shape, cfg, seq_tokens), Item("final norm", final_norm, "device", SAVED)]
     scores = reference_scores(shape, cfg, layout)
     if scores:
         # one boolean [seq_len, seq_len] mask per window, cached in its batch, which the trainer holds for the step
@@ -387,10 +413,6 @@ def activation_items(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
         items.append(Item("reference engine's dense masks", windows * cfg.data.seq_len**2, "device"))
     # a layer's backward through the reference engine's softmax: the fp32 gradients of its output and of its input
     score_grads = 2 * FP32 * scores
-    chunks = math.ceil(seq_tokens / positions_per_chunk(micro_batch, seq_tokens))
-    if chunks > 1 and cfg.parallel.zero_stage < 2:
-        # lm_head's gradient exists from the first chunk's backward on, beside the next chunk's logits
-        items.append(Item("lm_head gradient during the loss", shape.vocab * shape.hidden * b, "device", SAVED))
     mode = m.checkpointing_mode
     if mode != "none":
         # the recomputed layer's kept tensors are the cached ones, not new allocations

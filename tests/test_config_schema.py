@@ -250,6 +250,7 @@ COUPLED = {
     "parallel.offload_params",
     "eval.tasks",
     "eval.exclude",
+    "eval.lengths",
     "logging.profile.start",
     "logging.profile.ranks",
 }
@@ -316,6 +317,8 @@ def coupled(draw) -> dict[str, Any]:
     v["model.max_position_embeddings"] = own if own is None else max(own, seq_len)
     v["eval.tasks"] = draw(st.one_of(st.none(), st.lists(st.sampled_from(TASK_NAMES), min_size=1, unique=True)))
     v["eval.exclude"] = draw(st.lists(st.sampled_from(TASK_NAMES), unique=True))
+    # each length once
+    v["eval.lengths"] = draw(st.lists(valid(LEAVES["eval.lengths"].items[0]), min_size=1, max_size=4, unique=True))
     return v
 
 

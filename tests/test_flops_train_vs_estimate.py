@@ -25,7 +25,7 @@ def hand_flops(tiled: bool, checkpointing: str, chunked: bool) -> tuple[float, f
     (q, k, v, o, gate, up, down, the LM head; no norm, no embedding lookup) and token, 4 x heads x head dim per causal
     pair and layer, training = 3 forward passes. The device also runs TiledMLP's second MLP forward, and what
     checkpointing reruns: `full` each layer's forward but its down projection, attention included; and the LM head's
-    forward again where the loss is computed in checkpointed chunks."""
+    forward again where the loss recomputes its chunks in the backward (`chunked`)."""
     q_o, k_v, mlp = 2 * D * HEADS * HEAD_DIM, 2 * D * KV * HEAD_DIM, 3 * D * FFN
     linear = LAYERS * (q_o + k_v + mlp) + D * VOCAB
     pairs = L * (L + 1) / 2
@@ -40,11 +40,19 @@ def hand_flops(tiled: bool, checkpointing: str, chunked: bool) -> tuple[float, f
 
 
 @pytest.mark.parametrize(
-    "tiled, checkpointing, batch",
-    [(False, "none", BATCH), (True, "none", BATCH), (True, "full", BATCH), (False, "full", BATCH), (False, "none", 64)],
+    "tiled, checkpointing, batch, gradients",
+    [
+        (False, "none", BATCH, "forward"),
+        (True, "none", BATCH, "forward"),
+        (True, "full", BATCH, "forward"),
+        (False, "full", BATCH, "recompute"),
+        (False, "none", 64, "forward"),
+        (False, "none", 64, "recompute"),
+    ],
 )
-def test_train_and_estimate_count_the_flops_written_out(tmp_path, one_thread, tiled, checkpointing, batch):
-    """64 windows of 256 tokens in a micro-batch pass the loss's 8,192 logit rows at once: it runs in chunks."""
+def test_train_and_estimate_count_the_flops_written_out(tmp_path, one_thread, tiled, checkpointing, batch, gradients):
+    """64 windows of 256 tokens in a micro-batch pass the loss's 8,192 logit rows at once: it runs in chunks, and
+    with train.loss_gradients=recompute reruns the LM head in the backward."""
     cfg = load_config(
         None,
         [
@@ -57,9 +65,10 @@ def test_train_and_estimate_count_the_flops_written_out(tmp_path, one_thread, ti
             f"train.micro_batch={batch}",
             f"model.checkpointing={checkpointing}",
             f"model.tiled_mlp={4 if tiled else 0}",
+            f"train.loss_gradients={gradients}",
         ],
     )
-    model, device = hand_flops(tiled, checkpointing, chunked=batch * L > 8192)
+    model, device = hand_flops(tiled, checkpointing, chunked=batch * L > 8192 and gradients == "recompute")
     predicted = predict(cfg, {"*": 1.0}, 1, modes=("full",))[0]["full"]
     assert predicted["flops_per_window"] == pytest.approx(device, rel=1e-12)
     trainer = Trainer(cfg, init_topology(cfg), vocab_size=VOCAB)

@@ -114,12 +114,13 @@ def test_loss_and_perplexity_apply_the_models_logit_transform(name):
     np.testing.assert_allclose(nll, per_token.double().numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_the_chunked_loss_applies_the_transform_in_every_checkpointed_chunk():
+@pytest.mark.parametrize("gradients", ["forward", "recompute"])
+def test_the_chunked_loss_applies_the_transform_in_every_chunk(gradients):
     model = build(TRANSFORMED["cohere"]).model.eval()
     ids = ids_of(1)
     batch = make_batch(ids, [[SEQ]], "full")
     ref = eager_copy(model)
-    (CausalLMLossSum(model, chunk_tokens=5)(batch) / batch.valid_labels()).backward()
+    (CausalLMLossSum(model, chunk_tokens=5, gradients=gradients)(batch) / batch.valid_labels()).backward()
     ref(input_ids=ids, labels=ids).loss.backward()
     for (name, ours), theirs in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lctrain.attention import make_batch
 from lctrain.config import CheckpointConfig, TrainConfig, load_config
@@ -10,7 +9,6 @@ from lctrain.errors import UserError
 from lctrain.parallel.layout import ParallelLayout, kv_replication, layout_of
 from lctrain.train.data import BatchPlan, micro_batch_rows, stream_rows
 from lctrain.train.deepspeed_config import deepspeed_config, uses_torch_adam
-from lctrain.train.loss import chunked_loss_sum
 from lctrain.train.runplan import RunPlan
 from lctrain.train.schedule import hf_checkpoint_steps, lr_factor, resume_checkpoint_due
 
@@ -171,45 +169,6 @@ def test_deepspeeds_cpu_adam_only_for_an_offloaded_optimizer_on_a_gpu_unless_tor
     assert uses_torch_adam(
         _tiny(**{"parallel.zero_stage": 3, "parallel.offload_optimizer": True, "train.torch_adam": True}), gpu=True
     )
-
-
-def test_chunked_loss_equals_full_logits_cross_entropy():
-    torch.manual_seed(0)
-    head = torch.nn.Linear(16, 50, bias=False)
-    hidden = torch.randn(2, 37, 16, requires_grad=True)
-    labels = torch.randint(0, 50, (2, 37))
-    labels[0, -1] = labels[1, :5] = -100
-    ref = F.cross_entropy(head(hidden).reshape(-1, 50), labels.reshape(-1), ignore_index=-100, reduction="sum")
-    ref_grads = torch.autograd.grad(ref, [hidden, head.weight])
-    for chunk_tokens in (10, 10_000):  # checkpointed chunks, and one chunk for the whole batch
-        got = chunked_loss_sum(head, hidden, labels, chunk_tokens=chunk_tokens)
-        got_grads = torch.autograd.grad(got, [hidden, head.weight])
-        torch.testing.assert_close(got, ref)
-        for g, r in zip(got_grads, ref_grads):
-            torch.testing.assert_close(g, r)
-
-
-@pytest.mark.parametrize("rows, length, chunk_tokens", [(1, 40, 10), (2, 40, 10), (1, 40, 40), (4, 10, 40)])
-def test_the_lm_head_reruns_in_the_backward_exactly_where_the_cost_model_counts_it(rows, length, chunk_tokens):
-    """HFU and `estimate` left out the LM head's forward that the checkpointed loss chunks rerun: the head's forward
-    calls counted in a forward and backward against `reruns_lm_head`, and the FLOPs those calls do against
-    `lm_head_rerun_flops` (2 x vocab x hidden per token)."""
-    from lctrain.costmodel import ModelShape, lm_head_rerun_flops
-    from lctrain.train.loss import reruns_lm_head
-
-    head = torch.nn.Linear(8, 50, bias=False)
-    tokens = []
-    head.register_forward_hook(lambda module, args, out: tokens.append(args[0].shape[0] * args[0].shape[1]))
-    hidden = torch.randn(rows, length, 8, requires_grad=True)
-    labels = torch.randint(0, 50, (rows, length))
-    chunked_loss_sum(head, hidden, labels, chunk_tokens=chunk_tokens).backward()
-    forward_tokens = rows * length
-    rerun_tokens = sum(tokens) - forward_tokens
-    assert rerun_tokens in (0, forward_tokens)  # every chunk's head again, or none
-    assert reruns_lm_head(rows, length, "none", chunk_tokens) is (rerun_tokens > 0)
-    shape = ModelShape(1, 8, 1, 1, 8, 16, 50)
-    assert lm_head_rerun_flops(shape, rerun_tokens) == 2 * 50 * 8 * rerun_tokens
-    assert not reruns_lm_head(1, 1 << 20, "liger")  # Liger's fused loss replaces the chunks
 
 
 def test_the_loss_wrappers_state_dict_unwraps_to_the_models_own():

@@ -1,5 +1,6 @@
-"""The training loss two ways: lctrain's `chunked_loss_sum` against DeepSpeed's `TiledFusedLogitsLoss` (ulysses_sp),
-each summing cross-entropy over the valid labels from [B, S, hidden] states without the full logits.
+"""The training loss three ways: lctrain's `chunked_loss_sum` with each `train.loss_gradients` (forward: `lctrain`,
+recompute: `lctrain_recompute`) against DeepSpeed's `TiledFusedLogitsLoss` (ulysses_sp), each summing cross-entropy
+over the valid labels from [B, S, hidden] states without the full logits.
 
 Correctness: loss and gradients (hidden states and lm_head weight) against full-logits cross-entropy in fp64, with
 labels -100, chunks that do not divide the length and micro-batch 2, both for `loss.backward()` and for the trainer's
@@ -34,7 +35,8 @@ from lctrain.measure import host_peak_bytes, reset_host_peak
 from lctrain.train.loss import DEFAULT_CHUNK_TOKENS, chunked_loss_sum
 from lctrain.units import to_gb
 
-METHODS = ("lctrain", "deepspeed", "full_logits")
+METHODS = ("lctrain", "lctrain_recompute", "deepspeed", "full_logits")
+_GRADIENTS = {"lctrain": "forward", "lctrain_recompute": "recompute"}
 
 
 def _ce_sum(lm_head, x, y):
@@ -45,8 +47,8 @@ def _ce_sum(lm_head, x, y):
 
 def loss_sum(method: str, lm_head, hidden, labels, chunk_tokens: int):
     """The token-loss sum by `method`: the one chunk size, given as tokens (DeepSpeed takes a shard count)."""
-    if method == "lctrain":
-        return chunked_loss_sum(lm_head, hidden, labels, chunk_tokens)
+    if method in _GRADIENTS:
+        return chunked_loss_sum(lm_head, hidden, labels, chunk_tokens, gradients=_GRADIENTS[method])
     if method == "deepspeed":
         # deepspeed on use: it takes seconds to import (start-up time); only --method deepspeed needs it
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
@@ -83,7 +85,7 @@ def correctness() -> list[dict]:
             ref_head(ref_hidden).reshape(-1, 50), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
         )
         (ref * scale).backward()
-        for method in METHODS[:2]:
+        for method in METHODS[:3]:
             head, hidden, _ = _problem(2, 37, 16, 50, torch.float32)
             loss = loss_sum(method, head, hidden, labels, chunk_tokens=10)
             (loss * scale).backward()
@@ -154,10 +156,10 @@ def main() -> None:
 
     checks = correctness()
     print("max relative error of fp32 against fp64 full logits (2 x 37 tokens, chunks of 10, 20% labels -100)")
-    print(f"{'method':<10} {'grad_scale':>10} {'loss':>9} {'d hidden':>9} {'d lm_head':>9}")
+    print(f"{'method':<17} {'grad_scale':>10} {'loss':>9} {'d hidden':>9} {'d lm_head':>9}")
     for r in checks:
         print(
-            f"{r['method']:<10} {r['grad_scale']:>10.4g} {r['loss']:>9.1e} {r['grad_hidden']:>9.1e} "
+            f"{r['method']:<17} {r['grad_scale']:>10.4g} {r['loss']:>9.1e} {r['grad_hidden']:>9.1e} "
             f"{r['grad_lm_head']:>9.1e}"
         )
     runs = []
@@ -193,10 +195,10 @@ def main() -> None:
         f"\npeak and time of forward + backward, vocab {args.vocab}, hidden {args.hidden}, fp32, chunks of "
         f"{args.chunk} tokens, {args.threads} thread(s)"
     )
-    print(f"{'tokens':>7} {'method':<12} {'peak GB':>8} {'wall s':>7} {'CPU s':>7} {'loss':>14}")
+    print(f"{'tokens':>7} {'method':<17} {'peak GB':>8} {'wall s':>7} {'CPU s':>7} {'loss':>14}")
     for r in runs:
         print(
-            f"{r['tokens']:>7} {r['method']:<12} {r['peak_gb']:>8.2f} {r['time_s']:>7.2f} {r['cpu_s']:>7.2f} "
+            f"{r['tokens']:>7} {r['method']:<17} {r['peak_gb']:>8.2f} {r['time_s']:>7.2f} {r['cpu_s']:>7.2f} "
             f"{r['loss']:>14.6g}"
         )
     args.json.write_text(

@@ -178,7 +178,12 @@ def predict(
             cfg.model.checkpointing_mode,
             bool(cfg.model.tiled_mlp),
             keeps_attention(cfg.attention.engine),
-            reruns_lm_head(cfg.train.micro_batch, L // cfg.parallel.sequence_parallel, cfg.model.fused_kernels),
+            reruns_lm_head(
+                cfg.train.micro_batch,
+                L // cfg.parallel.sequence_parallel,
+                cfg.model.fused_kernels,
+                cfg.train.loss_gradients,
+            ),
         )
         flops = dense + attention
         window_s = flops / (r * 1e12 * n_gpus)

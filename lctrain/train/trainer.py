@@ -268,7 +268,9 @@ class Trainer:
         self.attention_kept = keeps_attention(self.attention.name)  # of the engine Ulysses may wrap below
         if self.layout.sp > 1:
             self.attention = wrap_model(self.lm, self.attention, topo.sp_group)
-        model = CausalLMLossSum(self.lm, fused_loss_sum=fused.loss_sum(cfg.model.fused_kernels))
+        model = CausalLMLossSum(
+            self.lm, fused_loss_sum=fused.loss_sum(cfg.model.fused_kernels), gradients=cfg.train.loss_gradients
+        )
         self.shape = ModelShape.from_hf_config(self.lm.config)
         self.n_dense = self.shape.linear_params()
         with no_bf16_optimizer_memory_report():
@@ -369,7 +371,10 @@ class Trainer:
             tiled_mlp=bool(model.tiled_mlp),
             attention_kept=self.attention_kept,
             lm_head_rerun=reruns_lm_head(
-                self.cfg.train.micro_batch, self.cfg.data.seq_len // self.layout.sp, model.fused_kernels
+                self.cfg.train.micro_batch,
+                self.cfg.data.seq_len // self.layout.sp,
+                model.fused_kernels,
+                self.cfg.train.loss_gradients,
             ),
         )
 
