@@ -5,7 +5,7 @@ logits exist at a time, forward and backward. `train.loss_gradients` says how th
 - `forward`: each chunk's gradients (of the hidden states, lm_head's weight and bias) are computed in the loss's own
   forward, right after its logits, and the backward only scales them by the incoming gradient, as Liger's fused
   linear cross-entropy does. The LM head runs once per token; the hidden states' gradient and an fp32 lm_head
-  gradient are held from the loss to its backward (`memory.activation_items` counts them).
+  gradient are held from the loss to its backward (`memory.loss_items` counts them).
 - `recompute`: each chunk goes through `lm_head` and cross-entropy inside an activation checkpoint, which reruns the
   LM head's forward in the backward (`costmodel.lm_head_rerun_flops`: 1-1.5% of the 1B model's 64K step, about four
   times that with Llama-3's 128K vocabulary).
