@@ -248,6 +248,7 @@ COUPLED = {
     "parallel.zero_stage",
     "parallel.offload_optimizer",
     "parallel.offload_params",
+    "parallel.overlap_comm",
     "eval.tasks",
     "eval.exclude",
     "eval.lengths",
@@ -301,6 +302,8 @@ def coupled(draw) -> dict[str, Any]:
     v["parallel.zero_stage"] = stage
     v["parallel.offload_optimizer"] = stage >= 1 and draw(st.booleans())
     v["parallel.offload_params"] = stage == 3 and draw(st.booleans())
+    # overlapping ZeRO's communication needs ZeRO
+    v["parallel.overlap_comm"] = draw(st.one_of(st.none(), st.just(False), st.just(stage >= 1)))
     # fused kernels replace the MLP that tiled_mlp shards and write into matmul outputs (not selective_matmul's to
     # keep); liger rotates in its own kernel (not rope_fp32's fp32) and reads lm_head's weight outside its forward
     # (not under ZeRO-3)

@@ -155,7 +155,7 @@ def comments(text):
         ("meta-llama/Llama-3.2-1B", 65536, 8, 1, 1, "selective", "the backward does not rerun attention"),
         (
             "meta-llama/Llama-2-7b-hf",
-            57344,
+            56320,
             8,
             2,
             1,
@@ -179,7 +179,7 @@ def comments(text):
             3,
             4,
             "full",
-            "needs 84.5 GB per GPU, over init's budget of 72.0 GB per GPU (90% of 80 GB per GPU",
+            "needs 85.6 GB per GPU, over init's budget of 72.0 GB per GPU (90% of 80 GB per GPU",
         ),
     ],
 )
@@ -304,7 +304,7 @@ def test_a_batch_that_cannot_stay_the_papers_is_said_in_the_summary(tiny_dir, tm
 
 def test_one_gpu_at_128k_takes_the_tiled_mlp_when_nothing_fits_without(tmp_path, monkeypatch):
     """The user's case: Llama-2-7B at 128K on one 80 GB GPU fits with the tiled MLP and the optimizer on the host
-    (plan: 68.73 GB), which init once refused; every layout before it in init's order does not fit."""
+    (plan: 70.07 GB), which init once refused; every layout before it in init's order does not fit."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "one.yaml"
     r = run_init("--model", "meta-llama/Llama-2-7b-hf", "--seq-len", "131072", "--gpus", "1", "--out", str(out))
@@ -315,7 +315,7 @@ def test_one_gpu_at_128k_takes_the_tiled_mlp_when_nothing_fits_without(tmp_path,
     shape = model_shape(cfg)
     assert_first_that_fits(cfg, shape)
     device = plan_memory(cfg, shape, gpu=True).total("device") + DEVICE_RUNTIME_BYTES
-    assert f"tiled MLP, {device / GB:.1f} GB planned per GPU" in r.output and f"{device / GB:.2f}" == "68.73"
+    assert f"tiled MLP, {device / GB:.1f} GB planned per GPU" in r.output and f"{device / GB:.2f}" == "70.07"
     assert "nothing fit without the tiled MLP" in comments(out.read_text())
 
 
