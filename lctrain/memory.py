@@ -236,10 +236,11 @@ def reference_scores(shape: ModelShape, cfg: Config, layout: ParallelLayout) -> 
     return cfg.train.micro_batch * shape.heads // layout.sp * cfg.data.seq_len**2
 
 
-def logits_bytes(shape: ModelShape, tokens: int, b: int) -> int:
-    """One loss chunk: fp32 log-probabilities, their gradient and the logits' fp32 gradient, beside lm_head's logits
-    in the model's dtype (in fp32 too, where the cast returns them: measured, tests/test_loss_gradients.py)."""
-    return tokens * shape.vocab * (3 * FP32 + b)
+def logits_bytes(shape: ModelShape, tokens: int, b: int, chunked: bool) -> int:
+    """One loss chunk: fp32 log-probabilities, their gradient and the logits' fp32 gradient; when the loss runs in
+    several chunks, beside lm_head's logits in the model's dtype, which both chunked losses hold while a chunk's
+    gradients are computed (one chunk's frees them after the softmax; measured, tests/test_loss_gradients.py)."""
+    return tokens * shape.vocab * (3 * FP32 + (b if chunked else 0))
 
 
 def loss_items(shape: ModelShape, cfg: Config, seq_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> list[Item]:
@@ -248,20 +249,23 @@ def loss_items(shape: ModelShape, cfg: Config, seq_tokens: int, chunk_tokens: in
     b = dtype_bytes(cfg.model.dtype)
     micro_batch = cfg.train.micro_batch
     per_chunk = positions_per_chunk(micro_batch, seq_tokens, chunk_tokens)
-    logits = logits_bytes(shape, micro_batch * per_chunk, b)
+    logits = logits_bytes(shape, micro_batch * per_chunk, b, chunked=per_chunk < seq_tokens)
     head = shape.vocab * shape.hidden
     if per_chunk == seq_tokens:
         return [Item("loss chunk logits", logits, "device", LOSS)]
+    # the hidden states' gradient, whole beside the last chunk's logits (recompute) or from the forward on
+    hidden_grad = Item(
+        "hidden states' gradient from the loss", micro_batch * seq_tokens * shape.hidden * b, "device", SAVED
+    )
     if cfg.train.loss_gradients == "forward" and cfg.model.fused_kernels != "liger":
-        # the loss's forward computes the gradients and holds them until its backward: lm_head's summed in fp32, the
-        # hidden states'; each chunk's own lm_head gradient exists beside its logits
-        hidden_grad = micro_batch * seq_tokens * shape.hidden * b
+        # the loss's forward computes the gradients and holds them until its backward: lm_head's summed in fp32; each
+        # chunk's own lm_head gradient exists beside its logits
         return [
             Item("loss chunk logits and lm_head gradient", logits + head * b, "device", LOSS),
             Item("lm_head gradient from the loss's forward", head * FP32, "device", SAVED),
-            Item("hidden states' gradient from the loss's forward", hidden_grad, "device", SAVED),
+            hidden_grad,
         ]
-    items = [Item("loss chunk logits", logits, "device", LOSS)]
+    items = [Item("loss chunk logits", logits, "device", LOSS), hidden_grad]
     if cfg.parallel.zero_stage < 2:
         # lm_head's gradient exists from the first chunk's backward on, beside the next chunk's logits
         items.append(Item("lm_head gradient during the loss", head * b, "device", SAVED))

@@ -246,29 +246,34 @@ def test_under_zero3_over_two_ranks_the_forward_loss_equals_the_recomputing_one(
         torch.testing.assert_close(forward["grads"][name], grad, msg=name)
 
 
-@pytest.mark.parametrize("gradients", LOSS_GRADIENTS)
+@pytest.mark.parametrize(
+    "gradients, chunks", [("forward", 8), ("recompute", 8), ("forward", 1)], ids=["forward", "recompute", "one chunk"]
+)
 # fp32 on a CPU: ~2 s each, with the slow ones
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
-def test_the_plan_counts_what_the_loss_holds(gradients, dtype):
+def test_the_plan_counts_what_the_loss_holds(gradients, chunks, dtype):
     """`memory.loss_items` against the tensor storage a loss's forward and backward hold at once (PeakBytes): a
-    window of 2,048 tokens in 8 chunks, a vocabulary of 32,000 and a hidden size of 256, where the logits and
-    lm_head's gradient, what the two losses differ in, are each tens of MB (measured within 2.5% of the plan; smaller
-    chunks show what the plan leaves out, a few MB each: its head-sized copies while autograd accumulates)."""
+    window of 2,048 tokens in 8 chunks or one, a vocabulary of 32,000 and a hidden size of 256, where the logits and
+    lm_head's gradient, what the losses differ in, are each tens of MB (measured within 2.5% of the plan; smaller
+    chunks show what the plan leaves out, a few MB each: its head-sized copies while autograd accumulates). One
+    chunk's lm_head gradient is the parameter's own, which the plan counts among the gradients."""
     from memory_helpers import PeakBytes
 
     from lctrain.config import load_config
     from lctrain.costmodel import ModelShape
-    from lctrain.memory import loss_items
+    from lctrain.memory import dtype_bytes, loss_items
 
     seq, vocab, hidden_size = 2048, 32000, 256
     cfg = load_config(None, ["train.micro_batch=1", f"model.dtype={dtype}", f"train.loss_gradients={gradients}"])
     shape = ModelShape(1, hidden_size, 4, 4, 64, 512, vocab)
-    planned = sum(item.bytes for item in loss_items(shape, cfg, seq, chunk_tokens=seq // 8))
+    planned = sum(item.bytes for item in loss_items(shape, cfg, seq, chunk_tokens=seq // chunks))
+    if chunks == 1:
+        planned += vocab * hidden_size * dtype_bytes(dtype)
     torch_dtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(hidden_size, vocab, bias=False).to(torch_dtype)
     hidden = torch.randn(1, seq, hidden_size, generator=gen).to(torch_dtype).requires_grad_()
     labels = torch.randint(0, vocab, (1, seq), generator=gen)
     with PeakBytes() as measured:
-        chunked_loss_sum(head, hidden, labels, chunk_tokens=seq // 8, gradients=gradients).backward()
+        chunked_loss_sum(head, hidden, labels, chunk_tokens=seq // chunks, gradients=gradients).backward()
     assert abs(planned / measured.peak - 1) < 0.05, (planned / 1e6, measured.peak / 1e6)
