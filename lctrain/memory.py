@@ -506,15 +506,18 @@ class Candidate:
 
 def candidate_fixes(cfg: Config) -> list[Candidate]:
     """Settings that lower a rank's memory from `cfg` as it is, the cheapest in speed first: an attention kernel in
-    place of the `reference` engine (faster, and no dense scores), each larger sequence-parallel group (no more
-    compute; a rank's all-to-all bytes stay about the same as the group grows), ZeRO-3 (one more all-gather of the
-    weights per pass, overlapped with compute), tiled MLP (one more MLP forward per layer), checkpointing selective
-    then full (each layer's forward rerun but for attention, then with it), and the offloads, over PCIe: the hidden
-    states, then the optimizer step on the CPU, then the weights in every pass. `fixes` leaves out what `cfg`'s
-    checks refuse (a group size that does not divide the heads, the window or the batch)."""
+    place of the `reference` engine (faster, and no dense scores), one window per pass, each larger sequence-parallel
+    group (no more compute; a rank's all-to-all bytes stay about the same as the group grows), ZeRO-3 (one more
+    all-gather of the weights per pass, overlapped with compute), tiled MLP (one more MLP forward per layer),
+    checkpointing selective then full (each layer's forward rerun but for attention, then with it), and the offloads,
+    over PCIe: the hidden states, then the optimizer step on the CPU, then the weights in every pass. `fixes` leaves
+    out what `cfg`'s checks refuse (a group size that does not divide the heads, the window or the batch)."""
     p, m = cfg.parallel, cfg.model
     world = p.world
     out = [Candidate(("attention.engine=auto",), "engine")] if cfg.attention.engine == "reference" else []
+    if cfg.train.micro_batch > 1:
+        # the same step in more, smaller passes (at long windows the matmuls stay large)
+        out.append(Candidate(("train.micro_batch=1",), "micro_batch"))
     out += [
         Candidate((f"parallel.sequence_parallel={sp}",), "sequence_parallel")
         for sp in range(p.sequence_parallel + 1, world + 1)
@@ -610,6 +613,11 @@ def _cheapest_combination(cfg: Config, candidates: list[Candidate], shape: Model
     return fix
 
 
+def _lowers(fix: Fix, base: Fix) -> bool:
+    """Whether `fix` needs less of one memory than `base` (ZeRO-3's buffers on one GPU raise both)."""
+    return fix.device < base.device or fix.host < base.host
+
+
 def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
     """Each candidate setting that `cfg`'s checks accept, re-planned, with its predicted needs: those that fit first,
     the cheapest in speed first (`candidate_fixes`' order), then those that do not by total need. Before the first
@@ -619,13 +627,16 @@ def fixes(cfg: Config, shape: ModelShape, budget: Budget) -> list[Fix]:
     does. When nothing fits alone, the combination of all of them that comes nearest is listed even if it does not
     fit."""
     candidates = candidate_fixes(cfg)
+    base = replan(cfg, [], shape, budget)
     alone = [
-        (i, f) for i, c in enumerate(candidates) if (f := _replan_if_it_runs(cfg, list(c.overrides), shape, budget))
+        (i, f)
+        for i, c in enumerate(candidates)
+        if (f := _replan_if_it_runs(cfg, list(c.overrides), shape, budget)) and _lowers(f, base)
     ]
     first_fit = min((i for i, f in alone if f.fits), default=len(candidates))
     # every cheaper candidate: one refused alone may run beside another (activation offload beside checkpointing)
     combined = _cheapest_combination(cfg, candidates[:first_fit], shape, budget) if first_fit else None
-    wanted = combined is not None and (combined.fits or first_fit == len(candidates))
+    wanted = combined is not None and _lowers(combined, base) and (combined.fits or first_fit == len(candidates))
     if wanted and all(set(combined.overrides) != set(f.overrides) for _, f in alone):
         alone.append((first_fit - 0.5, combined))
     return [

@@ -320,6 +320,23 @@ def test_a_longest_seq_len_at_the_search_limit_is_a_lower_bound():
     assert not searched_to_the_limit(cfg, tight)
 
 
+def test_every_fix_offered_lowers_a_memory_and_one_window_per_pass_is_one():
+    """The fixes table lists settings that lower the memory: on one process, ZeRO-3's buffers and the parameter
+    offload it needs raised both memories and were listed (checkpointing explorer); a micro-batch of several windows
+    was never offered one window per pass."""
+    from lctrain.memory import fixes
+
+    shape = ModelShape.from_hf_config(hf_config())
+    cfg = config(2048, "train.global_batch=4", "train.micro_batch=4")
+    budget = Budget(device=1 << 20, host=1 << 40, label="test")
+    base = budget.need(plan_memory(cfg, shape))
+    found = fixes(cfg, shape, budget)
+    assert found and all(f.device < base[0] or f.host < base[1] for f in found)
+    assert not any("parallel.zero_stage=3" in f.overrides for f in found)
+    one = [f for f in found if f.overrides == ("train.micro_batch=1",)]
+    assert one and one[0].device < base[0]
+
+
 def test_fixes_combine_when_none_fits_alone():
     from lctrain.config import with_overrides
     from lctrain.memory import fixes

@@ -125,6 +125,16 @@ def test_a_zero2_checkpoint_continues_as_zero1(workdir, reference):
     assert_continues_the_reference(run_dir, reference)
 
 
+@pytest.mark.slow  # ~7 s: a half run and its resume, in this process
+def test_a_resume_may_split_the_step_otherwise_and_tile_the_mlp(workdir, reference):
+    """What `lctrain plan` offers a run that ran out of memory (checkpointing explorer: resume refused both): one
+    window per pass becomes two (the step's windows stay the same) and the MLP runs in sequence slices."""
+    run_dir = train_half(workdir, "micro_batch_2", [])
+    out = resume_here(run_dir, [f"train.steps={STEPS}", "train.micro_batch=2", "model.tiled_mlp=2"])
+    assert "converting" not in out
+    assert_continues_the_reference(run_dir, reference)
+
+
 @pytest.mark.slow
 def test_a_restore_that_loses_adams_moments_is_told_apart(workdir, reference):
     """Negative control: the same conversion with Adam's first moments zeroed before the load. The first resumed loss

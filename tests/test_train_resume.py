@@ -646,12 +646,15 @@ def test_resume_with_no_readable_checkpoint_state_is_one_line(reference, tmp_pat
     assert "no checkpoint has a readable trainer_state.json" in msg and "--force" in msg
 
 
-def test_a_resume_may_change_the_kernels_and_checkpointing_but_not_the_model():
+def test_a_resume_may_change_how_the_step_is_computed_but_not_the_model():
     from lctrain.config import settings
     from lctrain.train.command import check_resumable
 
     saved = {"config": settings(load_config(None, []))}
     faster = load_config(None, ["model.fused_kernels=compile", "model.checkpointing=selective"])
     check_resumable(faster, saved, "config.yaml", "step_4", AGAIN)
+    # what `lctrain plan` offers a run that does not fit
+    smaller = ["model.tiled_mlp=auto", "train.micro_batch=2", "train.loss_gradients=recompute"]
+    check_resumable(load_config(None, smaller), saved, "config.yaml", "step_4", AGAIN)
     with pytest.raises(UserError, match=r"model.rope_fp32 False -> True changed since checkpoint step_4"):
         check_resumable(load_config(None, ["model.rope_fp32=true"]), saved, "config.yaml", "step_4", AGAIN)

@@ -308,8 +308,9 @@ def _out_of_memory(rd: RunDir, who: str, message: str) -> RunFailed:
     return RunFailed(f"{who} ran out of memory ({message}); `lctrain plan` shows what fits; {ckpt.resume_hint(rd)}")
 
 
-# Settings a checkpoint fixes: the model it holds, the data order it continues, and the weight decay of the
-# optimizer's parameter groups (loading the optimizer state restores the saved groups' decay, and which groups decay).
+# Settings a checkpoint fixes: the model it holds, the data order it continues (each step's windows: train.global_batch;
+# train.micro_batch only splits them, as the data-parallel size does), and the weight decay of the optimizer's
+# parameter groups (loading the optimizer state restores the saved groups' decay, and which groups decay).
 # The parallel layout may change (lctrain/train/reshard.py), and so may anything else (steps; learning rate, betas, eps
 # and gradient clipping, which the trainer gives the restored optimizer again: `apply_optimizer_settings`; logging,
 # checkpoint and eval schedule, engine).
@@ -319,7 +320,6 @@ _FIXED_BY_CHECKPOINT = (
     "data.",
     "attention.mode",
     "train.global_batch",
-    "train.micro_batch",
     "train.weight_decay",
     "train.decay_norms_and_biases",
 )
@@ -332,6 +332,7 @@ _FREE_KEYS = (
     "model.checkpointing",
     "model.offload_activations",
     "model.fused_kernels",  # the same function through other kernels (tests/test_fused.py)
+    "model.tiled_mlp",  # the same MLP in sequence slices (model.py)
 )
 
 
