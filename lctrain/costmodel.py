@@ -9,7 +9,7 @@ forward (QK^T and PV, `width` = heads x head dim) and 12 x width for training. F
 the scores (2.5x forward instead of 2x); that recomputation is the kernel's implementation, like activation
 checkpointing, so the model FLOPs count neither.
 The FLOPs the device runs add what activation checkpointing reruns (`recomputed_flops`), the MLP forward that
-`model.tiled_mlp` reruns (`tiled_mlp_flops`) and the LM head's forward that the chunked loss reruns
+`model.tiled_mlp` reruns (`tiled_mlp_flops`) and the LM head's forward that the recomputing loss reruns
 (`lm_head_rerun_flops`): the hardware FLOPs utilisation (HFU) of a run, and `estimate`, which predicts wall time rather
 than utilisation, count them through one function (`hardware_flops_parts`).
 
@@ -205,7 +205,7 @@ def tiled_mlp_flops(shape: ModelShape, tokens: float) -> float:
 
 
 def lm_head_rerun_flops(shape: ModelShape, tokens: float) -> float:
-    """FLOPs of the LM head's forward over `tokens` tokens, which the chunked loss reruns in its backward: it keeps
+    """FLOPs of the LM head's forward over `tokens` tokens, which the recomputing loss reruns in its backward: it keeps
     each chunk's hidden states, not its logits (`lctrain.train.loss.reruns_lm_head`)."""
     return dense_flops(shape.vocab * shape.hidden, tokens, 1)
 
@@ -222,7 +222,7 @@ def hardware_flops_parts(
 ) -> tuple[float, float]:
     """(dense, attention) FLOPs the device runs: `step_flops_parts`, plus what activation checkpointing reruns
     (`recomputed_flops`), with `tiled_mlp` what TiledMLP reruns (`tiled_mlp_flops`), and with `lm_head_rerun` the LM
-    head's forward the chunked loss reruns (`lm_head_rerun_flops`)."""
+    head's forward the recomputing loss reruns (`lm_head_rerun_flops`)."""
     dense, attention = step_flops_parts(dense_params, shape.layers, shape.width, tokens, pairs)
     dense_rerun, attention_rerun = recomputed_flops(shape, tokens, pairs, checkpointing, attention_kept)
     tiled = tiled_mlp_flops(shape, tokens) if tiled_mlp else 0.0

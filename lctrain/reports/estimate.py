@@ -5,12 +5,12 @@ FLOPs per window come from the cost model (`lctrain.costmodel`, the convention M
 v, o, the gated MLP, the LM head) and attention over the causally visible (query, key) pairs, each 3 forward passes
 for training, plus what activation checkpointing reruns (`costmodel.recomputed_flops`: the layers' forward under
 `full`, all of it but attention under `selective`), with `model.tiled_mlp` the MLP forward that TiledMLP reruns in
-the backward, and the LM head's forward that the loss's checkpointed chunks rerun: the FLOPs the device runs
-(`costmodel.hardware_flops_parts`, which `train`'s hfu counts too), as wall time, not utilisation, is predicted
-here. The rate is per GPU on those FLOPs: `--tflops`, bench_train's `hardware_tflops_per_gpu` (`--from-bench`), or
-by default a device's peak for the time at 100% HFU: `--gpu NAME`'s dense bf16 peak from lctrain's hardware table,
-else this machine's (`logging.peak_tflops`, its GPU's from the table, or its CPU's measured matmul rate;
-lctrain.hardware).
+the backward, and the LM head's forward that the loss reruns under `train.loss_gradients=recompute`: the FLOPs the
+device runs (`costmodel.hardware_flops_parts`, which `train`'s hfu counts too), as wall time, not utilisation, is
+predicted here. The rate is per GPU on those FLOPs: `--tflops`, bench_train's `hardware_tflops_per_gpu`
+(`--from-bench`), or by default a device's peak for the time at 100% HFU: `--gpu NAME`'s dense bf16 peak from
+lctrain's hardware table, else this machine's (`logging.peak_tflops`, its GPU's from the table, or its CPU's measured
+matmul rate; lctrain.hardware).
 The visible pairs per mode come from the actual segment layout of the prepared dataset; without one, from a
 synthetic packing of SlimPajama-like document lengths (`lctrain.data.layouts`, the benchmarks' windows), flagged
 as such. Time = FLOPs / (achieved TFLOP/s per GPU x GPUs); a step is `train.global_batch` windows.
