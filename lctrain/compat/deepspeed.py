@@ -9,10 +9,13 @@ import functools
 import io
 import logging
 import math
+import os
 import sys
 import types
 from pathlib import Path
 
+from lctrain.errors import writing
+from lctrain.files import TEMPORARY_PREFIX
 from lctrain.lifetime import exit_with_parent
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -171,6 +174,71 @@ def to_universal_checkpoint(source: Path, out: Path, workers: int) -> None:
         sys.stderr.write(chatter.getvalue())
         raise
     (out.parent / "latest_universal").unlink(missing_ok=True)
+
+
+_MODEL_STATES = {False: "mp_rank_00_model_states.pt", True: "zero_pp_rank_0_mp_rank_00_model_states.pt"}
+_STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def universal_loads_in(universal: Path, zero_stage: int) -> bool:
+    """Whether a ZeRO-`zero_stage` engine (1-3) loads the universal checkpoint in `universal` as it is: its metadata
+    file is there, which `universal_for_stage` writes last."""
+    return (universal / _MODEL_STATES[zero_stage == 3]).is_file()
+
+
+def universal_for_stage(universal: Path, zero_stage: int) -> None:
+    """Make the universal checkpoint in `universal` loadable by a ZeRO-`zero_stage` engine (1-3), whichever ZeRO
+    family wrote it.
+
+    0.19.8's conversion writes what the loader of the family it read expects, and its ZeRO-1/2 and ZeRO-3 loaders
+    read different forms of the same state (each refused the other's):
+    - the file of the run's metadata (the step, the scheduler's state; the weights come from `zero/`):
+      `mp_rank_00_model_states.pt` for ZeRO-1/2, `zero_pp_rank_0_mp_rank_00_model_states.pt` for ZeRO-3
+      (`DeepSpeedEngine._get_all_ckpt_names`); the other's is written without its `module` weights, which a universal
+      load does not read (`_load_checkpoint`);
+    - `zero/optimizer_state.pt`: ZeRO-3 reads Adam's step and the groups' settings from `optimizer_state_dict`
+      (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`), ZeRO-1/2 the groups from `param_groups` and the
+      release from `ds_version` (`_load_global_state`);
+    - each parameter's `zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`: ZeRO-1/2 reads `{"param": tensor}` in the
+      parameter's shape and the step from `step.pt` (`universal_checkpoint.load_hp_checkpoint_state`); a ZeRO-3
+      conversion writes the flat tensor alone and no `step.pt`. ZeRO-3 reads either form.
+    Each file is written under a temporary name and renamed, the metadata file last (`universal_loads_in`); a kill
+    leaves a temporary file, which the next call removes (the ZeRO-1/2 loader would take any `*.pt` in a parameter's
+    folder for a state) before it finishes the work."""
+    import torch  # on use: this module loads without it (the CLI's start-up time)
+
+    def save(obj, path: Path) -> None:
+        tmp = path.with_name(TEMPORARY_PREFIX + path.name)
+        with writing(path, "the universal checkpoint"):
+            torch.save(obj, tmp)
+            os.replace(tmp, path)
+
+    for stale in universal.glob(f"zero/*/{TEMPORARY_PREFIX}*"):
+        stale.unlink()
+    wanted, other = universal / _MODEL_STATES[zero_stage == 3], universal / _MODEL_STATES[zero_stage != 3]
+    if wanted.is_file():
+        return
+    meta = torch.load(other, map_location="cpu", mmap=True, weights_only=False)
+    optim_file = universal / "zero" / "optimizer_state.pt"
+    optim = torch.load(optim_file, map_location="cpu", weights_only=False)
+    if zero_stage == 3:
+        if "optimizer_state_dict" not in optim:  # a ZeRO-1/2 conversion: every parameter's step.pt holds the step
+            step = torch.load(next(universal.glob("zero/*/step.pt")), weights_only=False)
+            sd = {"state": {0: {"step": step}}, "param_groups": optim["param_groups"]}
+            save({**optim, "optimizer_state_dict": sd}, optim_file)
+    else:
+        step = optim["optimizer_state_dict"]["state"][0]["step"]
+        for name, shape in ((n, s) for group in meta["param_shapes"] for n, s in group.items()):
+            folder = universal / "zero" / name
+            for key in _STATE_KEYS:
+                state = torch.load(folder / f"{key}.pt", map_location="cpu", mmap=True, weights_only=False)
+                if torch.is_tensor(state):
+                    save({"param": state.view(shape)}, folder / f"{key}.pt")
+            if not (folder / "step.pt").is_file():
+                save(step, folder / "step.pt")
+        if "ds_version" not in optim:
+            save({**optim, "ds_version": meta["ds_version"]}, optim_file)
+    save({**meta, "module": {}}, wanted)
 
 
 @contextlib.contextmanager

@@ -232,7 +232,7 @@ def _convert_for_layout(cfg: Config, states: list[tuple[Path, dict]]) -> None:
             say(f"warning: checkpoint {path.name} is not converted: {', '.join(lacking)} missing")
             continue
         try:
-            seconds = reshard.convert(path, changed)
+            seconds = reshard.convert(path, changed, cfg.parallel.zero_stage)
         except ckpt.DAMAGED as e:
             if ckpt.machine_failure(e):
                 raise

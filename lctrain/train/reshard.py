@@ -9,12 +9,12 @@ windows of each step are the same (`train.global_batch` is fixed, only their spl
 rate schedule is lctrain's own function of the step, and each rank's RNG state is that of the rank it replaces
 (`rank % old world size`).
 
-What converts: a change of `parallel.nproc_per_node`, `num_nodes`, `sequence_parallel`, `offload_optimizer` and
-`offload_params`, and of `zero_stage` within ZeRO-1/2 or within ZeRO-3. Refused in one line: a move between ZeRO-1/2
-and ZeRO-3 (DeepSpeed 0.19.8 loads a universal checkpoint only with the model-state files of the stage it was
-converted from: `mp_rank_00_model_states.pt` for ZeRO-1/2, one `zero_pp_rank_N_...` per rank for ZeRO-3; tried both
-ways, each found its file missing) and any change of a ZeRO-0 run (its optimizer is not ZeRO's, whose partitions the
-conversion reads).
+What converts: a change of `parallel.nproc_per_node`, `num_nodes`, `sequence_parallel`, `offload_optimizer`,
+`offload_params` and `zero_stage` among 1-3. DeepSpeed 0.19.8's ZeRO-1/2 and ZeRO-3 loaders read different forms of
+the universal checkpoint, and its conversion writes the form of the family it read: a move between the families
+completes the other form first (`lctrain.compat.deepspeed.universal_for_stage`; ZeRO-3 -> 1/2 rewrites every
+parameter's state, as long as the conversion). Refused in one line: any change of a ZeRO-0 run (its optimizer is not
+ZeRO's, whose partitions the conversion reads).
 
 Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load are mended where it is called
 (`lctrain.compat.deepspeed.loading_universal`): every parameter group got the first group's weight decay, and all
@@ -28,7 +28,7 @@ import shutil
 import time
 from pathlib import Path
 
-from lctrain.compat.deepspeed import to_universal_checkpoint
+from lctrain.compat.deepspeed import to_universal_checkpoint, universal_for_stage, universal_loads_in
 from lctrain.errors import UserError, writing
 from lctrain.files import TEMPORARY_PREFIX
 from lctrain.hardware import usable_cpus
@@ -43,10 +43,6 @@ LAYOUT_KEYS = (
 )
 UNIVERSAL = "universal"
 _PARTIAL = TEMPORARY_PREFIX + UNIVERSAL
-
-
-def _family(zero_stage: int) -> str:
-    return {0: "ZeRO-0", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}[zero_stage]
 
 
 def layout_changes(saved: dict | None, now: dict) -> list[str]:
@@ -76,35 +72,43 @@ def check_reshardable(saved: dict, now: dict, source: str, checkpoint: str) -> N
             f"asks for zero_stage={stage_now}; resuming on another parallel layout needs ZeRO 1-3 before and after: "
             f"restore the checkpoint's parallel settings"
         )
-    if _family(stage_before) != _family(stage_now):
-        raise UserError(
-            f"{source}: parallel.zero_stage {stage_before} -> {stage_now} changed since checkpoint {checkpoint}; "
-            f"a checkpoint resumes on another layout within ZeRO-1/2 or within ZeRO-3, not across them: keep "
-            f"zero_stage {'3' if stage_before == 3 else '1 or 2'} (world size, sequence_parallel and offloading may "
-            f"change)"
-        )
 
 
 def universal_dir(checkpoint: Path) -> Path:
     return checkpoint / UNIVERSAL
 
 
-def convert(checkpoint: Path, changed: list[str]) -> float:
-    """Write `checkpoint`'s universal form, unless a complete one is there; the seconds it took (0 if it was).
-    Written under a temporary name and renamed when complete, so a kill mid-way leaves no half-converted state that
-    a later resume would load."""
+def converted_for(checkpoint: Path, zero_stage: int) -> bool:
+    """Whether `checkpoint`'s universal form is complete and loads at ZeRO stage `zero_stage`."""
+    return universal_dir(checkpoint).is_dir() and universal_loads_in(universal_dir(checkpoint), zero_stage)
+
+
+def convert(checkpoint: Path, changed: list[str], zero_stage: int) -> float:
+    """Write `checkpoint`'s universal form, loadable at ZeRO stage `zero_stage`, unless a complete one is there; the
+    seconds it took (0 if it was). Written under a temporary name and renamed when complete, so a kill mid-way leaves
+    no half-converted state that a later resume would load; one converted for the other ZeRO family is completed in
+    place (`universal_for_stage`, whose last file marks it complete)."""
     final, partial = universal_dir(checkpoint), checkpoint / _PARTIAL
-    if final.is_dir():
+    t0 = time.monotonic()
+    if converted_for(checkpoint, zero_stage):
         return 0.0
+    if final.is_dir():
+        print(
+            f"resuming at ZeRO stage {zero_stage}: completing {checkpoint.name}'s universal checkpoint, converted "
+            f"for the other ZeRO family, in {final}",
+            flush=True,
+        )
+        universal_for_stage(final, zero_stage)
+        return time.monotonic() - t0
     print(
         f"resuming on another parallel layout ({', '.join(changed)} changed): converting {checkpoint.name} to "
         f"DeepSpeed's universal checkpoint in {final}",
         flush=True,
     )
-    t0 = time.monotonic()
     shutil.rmtree(partial, ignore_errors=True)
     with writing(partial, "the universal checkpoint"):
         to_universal_checkpoint(checkpoint, partial, workers=min(8, usable_cpus()))
+        universal_for_stage(partial, zero_stage)
         partial.rename(final)
     return time.monotonic() - t0
 
