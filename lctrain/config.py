@@ -651,6 +651,13 @@ class CheckpointConfig(_Section):
         50, ge=0, description="the steps, counted back from the last, that hold evaluation checkpoints; 0 = none"
     )
     save_final: Bool = Field(True, description="a resume checkpoint after the last step (off for throughput runs)")
+    sync_files: Bool = Field(
+        True,
+        description="every rank waits until the files it wrote are on the disk (fsync) before a resume checkpoint "
+        "counts as complete, as torch.distributed.checkpoint does by default: after a machine crash (not a killed "
+        "process) `latest` names no checkpoint whose data was still in memory. false: the write-back is left to the "
+        "kernel (a filesystem whose fsync is slow)",
+    )
     on_sigterm: Bool = Field(
         True,
         description="on SIGTERM (a scheduler's time limit or preemption), finish the step under way, write a resume "

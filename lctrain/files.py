@@ -20,7 +20,8 @@ def temporary_of(path: Path) -> Path:
     return path.with_name(TEMPORARY_PREFIX + path.name)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Wait until the kernel has written `path` to the disk: a file's data, or a directory's entries (a rename)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -42,7 +43,7 @@ def replace_file(path: Path, content: str | bytes, what: str) -> None:
         except BaseException:
             tmp.unlink(missing_ok=True)  # on a full disk, the part written is space the user needs back
             raise
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
 
 
 def readable_as_config_json(directory: Path) -> None:

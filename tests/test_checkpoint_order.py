@@ -192,6 +192,32 @@ def test_a_step_with_both_writes_the_checkpoint_then_the_export(data_dir, tmp_pa
     assert writes == [("checkpoint", 2), ("export", 2), ("checkpoint", 4), ("export", 4)]
 
 
+@pytest.mark.parametrize("sync", [True, False])
+def test_every_file_of_a_checkpoint_is_on_the_disk_before_it_is_complete(data_dir, tmp_path, monkeypatch, sync):
+    """checkpoint.sync_files: every rank's DeepSpeed files (model and ZeRO optimizer states) and RNG state are synced
+    (fsync) before trainer_state.json, which makes the checkpoint complete; with it off, only lctrain's own state
+    file and renames are."""
+    synced = []
+    real_fsync = os.fsync
+
+    def recording(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    run_dir = tmp_path / "run"
+    extra = ["train.steps=2", "checkpoint.hf_last=0", "parallel.zero_stage=1", f"checkpoint.sync_files={sync}"]
+    result = CliRunner().invoke(app, train_args(data_dir, run_dir, *extra))
+    assert result.exit_code == 0, result.output
+    step = RunDir(run_dir).checkpoint(2)
+    written = step.with_name(TEMPORARY_PREFIX + step.name)  # the files were synced under the temporary name
+    complete = synced.index(written / (TEMPORARY_PREFIX + ckpt.STATE_FILE))
+    files = sorted(f.name for f in step.iterdir() if f.name != ckpt.STATE_FILE)
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_rank0.pt"} <= set(files)
+    before = {p.name for p in synced[:complete] if p.parent == written}
+    assert before == (set(files) if sync else set())
+
+
 @pytest.mark.slow
 def test_an_export_failing_at_the_last_step_keeps_its_checkpoint(data_dir, tmp_path, monkeypatch):
     record = ckpt.write_export_record

@@ -15,7 +15,7 @@ import types
 from pathlib import Path
 
 from lctrain.errors import writing
-from lctrain.files import TEMPORARY_PREFIX
+from lctrain.files import TEMPORARY_PREFIX, fsync_path
 from lctrain.lifetime import exit_with_parent
 
 DEEPSPEED_VERSION = "0.19.8"
@@ -134,6 +134,28 @@ def set_gradient_clipping(engine, max_norm: float) -> None:
     where the optimizer has none (ZeRO-0 in fp32) the engine clips with the config's own."""
     if hasattr(engine.optimizer, "clip_grad"):
         engine.optimizer.clip_grad = max_norm
+
+
+@contextlib.contextmanager
+def saves_synced(engine):
+    """`engine.save_checkpoint` whose files are on the disk when it returns, as torch.distributed.checkpoint's
+    `FileSystemWriter(sync_files=True)` makes its own: 0.19.8's `TorchCheckpointEngine.save` is `torch.save` alone,
+    whose data the kernel writes back later, so a machine that crashed (not a killed process) soon after the
+    checkpoint was marked complete could leave files of the right sizes whose blocks never reached the disk. Every
+    rank's engine saves through its `checkpoint_engine`, so each syncs the files it wrote itself (on a shared
+    filesystem, the writer's client holds the data)."""
+    checkpoint_engine = engine.checkpoint_engine
+    save = checkpoint_engine.save
+
+    def synced(state_dict, path):
+        save(state_dict, path)
+        fsync_path(Path(path))
+
+    checkpoint_engine.save = synced
+    try:
+        yield
+    finally:
+        checkpoint_engine.save = save
 
 
 def zero3_full_state_dict(engine) -> dict:

@@ -3,7 +3,8 @@
 Crash safety: every checkpoint is written under a temporary name in the same directory and renamed once complete;
 `checkpoints/latest` names the newest complete one and is replaced (atomically) only after the rename; older ones
 are pruned only after that. A kill at any moment therefore leaves the previous complete checkpoint and a stale
-temporary directory, which the next save or resume removes.
+temporary directory, which the next save or resume removes. Against a machine's crash, every rank syncs the files it
+wrote to the disk before the checkpoint is made complete (`checkpoint.sync_files`).
 
     run_dir/checkpoints/step_20/   DeepSpeed files, trainer_state.json, rng_rank<R>.pt
     run_dir/checkpoints/latest     "step_20"
@@ -32,12 +33,17 @@ from shlex import quote
 import numpy as np
 import torch
 
-from lctrain.compat.deepspeed import loading_universal, no_bf16_optimizer_load_print, zero3_full_state_dict
+from lctrain.compat.deepspeed import (
+    loading_universal,
+    no_bf16_optimizer_load_print,
+    saves_synced,
+    zero3_full_state_dict,
+)
 from lctrain.compat.transformers import config_json_text, legacy_rope_keys
 from lctrain.config import Config
 from lctrain.errors import UserError, WriteFailed, cited, is_environment_error, remedy_of, writing
 from lctrain.export_record import write_export_record
-from lctrain.files import TEMPORARY_PREFIX, fsync_dir, readable_as_config_json, replace_file
+from lctrain.files import TEMPORARY_PREFIX, fsync_path, readable_as_config_json, replace_file
 from lctrain.lifetime import RunLock
 from lctrain.rundir import RunDir, by_step, step_of
 from lctrain.tokenizer import Anchor, save_tokenizer, write_anchor
@@ -51,14 +57,14 @@ LATEST = "latest"
 
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Move a finished directory into place; an older one with the same name (a re-run step) goes only after."""
-    fsync_dir(tmp)
+    fsync_path(tmp)
     old = None
     if final.exists():
         old = final.with_name(TEMPORARY_PREFIX + "old-" + final.name)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -264,10 +270,12 @@ def save_resume(
     *,
     rank: int,
     keep: int,
+    sync: bool = True,
     before_complete: Callable[[int], None] | None = None,
 ) -> Path:
-    """Write the resume checkpoint of `step` (all ranks call this) and prune older ones. `before_complete(step)`
-    runs on rank 0 once every rank's files are written and before the checkpoint is complete (fault injection)."""
+    """Write the resume checkpoint of `step` (all ranks call this) and prune older ones; `sync`: every rank's files
+    are on the disk before the checkpoint is complete (`checkpoint.sync_files`). `before_complete(step)` runs on rank
+    0 once every rank's files are written and before the checkpoint is complete (fault injection)."""
     root, final = run.checkpoints, run.checkpoint(step)
     tmp = root / (TEMPORARY_PREFIX + final.name)
     try:
@@ -280,9 +288,11 @@ def save_resume(
                 # write fails with a RuntimeError naming no cause
                 tmp.mkdir()
         barrier()
-        with writing(tmp, "the resume checkpoint"):
+        with writing(tmp, "the resume checkpoint"), saves_synced(engine) if sync else contextlib.nullcontext():
             engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
             torch.save({**rng_state(), "step": step}, tmp / rng_file(rank))
+            if sync:
+                fsync_path(tmp / rng_file(rank))
     except BaseException as e:
         if rank == 0:  # a full disk's space back for the session's record and the resume (the others' parts too)
             _release_files(e)

@@ -617,6 +617,7 @@ class Trainer:
                 self.state.record(self.cfg, self.layout, self.dataset),
                 rank=self.topo.rank,
                 keep=self.cfg.checkpoint.keep,
+                sync=self.cfg.checkpoint.sync_files,
                 before_complete=self.before_checkpoint_complete,
             )
 
