@@ -310,6 +310,16 @@ def test_two_ranks_continue_on_one(workdir, reference):
 
 
 @pytest.mark.slow
+def test_a_zero0_run_continues_on_two_ranks_with_sequence_parallelism(workdir, reference):
+    """ZeRO-0 (the CPU default's stage) was refused any layout change, though its one checkpoint file holds the whole
+    model and torch's optimizer state: 1 process -> Ulysses SP 2, loaded as it is, each rank continuing rank 0's RNG."""
+    run_dir = train_half(workdir, "zero0_one_to_sp2", ["parallel.zero_stage=0"])
+    out = resume(run_dir, [f"train.steps={STEPS}", "parallel.nproc_per_node=2", "parallel.sequence_parallel=2"])
+    assert "converting" not in out and not reshard.universal_dir(RunDir(run_dir).checkpoint(STEPS // 2)).exists()
+    assert_continues_the_reference(run_dir, reference)
+
+
+@pytest.mark.slow
 def test_a_damaged_file_of_another_ranks_part_falls_back_on_every_rank(workdir, reference):
     """2 ranks at ZeRO-3, rank 1's optimizer file of the last checkpoint truncated: ZeRO-3's load runs collectives,
     and rank 1 failing inside them left rank 0 waiting for ever (resume explorer: a hang; a deleted file: a gloo
@@ -373,13 +383,14 @@ def test_layout_changes_name_the_parallel_keys_only():
     [
         ({"zero_stage": 2}, {"zero_stage": 3}, None),
         ({"zero_stage": 3}, {"zero_stage": 1, "nproc_per_node": 2}, None),
+        ({"zero_stage": 0}, {"zero_stage": 0, "nproc_per_node": 2, "sequence_parallel": 2}, None),
         (
+            {"zero_stage": 2},
             {"zero_stage": 0},
-            {"zero_stage": 0, "nproc_per_node": 2},
-            "parallel.nproc_per_node changed since checkpoint step_2, which was written with parallel.zero_stage=0: "
-            "only a ZeRO 1-3 checkpoint",
+            "checkpoint step_2 was written with parallel.zero_stage=2 and the run now asks for zero_stage=0; a "
+            "checkpoint moves between ZeRO stages 1-3 only .*: keep zero_stage=2",
         ),
-        ({"zero_stage": 2}, {"zero_stage": 0}, "needs ZeRO 1-3 before and after"),
+        ({"zero_stage": 0, "nproc_per_node": 2}, {"zero_stage": 1}, "keep zero_stage=0"),
         ({"zero_stage": 1}, {"zero_stage": 2, "nproc_per_node": 2, "sequence_parallel": 2}, None),
         ({"zero_stage": 3}, {"zero_stage": 3, "offload_params": True, "num_nodes": 2}, None),
     ],
@@ -391,6 +402,12 @@ def test_which_layout_changes_convert(before, after, refusal):
     else:
         with pytest.raises(UserError, match=refusal):
             check()
+
+
+def test_only_a_change_between_zero0_layouts_loads_without_the_universal_checkpoint():
+    assert not reshard.needs_universal(layout(zero_stage=0), layout(zero_stage=0, nproc_per_node=4))
+    assert reshard.needs_universal(layout(zero_stage=1), layout(zero_stage=1, nproc_per_node=4))
+    assert reshard.needs_universal(layout(zero_stage=3), layout(zero_stage=2))
 
 
 def test_each_new_rank_continues_an_old_ranks_rng():
@@ -411,7 +428,7 @@ def test_a_checkpoint_without_a_needed_rng_state_is_passed_over_for_the_next(tmp
 
     converted = []
     monkeypatch.setattr(reshard, "convert", lambda path, changed, stage: converted.append(path.name) or 1.0)
-    written_by_two = layout(nproc_per_node=2)
+    written_by_two = layout(nproc_per_node=2, zero_stage=2)
     states = []
     for step, ranks in ((4, [0]), (2, [0, 1])):
         path = tmp_path / f"step_{step}"
@@ -419,12 +436,13 @@ def test_a_checkpoint_without_a_needed_rng_state_is_passed_over_for_the_next(tmp
         for rank in ranks:
             (path / f"rng_rank{rank}.pt").touch()
         states.append((path, {"step": step, "config": written_by_two}))
-    cfg = with_overrides(load_config(None), ["parallel.nproc_per_node=1"], "test")
+    cfg = with_overrides(load_config(None), ["parallel.nproc_per_node=1", "parallel.zero_stage=2"], "test")
     command._convert_for_layout(cfg, states)
     assert converted == ["step_4"]  # one rank now: it continues rank 0's state, which step_4 has
 
     converted.clear()
-    cfg = with_overrides(load_config(None), ["parallel.nproc_per_node=4"], "test")  # ranks 2, 3 continue 0, 1
+    # four ranks: 2 and 3 continue the states of 0 and 1
+    cfg = with_overrides(load_config(None), ["parallel.nproc_per_node=4", "parallel.zero_stage=2"], "test")
     command._convert_for_layout(cfg, states)
     assert converted == ["step_2"]
     assert "warning: checkpoint step_4 is not converted: rng_rank1.pt missing" in capsys.readouterr().err

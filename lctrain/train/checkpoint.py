@@ -381,11 +381,12 @@ def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> tu
         return None, damaged
     step = state["step"]
     changed = reshard.layout_changes(state.get("config"), now) if now is not None else []
-    if changed and not reshard.converted_for(path, now["parallel"]["zero_stage"]):
+    universal = bool(changed) and reshard.needs_universal(state["config"], now)
+    if universal and not reshard.converted_for(path, now["parallel"]["zero_stage"]):
         return None, f"it was written with another parallel layout ({', '.join(changed)}) and is not converted"
     own_rng = rng_file(reshard.rng_rank(rank, state["config"]) if changed else rank)
     try:
-        if changed:
+        if universal:
             with loading_universal(engine):
                 loaded, _ = engine.load_checkpoint(
                     str(path), tag=reshard.UNIVERSAL, load_optimizer_states=True, load_lr_scheduler_states=True

@@ -218,9 +218,10 @@ def resume(
 
 
 def _convert_for_layout(cfg: Config, states: list[tuple[Path, dict]]) -> None:
-    """Convert the checkpoint the ranks will load first, if it was written with another parallel layout; one that
-    cannot be converted (damaged, or without an RNG state a new rank continues with) is reported and the next
-    tried, as loading falls back (Trainer.load_checkpoint): the ranks find the one they reach converted."""
+    """Convert the checkpoint the ranks will load first, if it was written with another parallel layout (but for
+    ZeRO-0: `reshard.needs_universal`); one that cannot be converted (damaged, or without an RNG state a new rank
+    continues with) is reported and the next tried, as loading falls back (Trainer.load_checkpoint): the ranks find
+    the one they reach converted."""
     now = settings(cfg)
     for path, state in states:
         changed = reshard.layout_changes(state.get("config"), now)
@@ -228,9 +229,13 @@ def _convert_for_layout(cfg: Config, states: list[tuple[Path, dict]]) -> None:
             return
         lacking = [ckpt.rng_file(r) for r in reshard.rng_ranks(state["config"], now)]
         lacking = [name for name in lacking if not (path / name).is_file()]
+        universal = reshard.needs_universal(state["config"], now)
         if lacking:
-            say(f"warning: checkpoint {path.name} is not converted: {', '.join(lacking)} missing")
+            what = "is not converted" if universal else "cannot continue on this layout"
+            say(f"warning: checkpoint {path.name} {what}: {', '.join(lacking)} missing")
             continue
+        if not universal:
+            return
         try:
             seconds = reshard.convert(path, changed, cfg.parallel.zero_stage)
         except ckpt.DAMAGED as e:

@@ -13,8 +13,9 @@ What converts: a change of `parallel.nproc_per_node`, `num_nodes`, `sequence_par
 `offload_params` and `zero_stage` among 1-3. DeepSpeed 0.19.8's ZeRO-1/2 and ZeRO-3 loaders read different forms of
 the universal checkpoint, and its conversion writes the form of the family it read: a move between the families
 completes the other form first (`lctrain.compat.deepspeed.universal_for_stage`; ZeRO-3 -> 1/2 rewrites every
-parameter's state, as long as the conversion). Refused in one line: any change of a ZeRO-0 run (its optimizer is not
-ZeRO's, whose partitions the conversion reads).
+parameter's state, as long as the conversion). A ZeRO-0 run (fp32 only) may change its world size and
+sequence-parallel degree without a conversion (`needs_universal`); a move to or from ZeRO-0 is refused in one line
+(its optimizer is torch's, not ZeRO's, whose partitions the conversion reads).
 
 Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load are mended where it is called
 (`lctrain.compat.deepspeed.loading_universal`): every parameter group got the first group's weight decay, and all
@@ -60,18 +61,19 @@ def check_reshardable(saved: dict, now: dict, source: str, checkpoint: str) -> N
     if not changed:
         return
     stage_before, stage_now = saved["parallel"]["zero_stage"], now["parallel"]["zero_stage"]
-    if stage_before == stage_now == 0:
-        raise UserError(
-            f"{source}: {', '.join(changed)} changed since checkpoint {checkpoint}, which was written with "
-            f"parallel.zero_stage=0: only a ZeRO 1-3 checkpoint resumes on another parallel layout; restore the "
-            f"checkpoint's parallel settings"
-        )
-    if 0 in (stage_before, stage_now):
+    if stage_before != stage_now and 0 in (stage_before, stage_now):
         raise UserError(
             f"{source}: checkpoint {checkpoint} was written with parallel.zero_stage={stage_before} and the run now "
-            f"asks for zero_stage={stage_now}; resuming on another parallel layout needs ZeRO 1-3 before and after: "
-            f"restore the checkpoint's parallel settings"
+            f"asks for zero_stage={stage_now}; a checkpoint moves between ZeRO stages 1-3 only (ZeRO-0's optimizer "
+            f"is torch's, not ZeRO's): keep zero_stage={stage_before} (the world size and sequence_parallel may change)"
         )
+
+
+def needs_universal(saved: dict, now: dict) -> bool:
+    """Whether a layout change loads through the universal checkpoint: every change but one between ZeRO-0 layouts,
+    whose checkpoint holds the whole model and torch's optimizer state in one file (the same on every rank), which any
+    world size and sequence-parallel degree load as it is."""
+    return not saved["parallel"]["zero_stage"] == now["parallel"]["zero_stage"] == 0
 
 
 def universal_dir(checkpoint: Path) -> Path:
