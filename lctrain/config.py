@@ -655,8 +655,8 @@ class CheckpointConfig(_Section):
         True,
         description="every rank waits until the files it wrote are on the disk (fsync) before a resume checkpoint "
         "counts as complete, as torch.distributed.checkpoint does by default: after a machine crash (not a killed "
-        "process) `latest` names no checkpoint whose data was still in memory. false: the write-back is left to the "
-        "kernel (a filesystem whose fsync is slow)",
+        "process) `latest` names no checkpoint whose data was still in memory; the same for a resume's universal "
+        "conversion. false: the write-back is left to the kernel (a filesystem whose fsync is slow)",
     )
     on_sigterm: Bool = Field(
         True,

@@ -7,6 +7,7 @@ ranks (a few ulps per step; 1e-5 relative is ~100x that), while a checkpoint res
 in the wrong place, the wrong step) changes the first resumed loss by far more, as the negative control shows.
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -252,17 +253,22 @@ def converted_states(universal: Path, names) -> dict[str, list[torch.Tensor]]:
         pytest.param(3, 2, "bfloat16", marks=pytest.mark.slow),
     ],
 )
-def test_a_checkpoint_loads_in_the_other_zero_family_with_every_parameters_state(workdir, before, after, dtype):
+def test_a_checkpoint_loads_in_the_other_zero_family_with_every_parameters_state(
+    workdir, before, after, dtype, monkeypatch
+):
     """ZeRO-1/2 <-> ZeRO-3 (refused until DeepSpeed 0.19.8's two forms of the universal checkpoint were completed
     into each other): every parameter's fp32 weight, Adam moments and step, loaded at the other stage, are those of
     DeepSpeed's conversion for the checkpoint's own stage, to the bit (which are the ordinary load's:
     test_the_universal_load_restores_the_optimizer_exactly). The checkpoint is first converted for its own family
-    (a resume on another world size), then completed for the other with a kill's leftover in a parameter's folder."""
+    (a resume on another world size), then completed for the other with a kill's leftover in a parameter's folder;
+    every file the two wrote was synced to the disk (checkpoint.sync_files) before it got its name."""
     run_dir = train_half(
         workdir, f"family_{before}_{after}_{dtype}", [f"parallel.zero_stage={before}", f"model.dtype={dtype}"]
     )
     step = RunDir(run_dir).checkpoint(STEPS // 2)
     universal = reshard.universal_dir(step)
+    synced, real_fsync = set(), os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.add(Path(os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
     reshard.convert(step, ["parallel.nproc_per_node"], before)
     assert not reshard.converted_for(step, after)
     cfg = with_overrides(RunDir(run_dir).read_config(), [f"parallel.zero_stage={after}"], "test")
@@ -276,6 +282,9 @@ def test_a_checkpoint_loads_in_the_other_zero_family_with_every_parameters_state
     assert reshard.convert(step, ["parallel.zero_stage"], after) > 0
     assert reshard.converted_for(step, after) and reshard.converted_for(step, before) and not leftover.exists()
     assert reshard.convert(step, ["parallel.zero_stage"], after) == 0.0
+    for file in universal.rglob("*.pt"):
+        partial = step / ".tmp-universal" / file.relative_to(universal)
+        assert {partial, file.with_name(".tmp-" + file.name)} & synced, file
     with loading_universal(trainer.engine):
         trainer.engine.load_checkpoint(str(step), tag=reshard.UNIVERSAL, load_optimizer_states=True)
     assert trainer.engine.global_steps == STEPS // 2
@@ -427,7 +436,7 @@ def test_a_checkpoint_without_a_needed_rng_state_is_passed_over_for_the_next(tmp
     from lctrain.train import command
 
     converted = []
-    monkeypatch.setattr(reshard, "convert", lambda path, changed, stage: converted.append(path.name) or 1.0)
+    monkeypatch.setattr(reshard, "convert", lambda path, *args: converted.append(path.name) or 1.0)
     written_by_two = layout(nproc_per_node=2, zero_stage=2)
     states = []
     for step, ranks in ((4, [0]), (2, [0, 1])):

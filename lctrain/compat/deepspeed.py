@@ -208,7 +208,7 @@ def universal_loads_in(universal: Path, zero_stage: int) -> bool:
     return (universal / _MODEL_STATES[zero_stage == 3]).is_file()
 
 
-def universal_for_stage(universal: Path, zero_stage: int) -> None:
+def universal_for_stage(universal: Path, zero_stage: int, sync: bool = False) -> None:
     """Make the universal checkpoint in `universal` loadable by a ZeRO-`zero_stage` engine (1-3), whichever ZeRO
     family wrote it.
 
@@ -226,13 +226,16 @@ def universal_for_stage(universal: Path, zero_stage: int) -> None:
       conversion writes the flat tensor alone and no `step.pt`. ZeRO-3 reads either form.
     Each file is written under a temporary name and renamed, the metadata file last (`universal_loads_in`); a kill
     leaves a temporary file, which the next call removes (the ZeRO-1/2 loader would take any `*.pt` in a parameter's
-    folder for a state) before it finishes the work."""
+    folder for a state) before it finishes the work. `sync`: each file is on the disk before its rename, so the
+    metadata file is there after a machine's crash only with the files before it."""
     import torch  # on use: this module loads without it (the CLI's start-up time)
 
     def save(obj, path: Path) -> None:
         tmp = path.with_name(TEMPORARY_PREFIX + path.name)
         with writing(path, "the universal checkpoint"):
             torch.save(obj, tmp)
+            if sync:
+                fsync_path(tmp)
             os.replace(tmp, path)
 
     for stale in universal.glob(f"zero/*/{TEMPORARY_PREFIX}*"):

@@ -237,7 +237,7 @@ def _convert_for_layout(cfg: Config, states: list[tuple[Path, dict]]) -> None:
         if not universal:
             return
         try:
-            seconds = reshard.convert(path, changed, cfg.parallel.zero_stage)
+            seconds = reshard.convert(path, changed, cfg.parallel.zero_stage, cfg.checkpoint.sync_files)
         except ckpt.DAMAGED as e:
             if ckpt.machine_failure(e):
                 raise

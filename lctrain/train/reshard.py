@@ -31,7 +31,7 @@ from pathlib import Path
 
 from lctrain.compat.deepspeed import to_universal_checkpoint, universal_for_stage, universal_loads_in
 from lctrain.errors import UserError, writing
-from lctrain.files import TEMPORARY_PREFIX
+from lctrain.files import TEMPORARY_PREFIX, fsync_path
 from lctrain.hardware import usable_cpus
 
 LAYOUT_KEYS = (
@@ -85,11 +85,12 @@ def converted_for(checkpoint: Path, zero_stage: int) -> bool:
     return universal_dir(checkpoint).is_dir() and universal_loads_in(universal_dir(checkpoint), zero_stage)
 
 
-def convert(checkpoint: Path, changed: list[str], zero_stage: int) -> float:
+def convert(checkpoint: Path, changed: list[str], zero_stage: int, sync: bool = True) -> float:
     """Write `checkpoint`'s universal form, loadable at ZeRO stage `zero_stage`, unless a complete one is there; the
     seconds it took (0 if it was). Written under a temporary name and renamed when complete, so a kill mid-way leaves
     no half-converted state that a later resume would load; one converted for the other ZeRO family is completed in
-    place (`universal_for_stage`, whose last file marks it complete)."""
+    place (`universal_for_stage`, whose last file marks it complete). `sync` (`checkpoint.sync_files`): the files are
+    on the disk before the rename or the last file, as a resume checkpoint's are before it is complete."""
     final, partial = universal_dir(checkpoint), checkpoint / _PARTIAL
     t0 = time.monotonic()
     if converted_for(checkpoint, zero_stage):
@@ -100,7 +101,7 @@ def convert(checkpoint: Path, changed: list[str], zero_stage: int) -> float:
             f"for the other ZeRO family, in {final}",
             flush=True,
         )
-        universal_for_stage(final, zero_stage)
+        universal_for_stage(final, zero_stage, sync)
         return time.monotonic() - t0
     print(
         f"resuming on another parallel layout ({', '.join(changed)} changed): converting {checkpoint.name} to "
@@ -111,7 +112,11 @@ def convert(checkpoint: Path, changed: list[str], zero_stage: int) -> float:
     with writing(partial, "the universal checkpoint"):
         to_universal_checkpoint(checkpoint, partial, workers=min(8, usable_cpus()))
         universal_for_stage(partial, zero_stage)
+        if sync:
+            for file in partial.rglob("*"):
+                fsync_path(file)
         partial.rename(final)
+        fsync_path(checkpoint)
     return time.monotonic() - t0
 
 
