@@ -282,6 +282,7 @@ with conversion_workers_die_with_this_process():
 """
 
 
+@pytest.mark.slow  # 3-7 s in CI: slow-marked to keep `make test` under its 5 minutes
 def test_the_universal_conversions_workers_exit_when_its_process_is_killed():
     """A `kill -9` mid-conversion left DeepSpeed's pool workers waiting on their queue for ever, holding the run's
     lock; the pool the conversion gets has workers that exit once their parent is gone."""

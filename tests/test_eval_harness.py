@@ -210,6 +210,7 @@ def test_long_prompts_lose_their_middle(tiny):
     assert text == reference_greedy(model, tok, kept, 4, [])
 
 
+@pytest.mark.slow  # 3-7 s in CI: slow-marked to keep `make test` under its 5 minutes
 def test_run_scores_every_checkpoint_and_averages(run_dir, capsys):
     tasks_dir = run_dir.parent
     target = resolve_target(run_dir)

@@ -557,6 +557,7 @@ def test_an_interrupted_evaluation_leaves_the_earlier_results_and_predictions_as
     assert {name: (out / name).read_bytes() for name in before} == before
 
 
+@pytest.mark.slow  # 3-7 s in CI: slow-marked to keep `make test` under its 5 minutes
 def test_an_interrupted_evaluation_resumes_with_what_it_had_and_ends_as_an_uninterrupted_one(
     run_dir, tmp_path, monkeypatch, capsys
 ):

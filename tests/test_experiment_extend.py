@@ -640,6 +640,7 @@ def evaluated_as(out) -> dict[str, tuple]:
     return seen
 
 
+@pytest.mark.slow  # 3-7 s in CI: slow-marked to keep `make test` under its 5 minutes
 def test_an_eval_only_change_re_evaluates_the_trained_runs_without_training(tiny_experiment, capsys):
     out, model = tiny_experiment
     trained = trained_bytes(out)

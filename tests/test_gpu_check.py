@@ -86,6 +86,7 @@ def test_judging_gpu_test_results(tmp_path):
     assert none.status == "failed"
 
 
+@pytest.mark.slow  # 3-7 s in CI: slow-marked to keep `make test` under its 5 minutes
 def test_a_timed_out_benchmark_keeps_its_rows_and_kills_its_processes(tmp_path):
     out = tmp_path / "bench.json"
     r = StageResult("attention")

@@ -510,6 +510,7 @@ def test_a_tokenizer_edited_in_place_is_refused_not_called_prepared(tmp_path, re
     assert r.exit_code == 0 and "nothing to do" in r.output, r.output
 
 
+@pytest.mark.slow  # 3-7 s in CI: slow-marked to keep `make test` under its 5 minutes
 def test_a_sentencepiece_directory_is_compared_by_its_model_and_its_anchor(tmp_path, reloaded):
     """A directory with tokenizer.model encodes with SentencePiece, so an edit of its tokenizer.json's normalizer
     changes no id and leaves the dataset prepared; one that stops the tokenizer putting BOS before text makes the

@@ -142,6 +142,7 @@ def test_a_learning_rate_that_diverges_stops_at_the_first_non_finite_step(workdi
     assert f"start over with a lower train.lr, e.g. '{start_over}'" in line
 
 
+@pytest.mark.slow  # 3-7 s in CI: slow-marked to keep `make test` under its 5 minutes
 def test_an_injected_nan_loss_names_the_step_and_keeps_the_checkpoint_before_it(workdir, tmp_path, monkeypatch):
     real_step = nan_loss_at(monkeypatch, 6)  # the 7th update
     run_dir = tmp_path / "run"

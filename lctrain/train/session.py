@@ -46,7 +46,8 @@ def now() -> str:
 
 def session_record(cfg: Config, start_step: int, world: int, device: str, peak_flops: float | None) -> dict:
     """A session's line of sessions.jsonl as it starts. `peak_tflops` is what the session's MFU divides by per device
-    (null: no MFU): a CPU's is measured at every start, so two sessions' MFU compare only through it."""
+    (null: no MFU), unrounded: a CPU's is measured at every start, so two sessions' MFU compare only through it (log
+    explorer: rounded to 4 decimals, a CPU's 0.1125 recomputed MFU 8e-5 off)."""
     return {
         "started": now(),
         "command": os.environ.get(COMMAND_VAR) or shlex.join(sys.argv),
@@ -54,7 +55,7 @@ def session_record(cfg: Config, start_step: int, world: int, device: str, peak_f
         "host": socket.gethostname(),
         "world": world,
         "device": device,
-        "peak_tflops": None if peak_flops is None else round(peak_flops / 1e12, 4),
+        "peak_tflops": None if peak_flops is None else peak_flops / 1e12,
         "config_fingerprint": config_fingerprint(cfg),
         "software": software.versions(),
     }
