@@ -1439,7 +1439,8 @@ def reread_warning(
         more = f"set data.token_budget={tokens_to_prepare(cfg.train.steps, batch, seq_len, held)} (and prepare again)"
     steps = max_steps(windows, held, batch)
     if steps:
-        fewer = [f"set train.steps={steps}" if ran_out or resuming else "lower train.steps"]
+        kept = f" (which leaves eval.ppl_windows = {held} unread for perplexity)" if held else ""
+        fewer = [f"set train.steps={steps}{kept}" if ran_out or resuming else "lower train.steps"]
     else:
         # train.steps >= 1: the windows must hold one step's besides the held-out ones, so fewer steps cannot help
         # a step's windows split evenly over the data-parallel ranks' micro-batches (train/data.py BatchPlan)
@@ -1455,10 +1456,12 @@ def reread_warning(
     fix = " or ".join(filter(None, [more, *fewer])) or (
         "a resume continues on this dataset: start the run over on more data to read each window once"
     )
+    rereading = cfg.train.steps - fits
+    last = "the last step re-reads" if rereading == 1 else f"the last {rereading:,} steps re-read"
     return (
         f"warning: {cfg.train.steps:,} steps x {cfg.train.global_batch} windows x {seq_len:,} tokens = "
         f"{cfg.tokens_read():,} tokens, {(needed - windows) * seq_len:,} more than the data has ({windows:,} "
-        f"windows, {windows * seq_len:,} tokens): the last {cfg.train.steps - fits:,} steps re-read windows; {fix}"
+        f"windows, {windows * seq_len:,} tokens): {last} windows; {fix}"
     )
 
 
