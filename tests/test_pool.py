@@ -104,6 +104,27 @@ def test_a_worker_that_dies_computing_is_named_with_its_signal_or_exit_code(monk
     assert not workers_alive()
 
 
+def test_a_worker_that_dies_while_writing_a_result_is_worker_died():
+    """The parent reads a result cut short by the worker's death as multiprocessing's OSError "got end of file during
+    message" (a tokenizer worker killed while encoding, once in CI), not EOFError: the same death."""
+    from lctrain.data import pool
+
+    class CutShort:
+        def recv(self):
+            raise OSError("got end of file during message")
+
+    class Killed:
+        exitcode = -signal.SIGKILL
+
+        def join(self, timeout=None):
+            pass
+
+    worker = object.__new__(pool._Worker)
+    worker.results, worker.process = CutShort(), Killed()
+    with pytest.raises(WorkerDied, match="was killed by SIGKILL"):
+        worker.receive(2)
+
+
 def test_a_worker_killed_while_starting_is_seen():
     with pytest.raises(WorkerDied, match="was killed by SIGKILL"):
         list(imap_ordered(fn.square_after_a_while, range(4), workers=2, initializer=fn.killed_while_starting))

@@ -134,7 +134,9 @@ class _Worker:
         raised on it (raised here in its turn). A worker that could not start is `WorkerStartFailed` at once."""
         try:
             kind, value, trace = self.results.recv()
-        except (EOFError, ConnectionResetError):
+        except (EOFError, OSError):
+            # EOFError: it died between results; OSError "got end of file during message": while writing one (CI:
+            # a tokenizer worker killed while encoding ended prepare with this traceback instead of its one line)
             raise self.died(workers) from None
         if kind == "ok":
             return self.outstanding.popleft(), False, value
