@@ -419,6 +419,20 @@ def test_only_a_change_between_zero0_layouts_loads_without_the_universal_checkpo
     assert reshard.needs_universal(layout(zero_stage=3), layout(zero_stage=2))
 
 
+def test_a_conversion_without_adams_step_is_a_damaged_checkpoint_not_a_traceback(tmp_path):
+    """A ZeRO-1/2 conversion's step lives in each parameter's step.pt; without any, the completion for ZeRO-3 raises
+    one of the errors a damaged checkpoint raises (checkpoint.DAMAGED: a warning line, the checkpoint before tried),
+    not StopIteration."""
+    from lctrain.compat.deepspeed import universal_for_stage
+    from lctrain.train.checkpoint import DAMAGED
+
+    (tmp_path / "zero" / "w").mkdir(parents=True)
+    torch.save({"module": {}, "param_shapes": [], "ds_version": "0.19.8"}, tmp_path / "mp_rank_00_model_states.pt")
+    torch.save({"param_groups": [{}]}, tmp_path / "zero" / "optimizer_state.pt")
+    with pytest.raises(DAMAGED, match="no parameter's step.pt"):
+        universal_for_stage(tmp_path, 3)
+
+
 def test_each_new_rank_continues_an_old_ranks_rng():
     four = layout(nproc_per_node=4)
     assert [reshard.rng_rank(r, four) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]

@@ -248,7 +248,10 @@ def universal_for_stage(universal: Path, zero_stage: int, sync: bool = False) ->
     optim = torch.load(optim_file, map_location="cpu", weights_only=False)
     if zero_stage == 3:
         if "optimizer_state_dict" not in optim:  # a ZeRO-1/2 conversion: every parameter's step.pt holds the step
-            step = torch.load(next(universal.glob("zero/*/step.pt")), weights_only=False)
+            step_file = next(universal.glob("zero/*/step.pt"), None)
+            if step_file is None:  # a damaged conversion: the resume says so in one line and tries the one before
+                raise ValueError(f"{universal}: no parameter's step.pt (a ZeRO-1/2 conversion holds one for each)")
+            step = torch.load(step_file, weights_only=False)
             sd = {"state": {0: {"step": step}}, "param_groups": optim["param_groups"]}
             save({**optim, "optimizer_state_dict": sd}, optim_file)
     else:
