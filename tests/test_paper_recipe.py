@@ -10,6 +10,7 @@ from lctrain.data.prepare import prepare
 from lctrain.data.store import open_packed
 from lctrain.data.synthetic import generate
 from lctrain.model import build_model
+from lctrain.parallel.groups import init_topology
 from lctrain.tokenizer import builtin_model_file
 from lctrain.train.command import preflight
 from lctrain.train.trainer import param_groups
@@ -81,23 +82,34 @@ def test_prepare_and_train_say_when_steps_re_read_windows(shares_run, capsys):
     assert "warning" not in "".join(capsys.readouterr())
 
 
+ARCH = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "attention_bias": True,
+    "mlp_bias": True,
+}
+
+
+def tiny_config(extra: list[str] = ()):
+    return load_config(
+        None,
+        ["data.seq_len=64", "model.dtype=float32", f"model.arch={ARCH}", "model.arch.tie_word_embeddings=false"]
+        + list(extra),
+    )
+
+
+def group_names(model, decay_all: bool) -> list[tuple[float, set[str]]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(g["weight_decay"], {names[id(p)] for p in g["params"]}) for g in param_groups(model, 0.1, decay_all)]
+
+
 @pytest.mark.parametrize("decay_all", [False, True])
 def test_param_groups(decay_all):
-    arch = {
-        "model_type": "llama",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "attention_bias": True,
-        "mlp_bias": True,
-    }
-    cfg = load_config(
-        None, ["data.seq_len=64", "model.dtype=float32", f"model.arch={arch}", "model.arch.tie_word_embeddings=false"]
-    )
-    model = build_model(cfg, vocab_size=100).model
-    names = {id(p): n for n, p in model.named_parameters()}
+    model = build_model(tiny_config(), vocab_size=100).model
     # Llama's norms and biases by name: the decoder layers' two RMSNorms, the final norm, every projection's bias
     vectors = {"model.norm.weight"}
     for layer in range(2):
@@ -105,12 +117,27 @@ def test_param_groups(decay_all):
         vectors |= {prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"}
         vectors |= {f"{prefix}self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
         vectors |= {f"{prefix}mlp.{p}.bias" for p in ("gate_proj", "up_proj", "down_proj")}
-    every = set(names.values())
+    every = {n for n, _ in model.named_parameters()}
     assert vectors < every and "model.embed_tokens.weight" in every and "lm_head.weight" in every
 
-    groups = param_groups(model, 0.1, decay_all)
-    assert [g["weight_decay"] for g in groups] == [0.1, 0.1 if decay_all else 0.0]
-    assert {names[id(p)] for p in groups[0]["params"]} == every - vectors
-    assert {names[id(p)] for p in groups[1]["params"]} == vectors
+    assert group_names(model, decay_all) == [(0.1, every - vectors), (0.1 if decay_all else 0.0, vectors)]
     model.model.embed_tokens.weight.requires_grad_(False)  # frozen parameters are not the optimizer's
-    assert "model.embed_tokens.weight" not in {names[id(p)] for p in param_groups(model, 0.1, decay_all)[0]["params"]}
+    assert "model.embed_tokens.weight" not in group_names(model, decay_all)[0][1]
+
+
+def test_param_groups_of_parameters_zero3_partitioned_at_load():
+    """A ZeRO-3 run from pretrained weights loads them partitioned (`HfDeepSpeedConfig`: deepspeed.zero.Init), every
+    parameter a 1-D shard: all went to the norms' group, so `decay_norms_and_biases: false` silently trained the
+    matrices without weight decay, and DeepSpeed, which drops an empty group, made a checkpoint of ZeRO-1/2 fail to
+    load at ZeRO-3 (IndexError in the scheduler's state; SmolLM2-135M). The groups are those of the whole model."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(["parallel.zero_stage=3"])
+    init_topology(cfg)
+    whole = build_model(cfg, vocab_size=100).model
+    zero3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=zero3):
+        partitioned = AutoModelForCausalLM.from_config(whole.config)
+    assert all(p.ndim == 1 for p in partitioned.parameters())  # the case: no parameter shows its own shape
+    assert group_names(partitioned, decay_all=False) == group_names(whole, decay_all=False)

@@ -305,6 +305,37 @@ def test_a_zero3_checkpoint_continues_as_zero2(workdir, reference):
     assert_continues_the_reference(run_dir, reference)
 
 
+@pytest.mark.slow  # ~3 s with the reference run's 6 s, which no fast test needs
+def test_a_zero3_run_with_selective_checkpointing_resumes(workdir, reference):
+    """Without a layout change. ZeRO-3's load left its persistent parameters gathered and the first step released
+    them after use, so each checkpointed layer's recomputation gathered what its forward had not: selective
+    checkpointing stopped the first resumed step ("aten.view.default invocation index N encountered during backward
+    but not found in storage"; SmolLM2-135M, every ZeRO-3 resume). Checkpointing changes no loss in fp32."""
+    run_dir = train_half(workdir, "zero3_selective", ["parallel.zero_stage=3", "model.checkpointing=selective"])
+    out = resume_here(run_dir, [f"train.steps={STEPS}"])
+    assert "converting" not in out
+    assert_continues_the_reference(run_dir, reference)
+
+
+@pytest.mark.slow  # ~4 s: a half run at ZeRO-3 and a refused resume, in this process
+def test_a_checkpoint_with_all_parameters_in_one_group_is_named_so(workdir, monkeypatch):
+    """What lctrain before the fix of `param_groups` wrote for a ZeRO-3 run from pretrained weights (one group, every
+    parameter a 1-D shard at the split) is refused naming the groups, not as a torn file."""
+    from lctrain.train import trainer
+
+    two_groups = trainer.param_groups
+    with monkeypatch.context() as m:
+        m.setattr(trainer, "param_groups", lambda *a: [{**two_groups(*a)[0], "params": list(a[0].parameters())}])
+        run_dir = train_half(workdir, "one_group", ["parallel.zero_stage=3"])
+    result = CliRunner().invoke(app, ["resume", str(run_dir), *set_args([f"train.steps={STEPS}"])])
+    assert one_error_line(result).startswith(f"error: {run_dir}: no checkpoint could be loaded")
+    assert (
+        "warning: checkpoint step_2 is damaged (its optimizer state has another number of parameter groups than "
+        "this run's 2: lctrain before 2026-11-29 put every parameter of a ZeRO-3 run from pretrained weights in one "
+        "group, which this version cannot load); trying the one before it"
+    ) in result.output
+
+
 @pytest.mark.slow
 def test_two_ranks_continue_on_one(workdir, reference):
     """A requeue on a smaller allocation: 2 data-parallel ranks (ZeRO-2) -> 1 process."""

@@ -398,6 +398,12 @@ def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> tu
                 )
         if loaded is None:
             return None, "DeepSpeed found no loadable state (another parallel layout or DeepSpeed version?)"
+        if engine.zero_optimization_partition_weights():
+            # ZeRO-3's load leaves its persistent parameters (the norms) gathered, and its first step releases every
+            # parameter after use: a checkpointed layer's forward then did not gather them and its recomputation
+            # did, which selective checkpointing takes for a nondeterministic region ("aten.view.default invocation
+            # index N encountered during backward but not found in storage"). Partitioned, as a new engine's are.
+            engine.empty_partition_cache()
         if engine.global_steps != step:
             moved = f"DeepSpeed's state is of step {engine.global_steps}, not {step}"
             return None, f"{moved} (moved from another checkpoint?)"
@@ -414,6 +420,12 @@ def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> tu
             return None, f"{Path(e.filename or '').name or 'a file'} is missing"
         if isinstance(e, AssertionError) and not str(e):  # DeepSpeed's check that its model-state file exists
             return None, "a DeepSpeed state file is missing"
+        if isinstance(e, ValueError) and "different number of parameter groups" in str(e):  # torch's Optimizer
+            return None, (
+                f"its optimizer state has another number of parameter groups than this run's "
+                f"{len(engine.optimizer.param_groups)}: lctrain before 2026-11-29 put every parameter of a ZeRO-3 "
+                f"run from pretrained weights in one group, which this version cannot load"
+            )
         return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return state, ""
 

@@ -103,11 +103,13 @@ def _seed_everything(seed: int) -> None:
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_norms_and_biases: bool) -> list[dict]:
     """AdamW groups: matrices (embeddings, projections) decay; norms and biases (the 1-D tensors) decay only with
     `decay_norms_and_biases`, as in the paper's released code, which decays every parameter. Two groups either way,
-    so the setting changes a group's decay, not the optimizer's layout."""
+    so the setting changes a group's decay, not the optimizer's layout. A parameter's own shape: a ZeRO-3 run from
+    pretrained weights loads them already partitioned (`HfDeepSpeedConfig`), each a 1-D shard that keeps its shape in
+    `ds_shape`."""
     matrices, vectors = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (matrices if p.ndim >= 2 else vectors).append(p)
+            (matrices if len(getattr(p, "ds_shape", p.shape)) >= 2 else vectors).append(p)
     return [
         {"params": matrices, "weight_decay": weight_decay},
         {"params": vectors, "weight_decay": weight_decay if decay_norms_and_biases else 0.0},
