@@ -72,7 +72,7 @@ def test_the_command_writes_one_png_with_a_panel_per_metric(runs, tmp_path):
     assert Image.open(one).size[0] < width
 
 
-def test_utilisation_is_drawn_in_percent_as_the_logs_print_it(runs, tmp_path, monkeypatch):
+def test_utilisation_in_percent_as_the_logs_print_it_against_whole_steps(runs, tmp_path, monkeypatch):
     import lctrain.reports.plots as plots
 
     drawn = {}
@@ -82,6 +82,9 @@ def test_utilisation_is_drawn_in_percent_as_the_logs_print_it(runs, tmp_path, mo
     mfu, loss = ([t.get_text() for t in ax.get_yticklabels()] for ax in drawn["fig"].axes)
     assert mfu and all(t.endswith("%") for t in mfu) and 30.0 in {float(t[:-1]) for t in mfu}  # the runs' 0.3
     assert loss and not any(t.endswith("%") for t in loss)
+    for ax in drawn["fig"].axes:  # 3 and 4 steps: matplotlib's default locator put ticks at 1.5, 2.5, ...
+        steps = [t.get_text().replace("\u2212", "-") for t in ax.get_xticklabels()]
+        assert steps and all(float(t).is_integer() for t in steps), steps
 
 
 def test_bad_input_is_one_line(runs, tmp_path):

@@ -9,7 +9,7 @@ import matplotlib
 # the file-only backend must be chosen before pyplot is imported: evaluation runs on headless machines
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from matplotlib.ticker import PercentFormatter
+from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 # metrics.jsonl fields that are fractions: drawn as the percentages the step lines print
 FRACTIONS = ("mfu", "mfu_full_square", "hfu")
@@ -198,6 +198,7 @@ def plot_curves(curves: dict, path: Path) -> Path:
         for c in lines:
             ax.plot(c.steps, c.values, "-", marker="." if len(c.steps) < 50 else None, lw=1.2, label=c.label)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a short run's axis had ticks at steps 1.5, 2.5, ...
         ax.set_ylabel(metric)
         if metric in FRACTIONS:
             ax.yaxis.set_major_formatter(PercentFormatter(1.0))
