@@ -126,6 +126,29 @@ def test_a_zero2_checkpoint_continues_as_zero1(workdir, reference):
     assert_continues_the_reference(run_dir, reference)
 
 
+@pytest.mark.slow  # ~6 s: a half run, a refused resume and one that converts again, in this process
+def test_a_conversion_that_cannot_be_loaded_is_removed_and_made_again(workdir, reference):
+    """A complete universal conversion is never redone, so one damaged after it was written (a parameter's fp32
+    state truncated) failed this resume and every later one, with advice to start the run over."""
+    run_dir = train_half(workdir, "damaged_conversion", [])
+    step = RunDir(run_dir).checkpoint(STEPS // 2)
+    reshard.convert(step, ["parallel.zero_stage"], 1)
+    fp32 = next(reshard.universal_dir(step).glob("zero/*/fp32.pt"))
+    fp32.write_bytes(fp32.read_bytes()[:100])
+    result = CliRunner().invoke(
+        app, ["resume", str(run_dir), *set_args([f"train.steps={STEPS}", "parallel.zero_stage=1"])]
+    )
+    assert one_error_line(result) == (
+        f"error: {run_dir}: no checkpoint could be loaded (tried step_2); the universal conversion of step_2 could "
+        f"not be loaded and is removed: 'lctrain resume {run_dir}' converts it again"
+    )
+    assert "warning: checkpoint step_2 is damaged (its universal conversion: " in result.output
+    assert not reshard.universal_dir(step).exists() and step.is_dir()
+    out = resume_here(run_dir, [])  # config.yaml says ZeRO-1 since the refused resume
+    assert_resharded(run_dir, out, "parallel.zero_stage", {"zero_stage": 1})
+    assert_continues_the_reference(run_dir, reference)
+
+
 @pytest.mark.slow  # ~7 s: a half run and its resume, in this process
 def test_a_resume_may_split_the_step_otherwise_and_tile_the_mlp(workdir, reference):
     """What `lctrain plan` offers a run that ran out of memory (checkpointing explorer: resume refused both): one

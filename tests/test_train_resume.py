@@ -628,7 +628,7 @@ def test_a_failing_machine_is_not_taken_for_a_damaged_checkpoint(tmp_path, error
     path.mkdir()
     (path / ckpt.STATE_FILE).write_text(json.dumps({"step": 4}))
     if damaged:
-        state, why = ckpt.load_resume(_FailingEngine(error), path, rank=0)
+        state, why, _ = ckpt.load_resume(_FailingEngine(error), path, rank=0)
         assert state is None and type(error).__name__ in why
     else:
         with pytest.raises(type(error)):

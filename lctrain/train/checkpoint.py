@@ -29,6 +29,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from shlex import quote
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -366,68 +367,102 @@ def machine_failure(e: BaseException) -> bool:
     )
 
 
-def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> tuple[dict | None, str]:
-    """Restore DeepSpeed state and this rank's RNG from a complete checkpoint: (trainer state, "") or, if this
-    rank's part cannot be loaded or is another step's (files moved between checkpoints), (None, why). `now`: the
-    run's settings; a checkpoint written with another parallel layout loads from its universal form (reshard.py)."""
+class Restored(NamedTuple):
+    """What `load_resume` gives: the checkpoint's trainer state, or None and why this rank could not restore it;
+    `conversion_failed`: its universal conversion (reshard.py) is what failed to load, so converting it again may
+    succeed where this one cannot."""
+
+    state: dict | None
+    why: str = ""
+    conversion_failed: bool = False
+
+
+def load_resume(engine, path: Path, *, rank: int, now: dict | None = None) -> Restored:
+    """Restore DeepSpeed state and this rank's RNG from a complete checkpoint: its trainer state, or None and why,
+    if this rank's part cannot be loaded or is another step's (files moved between checkpoints). `now`: the run's
+    settings; a checkpoint written with another parallel layout loads from its universal form (reshard.py)."""
     state, why = state_or_why(path)
     if state is None:
-        return None, why
+        return Restored(None, why)
     # every rank reads every file's structure before any loads: a ZeRO-3 load runs collectives, and a rank that met a
     # damaged file inside them left the others waiting (2 ranks, an optimizer file truncated or its first 4 KB zeroed:
     # a hang; the sizes `state_or_why` checks see only the first)
     damaged = damaged_archive(path)
     if damaged:
-        return None, damaged
+        return Restored(None, damaged)
     step = state["step"]
     changed = reshard.layout_changes(state.get("config"), now) if now is not None else []
     universal = bool(changed) and reshard.needs_universal(state["config"], now)
     if universal and not reshard.converted_for(path, now["parallel"]["zero_stage"]):
-        return None, f"it was written with another parallel layout ({', '.join(changed)}) and is not converted"
+        return Restored(
+            None, f"it was written with another parallel layout ({', '.join(changed)}) and is not converted"
+        )
+    try:
+        loaded = _load_deepspeed_state(engine, path, universal)
+    except DAMAGED as e:
+        return Restored(None, _conversion(universal) + _why_damaged(e, engine), conversion_failed=universal)
+    if loaded is None:
+        why = "DeepSpeed found no loadable state (another parallel layout or DeepSpeed version?)"
+        return Restored(None, _conversion(universal) + why, conversion_failed=universal)
+    if engine.global_steps != step:
+        return Restored(
+            None, f"DeepSpeed's state is of step {engine.global_steps}, not {step} (moved from another checkpoint?)"
+        )
     own_rng = rng_file(reshard.rng_rank(rank, state["config"]) if changed else rank)
     try:
-        if universal:
-            with loading_universal(engine):
-                loaded, _ = engine.load_checkpoint(
-                    str(path), tag=reshard.UNIVERSAL, load_optimizer_states=True, load_lr_scheduler_states=True
-                )
-        else:
-            with no_bf16_optimizer_load_print():
-                loaded, _ = engine.load_checkpoint(
-                    str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-                )
-        if loaded is None:
-            return None, "DeepSpeed found no loadable state (another parallel layout or DeepSpeed version?)"
-        if engine.zero_optimization_partition_weights():
-            # ZeRO-3's load leaves its persistent parameters (the norms) gathered, and its first step releases every
-            # parameter after use: a checkpointed layer's forward then did not gather them and its recomputation
-            # did, which selective checkpointing takes for a nondeterministic region ("aten.view.default invocation
-            # index N encountered during backward but not found in storage"). Partitioned, as a new engine's are.
-            engine.empty_partition_cache()
-        if engine.global_steps != step:
-            moved = f"DeepSpeed's state is of step {engine.global_steps}, not {step}"
-            return None, f"{moved} (moved from another checkpoint?)"
         rng = torch.load(path / own_rng, weights_only=False)
         if not isinstance(rng, dict):
-            return None, f"{own_rng} is not an RNG state"
+            return Restored(None, f"{own_rng} is not an RNG state")
         if rng.get("step", step) != step:  # checkpoints written before the RNG state recorded its step have none
-            return None, f"{own_rng} is of step {rng['step']}, not {step} (moved from another checkpoint?)"
+            return Restored(None, f"{own_rng} is of step {rng['step']}, not {step} (moved from another checkpoint?)")
         set_rng_state(rng)
     except DAMAGED as e:
-        if machine_failure(e):
-            raise  # the machine failed, not the checkpoint: falling back to an older one would hide it
-        if isinstance(e, FileNotFoundError):
-            return None, f"{Path(e.filename or '').name or 'a file'} is missing"
-        if isinstance(e, AssertionError) and not str(e):  # DeepSpeed's check that its model-state file exists
-            return None, "a DeepSpeed state file is missing"
-        if isinstance(e, ValueError) and "different number of parameter groups" in str(e):  # torch's Optimizer
-            return None, (
-                f"its optimizer state has another number of parameter groups than this run's "
-                f"{len(engine.optimizer.param_groups)}: lctrain before 2026-11-29 put every parameter of a ZeRO-3 "
-                f"run from pretrained weights in one group, which this version cannot load"
+        return Restored(None, _why_damaged(e, engine))
+    return Restored(state)
+
+
+def _conversion(universal: bool) -> str:
+    return "its universal conversion: " if universal else ""
+
+
+def _load_deepspeed_state(engine, path: Path, universal: bool):
+    """DeepSpeed's state of checkpoint `path`, from its universal form if `universal`; DeepSpeed's load path, or
+    None where it found nothing to load."""
+    if universal:
+        with loading_universal(engine):
+            loaded, _ = engine.load_checkpoint(
+                str(path), tag=reshard.UNIVERSAL, load_optimizer_states=True, load_lr_scheduler_states=True
             )
-        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-    return state, ""
+    else:
+        with no_bf16_optimizer_load_print():
+            loaded, _ = engine.load_checkpoint(
+                str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+    if loaded is not None and engine.zero_optimization_partition_weights():
+        # ZeRO-3's load leaves its persistent parameters (the norms) gathered, and its first step releases every
+        # parameter after use: a checkpointed layer's forward then did not gather them and its recomputation did,
+        # which selective checkpointing takes for a nondeterministic region ("aten.view.default invocation index N
+        # encountered during backward but not found in storage"). Partitioned, as a new engine's are.
+        engine.empty_partition_cache()
+    return loaded
+
+
+def _why_damaged(e: BaseException, engine) -> str:
+    """Why loading failed with `e`, one of DAMAGED's types; a failure of the machine is raised again: falling back
+    to an older checkpoint would hide it."""
+    if machine_failure(e):
+        raise e
+    if isinstance(e, FileNotFoundError):
+        return f"{Path(e.filename or '').name or 'a file'} is missing"
+    if isinstance(e, AssertionError) and not str(e):  # DeepSpeed's check that its model-state file exists
+        return "a DeepSpeed state file is missing"
+    if isinstance(e, ValueError) and "different number of parameter groups" in str(e):  # torch's Optimizer
+        return (
+            f"its optimizer state has another number of parameter groups than this run's "
+            f"{len(engine.optimizer.param_groups)}: lctrain before 2026-11-29 put every parameter of a ZeRO-3 run "
+            f"from pretrained weights in one group, which this version cannot load"
+        )
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
 @contextlib.contextmanager

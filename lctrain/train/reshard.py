@@ -85,6 +85,12 @@ def converted_for(checkpoint: Path, zero_stage: int) -> bool:
     return universal_dir(checkpoint).is_dir() and universal_loads_in(universal_dir(checkpoint), zero_stage)
 
 
+def discard_conversion(checkpoint: Path) -> None:
+    """Remove `checkpoint`'s universal form (one that could not be loaded), so that the next resume converts it anew;
+    the checkpoint itself is left as it is."""
+    shutil.rmtree(universal_dir(checkpoint), ignore_errors=True)
+
+
 def convert(checkpoint: Path, changed: list[str], zero_stage: int, sync: bool = True) -> float:
     """Write `checkpoint`'s universal form, loadable at ZeRO stage `zero_stage`, unless a complete one is there; the
     seconds it took (0 if it was). Written under a temporary name and renamed when complete, so a kill mid-way leaves

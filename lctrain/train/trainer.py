@@ -61,6 +61,7 @@ from lctrain.profiling import ProfiledSteps, StepProfiler
 from lctrain.rundir import RunDir, step_of
 from lctrain.tokenizer import load_tokenizer, resolve_anchor, write_anchor
 from lctrain.train import checkpoint as ckpt
+from lctrain.train import reshard
 from lctrain.train.data import collate, dataset_record
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
 from lctrain.train.determinism import deterministic_algorithms
@@ -629,12 +630,12 @@ class Trainer:
         rd, topo = self.run_dir, self.topo
         if topo.is_main:
             ckpt.remove_leftovers(rd)
-        tried = []
+        tried, reconvert = [], []
         for path in ckpt.resume_candidates(rd):
-            record, why = ckpt.load_resume(self.engine, path, rank=topo.rank, now=settings(self.cfg))
-            failed = torch.tensor([0.0 if record is not None else 1.0], device=topo.device)
+            record, why, conversion_failed = ckpt.load_resume(self.engine, path, rank=topo.rank, now=settings(self.cfg))
+            failed = torch.tensor([float(record is None), float(conversion_failed)], device=topo.device)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if failed.item() == 0:
+            if failed[0].item() == 0:
                 if tried and topo.is_main:
                     say(f"warning: resuming from {path.name}: the newer {', '.join(tried)} could not be loaded")
                 self.state = TrainState.from_record(record)
@@ -671,7 +672,18 @@ class Trainer:
                 say(
                     f"warning: checkpoint {path.name} is damaged ({why or 'on another rank'}); trying the one before it"
                 )
+                if failed[1].item():
+                    # the conversion, not the checkpoint, failed on some rank: a complete conversion is never redone,
+                    # so this one would fail every later resume too
+                    reshard.discard_conversion(path)
+                    reconvert.append(path.name)
             tried.append(path.name)
+        if reconvert:
+            raise UserError(
+                f"{rd}: no checkpoint could be loaded (tried {', '.join(tried)}); the universal conversion of "
+                f"{reconvert[0]} could not be loaded and is removed: {cited(f'lctrain resume {quote(str(rd.path))}')} "
+                f"converts it again"
+            )
         raise UserError(
             f"{rd}: no checkpoint could be loaded (tried {', '.join(tried) or 'none'}); start the run "
             f"again with {cited(rd.start_over_command())}"
