@@ -240,10 +240,24 @@ def test_an_overlapping_zero1_or_2_plans_a_second_reduce_bucket(stage, overlap, 
     assert sum("reduce bucket" in i.name for i in plan.items) == buckets
 
 
-@pytest.mark.parametrize("stage,sp,element_bytes", [(1, 1, 4), (2, 1, 2), (3, 1, 2), (3, 2, 4), (2, 2, 4)])
-def test_reduce_bucket_is_fp32_under_zero1_and_sequence_parallelism(stage, sp, element_bytes):
-    # DeepSpeed's engine reduces gradients in `seq_parallel_communication_data_type` (fp32 by default) under
-    # Ulysses; measured by tests/test_memory_bench.py's two-rank run, whose peak is mostly this bucket
+@pytest.mark.parametrize(
+    "stage,sp,reduce_dtype,element_bytes",
+    [
+        (1, 1, "float32", 4),
+        (2, 1, "float32", 4),
+        (3, 1, "float32", 4),
+        (3, 2, "float32", 4),
+        (1, 1, "bfloat16", 4),  # ZeRO-1 accumulates in fp32 whatever it reduces in
+        (2, 1, "bfloat16", 2),
+        (3, 1, "bfloat16", 2),
+        (3, 2, "bfloat16", 2),
+        (2, 2, "bfloat16", 2),
+    ],
+)
+def test_the_reduce_bucket_holds_the_reduce_dtype_but_under_zero1(stage, sp, reduce_dtype, element_bytes):
+    # DeepSpeed's engine reduces gradients in `communication_data_type`, under Ulysses in
+    # `seq_parallel_communication_data_type` (fp32 unless set), both parallel.reduce_dtype's; measured by
+    # tests/test_memory_bench.py's two-rank run, whose peak is mostly this bucket
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     cfg = config(
@@ -251,6 +265,7 @@ def test_reduce_bucket_is_fp32_under_zero1_and_sequence_parallelism(stage, sp, e
         f"parallel.zero_stage={stage}",
         f"parallel.nproc_per_node={sp}",
         f"parallel.sequence_parallel={sp}",
+        f"parallel.reduce_dtype={reduce_dtype}",
         "model.dtype=bfloat16",
     )
     items = {i.name: i for i in plan_memory(cfg, ModelShape.from_hf_config(hf_config())).items}

@@ -154,11 +154,12 @@ def test_deepspeed_config_follows_the_yaml():
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["bf16"] == {"enabled": True}
+    assert ds["communication_data_type"] == ds["seq_parallel_communication_data_type"] == "fp32"  # reduce_dtype
     assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
     assert ds["optimizer"]["params"]["weight_decay"] == 0.1
     assert ds["gradient_clipping"] == 1.0
     fp32 = deepspeed_config(_tiny(), RunPlan.of(_tiny(), layout_of(_tiny())), gpu=False)
-    assert "bf16" not in fp32 and fp32["optimizer"]["params"]["torch_adam"] is True
+    assert "bf16" not in fp32 and "communication_data_type" not in fp32 and fp32["optimizer"]["params"]["torch_adam"]
 
 
 def test_deepspeeds_cpu_adam_only_for_an_offloaded_optimizer_on_a_gpu_unless_torch_adam():

@@ -73,9 +73,14 @@ def deepspeed_config(cfg: Config, plan: RunPlan, *, gpu: bool) -> dict:
     if torch_adam and p.offload_optimizer:
         ds["zero_force_ds_cpu_optimizer"] = False
     if cfg.model.dtype == "bfloat16":
-        # fp32 master weights and fp32 gradient accumulation: bf16 only in the forward/backward math.
+        # fp32 master weights and fp32 gradient accumulation: bf16 only in the forward/backward math; the reduction
+        # across ranks in parallel.reduce_dtype (DeepSpeed's default is bf16, but fp32 under sequence parallelism)
         ds["bf16"] = {"enabled": True}
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
+        reduce = {"float32": "fp32", "bfloat16": "bf16"}[p.reduce_dtype]
+        ds["communication_data_type"] = reduce
+        if plan.layout.sp > 1:
+            ds["seq_parallel_communication_data_type"] = reduce
     elif cfg.model.dtype == "float16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
     if plan.layout.sp > 1:
