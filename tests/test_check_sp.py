@@ -243,7 +243,7 @@ def test_bad_input_ends_in_one_line(args, overrides, message, monkeypatch):
 
 
 WEIGHTS_SCRIPT = """
-import deepspeed, torch
+import os, sys, deepspeed, torch
 from lctrain.compat.deepspeed import disable_cpu_shm_comm_op
 from lctrain.errors import UserError
 from lctrain.diagnostics.check_sp import _check_same_weights
@@ -259,6 +259,9 @@ try:
 except UserError as e:
     print(f"rank {rank} refused: {e}")
 end_process_groups()  # as every lctrain rank: gloo's threads left to the exit abort it now and then
+sys.stdout.flush()  # and without the interpreter's teardown, where native threads still aborted a rank now and then
+sys.stderr.flush()
+os._exit(0)
 """
 
 

@@ -178,7 +178,7 @@ def test_a_head_that_is_not_linear_is_refused_in_one_line():
 
 
 ZERO3_SCRIPT = """
-import sys, deepspeed, torch
+import os, sys, deepspeed, torch
 from lctrain.compat.deepspeed import disable_cpu_shm_comm_op
 from lctrain.parallel.groups import end_process_groups
 from lctrain.train.loss import chunked_loss_sum
@@ -220,6 +220,11 @@ grads = {n: deepspeed.utils.safe_get_full_grad(p) for n, p in engine.module.name
 if torch.distributed.get_rank() == 0:
     torch.save({"loss": loss.detach(), "grads": grads}, out)
 end_process_groups()
+# as an lctrain rank exits (parallel/rank.py): without the interpreter's teardown, where native threads aborted rank 1
+# of a run whose work had succeeded ("terminate called without an active exception"; CI, once in many)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
