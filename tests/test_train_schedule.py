@@ -132,6 +132,15 @@ def test_layout_errors_name_the_keys():
         layout_of(_tiny(**{"parallel.nproc_per_node": 3, "parallel.sequence_parallel": 2}))
 
 
+def test_a_batch_refusal_names_the_settings_that_make_the_data_parallel_size_only():
+    cfg = _tiny(**{"parallel.zero_stage": 2, "parallel.nproc_per_node": 2, "train.global_batch": 3})
+    with pytest.raises(UserError) as refused:
+        BatchPlan.of(cfg, layout_of(cfg))
+    assert str(refused.value).startswith(
+        "--set parallel.nproc_per_node=2, --set train.global_batch=3: train.global_batch = 3 is not divisible"
+    )
+
+
 def test_deepspeed_config_follows_the_yaml():
     cfg = _tiny(
         **{

@@ -20,6 +20,10 @@ from lctrain.errors import UserError
 if TYPE_CHECKING:  # config.py asks this module for the data-parallel size
     from lctrain.config import Config
 
+# the keys whose product is the world size, and those a layout is made of: what a message about either names
+WORLD_KEYS = ("parallel.nproc_per_node", "parallel.num_nodes")
+LAYOUT_KEYS = (*WORLD_KEYS, "parallel.sequence_parallel")
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -48,7 +52,7 @@ def layout_of(cfg: Config, world: int | None = None) -> ParallelLayout:
     world = world or p.world
     if world % p.sequence_parallel:
         raise UserError(
-            f"{cfg.origin('parallel')}: world size {world} (parallel.nproc_per_node x parallel.num_nodes) is not "
+            f"{cfg.origin(*LAYOUT_KEYS)}: world size {world} (parallel.nproc_per_node x parallel.num_nodes) is not "
             f"divisible by parallel.sequence_parallel = {p.sequence_parallel}"
         )
     if cfg.data.seq_len % p.sequence_parallel:

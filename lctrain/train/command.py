@@ -35,7 +35,7 @@ from lctrain.lifetime import Reading
 from lctrain.model import check_heads_split, check_model_class, load_hf_config, shape_without_download
 from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, RanksHung, run_on_ranks
-from lctrain.parallel.layout import layout_of
+from lctrain.parallel.layout import WORLD_KEYS, layout_of
 from lctrain.parallel.rank import is_out_of_memory
 from lctrain.rundir import RunDir, train_command
 from lctrain.tokenizer import check_matches_model
@@ -426,7 +426,7 @@ def _check_launcher_world(cfg: Config) -> None:
         else "set parallel.nproc_per_node x parallel.num_nodes to it"
     )
     raise UserError(
-        f"{cfg.origin('parallel')}: the launcher started {world} processes (WORLD_SIZE) where the config asks for "
+        f"{cfg.origin(*WORLD_KEYS)}: the launcher started {world} processes (WORLD_SIZE) where the config asks for "
         f"parallel.nproc_per_node x parallel.num_nodes = {p.nproc_per_node} x {p.num_nodes} = {p.world}; "
         f"make them match: {fix} (the run directory records the layout it trains on)"
     )

@@ -19,7 +19,7 @@ from lctrain.checksums import digest
 from lctrain.config import DEFAULT_CONFIG, Config, bundled_config_dir, data_dir, data_fingerprint, run_dir
 from lctrain.data.store import MANIFEST, open_packed
 from lctrain.errors import UserError
-from lctrain.parallel.layout import ParallelLayout
+from lctrain.parallel.layout import LAYOUT_KEYS, ParallelLayout
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import load_tokenizer, resolve_anchor
 
@@ -185,7 +185,7 @@ class BatchPlan:
         t = cfg.train
         if t.global_batch % (t.micro_batch * layout.dp):
             raise UserError(
-                f"{cfg.origin('train.global_batch', 'train.micro_batch', 'parallel')}: train.global_batch = "
+                f"{cfg.origin('train.global_batch', 'train.micro_batch', *LAYOUT_KEYS)}: train.global_batch = "
                 f"{t.global_batch} is not divisible by "
                 f"train.micro_batch x data-parallel size = {t.micro_batch} x {layout.dp}; change train.global_batch "
                 f"or train.micro_batch"
