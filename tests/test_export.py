@@ -304,6 +304,9 @@ def test_a_damaged_checkpoint_is_refused_naming_the_others(zero0, tmp_path):
     module.write_bytes(bytes(4096) + (run / "checkpoints" / "step_2" / module.name).read_bytes()[4096:])
     line = refused(run, "--out", tmp_path / "x")  # the size written, its first 4 KB zeroed: the file named
     assert "damaged (mp_rank_00_model_states.pt: BadZipFile: " in line and not (tmp_path / "x").exists()
+    module.write_bytes((run / "checkpoints" / "step_2" / module.name).read_bytes())  # step 2's weights as step 4's
+    line = refused(run, "--out", tmp_path / "x")
+    assert "damaged (mp_rank_00_model_states.pt holds other bytes than it was written with" in line
     (run / "checkpoints" / "step_2" / ckpt.STATE_FILE).write_text("")
     line = refused(run, "--step", 2, "--out", tmp_path / "x")
     assert line == (

@@ -7,6 +7,7 @@ ranks (a few ulps per step; 1e-5 relative is ~100x that), while a checkpoint res
 in the wrong place, the wrong step) changes the first resumed loss by far more, as the negative control shows.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -390,6 +391,7 @@ def test_a_damaged_file_of_another_ranks_part_falls_back_on_every_rank(workdir, 
     run_dir = workdir / "z3_damaged"
     run_cli_train(overrides, workdir, run_dir.name, ["parallel.nproc_per_node=2", "parallel.zero_stage=3"])
     shutil.copytree(run_dir, workdir / "z3_zeroed")
+    shutil.copytree(run_dir, workdir / "z3_flipped")
     damaged = RunDir(run_dir).checkpoint(STEPS) / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     size = damaged.stat().st_size
     damaged.write_bytes(damaged.read_bytes()[:1000])
@@ -398,12 +400,32 @@ def test_a_damaged_file_of_another_ranks_part_falls_back_on_every_rank(workdir, 
         f"warning: checkpoint step_{STEPS} is damaged ({damaged.name} has 1,000 bytes, not the {size:,} written); "
         f"trying the one before it"
     ) in out
-    # the same size, its first 4 KB zeroed (verify explorer: still a hang with the sizes checked alone)
-    with (workdir / "z3_zeroed" / damaged.relative_to(run_dir)).open("r+b") as f:
+    # the same size, its first 4 KB zeroed (verify explorer: still a hang with the sizes checked alone), in a
+    # checkpoint written before checksums were kept: the archives' structure shows it
+    zeroed = workdir / "z3_zeroed" / damaged.relative_to(run_dir)
+    with zeroed.open("r+b") as f:
         f.write(bytes(4096))
+    state = json.loads((zeroed.parent / "trainer_state.json").read_text())
+    del state["checksums"]
+    (zeroed.parent / "trainer_state.json").write_text(json.dumps(state))
     out = resume(workdir / "z3_zeroed", [f"train.steps={STEPS + 1}"])
     assert f"warning: checkpoint step_{STEPS} is damaged ({damaged.name}: BadZipFile: " in out
     assert len(losses(workdir / "z3_zeroed")) == STEPS + 1
+    # the same size and structure, one byte of a tensor flipped: loaded, it trained on from other moments; its
+    # checksum, taken by one rank, is agreed on by both
+    with (workdir / "z3_flipped" / damaged.relative_to(run_dir)).open("r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    flipped = resume(workdir / "z3_flipped", [f"train.steps={STEPS + 1}"])
+    assert (
+        f"warning: checkpoint step_{STEPS} is damaged ({damaged.name} holds other bytes than it was written with: "
+        f"its xxh3-128 checksum differs); trying the one before it"
+    ) in flipped
+    torch.testing.assert_close(
+        torch.tensor(losses(workdir / "z3_flipped")), torch.tensor(losses(run_dir)), rtol=LOSS_RTOL, atol=0
+    )
     assert f"warning: resuming from step_{STEPS // 2}" in out and len(losses(run_dir)) == STEPS + 1
     # steps 3-4 trained again from step_2, as the uninterrupted run trained them
     torch.testing.assert_close(
@@ -523,6 +545,34 @@ def test_a_checkpoint_without_a_needed_rng_state_is_passed_over_for_the_next(tmp
     command._convert_for_layout(cfg, states)
     assert converted == ["step_2"]
     assert "warning: checkpoint step_4 is not converted: rng_rank1.pt missing" in capsys.readouterr().err
+
+
+def test_a_checkpoint_whose_bytes_changed_is_passed_over_for_the_next_unconverted(tmp_path, monkeypatch, capsys):
+    """A file of the newest checkpoint changed after it was written (the same size, one byte other): converting it
+    would carry the damage into the universal checkpoint, which loads without complaint. The one before it is
+    converted, as loading falls back."""
+    from lctrain.checksums import file_checksums
+    from lctrain.train import command
+
+    converted = []
+    monkeypatch.setattr(reshard, "convert", lambda path, *args: converted.append(path.name) or 1.0)
+    written_by_two = layout(nproc_per_node=2, zero_stage=2)
+    states = []
+    for step in (4, 2):
+        path = tmp_path / f"step_{step}"
+        path.mkdir()
+        for rank in (0, 1):
+            (path / f"rng_rank{rank}.pt").write_bytes(bytes([rank]) * 100)
+        checksums = {f.name: file_checksums(f)[0] for f in path.iterdir()}
+        states.append((path, {"step": step, "config": written_by_two, "checksums": checksums}))
+    (tmp_path / "step_4" / "rng_rank1.pt").write_bytes(bytes([1]) * 99 + b"x")
+    cfg = with_overrides(load_config(None), ["parallel.nproc_per_node=1", "parallel.zero_stage=2"], "test")
+    command._convert_for_layout(cfg, states)
+    assert converted == ["step_2"]
+    assert (
+        "warning: checkpoint step_4 could not be converted (rng_rank1.pt holds other bytes than it was written with: "
+        "its xxh3-128 checksum differs)"
+    ) in capsys.readouterr().err
 
 
 def test_resume_keeps_its_run_directory(tmp_path):

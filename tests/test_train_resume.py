@@ -311,11 +311,24 @@ def _truncated_model_states(path: Path) -> None:
     f.write_bytes(f.read_bytes()[:4096])
 
 
+def _flipped_byte_of_a_weight(path: Path) -> None:
+    """The same size and structure: only the checksum the checkpoint recorded shows it (loaded, the run went on from
+    other weights)."""
+    f = path / "mp_rank_00_model_states.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(data)
+
+
 @pytest.mark.parametrize(
     "damage",
-    # the same fallback for another damage: slow-marked to keep the default suite under its budget
-    [pytest.param(_empty_state, marks=pytest.mark.slow), _truncated_model_states],
-    ids=["empty-state", "truncated-states"],
+    # the same fallback for other damage: slow-marked to keep the default suite under its budget
+    [
+        pytest.param(_empty_state, marks=pytest.mark.slow),
+        _truncated_model_states,
+        pytest.param(_flipped_byte_of_a_weight, marks=pytest.mark.slow),
+    ],
+    ids=["empty-state", "truncated-states", "flipped-byte"],
 )
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(reference, workdir, damage):
     run_dir = workdir / f"damaged_{damage.__name__}"

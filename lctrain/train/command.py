@@ -236,6 +236,10 @@ def _convert_for_layout(cfg: Config, states: list[tuple[Path, dict]]) -> None:
             continue
         if not universal:
             return
+        why = "" if reshard.converted_for(path, cfg.parallel.zero_stage) else ckpt.changed_file(path, state)
+        if why:
+            say(f"warning: checkpoint {path.name} could not be converted ({why})")
+            continue
         try:
             seconds = reshard.convert(path, changed, cfg.parallel.zero_stage, cfg.checkpoint.sync_files)
         except ckpt.DAMAGED as e:

@@ -174,6 +174,9 @@ def _export(run: RunDir, checkpoint: Path, state: dict, target: Path, force: boo
     no_library_bars()
     # the stage the checkpoint recorded; one written before checkpoints recorded their settings, by its files
     zero3 = cfg.parallel.zero_stage == 3 if "config" in state else (checkpoint / ZERO3_MODULE_FILE).is_file()
+    why = ckpt.changed_file(checkpoint, state, None if zero3 else [MODULE_FILE])  # the files it reads
+    if why:
+        raise _damaged(run, checkpoint, why)
     how = f"gathering ZeRO-3's fp32 partitions into {cfg.model.dtype}" if zero3 else f"reading {MODULE_FILE}"
     print(f"export: checkpoint {checkpoint.name} of {run} -> {target} ({how})", flush=True)
     started = time.monotonic()

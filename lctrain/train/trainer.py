@@ -632,7 +632,12 @@ class Trainer:
             ckpt.remove_leftovers(rd)
         tried, reconvert = [], []
         for path in ckpt.resume_candidates(rd):
-            record, why, conversion_failed = ckpt.load_resume(self.engine, path, rank=topo.rank, now=settings(self.cfg))
+            changed = ckpt.changed_on_disk(path, topo.device)  # every rank, before a load that would take its bytes
+            record, why, conversion_failed = (
+                ckpt.Restored(None, changed)
+                if changed
+                else ckpt.load_resume(self.engine, path, rank=topo.rank, now=settings(self.cfg))
+            )
             failed = torch.tensor([float(record is None), float(conversion_failed)], device=topo.device)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if failed[0].item() == 0:
