@@ -7,7 +7,9 @@ Itemised, each item on the accelerator ("device") or in host memory ("host"):
   `gradient`, below). ZeRO-1 shards the master weights and moments over all ranks, ZeRO-2 also the gradients, ZeRO-3
   also the weights; `offload_optimizer` moves master weights, moments and fp32 gradient partition to the host,
   `offload_params` the ZeRO-3 weight shard. DeepSpeed 0.19.8 (stage_1_and_2.py) keeps ZeRO-1's gradients in full in
-  `param.grad` until the step and copies this rank's partition to fp32 there;
+  `param.grad` until the step and copies this rank's partition to fp32 there; a bf16 run's ZeRO-1 (fp32 gradient
+  accumulation, no offload) runs DeepSpeed's BF16_Optimizer instead, which also keeps an fp32 copy of every gradient
+  on every rank, not of this rank's partition (`runs_bf16_optimizer`);
 - activations: with activation checkpointing one hidden state per layer (in host memory with
   `offload_activations`), plus under `selective` checkpointing each layer's attention output and log-sum-exp (and
   under `selective_matmul` every projection's output: `kept_bytes`), else every layer's saved tensors
@@ -288,11 +290,27 @@ def allreduce_elements() -> int:
     return MEMORY_OPT_ALLREDUCE_SIZE
 
 
+def runs_bf16_optimizer(ds_config: dict) -> bool:
+    """Whether DeepSpeed 0.19.8 steps with its BF16_Optimizer rather than ZeRO's: bf16 weights with fp32 gradient
+    accumulation at ZeRO-1 without optimizer offload (engine.py, `_do_optimizer_sanity_check`). It accumulates every
+    gradient in one flat fp32 buffer per parameter group on every rank (bf16_optimizer.py, `fp32_groups_gradients_flat`:
+    4 bytes per parameter, where ZeRO's optimizer holds this rank's partition) and all-reduces those buffers in place
+    (engine.py, `buffered_allreduce_fallback`), in the communication dtype: no reduce bucket. Measured on two ranks:
+    tests/test_memory_ranks.py."""
+    zero = ds_config["zero_optimization"]
+    return (
+        ds_config.get("bf16", {}).get("enabled", False)
+        and ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+        and zero["stage"] == 1
+        and "offload_optimizer" not in zero
+    )
+
+
 def reduce_element_bytes(ds_config: dict, model_bytes: int) -> int:
-    """Bytes per element of DeepSpeed's reduce bucket: ZeRO-1 accumulates in fp32; ZeRO-2 and 3 reduce in the
-    communication dtype, which under sequence parallelism is `seq_parallel_communication_data_type` (DeepSpeed
-    0.19.8's engine sets it over `communication_data_type`, fp32 by default), else `communication_data_type`, else
-    the model's dtype."""
+    """Bytes per element of DeepSpeed's reduce bucket (of BF16_Optimizer's all-reduce: `runs_bf16_optimizer`): ZeRO's
+    own ZeRO-1 accumulates in fp32; ZeRO-2 and 3 and BF16_Optimizer reduce in the communication dtype, which under
+    sequence parallelism is `seq_parallel_communication_data_type` (DeepSpeed 0.19.8's engine sets it over
+    `communication_data_type`, fp32 by default), else `communication_data_type`, else the model's dtype."""
     # deepspeed on use: it takes seconds to import (start-up time)
     from deepspeed.runtime.config import get_communication_data_type
     from deepspeed.runtime.constants import (
@@ -300,7 +318,7 @@ def reduce_element_bytes(ds_config: dict, model_bytes: int) -> int:
         SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT,
     )
 
-    if ds_config["zero_optimization"]["stage"] == 1:
+    if ds_config["zero_optimization"]["stage"] == 1 and not runs_bf16_optimizer(ds_config):
         return FP32
     if ds_config.get("sequence_parallel_size", 1) > 1:
         dtype = get_communication_data_type(
@@ -324,8 +342,10 @@ def pinned_bytes(n: int, gpu: bool) -> int:
 
 
 def model_state_items(
-    shape: ModelShape, cfg: Config, world: int, zero: dict, reduce_bytes: int, gpu: bool
+    shape: ModelShape, cfg: Config, world: int, zero: dict, reduce_bytes: int, gpu: bool, bf16_optimizer: bool = False
 ) -> list[Item]:
+    """The model states of one rank (module docstring); `bf16_optimizer`: DeepSpeed steps with its BF16_Optimizer
+    (`runs_bf16_optimizer`), `reduce_bytes` being then the bytes per element of its all-reduce."""
     p, stage = cfg.parallel, cfg.parallel.zero_stage
     n = shape.param_count()
     b = dtype_bytes(cfg.model.dtype)
@@ -352,7 +372,12 @@ def model_state_items(
         # (stage_1_and_2.py). Each is made unpinned and copied into page-locked memory once the states before it exist.
         locked = gpu and offloaded
         grad_bytes = pinned_bytes(shard * FP32, locked)
-        items.append(Item("fp32 gradient partition", grad_bytes, optimizer_where))
+        if bf16_optimizer:
+            items.append(Item("fp32 gradients (BF16_Optimizer: every parameter's)", n * FP32, "device"))
+            if reduce_bytes != FP32:  # the buffers cast for the all-reduce, one parameter group at a time at most
+                items.append(Item("gradients cast for the all-reduce", n * reduce_bytes, "device", REDUCE))
+        else:
+            items.append(Item("fp32 gradient partition", grad_bytes, optimizer_where))
         if offloaded and stage == 3:
             items.append(Item("fp32 gradients of the host step", grad_bytes, "host"))
         items.append(Item("fp32 master weights", pinned_bytes(shard * FP32, locked and stage < 3), optimizer_where))
@@ -361,7 +386,7 @@ def model_state_items(
         if locked:
             items.append(Item("unpinned copy while the engine is built", shard * FP32, "host", BUILD))
     items.append(Item("Adam moments (fp32)", 2 * shard * FP32, optimizer_where))
-    if stage >= 1:
+    if stage >= 1 and not bf16_optimizer:
         bucket = zero["reduce_bucket_size"] * reduce_bytes
         items.append(Item("DeepSpeed reduce bucket", bucket, "device"))
         if stage < 3 and zero["overlap_comm"]:
@@ -463,6 +488,7 @@ def plan_memory(cfg: Config, shape: ModelShape, gpu: bool = True) -> MemoryPlan:
             _zero_settings(ds_config),
             reduce_element_bytes(ds_config, dtype_bytes(cfg.model.dtype)),
             gpu,
+            runs_bf16_optimizer(ds_config),
         )
         + optimizer_step_items(shape, cfg, layout.world, gpu, torch_adam)
         + activation_items(shape, cfg, layout)
@@ -507,8 +533,10 @@ class Candidate:
 def candidate_fixes(cfg: Config) -> list[Candidate]:
     """Settings that lower a rank's memory from `cfg` as it is, the cheapest in speed first: an attention kernel in
     place of the `reference` engine (faster, and no dense scores), one window per pass, each larger sequence-parallel
-    group (no more compute; a rank's all-to-all bytes stay about the same as the group grows), ZeRO-3 (one more
-    all-gather of the weights per pass, overlapped with compute), tiled MLP (one more MLP forward per layer),
+    group (no more compute; a rank's all-to-all bytes stay about the same as the group grows), ZeRO-2 (the gradients
+    reduce-scattered into partitions during the backward, at every micro-batch under gradient accumulation: bf16's
+    ZeRO-1 keeps every gradient twice, `runs_bf16_optimizer`), ZeRO-3 (one more all-gather of the weights per pass,
+    overlapped with compute), tiled MLP (one more MLP forward per layer),
     checkpointing selective then full (each layer's forward rerun but for attention, then with it), and the offloads,
     over PCIe: the hidden states, then the optimizer step on the CPU, then the weights in every pass. `fixes` leaves
     out what `cfg`'s checks refuse (a group size that does not divide the heads, the window or the batch)."""
@@ -523,6 +551,8 @@ def candidate_fixes(cfg: Config) -> list[Candidate]:
         for sp in range(p.sequence_parallel + 1, world + 1)
         if world % sp == 0
     ]
+    if p.zero_stage < 2:
+        out.append(Candidate(("parallel.zero_stage=2",), "zero_stage"))
     if p.zero_stage < 3:
         out.append(Candidate(("parallel.zero_stage=3",), "zero_stage"))
     if m.tiled_mlp == 0:

@@ -153,14 +153,25 @@ def comments(text):
     "model, seq_len, gpus, zero, sp, checkpointing, comment",
     [
         ("meta-llama/Llama-3.2-1B", 65536, 8, 1, 1, "selective", "the backward does not rerun attention"),
+        # bf16's ZeRO-1 keeps an fp32 gradient of every parameter (lctrain.memory.runs_bf16_optimizer): ZeRO-2 has
+        # room for the attention outputs
         (
             "meta-llama/Llama-2-7b-hf",
-            65536,
+            32768,
             8,
-            1,
             2,
+            1,
             "selective",
-            "selective at sequence parallel 2 (sequence parallel 1 fits only whole layers)",
+            "selective at ZeRO-2 (ZeRO-1 fits only whole layers)",
+        ),
+        (
+            "meta-llama/Meta-Llama-3-8B",
+            65536,
+            4,
+            3,
+            4,
+            "selective",
+            "selective at sequence parallel 4 (sequence parallel 2 fits only whole layers)",
         ),
         # 72.0 GB is init's budget, 90% of the 80 GB: not a plan; sequence parallel 4 is the largest 4 GPUs give
         (
@@ -505,7 +516,7 @@ def test_the_header_command_writes_the_same_config_again(tiny_dir, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my corpus").mkdir()
     (tmp_path / "my corpus" / "a.jsonl").write_text('{"text": "one"}\n')
-    args = ["--model", str(tiny_dir), "--seq-len", "131072", "--gpus", "2", "--gpu-mem", "5", "--host-mem", "64"]
+    args = ["--model", str(tiny_dir), "--seq-len", "131072", "--gpus", "2", "--gpu-mem", "3", "--host-mem", "64"]
     r = run_init(*args, "--data", "my corpus", "--out", "first.yaml")
     assert r.exit_code == 0, r.output
     first = (tmp_path / "first.yaml").read_text()

@@ -243,18 +243,16 @@ def test_an_overlapping_zero1_or_2_plans_a_second_reduce_bucket(stage, overlap, 
 @pytest.mark.parametrize(
     "stage,sp,reduce_dtype,element_bytes",
     [
-        (1, 1, "float32", 4),
         (2, 1, "float32", 4),
         (3, 1, "float32", 4),
         (3, 2, "float32", 4),
-        (1, 1, "bfloat16", 4),  # ZeRO-1 accumulates in fp32 whatever it reduces in
         (2, 1, "bfloat16", 2),
         (3, 1, "bfloat16", 2),
         (3, 2, "bfloat16", 2),
         (2, 2, "bfloat16", 2),
     ],
 )
-def test_the_reduce_bucket_holds_the_reduce_dtype_but_under_zero1(stage, sp, reduce_dtype, element_bytes):
+def test_the_reduce_bucket_holds_the_reduce_dtype(stage, sp, reduce_dtype, element_bytes):
     # DeepSpeed's engine reduces gradients in `communication_data_type`, under Ulysses in
     # `seq_parallel_communication_data_type` (fp32 unless set), both parallel.reduce_dtype's; measured by
     # tests/test_memory_bench.py's two-rank run, whose peak is mostly this bucket
@@ -270,6 +268,28 @@ def test_the_reduce_bucket_holds_the_reduce_dtype_but_under_zero1(stage, sp, red
     )
     items = {i.name: i for i in plan_memory(cfg, ModelShape.from_hf_config(hf_config())).items}
     assert items["DeepSpeed reduce bucket"].bytes == DeepSpeedZeroConfig().reduce_bucket_size * element_bytes
+
+
+@pytest.mark.parametrize("reduce_dtype, cast_bytes", [("float32", None), ("bfloat16", 2)])
+def test_bf16_zero1_keeps_every_fp32_gradient_and_no_reduce_bucket(reduce_dtype, cast_bytes):
+    """bf16 at ZeRO-1 runs DeepSpeed's BF16_Optimizer (fp32 gradient accumulation): an fp32 gradient of every
+    parameter on every rank, all-reduced in place, cast first when the reduction is in bf16. ZeRO's own ZeRO-1 (an
+    fp32 model) accumulates this rank's partition, through an fp32 reduce bucket. Measured on two ranks:
+    tests/test_memory_ranks.py."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    shape = ModelShape.from_hf_config(hf_config())
+    n = shape.param_count()
+    common = ["parallel.zero_stage=1", "parallel.nproc_per_node=4", "train.global_batch=4"]
+    cfg = config(1024, *common, "model.dtype=bfloat16", f"parallel.reduce_dtype={reduce_dtype}")
+    items = {i.name: i for i in plan_memory(cfg, shape).items}
+    assert items["fp32 gradients (BF16_Optimizer: every parameter's)"].bytes == 4 * n
+    assert "fp32 gradient partition" not in items and "DeepSpeed reduce bucket" not in items
+    cast = items.get("gradients cast for the all-reduce")
+    assert (cast.bytes if cast else None) == (cast_bytes * n if cast_bytes else None)
+    items = {i.name: i for i in plan_memory(config(1024, *common, "model.dtype=float32"), shape).items}
+    assert items["fp32 gradient partition"].bytes == 4 * math.ceil(n / 4)
+    assert items["DeepSpeed reduce bucket"].bytes == DeepSpeedZeroConfig().reduce_bucket_size * 4
 
 
 def test_offload_moves_optimizer_states_to_the_host():
