@@ -75,8 +75,10 @@ def worker_command(cfg: Config, worker: list[str], stop_on_sigterm: bool = False
             "-m",
         ] + worker
     # The runner logs every spawned command at info level among the training lines; on one node its one warning is
-    # that there is no hostfile, which is what one node means.
-    log_level = "warning" if p.num_nodes > 1 else "error"
+    # that there is no hostfile, which is what one node means, and its one error the exit code of a rank that failed
+    # ("[ERROR] [launch.py:259:sigkill_handler] [...] exits with return code = 2"), which lctrain's own last line
+    # names with its cause. Across nodes its warnings and errors (ssh, the hostfile) are the diagnosis.
+    log_level = "warning" if p.num_nodes > 1 else "critical"
     cmd = [
         sys.executable,
         "-m",
