@@ -370,12 +370,13 @@ def eval_(
         ),
     ] = "hf",
     anchor_prompts: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            help="with --ruler-data: start every prompt with the training anchor, also where the tokenizer puts no "
-            "BOS before a text (Qwen, SmolLM2), unlike RULER's own encoding"
+            "--anchor-prompts/--ruler-prompts",
+            help="with RULER's data: start every prompt with the training anchor, also where the tokenizer puts no "
+            "BOS before a text (Qwen, SmolLM2), or as RULER's own encoding does; default eval.anchor_prompts",
         ),
-    ] = False,
+    ] = None,
     harness: Annotated[
         str | None,
         typer.Option(

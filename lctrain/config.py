@@ -733,6 +733,11 @@ class EvalConfig(_Section):
     exclude: list[Text] = Field([], description="tasks left out (the paper's Llama-2: niah_multikey_3, cwe)")
     samples_per_task: Int = Field(25, ge=1, description="samples per task and length")
     ruler_data: Text | None = Field(None, description="RULER's prepared data (<length>/data/<task>/validation.jsonl)")
+    anchor_prompts: bool = Field(
+        False,
+        description="with RULER's data: every prompt starts with the training anchor, also where the tokenizer puts no "
+        "BOS before a text (Qwen, SmolLM2): the model as trained, unlike RULER's own encoding (eval --anchor-prompts)",
+    )
     squad_path: Text | None = Field(None, description="SQuAD JSON for the offline suite's qa_1")
     hotpotqa_path: Text | None = Field(None, description="HotpotQA JSON for the offline suite's qa_2")
     seed: Seed = Field(0, description="seeds the offline suite's samples")

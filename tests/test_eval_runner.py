@@ -311,6 +311,7 @@ def test_bad_input_exits_2_with_one_line(run_dir, tmp_path):
         ([str(run_dir), "--lengths", "256k"], "--lengths 262144: more than 4x the 256 positions step_30 was made"),
         ([str(run_dir), "--out", str(RunDir(run_dir).export(STEPS[0]))], "a model directory (it holds config.json)"),
         ([str(run_dir), "--anchor-prompts"], "--anchor-prompts: the offline suite's prompts start with the anchor"),
+        ([str(run_dir), "--ruler-prompts"], "--ruler-prompts: the offline suite's prompts start with the anchor, as"),
         ([str(run_dir), "-c", "tiny_anchor"], "is a run directory, evaluated under its own config.yaml; change its"),
     ]
     for args, message in cases:
@@ -939,3 +940,38 @@ def test_sdpa_refused_at_load_falls_back_to_eager(run_dir, monkeypatch, capsys):
 
 def test_a_llama_export_keeps_sdpa(run_dir):
     assert load_model(RunDir(run_dir).export(STEPS[0]), "cpu").config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "given, anchored",
+    [
+        ([], False),
+        (["--set", "eval.anchor_prompts=true"], True),
+        (["--set", "eval.anchor_prompts=true", "--ruler-prompts"], False),
+        (["--anchor-prompts"], True),
+    ],
+    ids=["ruler", "config", "flag-over-config", "flag"],
+)
+def test_ruler_prompts_start_with_the_anchor_as_the_config_or_the_flag_says(
+    run_dir, tmp_path, monkeypatch, given, anchored
+):
+    """eval.anchor_prompts, which the flags override: the encoder of RULER's data is made as they say."""
+    from lctrain.eval import ruler
+
+    data = tmp_path / "synthetic" / "256" / "data" / "vt"
+    data.mkdir(parents=True)
+    (data / "validation.jsonl").write_text(json.dumps({"input": "x y z", "outputs": ["x"]}) + "\n")
+    made = []
+
+    class Made(Exception):
+        pass
+
+    def encoder(tokenizer, anchor, anchored=False):
+        made.append(anchored)
+        raise Made
+
+    monkeypatch.setattr(ruler, "PromptEncoder", encoder)
+    args = [str(run_dir), "--ruler-data", str(tmp_path / "synthetic"), "--tasks", "vt", "--out", str(tmp_path / "o")]
+    r = CliRunner().invoke(app, ["eval", *args, *given])
+    assert isinstance(r.exception, Made), r.output
+    assert made == [anchored]

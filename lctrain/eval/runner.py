@@ -851,13 +851,13 @@ def evaluate(
     device: str | None = None,
     ppl_data: str | None = None,
     backend: str = "hf",
-    anchor_prompts: bool = False,
+    anchor_prompts: bool | None = None,
 ) -> Path:
     """Score every checkpoint of the resolved run or model (`resolve_target`) on RULER's data (`ruler_data` or
     eval.ruler_data) or else the offline RULER-style suite; write results.json, predictions.jsonl and ruler.png to
     `out` (default RUN_DIR/eval or MODEL_DIR/eval) and print the report. `lengths`, `tasks` and `exclude` default to
-    the config's eval section; `anchor_prompts`: RULER's prompts start with the anchor also where the tokenizer puts
-    no BOS before a text (`ruler.PromptEncoder`). Returns the output directory."""
+    the config's eval section; `anchor_prompts` (default eval.anchor_prompts): RULER's prompts start with the anchor
+    also where the tokenizer puts no BOS before a text (`ruler.PromptEncoder`). Returns the output directory."""
     if backend not in ("hf", "vllm"):
         raise UserError(f"--backend {backend}: choose hf (lctrain's planned generation) or vllm")
     if backend == "vllm":  # refused before any sample is made
@@ -872,11 +872,13 @@ def evaluate(
         raise UserError(f"--samples {samples}: need at least 1 sample per task and length")
     names, excluded = ruler.select_task_set(tasks or ev.tasks, exclude if exclude is not None else list(ev.exclude))
     data_dir = ruler_data or _setting_path(tgt.cfg, ev.ruler_data)
-    if anchor_prompts and not data_dir:
+    if anchor_prompts is not None and not data_dir:  # the config's value is for the runs given RULER's data
+        flag = "--anchor-prompts" if anchor_prompts else "--ruler-prompts"
         raise UserError(
-            "--anchor-prompts: the offline suite's prompts start with the anchor already; it changes how RULER's "
-            "own data (--ruler-data) is encoded"
+            f"{flag}: the offline suite's prompts start with the anchor, as the training data's documents; it changes "
+            f"how RULER's own data (--ruler-data) is encoded"
         )
+    anchored = ev.anchor_prompts if anchor_prompts is None else anchor_prompts
     out_dir = Path(out) if out else RunDir(tgt.path).eval_dir
     dev = pick_device(device)
     # the offline suite's lengths are refused before its samples are generated; RULER data's once read (a length
@@ -894,7 +896,7 @@ def evaluate(
         if heldout.path is not None:  # `prepare --force` of it meanwhile is refused, as while a training reads it
             reading.enter_context(Reading(heldout.path, "lctrain eval", f"the evaluation into {out_dir.absolute()}"))
         if data_dir:
-            encoder = ruler.PromptEncoder(tokenizer, anchor, anchored=anchor_prompts)
+            encoder = ruler.PromptEncoder(tokenizer, anchor, anchored=anchored)
             suite = ruler_suite(Path(data_dir), names, lengths or None, samples, encoder)
             found = Lengths(suite.lengths, "--lengths" if lengths else f"--ruler-data {data_dir}: length", "--lengths")
             refuse_unrunnable(tgt, found, suite.longest, backend, dev)
