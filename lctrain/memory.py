@@ -374,7 +374,7 @@ def model_state_items(
         grad_bytes = pinned_bytes(shard * FP32, locked)
         if bf16_optimizer:
             items.append(Item("fp32 gradients (BF16_Optimizer: every parameter's)", n * FP32, "device"))
-            if reduce_bytes != FP32:  # the buffers cast for the all-reduce, one parameter group at a time at most
+            if reduce_bytes != FP32:  # each group's buffer cast for its all-reduce: the largest holds nearly all
                 items.append(Item("gradients cast for the all-reduce", n * reduce_bytes, "device", REDUCE))
         else:
             items.append(Item("fp32 gradient partition", grad_bytes, optimizer_where))
