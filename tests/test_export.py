@@ -23,6 +23,7 @@ from lctrain.files import TEMPORARY_PREFIX
 from lctrain.rundir import RunDir
 from lctrain.tokenizer import Anchor, load_tokenizer
 from lctrain.train import checkpoint as ckpt
+from lctrain.train.export import unwritable_exports
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -242,6 +243,33 @@ def test_resume_writes_the_exports_a_killed_session_left_unwritten(zero0, tmp_pa
     assert sorted(p.name for p in (run / "hf").iterdir()) == ["step_2", "step_4"]
     again = CliRunner().invoke(app, ["resume", str(run)])
     assert again.exit_code == 0 and "was not written" not in again.output
+
+
+def test_resume_owing_the_export_of_a_damaged_checkpoint_falls_back_and_trains_it_again(zero0, tmp_path):
+    """Killed in step 4's export, and step 4's checkpoint damaged since (a byte flipped): the owed export stopped the
+    resume with the export's refusal (and, had it been skipped, the run was 'complete' without its final export). It
+    warns, the resume falls back to step 2's checkpoint and trains steps 3 and 4 again, writing step 4's checkpoint
+    and export as the uninterrupted run did."""
+    run = shutil.copytree(zero0, tmp_path / "run")
+    killed_in_its_last_export(run)
+    module = run / "checkpoints" / "step_4" / "mp_rank_00_model_states.pt"
+    data = bytearray(module.read_bytes())
+    data[-100] ^= 1
+    module.write_bytes(bytes(data))
+    assert unwritable_exports(RunDir(run)) == [4]  # what the other ranks of a user's launcher decide by
+    said = CliRunner().invoke(app, ["resume", str(run)])
+    assert said.exit_code == 0, said.output
+    assert (
+        f"warning: {run}/hf/step_4 was not written (its session stopped between checkpoint step_4 and that export), "
+        f"and that checkpoint is damaged (mp_rank_00_model_states.pt holds other bytes than it was written with: its "
+        f"xxh3-128 checksum differs): not written; the resume goes back to an earlier checkpoint and writes it when "
+        f"it trains step 4 again"
+    ) in said.output
+    assert "trying the one before it" in said.output
+    assert [r["step"] for r in RunDir(run).read_metrics()][-2:] == [3, 4]
+    assert_same_export(RunDir(run).export(4), RunDir(zero0).export(4))
+    assert ckpt.changed_file(run / "checkpoints" / "step_4", ckpt.readable_state(run / "checkpoints" / "step_4")) == ""
+    assert unwritable_exports(RunDir(run)) == []
 
 
 def test_resume_leaves_out_the_exports_the_user_removed(zero0, tmp_path):

@@ -187,12 +187,11 @@ def resume(
             raise UserError(
                 f"{rd}: no checkpoint has a readable {ckpt.STATE_FILE}; start the run again with {cited(start_over)}"
             )
-        done = max((int(s["step"]) for _, s in states), default=0)
-        if leader:
-            # on use: the export reads checkpoints with DeepSpeed's tools (start-up time of the other commands)
-            from lctrain.train.export import write_unwritten_exports
+        # on use: the export reads checkpoints with DeepSpeed's tools (start-up time of the other commands)
+        from lctrain.train.export import unwritable_exports, write_unwritten_exports
 
-            write_unwritten_exports(rd)
+        unwritable = write_unwritten_exports(rd) if leader else unwritable_exports(rd)
+        done = max((int(s["step"]) for _, s in states if s["step"] not in unwritable), default=0)
         if done >= cfg.train.steps:
             if leader:
                 of = f"step {done} of {cfg.train.steps}" if done == cfg.train.steps else f"{done} steps trained"

@@ -78,16 +78,57 @@ def export_checkpoint(
         return _export(run, checkpoint, state, target, force, option)
 
 
-def write_unwritten_exports(run: RunDir) -> list[Path]:
+def write_unwritten_exports(run: RunDir) -> list[int]:
     """Write the evaluation exports a stopped session owed. Training writes a step's resume checkpoint, then its
     export (a failed export then loses no step), so a session killed between the two resumes after that step and
     would never write the export: its run ends without the final model's export, with nothing said, and `lctrain
     eval` averages what is there. Each complete checkpoint whose step its training was due to export (its recorded
     `checkpoint.hf_every` / `hf_last`) and which has no `hf/step_N/` gets it here, as `lctrain export` writes it (the
     killed export's temporary directory replaced). `lctrain resume` and `train --resume-if-exists` call this under
-    the run's lock; returns the exports written. An export training wrote and the user removed since (to free disk)
-    is not written again (`_exports_written`): one line names those, and `lctrain export` writes one on request."""
-    written, removed = [], []
+    the run's lock. An export training wrote and the user removed since (to free disk) is not written again
+    (`_exports_written`): one line names those, and `lctrain export` writes one on request.
+
+    Returns the steps whose owed export could not be written, their checkpoint damaged since (a warning each): the
+    resume is not complete at such a step, falls back past its checkpoint (`Trainer.load_checkpoint`) and trains it
+    again, writing the checkpoint and the export anew."""
+    owed, removed = _owed_exports(run)
+    damaged = []
+    newest = ckpt.complete_checkpoints(run)[-1:]
+    for checkpoint, state, target, why in owed:
+        step = state["step"]
+        stopped = f"{target} was not written (its session stopped between checkpoint {checkpoint.name} and that export)"
+        if why:
+            damaged.append(step)
+            then = (
+                f"the resume goes back to an earlier checkpoint and writes it when it trains step {step} again"
+                if [checkpoint] == newest
+                else f"'lctrain export {run} --step N' writes another step's"
+            )
+            print(f"warning: {stopped}, and that checkpoint is damaged ({why}): not written; {then}", flush=True)
+            continue
+        print(f"{stopped}: writing it from the checkpoint", flush=True)
+        with ckpt.TargetLock(target, None, command="lctrain resume", wait=True):
+            _export(run, checkpoint, state, target, False, None)
+    if removed:
+        print(
+            f"{', '.join(map(str, removed))}: written by training and removed since, not written again "
+            f"('lctrain export {run} --step N' writes one from its checkpoint)",
+            flush=True,
+        )
+    return damaged
+
+
+def unwritable_exports(run: RunDir) -> list[int]:
+    """`write_unwritten_exports`'s steps, found without writing or saying anything: the ranks of a launcher the user
+    started but its rank 0 (which writes) call this to agree with it on where the run stands. The exports rank 0
+    writes meanwhile are of undamaged checkpoints, which this leaves out whether it sees them written or not."""
+    return [state["step"] for _, state, _, why in _owed_exports(run)[0] if why]
+
+
+def _owed_exports(run: RunDir) -> tuple[list[tuple[Path, dict, Path, str]], list[Path]]:
+    """The exports a stopped session owed, each as (checkpoint, its trainer state, the export's directory, why the
+    checkpoint cannot give it: '' if it can), and those training wrote and the user removed since."""
+    owed, removed = [], []
     written_before = None
     for checkpoint in ckpt.complete_checkpoints(run):
         state = ckpt.readable_state(checkpoint)
@@ -104,20 +145,10 @@ def write_unwritten_exports(run: RunDir) -> list[Path]:
         if written_before(step):
             removed.append(target)
             continue
-        print(
-            f"{target} was not written (its session stopped between checkpoint {checkpoint.name} and that export): "
-            f"writing it from the checkpoint",
-            flush=True,
-        )
-        with ckpt.TargetLock(target, None, command="lctrain resume", wait=True):
-            written.append(_export(run, checkpoint, state, target, False, None))
-    if removed:
-        print(
-            f"{', '.join(map(str, removed))}: written by training and removed since, not written again "
-            f"('lctrain export {run} --step N' writes one from its checkpoint)",
-            flush=True,
-        )
-    return written
+        files = _files_read(cfg, state, checkpoint)
+        why = ckpt.damaged_archive(checkpoint) or ckpt.changed_file(checkpoint, state, files)
+        owed.append((checkpoint, state, target, why))
+    return owed, removed
 
 
 def _exports_written(run: RunDir) -> Callable[[int], bool]:
@@ -172,9 +203,8 @@ def _export(run: RunDir, checkpoint: Path, state: dict, target: Path, force: boo
             f"now give {anchor.token} (id {anchor.id}); restore the tokenizer the run trained with"
         )
     no_library_bars()
-    # the stage the checkpoint recorded; one written before checkpoints recorded their settings, by its files
-    zero3 = cfg.parallel.zero_stage == 3 if "config" in state else (checkpoint / ZERO3_MODULE_FILE).is_file()
-    why = ckpt.changed_file(checkpoint, state, None if zero3 else [MODULE_FILE])  # the files it reads
+    zero3 = _zero3(cfg, state, checkpoint)
+    why = ckpt.changed_file(checkpoint, state, _files_read(cfg, state, checkpoint))
     if why:
         raise _damaged(run, checkpoint, why)
     how = f"gathering ZeRO-3's fp32 partitions into {cfg.model.dtype}" if zero3 else f"reading {MODULE_FILE}"
@@ -190,6 +220,17 @@ def _export(run: RunDir, checkpoint: Path, state: dict, target: Path, force: boo
         flush=True,
     )
     return target
+
+
+def _zero3(cfg: Config, state: dict, checkpoint: Path) -> bool:
+    """Whether the checkpoint holds ZeRO-3's partitions: the stage it recorded; one written before checkpoints
+    recorded their settings, by its files."""
+    return cfg.parallel.zero_stage == 3 if "config" in state else (checkpoint / ZERO3_MODULE_FILE).is_file()
+
+
+def _files_read(cfg: Config, state: dict, checkpoint: Path) -> list[str] | None:
+    """The checkpoint's files an export reads, for `checkpoint.changed_file` (None: all, ZeRO-3's partitions)."""
+    return None if _zero3(cfg, state, checkpoint) else [MODULE_FILE]
 
 
 def _checkpoint(run: RunDir, step: int | None) -> Path:
