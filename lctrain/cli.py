@@ -708,7 +708,8 @@ def plan(
     ] = None,
 ):
     """Memory per rank before launch: model states, activations, loss logits and DeepSpeed buffers against the
-    device and host memory; FITS or DOES NOT FIT, the longest seq_len that fits, and settings that would fit."""
+    device and host memory; FITS or DOES NOT FIT, the longest seq_len that fits, and settings that would fit. Then
+    the disk the run's checkpoints and exports take at their peak, against the free space of its run directory."""
     from lctrain.plan import plan as run_plan
 
     cfg = load_config(config, list(set_ or []))

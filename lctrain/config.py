@@ -659,6 +659,13 @@ class CheckpointConfig(_Section):
         50, ge=0, description="the steps, counted back from the last, that hold evaluation checkpoints; 0 = none"
     )
     save_final: Bool = Field(True, description="a resume checkpoint after the last step (off for throughput runs)")
+    check_disk: Bool = Field(
+        True,
+        description="refuse to start (or resume) a run whose resume checkpoints and evaluation exports would, at "
+        "their peak, take more than the free space of the run directory's filesystem (`lctrain plan` shows the "
+        "peak): the paper's schedule writes its exports in the last 50 steps. false: start all the same (space to be "
+        "freed during the run)",
+    )
     sync_files: Bool = Field(
         True,
         description="every rank waits until the files it wrote are on the disk (fsync) before a resume checkpoint "

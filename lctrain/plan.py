@@ -14,6 +14,7 @@ from rich.table import Table
 
 from lctrain.config import Config, with_overrides
 from lctrain.console import plain_console
+from lctrain.disk import RunDisk
 from lctrain.errors import UserError
 from lctrain.hardware import known_gpu
 from lctrain.memory import (
@@ -103,6 +104,7 @@ def report(cfg: Config, memory: Budget) -> dict:
     device, host = budget.need(plan)
     faster = faster_fit(cfg, shape, budget)
     longest = longest_seq_len(cfg, shape, budget)
+    run_disk = RunDisk.of(cfg, shape.param_count())
     return {
         "config": cfg.source_file,
         # a --set model.name_or_path plans another model than the config file's name says
@@ -125,6 +127,14 @@ def report(cfg: Config, memory: Budget) -> dict:
         "longest_is_a_lower_bound": longest is not None and searched_to_the_limit(cfg, longest),
         "fixes": [vars(f) | {"overrides": list(f.overrides)} for f in fixes(cfg, shape, budget)],
         "faster": None if faster is None else vars(faster) | {"overrides": list(faster.overrides)},
+        "disk": {
+            "run_dir": str(run_disk.path),
+            "peak_bytes": run_disk.plan.total,
+            "peak": run_disk.plan.words(),
+            "written_bytes": run_disk.written,
+            "free_bytes": run_disk.free,
+            "fits": run_disk.refusal() is None,
+        },
     }
 
 
@@ -176,6 +186,13 @@ def print_report(r: dict, stderr: bool = False) -> None:
             f"faster and fits: --set {' '.join(f['overrides'])} ({_gb(f['device'])} GB per GPU, "
             f"{_gb(f['host'])} GB host): keeps each layer's attention output, so the backward does not rerun attention"
         )
+    d = r["disk"]
+    held = f"{_gb(d['written_bytes'])} GB of it written already, " if d["written_bytes"] else ""
+    verdict = "" if d["fits"] else ": [bold red]DOES NOT FIT[/] (`lctrain train` refuses it: checkpoint.check_disk)"
+    console.print(
+        f"disk: {_gb(d['peak_bytes'])} GB at the run's peak in {d['run_dir']}: {d['peak']}; {held}"
+        f"{_gb(d['free_bytes'])} GB free there{verdict}"
+    )
     if not r["fits"] and r["fixes"]:
         fix_table = Table(
             title="settings that lower the memory (each alone, and the cheapest combination of those faster than "

@@ -15,7 +15,7 @@ from shlex import quote
 
 import torch
 
-from lctrain import fused
+from lctrain import disk, fused
 from lctrain.config import (
     Config,
     bundled_config_dir,
@@ -32,7 +32,13 @@ from lctrain.costmodel import ModelShape
 from lctrain.data.prepare import input_change, settings_left_out, tokenizer_change
 from lctrain.errors import RunFailed, UserError, cited, first_and_more
 from lctrain.lifetime import Reading
-from lctrain.model import check_heads_split, check_model_class, load_hf_config, shape_without_download
+from lctrain.model import (
+    check_heads_split,
+    check_model_class,
+    load_hf_config,
+    model_shape,
+    shape_without_download,
+)
 from lctrain.parallel.groups import check_launcher_env, under_launcher
 from lctrain.parallel.launch import LAUNCHER_LOG, OutOfMemory, ProcessKilled, RanksHung, run_on_ranks
 from lctrain.parallel.layout import WORLD_KEYS, layout_of
@@ -435,6 +441,17 @@ def _check_launcher_world(cfg: Config) -> None:
     )
 
 
+def _check_disk(cfg: Config) -> None:
+    """Refuse a run whose outputs at their peak (`disk.plan_disk`) do not fit beside what the run directory holds
+    now: a full disk at the last steps' exports is found after the whole run's time. A model whose shape needs a
+    download is not checked (as for memory)."""
+    if not shape_without_download(cfg):
+        return
+    refusal = disk.RunDisk.of(cfg, model_shape(cfg).param_count()).refusal()
+    if refusal:
+        raise UserError(refusal)
+
+
 def preflight(cfg: Config, resuming: bool = False) -> Prepared:
     """Everything that can be checked before any process starts, so the user gets one line and exit code 2; the
     checked plan and dataset, for a run in this process (`resuming`: a resume's)."""
@@ -456,6 +473,8 @@ def preflight(cfg: Config, resuming: bool = False) -> Prepared:
         warning = memory_warning(cfg)  # refuses a plan beyond a known GPU's or the machine's memory: before the data
         if warning:
             say(warning)
+    if cfg.checkpoint.check_disk:
+        _check_disk(cfg)
     prepared = Prepared.of(cfg, plan=plan)
     changed = input_change(cfg, prepared.packed.manifest)
     if changed:  # prepare refuses to call it prepared; a run may still want the data it has: said, not refused
