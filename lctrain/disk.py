@@ -3,9 +3,9 @@
 A run writes resume checkpoints (`checkpoint.every_steps`; the `checkpoint.keep` newest stay, and a new one is
 written whole before the oldest is removed) and evaluation exports (`checkpoint.hf_every` within `hf_last`, every
 one kept). With the paper's schedule the exports all come in the last 50 steps, so a filesystem that holds the first
-checkpoints but not the exports fails a run at 96% of its steps. For Llama-2-7B a resume checkpoint is 94 GB (bf16
-weights 2 bytes per parameter, fp32 master weights and Adam moments 12) and an export 13.5 GB: keep 2 and five
-exports need 350 GB.
+checkpoints but not the exports fails a run at 96% of its steps. For Llama-2-7B in bf16 at ZeRO-1 or 2 a resume
+checkpoint is 94.3 GB (the weights 2 bytes per parameter, fp32 master weights and Adam moments 12) and an export
+13.5 GB: with keep 2, three checkpoints while the last is written and the four exports before it, 337 GB.
 
 The bytes are the tensors' (what DeepSpeed's checkpoint files and `save_pretrained`'s safetensors hold); the small
 files beside them (RNG states, trainer state, config, tokenizer) are left out, as is the copy a resume's universal
