@@ -185,6 +185,8 @@ def start(**kw) -> RunStart:
         steps=2000,
         start_step=0,
         planned=PlannedMemory(device_gb=61.83, host_gb=120.04),
+        disk_peak_gb=296.49,
+        disk_free_gb=1204.3,
     )
     return RunStart(**{**values, **kw})
 
@@ -200,6 +202,7 @@ def test_banner_of_a_paper_run():
             "  batch        8 x 65,536 = 524,288 tokens per step (micro-batch 1, 1 accumulation step)",
             "  parallel     world 8 = dp 1 x sp 8, ZeRO stage 3, cuda",
             "  memory plan  61.8 GB per device, 120.0 GB host (`lctrain plan` itemises it)",
+            "  disk plan    296.5 GB at the run's peak, 1,204.3 GB free (`lctrain plan` says what)",
             "  run dir      runs/llama2_64k_anchor",
             "  model config changes:",
             "    rope_parameters.rope_theta: 10000.0 -> 5000000.0 (model.rope_theta)",

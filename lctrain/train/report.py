@@ -107,6 +107,8 @@ class RunStart:
     steps: int
     start_step: int
     planned: PlannedMemory
+    disk_peak_gb: float  # the run's checkpoints and exports at their peak (`lctrain.disk`)
+    disk_free_gb: float  # free on the run directory's filesystem at the start
 
 
 def _count(n: int) -> str:
@@ -135,6 +137,7 @@ def banner(s: RunStart) -> str:
     where = "from step 0" if s.start_step == 0 else f"resuming at step {s.start_step}"
     on_device = f"{s.planned.device_gb:.1f} GB per device, " if s.planned.device_gb is not None else ""
     memory = f"{on_device}{s.planned.host_gb:.1f} GB host (`lctrain plan` itemises it)"
+    said = "`lctrain plan` says what"
     rows = [
         ("model", f"{s.model}: {_count(s.params)} parameters ({_count(s.dense_params)} counted for MFU)"),
         ("rope", _rope(s.rope, s.max_positions)),
@@ -150,6 +153,7 @@ def banner(s: RunStart) -> str:
             f"world {s.layout.world} = dp {s.layout.dp} x sp {s.layout.sp}, ZeRO stage {s.zero_stage}, {s.device}",
         ),
         ("memory plan", memory),
+        ("disk plan", f"{s.disk_peak_gb:,.1f} GB at the run's peak, {s.disk_free_gb:,.1f} GB free ({said})"),
         ("run dir", str(s.run_dir)),
     ]
     lines = [f"lctrain train {s.name}: {s.steps} step{'' if s.steps == 1 else 's'}, {where}"]

@@ -47,6 +47,7 @@ from lctrain.costmodel import (
     step_flops,
     visible_pairs,
 )
+from lctrain.disk import RunDisk
 from lctrain.errors import RunFailed, UserError, WriteFailed, cited, is_environment_error, remedy_of
 from lctrain.hardware import device_peak_flops
 from lctrain.lifetime import StopRequest, Terminated, is_supervised, supervisor_gone
@@ -419,6 +420,7 @@ class Trainer:
         # the config's world: a launcher the user started with another was refused (command._check_launcher_world)
         device, host = need(plan_memory(cfg, self.shape, gpu), gpu)
         planned = PlannedMemory(to_gb(device) if gpu else None, to_gb(host))
+        disk = RunDisk.of(cfg, self.shape.param_count())
         return RunStart(
             name=cfg.name,
             run_dir=self.run_dir.path,
@@ -443,6 +445,8 @@ class Trainer:
             steps=cfg.train.steps,
             start_step=self.state.step,
             planned=planned,
+            disk_peak_gb=to_gb(disk.plan.total),
+            disk_free_gb=to_gb(disk.free),
         )
 
     def run_end(self, start_step: int, wall_s: float) -> RunEnd:
