@@ -32,9 +32,10 @@ from lctrain.config import (
 )
 from lctrain.costmodel import ModelShape
 from lctrain.data.sources import resolve_local_files
+from lctrain.disk import plan_disk
 from lctrain.errors import UserError
 from lctrain.memory import SELECTIVE, Budget, plan_memory, replan
-from lctrain.model import config_changes, default_rope_theta, require_engines, require_rope
+from lctrain.model import config_changes, default_rope_theta, model_shape, require_engines, require_rope
 from lctrain.parallel.layout import ParallelLayout, kv_replication
 from lctrain.shapes import HUB_NAMES, POSITIONS, SHAPES, Positions
 from lctrain.tokenizer import BUILTIN_PREFIX, load_tokenizer
@@ -769,8 +770,8 @@ def init_command(
 
 
 def summary(path: Path, cfg: Config, layout: Layout) -> str:
-    """The line `lctrain init` prints: the layout, and the batch, named as a departure from the paper's where it is
-    one (its tokens per step at the paper's learning rate)."""
+    """The line `lctrain init` prints: the layout, the batch, named as a departure from the paper's where it is one
+    (its tokens per step at the paper's learning rate), and the disk the run's outputs take (`disk.plan_disk`)."""
     t = cfg.train
     batch = f"{t.global_batch} windows per step x {t.steps} steps"
     if t.global_batch != PAPER_WINDOWS_PER_STEP:
@@ -781,8 +782,10 @@ def summary(path: Path, cfg: Config, layout: Layout) -> str:
         )
     else:
         batch += " (the paper's batch)"
+    peak = plan_disk(cfg, model_shape(cfg).param_count()).total
     return (
         f"wrote {path}: {layout.described()}, {layout.device_bytes / GB:.1f} GB planned per GPU; {batch}; "
+        f"{peak / GB:,.1f} GB of checkpoints and exports on the disk at the run's peak; "
         f"next: lctrain show-config -c {quote(str(path))}, lctrain prepare -c {quote(str(path))}, lctrain train -c "
         f"{quote(str(path))}"
     )

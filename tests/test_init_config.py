@@ -271,6 +271,10 @@ def test_several_nodes_keep_the_papers_batch(tmp_path, monkeypatch):
     assert (cfg.parallel.nproc_per_node, cfg.parallel.num_nodes) == (8, 2)
     assert (cfg.parallel.sequence_parallel, cfg.train.global_batch, cfg.train.steps) == (2, 8, 2000)
     assert "8 windows per step x 2000 steps (the paper's batch)" in r.output
+    # on the disk while the last checkpoint is written: 3 checkpoints of bf16 weights, fp32 master weights and moments
+    # (ZeRO-1/2: 14 bytes a parameter) and the 4 exports (2 bytes) before it; Llama-2-7B's 6,738,415,616 parameters
+    assert cfg.parallel.zero_stage in (1, 2) and cfg.model.dtype == "bfloat16"
+    assert f"{(3 * 14 + 4 * 2) * 6_738_415_616 / 1e9:,.1f} GB of checkpoints and exports on the disk" in r.output
     assert yaml.safe_load(out.read_text())["parallel"]["num_nodes"] == 2
     assert_first_that_fits(cfg, model_shape(cfg))
 
