@@ -574,6 +574,14 @@ class TrainConfig(_Section):
         "session, nor checkpoint writes (lctrain/parallel/watchdog.py); null = wait for "
         "the process group's own timeout (30 minutes), whose error names a waiting rank",
     )
+    heldout_every: Steps = Field(
+        0,
+        ge=0,
+        description="the held-out loss every this many steps and at the last (heldout_loss and heldout_ppl in "
+        "metrics.jsonl, the step line and the loggers): the eval.ppl_windows windows training never reads, scored "
+        "as `lctrain eval` scores perplexity (full causal attention whatever attention.mode, anchor targets left "
+        "out), so comparable between modes; a forward pass per window, shared by the data-parallel replicas; 0 = never",
+    )
     run_dir: Text | None = Field(None, description="the run directory; null = runs/<name>")
 
 

@@ -141,6 +141,9 @@ def test_step_line_formats_a_record():
         "step=30/100 loss=6.1235 lr=2.000e-05 grad_norm=n/a tokens_per_s=12346 mfu=43.2% peak_mem_gb=71.23 eta=1:02:05"
     )
     assert "mfu=n/a%" in step_line({**record, "mfu": None}, 100, None)
+    # a step that scored the held-out loss (train.heldout_every) says it after the training loss
+    held = step_line({**record, "heldout_loss": 6.54321, "heldout_ppl": 693.6}, 100, None)
+    assert held.startswith("step=30/100 loss=6.1235 heldout_loss=6.5432 lr=2.000e-05 ")
     # five significant digits whatever the value (the loss has four decimals): a column of norms lines up
     norms = [(1.0030182, "1.0030"), (0.98419, "0.98419"), (44.368, "44.368"), (447.918, "447.92"), (17232.4, "17232")]
     for norm, text in norms:

@@ -151,16 +151,12 @@ def rebuilt_since_training(run: Path, manifest, path: Path) -> str | None:
 def target_mask(window: dict) -> np.ndarray:
     """mask[t] is True when input t+1 is a target predictable from the text: training's label rule
     (`attention.modes.shifted_labels`) without the anchor targets (each segment's anchor, tags, the last token and
-    other documents' chunks are left out)."""
+    other documents' chunks are left out), as training's held-out loss scores it (`train.heldout.heldout_batch`)."""
     # torch and lctrain.attention (torch) on use: this module loads without torch (start-up time)
-    import torch
+    from lctrain.attention import IGNORE_INDEX
+    from lctrain.train.heldout import heldout_batch
 
-    from lctrain.attention import IGNORE_INDEX, make_batch
-    from lctrain.attention.modes import shifted_labels
-
-    ids = torch.as_tensor(np.asarray(window["input_ids"], dtype=np.int64))[None]
-    batch = make_batch(ids, [window["seg_lens"]], "full", seg_doc=[window["seg_doc"]], tag_lens=[window["tag_lens"]])
-    return (shifted_labels(ids, batch.segments.layout, anchor_targets=False)[0] != IGNORE_INDEX).numpy()
+    return (heldout_batch(window).labels[0] != IGNORE_INDEX).numpy()
 
 
 def target_nll(model, window: dict, chunk: int = 4096) -> tuple[np.ndarray, np.ndarray]:

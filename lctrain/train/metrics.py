@@ -148,6 +148,7 @@ class StepLogger:
         self.every = cfg.logging.log_every
         self.start_step, self.total = start_step, total_steps
         self.slow = SlowSteps()
+        self.heldout: float | None = None  # the last held-out loss, for the progress bar
         self.started = time.monotonic()
         self.progress = ProgressBar(
             TextColumn("[bold]train"),
@@ -183,14 +184,17 @@ class StepLogger:
     def log(self, record: dict) -> None:
         self.run.append_metrics(record)
         step = record["step"]
-        # the last step is always shown: the curve's end is the number a run is read for
-        due = step % self.every == 0 or step == self.total
+        # the last step is always shown: the curve's end is the number a run is read for; so is a held-out score
+        due = step % self.every == 0 or step == self.total or "heldout_loss" in record
         if self.progress.shown:
             mfu = f"{record['mfu']:.1%}" if record.get("mfu") is not None else "n/a"
             square = f"{record['mfu_full_square']:.1%}" if record.get("mfu_full_square") is not None else "n/a"
+            # the last held-out loss stays shown until the next is scored (train.heldout_every)
+            self.heldout = record.get("heldout_loss", self.heldout)
+            held = f"held-out {loss_text(self.heldout)}  " if self.heldout is not None else ""
             info = (
-                f"loss {loss_text(record['loss'])}  {record['tokens_per_s']:,.0f} tok/s  MFU {mfu} strict, {square} "
-                f"full-square  "
+                f"loss {loss_text(record['loss'])}  {held}{record['tokens_per_s']:,.0f} tok/s  MFU {mfu} strict, "
+                f"{square} full-square  "
                 f"mem {record['peak_mem_gb']:.1f} GB"
             )
             self.progress.update(self.task, completed=step, info=info)

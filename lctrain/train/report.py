@@ -45,12 +45,14 @@ def loss_text(loss: float) -> str:
 
 
 def step_line(record: dict, total_steps: int, eta_s: float | None) -> str:
-    """One metrics.jsonl record as the plain log line: step/total, loss, lr, grad norm, tokens/s, MFU, the step's
-    peak memory in GB (10^9 bytes) and the ETA."""
+    """One metrics.jsonl record as the plain log line: step/total, loss (and the held-out loss where scored:
+    `train.heldout_every`), lr, grad norm, tokens/s, MFU, the step's peak memory in GB (10^9 bytes) and the ETA."""
+    heldout = [f"heldout_loss={loss_text(record['heldout_loss'])}"] if "heldout_loss" in record else []
     return " ".join(
         [
             f"step={record['step']}/{total_steps}",
             f"loss={loss_text(record['loss'])}",
+            *heldout,
             f"lr={record['lr']:.3e}",
             f"grad_norm={_optional(record['grad_norm'], '#.5g').removesuffix('.')}",  # 5 digits: 1.0030, not 1.003
             f"tokens_per_s={record['tokens_per_s']:.0f}",

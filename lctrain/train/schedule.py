@@ -94,3 +94,9 @@ def hf_checkpoint_steps(total_steps: int, ckpt: CheckpointConfig) -> range:
     first = max(1, total_steps - ckpt.hf_last + 1)
     earliest = total_steps - (total_steps - first) // ckpt.hf_every * ckpt.hf_every
     return range(earliest, total_steps + 1, ckpt.hf_every)
+
+
+def heldout_due(step: int, total_steps: int, every: int) -> bool:
+    """Whether `train.heldout_every` scores the held-out loss after `step`: every `every` steps and at the last
+    (never for 0)."""
+    return every > 0 and (step % every == 0 or step == total_steps)

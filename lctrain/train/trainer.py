@@ -49,6 +49,7 @@ from lctrain.costmodel import (
 )
 from lctrain.disk import RunDisk
 from lctrain.errors import RunFailed, UserError, WriteFailed, cited, is_environment_error, remedy_of
+from lctrain.eval.perplexity import heldout_rows
 from lctrain.hardware import device_peak_flops
 from lctrain.lifetime import StopRequest, Terminated, is_supervised, supervisor_gone
 from lctrain.measure import largest_peak_bytes, reset_peak, timed
@@ -66,11 +67,13 @@ from lctrain.train import reshard
 from lctrain.train.data import collate, dataset_record
 from lctrain.train.deepspeed_config import deepspeed_config, grad_divisor
 from lctrain.train.determinism import deterministic_algorithms
+from lctrain.train.heldout import HeldoutLoss
 from lctrain.train.loss import CausalLMLossSum, reruns_lm_head
 from lctrain.train.metrics import StepLogger, quiet_libraries
 from lctrain.train.report import PlannedMemory, RunEnd, RunStart, banner, profile_line, summary
 from lctrain.train.runplan import Prepared, RunPlan
 from lctrain.train.schedule import (
+    heldout_due,
     hf_checkpoint_steps,
     learning_rate,
     lr_factor,
@@ -493,9 +496,10 @@ class Trainer:
             then=lambda: ckpt.resume_hint(self.run_dir, resume),
             on_hang=self.hung,
         )
+        heldout = self.heldout_loss(packed)
         try:
             with stop or contextlib.nullcontext():
-                self._steps(packed, hf_steps, peak, logger, profiler, stop, watchdog)
+                self._steps(packed, hf_steps, peak, logger, profiler, stop, watchdog, heldout)
         finally:
             watchdog.close()
             profiler.close()
@@ -511,6 +515,7 @@ class Trainer:
         profiler: StepProfiler,
         stop: StopRequest | None,
         watchdog: StepWatchdog,
+        heldout: HeldoutLoss | None,
     ) -> None:
         """`fit`'s loop; on a `stop` request, the run ends after the step under way with a checkpoint of it. The
         `watchdog` watches the steps its module says."""
@@ -533,6 +538,8 @@ class Trainer:
                 raise
             peak_mem = largest_peak_bytes(topo.device)
             self.state.step = step_index + 1
+            scored = heldout is not None and heldout_due(self.state.step, total, cfg.train.heldout_every)
+            held = heldout(self.engine) if scored else None
             if logger is not None:
                 warning = divergence_warning(
                     result.loss, self.state.step, self.shape.vocab, warned=self.diverged_at is not None
@@ -540,6 +547,8 @@ class Trainer:
                 if warning is not None:
                     self.diverged_at = self.state.step
                 record = self.metrics(step_index, result, seconds, peak, peak_mem, mem_scope)
+                if held is not None:
+                    record |= {"heldout_loss": held[0], "heldout_ppl": math.exp(held[0])}
                 diverged = self.diverged_at is not None
                 logger.log({**record, "profiled": profiler.slowed(step_index), "diverged": diverged})
                 if warning is not None:  # after the step's own line
@@ -566,6 +575,22 @@ class Trainer:
                     f"{self.run_dir.checkpoint(self.state.step).name} written; 'lctrain resume "
                     f"{self.run_dir}' continues from it"
                 )
+
+    def heldout_loss(self, packed) -> HeldoutLoss | None:
+        """The held-out scorer of `train.heldout_every` (None: off, or no window held out, which rank 0 says)."""
+        cfg = self.cfg
+        if not cfg.train.heldout_every:
+            return None
+        rows, _ = heldout_rows(len(packed), cfg.windows_read(), cfg.seed, cfg.eval.ppl_windows)
+        if not rows:
+            if self.topo.is_main:
+                say(
+                    f"warning: train.heldout_every: no held-out window to score (eval.ppl_windows = "
+                    f"{cfg.eval.ppl_windows}, and train.steps x train.global_batch = {cfg.windows_read():,} window "
+                    f"reads of the {len(packed):,} prepared); the run logs no held-out loss"
+                )
+            return None
+        return HeldoutLoss(packed, rows, self.topo)
 
     def hung(self, record: HangRecord) -> None:
         """The step watchdog's end of this process; rank 0 says first in sessions.jsonl how the session ended."""
