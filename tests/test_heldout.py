@@ -83,6 +83,7 @@ def workdir_data(run: Path) -> Path:
     return run.parent / "data"
 
 
+@pytest.mark.slow  # trains, then loads the export (~6 s)
 def test_the_logged_score_is_evals_perplexity_of_the_export(one_process):
     records = metric_records(one_process)
     assert [r["step"] for r in records if "heldout_loss" in r] == [3, 4]  # every 3 steps and the last
@@ -110,6 +111,7 @@ def test_two_ranks_score_what_one_process_does(workdir, one_process, layout):
     assert ranks == pytest.approx(alone, rel=1e-4)
 
 
+@pytest.mark.slow  # trains (~4 s)
 def test_a_run_without_held_out_windows_says_so_and_logs_none(workdir, capsys):
     from lctrain.train.command import train
 
