@@ -632,6 +632,9 @@ replica(s): the paper's {PAPER_WINDOWS_PER_STEP}{
   lr_schedule: constant
   warmup_steps: 0
   grad_clip: 1.0
+  # the held-out loss every 100 steps and at the last (eval.ppl_windows windows training never reads, scored as
+  # `lctrain eval` scores perplexity, whatever the attention mode): a forward pass per window
+  heldout_every: 100
 parallel:
   nproc_per_node: {p["nproc_per_node"]}
   num_nodes: {p["num_nodes"]}{nodes}

@@ -217,6 +217,7 @@ def test_a_local_model_directory(tiny_dir, tmp_path):
     assert cfg.parallel.nproc_per_node * cfg.parallel.num_nodes == 8
     assert cfg.train.lr == 2e-5 and cfg.train.global_batch == 8 and cfg.train.steps == 2000
     assert cfg.data.token_budget == (2000 * 8 + 8) * 65536  # 8 windows held out for perplexity
+    assert (cfg.train.heldout_every, cfg.eval.ppl_windows) == (100, 8)  # scored while training too
     RunPlan.of(cfg)
     shape = model_shape(cfg)
     assert shape == ModelShape(4, 256, 8, 4, 32, 688, 1000)  # read from the directory's config.json
