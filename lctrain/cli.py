@@ -563,11 +563,12 @@ def plot(
     out: Annotated[str, typer.Option(help="the PNG to write")] = "curves.png",
     metric: Annotated[
         list[str] | None,
-        typer.Option(help="a metrics.jsonl field, e.g. loss, tokens_per_s, lr, grad_norm, mfu (repeatable)"),
+        typer.Option(help="a metrics.jsonl field, e.g. loss, heldout_loss, tokens_per_s, lr, mfu (repeatable)"),
     ] = None,
 ):
-    """Curves of several runs on one PNG, labelled by run name and attention mode (e.g. full against anchor): loss
-    and tokens/s against the step by default, one panel per --metric."""
+    """Curves of several runs on one PNG, labelled by run name and attention mode (e.g. full against anchor): loss,
+    the held-out loss where a run scored it (train.heldout_every) and tokens/s against the step by default, one
+    panel per --metric."""
     from lctrain.reports.curves import plot as run_plot
 
     if Path(out).suffix.lower() != ".png":

@@ -72,6 +72,21 @@ def test_the_command_writes_one_png_with_a_panel_per_metric(runs, tmp_path):
     assert Image.open(one).size[0] < width
 
 
+def test_the_held_out_loss_is_drawn_by_default_where_a_run_scored_it(runs, tmp_path, monkeypatch):
+    """`train.heldout_every` records `heldout_loss` at some steps only: by default its panel comes after the loss's,
+    each run's curve its scored steps (a run without it has an empty curve); runs without it get the two panels."""
+    import lctrain.reports.curves as curves_module
+
+    drawn = []
+    monkeypatch.setattr(curves_module, "plot_curves", lambda c, path: drawn.append(c) or path)
+    RunDir(runs[1]).append_metrics({"step": 5, "loss": 7.2, "heldout_loss": 7.6, "tokens_per_s": 1050.0, "lr": 1e-3})
+    assert CliRunner().invoke(app, ["plot", *map(str, runs), "--out", str(tmp_path / "a.png")]).exit_code == 0
+    assert list(drawn[0]) == ["loss", "heldout_loss", "tokens_per_s"]
+    assert [(c.steps, c.values) for c in drawn[0]["heldout_loss"]] == [([], []), ([5], [7.6])]
+    assert CliRunner().invoke(app, ["plot", str(runs[0]), "--out", str(tmp_path / "b.png")]).exit_code == 0
+    assert list(drawn[1]) == ["loss", "tokens_per_s"]
+
+
 def test_utilisation_in_percent_as_the_logs_print_it_against_whole_steps(runs, tmp_path, monkeypatch):
     import lctrain.reports.plots as plots
 

@@ -11,6 +11,8 @@ from lctrain.reports.plots import plot_curves
 from lctrain.rundir import RunDir
 
 DEFAULT_METRICS = ("loss", "tokens_per_s")
+# drawn by default too where a run scored it (train.heldout_every): the curve comparable between attention modes
+HELDOUT = "heldout_loss"
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,14 @@ def curves(runs: list[Run], metrics: list[str]) -> dict[str, list[Curve]]:
 
 
 def plot(run_dirs: list[str], metrics: list[str] | None = None, out: str | Path = "curves.png") -> Path:
-    """Draw the runs' curves of `metrics` (default loss and tokens/s) into the PNG `out` and say where."""
+    """Draw the runs' curves of `metrics` (default loss, the held-out loss where a run scored it, and tokens/s) into
+    the PNG `out` and say where."""
     if not run_dirs:
         raise UserError("give at least one run directory")
-    chosen = list(metrics or DEFAULT_METRICS)
-    drawn = curves([read_run(p) for p in run_dirs], chosen)
+    runs = [read_run(p) for p in run_dirs]
+    scored = any(HELDOUT in rec for r in runs for rec in r.records)
+    chosen = list(metrics or [DEFAULT_METRICS[0], *([HELDOUT] if scored else []), *DEFAULT_METRICS[1:]])
+    drawn = curves(runs, chosen)
     path = plot_curves(drawn, output_path(Path(out), "--out"))
     print(f"wrote {path}", flush=True)
     return path
