@@ -89,6 +89,7 @@ def test_the_logged_score_is_evals_perplexity_of_the_export(one_process):
     assert [r["step"] for r in records if "heldout_loss" in r] == [3, 4]  # every 3 steps and the last
     last = records[-1]
     assert last["heldout_ppl"] == pytest.approx(math.exp(last["heldout_loss"]))
+    assert 0 < last["heldout_time_s"] and "heldout_time_s" not in records[1]
     assert last["heldout_ppl"] == pytest.approx(eval_perplexity(one_process), rel=1e-5)
     assert records[2]["heldout_loss"] > last["heldout_loss"]  # the model learns at lr 3e-3
 

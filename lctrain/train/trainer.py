@@ -539,7 +539,7 @@ class Trainer:
             peak_mem = largest_peak_bytes(topo.device)
             self.state.step = step_index + 1
             scored = heldout is not None and heldout_due(self.state.step, total, cfg.train.heldout_every)
-            held = heldout(self.engine) if scored else None
+            held = timed(lambda: heldout(self.engine), topo.device) if scored else None
             if logger is not None:
                 warning = divergence_warning(
                     result.loss, self.state.step, self.shape.vocab, warned=self.diverged_at is not None
@@ -547,8 +547,9 @@ class Trainer:
                 if warning is not None:
                     self.diverged_at = self.state.step
                 record = self.metrics(step_index, result, seconds, peak, peak_mem, mem_scope)
-                if held is not None:
-                    record |= {"heldout_loss": held[0], "heldout_ppl": math.exp(held[0])}
+                if held is not None:  # its time is the step's own, not in step_time_s
+                    (loss, _), held_s = held
+                    record |= {"heldout_loss": loss, "heldout_ppl": math.exp(loss), "heldout_time_s": held_s}
                 diverged = self.diverged_at is not None
                 logger.log({**record, "profiled": profiler.slowed(step_index), "diverged": diverged})
                 if warning is not None:  # after the step's own line
