@@ -44,6 +44,9 @@ def kill_after_step(run: Runner, cmd: list[str], run_dir: Path, step: int, cwd: 
 # Losses of the same config on the same GPU: bf16 kernels with atomics (FlashAttention's backward) are not
 # bit-reproducible, so a resumed run is held to run-to-run noise, and ZeRO-3 (other reduction order) likewise.
 RESUME_MAX_REL = 1e-2
+# Perplexity in bf16 by two paths (the training engine, eval's eager model): their logits differ by bf16 rounding, a
+# ~1% change of the loss's exponent at most
+HELDOUT_MAX_REL = 2e-2
 
 
 def stage_cli(run: Runner, args) -> None:
@@ -58,10 +61,13 @@ def stage_cli(run: Runner, args) -> None:
     cfg = ["-c", args.cli_config, "--set", f"data.output_dir={work / 'prepared'}"]
     run.run(lctrain_cli() + ["prepare", *cfg], cwd=work)
     runs = {z: work / f"zero{z}" for z in ("1", "3")}
+    # the held-out loss scored at the last step, the export's, to compare with eval's perplexity of that export
+    steps = load_config(args.cli_config).train.steps
     for z, rd in runs.items():
         run.run(
             lctrain_cli()
-            + ["train", *cfg, "--set", f"parallel.zero_stage={z}", "--set", f"train.run_dir={rd}", "--force"],
+            + ["train", *cfg, "--set", f"parallel.zero_stage={z}", "--set", f"train.run_dir={rd}", "--force"]
+            + ["--set", f"train.heldout_every={steps}"],
             cwd=work,
         )
     # killed, then resumed as it was and resumed as ZeRO-2 (the checkpoint converted to DeepSpeed's universal form:
@@ -102,6 +108,20 @@ def stage_cli(run: Runner, args) -> None:
     run.run(lctrain_cli() + ["eval", str(runs["1"])], cwd=work)
     results = json.loads((RunDir(runs["1"]).eval_dir / "results.json").read_text())
     r.data["eval"] = {k: v for k, v in results.items() if k != "predictions"}
+    scored = metrics[-1]
+    evaluated = results["perplexity"]["per_checkpoint"].get(f"step_{scored['step']}")
+    if evaluated is None or "heldout_ppl" not in scored:
+        r.fail(f"no held-out score to compare at step {scored['step']} (eval's: {evaluated})")
+    else:
+        # the training engine's kernels against eval's eager Hugging Face model, both in the run's dtype
+        rel = abs(scored["heldout_ppl"] - evaluated) / evaluated
+        r.rows.append(["held-out perplexity during training vs lctrain eval's", 1, rel == 0, rel, HELDOUT_MAX_REL])
+        if rel > HELDOUT_MAX_REL:
+            r.fail(f"held-out perplexity {scored['heldout_ppl']} during training, {evaluated} by lctrain eval")
+        r.notes.append(
+            f"held-out score of {results['perplexity']['windows']} windows: {scored['heldout_time_s']:.2f} s, "
+            f"against {scored['step_time_s']:.2f} s for the step"
+        )
     hf = RunDir(runs["1"]).exports()
     # within the prepared windows: 16K on a GPU (gpu_small_16k), 1K for a CPU run of the stage (tiny_anchor)
     window = load_config(args.cli_config).data.seq_len
