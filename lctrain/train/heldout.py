@@ -49,7 +49,7 @@ class HeldoutLoss:
     """The mean held-out loss of a run's `rows` of `packed`, on every rank of `topo` (its `layout` deals them)."""
 
     def __init__(self, packed, rows: list[int], topo):
-        self.packed, self.rows, self.topo = packed, rows, topo
+        self.packed, self.topo = packed, topo
         self.mine = replica_rows(rows, topo.layout.dp, topo.layout.dp_rank(topo.rank))
 
     def __call__(self, engine) -> tuple[float, int]:
