@@ -66,8 +66,8 @@ class DiskPlan:
         return self.checkpoint_bytes * self.checkpoints + self.export_bytes * self.exports
 
     def words(self) -> str:
-        """What the peak is made of, e.g. '3 resume checkpoints of 94.2 GB (checkpoint.keep 2, and the last while
-        it is written), 4 evaluation exports of 13.5 GB'."""
+        """What the peak is made of, e.g. '3 resume checkpoints of 94.34 GB (checkpoint.keep 2, and the last while
+        it is written), 4 evaluation exports of 13.48 GB'."""
         parts = []
         if self.checkpoints:
             plural = "s" if self.checkpoints > 1 else ""
