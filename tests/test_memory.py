@@ -7,6 +7,9 @@ ZeRO's partitions, and the CLI's one-line errors.
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +25,9 @@ from lctrain.costmodel import ModelShape
 from lctrain.errors import UserError
 from lctrain.memory import Budget, layer_saved_bytes, longest_seq_len, plan_memory
 from lctrain.units import GB
+
+# set in the fresh process that measures again a peak the suite's process measured too high
+MEASURED_ALONE = "LCTRAIN_TEST_MEASURED_ALONE"
 
 VOCAB = 1024
 ARCH = dict(
@@ -102,7 +108,7 @@ def windows(seq_len):
         "zero2+overlap",
     ],
 )
-def test_prediction_within_15_percent_of_the_measured_peak(extra):
+def test_prediction_within_15_percent_of_the_measured_peak(extra, request):
     from lctrain.measure import cpu_peak_bytes
     from lctrain.parallel.groups import init_topology, release_single_process
     from lctrain.train.trainer import Trainer
@@ -128,16 +134,25 @@ def test_prediction_within_15_percent_of_the_measured_peak(extra):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        peaks = [cpu_peak_bytes(setup, lambda trainer: trainer.train_step(batch))[0]]
-        # Once in a full suite (CI, 2026-11-25) `checkpointing` measured 119.7 MB where every run alone measures
-        # 106.6: a step that held 13 MB more, not reproduced since. The plan is for the steady step: a second
-        # measurement decides, and both are shown when it fails too.
-        if error(peaks[0]) > 0.15:
-            peaks.append(cpu_peak_bytes(setup, lambda trainer: trainer.train_step(batch))[0])
+        peak = cpu_peak_bytes(setup, lambda trainer: trainer.train_step(batch))[0]
     finally:
         torch.set_num_threads(threads)
         release_single_process()
-    assert error(peaks[-1]) <= 0.15, (predicted / 2**20, [p / 2**20 for p in peaks])
+    if error(peak) > 0.15 and not os.environ.get(MEASURED_ALONE):
+        # Twice in a full suite (CI, 2026-11-25 and 2026-11-29) `checkpointing` measured 119.7 MB, twice in a row,
+        # where every run alone measures 106.6: the process's allocator, after the hundreds of tests before it, held
+        # 13 MB more of the step, which a second measurement in that process kept. The plan is for a training
+        # process, not for one with a test suite's past: the same measurement in a fresh process decides.
+        alone = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+            env={**os.environ, MEASURED_ALONE: "1"},
+            cwd=request.config.rootpath,
+            capture_output=True,
+            text=True,
+        )
+        assert alone.returncode == 0, (predicted / 2**20, peak / 2**20, alone.stdout[-3000:])
+        return
+    assert error(peak) <= 0.15, (predicted / 2**20, peak / 2**20)
 
 
 # wide enough that the optimizer partition (100M parameters, 0.4 GB in fp32) outweighs the 1 GB reduce bucket's noise
